@@ -1,0 +1,46 @@
+"""tracefp4: stable FP4 reinforcement learning of Mixture-of-Experts LLMs (TRACE).
+
+Exact NVFP4/MXFP4 numerics, rollout-guided rounding, the compact guidance cache, an MoE model on an
+FP4 rollout path and a QAT trainer path, and GRPO on top.
+"""
+
+from .constants import Format, HintMode, ScaleMode, Site
+from .guidance import Hint, encode_hint, guided_fake_quant, guided_quantize, hint_cat
+from .numerics import (
+    MXFP4,
+    NVFP4,
+    dequantize,
+    dequantize_mxfp4,
+    dequantize_nvfp4,
+    fake_quant,
+    pack_fp4,
+    quantize,
+    quantize_mxfp4,
+    quantize_nvfp4,
+    unpack_fp4,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Format",
+    "HintMode",
+    "ScaleMode",
+    "Site",
+    "Hint",
+    "encode_hint",
+    "guided_fake_quant",
+    "guided_quantize",
+    "hint_cat",
+    "MXFP4",
+    "NVFP4",
+    "dequantize",
+    "dequantize_mxfp4",
+    "dequantize_nvfp4",
+    "fake_quant",
+    "pack_fp4",
+    "quantize",
+    "quantize_mxfp4",
+    "quantize_nvfp4",
+    "unpack_fp4",
+]

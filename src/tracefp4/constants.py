@@ -1,0 +1,98 @@
+"""Every numeric constant of the FP4 formats, in one place.
+
+The formats are defined in ``shared/DESIGN.md`` section 2; the docstrings of the enums state each
+formula so a reader never has to hunt for it in the kernels.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+# --- E2M1 (FP4) element -------------------------------------------------------------------------
+#: Magnitude of each 3-bit magnitude code 0..7. Bit 3 of a 4-bit code is the sign.
+E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: Rounding midpoints between consecutive magnitudes. A tie rounds to the even code, so the
+#: midpoints 0.25, 1.25, 2.5, 5.0 go down (to codes 0, 2, 4, 6) and 0.75, 1.75, 3.5 go up.
+E2M1_MIDPOINTS: tuple[float, ...] = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+E2M1_MAX = 6.0
+E2M1_SIGN_BIT = 0x8
+E2M1_MAG_MASK = 0x7
+
+# --- E4M3 (FP8) block scale of NVFP4 ------------------------------------------------------------
+E4M3_MAX = 448.0
+#: Smallest positive E4M3 subnormal (2^-9). Our NVFP4 allows subnormal block scales; torchao floors
+#: them at 2^-6 (the smallest normal), a documented difference.
+E4M3_MIN_SUBNORMAL = 2.0**-9
+E4M3_MIN_NORMAL = 2.0**-6
+TORCHAO_E4M3_SCALE_FLOOR = E4M3_MIN_NORMAL
+
+# --- E8M0 shared scale of MXFP4 -----------------------------------------------------------------
+E8M0_BIAS = 127
+E8M0_NAN = 255
+#: exponent of E2M1's largest power of two (4 = 2^2): MX scale = 2^(floor(log2 amax) - 2)
+E2M1_EMAX = 2
+
+NVFP4_BLOCK = 16
+MXFP4_BLOCK = 32
+#: The NVFP4 global-scale numerator: S_enc = 448 * 6 / amax.
+NVFP4_GLOBAL_NUMERATOR = E4M3_MAX * E2M1_MAX
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Format(str, enum.Enum):
+    """FP4 tensor formats."""
+
+    NVFP4 = "nvfp4"
+    """Blocks of 16; E4M3 block scale ``s8``; FP32 global scale ``S_enc = 448*6/amax`` (0 -> 1).
+    ``s8 = e4m3(clamp(amax_b * (S_enc * (1/6)), 448))``, ``enc = min(1/(s8 * (1/S_enc)), FLT_MAX)``,
+    ``code = RNE(clamp(x*enc, +-6))``, ``x_hat = value(code) * s8 / S_enc``."""
+
+    MXFP4 = "mxfp4"
+    """Blocks of 32; E8M0 scale ``X = 2^e``; ``x_hat = value(code) * X``, ``code = RNE(clamp(x/X, +-6))``.
+    ``e`` per :class:`ScaleMode`."""
+
+    @property
+    def block(self) -> int:
+        return NVFP4_BLOCK if self is Format.NVFP4 else MXFP4_BLOCK
+
+
+class ScaleMode(str, enum.Enum):
+    """How MXFP4 picks its E8M0 block exponent from the block amax."""
+
+    FLOOR = "floor"
+    """OCP MX v1.0: ``e = floor(log2(amax)) - 2`` (values above 6*2^e saturate). amax 0 -> e = -127."""
+
+    RCEIL = "rceil"
+    """``e = ceil(log2(amax / 6))``: the smallest power of two with ``amax / 2^e <= 6`` (never
+    saturates). amax 0 -> e = -127."""
+
+
+class HintMode(str, enum.Enum):
+    """What the rollout records per element at a guided site (block scales and global amax always)."""
+
+    FULL = "full"
+    """The 4-bit code itself: the trainer picks the bracket member closer to it (4 bits/element)."""
+
+    LSB = "lsb"
+    """The low bit of the code's magnitude (1 bit/element): adjacent codewords on the signed line
+    alternate in this bit, so it names one member of any bracket."""
+
+
+class Site(str, enum.Enum):
+    """Quantization sites per MoE layer that carry guidance."""
+
+    EXPERT_IN = "expert_in"
+    """Token hidden state entering the routed experts (per token)."""
+
+    EXPERT_MID = "expert_mid"
+    """Input of the down projection (per token and selected expert)."""
+
+    K = "k"
+    """Key cache entry (per token and KV head)."""
+
+    V = "v"
+    """Value cache entry (per token and KV head)."""

@@ -1,0 +1,182 @@
+"""Rollout-guided rounding (DESIGN.md section 3): what the rollout records, and how the trainer uses it.
+
+The rollout quantizes a site and keeps a :class:`Hint`: its block scales, global amax, and per
+element either the whole 4-bit code (``full``) or the low bit of the code's magnitude (``lsb``). The
+trainer quantizes its own, slightly different, value of the same site *on the rollout's grid* and,
+of the two codewords bracketing it, picks the one the hint names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from . import kernels
+from .constants import Format, HintMode
+from .numerics import (
+    MXFP4,
+    NVFP4,
+    FLOAT32_MAX,
+    check_input,
+    mx_scale_values,
+    nvfp4_global_encode_scale,
+    straight_through,
+    dequantize,
+    _per_row,
+    _row_count,
+    kernel_rows,
+    raise_non_finite,
+)
+
+__all__ = ["Hint", "encode_hint", "guided_quantize", "guided_fake_quant", "hint_cat"]
+
+
+@dataclasses.dataclass
+class Hint:
+    """What the rollout recorded at one quantization site, for a tensor of logical shape ``shape``.
+
+    data: uint8. ``lsb``: low magnitude bit of each code, eight per byte (element 8j+i in bit i),
+        ``[..., K//8]``. ``full``: the packed 4-bit codes, ``[..., K//2]``.
+    scales: the block scales (float8_e4m3fn for NVFP4, biased E8M0 uint8 for MXFP4).
+    global_amax: float32 scalar or ``[..., 1]`` (NVFP4), None for MXFP4.
+    """
+
+    mode: HintMode
+    fmt: Format
+    data: torch.Tensor
+    scales: torch.Tensor
+    global_amax: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.scales.shape[:-1], self.scales.shape[-1] * self.fmt.block))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the rollout has to keep for this site."""
+        extra = self.global_amax.nbytes if self.global_amax is not None else 0
+        return self.data.nbytes + self.scales.nbytes + extra
+
+    def select(self, index) -> "Hint":
+        """The hint for ``x[index]`` where ``index`` indexes leading dims only (e.g. token positions).
+
+        A per-tensor global amax is shared by every slice.
+        """
+        amax = self.global_amax
+        if amax is not None and amax.dim() > 0:
+            amax = amax[index]
+        return Hint(self.mode, self.fmt, self.data[index], self.scales[index], amax)
+
+    def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Named tensors for storage (``{prefix}.bits`` or ``.codes``, ``.scales``, ``.global_amax``)."""
+        field = "bits" if self.mode is HintMode.LSB else "codes"
+        out = {f"{prefix}.{field}": self.data, f"{prefix}.scales": self.scales}
+        if self.global_amax is not None:
+            out[f"{prefix}.global_amax"] = self.global_amax
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> "Hint":
+        """Inverse of :meth:`to_tensors`; format and mode follow from the names and dtypes."""
+        mode = HintMode.LSB if f"{prefix}.bits" in tensors else HintMode.FULL
+        data_key = f"{prefix}.bits" if mode is HintMode.LSB else f"{prefix}.codes"
+        if data_key not in tensors or f"{prefix}.scales" not in tensors:
+            raise ValueError(f"no hint named {prefix!r} (have: {sorted(tensors)})")
+        scales = tensors[f"{prefix}.scales"]
+        fmt = Format.NVFP4 if scales.dtype == torch.float8_e4m3fn else Format.MXFP4
+        amax = tensors.get(f"{prefix}.global_amax")
+        if fmt is Format.NVFP4 and amax is None:
+            raise ValueError(f"NVFP4 hint {prefix!r} lacks its global_amax")
+        return cls(mode, fmt, tensors[data_key], scales, amax)
+
+
+def hint_cat(hints: list[Hint], dim: int = 0) -> Hint:
+    """Concatenate hints of the same mode and format along a leading dim (per-row global amax only)."""
+    if not hints:
+        raise ValueError("hint_cat: no hints given")
+    h0 = hints[0]
+    for h in hints[1:]:
+        if (h.mode, h.fmt) != (h0.mode, h0.fmt):
+            raise ValueError(f"hint_cat: mixing {h.mode.value}/{h.fmt.value} with {h0.mode.value}/{h0.fmt.value}")
+    amax = None
+    if h0.global_amax is not None:
+        if any(h.global_amax.dim() == 0 for h in hints):
+            raise ValueError("hint_cat: hints with a per-tensor global amax cannot be concatenated")
+        amax = torch.cat([h.global_amax for h in hints], dim=dim)
+    return Hint(
+        h0.mode,
+        h0.fmt,
+        torch.cat([h.data for h in hints], dim=dim),
+        torch.cat([h.scales for h in hints], dim=dim),
+        amax,
+    )
+
+
+def lsb_bits(codes: torch.Tensor) -> torch.Tensor:
+    """Packed codes ``[..., K//2]`` -> bit-packed low magnitude bits ``[..., K//8]``."""
+    flat = codes.reshape(-1, codes.shape[-1]).contiguous().numpy()
+    bits = np.empty((flat.shape[0], flat.shape[1] // 4), dtype=np.uint8)
+    kernels.pack_lsb(flat, bits)
+    return torch.from_numpy(bits).reshape(*codes.shape[:-1], -1)
+
+
+def encode_hint(q: NVFP4 | MXFP4, mode: str | HintMode = "lsb") -> Hint:
+    """What the rollout records for a quantized site: see :class:`Hint`."""
+    mode = HintMode(mode)
+    if not isinstance(q, (NVFP4, MXFP4)):
+        raise ValueError(f"encode_hint: expected an NVFP4 or MXFP4 tensor, got {type(q).__name__}")
+    data = lsb_bits(q.codes) if mode is HintMode.LSB else q.codes.clone()
+    amax = q.global_amax.clone() if isinstance(q, NVFP4) else None
+    return Hint(mode, q.fmt, data, q.scales.clone(), amax)
+
+
+def _check_hint(x: torch.Tensor, hint: Hint) -> None:
+    if not isinstance(hint, Hint):
+        raise ValueError(f"expected a Hint, got {type(hint).__name__}")
+    check_input(x, hint.fmt.block)
+    if tuple(x.shape) != tuple(hint.shape):
+        raise ValueError(
+            f"hint shape mismatch: x has shape {tuple(x.shape)} but the hint was recorded for shape "
+            f"{tuple(hint.shape)} ({hint.fmt.value}, {hint.mode.value})"
+        )
+    per_elem = 8 if hint.mode is HintMode.LSB else 2
+    expect = (*x.shape[:-1], x.shape[-1] // per_elem)
+    if tuple(hint.data.shape) != expect or hint.data.dtype != torch.uint8:
+        raise ValueError(
+            f"hint data: expected uint8 of shape {expect} for {hint.mode.value} hints, "
+            f"got {hint.data.dtype} {tuple(hint.data.shape)}"
+        )
+
+
+def rollout_encode_factors(hint: Hint) -> torch.Tensor:
+    """float32 ``[R, K/block]``: the multiplier that put each block on the rollout's grid."""
+    nb = hint.scales.shape[-1]
+    if hint.fmt is Format.NVFP4:
+        s_enc = torch.from_numpy(_per_row(nvfp4_global_encode_scale(hint.global_amax), hint.shape)).unsqueeze(-1)
+        s8 = hint.scales.to(torch.float32).reshape(-1, nb)
+        enc = torch.tensor(1.0) / (s8 * (torch.tensor(1.0) / s_enc))
+        return torch.minimum(enc, torch.tensor(FLOAT32_MAX, dtype=torch.float32)).contiguous()
+    return (torch.tensor(1.0) / mx_scale_values(hint.scales.reshape(-1, nb))).contiguous()
+
+
+def guided_quantize(x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4:
+    """Quantize ``x`` on the hint's grid, each element rounded to the bracket member the hint names."""
+    _check_hint(x, hint)
+    n, k = _row_count(x), x.shape[-1]
+    enc = rollout_encode_factors(hint).numpy()
+    codes = np.empty((n, k // 2), dtype=np.uint8)
+    data = hint.data.reshape(n, -1).contiguous().numpy()
+    bad = np.zeros(n, dtype=np.bool_)
+    kernels.guided(*kernel_rows(x), enc, data, hint.mode is HintMode.FULL, hint.fmt.block, codes, bad)
+    raise_non_finite(x, bad)
+    codes_t = torch.from_numpy(codes).reshape(*x.shape[:-1], -1)
+    if hint.fmt is Format.NVFP4:
+        return NVFP4(codes_t, hint.scales.clone(), hint.global_amax.clone())
+    return MXFP4(codes_t, hint.scales.clone())
+
+
+def guided_fake_quant(x: torch.Tensor, hint: Hint) -> torch.Tensor:
+    """Guided quantize-dequantize in x's dtype, with a straight-through (identity) gradient."""
+    return straight_through(x, dequantize(guided_quantize(x.detach(), hint)))

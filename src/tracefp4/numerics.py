@@ -1,0 +1,300 @@
+"""FP4 tensors (NVFP4, MXFP4): quantize, dequantize, pack, and straight-through fake quantization.
+
+The recipes are those of ``shared/DESIGN.md`` section 2 (Transformer Engine's operation order for
+NVFP4, OCP MX v1.0 for MXFP4); :mod:`tracefp4.reference` spells them out and :mod:`tracefp4.kernels`
+runs them fast. This module validates inputs, shapes the data, and owns the public containers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from . import kernels
+from .constants import (
+    FLOAT32_MAX,
+    MXFP4_BLOCK,
+    NVFP4_BLOCK,
+    NVFP4_GLOBAL_NUMERATOR,
+    SUPPORTED_DTYPES,
+    Format,
+    ScaleMode,
+)
+
+__all__ = [
+    "NVFP4",
+    "MXFP4",
+    "quantize_nvfp4",
+    "dequantize_nvfp4",
+    "quantize_mxfp4",
+    "dequantize_mxfp4",
+    "quantize",
+    "dequantize",
+    "pack_fp4",
+    "unpack_fp4",
+    "fake_quant",
+    "nvfp4_global_encode_scale",
+]
+
+
+@dataclasses.dataclass
+class NVFP4:
+    """An NVFP4 tensor of logical shape ``[..., K]``.
+
+    codes: uint8 ``[..., K//2]``, two 4-bit codes per byte, element 2i in the low nibble.
+    scales: torch.float8_e4m3fn ``[..., K//16]``, one block scale per 16 elements.
+    global_amax: float32, a scalar (per tensor) or ``[..., 1]`` (per row).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    global_amax: torch.Tensor
+
+    fmt = Format.NVFP4
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 2))
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.global_amax.nbytes
+
+
+@dataclasses.dataclass
+class MXFP4:
+    """An MXFP4 tensor of logical shape ``[..., K]``.
+
+    codes: uint8 ``[..., K//2]`` packed as in :class:`NVFP4`.
+    scales: uint8 ``[..., K//32]``, biased E8M0 exponents (value ``2^(s - 127)``).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    fmt = Format.MXFP4
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 2))
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
+# --- validation ----------------------------------------------------------------------------------
+
+
+def check_input(x: torch.Tensor, block: int, what: str = "x") -> None:
+    """Raise ValueError unless ``x`` is a float CPU tensor whose last dim is a multiple of ``block``.
+
+    Finiteness is checked by the kernels in the same pass that quantizes (see :func:`raise_non_finite`).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{what}: dtype {x.dtype} is not supported; expected one of float32, bfloat16, float16")
+    if x.dim() == 0 or x.shape[-1] % block != 0:
+        last = "a scalar" if x.dim() == 0 else f"last dim {x.shape[-1]}"
+        raise ValueError(f"{what}: {last} is not a multiple of the block size {block} (shape {tuple(x.shape)})")
+    if x.device.type != "cpu":
+        raise ValueError(f"{what}: the CPU kernels take CPU tensors, got device {x.device}")
+
+
+def raise_non_finite(x: torch.Tensor, bad: np.ndarray, what: str = "x") -> None:
+    """Refuse input in which a kernel flagged a NaN or Inf, naming the first offending element."""
+    if bad.any():
+        flat = x.detach().reshape(-1, x.shape[-1])
+        row = int(np.flatnonzero(bad)[0])
+        col = int((~torch.isfinite(flat[row])).nonzero()[0, 0])
+        index = tuple(np.unravel_index(row, tuple(x.shape[:-1]))) + (col,) if x.dim() > 1 else (col,)
+        raise ValueError(
+            f"{what}: non-finite input at index {tuple(int(i) for i in index)} (value {flat[row, col].item()}); "
+            "NaN/Inf is a bug upstream and is never encoded"
+        )
+
+
+_EMPTY_F32 = np.empty((0, 0), dtype=np.float32)
+_EMPTY_U16 = np.empty((0, 0), dtype=np.uint16)
+
+
+def kernel_rows(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` as 2-D rows for the kernels: (float32 rows, empty) or, for bfloat16, (empty, uint16 bits).
+
+    bfloat16 is widened inside the kernels; float16 is widened here (exactly) since numba lacks it.
+    """
+    x = x.detach().contiguous()
+    if x.dtype == torch.bfloat16:
+        return _EMPTY_F32, x.view(torch.int16).reshape(-1, x.shape[-1]).numpy().view(np.uint16)
+    return x.to(torch.float32).reshape(-1, x.shape[-1]).numpy(), _EMPTY_U16
+
+
+def _row_count(x: torch.Tensor) -> int:
+    return int(np.prod(tuple(x.shape[:-1]), dtype=np.int64))
+
+
+# --- NVFP4 ---------------------------------------------------------------------------------------
+
+
+def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``S_enc = 448*6/amax`` in float32, capped at FLT_MAX; amax 0 gives 1."""
+    amax = amax.to(torch.float32)
+    s_enc = torch.minimum(
+        torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32) / amax,
+        torch.tensor(FLOAT32_MAX, dtype=torch.float32),
+    )
+    return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
+
+
+def _global_amax(x: torch.Tensor, rows: tuple[np.ndarray, np.ndarray], global_amax, per_row: bool) -> torch.Tensor:
+    if global_amax is None:
+        amax = np.empty(_row_count(x), dtype=np.float32)
+        bad = np.zeros(amax.shape[0], dtype=np.bool_)
+        kernels.row_amax(*rows, NVFP4_BLOCK, amax, bad)
+        raise_non_finite(x, bad)
+        by_row = torch.from_numpy(amax).reshape(*x.shape[:-1], 1)
+        return by_row if per_row else by_row.amax()
+    amax = torch.as_tensor(global_amax, dtype=torch.float32)
+    lead = tuple(x.shape[:-1])
+    if amax.dim() != 0 and tuple(amax.shape) != (*lead, 1):
+        raise ValueError(
+            f"global_amax: shape {tuple(amax.shape)} does not fit x of shape {tuple(x.shape)}; "
+            f"expected a scalar or {(*lead, 1)}"
+        )
+    if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
+        raise ValueError("global_amax: must be finite and non-negative")
+    return amax.clone()
+
+
+def _per_row(t: torch.Tensor, x_shape: torch.Size) -> np.ndarray:
+    """A scalar or [..., 1] tensor as a float32 [R] array."""
+    rows = int(np.prod(tuple(x_shape[:-1]), dtype=np.int64))
+    return t.to(torch.float32).expand(*x_shape[:-1], 1).reshape(rows).contiguous().numpy()
+
+
+def quantize_nvfp4(x: torch.Tensor, *, global_amax=None, per_row: bool = False) -> NVFP4:
+    """Quantize ``x [..., K]`` (K % 16 == 0) to NVFP4.
+
+    ``global_amax=None`` takes the amax of the whole tensor, or of each row with ``per_row=True``;
+    a tensor passed in (a scalar, or ``[..., 1]``) is used as is.
+    """
+    check_input(x, NVFP4_BLOCK)
+    rows = kernel_rows(x)
+    amax = _global_amax(x, rows, global_amax, per_row)
+    s_enc = _per_row(nvfp4_global_encode_scale(amax), x.shape)
+    n, k = _row_count(x), x.shape[-1]
+    codes = np.empty((n, k // 2), dtype=np.uint8)
+    scales = np.empty((n, k // NVFP4_BLOCK), dtype=np.uint8)
+    bad = np.zeros(n, dtype=np.bool_)
+    kernels.nvfp4_quantize(*rows, s_enc, codes, scales, bad, kernels.E4M3_VALUES)
+    raise_non_finite(x, bad)
+    lead = x.shape[:-1]
+    return NVFP4(
+        codes=torch.from_numpy(codes).reshape(*lead, -1),
+        scales=torch.from_numpy(scales).view(torch.float8_e4m3fn).reshape(*lead, -1),
+        global_amax=amax,
+    )
+
+
+def dequantize_nvfp4(q: NVFP4) -> torch.Tensor:
+    """float32 ``[..., K]``: ``value(code) * float(s8) / S_enc``."""
+    shape = q.shape
+    s_enc = _per_row(nvfp4_global_encode_scale(q.global_amax), shape)
+    s8 = q.scales.to(torch.float32).reshape(-1, q.scales.shape[-1]).contiguous().numpy()
+    out = kernels.dequantize(q.codes.reshape(-1, q.codes.shape[-1]).contiguous().numpy(), s8, s_enc, NVFP4_BLOCK)
+    return torch.from_numpy(out).reshape(shape)
+
+
+# --- MXFP4 ---------------------------------------------------------------------------------------
+
+
+def quantize_mxfp4(x: torch.Tensor, *, scale_mode: str = "floor") -> MXFP4:
+    """Quantize ``x [..., K]`` (K % 32 == 0) to MXFP4 with E8M0 block scales (see ScaleMode)."""
+    mode = ScaleMode(scale_mode)
+    check_input(x, MXFP4_BLOCK)
+    n, k = _row_count(x), x.shape[-1]
+    codes = np.empty((n, k // 2), dtype=np.uint8)
+    scales = np.empty((n, k // MXFP4_BLOCK), dtype=np.uint8)
+    bad = np.zeros(n, dtype=np.bool_)
+    kernels.mxfp4_quantize(*kernel_rows(x), mode is ScaleMode.RCEIL, codes, scales, bad)
+    raise_non_finite(x, bad)
+    lead = x.shape[:-1]
+    return MXFP4(codes=torch.from_numpy(codes).reshape(*lead, -1), scales=torch.from_numpy(scales).reshape(*lead, -1))
+
+
+def mx_scale_values(biased: torch.Tensor) -> torch.Tensor:
+    """float32 ``2^(b - 127)`` of biased E8M0 exponents (exact, 2^-127 included)."""
+    return torch.pow(torch.tensor(2.0, dtype=torch.float64), biased.to(torch.float64) - 127).to(torch.float32)
+
+
+def dequantize_mxfp4(q: MXFP4) -> torch.Tensor:
+    """float32 ``[..., K]``: ``value(code) * 2^(s - 127)``."""
+    shape = q.shape
+    mult = mx_scale_values(q.scales).reshape(-1, q.scales.shape[-1]).contiguous().numpy()
+    ones = np.ones(mult.shape[0], dtype=np.float32)
+    out = kernels.dequantize(q.codes.reshape(-1, q.codes.shape[-1]).contiguous().numpy(), mult, ones, MXFP4_BLOCK)
+    return torch.from_numpy(out).reshape(shape)
+
+
+def quantize(x: torch.Tensor, fmt: str | Format = "nvfp4", *, per_row: bool = False, global_amax=None):
+    """Round-to-nearest quantization in either format (``per_row``/``global_amax`` are NVFP4's)."""
+    if Format(fmt) is Format.NVFP4:
+        return quantize_nvfp4(x, global_amax=global_amax, per_row=per_row)
+    return quantize_mxfp4(x)
+
+
+def dequantize(q: NVFP4 | MXFP4) -> torch.Tensor:
+    return dequantize_nvfp4(q) if isinstance(q, NVFP4) else dequantize_mxfp4(q)
+
+
+# --- packing -------------------------------------------------------------------------------------
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """One 4-bit code per uint8 ``[..., K]`` -> two per byte ``[..., K//2]`` (element 2i low nibble)."""
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"pack_fp4: expected uint8 codes, got {codes.dtype}")
+    if codes.dim() == 0 or codes.shape[-1] % 2:
+        raise ValueError(f"pack_fp4: last dim must be even, got shape {tuple(codes.shape)}")
+    if bool((codes > 15).any()):
+        raise ValueError("pack_fp4: codes must be 4-bit values 0..15")
+    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Two codes per byte ``[..., N]`` -> one per uint8 ``[..., 2N]``."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"unpack_fp4: expected uint8, got {packed.dtype}")
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+# --- straight-through fake quantization ----------------------------------------------------------
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward returns a precomputed value; backward passes the gradient to x unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, value):  # noqa: D401 - autograd signature
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def straight_through(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` in x's dtype in the forward pass, identity gradient to ``x``."""
+    return _StraightThrough.apply(x, value.to(x.dtype))
+
+
+def fake_quant(
+    x: torch.Tensor, fmt: str | Format = "nvfp4", *, per_row: bool = False, global_amax=None
+) -> torch.Tensor:
+    """Round-to-nearest quantize-dequantize with a straight-through gradient, in x's dtype."""
+    q = quantize(x.detach(), fmt, per_row=per_row, global_amax=global_amax)
+    return straight_through(x, dequantize(q))

@@ -1,0 +1,219 @@
+"""The readable reference: every FP4 recipe of ``shared/DESIGN.md`` written as plainly as possible.
+
+This module is the oracle. It favours one obvious step per line over speed: rounding is done by
+searching the codeword table for the nearest value (not by comparing against midpoints, as the fast
+kernels do), block scales go through PyTorch's own float8 cast, and guided rounding enumerates the
+bracket explicitly. The fast paths in :mod:`tracefp4.numerics` and :mod:`tracefp4.guidance` are
+tested against these functions bit for bit (atol=0).
+
+All arithmetic is float32, in the operation order of Transformer Engine's NVFP4 recipe. Inputs are
+assumed validated (finite, last dim a multiple of the block); outputs are *unpacked* 4-bit codes
+(one per uint8) plus raw scales, so the reference does not depend on the packing code it checks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .constants import (
+    E2M1_EMAX,
+    E2M1_MAX,
+    E2M1_VALUES,
+    E4M3_MAX,
+    E8M0_BIAS,
+    FLOAT32_MAX,
+    MXFP4_BLOCK,
+    NVFP4_BLOCK,
+    NVFP4_GLOBAL_NUMERATOR,
+)
+
+_F32 = torch.float32
+
+
+def e2m1_table() -> torch.Tensor:
+    """Value of each 4-bit code 0..15 (bit 3 is the sign; code 8 is -0.0)."""
+    mags = torch.tensor(E2M1_VALUES, dtype=_F32)
+    return torch.cat([mags, -mags])
+
+
+def round_to_e2m1(z: torch.Tensor) -> torch.Tensor:
+    """Unpacked 4-bit code of each float32 in ``z`` (already clamped to [-6, 6]).
+
+    Nearest magnitude by exhaustive search; on a tie the even code wins. The sign bit is the input's
+    sign bit, so -0.0 and small negatives that round to zero give code 8.
+    """
+    mags = torch.tensor(E2M1_VALUES, dtype=_F32)
+    dist = (z.abs().unsqueeze(-1) - mags).abs()  # [..., 8]
+    best = dist.min(dim=-1, keepdim=True).values
+    is_best = dist == best
+    # Among equally near codes (a tie: exactly two) prefer the even one.
+    codes = torch.arange(8)
+    preference = torch.where(is_best, (codes % 2) * 8 + codes, torch.full_like(codes, 10_000))
+    mag_code = preference.argmin(dim=-1)
+    sign = torch.signbit(z).to(torch.int64) * 8
+    return (mag_code + sign).to(torch.uint8)
+
+
+def e2m1_value(codes: torch.Tensor) -> torch.Tensor:
+    """float32 value of unpacked 4-bit codes."""
+    return e2m1_table()[codes.long()]
+
+
+# --- NVFP4 ---------------------------------------------------------------------------------------
+
+
+def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``S_enc = 448*6 / amax`` in float32, capped at FLT_MAX; amax 0 gives 1 (TE's rule)."""
+    amax = amax.to(_F32)
+    s_enc = torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=_F32) / amax
+    s_enc = torch.minimum(s_enc, torch.tensor(FLOAT32_MAX, dtype=_F32))
+    return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
+
+
+def nvfp4_block_scale(block_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scale: ``e4m3(clamp(amax_b * (S_enc * (1/6)), 448))`` (subnormals allowed)."""
+    one_sixth = torch.tensor(1.0, dtype=_F32) / torch.tensor(E2M1_MAX, dtype=_F32)
+    decode = block_amax * (s_enc * one_sixth)
+    # Clamp before the cast: older CPU casts turn overflow into NaN instead of saturating.
+    decode = torch.clamp(decode, max=E4M3_MAX)
+    return decode.to(torch.float8_e4m3fn)
+
+
+def nvfp4_encode_factor(s8: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
+    """Per-block multiplier ``1 / (float(s8) * (1/S_enc))``, capped at FLT_MAX (zero block scale)."""
+    s_dec = torch.tensor(1.0, dtype=_F32) / s_enc
+    enc = torch.tensor(1.0, dtype=_F32) / (s8.to(_F32) * s_dec)
+    return torch.minimum(enc, torch.tensor(FLOAT32_MAX, dtype=_F32))
+
+
+def _amax_for(x: torch.Tensor, global_amax, per_row: bool) -> torch.Tensor:
+    if global_amax is not None:
+        return torch.as_tensor(global_amax, dtype=_F32)
+    xf = x.to(_F32).abs()
+    return xf.amax(dim=-1, keepdim=True) if per_row else xf.amax()
+
+
+def quantize_nvfp4(x: torch.Tensor, global_amax=None, per_row: bool = False):
+    """Reference NVFP4: returns (unpacked codes uint8 [..., K], s8 e4m3 [..., K/16], amax float32)."""
+    amax = _amax_for(x, global_amax, per_row)
+    s_enc = nvfp4_global_encode_scale(amax)
+    xb = x.to(_F32).reshape(*x.shape[:-1], x.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
+    # amax/S_enc are scalar or [..., 1]: both broadcast against per-block tensors [..., K/16].
+    s8 = nvfp4_block_scale(xb.abs().amax(dim=-1), s_enc)
+    enc = nvfp4_encode_factor(s8, s_enc)
+    z = torch.clamp(xb * enc.unsqueeze(-1), -E2M1_MAX, E2M1_MAX)
+    codes = round_to_e2m1(z).reshape(x.shape)
+    return codes, s8, amax
+
+
+def dequantize_nvfp4(codes: torch.Tensor, s8: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """``value(code) * float(s8) / S_enc`` in float32."""
+    s_enc = nvfp4_global_encode_scale(amax).unsqueeze(-1)  # broadcast over elements of a block
+    vals = e2m1_value(codes).reshape(*codes.shape[:-1], -1, NVFP4_BLOCK)
+    return (vals * s8.to(_F32).unsqueeze(-1) / s_enc).reshape(codes.shape)
+
+
+# --- MXFP4 ---------------------------------------------------------------------------------------
+
+
+def mx_exponent(amax: float, scale_mode: str) -> int:
+    """Unbiased E8M0 exponent of one block, from its float32 amax (a Python float, exact)."""
+    if amax == 0.0:
+        return -E8M0_BIAS
+    if scale_mode == "floor":
+        mant, exp = math.frexp(amax)  # amax = mant * 2^exp, mant in [0.5, 1)
+        e = (exp - 1) - E2M1_EMAX
+    elif scale_mode == "rceil":
+        t = float(torch.tensor(amax, dtype=_F32) / torch.tensor(E2M1_MAX, dtype=_F32))
+        if t == 0.0:  # amax/6 underflowed: the smallest scale will do
+            return -E8M0_BIAS
+        mant, exp = math.frexp(t)
+        e = exp - 1 if mant == 0.5 else exp
+    else:
+        raise ValueError(f"scale_mode must be 'floor' or 'rceil', got {scale_mode!r}")
+    return max(-E8M0_BIAS, min(E8M0_BIAS, e))
+
+
+def quantize_mxfp4(x: torch.Tensor, scale_mode: str = "floor"):
+    """Reference MXFP4: returns (unpacked codes uint8 [..., K], biased E8M0 exponents uint8 [..., K/32])."""
+    xb = x.to(_F32).reshape(-1, MXFP4_BLOCK)
+    amax = xb.abs().amax(dim=-1)
+    exps = torch.tensor([mx_exponent(float(a), scale_mode) for a in amax], dtype=torch.int32)
+    inv_scale = torch.pow(torch.tensor(2.0, dtype=torch.float64), -exps.double()).to(_F32)
+    z = torch.clamp(xb * inv_scale.unsqueeze(-1), -E2M1_MAX, E2M1_MAX)
+    codes = round_to_e2m1(z).reshape(x.shape)
+    biased = (exps + E8M0_BIAS).to(torch.uint8).reshape(*x.shape[:-1], x.shape[-1] // MXFP4_BLOCK)
+    return codes, biased
+
+
+def mx_scale(biased: torch.Tensor) -> torch.Tensor:
+    """float32 value ``2^(b - 127)`` of biased E8M0 exponents (exact, also for b = 0)."""
+    return torch.pow(torch.tensor(2.0, dtype=torch.float64), biased.double() - E8M0_BIAS).to(_F32)
+
+
+def dequantize_mxfp4(codes: torch.Tensor, biased: torch.Tensor) -> torch.Tensor:
+    vals = e2m1_value(codes).reshape(*codes.shape[:-1], -1, MXFP4_BLOCK)
+    return (vals * mx_scale(biased).unsqueeze(-1)).reshape(codes.shape)
+
+
+# --- Rollout-guided rounding (DESIGN.md section 3) -----------------------------------------------
+
+
+def bracket(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Magnitude codes (lo, hi) of the codewords bracketing |z|: value(lo) <= |z| <= value(hi).
+
+    lo == hi exactly when |z| is itself a codeword.
+    """
+    mags = torch.tensor(E2M1_VALUES, dtype=_F32)
+    a = z.abs().unsqueeze(-1)
+    lo = (mags <= a).sum(dim=-1) - 1
+    hi = 7 - (mags >= a).sum(dim=-1) + 1
+    return lo, hi
+
+
+def signed_index(codes: torch.Tensor) -> torch.Tensor:
+    """Position of each 4-bit code on the signed line -7..7 (both zeros at 0)."""
+    c = codes.long()
+    return torch.where(c >= 8, -(c - 8), c)
+
+
+def guided_round(z: torch.Tensor, rollout_codes: torch.Tensor | None, rollout_lsb: torch.Tensor | None):
+    """Unpacked guided codes for float32 ``z`` (on the rollout's grid, clamped to [-6, 6]).
+
+    Exactly one of ``rollout_codes`` (full information) or ``rollout_lsb`` (low magnitude bit) is given.
+    """
+    lo, hi = bracket(z)
+    negative = torch.signbit(z)
+    sign = torch.where(negative, -1, 1)
+    # The bracket on the signed line: q_minus <= z <= q_plus.
+    q_minus = torch.where(negative, -hi, lo)
+    q_plus = torch.where(negative, -lo, hi)
+    rtn = signed_index(round_to_e2m1(z))
+    if rollout_codes is not None:
+        r = signed_index(rollout_codes)
+        d_minus = (q_minus - r).abs()
+        d_plus = (q_plus - r).abs()
+        chosen = torch.where(d_minus < d_plus, q_minus, torch.where(d_plus < d_minus, q_plus, rtn))
+    else:
+        bit = rollout_lsb.long()
+        chosen = torch.where(lo == hi, lo * sign, torch.where((lo & 1) == bit, lo * sign, hi * sign))
+    mag = chosen.abs()
+    return (mag + negative.long() * 8).to(torch.uint8)
+
+
+def guided_quantize_nvfp4(x, s8, amax, rollout_codes=None, rollout_lsb=None) -> torch.Tensor:
+    """Guided NVFP4 codes of ``x`` on the rollout's grid ``(s8, amax)``; unpacked uint8 [..., K]."""
+    s_enc = nvfp4_global_encode_scale(torch.as_tensor(amax, dtype=_F32))
+    enc = nvfp4_encode_factor(s8, s_enc)
+    xb = x.to(_F32).reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
+    z = torch.clamp(xb * enc.unsqueeze(-1), -E2M1_MAX, E2M1_MAX).reshape(x.shape)
+    return guided_round(z, rollout_codes, rollout_lsb)
+
+
+def guided_quantize_mxfp4(x, biased, rollout_codes=None, rollout_lsb=None) -> torch.Tensor:
+    xb = x.to(_F32).reshape(*x.shape[:-1], -1, MXFP4_BLOCK)
+    inv_scale = torch.tensor(1.0, dtype=_F32) / mx_scale(biased)
+    z = torch.clamp(xb * inv_scale.unsqueeze(-1), -E2M1_MAX, E2M1_MAX).reshape(x.shape)
+    return guided_round(z, rollout_codes, rollout_lsb)

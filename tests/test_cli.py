@@ -1,0 +1,40 @@
+"""The command line: every command has --help, the synthetic demo and the numerics benchmark run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tracefp4.cli import main
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"], ["bench", "numerics", "--help"]])
+def test_help(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    assert "usage: tracefp4" in capsys.readouterr().out
+
+
+def test_demo_prints_mismatch_table(capsys):
+    assert main(["demo", "--rows", "64", "--cols", "256", "--inner", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "round-to-nearest" in out and "guided (lsb)" in out and "guided (full)" in out
+    assert "differ at bf16 level" in out
+
+
+def test_bench_numerics_json(tmp_path):
+    path = tmp_path / "bench.json"
+    assert main(["bench", "numerics", "--rows", "64", "--cols", "256", "--repeats", "1", "--json", str(path)]) == 0
+    res = json.loads(path.read_text())
+    for key in ["nvfp4_quantize_s", "torchao_nvfp4_quantize_s", "copy_s", "guided_quantize_s", "encode_hint_s"]:
+        assert key in res
+    assert res["nvfp4_quantize_s"] > 0 and res["copy_s"] > 0
+
+
+def test_console_script_entry_point():
+    out = subprocess.run([sys.executable, "-m", "tracefp4.cli", "--help"], capture_output=True, text=True, check=True)
+    assert "demo" in out.stdout and "bench" in out.stdout

@@ -1,0 +1,266 @@
+"""FP4 numerics: golden per-value tests, and the fast kernels against the readable reference at atol=0."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tracefp4 as tf
+from tracefp4 import reference as ref
+
+S_ENC_ONE = torch.tensor(448.0 * 6.0)  # global amax for which S_enc == 1 exactly
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern view, so that -0.0 != 0.0 and comparisons are exact."""
+    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.uint8)
+
+
+def mx_codes(values: list[float]) -> list[int]:
+    """Unpacked MXFP4 codes of values in a 32-block whose amax (6 or 7.5) gives scale 2^0."""
+    x = torch.tensor(values + [6.0] * (32 - len(values)), dtype=torch.float32)
+    q = tf.quantize_mxfp4(x)
+    assert q.scales.tolist() == [127], "the block scale must be 2^0 for this golden test"
+    return tf.unpack_fp4(q.codes)[: len(values)].tolist()
+
+
+# --- golden values -------------------------------------------------------------------------------
+
+GOLDEN_E2M1 = [
+    # (value, code): every codeword, every tie (ties go to the even code), around every midpoint
+    (0.0, 0x0), (0.5, 0x1), (1.0, 0x2), (1.5, 0x3), (2.0, 0x4), (3.0, 0x5), (4.0, 0x6), (6.0, 0x7),
+    (0.25, 0x0), (0.75, 0x2), (1.25, 0x2), (1.75, 0x4), (2.5, 0x4), (3.5, 0x6), (5.0, 0x6),
+    (0.2500001, 0x1), (0.7499999, 0x1), (1.2500001, 0x3), (1.7499999, 0x3),
+    (2.5000002, 0x5), (3.4999998, 0x5), (5.0000005, 0x7),
+    (-0.5, 0x9), (-1.0, 0xA), (-1.5, 0xB), (-2.0, 0xC), (-3.0, 0xD), (-4.0, 0xE), (-6.0, 0xF),
+    (-0.75, 0xA), (-5.0, 0xE), (-2.5, 0xC),
+    (-0.0, 0x8), (-0.1, 0x8), (-0.25, 0x8), (1e-30, 0x0),
+    (7.5, 0x7), (-7.5, 0xF),  # saturation at +-6
+]
+
+
+@pytest.mark.parametrize("value,code", GOLDEN_E2M1)
+def test_golden_e2m1_codes(value, code):
+    assert mx_codes([value]) == [code]
+    # the reference's codeword search agrees
+    assert ref.round_to_e2m1(torch.tensor([max(-6.0, min(6.0, value))])).tolist() == [code]
+
+
+def test_golden_packed_byte_layout():
+    # element 2i in the low nibble, 2i+1 in the high nibble
+    codes = torch.tensor([0b0001, 0b0010, 0b1111, 0b1000], dtype=torch.uint8)
+    assert tf.pack_fp4(codes).tolist() == [0b0010_0001, 0b1000_1111]
+    assert torch.equal(tf.unpack_fp4(tf.pack_fp4(codes)), codes)
+    x = torch.tensor([6.0, 0.5, -1.0, -0.0] + [0.0] * 12)
+    q = tf.quantize_nvfp4(x, global_amax=S_ENC_ONE)
+    assert q.scales.view(torch.uint8).tolist() == [0b0_0111_000]  # E4M3 1.0: block amax 6 -> scale 1
+    assert q.codes[:2].tolist() == [0b0001_0111, 0b1000_1010]
+
+
+def test_golden_nvfp4_block_scales():
+    # S_enc = 1: scale = e4m3(amax / 6)
+    cases = {
+        6.0: 0x38,  # 1.0
+        448.0 * 6: 0x7E,  # 448, the largest finite E4M3
+        1e6: 0x7E,  # saturates (clamped before the cast, never NaN)
+        6 * 3 * 2.0**-9: 0x03,  # E4M3 subnormal 3 * 2^-9
+        6 * 2.0**-9: 0x01,  # smallest subnormal
+        6 * 2.0**-11: 0x00,  # rounds to a zero scale
+        6 * 1.0625: 0x38,  # a tie between 1.0 and 1.125 rounds to even (1.0)
+        6 * 1.1875: 0x3A,  # a tie between 1.125 and 1.25 rounds to even (1.25)
+    }
+    for amax, expect in cases.items():
+        x = torch.zeros(16)
+        x[3] = amax
+        q = tf.quantize_nvfp4(x, global_amax=S_ENC_ONE)
+        assert q.scales.view(torch.uint8).item() == expect, amax
+        c, s8, _ = ref.quantize_nvfp4(x, global_amax=S_ENC_ONE)
+        assert s8.view(torch.uint8).item() == expect, amax
+
+
+def test_golden_nvfp4_global_scale_and_dequant():
+    x = torch.tensor([1.0, -2.0, 3.0, 0.25] * 4)
+    q = tf.quantize_nvfp4(x)
+    assert q.global_amax.item() == 3.0
+    # S_enc = 896; block amax 3 -> e4m3(3 * 896 / 6) = 448; enc = 1/(448/896) = 2
+    assert q.scales.to(torch.float32).item() == 448.0
+    assert tf.unpack_fp4(q.codes)[:4].tolist() == [0x4, 0xE, 0x7, 0x1]  # 2, -4, 6, 0.5
+    assert tf.dequantize_nvfp4(q)[:4].tolist() == [1.0, -2.0, 3.0, 0.25]
+
+
+def test_zero_tensor_and_signed_zero():
+    x = torch.tensor([0.0, -0.0] * 8)
+    q = tf.quantize_nvfp4(x)
+    assert q.global_amax.item() == 0.0
+    assert q.scales.view(torch.uint8).tolist() == [0]
+    assert tf.unpack_fp4(q.codes).tolist() == [0x0, 0x8] * 8
+    d = tf.dequantize_nvfp4(q)
+    assert torch.equal(torch.signbit(d), torch.tensor([False, True] * 8))
+
+
+def test_zero_block_scale_with_nonzero_values():
+    # a block so small that its E4M3 scale rounds to zero: enc is capped at FLT_MAX, codes saturate,
+    # and the dequantized block is exactly zero (TE's behaviour)
+    x = torch.zeros(32)
+    x[0] = 2688.0
+    x[16:] = 1e-7
+    q = tf.quantize_nvfp4(x)
+    assert q.scales.view(torch.uint8)[1].item() == 0
+    assert tf.unpack_fp4(q.codes)[16:].tolist() == [0x7] * 16
+    assert torch.equal(tf.dequantize_nvfp4(q)[16:], torch.zeros(16))
+
+
+def test_golden_mxfp4_scales():
+    def exp_of(amax, mode):
+        x = torch.zeros(32)
+        x[0] = amax
+        return tf.quantize_mxfp4(x, scale_mode=mode).scales.item() - 127
+
+    assert exp_of(6.0, "floor") == 0  # floor(log2 6) - 2
+    assert exp_of(8.0, "floor") == 1
+    assert exp_of(0.0, "floor") == -127
+    assert exp_of(6.0, "rceil") == 0  # 6/6 = 1 = 2^0
+    assert exp_of(6.1, "rceil") == 1
+    assert exp_of(3.0, "rceil") == -1
+    assert exp_of(2.0**-140, "floor") == -127  # clamped to the E8M0 range
+    assert exp_of(3e38, "floor") == 125
+
+
+# --- fast path == reference, bit for bit ---------------------------------------------------------
+
+
+def make_data(kind: str, dtype: torch.dtype, rows: int = 24, cols: int = 256) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash(kind) % 1000)
+    if kind == "randn":
+        x = torch.randn(rows, cols, generator=g)
+    elif kind == "heavy_tailed":  # magnitudes spanning 1e-6 .. 1e4 within rows and blocks
+        mags = torch.exp(torch.empty(rows, cols).uniform_(-13.8, 9.2, generator=g))
+        x = mags * torch.randn(rows, cols, generator=g).sign()
+    elif kind == "zero_blocks":
+        x = torch.randn(rows, cols, generator=g)
+        x[:, 16:48] = 0.0
+        x[::3] = 0.0
+        x[1, 64:80] = -0.0
+    elif kind == "subnormal_scales":  # blocks 2^-12 .. 2^-20 below the row amax: E4M3 subnormal scales
+        x = torch.randn(rows, cols, generator=g)
+        x[:, 0] = 1000.0
+        decay = 2.0 ** -torch.arange(12, 12 + cols // 16).float().repeat_interleave(16)
+        x[:, 16:] = x[:, 16:] * decay[16:]
+    elif kind == "saturating":  # values far above the global amax passed in
+        x = torch.randn(rows, cols, generator=g) * 50
+    else:
+        raise AssertionError(kind)
+    return x.to(dtype)
+
+
+KINDS = ["randn", "heavy_tailed", "zero_blocks", "subnormal_scales", "saturating"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_row", [False, True])
+def test_nvfp4_fast_equals_reference(kind, dtype, per_row):
+    x = make_data(kind, dtype)
+    amax = torch.tensor(2.0) if kind == "saturating" and not per_row else None
+    q = tf.quantize_nvfp4(x, global_amax=amax, per_row=per_row)
+    codes, s8, ref_amax = ref.quantize_nvfp4(x, global_amax=amax, per_row=per_row)
+    assert torch.equal(tf.unpack_fp4(q.codes), codes)
+    assert torch.equal(bits(q.scales), bits(s8))
+    assert torch.equal(bits(q.global_amax), bits(ref_amax))
+    assert torch.equal(bits(tf.dequantize_nvfp4(q)), bits(ref.dequantize_nvfp4(codes, s8, ref_amax)))
+    if kind == "subnormal_scales":
+        assert bool((q.scales.view(torch.uint8) < 8).any()), "test data must reach subnormal scales"
+    if kind == "saturating" and not per_row:
+        assert bool((q.scales.view(torch.uint8) == 0x7E).any()), "test data must saturate the scale"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale_mode", ["floor", "rceil"])
+def test_mxfp4_fast_equals_reference(kind, dtype, scale_mode):
+    x = make_data(kind, dtype)
+    q = tf.quantize_mxfp4(x, scale_mode=scale_mode)
+    codes, scales = ref.quantize_mxfp4(x, scale_mode)
+    assert torch.equal(tf.unpack_fp4(q.codes), codes)
+    assert torch.equal(q.scales, scales)
+    assert torch.equal(bits(tf.dequantize_mxfp4(q)), bits(ref.dequantize_mxfp4(codes, scales)))
+
+
+def test_e4m3_cast_exhaustive_against_torch():
+    # every E4M3 value, every midpoint between neighbours, and points just either side of them
+    vals = torch.arange(0, 127, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (vals[:-1] + vals[1:]) / 2
+    probe = torch.cat([vals, mids, torch.nextafter(mids, torch.zeros(1)), torch.nextafter(mids, torch.full((1,), 1e9))])
+    probe = probe[probe <= 448]
+    for v in probe.tolist():
+        x = torch.zeros(16)
+        x[0] = v * 6  # S_enc = 1: the scale is e4m3(v * 6 * fl(1/6))
+        q = tf.quantize_nvfp4(x, global_amax=S_ENC_ONE)
+        _, s8, _ = ref.quantize_nvfp4(x, global_amax=S_ENC_ONE)
+        assert bits(q.scales).item() == bits(s8).item(), v
+
+
+def test_shapes_and_leading_dims():
+    x = torch.randn(2, 3, 5, 64)
+    q = tf.quantize_nvfp4(x, per_row=True)
+    assert q.codes.shape == (2, 3, 5, 32) and q.scales.shape == (2, 3, 5, 4)
+    assert q.global_amax.shape == (2, 3, 5, 1) and q.shape == x.shape
+    assert tf.dequantize_nvfp4(q).shape == x.shape
+    m = tf.quantize_mxfp4(x)
+    assert m.codes.shape == (2, 3, 5, 32) and m.scales.shape == (2, 3, 5, 2)
+
+
+def test_per_row_codes_independent_of_batch():
+    x = torch.randn(8, 64)
+    alone = tf.quantize_nvfp4(x[3:4], per_row=True)
+    batch = tf.quantize_nvfp4(x * torch.tensor([100.0] + [1.0] * 7).unsqueeze(1), per_row=True)
+    assert torch.equal(alone.codes, batch.codes[3:4])
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fn,x,match",
+    [
+        (tf.quantize_nvfp4, torch.randn(4, 24), "not a multiple of the block size 16"),
+        (tf.quantize_mxfp4, torch.randn(4, 48), "not a multiple of the block size 32"),
+        (tf.quantize_nvfp4, torch.randn(4, 16, dtype=torch.float64), "dtype torch.float64 is not supported"),
+        (tf.quantize_nvfp4, torch.tensor([1.0] * 15 + [float("nan")]), r"non-finite input at index \(15,\)"),
+        (tf.quantize_mxfp4, torch.tensor([[1.0] * 32, [1.0] * 31 + [float("inf")]]), r"index \(1, 31\)"),
+    ],
+)
+def test_bad_input_raises(fn, x, match):
+    with pytest.raises(ValueError, match=match):
+        fn(x)
+
+
+def test_bad_global_amax_raises():
+    with pytest.raises(ValueError, match="global_amax: shape"):
+        tf.quantize_nvfp4(torch.randn(4, 16), global_amax=torch.ones(3, 1))
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        tf.quantize_nvfp4(torch.randn(4, 16), global_amax=torch.tensor(float("inf")))
+
+
+def test_pack_rejects_bad_codes():
+    with pytest.raises(ValueError, match="4-bit"):
+        tf.pack_fp4(torch.tensor([16, 0], dtype=torch.uint8))
+    with pytest.raises(ValueError, match="even"):
+        tf.pack_fp4(torch.tensor([1, 2, 3], dtype=torch.uint8))
+
+
+# --- straight-through fake quantization ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_quant_forward_and_identity_gradient(fmt, dtype):
+    x = torch.randn(4, 64, dtype=dtype, requires_grad=True)
+    y = tf.fake_quant(x, fmt, per_row=(fmt == "nvfp4"))
+    assert y.dtype == dtype
+    expect = tf.dequantize(tf.quantize(x.detach(), fmt, per_row=(fmt == "nvfp4"))).to(dtype)
+    assert torch.equal(y, expect)
+    g = torch.randn(4, 64, dtype=dtype)
+    y.backward(g)
+    assert torch.equal(x.grad, g)

@@ -1,0 +1,158 @@
+"""Synthetic verifiable tasks with a character tokenizer, for GRPO that runs on two CPU cores.
+
+A task is anything with the :class:`Task` interface: it samples prompts with their reference answers,
+scores a completion with a reward in [0, 1], and has a fixed held-out evaluation set. Plug in your
+own by implementing the three methods (prompts are plain strings; bring a tokenizer whose
+``encode``/``decode`` map them to and from token ids, see :class:`CharTokenizer`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Protocol, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str
+
+
+class Task(Protocol):
+    name: str
+
+    def sample(self, rng: random.Random, n: int) -> list[Example]:
+        """``n`` training examples drawn with ``rng`` (deterministic given its state)."""
+
+    def reward(self, example: Example, completion: str) -> float:
+        """Reward of a decoded completion (stop token excluded), in [0, 1]."""
+
+    def eval_set(self, n: int = 128) -> list[Example]:
+        """A fixed held-out set, disjoint from what :meth:`sample` draws."""
+
+
+class CharTokenizer:
+    """One token per character, plus pad/bos/eos. Ids are stable: specials first, then the alphabet."""
+
+    PAD, BOS, EOS = 0, 1, 2
+    SPECIALS = ("<pad>", "<bos>", "<eos>")
+
+    def __init__(self, alphabet: str = "0123456789+=RS"):
+        if len(set(alphabet)) != len(alphabet):
+            raise ValueError(f"alphabet has repeated characters: {alphabet!r}")
+        self.alphabet = alphabet
+        self._id = {c: i + len(self.SPECIALS) for i, c in enumerate(alphabet)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.SPECIALS) + len(self.alphabet)
+
+    def encode(self, text: str, *, bos: bool = True) -> list[int]:
+        try:
+            ids = [self._id[c] for c in text]
+        except KeyError as e:
+            raise ValueError(f"character {e.args[0]!r} of {text!r} is not in the alphabet {self.alphabet!r}") from None
+        return [self.BOS, *ids] if bos else ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, stopping at the first EOS; specials other than EOS are dropped."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == self.EOS:
+                break
+            if i >= len(self.SPECIALS):
+                out.append(self.alphabet[i - len(self.SPECIALS)])
+        return "".join(out)
+
+
+def _exact(example: Example, completion: str) -> float:
+    return 1.0 if completion.strip() == example.answer else 0.0
+
+
+@dataclasses.dataclass
+class Addition:
+    """``"a+b="`` -> ``str(a+b)`` for non-negative integers of up to ``digits`` digits."""
+
+    digits: int = 2
+    name: str = "addition"
+
+    def _pair(self, rng: random.Random) -> tuple[int, int]:
+        hi = 10**self.digits - 1
+        return rng.randint(0, hi), rng.randint(0, hi)
+
+    def _example(self, a: int, b: int) -> Example:
+        return Example(f"{a}+{b}=", str(a + b))
+
+    def _held_out(self, a: int, b: int) -> bool:
+        return (a * 31 + b * 17) % 10 == 0  # a fixed tenth of all pairs never appears in training
+
+    def sample(self, rng: random.Random, n: int) -> list[Example]:
+        out = []
+        while len(out) < n:
+            a, b = self._pair(rng)
+            if not self._held_out(a, b):
+                out.append(self._example(a, b))
+        return out
+
+    def reward(self, example: Example, completion: str) -> float:
+        return _exact(example, completion)
+
+    def eval_set(self, n: int = 128) -> list[Example]:
+        rng = random.Random(12345)
+        out = []
+        while len(out) < n:
+            a, b = self._pair(rng)
+            if self._held_out(a, b):
+                out.append(self._example(a, b))
+        return out
+
+
+@dataclasses.dataclass
+class Reverse:
+    """``"R<digits>="`` -> the digit string reversed; length ``min_len..max_len``. Partial credit per
+    correct position keeps the reward informative early on."""
+
+    min_len: int = 3
+    max_len: int = 6
+    name: str = "reverse"
+
+    def _digits(self, rng: random.Random) -> str:
+        return "".join(rng.choice("0123456789") for _ in range(rng.randint(self.min_len, self.max_len)))
+
+    def _held_out(self, s: str) -> bool:
+        return sum(map(int, s)) % 10 == 7
+
+    def sample(self, rng: random.Random, n: int) -> list[Example]:
+        out = []
+        while len(out) < n:
+            s = self._digits(rng)
+            if not self._held_out(s):
+                out.append(Example(f"R{s}=", s[::-1]))
+        return out
+
+    def reward(self, example: Example, completion: str) -> float:
+        c, a = completion.strip(), example.answer
+        if c == a:
+            return 1.0
+        hits = sum(x == y for x, y in zip(c, a))
+        return 0.5 * hits / max(len(a), len(c))
+
+    def eval_set(self, n: int = 128) -> list[Example]:
+        rng = random.Random(54321)
+        out = []
+        while len(out) < n:
+            s = self._digits(rng)
+            if self._held_out(s):
+                out.append(Example(f"R{s}=", s[::-1]))
+        return out
+
+
+TASKS = {"addition": Addition, "reverse": Reverse}
+
+
+def make_task(name: str, **kwargs) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; available: {sorted(TASKS)}")
+    return TASKS[name](**kwargs)

@@ -1,0 +1,252 @@
+"""The prepared transformers MoE model: seams, precision plan, site granularity, families, save/load."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    MixtralConfig,
+    OlmoeConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
+
+from tracefp4 import dequantize, quantize_nvfp4
+from tracefp4.constants import Format, Site
+from tracefp4.model import (
+    EXPERTS_IMPLEMENTATION,
+    FP4KVCache,
+    PrecisionPlan,
+    QuantContext,
+    QuantMode,
+    Recorder,
+    default_guided_layers,
+    from_config,
+    load_model,
+    moe_layers,
+    prepare_model,
+    quant_context,
+)
+from tracefp4.rollout import SamplingParams, generate
+from tracefp4.trainer import code_mismatch, forward_logprobs
+
+torch.set_num_threads(1)
+
+_COMMON = dict(
+    vocab_size=32,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts_per_tok=2,
+    max_position_embeddings=128,
+    # Larger than the default 0.02 so that logits, routing and codes are far from uniform.
+    initializer_range=0.1,
+)
+
+
+def qwen3_config(**over: object) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(**{**_COMMON, "moe_intermediate_size": 32, "head_dim": 16, "num_experts": 8, **over})
+
+
+FAMILIES = {
+    "qwen3_moe": qwen3_config,
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **_COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8
+    ),
+    "olmoe": lambda: OlmoeConfig(**_COMMON, num_experts=8, pad_token_id=0, eos_token_id=1, bos_token_id=None),
+    "mixtral": lambda: MixtralConfig(**_COMMON, num_local_experts=8, head_dim=16),
+}
+
+
+def plain_twin(model: torch.nn.Module, config: object) -> torch.nn.Module:
+    """The same weights in an untouched transformers model (default experts implementation)."""
+    twin = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=model.dtype).eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return from_config(qwen3_config(), seed=0)
+
+
+# --- seams ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_prepared_model_is_the_transformers_model(family: str) -> None:
+    """Without a quant context the prepared model computes what transformers computes (float32 so the
+    comparison is tight: only the order of the top-k sum differs)."""
+    config = FAMILIES[family]()
+    model = from_config(config, dtype=torch.float32, seed=0)
+    assert model.config._experts_implementation == EXPERTS_IMPLEMENTATION
+    assert [m.index for m in moe_layers(model)] == [0, 1, 2, 3]
+    twin = plain_twin(model, config)
+    assert twin.config._experts_implementation != EXPERTS_IMPLEMENTATION
+    ids = torch.randint(0, 32, (2, 11), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(ids).logits, twin(ids).logits, atol=2e-6, rtol=0)
+
+
+def test_prepare_is_idempotent_and_leaves_state_dict_alone(model: torch.nn.Module) -> None:
+    keys = list(model.state_dict())
+    hooks = [len(m.router._forward_hooks) for m in moe_layers(model)]
+    assert prepare_model(model) is model
+    assert list(model.state_dict()) == keys
+    assert [len(m.router._forward_hooks) for m in moe_layers(model)] == hooks == [1] * 4
+
+
+def test_sliding_window_is_refused() -> None:
+    with pytest.raises(NotImplementedError, match="sliding"):
+        from_config(qwen3_config(use_sliding_window=True, sliding_window=8))
+
+
+def test_default_guided_layers_are_the_deeper_half() -> None:
+    assert default_guided_layers(4) == {2, 3}
+    assert default_guided_layers(48) == frozenset(range(24, 48))
+
+
+def test_precision_plan() -> None:
+    assert PrecisionPlan() == PrecisionPlan.w4a4()
+    assert PrecisionPlan.w4a8().site_format(Site.EXPERT_IN) == "fp8"
+    assert PrecisionPlan.w4a8().site_format(Site.K) == "nvfp4"
+    assert not PrecisionPlan.w4a8().guidable(Site.EXPERT_MID)
+    mx = PrecisionPlan.mxfp4("rceil")
+    assert (mx.weights, mx.kv_cache, mx.site_format(Site.EXPERT_MID)) == (Format.MXFP4, Format.MXFP4, "mxfp4")
+    with pytest.raises(ValueError, match="activations"):
+        PrecisionPlan(activations="int4")  # type: ignore[arg-type]
+
+
+# --- sites ---------------------------------------------------------------------------------------
+
+
+def test_one_forward_records_every_site_with_its_granularity(model: torch.nn.Module) -> None:
+    ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
+    ctx = QuantContext(mode=QuantMode.RTN, guided_layers={1, 3}, record=Recorder(), hint_mode="full")
+    with quant_context(model, ctx), torch.no_grad():
+        model(ids, cache=FP4KVCache(model), use_cache=True)
+    rec = ctx.record.take()
+    n = ids.numel()
+    assert set(rec.hints) == {f"L{i:02d}.{s.value}" for i in (1, 3) for s in Site}
+    assert rec.hints["L01.expert_in"].shape == (n, 64)  # per token
+    assert rec.hints["L01.expert_mid"].shape == (n, 2, 32)  # per token and selected expert
+    assert rec.hints["L03.k"].shape == rec.hints["L03.v"].shape == (n, 2, 16)  # per token and KV head
+    assert rec.hints["L03.k"].global_amax.shape == (n, 2, 1)  # one global scale per row
+    assert sorted(rec.routing) == [0, 1, 2, 3] and rec.routing[0].shape == (n, 2)
+    assert ctx.record.take().hints == {}
+
+
+def test_activation_codes_do_not_depend_on_the_batch() -> None:
+    """Per-row global scales: a token's codes are the same alone or next to a much larger token."""
+    ctx = QuantContext(mode=QuantMode.RTN, guided_layers={0}, record=Recorder(), hint_mode="full")
+    x = torch.randn(3, 2, 32, dtype=torch.bfloat16)
+    ctx.quantize_site(0, Site.EXPERT_MID, x)
+    alone = ctx.record.take().hints["L00.expert_mid"].data
+    ctx.quantize_site(0, Site.EXPERT_MID, torch.cat([x, 100 * torch.randn(4, 2, 32, dtype=torch.bfloat16)]))
+    assert torch.equal(ctx.record.take().hints["L00.expert_mid"].data[:3], alone)
+
+
+def test_expert_weights_per_expert_scale_with_straight_through_gradient(model: torch.nn.Module) -> None:
+    experts = moe_layers(model)[0].experts
+    ctx = QuantContext(mode=QuantMode.RTN)
+    w_hat = ctx.expert_weight(experts, "down_proj")
+    w = experts.down_proj.detach()
+    for e in (0, 5):  # each expert on its own global scale
+        expect = dequantize(quantize_nvfp4(w[e], global_amax=w[e].abs().amax().float()))
+        assert torch.equal(w_hat[e], expect.to(w.dtype))
+    w_hat.float().sum().backward()
+    assert torch.equal(experts.down_proj.grad, torch.ones_like(w))
+    experts.down_proj.grad = None
+
+
+def test_rollout_weight_cache_follows_in_place_updates() -> None:
+    model = from_config(qwen3_config(), seed=0)
+    experts = moe_layers(model)[1].experts
+    ctx = QuantContext(mode=QuantMode.RTN, reuse_quantized_weights=True)
+    first = ctx.expert_weight(experts, "gate_up_proj")
+    assert ctx.expert_weight(experts, "gate_up_proj") is first  # cached
+    with torch.no_grad():
+        experts.gate_up_proj.mul_(1.5)  # what an optimizer step does
+    again = ctx.expert_weight(experts, "gate_up_proj")
+    assert again is not first and not torch.equal(again, first)
+
+
+def test_non_finite_input_names_the_site() -> None:
+    ctx = QuantContext(mode=QuantMode.RTN)
+    x = torch.zeros(2, 2, 16)
+    x[1, 0, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"L07\.k"):
+        ctx.quantize_site(7, Site.K, x)
+    with pytest.raises(ValueError, match=r"L02\.expert_in"):
+        QuantContext(mode=QuantMode.RTN, plan=PrecisionPlan.w4a8()).quantize_site(
+            2, Site.EXPERT_IN, torch.full((1, 32), float("inf"))
+        )
+
+
+def test_a_deep_copy_is_an_independent_prepared_model(model: torch.nn.Module) -> None:
+    """E.g. a GRPO reference policy: its hooks and experts must follow its own context."""
+    twin = copy.deepcopy(model)
+    rollout = generate(model, [[3, 4, 5, 6]], SamplingParams(max_new_tokens=3))
+    out = forward_logprobs(twin, rollout.token_ids, rollout.prompt_lens, rollout.records, mode="qat")
+    assert sorted(out.router_flips) == [0, 1, 2, 3]  # replay ran in the copy's routers
+    with torch.no_grad():
+        ref = forward_logprobs(model, rollout.token_ids, rollout.prompt_lens, rollout.records, mode="qat")
+    assert torch.equal(out.logprobs[0].detach(), ref.logprobs[0])
+
+
+def test_quant_context_does_not_nest(model: torch.nn.Module) -> None:
+    with quant_context(model, QuantContext()), pytest.raises(RuntimeError, match="already active"):
+        with quant_context(model, QuantContext()):
+            pass
+
+
+# --- both paths, every family and plan -----------------------------------------------------------
+
+_PLANS = {"w4a4": PrecisionPlan.w4a4(), "w4a8": PrecisionPlan.w4a8(), "mxfp4": PrecisionPlan.mxfp4()}
+
+
+@pytest.mark.parametrize(
+    "family,plan",
+    [(f, "w4a4") for f in sorted(FAMILIES)] + [("qwen3_moe", "w4a8"), ("qwen3_moe", "mxfp4")],
+)
+def test_identical_inputs_give_identical_codes(family: str, plan: str) -> None:
+    """The engine scoring one sequence (one full-sequence prefill) and the trainer on the same sequence
+    compute the same thing, so both QAT and TRACE reproduce every recorded code."""
+    config = qwen3_config(head_dim=32) if plan == "mxfp4" else FAMILIES[family]()  # MXFP4 blocks are 32
+    model = from_config(config, seed=0)
+    seq = torch.randint(2, 32, (19,), generator=torch.Generator().manual_seed(2))
+    rec = generate(model, [seq], SamplingParams(max_new_tokens=0), hint_mode="full", plan=_PLANS[plan]).records[0]
+    sites = {k.rsplit(".", 1)[0] for k in rec if not k.endswith("routing")}
+    kv = {"L02.k", "L02.v", "L03.k", "L03.v"}
+    experts = {"L02.expert_in", "L02.expert_mid", "L03.expert_in", "L03.expert_mid"}
+    assert sites == (kv if plan == "w4a8" else kv | experts)  # FP8 activations carry no FP4 guidance
+    for mode in ("qat", "trace"):
+        out = forward_logprobs(model, [seq], [4], [rec], mode=mode, plan=_PLANS[plan], capture_codes=True)
+        stats = code_mismatch(out.codes, [rec])
+        assert set(stats) == sites
+        assert sum(s.mismatched for s in stats.values()) == 0, (mode, stats)
+
+
+# --- save / load ---------------------------------------------------------------------------------
+
+
+def test_save_pretrained_and_load_back(tmp_path, model: torch.nn.Module) -> None:
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "config.json").exists() and list(tmp_path.glob("*.safetensors"))
+    assert EXPERTS_IMPLEMENTATION not in (tmp_path / "config.json").read_text()
+    loaded = load_model(tmp_path)
+    assert loaded.dtype == torch.bfloat16
+    assert loaded.config._experts_implementation == EXPERTS_IMPLEMENTATION
+    for (k, a), (k2, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10]]
+    sampling = SamplingParams(max_new_tokens=4, seed=3)
+    a, b = generate(model, prompts, sampling), generate(loaded, prompts, sampling)
+    assert all(torch.equal(x, y) for x, y in zip(a.token_ids, b.token_ids))
+    assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
+    for ra, rb in zip(a.records, b.records):
+        assert ra.keys() == rb.keys() and all(torch.equal(ra[k], rb[k]) for k in ra)

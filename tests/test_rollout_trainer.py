@@ -1,0 +1,289 @@
+"""The two FP4 paths end to end: rollout engine (incremental decode, FP4 KV cache) and trainer forward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+from tracefp4.constants import Site
+from tracefp4.model import PrecisionPlan, from_config, moe_layers
+from tracefp4.rollout import RolloutOutput, SamplingParams, generate, sample
+from tracefp4.trainer import code_mismatch, forward_logprobs, forward_rollout
+
+torch.set_num_threads(1)
+
+CONFIG = Qwen3MoeConfig(
+    vocab_size=32,
+    hidden_size=64,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=128,
+    initializer_range=0.1,  # peaked logits and routing, unlike the default 0.02
+)
+PROMPTS = [
+    torch.randint(2, 32, (n,), generator=torch.Generator().manual_seed(10 + n)) for n in (3, 7, 5, 9)
+]  # ragged on purpose
+SAMPLING = SamplingParams(max_new_tokens=24, seed=0)
+
+
+def hf_logprobs(model: torch.nn.Module, ids: torch.Tensor, prompt_len: int, temperature: float = 1.0) -> Tensor:
+    """Completion log-probs from transformers' own forward of one unpadded sequence."""
+    logits = model(ids[None]).logits[0].float() / temperature
+    return torch.log_softmax(logits, -1)[prompt_len - 1 : -1].gather(-1, ids[prompt_len:, None]).squeeze(-1)
+
+
+def mismatches(codes: list, records: list) -> tuple[int, int, int]:
+    stats = code_mismatch(codes, records).values()
+    return sum(s.mismatched for s in stats), sum(s.one_apart for s in stats), sum(s.total for s in stats)
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return from_config(CONFIG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def trace_full(model: torch.nn.Module) -> RolloutOutput:
+    return generate(model, PROMPTS, SAMPLING, mode="trace", hint_mode="full")
+
+
+# --- the rollout engine --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.08)])
+def test_bf16_rollout_logprobs_equal_transformers_forward(dtype: torch.dtype, atol: float) -> None:
+    """Quantization off: the engine's log-probs (batched, left-padded, incremental decode, a batch that
+    shrinks as sequences stop) equal transformers' forward of each sequence alone.
+
+    float32 proves the engine exact (positions, masks, cache, sampling bookkeeping): only reduction
+    order differs, ~1e-6. In bfloat16 the two computations round differently: the logits come out
+    of a bf16 lm_head (8 significant bits, one ulp at |logit| in [2, 4) is 2^-6 ~ 0.016) after four
+    layers of bf16 residual stream, so a few ulps of drift per logit are expected; log_softmax moves
+    by at most 2 max|dlogit|. 0.08 is ~2.5x the largest difference seen (0.03-0.04) with a mean
+    bound 4x tighter; a real bug (wrong position, leaked pad, stale cache) moves log-probs by O(1)."""
+    model = from_config(CONFIG, dtype=dtype, seed=0)
+    twin = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIG), dtype=dtype).eval()
+    twin.load_state_dict(model.state_dict())
+    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=12, stop_token_ids=(3, 5), seed=1), mode="bf16")
+    assert "stop" in out.finish_reasons and "length" in out.finish_reasons  # ragged completions
+    diffs = []
+    with torch.no_grad():
+        for b, ids in enumerate(out.token_ids):
+            diffs.append(out.logprobs[b] - hf_logprobs(twin, ids, out.prompt_lens[b]))
+    diff = torch.cat(diffs).abs()
+    assert diff.max() <= atol and diff.mean() <= atol / 4, (diff.max(), diff.mean())
+
+
+def test_logprobs_use_the_temperature_scaled_distribution() -> None:
+    """logprob = log_softmax(logits / T)[token], before top-p truncation (checked in float32)."""
+    model = from_config(CONFIG, dtype=torch.float32, seed=0)
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.7, top_p=0.9, seed=4)
+    out = generate(model, PROMPTS[:2], sampling, mode="bf16")
+    with torch.no_grad():
+        for b, ids in enumerate(out.token_ids):
+            expect = hf_logprobs(model, ids, out.prompt_lens[b], 0.7)
+            torch.testing.assert_close(out.logprobs[b], expect, atol=1e-5, rtol=0)
+        got = forward_logprobs(model, out.token_ids, out.prompt_lens, out.records, mode="bf16", temperature=0.7)
+    torch.testing.assert_close(torch.cat(got.logprobs), torch.cat(out.logprobs), atol=1e-5, rtol=0)
+
+
+def test_sampler() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.9], [5.0, 0.0, 0.0, 0.0]])
+    greedy, lp = sample(logits, SamplingParams(temperature=0), None)
+    assert greedy.tolist() == [1, 0]
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
+    gen = torch.Generator().manual_seed(0)
+    top = torch.stack([sample(logits, SamplingParams(top_p=0.05), gen)[0] for _ in range(50)])
+    assert (top == greedy).all()  # top-p that small keeps only the top token
+    wide = torch.stack([sample(logits, SamplingParams(temperature=5.0), gen)[0] for _ in range(200)])
+    assert len(set(wide[:, 0].tolist())) == 4
+
+
+def test_rollout_output_and_record_layout(model: torch.nn.Module, trace_full: RolloutOutput) -> None:
+    stops = (4, 9)
+    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=10, stop_token_ids=stops, seed=5), mode="trace")
+    n_moe = len(moe_layers(model))
+    for b, ids in enumerate(out.token_ids):
+        p, t = out.prompt_lens[b], ids.numel()
+        assert p == PROMPTS[b].numel() and torch.equal(ids[:p], PROMPTS[b])
+        assert out.logprobs[b].shape == (t - p,) and (out.logprobs[b] <= 0).all()
+        completion = out.completion(b).tolist()
+        if out.finish_reasons[b] == "stop":
+            assert completion[-1] in stops and not set(completion[:-1]) & set(stops)  # the stop token is kept
+        else:
+            assert len(completion) == 10 and not set(completion) & set(stops)
+        rec = out.records[b]
+        assert all(v.shape[0] == t for v in rec.values())  # every position, the last token included
+        assert sum(k.endswith(".routing") for k in rec) == n_moe
+        assert rec["L00.routing"].dtype == torch.uint8 and rec["L00.routing"].shape == (t, 2)
+        assert {k.split(".")[0] for k in rec if not k.endswith("routing")} == {"L02", "L03"}  # deeper half
+        assert rec["L02.expert_mid.bits"].shape == (t, 2, 4)  # lsb: one bit per element
+        assert rec["L02.k.scales"].dtype == torch.float8_e4m3fn and rec["L02.k.global_amax"].shape == (t, 2, 1)
+    assert len(set(out.finish_reasons)) == 2
+    # full hints: 4 bits/element + scales; lsb: 1 bit/element + scales
+    lsb = generate(model, PROMPTS, SAMPLING, mode="trace")
+    assert lsb.guidance_bytes() < 0.5 * trace_full.guidance_bytes()
+
+
+def test_records_do_not_change_the_numerics(model: torch.nn.Module, trace_full: RolloutOutput) -> None:
+    vanilla = generate(model, PROMPTS, SAMPLING, mode="fp4")
+    lsb = generate(model, PROMPTS, SAMPLING, mode="trace", hint_mode="lsb")
+    for other in (vanilla, lsb):
+        assert all(torch.equal(a, b) for a, b in zip(other.token_ids, trace_full.token_ids))
+        assert all(torch.equal(a, b) for a, b in zip(other.logprobs, trace_full.logprobs))
+        for a, b in zip(other.records, trace_full.records):
+            assert torch.equal(a["L03.routing"], b["L03.routing"])
+    assert all(set(r) == {f"L{i:02d}.routing" for i in range(4)} for r in vanilla.records)
+    scored = generate(model, PROMPTS[:1], SamplingParams(max_new_tokens=0))
+    assert scored.logprobs[0].numel() == 0 and scored.records[0]["L02.k.bits"].shape[0] == PROMPTS[0].numel()
+
+
+def test_fp4_rollout_differs_from_bf16(model: torch.nn.Module, trace_full: RolloutOutput) -> None:
+    """Against the same BF16 teacher-forced reference, the FP4 engine is far off, the BF16 engine is not."""
+    bf16 = generate(model, PROMPTS, SAMPLING, mode="bf16")
+    with torch.no_grad():
+        ref_fp4 = forward_rollout(model, trace_full, mode="bf16").logprobs
+        ref_bf16 = forward_rollout(model, bf16, mode="bf16").logprobs
+    gap_fp4 = torch.cat([a - b for a, b in zip(trace_full.logprobs, ref_fp4)]).abs().mean()
+    gap_bf16 = torch.cat([a - b for a, b in zip(bf16.logprobs, ref_bf16)]).abs().mean()
+    assert gap_fp4 > 5 * gap_bf16, (gap_fp4, gap_bf16)  # measured: 0.079 vs 0.004
+
+
+# --- the trainer ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hint_mode", ["lsb", "full"])
+def test_trace_reproduces_rollout_codes_on_identical_inputs(model: torch.nn.Module, hint_mode: str) -> None:
+    """The engine scoring a sequence in one full-sequence step and the trainer on the same sequence see
+    identical inputs at every site, so TRACE must land on the rollout's codeword everywhere."""
+    for ids, p in zip(PROMPTS[1:3], (2, 4)):
+        score = SamplingParams(max_new_tokens=0)
+        rec = generate(model, [ids], score, hint_mode=hint_mode, guided_layers=range(4)).records[0]
+        full = generate(model, [ids], score, hint_mode="full", guided_layers=range(4)).records[0]
+        with torch.no_grad():
+            out = forward_logprobs(model, [ids], [p], [rec], mode="trace", capture_codes=True)
+        assert set(out.codes[0]) == {f"L{i:02d}.{s.value}" for i in range(4) for s in Site}
+        assert mismatches(out.codes, [full])[0] == 0
+
+
+def test_routing_replay_uses_recorded_experts_and_router_learns(
+    model: torch.nn.Module, trace_full: RolloutOutput
+) -> None:
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [
+        m.experts.register_forward_hook(lambda mod, args, out, i=m.index: seen.__setitem__(i, args[1].clone()))
+        for m in moe_layers(model)
+    ]
+    try:
+        out = forward_rollout(model, trace_full, mode="qat")
+    finally:
+        for h in hooks:
+            h.remove()
+    for layer, chosen in seen.items():
+        recorded = torch.cat([r[f"L{layer:02d}.routing"] for r in trace_full.records]).long()
+        assert torch.equal(chosen, recorded)
+    # Drift flips some of the trainer's own choices; replay overrides them.
+    assert 0 < max(out.router_flips.values()) < 0.2, out.router_flips
+    model.zero_grad()
+    (-torch.cat(out.logprobs).sum()).backward()
+    for m in moe_layers(model):
+        assert m.router.weight.grad is not None and m.router.weight.grad.abs().sum() > 0
+        assert m.experts.gate_up_proj.grad.abs().sum() > 0  # straight-through to the master weights
+    model.zero_grad()
+
+
+def test_guidance_removes_code_mismatches_under_decode_drift(
+    model: torch.nn.Module, trace_full: RolloutOutput
+) -> None:
+    """Incremental decode vs full-sequence forward: QAT's round-to-nearest picks other codewords at the
+    guided sites, TRACE far fewer; guiding every layer removes them and closes the log-prob gap."""
+    with torch.no_grad():
+        qat = forward_rollout(model, trace_full, mode="qat", capture_codes=True)
+        trace = forward_rollout(model, trace_full, mode="trace", capture_codes=True)
+        lsb = forward_logprobs(
+            model, trace_full.token_ids, trace_full.prompt_lens,
+            generate(model, PROMPTS, SAMPLING, mode="trace", hint_mode="lsb").records,
+            mode="trace", capture_codes=True,
+        )  # fmt: skip
+    m_qat, m_trace, m_lsb = (mismatches(o.codes, trace_full.records) for o in (qat, trace, lsb))
+    # measured (deeper half guided): qat 7638/46080, trace-full 48, trace-lsb 73
+    assert m_qat[0] > 0.05 * m_qat[2]
+    assert m_trace[0] < 0.02 * m_qat[0] and m_lsb[0] < 0.02 * m_qat[0]
+    assert m_qat[1] > 0.8 * m_qat[0]  # most mismatches are one codeword apart
+
+    everywhere = generate(model, PROMPTS, SAMPLING, hint_mode="full", guided_layers=range(4))
+    with torch.no_grad():
+        qat_all = forward_rollout(model, everywhere, mode="qat", capture_codes=True)
+        trace_all = forward_rollout(model, everywhere, mode="trace", capture_codes=True)
+    assert mismatches(trace_all.codes, everywhere.records)[0] == 0  # measured: qat 9308/92160
+    assert mismatches(qat_all.codes, everywhere.records)[0] > 0
+    gap = {
+        name: torch.cat([a - b for a, b in zip(o.logprobs, everywhere.logprobs)]).abs().max()
+        for name, o in (("qat", qat_all), ("trace", trace_all))
+    }
+    assert gap["trace"] < 0.25 * gap["qat"], gap  # measured: 0.007 vs 0.15
+
+
+def test_packed_batch_equals_sequences_alone() -> None:
+    """Packing isolates the trajectories (float32, BF16 mode)."""
+    model = from_config(CONFIG, dtype=torch.float32, seed=0)
+    tail = torch.randint(2, 32, (6,), generator=torch.Generator().manual_seed(0))
+    seqs = [torch.cat([p, tail]) for p in PROMPTS]
+    lens = [p.numel() for p in PROMPTS]
+    with torch.no_grad():
+        packed = forward_logprobs(model, seqs, lens, mode="bf16", replay_routing=False)
+        for b, ids in enumerate(seqs):
+            torch.testing.assert_close(packed.logprobs[b], hf_logprobs(model, ids, lens[b]), atol=1e-5, rtol=0)
+    values, mask = packed.padded()
+    assert values.shape == mask.shape == (4, 6) and mask.all()
+
+
+def test_trainer_rejects_records_that_do_not_fit(model: torch.nn.Module, trace_full: RolloutOutput) -> None:
+    ids, lens, recs = trace_full.token_ids[:2], trace_full.prompt_lens[:2], trace_full.records[:2]
+    short = [dict(recs[0]), recs[1]]
+    short[0]["L02.k.codes"] = short[0]["L02.k.codes"][:-1]
+    with pytest.raises(ValueError, match="leading dim"):
+        forward_logprobs(model, ids, lens, short)
+    no_routing = [{k: v for k, v in r.items() if k != "L01.routing"} for r in recs]
+    with pytest.raises(ValueError, match="routing replay"):
+        forward_logprobs(model, ids, lens, no_routing, mode="qat")
+    vanilla = [{k: v for k, v in r.items() if k.endswith("routing")} for r in recs]
+    with pytest.raises(ValueError, match="trace mode needs guidance"):
+        forward_logprobs(model, ids, lens, vanilla, mode="trace")
+    with pytest.raises(ValueError, match="different tensors"):
+        forward_logprobs(model, ids, lens, [recs[0], vanilla[1]], mode="qat")
+    with pytest.raises(ValueError, match="unknown record name"):
+        forward_logprobs(model, ids, lens, [{**r, "L2.k.codes": r["L02.k.codes"]} for r in recs])
+    with pytest.raises(ValueError, match="L02.k.*mxfp4"):
+        forward_logprobs(model, ids, lens, recs, plan=PrecisionPlan(kv_cache="mxfp4"))
+    with pytest.raises(ValueError, match="needs the rollout's records"):
+        forward_logprobs(model, ids, lens)
+
+
+def test_records_travel_through_the_store(tmp_path, model: torch.nn.Module) -> None:
+    """The rollout's per-trajectory dicts are the store's record format, and come back usable."""
+    from tracefp4.store import StoreReader, StoreWriter, seal_step
+
+    rollout = generate(model, PROMPTS, SamplingParams(max_new_tokens=8, seed=2))
+    ids = [f"t{b}" for b in range(len(PROMPTS))]
+    with StoreWriter(tmp_path, 0, "w0", model_signature="tiny", policy_version=0) as writer:
+        for tid, rec, p in zip(ids, rollout.records, rollout.prompt_lens):
+            writer.add(tid, rec, prompt_len=p)
+    seal_step(tmp_path, 0, ["w0"])
+    reader = StoreReader(tmp_path, 0, model_signature="tiny", policy_version=0)
+    records = reader.batch(ids, [t.numel() for t in rollout.token_ids])
+    reader.close()
+    with torch.no_grad():
+        direct = forward_rollout(model, rollout, mode="trace").logprobs
+        stored = forward_logprobs(model, rollout.token_ids, rollout.prompt_lens, records, mode="trace").logprobs
+    assert all(torch.equal(a, b) for a, b in zip(direct, stored))

@@ -11,7 +11,11 @@ import pytest
 from tracefp4.cli import main
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"], ["bench", "numerics", "--help"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["demo", "--help"], ["train", "--help"], ["report", "--help"], ["twopath", "--help"],
+     ["bench", "--help"], ["bench", "numerics", "--help"], ["mismatch", "--help"]],
+)
 def test_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -19,8 +23,8 @@ def test_help(argv, capsys):
     assert "usage: tracefp4" in capsys.readouterr().out
 
 
-def test_demo_prints_mismatch_table(capsys):
-    assert main(["demo", "--rows", "64", "--cols", "256", "--inner", "256"]) == 0
+def test_twopath_prints_mismatch_table(capsys):
+    assert main(["twopath", "--rows", "64", "--cols", "256", "--inner", "256"]) == 0
     out = capsys.readouterr().out
     assert "round-to-nearest" in out and "guided (lsb)" in out and "guided (full)" in out
     assert "differ at bf16 level" in out

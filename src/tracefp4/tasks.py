@@ -56,13 +56,16 @@ class CharTokenizer:
         return [self.BOS, *ids] if bos else ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``, stopping at the first EOS; specials other than EOS are dropped."""
+        """Text of ``ids``, stopping at the first EOS; other specials are dropped, and ids beyond the
+        vocabulary (a model's embedding table may be larger) decode as ``"?"``, which no answer contains."""
         out = []
         for i in ids:
             i = int(i)
             if i == self.EOS:
                 break
-            if i >= len(self.SPECIALS):
+            if i >= self.vocab_size:
+                out.append("?")
+            elif i >= len(self.SPECIALS):
                 out.append(self.alphabet[i - len(self.SPECIALS)])
         return "".join(out)
 

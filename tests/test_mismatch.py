@@ -1,0 +1,185 @@
+"""``tracefp4 mismatch``: the report runs end to end and its figures obey the relations they must."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from tracefp4 import mismatch
+from tracefp4.model import default_guided_layers, from_config
+from tracefp4.rollout import SamplingParams, generate
+
+torch.set_num_threads(1)
+
+# Tiny on purpose (the test budget is seconds); 4 layers so that "the deeper half" is 2 of them.
+DIMS = dict(layers=4, experts=8, top_k=2, hidden=32, moe_intermediate=16, heads=2, kv_heads=1, head_dim=16, vocab=32)
+RUN = dict(batch=4, new_tokens=12, prompt_len=8, seed=0)
+
+
+def _argv(**kw) -> list[str]:
+    out = []
+    for k, v in kw.items():
+        out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    path = tmp_path_factory.mktemp("mismatch") / "report.json"
+    assert mismatch.main(["mismatch", *_argv(**DIMS, **RUN), "--json", str(path), "--quiet"]) == 0
+    # Atomic write: the report and nothing else (no temp file left next to it).
+    assert [p.name for p in path.parent.iterdir()] == ["report.json"]
+    return json.loads(path.read_text())
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        d = d[part]
+    return d
+
+
+ARMS = ("bf16", "qat", "trace_lsb", "trace_full")
+REQUIRED = [
+    "mismatch_rate.qat",
+    "mismatch_rate.trace_lsb",
+    "mismatch_rate.trace_full",
+    "adjacent_share.qat",
+    "router_flip_rate",
+    *[f"logprob_gap.{arm}.{m}" for arm in ARMS for m in ("mean_abs", "max_abs", "k3_kl")],
+    "bytes_per_token.full_all_layers",
+    "bytes_per_token.compact_default",
+    "bytes_per_token.ratio",
+]
+
+
+@pytest.mark.parametrize("key", REQUIRED)
+def test_required_keys_are_flat_numbers(report: dict, key: str) -> None:
+    v = _get(report, key)
+    assert isinstance(v, float) and v == v, (key, v)
+
+
+def test_per_site_detail_covers_every_site_and_layer(report: dict) -> None:
+    per_site = report["per_site"]
+    assert sorted(per_site) == ["expert_in", "expert_mid", "k", "v"]
+    guided = {f"L{i:02d}" for i in default_guided_layers(DIMS["layers"])}
+    for site, layers in per_site.items():
+        assert sorted(layers) == [f"L{i:02d}" for i in range(DIMS["layers"])], site
+        for key, row in layers.items():
+            # the lsb arm is guided (and measured) on the deeper half only
+            assert (row["mismatch_rate"]["trace_lsb"] is not None) == (key in guided), (site, key)
+            assert (row["bytes_per_token"]["compact"] > 0) == (key in guided), (site, key)
+            assert row["bytes_per_token"]["full"] > 0
+
+
+def test_mismatch_rates(report: dict) -> None:
+    mr, counts = report["mismatch_rate"], report["mismatch_counts"]
+    assert report["fp4_rollouts_identical"] is True
+    # Vanilla QAT disagrees with the rollout somewhere (else the comparison below says nothing) ...
+    assert counts["qat"]["mismatched"] > 0
+    # ... guidance with full information on every layer never does worse, site for site (<=), and
+    # here removes mismatches outright (<): a trainer that ignored the hints would tie with QAT.
+    assert mr["trace_full"] <= mr["qat"]
+    assert mr["trace_full"] < mr["qat"]
+    assert counts["trace_full"]["total"] == counts["qat"]["total"]
+    # ... and the lsb arm is compared at its guided sites, the deeper half, like for like.
+    assert counts["trace_lsb"]["total"] == counts["qat_deeper_half"]["total"] < counts["qat"]["total"]
+    assert mr["trace_lsb"] <= mr["qat_deeper_half"]
+    # The per-site detail adds up to the aggregate.
+    per_site_mis = sum(
+        row["mismatch_rate"]["qat"] * row["elements"]
+        for layers in report["per_site"].values()
+        for row in layers.values()
+    )
+    assert per_site_mis == pytest.approx(counts["qat"]["mismatched"])
+    share = report["adjacent_share"]["qat"]
+    assert 0.0 <= share <= 1.0
+    assert share == pytest.approx(counts["qat"]["one_apart"] / counts["qat"]["mismatched"])
+
+
+def test_router_flip_rate_is_a_share(report: dict) -> None:
+    flips = report["router_flip"]["qat"]
+    assert 0.0 <= report["router_flip_rate"] <= 1.0
+    positions = report["tokens"]["positions"]
+    assert flips["token_layers"] == positions * DIMS["layers"]  # every (token, MoE layer) counted once
+    assert report["router_flip_rate"] == pytest.approx(flips["flips"] / flips["token_layers"])
+
+
+def test_router_flips_detect_a_changed_selection() -> None:
+    """The flip metric compares top-k *sets*: shifting one layer's recorded experts by one flips every
+    token there (no 2-subset of 8 experts is invariant under the shift), reordering flips none."""
+    model = from_config(mismatch.tiny_config(**DIMS), seed=0)
+    prompts = mismatch.make_prompts(2, DIMS["vocab"], 6, seed=3)
+    roll = generate(model, prompts, SamplingParams(max_new_tokens=4, seed=3), mode="fp4")
+    base = mismatch._router_flips_without_replay(model, roll, "qat")
+    for rec in roll.records:
+        rec["L01.routing"] = (rec["L01.routing"] + 1) % DIMS["experts"]
+        rec["L02.routing"] = rec["L02.routing"].flip(-1)
+    moved = mismatch._router_flips_without_replay(model, roll, "qat")
+    assert moved["per_layer"]["L01"] == 1.0
+    assert moved["per_layer"]["L02"] == base["per_layer"]["L02"]
+    assert moved["per_layer"]["L00"] == base["per_layer"]["L00"]
+
+
+def test_logprob_gap_bf16_below_qat(report: dict) -> None:
+    gap = report["logprob_gap"]
+    assert gap["bf16"]["max_abs"] < gap["qat"]["max_abs"]
+    for arm in ARMS:
+        g = gap[arm]
+        assert 0.0 <= g["mean_abs"] <= g["max_abs"], arm
+        assert g["k3_kl"] >= 0.0, arm
+        assert g["tokens"] == RUN["batch"] * RUN["new_tokens"], arm
+
+
+def test_guidance_bytes_match_hand_computation(report: dict) -> None:
+    L, H, k, I = DIMS["layers"], DIMS["hidden"], DIMS["top_k"], DIMS["moe_intermediate"]
+    kv, d = DIMS["kv_heads"], DIMS["head_dim"]
+    # Per token position and layer: elements and rows (one 4-byte float32 global amax per row) of the
+    # sites expert_in [H], expert_mid [top_k, I], k and v [kv, head_dim].
+    elems = H + k * I + 2 * kv * d
+    rows = 1 + k + 2 * kv
+    full_per_layer = elems * 4 // 8 + elems // 16 + 4 * rows  # 4-bit codes + E4M3 scale per 16 + amax
+    compact_per_layer = elems // 8 + elems // 16 + 4 * rows  # 1 bit + E4M3 scale per 16 + amax
+    prompts = mismatch.make_prompts(RUN["batch"], DIMS["vocab"], RUN["prompt_len"], RUN["seed"])
+    generated = RUN["batch"] * RUN["new_tokens"]
+    positions = sum(p.numel() for p in prompts) + generated  # records cover every position
+    assert (report["tokens"]["positions"], report["tokens"]["generated"]) == (positions, generated)
+    half = len(default_guided_layers(L))
+    assert half == 2
+
+    b = report["bytes_per_token"]
+    assert b["full_all_layers"] == pytest.approx(L * full_per_layer * positions / generated, rel=1e-12)
+    assert b["compact_default"] == pytest.approx(half * compact_per_layer * positions / generated, rel=1e-12)
+    assert b["ratio"] == pytest.approx(L * full_per_layer / (half * compact_per_layer), rel=1e-12)
+    # Without the per-row amax: 4.5 / 1.5 bits on all vs half of the layers = the paper's 6x.
+    assert b["ratio_without_amax"] == pytest.approx(6.0, rel=1e-12)
+    assert b["routing"] == pytest.approx(L * k * positions / generated, rel=1e-12)  # uint8 indices
+    for which, total in (("full", b["full_all_layers"]), ("compact", b["compact_default"])):
+        split = sum(row["bytes_per_token"][which] for layers in report["per_site"].values() for row in layers.values())
+        assert split == pytest.approx(total, rel=1e-12), which
+
+
+def test_add_parser_wires_the_subcommand() -> None:
+    parser = argparse.ArgumentParser(prog="tracefp4")
+    sub = parser.add_subparsers(dest="command", required=True)
+    mismatch.add_parser(sub)
+    args = parser.parse_args(["mismatch", "--layers", "2", "--top-k", "1", "--json", "x.json"])
+    assert args.func is mismatch.run_cli
+    assert (args.layers, args.top_k, args.json, args.batch) == (2, 1, "x.json", mismatch.DEFAULTS["batch"])
+
+
+def test_checkpoint_folder(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = from_config(mismatch.tiny_config(**{**DIMS, "layers": 2}), seed=1)
+    model.save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(SystemExit, match="--checkpoint fixes the model"):
+        mismatch.main(["--checkpoint", str(tmp_path / "ckpt"), "--layers", "3"])
+    out = tmp_path / "r.json"
+    argv = ["--checkpoint", str(tmp_path / "ckpt"), "--batch", "2", "--new-tokens", "4", "--json", str(out)]
+    assert mismatch.main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert rep["config"]["layers"] == 2 and rep["config"]["compact_layers"] == [1]
+    assert rep["tokens"]["generated"] == 8
+    captured = capsys.readouterr()
+    assert "log-prob gap" in captured.out and "rollout trace_full" in captured.err  # table and progress

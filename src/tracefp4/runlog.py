@@ -1,0 +1,147 @@
+"""A run folder: per-step metrics as JSONL (and TensorBoard when installed), plots, a summary table.
+
+Layout of ``runs/<timestamp>/``::
+
+    config.json            the resolved configuration of the run
+    metrics/<arm>.jsonl    one JSON object per step (and per evaluation) of each arm
+    checkpoints/<arm>/     safetensors checkpoints
+    plots/*.png            log-prob gap, reward and evaluation accuracy vs step, all arms on one chart
+    summary.md             the markdown summary table
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Iterable, Mapping
+
+ARM_STYLE = {
+    "bf16": dict(color="black", linestyle="-"),
+    "qat": dict(color="tab:red", linestyle="-"),
+    "trace": dict(color="tab:blue", linestyle="-"),
+    "trace-full": dict(color="tab:green", linestyle="--"),
+}
+
+
+def new_run_dir(base: str | os.PathLike = "runs", name: str | None = None) -> Path:
+    path = Path(base) / (name or time.strftime("%Y%m%d-%H%M%S"))
+    (path / "metrics").mkdir(parents=True, exist_ok=True)
+    (path / "plots").mkdir(exist_ok=True)
+    return path
+
+
+def write_json_atomic(path: Path, payload) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=True, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class MetricsLog:
+    """Appends one JSON line per record; mirrors scalars to TensorBoard when it is installed."""
+
+    def __init__(self, run_dir: Path, arm: str, tensorboard: bool = True):
+        self.path = run_dir / "metrics" / f"{arm}.jsonl"
+        self._f = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(run_dir / "tensorboard" / arm))
+            except Exception:  # tensorboard is optional
+                self._tb = None
+
+    def log(self, record: Mapping) -> None:
+        self._f.write(json.dumps(dict(record), sort_keys=True) + "\n")
+        self._f.flush()
+        if self._tb is not None and "step" in record:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
+                    self._tb.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: Path) -> dict[str, list[dict]]:
+    out = {}
+    for p in sorted((run_dir / "metrics").glob("*.jsonl")):
+        out[p.stem] = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return out
+
+
+def _series(rows: Iterable[dict], key: str, kind: str = "train"):
+    xs, ys = [], []
+    for r in rows:
+        if r.get("kind", "train") == kind and key in r and r[key] is not None:
+            xs.append(r["step"])
+            ys.append(r[key])
+    return xs, ys
+
+
+def plot_metric(metrics: dict[str, list[dict]], key: str, path: Path, *, title: str, ylabel: str,
+                kind: str = "train", logy: bool = False) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for arm, rows in metrics.items():
+        xs, ys = _series(rows, key, kind)
+        if xs:
+            ax.plot(xs, ys, label=arm, marker="o" if kind == "eval" else None, markersize=3,
+                    **ARM_STYLE.get(arm, {}))
+    ax.set_title(title)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel(ylabel)
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def summary_rows(metrics: dict[str, list[dict]], keys: list[tuple[str, str]], tail: int = 5) -> list[dict]:
+    """Per arm: the mean of each key over the last ``tail`` train steps, and the last evaluation."""
+    rows = []
+    for arm, recs in metrics.items():
+        train = [r for r in recs if r.get("kind", "train") == "train"]
+        evals = [r for r in recs if r.get("kind") == "eval"]
+        row = {"arm": arm, "steps": len(train)}
+        for key, _ in keys:
+            vals = [r[key] for r in train[-tail:] if r.get(key) is not None]
+            row[key] = sum(vals) / len(vals) if vals else None
+        row["eval_accuracy"] = evals[-1]["eval_accuracy"] if evals else None
+        row["eval_accuracy_first"] = evals[0]["eval_accuracy"] if evals else None
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    head = "| " + " | ".join(label for _, label in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    lines = [head, sep]
+    for r in rows:
+        cells = []
+        for key, _ in columns:
+            v = r.get(key)
+            if v is None:
+                cells.append("–")
+            elif isinstance(v, float):
+                cells.append(f"{v:.4g}")
+            else:
+                cells.append(str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

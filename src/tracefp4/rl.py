@@ -99,13 +99,13 @@ class RLConfig:
     model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
     checkpoint: str | None = None  # a local HF folder (config.json + safetensors) to start from
     arms: tuple[str, ...] = ("bf16", "qat", "trace", "trace-full")
-    steps: int = 40
+    steps: int = 60
     prompts_per_step: int = 8
     group_size: int = 8
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
-    lr: float = 1e-3
+    lr: float = 1e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     clip_low: float = 0.2

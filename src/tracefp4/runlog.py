@@ -87,26 +87,46 @@ def _series(rows: Iterable[dict], key: str, kind: str = "train"):
     return xs, ys
 
 
+def _rolling_mean(ys: list[float], window: int) -> list[float]:
+    out = []
+    for i in range(len(ys)):
+        chunk = ys[max(0, i - window + 1) : i + 1]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+def _arm_order(metrics: dict[str, list[dict]]) -> list[str]:
+    known = [a for a in ARM_STYLE if a in metrics]
+    return known + sorted(a for a in metrics if a not in ARM_STYLE)
+
+
 def plot_metric(metrics: dict[str, list[dict]], key: str, path: Path, *, title: str, ylabel: str,
-                kind: str = "train", logy: bool = False) -> Path:
+                kind: str = "train", logy: bool = False, smooth: int = 5) -> Path:
+    """All arms on one chart; train curves drawn faintly per step with a ``smooth``-step rolling mean
+    on top (per-step maxima are noisy), evaluation points as markers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for arm, rows in metrics.items():
-        xs, ys = _series(rows, key, kind)
-        if xs:
-            ax.plot(xs, ys, label=arm, marker="o" if kind == "eval" else None, markersize=3,
-                    **ARM_STYLE.get(arm, {}))
+    for arm in _arm_order(metrics):
+        xs, ys = _series(metrics[arm], key, kind)
+        if not xs:
+            continue
+        style = ARM_STYLE.get(arm, {})
+        if kind == "eval" or smooth <= 1:
+            ax.plot(xs, ys, label=arm, marker="o", markersize=3, **style)
+        else:
+            ax.plot(xs, ys, alpha=0.25, linewidth=0.8, **style)
+            ax.plot(xs, _rolling_mean(ys, smooth), label=f"{arm} ({smooth}-step mean)", linewidth=2, **style)
     ax.set_title(title)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel(ylabel)
     if logy:
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -116,7 +136,8 @@ def plot_metric(metrics: dict[str, list[dict]], key: str, path: Path, *, title: 
 def summary_rows(metrics: dict[str, list[dict]], keys: list[tuple[str, str]], tail: int = 5) -> list[dict]:
     """Per arm: the mean of each key over the last ``tail`` train steps, and the last evaluation."""
     rows = []
-    for arm, recs in metrics.items():
+    for arm in _arm_order(metrics):
+        recs = metrics[arm]
         train = [r for r in recs if r.get("kind", "train") == "train"]
         evals = [r for r in recs if r.get("kind") == "eval"]
         row = {"arm": arm, "steps": len(train)}

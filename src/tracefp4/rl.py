@@ -124,6 +124,7 @@ class RLConfig:
     run_name: str | None = None
     resume: str | None = None  # a run folder whose arm checkpoints to continue from
     threads: int = 2
+    rollout_workers: int = 0  # > 0: that many Ray rollout worker processes (needs ray)
 
     @classmethod
     def from_dict(cls, d: dict) -> "RLConfig":
@@ -348,7 +349,7 @@ class ArmRunner:
     """Runs GRPO for one arm; all state needed to resume lives in its checkpoint folder."""
 
     def __init__(self, name: str, model: PreTrainedModel, task: Task, tok: CharTokenizer, cfg: RLConfig,
-                 run_dir: Path, plan: PrecisionPlan | None = None):
+                 run_dir: Path, plan: PrecisionPlan | None = None, pool=None):
         self.name, self.arm = name, ARMS[name]
         self.model, self.task, self.tok, self.cfg = model, task, tok, cfg
         self.plan = plan or PrecisionPlan()
@@ -363,6 +364,7 @@ class ArmRunner:
             frozenset(range(n_layers)) if self.arm.all_layers else default_guided_layers(n_layers)
         )
         self.log = runlog.MetricsLog(run_dir, name)
+        self.pool = pool
 
     # one GRPO step: rollout -> store -> train
     def train_step(self) -> dict[str, Any]:
@@ -371,29 +373,33 @@ class ArmRunner:
         rng = random.Random(cfg.seed * 1_000_003 + step)  # same prompts for every arm, resumable
         examples = self.task.sample(rng, cfg.prompts_per_step)
         batch = [e for e in examples for _ in range(cfg.group_size)]
-        timings = {}
+        timings: dict[str, float] = {}
 
-        t0 = time.perf_counter()
-        roll = generate(
-            self.model,
-            [tok.encode(e.prompt) for e in batch],
-            SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, (tok.EOS,), seed=cfg.seed * 7_919 + step),
-            mode=arm.rollout,
-            plan=self.plan,
-            guided_layers=sorted(self.guided_layers),
-            hint_mode="full",
-        )
-        timings["time/rollout_s"] = time.perf_counter() - t0
-
-        # the store: records cross to the trainer as they would between processes
-        t0 = time.perf_counter()
         ids = [f"s{step:06d}-{b:04d}" for b in range(len(batch))]
-        with StoreWriter(self.store_root, step, "w0", model_signature=self.signature,
-                         policy_version=self.version) as w:
-            for tid, rec, p in zip(ids, roll.records, roll.prompt_lens):
-                w.add(tid, _store_record(rec, arm), prompt_len=p)
-        seal_step(self.store_root, step, ["w0"])
-        timings["time/store_write_s"] = time.perf_counter() - t0
+        prompts = [tok.encode(e.prompt) for e in batch]
+        sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, (tok.EOS,), seed=cfg.seed * 7_919 + step)
+        if self.pool is not None:
+            # worker processes: each writes its own shards; the driver seals the step
+            self.pool.sync_weights(self.model, self.version)
+            roll, writers, timings = self.pool.generate(
+                prompts, sampling, group_size=cfg.group_size, mode=arm.rollout, plan=self.plan,
+                guided_layers=sorted(self.guided_layers), hint_mode="full", store_root=str(self.store_root),
+                step=step, traj_ids=ids, signature=self.signature, keep=arm.guidance or "routing",
+            )
+            seal_step(self.store_root, step, writers)
+        else:
+            t0 = time.perf_counter()
+            roll = generate(self.model, prompts, sampling, mode=arm.rollout, plan=self.plan,
+                            guided_layers=sorted(self.guided_layers), hint_mode="full")
+            timings["time/rollout_s"] = time.perf_counter() - t0
+            # the store: records cross to the trainer as they would between processes
+            t0 = time.perf_counter()
+            with StoreWriter(self.store_root, step, "w0", model_signature=self.signature,
+                             policy_version=self.version) as w:
+                for tid, rec, p in zip(ids, roll.records, roll.prompt_lens):
+                    w.add(tid, _store_record(rec, arm), prompt_len=p)
+            seal_step(self.store_root, step, ["w0"])
+            timings["time/store_write_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         with StoreReader(self.store_root, step, model_signature=self.signature, policy_version=self.version) as r:
             records = r.batch(ids, [t.numel() for t in roll.token_ids])
@@ -403,12 +409,15 @@ class ArmRunner:
         completions = [tok.decode(roll.completion(b).tolist()) for b in range(len(batch))]
         rewards = torch.tensor([self.task.reward(e, c) for e, c in zip(batch, completions)])
         adv = group_advantages(rewards, cfg.group_size, normalize_std=cfg.normalize_std)
-        measure = arm.rollout == "trace"
+        # Code mismatch needs the rollout's full codes: in-process they are in memory (every FP4 rollout
+        # records them); from worker processes only what reached the store (trace-full) has them.
+        reference = roll.records if roll.records else (records if arm.guidance == "full" else None)
+        measure = arm.rollout == "trace" and reference is not None
         with torch.no_grad():  # the policy before this step's updates, with the codes it picks
             old = forward_logprobs(
                 self.model, roll.token_ids, roll.prompt_lens,
                 # qat never sees hints; it takes the in-memory records only to compare codes
-                roll.records if arm.trainer == "qat" else records,
+                reference if arm.trainer == "qat" and measure else records,
                 mode=arm.trainer, plan=self.plan, temperature=max(cfg.temperature, 1e-6),
                 capture_codes=measure,
             )
@@ -416,7 +425,7 @@ class ArmRunner:
         logp_roll, mask = _pad(roll.logprobs, width)
         logp_old, _ = _pad([lp.detach() for lp in old.logprobs], width)
         metrics = mismatch_metrics(logp_roll, logp_old, mask)
-        code_stats = self._code_mismatch(roll, old) if measure else {}
+        code_stats = self._code_mismatch(reference, old) if measure else {}
 
         # updates: minibatches over a fixed permutation of the batch
         order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(cfg.seed + step))
@@ -465,9 +474,9 @@ class ArmRunner:
         self.step += 1
         return rec
 
-    def _code_mismatch(self, roll: RolloutOutput, old) -> dict[str, float]:
+    def _code_mismatch(self, reference, old) -> dict[str, float]:
         """Share of FP4 codes at the guided sites that the trainer picked differently from the rollout."""
-        sites = code_mismatch(old.codes, roll.records)
+        sites = code_mismatch(old.codes, reference)
         total = sum(s.total for s in sites.values())
         mism = sum(s.mismatched for s in sites.values())
         one = sum(s.one_apart for s in sites.values())
@@ -536,32 +545,46 @@ def run(cfg: RLConfig) -> Path:
                 warm_start(base, task, tok, cfg, bar)
         base.save_pretrained(base_dir)
 
-    for name in cfg.arms:
-        model = copy.deepcopy(base)
-        runner = ArmRunner(name, model, task, tok, cfg, run_dir)
-        ckpt = run_dir / "checkpoints" / name
-        if (ckpt / "trainer_state.json").exists():
-            runner.model = load_model(ckpt)
-            runner.opt = MasterWeightAdamW(runner.model, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                           grad_clip=cfg.grad_clip)
-            runner.load(ckpt)
-        if runner.step == 0:
-            runner.log.log({"kind": "eval", "step": 0, **evaluate(runner.model, runner.arm, task, tok, cfg, runner.plan)})
-        with _progress(cfg.steps, f"GRPO {name:>10}") as bar:
-            bar.update(runner.step)
-            while runner.step < cfg.steps:
-                rec = runner.train_step()
-                runner.log.log(rec)
-                bar.update(1)
-                bar.set_postfix(reward=f"{rec['reward_mean']:.2f}",
-                                dlogp=f"{rec['train_rollout_logprob_abs_diff']:.4f}")
-                if runner.step % cfg.eval_every == 0 or runner.step == cfg.steps:
-                    runner.log.log({"kind": "eval", "step": runner.step,
-                                    **evaluate(runner.model, runner.arm, task, tok, cfg, runner.plan)})
-                    runner.save(ckpt)
-        runner.log.close()
+    pool = None
+    if cfg.rollout_workers > 0:
+        from .workers import RolloutPool
+
+        pool = RolloutPool(base, cfg.rollout_workers)
+    try:
+        for name in cfg.arms:
+            if pool is not None:
+                pool.version = None  # every arm starts from the warm-start weights: resync
+            _run_arm(name, base, task, tok, cfg, run_dir, pool)
+    finally:
+        if pool is not None:
+            pool.shutdown()
     write_report(run_dir)
     return run_dir
+
+
+def _run_arm(name: str, base: PreTrainedModel, task: Task, tok: CharTokenizer, cfg: RLConfig, run_dir: Path,
+             pool) -> None:
+    """GRPO for one arm from the warm-start weights (or its own checkpoint, when resuming)."""
+    ckpt = run_dir / "checkpoints" / name
+    resume = (ckpt / "trainer_state.json").exists()
+    runner = ArmRunner(name, load_model(ckpt) if resume else copy.deepcopy(base), task, tok, cfg, run_dir, pool=pool)
+    if resume:
+        runner.load(ckpt)
+    if runner.step == 0:
+        runner.log.log({"kind": "eval", "step": 0, **evaluate(runner.model, runner.arm, task, tok, cfg, runner.plan)})
+    with _progress(cfg.steps, f"GRPO {name:>10}") as bar:
+        bar.update(runner.step)
+        while runner.step < cfg.steps:
+            rec = runner.train_step()
+            runner.log.log(rec)
+            bar.update(1)
+            bar.set_postfix(reward=f"{rec['reward_mean']:.2f}",
+                            dlogp=f"{rec['train_rollout_logprob_abs_diff']:.4f}")
+            if runner.step % cfg.eval_every == 0 or runner.step == cfg.steps:
+                runner.log.log({"kind": "eval", "step": runner.step,
+                                **evaluate(runner.model, runner.arm, task, tok, cfg, runner.plan)})
+                runner.save(ckpt)
+    runner.log.close()
 
 
 def write_report(run_dir: Path) -> str:

@@ -1,0 +1,170 @@
+"""Rollout workers in separate processes, with Ray.
+
+Each worker is a Ray actor holding its own copy of the prepared model. Nothing crosses the process
+boundary as a pickled Python object of ours: weights travel as safetensors bytes, the model config
+as JSON, the sampled trajectories come back as a JSON string, and the records go through the
+guidance store, each worker writing its own shards and manifest (writer ``w{i}``) without
+coordinating with the others. The driver seals the step once every worker has returned.
+
+Ray is optional (``pip install ray``); everything else in tracefp4 runs in-process without it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from transformers import AutoConfig, PreTrainedModel
+
+from .constants import HintMode
+from .model import PrecisionPlan
+from .rollout import RolloutOutput, SamplingParams
+
+
+def _require_ray():
+    try:
+        import ray
+    except ModuleNotFoundError:
+        raise RuntimeError("rollout workers need Ray: pip install ray (or set rollout_workers = 0)") from None
+    return ray
+
+
+class _Worker:
+    """The actor body (wrapped with ``ray.remote`` at pool construction, so importing this module
+    does not need Ray)."""
+
+    def __init__(self, config_json: str, threads: int):
+        from .model import from_config
+
+        torch.set_num_threads(threads)
+        cfg = json.loads(config_json)
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        self.model = from_config(config, dtype=torch.bfloat16)
+        self.version = -1
+
+    def load_weights(self, blob: bytes, version: int) -> int:
+        state = load_safetensors(blob)
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit the worker's model: missing {missing}, unexpected {unexpected}")
+        self.version = version
+        return version
+
+    def rollout(self, job_json: str) -> str:
+        from .rollout import generate
+        from .store import StoreWriter
+
+        job = json.loads(job_json)
+        if job["policy_version"] != self.version:
+            raise ValueError(f"worker holds policy version {self.version}, job wants {job['policy_version']}")
+        t0 = time.perf_counter()
+        out = generate(
+            self.model,
+            job["prompts"],
+            SamplingParams(**job["sampling"]),
+            mode=job["mode"],
+            plan=PrecisionPlan(**job["plan"]),
+            guided_layers=job["guided_layers"],
+            hint_mode=job["hint_mode"],
+        )
+        t_gen = time.perf_counter() - t0
+        keep = job["keep"]  # which record tensors the trainer needs: see rl._store_record
+        t0 = time.perf_counter()
+        with StoreWriter(job["store_root"], job["step"], job["writer_id"], model_signature=job["signature"],
+                         policy_version=job["policy_version"]) as w:
+            for tid, rec, p in zip(job["traj_ids"], out.records, out.prompt_lens):
+                w.add(tid, _select(rec, keep), prompt_len=p)
+        return json.dumps({
+            "token_ids": [t.tolist() for t in out.token_ids],
+            "prompt_lens": out.prompt_lens,
+            "logprobs": [lp.tolist() for lp in out.logprobs],
+            "finish_reasons": out.finish_reasons,
+            "time_generate_s": t_gen,
+            "time_store_write_s": time.perf_counter() - t0,
+        })
+
+
+def _select(rec: dict[str, torch.Tensor], keep: str) -> dict[str, torch.Tensor]:
+    from .rl import Arm, _store_record
+
+    return _store_record(rec, Arm("trace", "trace", None if keep == "routing" else keep, False))
+
+
+def _plan_dict(plan: PrecisionPlan) -> dict:
+    return {"weights": plan.weights.value, "activations": plan.activations, "kv_cache": plan.kv_cache.value,
+            "mx_scale_mode": plan.mx_scale_mode.value}
+
+
+class RolloutPool:
+    """``n`` Ray rollout workers with a copy of ``model`` each; :meth:`generate` splits a batch across
+    them (whole groups per worker) and returns the trajectories (records go to the store)."""
+
+    def __init__(self, model: PreTrainedModel, n: int, *, threads_per_worker: int = 1):
+        ray = _require_ray()
+        if not ray.is_initialized():
+            ray.init(num_cpus=max(n * threads_per_worker, 1), include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        cfg = model.config.to_dict()
+        cfg.pop("_experts_implementation", None)
+        actor = ray.remote(num_cpus=threads_per_worker)(_Worker)
+        self._ray = ray
+        self.workers = [actor.remote(json.dumps(cfg, default=str), threads_per_worker) for _ in range(n)]
+        self.version: int | None = None
+
+    def sync_weights(self, model: PreTrainedModel, version: int) -> None:
+        if version == self.version:
+            return
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        blob = self._ray.put(save_safetensors(state))
+        self._ray.get([w.load_weights.remote(blob, version) for w in self.workers])
+        self.version = version
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, group_size: int,
+                 mode: str, plan: PrecisionPlan, guided_layers: Sequence[int], hint_mode: str,
+                 store_root: str, step: int, traj_ids: Sequence[str], signature: str, keep: str
+                 ) -> tuple[RolloutOutput, list[str], dict[str, float]]:
+        """Returns (trajectories without records, the writer ids to seal, worker timings)."""
+        groups = len(prompts) // group_size
+        per = [list(range(i * groups // len(self.workers), (i + 1) * groups // len(self.workers)))
+               for i in range(len(self.workers))]
+        futures, writers, slices = [], [], []
+        for i, (worker, gs) in enumerate(zip(self.workers, per)):
+            if not gs:
+                continue
+            lo, hi = gs[0] * group_size, (gs[-1] + 1) * group_size
+            job = {
+                "prompts": [list(map(int, p)) for p in prompts[lo:hi]],
+                "sampling": {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+                             "top_p": sampling.top_p, "stop_token_ids": list(sampling.stop_token_ids),
+                             "seed": sampling.seed * 1009 + i},
+                "mode": mode, "plan": _plan_dict(plan), "guided_layers": sorted(guided_layers),
+                "hint_mode": hint_mode, "store_root": str(store_root), "step": step, "writer_id": f"w{i}",
+                "traj_ids": list(traj_ids[lo:hi]), "signature": signature, "policy_version": self.version,
+                "keep": keep,
+            }
+            futures.append(worker.rollout.remote(json.dumps(job)))
+            writers.append(f"w{i}")
+            slices.append((lo, hi))
+        results = [json.loads(r) for r in self._ray.get(futures)]
+        out = RolloutOutput(
+            token_ids=[torch.tensor(t) for r in results for t in r["token_ids"]],
+            prompt_lens=[p for r in results for p in r["prompt_lens"]],
+            logprobs=[torch.tensor(lp, dtype=torch.float32) for r in results for lp in r["logprobs"]],
+            finish_reasons=[f for r in results for f in r["finish_reasons"]],
+            records=[],
+            mode=mode, plan=plan, hint_mode=HintMode(hint_mode), guided_layers=frozenset(guided_layers),
+        )
+        timings = {
+            "time/rollout_s": max(r["time_generate_s"] for r in results),
+            "time/store_write_s": max(r["time_store_write_s"] for r in results),
+        }
+        return out, writers, timings
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            self._ray.kill(w)
+        self.workers = []

@@ -1,12 +1,32 @@
 """Side-by-side timings: every figure is measured in one process, in one run, and reported as a ratio.
 
-These machines are noisy, so absolute times mean little across runs; ratios against a same-size
-tensor copy and against torchao, measured interleaved in the same run, are what the targets use.
+These machines are noisy (and shared), so absolute times mean little across runs; ratios against a
+same-size tensor copy and against torchao, measured in the same run, are what the targets use. The
+operations are timed in interleaved rounds (one call of each per round, then the median over
+rounds), so a burst of load from elsewhere slows every operation of a round alike instead of
+landing on one of them.
+
+Sections: ``bench all`` runs every section in :data:`SECTIONS` and merges their figures into one
+flat JSON object. ``numerics`` is one section; training, rollout and store sections (figures such as
+``train_step_trace_over_qat``, ``rollout_record_over_plain``, store MB/s) register themselves with
+:func:`register_section` from their own modules.
+
+Memory (``--memory``): peak resident memory of each operation beyond its input and output, measured
+in a fresh subprocess from the kernel's own high-water mark (``VmHWM`` after a reset through
+``/proc/self/clear_refs``; ``ru_maxrss`` where that is unavailable). tracemalloc would miss it: the
+buffers are numpy/torch allocations it does not see.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import gc
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -15,16 +35,31 @@ import torch
 from .guidance import encode_hint, guided_quantize
 from .numerics import dequantize_nvfp4, quantize_nvfp4
 
+# --- timing --------------------------------------------------------------------------------------
+
+
+def _time_rounds(fns: dict[str, Callable[[], object]], repeats: int, limits: dict[str, int] | None = None):
+    """Per name: call times (s) over ``repeats`` interleaved rounds, after one warm-up call each.
+
+    ``limits`` caps the rounds of slow callables (torchao) so they do not dominate the run.
+    """
+    limits = limits or {}
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for rnd in range(repeats):
+        for name, fn in fns.items():
+            if rnd >= limits.get(name, repeats):
+                continue
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return samples
+
 
 def _time(fn: Callable[[], object], repeats: int) -> float:
     """Median wall time of ``repeats`` calls after one warm-up call."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return statistics.median(_time_rounds({"fn": fn}, repeats)["fn"])
 
 
 def torchao_nvfp4():
@@ -40,6 +75,36 @@ def torchao_nvfp4():
     return nvfp4_quantize
 
 
+def _numba_threads() -> int:
+    import numba
+
+    return numba.get_num_threads()
+
+
+# --- numerics section ----------------------------------------------------------------------------
+
+#: (label, key) of each timed operation, in table order.
+NUMERICS_ROWS = [
+    ("tensor copy (x.clone())", "copy_s"),
+    ("copy into a buffer", "copy_into_s"),
+    ("quantize_nvfp4", "nvfp4_quantize_s"),
+    ("quantize_nvfp4 per_row", "nvfp4_quantize_per_row_s"),
+    ("dequantize_nvfp4", "nvfp4_dequantize_s"),
+    ("encode_hint(lsb)", "encode_hint_s"),
+    ("guided_quantize(lsb)", "guided_quantize_s"),
+    ("guided_quantize(full)", "guided_quantize_full_s"),
+    ("torchao nvfp4_quantize", "torchao_nvfp4_quantize_s"),
+]
+
+#: Targets of the fast-path issue, as (ratio key, bound, "max" or "min").
+NUMERICS_TARGETS = {
+    "torchao_over_quantize": (20.0, "min"),
+    "guided_over_quantize": (1.3, "max"),
+    "encode_hint_over_quantize": (0.3, "max"),
+    "quantize_over_copy": (0.25, "max"),
+}
+
+
 def bench_numerics(rows: int = 4096, cols: int = 4096, repeats: int = 5, seed: int = 0) -> dict:
     """Time the numerics on a ``rows x cols`` bf16 tensor; returns seconds and ratios."""
     g = torch.Generator().manual_seed(seed)
@@ -47,20 +112,36 @@ def bench_numerics(rows: int = 4096, cols: int = 4096, repeats: int = 5, seed: i
     y = (x.float() * (1 + 1e-3 * torch.randn(rows, cols, generator=g))).to(torch.bfloat16)
     q = quantize_nvfp4(x)
     hint = encode_hint(q, "lsb")
+    hint_full = encode_hint(q, "full")
+    buffer = torch.empty_like(x)
+    fns: dict[str, Callable[[], object]] = {
+        "copy_s": lambda: x.clone(),
+        "copy_into_s": lambda: buffer.copy_(x),
+        "nvfp4_quantize_s": lambda: quantize_nvfp4(x),
+        "nvfp4_quantize_per_row_s": lambda: quantize_nvfp4(x, per_row=True),
+        "nvfp4_dequantize_s": lambda: dequantize_nvfp4(q),
+        "encode_hint_s": lambda: encode_hint(q, "lsb"),
+        "guided_quantize_s": lambda: guided_quantize(y, hint),
+        "guided_quantize_full_s": lambda: guided_quantize(y, hint_full),
+    }
+    ao = torchao_nvfp4()
+    limits = {}
+    if ao is not None:
+        pts = x.float().abs().amax() / (448.0 * 6.0)
+        fns["torchao_nvfp4_quantize_s"] = lambda: ao(x, per_tensor_scale=pts)
+        limits["torchao_nvfp4_quantize_s"] = max(2, repeats // 2)
+    samples = _time_rounds(fns, repeats, limits)
     out = {
         "shape": [rows, cols],
         "dtype": "bfloat16",
         "threads": torch.get_num_threads(),
-        "copy_s": _time(lambda: x.clone(), repeats),
-        "nvfp4_quantize_s": _time(lambda: quantize_nvfp4(x), repeats),
-        "nvfp4_dequantize_s": _time(lambda: dequantize_nvfp4(q), repeats),
-        "encode_hint_s": _time(lambda: encode_hint(q, "lsb"), repeats),
-        "guided_quantize_s": _time(lambda: guided_quantize(y, hint), repeats),
+        "numba_threads": _numba_threads(),
+        "repeats": repeats,
+        "timing": "median over interleaved rounds",
+        **{key: statistics.median(s) for key, s in samples.items()},
+        "min_s": {key: min(s) for key, s in samples.items()},
     }
-    ao = torchao_nvfp4()
     if ao is not None:
-        pts = x.float().abs().amax() / (448.0 * 6.0)
-        out["torchao_nvfp4_quantize_s"] = _time(lambda: ao(x, per_tensor_scale=pts), max(2, repeats // 2))
         ours = quantize_nvfp4(x, global_amax=torch.tensor(448.0 * 6.0))
         ao_scales, ao_codes = ao(x)  # single-level: equal to ours with S_enc = 1
         out["torchao_bit_exact"] = bool(torch.equal(ao_codes, ours.codes)) and bool(
@@ -68,37 +149,319 @@ def bench_numerics(rows: int = 4096, cols: int = 4096, repeats: int = 5, seed: i
         )
     else:
         out["torchao_nvfp4_quantize_s"] = None
+    quant = out["nvfp4_quantize_s"]
+    out["quantize_over_copy"] = quant / out["copy_s"]
+    out["quantize_over_copy_into"] = quant / out["copy_into_s"]
+    out["guided_over_quantize"] = out["guided_quantize_s"] / quant
+    out["encode_hint_over_quantize"] = out["encode_hint_s"] / quant
+    out["torchao_over_quantize"] = out["torchao_nvfp4_quantize_s"] / quant if ao is not None else None
     return out
 
 
 def format_numerics(res: dict) -> str:
     copy = res["copy_s"]
     ao = res.get("torchao_nvfp4_quantize_s")
-    rows = [
-        ("tensor copy", "copy_s"),
-        ("quantize_nvfp4", "nvfp4_quantize_s"),
-        ("dequantize_nvfp4", "nvfp4_dequantize_s"),
-        ("encode_hint(lsb)", "encode_hint_s"),
-        ("guided_quantize(lsb)", "guided_quantize_s"),
-        ("torchao nvfp4_quantize", "torchao_nvfp4_quantize_s"),
-    ]
+    quant = res["nvfp4_quantize_s"]
     shape = "x".join(map(str, res["shape"]))
     lines = [
-        f"numerics on a {shape} {res['dtype']} tensor, {res['threads']} threads (median of repeats)",
+        f"numerics on a {shape} {res['dtype']} tensor, {res['threads']} torch / "
+        f"{res.get('numba_threads', '?')} numba threads ({res.get('timing', 'median of repeats')})",
         f"{'operation':<26}{'ms':>10}{'x copy':>10}{'x torchao':>11}{'x quantize':>12}",
     ]
-    for label, key in rows:
+    for label, key in NUMERICS_ROWS:
         t = res.get(key)
+        if key not in res:
+            continue
         if t is None:
             lines.append(f"{label:<26}{'n/a (torchao not installed)':>43}")
             continue
         vs_ao = f"{t / ao:>11.3f}" if ao else f"{'-':>11}"
-        lines.append(
-            f"{label:<26}{t * 1e3:>10.2f}{t / copy:>10.1f}{vs_ao}{t / res['nvfp4_quantize_s']:>12.2f}"
-        )
+        lines.append(f"{label:<26}{t * 1e3:>10.2f}{t / copy:>10.2f}{vs_ao}{t / quant:>12.2f}")
     if ao:
         lines.append(
-            f"quantize_nvfp4 is {ao / res['nvfp4_quantize_s']:.1f}x faster than torchao "
+            f"quantize_nvfp4 is {ao / quant:.1f}x faster than torchao "
             f"(bit-exact with torchao single-level: {res['torchao_bit_exact']})"
         )
+    checks = []
+    for key, (bound, kind) in NUMERICS_TARGETS.items():
+        value = res.get(key)
+        if value is None:
+            continue
+        ok = value >= bound if kind == "min" else value <= bound
+        checks.append(f"{key} {value:.2f} ({'>=' if kind == 'min' else '<='} {bound}: {'ok' if ok else 'MISSED'})")
+    if checks:
+        lines.append("targets (set for 4096x4096 bf16): " + "; ".join(checks))
+    if "memory" in res:
+        lines.append(format_memory(res["memory"]))
     return "\n".join(lines)
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+#: Operations the memory probe knows, as (what it runs, input dtype).
+MEMORY_OPS = {
+    "quantize_nvfp4/bf16": ("quantize", torch.bfloat16),
+    "quantize_nvfp4/fp16": ("quantize", torch.float16),
+    "quantize_nvfp4/fp32": ("quantize", torch.float32),
+    "quantize_nvfp4_per_row/bf16": ("quantize_per_row", torch.bfloat16),
+    "guided_quantize_lsb/bf16": ("guided_lsb", torch.bfloat16),
+    "guided_quantize_full/bf16": ("guided_full", torch.bfloat16),
+    "guided_quantize_lsb/fp16": ("guided_lsb", torch.float16),
+    # calibration: a float32 temporary of the input (what a hidden .float() would cost) must show up
+    "calibration: quantize(x.float())/bf16": ("quantize_via_float32", torch.bfloat16),
+}
+#: Bound of the issue: extra peak memory at most this multiple of the input's size.
+MEMORY_BOUND = 1.5
+
+
+def _proc_status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's resident high-water mark to the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _release_free_memory() -> None:
+    """Collect garbage and hand freed heap pages back, so that a later allocation shows up in RSS."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _nbytes(obj) -> int:
+    fields = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    return sum(t.nbytes for t in fields if isinstance(t, torch.Tensor))
+
+
+def _memory_inputs(kind: str, dtype: torch.dtype, rows: int, cols: int, seed: int):
+    """(callable to measure, input bytes); inputs are made directly in their dtype (no float32 detour)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g, dtype=dtype)
+    if kind == "quantize":
+        return (lambda: quantize_nvfp4(x)), x.nbytes
+    if kind == "quantize_per_row":
+        return (lambda: quantize_nvfp4(x, per_row=True)), x.nbytes
+    if kind == "quantize_via_float32":
+        return (lambda: quantize_nvfp4(x.float())), x.nbytes
+    hint = encode_hint(quantize_nvfp4(x, per_row=True), "lsb" if kind == "guided_lsb" else "full")
+    return (lambda: guided_quantize(x, hint)), x.nbytes
+
+
+def memory_probe(rows: int, cols: int, ops: list[str], seed: int = 0) -> dict:
+    """Measure ``ops`` in this process (see the module docstring); each op after a peak reset.
+
+    Returns per op: input, output, peak growth and extra (growth beyond the output) in bytes.
+    """
+    import resource
+
+    import numpy as np
+
+    warm = torch.randn(32, 256).to(torch.bfloat16)  # compile/load the kernels, start the thread pool
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        w = warm.to(dtype)
+        for per_row in (False, True):
+            quantize_nvfp4(w, per_row=per_row)
+        for mode in ("lsb", "full"):
+            guided_quantize(w, encode_hint(quantize_nvfp4(w, per_row=True), mode))
+    np.empty(1)
+    out = {}
+    for name in ops:
+        kind, dtype = MEMORY_OPS[name]
+        fn, in_bytes = _memory_inputs(kind, dtype, rows, cols, seed)
+        _release_free_memory()
+        resettable = _reset_peak()
+        before = _proc_status_kb("VmRSS") if resettable else None
+        maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        result = fn()
+        if resettable:
+            growth = (_proc_status_kb("VmHWM") - before) * 1024
+            method = "VmHWM after clear_refs"
+        else:  # only exact in a fresh process whose peak so far is its current size
+            growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - maxrss_before) * 1024
+            method = "ru_maxrss before/after"
+        out_bytes = _nbytes(result)
+        out[name] = {
+            "input_bytes": in_bytes,
+            "output_bytes": out_bytes,
+            "peak_growth_bytes": growth,
+            "extra_bytes": growth - out_bytes,
+            "extra_over_input": (growth - out_bytes) / in_bytes,
+            "method": method,
+        }
+        del fn, result
+    return out
+
+
+def measure_memory(rows: int = 4096, cols: int = 4096, ops: list[str] | None = None, timeout: float = 600) -> dict:
+    """Run :func:`memory_probe` in fresh subprocesses (one per op where the peak cannot be reset)."""
+    ops = list(MEMORY_OPS) if ops is None else ops
+    unknown = sorted(set(ops) - set(MEMORY_OPS))
+    if unknown:
+        raise ValueError(f"unknown memory ops {unknown}; known: {sorted(MEMORY_OPS)}")
+    groups = [ops] if _reset_peak() else [[op] for op in ops]
+    res: dict = {"shape": [rows, cols], "bound_extra_over_input": MEMORY_BOUND, "ops": {}}
+    for group in groups:
+        cmd = [sys.executable, "-m", "tracefp4.bench", "memory-probe", "--rows", str(rows), "--cols", str(cols)]
+        cmd += ["--ops", ",".join(group)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+        if proc.returncode != 0:
+            raise RuntimeError(f"memory probe failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        res["ops"].update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return res
+
+
+def format_memory(res: dict) -> str:
+    mb = 1024.0**2
+    shape = "x".join(map(str, res["shape"]))
+    lines = [
+        f"peak memory beyond input and output, {shape} tensors, fresh process (bound: "
+        f"{res['bound_extra_over_input']} x input)",
+        f"{'operation':<40}{'input MB':>10}{'output MB':>11}{'peak +MB':>10}{'extra MB':>10}{'x input':>9}",
+    ]
+    for name, m in res["ops"].items():
+        lines.append(
+            f"{name:<40}{m['input_bytes'] / mb:>10.1f}{m['output_bytes'] / mb:>11.1f}"
+            f"{m['peak_growth_bytes'] / mb:>10.1f}{m['extra_bytes'] / mb:>10.1f}{m['extra_over_input']:>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+# --- sections and commands -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Section:
+    """One part of ``bench all``: ``run(args) -> dict`` of flat figures and ``format(dict) -> str``."""
+
+    run: Callable[[argparse.Namespace], dict]
+    format: Callable[[dict], str]
+    help: str = ""
+
+
+SECTIONS: dict[str, Section] = {}
+
+
+def register_section(name: str, section: Section) -> None:
+    """Add a section to ``bench all`` (its figures must not reuse another section's keys)."""
+    SECTIONS[name] = section
+
+
+def set_threads(n: int | None) -> None:
+    """Use ``n`` threads in torch and in the numba kernels (None: leave both as they are)."""
+    if n:
+        import numba
+
+        torch.set_num_threads(n)
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+def _run_numerics(args: argparse.Namespace) -> dict:
+    set_threads(getattr(args, "threads", None))
+    res = bench_numerics(rows=args.rows, cols=args.cols, repeats=args.repeats)
+    if getattr(args, "memory", False):
+        res["memory"] = measure_memory(rows=args.rows, cols=args.cols)
+    return res
+
+
+register_section("numerics", Section(_run_numerics, format_numerics, "FP4 numerics vs a tensor copy and torchao"))
+
+
+def bench_all(args: argparse.Namespace, names: list[str] | None = None) -> dict:
+    """Run the sections and merge their figures into one flat dict (``sections`` lists who gave what)."""
+    merged: dict = {"sections": {}}
+    for name in names or list(SECTIONS):
+        res = SECTIONS[name].run(args)
+        clash = sorted(set(res) & set(merged))
+        if clash:
+            raise RuntimeError(f"bench section {name!r} reuses keys {clash}")
+        merged["sections"][name] = sorted(res)
+        merged.update(res)
+    return merged
+
+
+def _write_json(path: str | None, payload: dict) -> None:
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)  # a reader never sees a half-written file
+    print(f"wrote {path}")
+
+
+def cmd_numerics(args: argparse.Namespace) -> int:
+    res = _run_numerics(args)
+    print(format_numerics(res))
+    _write_json(args.json, res)
+    return 0
+
+
+def cmd_all(args: argparse.Namespace) -> int:
+    res = bench_all(args)
+    for name in res["sections"]:
+        print(SECTIONS[name].format(res))
+    _write_json(args.json, res)
+    return 0
+
+
+def _add_size_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rows", type=int, default=4096)
+    p.add_argument("--cols", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds (median reported)")
+    p.add_argument("--threads", type=int, help="threads for torch and the kernels (default: as configured)")
+    p.add_argument("--memory", action="store_true", help="also measure peak memory per op (fresh subprocess)")
+    p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
+
+
+def add_bench_commands(bsub) -> None:
+    """Add ``numerics`` and ``all`` to a ``bench`` subparsers object (the ``tracefp4`` CLI's)."""
+    bn = bsub.add_parser(
+        "numerics",
+        help="quantize / dequantize / hints / guided rounding vs a tensor copy and torchao",
+        description="Times the FP4 numerics on one bf16 tensor in one process and prints ratios.",
+    )
+    _add_size_args(bn)
+    bn.set_defaults(func=cmd_numerics)
+    ba = bsub.add_parser(
+        "all",
+        help="every benchmark section, merged into one table and one JSON",
+        description="Runs every registered section (" + ", ".join(SECTIONS) + ") and merges their figures.",
+    )
+    _add_size_args(ba)
+    ba.set_defaults(func=cmd_all)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tracefp4.bench``: the bench commands, plus the memory probe the subprocesses run."""
+    p = argparse.ArgumentParser(prog="python -m tracefp4.bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    add_bench_commands(sub)
+    mp = sub.add_parser("memory-probe", help="(internal) measure peak memory in this process, print JSON")
+    mp.add_argument("--rows", type=int, required=True)
+    mp.add_argument("--cols", type=int, required=True)
+    mp.add_argument("--ops", required=True, help="comma-separated names from MEMORY_OPS")
+    mp.set_defaults(func=lambda a: print(json.dumps(memory_probe(a.rows, a.cols, a.ops.split(",")))) or 0)
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

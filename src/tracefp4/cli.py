@@ -66,15 +66,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_numerics(args: argparse.Namespace) -> int:
-    from .bench import bench_numerics, format_numerics
-
-    res = bench_numerics(rows=args.rows, cols=args.cols, repeats=args.repeats)
-    print(format_numerics(res))
-    _write_json(args.json, res)
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tracefp4", description="TRACE: rollout-guided FP4 rounding for RL of MoE LLMs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -124,16 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one process)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    bn = bsub.add_parser(
-        "numerics",
-        help="quantize / dequantize / hints / guided rounding vs a tensor copy and torchao",
-        description="Times the FP4 numerics on one bf16 tensor in one process and prints ratios.",
-    )
-    bn.add_argument("--rows", type=int, default=4096)
-    bn.add_argument("--cols", type=int, default=4096)
-    bn.add_argument("--repeats", type=int, default=5)
-    bn.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
-    bn.set_defaults(func=cmd_bench_numerics)
+    from .bench import add_bench_commands
+
+    add_bench_commands(bsub)  # numerics (--memory, --threads) and all (every registered section)
     return p
 
 

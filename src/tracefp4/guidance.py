@@ -116,10 +116,25 @@ def hint_cat(hints: list[Hint], dim: int = 0) -> Hint:
 
 def lsb_bits(codes: torch.Tensor) -> torch.Tensor:
     """Packed codes ``[..., K//2]`` -> bit-packed low magnitude bits ``[..., K//8]``."""
-    flat = codes.reshape(-1, codes.shape[-1]).contiguous().numpy()
+    flat = codes.reshape(_row_count(codes), codes.shape[-1]).contiguous().numpy()
     bits = np.empty((flat.shape[0], flat.shape[1] // 4), dtype=np.uint8)
-    kernels.pack_lsb(flat, bits)
-    return torch.from_numpy(bits).reshape(*codes.shape[:-1], -1)
+    # a few bit operations per byte: one thread keeps up with memory until the codes are large
+    with kernels.threads_for(flat.nbytes, grain=16 * kernels.GRAIN_BYTES):
+        kernels.pack_lsb(flat, bits)
+    return torch.from_numpy(bits).reshape(*codes.shape[:-1], bits.shape[-1])
+
+
+def clone_scales(scales: torch.Tensor) -> torch.Tensor:
+    """A copy of block scales, made as a plain byte copy.
+
+    torch copies float8 element by element, and hands even a 1 MB copy to its thread pool; a numpy
+    copy of the bytes is a single memcpy, with the same bits.
+    """
+    if scales.device.type != "cpu":
+        return scales.clone()
+    raw = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
+    out = torch.from_numpy(raw.detach().numpy().copy())
+    return out.view(scales.dtype) if scales.dtype == torch.float8_e4m3fn else out
 
 
 def encode_hint(q: NVFP4 | MXFP4, mode: str | HintMode = "lsb") -> Hint:
@@ -129,13 +144,13 @@ def encode_hint(q: NVFP4 | MXFP4, mode: str | HintMode = "lsb") -> Hint:
         raise ValueError(f"encode_hint: expected an NVFP4 or MXFP4 tensor, got {type(q).__name__}")
     data = lsb_bits(q.codes) if mode is HintMode.LSB else q.codes.clone()
     amax = q.global_amax.clone() if isinstance(q, NVFP4) else None
-    return Hint(mode, q.fmt, data, q.scales.clone(), amax)
+    return Hint(mode, q.fmt, data, clone_scales(q.scales), amax)
 
 
-def _check_hint(x: torch.Tensor, hint: Hint) -> None:
+def _check_hint(x: torch.Tensor, hint: Hint, *, cpu: bool = True) -> None:
     if not isinstance(hint, Hint):
         raise ValueError(f"expected a Hint, got {type(hint).__name__}")
-    check_input(x, hint.fmt.block)
+    check_input(x, hint.fmt.block, cpu=cpu)
     if tuple(x.shape) != tuple(hint.shape):
         raise ValueError(
             f"hint shape mismatch: x has shape {tuple(x.shape)} but the hint was recorded for shape "
@@ -165,16 +180,28 @@ def guided_quantize(x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4:
     """Quantize ``x`` on the hint's grid, each element rounded to the bracket member the hint names."""
     _check_hint(x, hint)
     n, k = _row_count(x), x.shape[-1]
-    enc = rollout_encode_factors(hint).numpy()
-    codes = np.empty((n, k // 2), dtype=np.uint8)
-    data = hint.data.reshape(n, -1).contiguous().numpy()
-    bad = np.zeros(n, dtype=np.bool_)
-    kernels.guided(*kernel_rows(x), enc, data, hint.mode is HintMode.FULL, hint.fmt.block, codes, bad)
-    raise_non_finite(x, bad)
-    codes_t = torch.from_numpy(codes).reshape(*x.shape[:-1], -1)
+    # The kernels rebuild each block's encode factor from the stored scale byte, as the reference does,
+    # instead of materialising rollout_encode_factors (a float32 per block) first.
+    scales = hint.scales.reshape(n, hint.scales.shape[-1]).contiguous().view(torch.uint8).numpy()
     if hint.fmt is Format.NVFP4:
-        return NVFP4(codes_t, hint.scales.clone(), hint.global_amax.clone())
-    return MXFP4(codes_t, hint.scales.clone())
+        s_enc = _per_row(nvfp4_global_encode_scale(hint.global_amax), hint.shape)
+        s_dec = np.float32(1.0) / s_enc
+        values = kernels.E4M3_VALUES
+    else:
+        s_dec = np.ones(n, dtype=np.float32)
+        values = kernels.E8M0_VALUES
+    codes = np.empty((n, k // 2), dtype=np.uint8)
+    data = hint.data.reshape(n, hint.data.shape[-1]).contiguous().numpy()
+    bad = np.zeros(n, dtype=np.bool_)
+    guided = kernels.guided_full if hint.mode is HintMode.FULL else kernels.guided_lsb
+    rows = kernel_rows(x)
+    with kernels.threads_for(rows.nbytes):
+        guided(rows, scales, values, s_dec, data, hint.fmt.block, codes, bad, kernels.row_chunks(n))
+    raise_non_finite(x, bad)
+    codes_t = torch.from_numpy(codes).reshape(*x.shape[:-1], codes.shape[-1])
+    if hint.fmt is Format.NVFP4:
+        return NVFP4(codes_t, clone_scales(hint.scales), hint.global_amax.clone())
+    return MXFP4(codes_t, clone_scales(hint.scales))
 
 
 def guided_fake_quant(x: torch.Tensor, hint: Hint) -> torch.Tensor:

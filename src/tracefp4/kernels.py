@@ -1,35 +1,62 @@
-"""Fused CPU kernels (numba) for the FP4 recipes: one pass over the input, parallel over rows.
+"""Fused CPU kernels (numba) for the FP4 recipes, parallel over rows.
 
 Each kernel is the fast twin of a function in :mod:`tracefp4.reference` and is tested against it at
 atol=0. All arithmetic is float32 in the reference's operation order: numba keeps float32 x float32
 in float32, does not contract multiply-adds (fastmath is off), and every literal below is an
 ``np.float32`` so nothing is silently promoted to float64.
 
-Layout: inputs are 2-D float32 ``[rows, K]``; 4-bit codes are packed two per byte (element 2i in the
-low nibble); low-bit hints are packed eight per byte (element 8j+i in bit i); per-block quantities are
-``[rows, K/block]``; per-row quantities are ``[rows]`` (a per-tensor value is simply repeated).
+Layout: inputs are 2-D ``[rows, K]`` arrays of one of three element formats, told apart by dtype so
+that numba compiles one specialisation per format and no per-element branch remains:
+
+* ``float32``: float32 values;
+* ``uint16``: bfloat16 bit patterns (a bf16 is the top half of a float32);
+* ``int16``: float16 bit patterns.
+
+Nothing is widened outside the kernels, so a 16-bit input is never copied into a float32 temporary.
+4-bit codes are packed two per byte (element 2i in the low nibble); low-bit hints are packed eight per
+byte (element 8j+i in bit i); per-block quantities are ``[rows, K/block]``; per-row quantities are
+``[rows]`` (a per-tensor value is simply repeated). Rows are walked one *word* at a time: the pair of
+adjacent elements (2i, 2i+1) that fills one output byte, read as a single uint32 (16-bit formats) or
+uint64 (float32), little-endian, so element 2i is the low half. A block of 16 elements is 8 words.
+
+Why it is fast: every per-element step is branch-free integer or float32 arithmetic on a word, laid
+out in loops LLVM vectorises (see the comment above the kernels). Magnitudes are compared as integer
+bit patterns: for non-negative IEEE values the patterns order like the values, and every NaN/Inf
+pattern lies above the largest finite one, so one integer max gives a block amax and the finiteness
+check together. Rounding to E2M1 and to E4M3 is done on the float32 bit pattern (the ``*_bits`` and
+``_e4m3_round`` helpers); the plain comparison forms (``_rtn_mag``, ``_floor_mag``, ``_ceil_mag``)
+state the rule and are the yardstick the bit forms are checked against, exhaustively, in the tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic, overload
+
+if sys.byteorder != "little":  # the word view and the packed layouts assume it
+    raise ImportError("tracefp4.kernels needs a little-endian machine")
 
 F32 = np.float32
+U8 = np.uint8
+U32 = np.uint32
+U64 = np.uint64
 _SIX = F32(6.0)
 _ONE = F32(1.0)
 _ONE_SIXTH = F32(1.0) / F32(6.0)  # the float32 nearest 1/6, as C's constexpr 1.0f/6.0f
 _E4M3_MAX = F32(448.0)
 _FLT_MAX = F32(np.finfo(np.float32).max)
+_NVFP4_NUMERATOR = F32(448.0 * 6.0)  # exact in float32
+_F16_RESCALE = F32(2.0**112)  # float16 bits shifted into a float32's place are off by 2^(127-15)
 
 _PAR = dict(nogil=True, cache=True, parallel=True)
 _INL = dict(nogil=True, cache=True, inline="always")
-
-#: float32 magnitude of each 3-bit magnitude code.
-E2M1_MAGS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
-
 
 def _e4m3_values() -> np.ndarray:
     """float32 value of every E4M3 bit pattern (0x7f/0xff are NaN and never produced here)."""
@@ -38,7 +65,118 @@ def _e4m3_values() -> np.ndarray:
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 
+def _e8m0_values() -> np.ndarray:
+    """float32 ``2^(b - 127)`` of every biased E8M0 exponent b (b = 255 gives inf, as the reference)."""
+    with np.errstate(over="ignore"):
+        return np.ldexp(np.float64(1.0), np.arange(256) - 127).astype(np.float32)
+
+
 E4M3_VALUES = _e4m3_values()
+E8M0_VALUES = _e8m0_values()
+
+
+# --- bit casts -----------------------------------------------------------------------------------
+# numba has no scalar bit cast; these compile to a plain LLVM bitcast, which vectorises.
+
+
+@intrinsic
+def f32_from_bits(typingctx, bits):
+    """float32 whose bit pattern is the low 32 bits of an integer.
+
+    numba widens integer arithmetic to 64 bits, so patterns arrive as (u)int64 as often as uint32.
+    """
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        value = args[0]
+        if bits.bitwidth > 32:
+            value = builder.trunc(value, ir.IntType(32))
+        elif bits.bitwidth < 32:
+            value = builder.zext(value, ir.IntType(32))
+        return builder.bitcast(value, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def bits_from_f32(typingctx, value):
+    """uint32 bit pattern of a float32."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+# --- element formats -----------------------------------------------------------------------------
+# Each helper is resolved at compile time from the row's dtype (see the module docstring). ``abs``
+# patterns are the element's bits without the sign, as a uint32.
+
+
+def _words(row):
+    """The row as words of two elements."""
+
+
+def _abs_pair(word, row):
+    """Abs patterns (uint32) of the word's two elements: (element 2i, element 2i+1)."""
+
+
+def _sign_nibbles(word, row):
+    """The two elements' sign bits placed as the code sign bits of an output byte (bits 3 and 7)."""
+
+
+def _magnitude(abs_bits, row):
+    """float32 value of an abs pattern (exact widening)."""
+
+
+def _finite_limit(row):
+    """The largest finite abs pattern: anything above it is NaN or Inf."""
+
+
+@overload(_words, inline="always")
+def _words_ov(row):
+    if row.dtype == types.float32:
+        return lambda row: row.view(np.uint64)
+    return lambda row: row.view(np.uint32)
+
+
+@overload(_abs_pair, inline="always")
+def _abs_pair_ov(word, row):
+    if row.dtype == types.float32:
+        return lambda word, row: (U32(word & U64(0x7FFFFFFF)), U32(word >> U64(32)) & U32(0x7FFFFFFF))
+    return lambda word, row: (word & U32(0x7FFF), (word >> U32(16)) & U32(0x7FFF))
+
+
+@overload(_sign_nibbles, inline="always")
+def _sign_nibbles_ov(word, row):
+    if row.dtype == types.float32:
+        return lambda word, row: U32(U32(word >> U64(28)) & U32(0x8)) | U32(U32(word >> U64(56)) & U32(0x80))
+    return lambda word, row: U32(U32(word >> U32(12)) & U32(0x8)) | U32(U32(word >> U32(24)) & U32(0x80))
+
+
+@overload(_magnitude, inline="always")
+def _magnitude_ov(abs_bits, row):
+    if row.dtype == types.float32:
+        return lambda abs_bits, row: f32_from_bits(abs_bits)
+    if row.dtype == types.uint16:  # bfloat16
+        return lambda abs_bits, row: f32_from_bits(abs_bits << U32(16))
+    if row.dtype == types.int16:  # float16: exact, subnormals included (they become float32 normals)
+        return lambda abs_bits, row: f32_from_bits(abs_bits << U32(13)) * _F16_RESCALE
+    raise TypeError(f"unsupported row dtype {row.dtype}")
+
+
+@overload(_finite_limit, inline="always")
+def _finite_limit_ov(row):
+    if row.dtype == types.float32:
+        return lambda row: U32(0x7F7FFFFF)
+    if row.dtype == types.uint16:
+        return lambda row: U32(0x7F7F)
+    if row.dtype == types.int16:
+        return lambda row: U32(0x7BFF)
+    raise TypeError(f"unsupported row dtype {row.dtype}")
 
 
 # --- scalar helpers ------------------------------------------------------------------------------
@@ -46,15 +184,18 @@ E4M3_VALUES = _e4m3_values()
 
 @numba.njit(**_INL)
 def _rtn_mag(m):
-    """Magnitude code of m in [0, 6], nearest with ties to the even code (0.25, 1.25, 2.5, 5 go down)."""
+    """Magnitude code of m >= 0, nearest with ties to the even code (0.25, 1.25, 2.5, 5 go down).
+
+    The rule as comparisons with the midpoints; the kernels run _rtn_mag_bits, checked against this.
+    """
     return (
-        np.uint8(m > F32(0.25))
-        + np.uint8(m >= F32(0.75))
-        + np.uint8(m > F32(1.25))
-        + np.uint8(m >= F32(1.75))
-        + np.uint8(m > F32(2.5))
-        + np.uint8(m >= F32(3.5))
-        + np.uint8(m > F32(5.0))
+        U32(m > F32(0.25))
+        + U32(m >= F32(0.75))
+        + U32(m > F32(1.25))
+        + U32(m >= F32(1.75))
+        + U32(m > F32(2.5))
+        + U32(m >= F32(3.5))
+        + U32(m > F32(5.0))
     )
 
 
@@ -62,152 +203,274 @@ def _rtn_mag(m):
 def _floor_mag(m):
     """Largest magnitude code whose value is <= m (m in [0, 6])."""
     return (
-        np.uint8(m >= F32(0.5))
-        + np.uint8(m >= F32(1.0))
-        + np.uint8(m >= F32(1.5))
-        + np.uint8(m >= F32(2.0))
-        + np.uint8(m >= F32(3.0))
-        + np.uint8(m >= F32(4.0))
-        + np.uint8(m >= F32(6.0))
+        U32(m >= F32(0.5))
+        + U32(m >= F32(1.0))
+        + U32(m >= F32(1.5))
+        + U32(m >= F32(2.0))
+        + U32(m >= F32(3.0))
+        + U32(m >= F32(4.0))
+        + U32(m >= F32(6.0))
     )
 
 
 @numba.njit(**_INL)
-def _round_half_even(t):
-    """Nearest integer to a non-negative float (exact for t < 2^23), ties to even."""
-    n = math.floor(t)
-    frac = t - n
-    if frac > 0.5 or (frac == 0.5 and int(n) % 2 == 1):
-        n += 1
-    return int(n)
+def _ceil_mag(m):
+    """Smallest magnitude code whose value is >= m (m in [0, 6]); equals _floor_mag(m) on a codeword."""
+    return (
+        U32(m > F32(0.0))
+        + U32(m > F32(0.5))
+        + U32(m > F32(1.0))
+        + U32(m > F32(1.5))
+        + U32(m > F32(2.0))
+        + U32(m > F32(3.0))
+        + U32(m > F32(4.0))
+    )
+
+
+_HALF_STEP_MAGIC = F32(2.0**22)  # floats in [2^22, 2^23) are 0.5 apart: E2M1's step below 1
+_HALF_STEP_MAGIC_BITS = U32(0x4A800000)  # bits of 2^22
 
 
 @numba.njit(**_INL)
-def _e4m3_code(v):
-    """E4M3 bit pattern of float32 v in [0, 448], round to nearest even, subnormals included.
+def _rtn_mag_bits(m):
+    """_rtn_mag by rounding the float32 in place (equal to it for every float32 m >= 0, inf included).
 
-    With e = max(floor(log2 v), -6) the E4M3 grid spacing near v is 2^(e-3); v counted in those steps
-    is n in [8, 16] (or [0, 8] below the normal range), and the bit pattern is (e + 6) * 8 + n — a
-    rounding carry to n = 16 lands on the next binade's pattern by itself.
+    E2M1 is a float with one mantissa bit: from 1 up, round the mantissa to its top bit (add 0x1fffff
+    plus the kept bit, so a tie goes to even) and read exponent and that bit as the code; below 1 the
+    magic addition puts m on the 0.5 grid with the FPU's own ties-to-even.
     """
-    if v == 0:
-        return np.uint8(0)
-    mant, ex = math.frexp(v)  # v = mant * 2^ex, mant in [0.5, 1): floor(log2 v) = ex - 1
-    e = max(ex - 1, -6)
-    n = _round_half_even(math.ldexp(float(v), 3 - e))  # exact: scaling by a power of two
-    return np.uint8((e + 6) * 8 + n)
+    m = min(m, _SIX)
+    bits = bits_from_f32(m)
+    rounded = U32(U32(bits + U32(0x1FFFFF)) + U32(U32(bits >> U32(22)) & U32(1)))
+    normal = U32(U32(rounded >> U32(22)) - U32(252))
+    sub = U32(bits_from_f32(m + _HALF_STEP_MAGIC) - _HALF_STEP_MAGIC_BITS)
+    return normal if m >= F32(1.0) else sub
 
 
 @numba.njit(**_INL)
-def _sign_bit(x):
-    """3 -> 0, -3 -> 8, -0.0 -> 8: the code's sign is the input's sign bit."""
-    return np.uint8(8) if math.copysign(1.0, x) < 0 else np.uint8(0)
+def _floor_mag_bits(m):
+    """(_floor_mag(m), 1 if m is not a codeword else 0) for m in [0, 6], without 14 comparisons.
+
+    From 1 up the code is the exponent plus the top mantissa bit, and m is a codeword when no lower
+    mantissa bit is set; below 1 only 0 and 0.5 are codewords. Equal to the comparisons on every float32.
+    """
+    bits = bits_from_f32(m)
+    big = m >= F32(1.0)
+    lo = U32(U32(bits >> U32(22)) - U32(252)) if big else U32(m >= F32(0.5))
+    inexact = U32(U32(bits & U32(0x3FFFFF)) != U32(0)) if big else U32((m != F32(0.0)) & (m != F32(0.5)))
+    return lo, inexact
+
+
+_E4M3_MIN_NORMAL = F32(2.0**-6)
+#: Adding 2^14 to a float32 below 2^-6 rounds it (to nearest, ties to even) onto the 2^-9 grid of
+#: E4M3 subnormals: floats in [2^14, 2^15) are spaced exactly 2^-9 apart.
+_E4M3_SUBNORMAL_MAGIC = F32(2.0**14)
+_E4M3_SUBNORMAL_MAGIC_BITS = U32(0x46800000)  # bits of 2^14
 
 
 @numba.njit(**_INL)
-def _rtn_code(xv, enc):
-    z = abs(xv * enc)  # x * enc may overflow to inf for a zero block scale: the clamp takes it to 6
-    if z > _SIX:
-        z = _SIX
-    return _rtn_mag(z) | _sign_bit(xv)
+def _e4m3_round(v):
+    """(bit pattern, float32 value) of float32 v in [0, 448] rounded to E4M3, nearest even, subnormals in.
+
+    Normal range: round the float32 mantissa to 3 bits in place (add 0x7ffff plus the kept LSB, so an
+    exact half rounds to even; a carry runs into the exponent as it should); the masked result is the
+    rounded value itself, and rebiasing its exponent from 127 to 7 gives the pattern. Below 2^-6: the
+    magic addition above, whose result counts 2^-9 steps (8 steps is 2^-6, also the pattern of the
+    smallest normal), and subtracting the magic again is exact. Equal to torch's cast (pattern and value)
+    on every float32 in [0, 448]; tests/test_triton.py keeps a dense sample of that sweep.
+    """
+    bits = bits_from_f32(v)
+    rounded = (bits + U32(0x7FFFF) + ((bits >> U32(20)) & U32(1))) & U32(0xFFF00000)
+    shifted = v + _E4M3_SUBNORMAL_MAGIC
+    if v >= _E4M3_MIN_NORMAL:
+        return (rounded >> U32(20)) - U32(120 << 3), f32_from_bits(rounded)
+    return bits_from_f32(shifted) - _E4M3_SUBNORMAL_MAGIC_BITS, shifted - _E4M3_SUBNORMAL_MAGIC
 
 
 @numba.njit(**_INL)
-def _guided_mag_lsb(m, bit):
-    """Member of the bracket [floor(m), ceil(m)] whose low magnitude bit is ``bit``."""
-    lo = _floor_mag(m)
-    if E2M1_MAGS[lo] == m or (lo & np.uint8(1)) == bit:
-        return lo
-    return lo + np.uint8(1)
+def _nvfp4_s_enc(amax):
+    """``S_enc = 448*6/amax`` in float32, capped at FLT_MAX; amax 0 gives 1 (as numerics'/reference's)."""
+    if amax == F32(0.0):
+        return _ONE
+    s = min(_NVFP4_NUMERATOR / amax, _FLT_MAX)
+    return _ONE if s == F32(0.0) else s
 
 
 @numba.njit(**_INL)
-def _guided_mag_full(m, negative, rollout_code):
-    """Bracket member nearer the rollout code on the signed line; a tie (m a codeword) keeps RTN."""
-    lo = _floor_mag(m)
-    if E2M1_MAGS[lo] == m:
-        return lo
-    r = np.int32(rollout_code & np.uint8(7))
-    if rollout_code & np.uint8(8):
-        r = -r
-    s = np.int32(-1) if negative else np.int32(1)
-    d_lo = abs(s * np.int32(lo) - r)
-    d_hi = abs(s * np.int32(lo + np.uint8(1)) - r)
-    if d_lo < d_hi:
-        return lo
-    if d_hi < d_lo:
-        return lo + np.uint8(1)
-    return _rtn_mag(m)  # not reachable for adjacent codes; kept for the stated tie rule
+def _encode_factor(scale_value, s_dec):
+    """``min(1 / (scale * (1/S_enc)), FLT_MAX)``: the multiplier onto a block's grid."""
+    return min(_ONE / (scale_value * s_dec), _FLT_MAX)
+
+
+@numba.njit(**_INL)
+def _guided_lsb(m, bit):
+    """Member of the bracket [floor(m), ceil(m)] whose low magnitude bit is ``bit``.
+
+    On a codeword both ends are the same code, so the choice cannot move it.
+    """
+    lo, inexact = _floor_mag_bits(min(m, _SIX))
+    return U32(lo + U32(inexact & U32(lo ^ bit)))
+
+
+@numba.njit(**_INL)
+def _guided_full(m, rollout_code, same_sign):
+    """Bracket member nearer the rollout code on the signed line.
+
+    With x's sign s and the rollout's signed index r, the candidates s*lo and s*hi = s*(lo+1) sit one
+    apart, so (integers) hi is nearer exactly when s*r > lo: the rollout is on x's side of zero with a
+    magnitude above lo. Adjacent candidates are never equally near, so the reference's tie rule (keep
+    round-to-nearest) has nothing to decide.
+    """
+    lo, inexact = _floor_mag_bits(min(m, _SIX))
+    return U32(lo + U32(inexact & U32(U32(rollout_code & U32(7)) > lo) & same_sign))
 
 
 # --- kernels -------------------------------------------------------------------------------------
-# Inputs come as either float32 rows (``x32``) or bfloat16 rows viewed as uint16 (``x16``): a bf16 is
-# the top half of a float32, so widening it is a 16-bit shift, done here instead of in an extra pass
-# over memory. The unused one is an empty [0, 0] array. ``bad[r]`` is set where row r holds a NaN or
-# Inf, so the caller can refuse it without a separate pass.
+# Each kernel hands every thread one contiguous range of rows and walks a row in three flat passes:
+# block amaxes, block scales (one lane per block), then codes. The code pass goes 16 words (two
+# NVFP4 blocks, one MXFP4 block) per step with a fixed 16-trip inner loop and the step's two encode
+# factors picked by lane: LLVM vectorises that loop, while it leaves a loop over one 8-word block
+# scalar (too short to pay for the runtime alias check its stores need). Intermediate values pass
+# through U32(...) where numba would widen them to 64 bits, so the vectors keep 16 lanes.
+#
+# ``bad[r]`` is set where row r holds a NaN or Inf, so the caller can refuse it without another
+# pass; abs patterns are clamped to the finite limit before they become scales, so a bad row still
+# computes in range (its codes are garbage and never returned).
+
+
+#: Bytes a thread should have to itself before a parallel launch pays: below that the launch, and on
+#: a busy machine the wait for a worker thread the OS has parked (a whole scheduler time slice), cost
+#: more than the work.
+GRAIN_BYTES = 4 << 20
+
+
+@contextlib.contextmanager
+def threads_for(nbytes: int, grain: int = GRAIN_BYTES):
+    """Run the kernels inside with at most one numba thread per ``grain`` bytes of ``nbytes``."""
+    prev = numba.get_num_threads()
+    numba.set_num_threads(max(1, min(prev, nbytes // grain)))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(prev)
+
+
+def row_chunks(rows: int) -> int:
+    """How many contiguous row ranges a kernel splits its rows into: one per numba thread.
+
+    Passed in rather than asked for inside a kernel: ``numba.get_num_threads()`` there would keep the
+    kernel out of numba's on-disk cache.
+    """
+    return max(1, min(numba.get_num_threads(), rows))
 
 
 @numba.njit(**_INL)
-def _load_block(x32, x16, r, base, n, ubuf, fbuf):
-    """Copy elements [base, base+n) of row r into ``fbuf`` as float32; return (amax, all_finite)."""
-    if x16.shape[0] > 0:
-        for i in range(n):
-            ubuf[i] = np.uint32(x16[r, base + i]) << np.uint32(16)
-    else:
-        for i in range(n):
-            fbuf[i] = x32[r, base + i]
-    amax = F32(0.0)
-    finite = True
-    for i in range(n):
-        a = abs(fbuf[i])
-        finite &= a <= _FLT_MAX  # false for NaN and Inf
-        amax = max(amax, a)
-    return amax, finite
+def _chunk_rows(t, nchunks, rows):
+    return t * rows // nchunks, (t + 1) * rows // nchunks
+
+
+@numba.njit(**_INL)
+def _word_abs_max(word, row):
+    a0, a1 = _abs_pair(word, row)
+    return max(U32(a0), U32(a1))
+
+
+@numba.njit(**_INL)
+def _row_abs_max(w, row):
+    """The row's largest abs pattern: a flat reduction (one horizontal step at the end)."""
+    m = U32(0)
+    for j in range(w.shape[0]):
+        m = max(m, _word_abs_max(w[j], row))
+    return m
+
+
+@numba.njit(**_INL)
+def _block_abs_max(w, row, words_per_block, out):
+    """Abs-pattern max of each block into ``out`` [nblocks]; returns the row's max."""
+    top = U32(0)
+    for b in range(out.shape[0]):
+        m = U32(0)
+        for i in range(words_per_block):
+            m = max(m, _word_abs_max(w[b * words_per_block + i], row))
+        out[b] = m
+        top = max(top, m)
+    return top
+
+
+@numba.njit(**_INL)
+def _rtn_byte(word, enc, row):
+    a0, a1 = _abs_pair(word, row)
+    c0 = _rtn_mag_bits(_magnitude(a0, row) * enc)  # |x * enc| == |x| * enc exactly
+    c1 = _rtn_mag_bits(_magnitude(a1, row) * enc)
+    return U8(c0 | (c1 << U32(4)) | _sign_nibbles(word, row))
+
+
+@numba.njit(**_INL)
+def _rtn_row(w, row, enc_b, words_per_block, cr):
+    """Codes of one row from its per-block encode factors (see the section comment)."""
+    nwords = w.shape[0]
+    for u in range(nwords // 16):
+        e0 = enc_b[(16 * u) // words_per_block]
+        e1 = enc_b[(16 * u + 8) // words_per_block]
+        for i in range(16):
+            j = 16 * u + i
+            cr[j] = _rtn_byte(w[j], e0 if i < 8 else e1, row)
+    for j in range(nwords - nwords % 16, nwords):  # K % 32 == 16 (NVFP4): one block left over
+        cr[j] = _rtn_byte(w[j], enc_b[enc_b.shape[0] - 1], row)
 
 
 @numba.njit(**_PAR)
-def row_amax(x32, x16, block, amax, bad):
-    """Per-row amax (float32 [R]) and non-finite flags, one pass."""
-    rows = amax.shape[0]
-    k = max(x32.shape[1], x16.shape[1])
-    for r in numba.prange(rows):
-        ubuf = np.empty(block, dtype=np.uint32)
-        fbuf = ubuf.view(np.float32)
-        m = F32(0.0)
-        ok = True
-        for base in range(0, k, block):
-            a, f = _load_block(x32, x16, r, base, block, ubuf, fbuf)
-            m = max(m, a)
-            ok &= f
-        amax[r] = m
-        bad[r] = not ok
+def nvfp4_block_amax(x, block_max, amax, bad, nchunks):
+    """First pass of a per-tensor NVFP4 quantize: block amax patterns u32 [R, K/16], row amax, flags.
+
+    The second pass (nvfp4_quantize with these block amaxes) then reads each element once more for
+    its code instead of recomputing the amaxes: the global amax must be known before any scale.
+    """
+    rows = x.shape[0]
+    for t in numba.prange(nchunks):
+        start, stop = _chunk_rows(t, nchunks, rows)
+        for r in range(start, stop):
+            row = x[r]
+            top = _block_abs_max(_words(row), row, 8, block_max[r])
+            limit = _finite_limit(row)
+            amax[r] = _magnitude(min(top, limit), row)
+            bad[r] = top > limit
 
 
 @numba.njit(**_PAR)
-def nvfp4_quantize(x32, x16, s_enc, codes, scales, bad, e4m3_values):
-    """Rows -> codes u8 [R, K/2], scales u8 (E4M3 bit patterns) [R, K/16]; s_enc f32 [R]."""
-    rows = codes.shape[0]
-    k = codes.shape[1] * 2
-    for r in numba.prange(rows):
-        ubuf = np.empty(16, dtype=np.uint32)
-        fbuf = ubuf.view(np.float32)
-        scale_factor = s_enc[r] * _ONE_SIXTH
-        s_dec = _ONE / s_enc[r]
-        ok = True
-        for b in range(k // 16):
-            amax, f = _load_block(x32, x16, r, b * 16, 16, ubuf, fbuf)
-            ok &= f
-            d = amax * scale_factor
-            if d > _E4M3_MAX:  # clamp before the cast (also catches +inf)
-                d = _E4M3_MAX
-            s8 = _e4m3_code(d)
-            scales[r, b] = s8
-            enc = _ONE / (e4m3_values[s8] * s_dec)
-            if enc > _FLT_MAX:
-                enc = _FLT_MAX
-            for i in range(0, 16, 2):
-                codes[r, b * 8 + i // 2] = _rtn_code(fbuf[i], enc) | (_rtn_code(fbuf[i + 1], enc) << np.uint8(4))
-        bad[r] = not ok
+def nvfp4_quantize(x, amax, own_amax, block_max, codes, scales, bad, nchunks):
+    """Rows -> codes u8 [R, K/2], scales u8 (E4M3 bit patterns) [R, K/16].
+
+    ``amax`` f32 [R] is each row's global amax; with ``own_amax`` the kernel finds it (from the block
+    amaxes it needs anyway) and writes it there. ``block_max`` is nvfp4_block_amax's output, or an
+    empty [0, 0] array to have the block amaxes (and ``bad``) computed here.
+    """
+    rows, nwords = codes.shape
+    given = block_max.shape[0] > 0
+    for t in numba.prange(nchunks):
+        scratch = np.empty(nwords // 8, dtype=np.uint32)
+        enc_b = np.empty(nwords // 8, dtype=np.float32)
+        start, stop = _chunk_rows(t, nchunks, rows)
+        for r in range(start, stop):
+            row = x[r]
+            w = _words(row)
+            sr = scales[r]
+            limit = _finite_limit(row)
+            bm = block_max[r] if given else scratch
+            if not given:
+                top = _block_abs_max(w, row, 8, bm)
+                bad[r] = top > limit
+                if own_amax:
+                    amax[r] = _magnitude(min(top, limit), row)
+            s_enc = _nvfp4_s_enc(amax[r])
+            scale_factor = s_enc * _ONE_SIXTH
+            s_dec = _ONE / s_enc
+            for b in range(bm.shape[0]):
+                d = min(_magnitude(min(bm[b], limit), row) * scale_factor, _E4M3_MAX)  # clamp, then cast
+                s8, s8_value = _e4m3_round(d)
+                sr[b] = U8(s8)
+                enc_b[b] = _encode_factor(s8_value, s_dec)
+            _rtn_row(w, row, enc_b, 8, codes[r])
 
 
 @numba.njit(**_INL)
@@ -228,79 +491,157 @@ def _mx_exponent(amax, rceil):
 
 
 @numba.njit(**_PAR)
-def mxfp4_quantize(x32, x16, rceil, codes, scales, bad):
+def mxfp4_quantize(x, rceil, codes, scales, bad, nchunks):
     """Rows -> codes u8 [R, K/2], biased E8M0 exponents u8 [R, K/32]."""
-    rows = codes.shape[0]
-    k = codes.shape[1] * 2
-    for r in numba.prange(rows):
-        ubuf = np.empty(32, dtype=np.uint32)
-        fbuf = ubuf.view(np.float32)
-        ok = True
-        for b in range(k // 32):
-            amax, f = _load_block(x32, x16, r, b * 32, 32, ubuf, fbuf)
-            ok &= f
-            e = _mx_exponent(amax, rceil)
-            scales[r, b] = np.uint8(e + 127)
-            enc = F32(math.ldexp(1.0, -e))  # a power of two: exact in float32 for |e| <= 127
-            for i in range(0, 32, 2):
-                codes[r, b * 16 + i // 2] = _rtn_code(fbuf[i], enc) | (_rtn_code(fbuf[i + 1], enc) << np.uint8(4))
-        bad[r] = not ok
+    rows, nwords = codes.shape
+    for t in numba.prange(nchunks):
+        block_max = np.empty(nwords // 16, dtype=np.uint32)
+        enc_b = np.empty(nwords // 16, dtype=np.float32)
+        start, stop = _chunk_rows(t, nchunks, rows)
+        for r in range(start, stop):
+            row = x[r]
+            w = _words(row)
+            sr = scales[r]
+            limit = _finite_limit(row)
+            bad[r] = _block_abs_max(w, row, 16, block_max) > limit
+            for b in range(block_max.shape[0]):
+                e = _mx_exponent(_magnitude(min(block_max[b], limit), row), rceil)
+                sr[b] = U8(e + 127)
+                enc_b[b] = F32(math.ldexp(1.0, -e))  # a power of two: exact in float32 for |e| <= 127
+            _rtn_row(w, row, enc_b, 16, codes[r])
+
+
+@numba.njit(**_INL)
+def _e2m1_value(code):
+    """float32 value of a 4-bit code: from magnitude code 2 up, exponent (c >> 1) - 1 and mantissa bit
+    c & 1; codes 0 and 1 are 0 and 0.5; bit 3 is the float's sign bit (code 8 is -0.0)."""
+    mag = U32(code & U32(7))
+    normal = U32(U32(U32(126) + U32(mag >> U32(1))) << U32(23)) | U32(U32(mag & U32(1)) << U32(22))
+    bits = normal if mag >= U32(2) else U32(mag * U32(0x3F000000))  # 0x3f000000 is 0.5
+    return f32_from_bits(bits | U32(U32(code & U32(8)) << U32(28)))
+
+
+@numba.njit(**_INL)
+def _dequant_pair(byte, mult, div):
+    """Both elements of a code byte as one uint64 (element 2i in the low half, as in memory)."""
+    v0 = (_e2m1_value(U32(byte) & U32(15)) * mult) / div
+    v1 = (_e2m1_value(U32(byte) >> U32(4)) * mult) / div
+    return U64(bits_from_f32(v0)) | (U64(bits_from_f32(v1)) << U64(32))
 
 
 @numba.njit(**_PAR)
-def dequantize(codes, block_mult, row_div, block):
-    """``(value(code) * block_mult[block]) / row_div[row]`` in float32 -> f32 [R, K]."""
-    rows, half = codes.shape
-    out = np.empty((rows, half * 2), dtype=np.float32)
-    for r in numba.prange(rows):
-        div = row_div[r]
-        for j in range(half):
-            byte = codes[r, j]
-            mult = block_mult[r, (2 * j) // block]
-            for h in range(2):
-                c = (byte >> np.uint8(4 * h)) & np.uint8(15)
-                v = E2M1_MAGS[c & np.uint8(7)]
-                if c & np.uint8(8):
-                    v = -v
-                out[r, 2 * j + h] = (v * mult) / div
-    return out
+def dequantize(codes, scales, scale_values, row_div, block, out, nchunks):
+    """``(value(code) * scale) / row_div[row]`` in float32 into ``out`` f32 [R, K].
 
-
-@numba.njit(**_PAR)
-def guided(x32, x16, enc, hint, full, block, codes, bad):
-    """Guided codes u8 [R, K/2] on the rollout's grid ``enc`` f32 [R, K/block].
-
-    ``hint`` is u8 [R, K/8] low bits (element 8j+i in bit i) or, with ``full``, the rollout's packed
-    codes u8 [R, K/2].
+    ``scales`` u8 [R, K/block] are stored scale bytes, ``scale_values`` their float32 values.
     """
-    rows = codes.shape[0]
-    k = codes.shape[1] * 2
-    for r in numba.prange(rows):
-        ubuf = np.empty(block, dtype=np.uint32)
-        fbuf = ubuf.view(np.float32)
-        ok = True
-        for b in range(k // block):
-            base = b * block
-            amax, f = _load_block(x32, x16, r, base, block, ubuf, fbuf)
-            ok &= f
-            e = enc[r, b]
-            for i in range(0, block, 2):
-                out = np.uint8(0)
-                for h in range(2):
-                    j = base + i + h  # element index in the row
-                    xv = fbuf[i + h]
-                    m = abs(xv * e)
-                    if m > _SIX:
-                        m = _SIX
-                    sb = _sign_bit(xv)
-                    if full:
-                        rc = (hint[r, j // 2] >> np.uint8(4 * h)) & np.uint8(15)
-                        c = _guided_mag_full(m, sb != 0, rc)
-                    else:
-                        c = _guided_mag_lsb(m, (hint[r, j // 8] >> np.uint8(j % 8)) & np.uint8(1))
-                    out |= (c | sb) << np.uint8(4 * h)
-                codes[r, (base + i) // 2] = out
-        bad[r] = not ok
+    rows, nwords = codes.shape
+    words_per_block = block // 2
+    for t in numba.prange(nchunks):
+        mult = np.empty(nwords // words_per_block, dtype=np.float32)
+        start, stop = _chunk_rows(t, nchunks, rows)
+        for r in range(start, stop):
+            cr = codes[r]
+            sr = scales[r]
+            o = out[r].view(np.uint64)
+            div = row_div[r]
+            for b in range(mult.shape[0]):
+                mult[b] = scale_values[sr[b]]
+            for u in range(nwords // 16):
+                m0 = mult[(16 * u) // words_per_block]
+                m1 = mult[(16 * u + 8) // words_per_block]
+                for i in range(16):
+                    j = 16 * u + i
+                    o[j] = _dequant_pair(cr[j], m0 if i < 8 else m1, div)
+            for j in range(nwords - nwords % 16, nwords):  # K % 32 == 16 (NVFP4): one block left over
+                o[j] = _dequant_pair(cr[j], mult[mult.shape[0] - 1], div)
+
+
+# Guided rounding: ``scale_values`` maps a stored scale byte to its float32 value (E4M3_VALUES or
+# E8M0_VALUES) and ``s_dec`` f32 [R] is 1/S_enc per row (1 for MXFP4), so the encode factor is the
+# reference's ``1 / (scale * s_dec)`` (for MXFP4, ``1 / 2^e``: the same float32). The code pass has
+# the shape of _rtn_row; each word also reads its two elements' hints.
+
+
+@numba.njit(**_INL)
+def _rollout_enc(sr, scale_values, s_dec, enc_b):
+    for b in range(sr.shape[0]):
+        enc_b[b] = _encode_factor(scale_values[sr[b]], s_dec)
+
+
+@numba.njit(**_INL)
+def _guided_lsb_byte(word, enc, hint, row):
+    """Output byte of one word; bits 0 and 1 of ``hint`` are its two elements' low-bit hints."""
+    a0, a1 = _abs_pair(word, row)
+    c0 = _guided_lsb(_magnitude(a0, row) * enc, hint)
+    c1 = _guided_lsb(_magnitude(a1, row) * enc, hint >> U32(1))
+    return U8(c0 | (c1 << U32(4)) | _sign_nibbles(word, row))
+
+
+@numba.njit(**_PAR)
+def guided_lsb(x, scales, scale_values, s_dec, bits, block, codes, bad, nchunks):
+    """Guided codes u8 [R, K/2] from low-bit hints ``bits`` u8 [R, K/8] (element 8j+i in bit i)."""
+    rows, nwords = codes.shape
+    words_per_block = block // 2
+    for t in numba.prange(nchunks):
+        enc_b = np.empty(nwords // words_per_block, dtype=np.float32)
+        start, stop = _chunk_rows(t, nchunks, rows)
+        for r in range(start, stop):
+            row = x[r]
+            w = _words(row)
+            cr = codes[r]
+            hint16 = bits[r].view(np.uint16)  # word 8v+i's two hints are bits 2i, 2i+1 of hint16[v]
+            _rollout_enc(scales[r], scale_values, s_dec[r], enc_b)
+            for u in range(nwords // 16):
+                e0 = enc_b[(16 * u) // words_per_block]
+                e1 = enc_b[(16 * u + 8) // words_per_block]
+                hint = U32(hint16[2 * u]) | U32(U32(hint16[2 * u + 1]) << U32(16))
+                for i in range(16):
+                    j = 16 * u + i
+                    cr[j] = _guided_lsb_byte(w[j], e0 if i < 8 else e1, U32(hint >> U32(2 * i)), row)
+            if nwords % 16:  # K % 32 == 16 (NVFP4): one block left over
+                hint = U32(hint16[hint16.shape[0] - 1])
+                for i in range(8):
+                    j = nwords - 8 + i
+                    cr[j] = _guided_lsb_byte(w[j], enc_b[enc_b.shape[0] - 1], U32(hint >> U32(2 * i)), row)
+            bad[r] = _row_abs_max(w, row) > _finite_limit(row)
+
+
+@numba.njit(**_INL)
+def _guided_full_byte(word, enc, rollout_byte, row):
+    """Output byte of one word; ``rollout_byte`` holds the rollout's codes of its two elements."""
+    a0, a1 = _abs_pair(word, row)
+    signs = _sign_nibbles(word, row)
+    rc = U32(rollout_byte)
+    same = ~(rc ^ signs)  # bit 3: element 2j's signs agree; bit 7: element 2j+1's
+    c0 = _guided_full(_magnitude(a0, row) * enc, rc, U32(same >> U32(3)) & U32(1))
+    c1 = _guided_full(_magnitude(a1, row) * enc, U32(rc >> U32(4)), U32(same >> U32(7)) & U32(1))
+    return U8(c0 | (c1 << U32(4)) | signs)
+
+
+@numba.njit(**_PAR)
+def guided_full(x, scales, scale_values, s_dec, rollout, block, codes, bad, nchunks):
+    """Guided codes u8 [R, K/2] from the rollout's packed codes ``rollout`` u8 [R, K/2]."""
+    rows, nwords = codes.shape
+    words_per_block = block // 2
+    for t in numba.prange(nchunks):
+        enc_b = np.empty(nwords // words_per_block, dtype=np.float32)
+        start, stop = _chunk_rows(t, nchunks, rows)
+        for r in range(start, stop):
+            row = x[r]
+            w = _words(row)
+            cr = codes[r]
+            hr = rollout[r]
+            _rollout_enc(scales[r], scale_values, s_dec[r], enc_b)
+            for u in range(nwords // 16):
+                e0 = enc_b[(16 * u) // words_per_block]
+                e1 = enc_b[(16 * u + 8) // words_per_block]
+                for i in range(16):
+                    j = 16 * u + i
+                    cr[j] = _guided_full_byte(w[j], e0 if i < 8 else e1, hr[j], row)
+            for j in range(nwords - nwords % 16, nwords):  # K % 32 == 16 (NVFP4): one block left over
+                cr[j] = _guided_full_byte(w[j], enc_b[enc_b.shape[0] - 1], hr[j], row)
+            bad[r] = _row_abs_max(w, row) > _finite_limit(row)
 
 
 @numba.njit(**_PAR)

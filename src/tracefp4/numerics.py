@@ -88,10 +88,11 @@ class MXFP4:
 # --- validation ----------------------------------------------------------------------------------
 
 
-def check_input(x: torch.Tensor, block: int, what: str = "x") -> None:
+def check_input(x: torch.Tensor, block: int, what: str = "x", *, cpu: bool = True) -> None:
     """Raise ValueError unless ``x`` is a float CPU tensor whose last dim is a multiple of ``block``.
 
-    Finiteness is checked by the kernels in the same pass that quantizes (see :func:`raise_non_finite`).
+    ``cpu=False`` leaves the device to the caller (the Triton kernels). Finiteness is checked by the
+    kernels in the same pass that quantizes (see :func:`raise_non_finite`).
     """
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
@@ -100,7 +101,7 @@ def check_input(x: torch.Tensor, block: int, what: str = "x") -> None:
     if x.dim() == 0 or x.shape[-1] % block != 0:
         last = "a scalar" if x.dim() == 0 else f"last dim {x.shape[-1]}"
         raise ValueError(f"{what}: {last} is not a multiple of the block size {block} (shape {tuple(x.shape)})")
-    if x.device.type != "cpu":
+    if cpu and x.device.type != "cpu":
         raise ValueError(f"{what}: the CPU kernels take CPU tensors, got device {x.device}")
 
 
@@ -117,19 +118,21 @@ def raise_non_finite(x: torch.Tensor, bad: np.ndarray, what: str = "x") -> None:
         )
 
 
-_EMPTY_F32 = np.empty((0, 0), dtype=np.float32)
-_EMPTY_U16 = np.empty((0, 0), dtype=np.uint16)
+_NO_BLOCK_MAX = np.empty((0, 0), dtype=np.uint32)
+
+#: The kernels' view of each input dtype (see :mod:`tracefp4.kernels`): 16-bit formats travel as their
+#: bit patterns, and the integer dtype tells the kernel which widening to compile.
+_KERNEL_VIEW = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16}
 
 
-def kernel_rows(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """``x`` as 2-D rows for the kernels: (float32 rows, empty) or, for bfloat16, (empty, uint16 bits).
+def kernel_rows(x: torch.Tensor) -> np.ndarray:
+    """``x`` as 2-D rows for the kernels, without a copy when ``x`` is contiguous.
 
-    bfloat16 is widened inside the kernels; float16 is widened here (exactly) since numba lacks it.
+    float32 stays float32; bfloat16 and float16 are passed as their bits and widened in the kernels,
+    so no float32 temporary of the input is ever made.
     """
     x = x.detach().contiguous()
-    if x.dtype == torch.bfloat16:
-        return _EMPTY_F32, x.view(torch.int16).reshape(-1, x.shape[-1]).numpy().view(np.uint16)
-    return x.to(torch.float32).reshape(-1, x.shape[-1]).numpy(), _EMPTY_U16
+    return x.view(_KERNEL_VIEW[x.dtype]).reshape(_row_count(x), x.shape[-1]).numpy()
 
 
 def _row_count(x: torch.Tensor) -> int:
@@ -149,14 +152,8 @@ def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
 
 
-def _global_amax(x: torch.Tensor, rows: tuple[np.ndarray, np.ndarray], global_amax, per_row: bool) -> torch.Tensor:
-    if global_amax is None:
-        amax = np.empty(_row_count(x), dtype=np.float32)
-        bad = np.zeros(amax.shape[0], dtype=np.bool_)
-        kernels.row_amax(*rows, NVFP4_BLOCK, amax, bad)
-        raise_non_finite(x, bad)
-        by_row = torch.from_numpy(amax).reshape(*x.shape[:-1], 1)
-        return by_row if per_row else by_row.amax()
+def _global_amax(x: torch.Tensor, global_amax) -> torch.Tensor:
+    """A given global amax, validated: a scalar or ``[..., 1]``, finite and non-negative."""
     amax = torch.as_tensor(global_amax, dtype=torch.float32)
     lead = tuple(x.shape[:-1])
     if amax.dim() != 0 and tuple(amax.shape) != (*lead, 1):
@@ -183,29 +180,53 @@ def quantize_nvfp4(x: torch.Tensor, *, global_amax=None, per_row: bool = False) 
     """
     check_input(x, NVFP4_BLOCK)
     rows = kernel_rows(x)
-    amax = _global_amax(x, rows, global_amax, per_row)
-    s_enc = _per_row(nvfp4_global_encode_scale(amax), x.shape)
-    n, k = _row_count(x), x.shape[-1]
-    codes = np.empty((n, k // 2), dtype=np.uint8)
-    scales = np.empty((n, k // NVFP4_BLOCK), dtype=np.uint8)
-    bad = np.zeros(n, dtype=np.bool_)
-    kernels.nvfp4_quantize(*rows, s_enc, codes, scales, bad, kernels.E4M3_VALUES)
-    raise_non_finite(x, bad)
+    n, k = rows.shape
     lead = x.shape[:-1]
+    bad = np.zeros(n, dtype=np.bool_)
+    block_max = _NO_BLOCK_MAX
+    with kernels.threads_for(rows.nbytes):
+        if global_amax is not None:
+            amax = _global_amax(x, global_amax)
+            row_amax = _per_row(amax, x.shape)  # read only: the kernel writes it back only with own_amax
+        elif per_row:
+            row_amax = np.empty(n, dtype=np.float32)  # the kernel finds each row's amax in its own pass
+        else:
+            # a per-tensor amax needs the whole tensor before the first scale: a first pass keeps the
+            # block amaxes (1/8 of a bf16 input's size) so the second only has to code
+            row_amax = np.empty(n, dtype=np.float32)
+            block_max = np.empty((n, k // NVFP4_BLOCK), dtype=np.uint32)
+            kernels.nvfp4_block_amax(rows, block_max, row_amax, bad, kernels.row_chunks(n))
+            raise_non_finite(x, bad)
+            amax = torch.from_numpy(row_amax).amax() if n else torch.zeros((), dtype=torch.float32)
+            row_amax[:] = amax.item()
+        codes = np.empty((n, k // 2), dtype=np.uint8)
+        scales = np.empty((n, k // NVFP4_BLOCK), dtype=np.uint8)
+        own_amax = global_amax is None and per_row
+        kernels.nvfp4_quantize(rows, row_amax, own_amax, block_max, codes, scales, bad, kernels.row_chunks(n))
+    raise_non_finite(x, bad)
+    if own_amax:
+        amax = torch.from_numpy(row_amax).reshape(*lead, 1)
     return NVFP4(
-        codes=torch.from_numpy(codes).reshape(*lead, -1),
-        scales=torch.from_numpy(scales).view(torch.float8_e4m3fn).reshape(*lead, -1),
+        codes=torch.from_numpy(codes).reshape(*lead, codes.shape[-1]),
+        scales=torch.from_numpy(scales).view(torch.float8_e4m3fn).reshape(*lead, scales.shape[-1]),
         global_amax=amax,
     )
 
 
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, scale_values: np.ndarray, row_div: np.ndarray, block: int):
+    n = _row_count(codes)
+    rows = codes.reshape(n, codes.shape[-1]).contiguous().numpy()
+    scale_bytes = scales.reshape(n, scales.shape[-1]).contiguous().view(torch.uint8).numpy()
+    out = np.empty((rows.shape[0], rows.shape[1] * 2), dtype=np.float32)
+    with kernels.threads_for(out.nbytes):
+        kernels.dequantize(rows, scale_bytes, scale_values, row_div, block, out, kernels.row_chunks(rows.shape[0]))
+    return torch.from_numpy(out)
+
+
 def dequantize_nvfp4(q: NVFP4) -> torch.Tensor:
     """float32 ``[..., K]``: ``value(code) * float(s8) / S_enc``."""
-    shape = q.shape
-    s_enc = _per_row(nvfp4_global_encode_scale(q.global_amax), shape)
-    s8 = q.scales.to(torch.float32).reshape(-1, q.scales.shape[-1]).contiguous().numpy()
-    out = kernels.dequantize(q.codes.reshape(-1, q.codes.shape[-1]).contiguous().numpy(), s8, s_enc, NVFP4_BLOCK)
-    return torch.from_numpy(out).reshape(shape)
+    s_enc = _per_row(nvfp4_global_encode_scale(q.global_amax), q.shape)
+    return _dequantize(q.codes, q.scales, kernels.E4M3_VALUES, s_enc, NVFP4_BLOCK).reshape(q.shape)
 
 
 # --- MXFP4 ---------------------------------------------------------------------------------------
@@ -219,10 +240,12 @@ def quantize_mxfp4(x: torch.Tensor, *, scale_mode: str = "floor") -> MXFP4:
     codes = np.empty((n, k // 2), dtype=np.uint8)
     scales = np.empty((n, k // MXFP4_BLOCK), dtype=np.uint8)
     bad = np.zeros(n, dtype=np.bool_)
-    kernels.mxfp4_quantize(*kernel_rows(x), mode is ScaleMode.RCEIL, codes, scales, bad)
+    rows = kernel_rows(x)
+    with kernels.threads_for(rows.nbytes):
+        kernels.mxfp4_quantize(rows, mode is ScaleMode.RCEIL, codes, scales, bad, kernels.row_chunks(n))
     raise_non_finite(x, bad)
     lead = x.shape[:-1]
-    return MXFP4(codes=torch.from_numpy(codes).reshape(*lead, -1), scales=torch.from_numpy(scales).reshape(*lead, -1))
+    return MXFP4(codes=torch.from_numpy(codes).reshape(*lead, codes.shape[-1]), scales=torch.from_numpy(scales).reshape(*lead, scales.shape[-1]))
 
 
 def mx_scale_values(biased: torch.Tensor) -> torch.Tensor:
@@ -232,11 +255,8 @@ def mx_scale_values(biased: torch.Tensor) -> torch.Tensor:
 
 def dequantize_mxfp4(q: MXFP4) -> torch.Tensor:
     """float32 ``[..., K]``: ``value(code) * 2^(s - 127)``."""
-    shape = q.shape
-    mult = mx_scale_values(q.scales).reshape(-1, q.scales.shape[-1]).contiguous().numpy()
-    ones = np.ones(mult.shape[0], dtype=np.float32)
-    out = kernels.dequantize(q.codes.reshape(-1, q.codes.shape[-1]).contiguous().numpy(), mult, ones, MXFP4_BLOCK)
-    return torch.from_numpy(out).reshape(shape)
+    ones = np.ones(_row_count(q.codes), dtype=np.float32)  # x / 1 == x: the NVFP4 formula with S_enc 1
+    return _dequantize(q.codes, q.scales, kernels.E8M0_VALUES, ones, MXFP4_BLOCK).reshape(q.shape)
 
 
 def quantize(x: torch.Tensor, fmt: str | Format = "nvfp4", *, per_row: bool = False, global_amax=None):
@@ -269,7 +289,7 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Two codes per byte ``[..., N]`` -> one per uint8 ``[..., 2N]``."""
     if packed.dtype != torch.uint8:
         raise ValueError(f"unpack_fp4: expected uint8, got {packed.dtype}")
-    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 # --- straight-through fake quantization ----------------------------------------------------------

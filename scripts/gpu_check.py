@@ -1,0 +1,233 @@
+#!/usr/bin/env python
+"""Check the Triton kernels on a CUDA device: bit-exact against the reference, and how close to the
+GPU's copy bandwidth they run.
+
+Correctness: every kernel (NVFP4 quantize per tensor / per row / given amax, guided quantize lsb and
+full for NVFP4 and MXFP4, lsb hint packing) on several shapes, dtypes and data kinds (heavy-tailed,
+zero blocks, subnormal block scales among them). Small shapes are compared with
+:mod:`tracefp4.reference` directly; large ones with the CPU kernels, which the test suite holds equal
+to the reference (the reference's codeword search needs ~1 GB per 16M elements).
+
+Bandwidth: each operation's time next to ``x.clone()`` of the same input, as ``clone / op`` (1.0 means
+as fast as copying the input once), and as a fraction of the clone's bandwidth counting the bytes the
+operation must move (input reads, code and scale writes).
+
+Prints a table and writes JSON (``--json``). Exit status: 0 all bit-exact, 1 a mismatch, 2 nothing
+could be checked (no CUDA device, or Triton missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+NO_DEVICE = 2
+
+
+def _fail_early(message: str) -> int:
+    print(f"gpu_check: {message}; nothing was checked.", file=sys.stderr)
+    return NO_DEVICE
+
+
+def make_data(kind: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "randn":
+        x = torch.randn(*shape, generator=g)
+    elif kind == "heavy_tailed":  # magnitudes 1e-6 .. 1e4 within rows and blocks
+        x = torch.exp(torch.empty(*shape).uniform_(-13.8, 9.2, generator=g)) * torch.randn(*shape, generator=g).sign()
+    elif kind == "zero_blocks":
+        x = torch.randn(*shape, generator=g)
+        x[..., 16:48] = 0.0
+        x[..., ::3, :] = 0.0
+    elif kind == "subnormal_scales":  # blocks far below the row amax: E4M3 subnormal block scales
+        x = torch.randn(*shape, generator=g)
+        x[..., 0] = 1000.0
+        k = shape[-1]
+        decay = 2.0 ** -(12 + torch.arange(k // 16).float() % 10).repeat_interleave(16)
+        x[..., 16:] = x[..., 16:] * decay[16:]
+    elif kind == "tiny":  # float32/bf16 subnormals, and an S_enc so large that 1/S_enc is subnormal too:
+        # bit-exact only where the device keeps float32 subnormals instead of flushing them to zero
+        x = torch.randn(*shape, generator=g) * 1e-38
+    else:
+        raise ValueError(kind)
+    return x.to(dtype)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    if a.dtype == torch.float32:
+        a, b = a.view(torch.int32), b.view(torch.int32)
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def check_correctness(tk, tf, ref, big: tuple[int, int]) -> list[dict]:
+    """One record per (kernel, shape, dtype, kind): ok or not, and against which oracle."""
+    records = []
+    shapes = [(1, 16), (7, 48), (33, 160), (3, 5, 256), (256, 4096), big]
+    dtypes = [torch.bfloat16, torch.float16, torch.float32]
+    kinds = ["randn", "heavy_tailed", "zero_blocks", "subnormal_scales", "tiny"]
+    for si, shape in enumerate(shapes):
+        small = torch.Size(shape).numel() <= 1 << 16
+        oracle = "reference" if small else "cpu kernels"
+        for dtype in dtypes:
+            for kind in kinds:
+                x = make_data(kind, shape, dtype, seed=si)
+                xd = x.cuda()
+                base = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "kind": kind, "oracle": oracle}
+                for label, kw in [("quantize_nvfp4", {}), ("quantize_nvfp4 per_row", {"per_row": True}),
+                                  ("quantize_nvfp4 given amax", {"global_amax": torch.tensor(3.0)})]:
+                    q = tk.quantize_nvfp4(xd, **kw)
+                    if small:
+                        codes, s8, amax = ref.quantize_nvfp4(x, global_amax=kw.get("global_amax"),
+                                                             per_row=kw.get("per_row", False))
+                        ok = _same(tf.unpack_fp4(q.codes.cpu()), codes) and _same(q.scales, s8)
+                        ok = ok and _same(q.global_amax, amax)
+                    else:
+                        c = tf.quantize_nvfp4(x, **kw)
+                        ok = _same(q.codes, c.codes) and _same(q.scales, c.scales) and _same(q.global_amax, c.global_amax)
+                    records.append({**base, "kernel": label, "ok": ok})
+                if kind != "randn" and not small:
+                    continue  # guided checks on the big shape: one data kind is enough
+                y = (x.float() * (1 + 0.02 * torch.randn(*shape, generator=torch.Generator().manual_seed(7)))).to(dtype)
+                for fmt in ("nvfp4", "mxfp4"):
+                    if fmt == "mxfp4" and shape[-1] % 32:
+                        continue
+                    q = tf.quantize_nvfp4(x, per_row=True) if fmt == "nvfp4" else tf.quantize_mxfp4(x)
+                    for mode in ("lsb", "full"):
+                        hint = tf.encode_hint(q, mode)
+                        got = tk.guided_quantize(y.cuda(), hint)
+                        if small:
+                            rc = tf.unpack_fp4(q.codes)
+                            kw = {"rollout_codes": rc} if mode == "full" else {"rollout_lsb": rc & 1}
+                            if fmt == "nvfp4":
+                                expect = ref.guided_quantize_nvfp4(y, q.scales, q.global_amax, **kw)
+                            else:
+                                expect = ref.guided_quantize_mxfp4(y, q.scales, **kw)
+                            ok = _same(tf.unpack_fp4(got.codes.cpu()), expect)
+                        else:
+                            ok = _same(got.codes, tf.guided_quantize(y, hint).codes)
+                        records.append({**base, "kernel": f"guided_quantize {fmt} {mode}", "ok": ok})
+                    dq = tf.NVFP4(q.codes.cuda(), q.scales.cuda(), q.global_amax.cuda()) if fmt == "nvfp4" else \
+                        tf.MXFP4(q.codes.cuda(), q.scales.cuda())
+                    ok = _same(tk.encode_hint(dq, "lsb").data, tf.encode_hint(q, "lsb").data)
+                    records.append({**base, "kernel": f"encode_hint lsb ({fmt})", "ok": ok})
+    return records
+
+
+def _cuda_time(fn, repeats: int) -> float:
+    """Median seconds per call, by CUDA events, after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(samples)
+
+
+def measure_bandwidth(tk, tf, rows: int, cols: int, repeats: int) -> dict:
+    x = torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
+    y = (x.float() * (1 + 1e-3 * torch.randn_like(x, dtype=torch.float32))).to(torch.bfloat16)
+    n_in = x.nbytes
+    codes_b, scales_b = x.numel() // 2, x.numel() // 16
+    q = tk.quantize_nvfp4(x, per_row=True)
+    hint_lsb, hint_full = tk.encode_hint(q, "lsb"), tk.encode_hint(q, "full")
+    amax = x.float().abs().amax().cpu()
+    # (label, callable, bytes it must move)
+    ops = [
+        ("x.clone()", lambda: x.clone(), 2 * n_in),
+        ("quantize_nvfp4 (per tensor: amax pass + quantize)", lambda: tk.quantize_nvfp4(x), 2 * n_in + codes_b + scales_b),
+        ("quantize_nvfp4 given amax (one pass)", lambda: tk.quantize_nvfp4(x, global_amax=amax), n_in + codes_b + scales_b),
+        ("quantize_nvfp4 per_row", lambda: tk.quantize_nvfp4(x, per_row=True), 2 * n_in + codes_b + scales_b),
+        ("guided_quantize lsb", lambda: tk.guided_quantize(y, hint_lsb), n_in + n_in // 16 + codes_b + 2 * scales_b),
+        ("guided_quantize full", lambda: tk.guided_quantize(y, hint_full), n_in + 2 * codes_b + 2 * scales_b),
+        ("encode_hint lsb", lambda: tk.encode_hint(q, "lsb"), codes_b + codes_b // 4 + 2 * scales_b),
+    ]
+    times = {label: _cuda_time(fn, repeats) for label, fn, _ in ops}
+    clone_s = times["x.clone()"]
+    clone_bw = 2 * n_in / clone_s
+    out = {"shape": [rows, cols], "dtype": "bfloat16", "device": torch.cuda.get_device_name(), "ops": {}}
+    for label, _, moved in ops:
+        t = times[label]
+        out["ops"][label] = {
+            "seconds": t,
+            "bytes_moved": moved,
+            "clone_over_op": clone_s / t,
+            "fraction_of_copy_bandwidth": (moved / t) / clone_bw,
+        }
+    out["copy_bandwidth_GBps"] = clone_bw / 1e9
+    return out
+
+
+def format_report(correct: list[dict], bw: dict | None) -> str:
+    lines = []
+    by_kernel: dict[str, list[dict]] = {}
+    for r in correct:
+        by_kernel.setdefault(r["kernel"], []).append(r)
+    lines.append(f"{'kernel':<34}{'cases':>7}{'bit-exact':>11}")
+    for kernel, rs in by_kernel.items():
+        lines.append(f"{kernel:<34}{len(rs):>7}{sum(r['ok'] for r in rs):>11}")
+    bad = [r for r in correct if not r["ok"]]
+    for r in bad[:20]:
+        lines.append(f"  MISMATCH {r['kernel']} shape={r['shape']} {r['dtype']} {r['kind']} (vs {r['oracle']})")
+    if bw:
+        lines.append("")
+        lines.append(f"{'x'.join(map(str, bw['shape']))} bf16 on {bw['device']}; copy bandwidth "
+                     f"{bw['copy_bandwidth_GBps']:.0f} GB/s (x.clone(), read + write)")
+        lines.append(f"{'operation':<52}{'us':>9}{'clone/op':>10}{'of copy BW':>12}")
+        for label, m in bw["ops"].items():
+            lines.append(f"{label:<52}{m['seconds'] * 1e6:>9.1f}{m['clone_over_op']:>10.2f}"
+                         f"{m['fraction_of_copy_bandwidth']:>12.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="exit status: 0 ok, 1 mismatch, 2 no device")
+    p.add_argument("--rows", type=int, default=8192, help="rows of the bandwidth tensor")
+    p.add_argument("--cols", type=int, default=8192, help="columns of the bandwidth tensor (multiple of 32)")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json", metavar="PATH", default="gpu_check.json", help="where to write the figures")
+    p.add_argument("--skip-bandwidth", action="store_true")
+    args = p.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        return _fail_early("no CUDA device is available (torch.cuda.is_available() is False)")
+    if os.environ.pop("TRITON_INTERPRET", None) not in (None, "", "0"):
+        print("gpu_check: ignoring TRITON_INTERPRET: this script runs the compiled kernels", file=sys.stderr)
+    try:
+        import tracefp4 as tf
+        from tracefp4 import reference as ref
+        from tracefp4 import triton_kernels as tk
+    except ImportError as e:
+        return _fail_early(f"Triton is not importable ({e})")
+
+    t0 = time.perf_counter()
+    correct = check_correctness(tk, tf, ref, big=(4096, 4096))
+    bw = None if args.skip_bandwidth else measure_bandwidth(tk, tf, args.rows, args.cols, args.repeats)
+    print(format_report(correct, bw))
+    ok = all(r["ok"] for r in correct)
+    payload = {"bit_exact": ok, "cases": correct, "bandwidth": bw, "seconds": time.perf_counter() - t0,
+               "torch": torch.__version__}
+    tmp = f"{args.json}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, args.json)
+    print(f"{'all bit-exact' if ok else 'MISMATCHES found'}; wrote {args.json}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

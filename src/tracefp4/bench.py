@@ -384,6 +384,22 @@ def _run_numerics(args: argparse.Namespace) -> dict:
 register_section("numerics", Section(_run_numerics, format_numerics, "FP4 numerics vs a tensor copy and torchao"))
 
 
+def _run_system(args: argparse.Namespace) -> dict:
+    from .bench_system import bench_system
+
+    set_threads(getattr(args, "threads", None))
+    return bench_system(repeats=args.repeats)
+
+
+def _format_system(res: dict) -> str:
+    from .bench_system import format_system
+
+    return format_system(res)
+
+
+register_section("system", Section(_run_system, _format_system, "guidance cost on the tiny MoE: rollout, train, store"))
+
+
 def bench_all(args: argparse.Namespace, names: list[str] | None = None) -> dict:
     """Run the sections and merge their figures into one flat dict (``sections`` lists who gave what)."""
     merged: dict = {"sections": {}}

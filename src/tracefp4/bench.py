@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from .files import atomic_write_json
+
 from .guidance import encode_hint, guided_quantize
 from .numerics import dequantize_nvfp4, quantize_nvfp4
 
@@ -414,13 +416,9 @@ def bench_all(args: argparse.Namespace, names: list[str] | None = None) -> dict:
 
 
 def _write_json(path: str | None, payload: dict) -> None:
-    if not path:
-        return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)  # a reader never sees a half-written file
-    print(f"wrote {path}")
+    if path:
+        atomic_write_json(path, payload)
+        print(f"wrote {path}")
 
 
 def cmd_numerics(args: argparse.Namespace) -> int:

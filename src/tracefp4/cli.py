@@ -3,19 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-
-
-def _write_json(path: str | None, payload: dict) -> None:
-    if not path:
-        return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)  # a reader never sees a half-written file
-    print(f"wrote {path}")
 
 
 def cmd_twopath(args: argparse.Namespace) -> int:

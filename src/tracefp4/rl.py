@@ -42,10 +42,11 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, Qwen3MoeConfig
 
 from . import runlog
+from .files import atomic_write_json
 from .guidance import lsb_bits
 from .grpo import LossAgg, group_advantages, grpo_loss, mismatch_metrics
 from .model import PrecisionPlan, default_guided_layers, from_config, load_model, model_layers
-from .rollout import RolloutOutput, SamplingParams, generate
+from .rollout import SamplingParams, generate
 from .store import StoreReader, StoreWriter, seal_step
 from .tasks import CharTokenizer, Example, Task, make_task
 from .trainer import code_mismatch, forward_logprobs
@@ -489,7 +490,7 @@ class ArmRunner:
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path)
         save_file({k: v.contiguous() for k, v in self.opt.state_tensors().items()}, str(path / "optimizer.safetensors"))
-        runlog.write_json_atomic(path / "trainer_state.json", {
+        atomic_write_json(path / "trainer_state.json", {
             "arm": self.name, "step": self.step, "policy_version": self.version, "signature": self.signature,
         })
 
@@ -530,7 +531,7 @@ def run(cfg: RLConfig) -> Path:
     tok = CharTokenizer()
     task = make_task(cfg.task, **cfg.task_kwargs)
     run_dir = Path(cfg.resume) if cfg.resume else runlog.new_run_dir(cfg.out, cfg.run_name)
-    runlog.write_json_atomic(run_dir / "config.json", dataclasses.asdict(cfg))
+    atomic_write_json(run_dir / "config.json", dataclasses.asdict(cfg))
     base_dir = run_dir / "checkpoints" / "warm_start"
 
     if (base_dir / "config.json").exists():

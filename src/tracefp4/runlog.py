@@ -33,15 +33,6 @@ def new_run_dir(base: str | os.PathLike = "runs", name: str | None = None) -> Pa
     return path
 
 
-def write_json_atomic(path: Path, payload) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class MetricsLog:
     """Appends one JSON line per record; mirrors scalars to TensorBoard when it is installed."""
 

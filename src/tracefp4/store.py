@@ -77,7 +77,6 @@ import hashlib
 import json
 import os
 import re
-import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +88,7 @@ import torch
 from safetensors import safe_open
 
 from tracefp4.constants import Site
+from tracefp4.files import atomic_write_bytes, fsync_dir
 
 __all__ = [
     "COMPLETE_NAME",
@@ -256,29 +256,6 @@ def _present_writers(sdir: Path) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    # Makes renames and creations inside ``path`` durable; without it a crash can lose the
-    # directory entry of a file whose data was already fsynced.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see either no file or the whole file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def _sha256_file(path: Path) -> str:
@@ -519,7 +496,7 @@ class StoreWriter:
         new_dir = not self.dir.is_dir()
         self.dir.mkdir(parents=True, exist_ok=True)
         if new_dir:
-            _fsync_dir(self.dir.parent)
+            fsync_dir(self.dir.parent)
 
         self._trajs: dict[str, TrajectoryMeta] = {}
         self._shards: dict[str, ShardMeta] = {}
@@ -600,7 +577,7 @@ class StoreWriter:
         try:
             self._flush()
             m = self.manifest()
-            _atomic_write(_manifest_path(self.dir, self.writer_id), _dump_json(m.to_json()))
+            atomic_write_bytes(_manifest_path(self.dir, self.writer_id), _dump_json(m.to_json()))
             self._manifest_written = True
         except BaseException:
             self.abort()
@@ -627,7 +604,7 @@ class StoreWriter:
         self._shards.clear()
         self._trajs.clear()
         if self.dir.is_dir():
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
 
     def manifest(self) -> Manifest:
         return Manifest(
@@ -667,7 +644,7 @@ class StoreWriter:
         meta = {"format": _SHARD_FORMAT, "step": str(self.step), "writer_id": self.writer_id}
         # Serialise to memory so that the hash covers exactly the bytes that reach the disk.
         data = safetensors.torch.save(self._buffer, metadata=meta)
-        _atomic_write(self.dir / name, data)
+        atomic_write_bytes(self.dir / name, data)
         self._shards[name] = ShardMeta(name, len(data), hashlib.sha256(data).hexdigest())
         self._buffer = {}
         self._buffer_bytes = 0
@@ -788,7 +765,7 @@ def seal_step(root: str | os.PathLike[str], step: int, writers: Sequence[str]) -
             f"step {step} is already sealed with different contents ({path}); "
             f"sealed writers: {sorted(existing.get('writers', {}))}, requested: {list(writers)}"
         )
-    _atomic_write(path, _dump_json(complete))
+    atomic_write_bytes(path, _dump_json(complete))
     return path
 
 

@@ -1,0 +1,41 @@
+"""Durable file writes: a reader sees either no file or the whole file, never a partial one."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    # Makes renames and creations inside ``path`` durable; without it a crash can lose the
+    # directory entry of a file whose data was already fsynced.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write to a unique temporary name beside ``path``, fsync, rename over ``path``, fsync the folder."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: str | os.PathLike[str], payload: Any, *, sort_keys: bool = True) -> None:
+    """:func:`atomic_write_bytes` of ``payload`` as indented JSON (non-JSON values as ``str``)."""
+    text = json.dumps(payload, indent=2, sort_keys=sort_keys, default=str) + "\n"
+    atomic_write_bytes(path, text.encode("utf-8"))

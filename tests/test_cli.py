@@ -14,7 +14,7 @@ from tracefp4.cli import main
 @pytest.mark.parametrize(
     "argv",
     [["--help"], ["demo", "--help"], ["train", "--help"], ["report", "--help"], ["twopath", "--help"],
-     ["bench", "--help"], ["bench", "numerics", "--help"], ["mismatch", "--help"]],
+     ["bench", "--help"], ["bench", "numerics", "--help"], ["mismatch", "--help"], ["plan", "--help"]],
 )
 def test_help(argv, capsys):
     with pytest.raises(SystemExit) as e:

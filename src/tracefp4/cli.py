@@ -57,9 +57,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tracefp4", description="TRACE: rollout-guided FP4 rounding for RL of MoE LLMs")
     sub = p.add_subparsers(dest="command", required=True)
-    from . import mismatch
+    from . import mismatch, plan
 
     mismatch.add_parser(sub)
+    plan.add_parser(sub)
 
     d = sub.add_parser(
         "demo",

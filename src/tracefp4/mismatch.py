@@ -14,6 +14,9 @@ runs the rollout engine in four modes and the trainer on each mode's own complet
 * **Guidance bytes per generated token**, full information on all layers vs the compact default (lsb
   on the deeper half), through the record store's own accounting (:func:`tracefp4.store.bytes_per_token`).
 
+``tracefp4 mismatch --sweep [--modes M1,M2] [--json PATH] [--plot PATH]`` measures instead every
+guidance mode of :mod:`tracefp4.compact` against bytes per token (:mod:`tracefp4.sweep`).
+
 Decisions (and why)
     * **Each arm compares its own rollout with its own trainer.** The bf16 rollout samples different
       tokens than the FP4 ones; that is fine, nothing is compared across arms except the summary
@@ -569,7 +572,7 @@ def format_report(rep: dict[str, Any]) -> str:
         "  under replay (trainer's router_flips, given replayed upstream layers): "
         + ",  ".join(f"{arm} {v['mean']:.2%}" for arm, v in fl["under_replay"].items() if v["mean"] is not None),
         "",
-        f"log-prob gap over completion tokens",
+        "log-prob gap over completion tokens",
         f"{'arm':<12}{'rollout':<31}{'trainer':<9}{'mean|dlogp|':>13}{'max|dlogp|':>12}{'k3 KL':>12}",
     ]
     for arm, (roll, train) in ARMS.items():
@@ -639,8 +642,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--temperature", type=float, default=DEFAULTS["temperature"])
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="model init, prompts and sampling")
     p.add_argument("--store-dir", metavar="DIR", help="keep the guidance store here (default: a temp dir, removed)")
-    p.add_argument("--json", metavar="PATH", help="also write the report as JSON (atomically)")
+    p.add_argument("--json", metavar="PATH", help="also write the report (or the sweep) as JSON (atomically)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    from . import sweep  # sweep builds on this module's helpers
+
+    sweep.add_arguments(p)
     p.set_defaults(func=run_cli)
     return p
 
@@ -651,6 +657,9 @@ def run_cli(args: argparse.Namespace) -> int:
         raise SystemExit(f"tracefp4 mismatch: --checkpoint fixes the model; drop {sorted(dims)}")
     if args.batch < 1 or args.new_tokens < 1 or args.prompt_len < 1:
         raise SystemExit("tracefp4 mismatch: --batch, --new-tokens and --prompt-len must be >= 1")
+    sweeping = getattr(args, "sweep", False)
+    if not sweeping and (getattr(args, "plot", None) or getattr(args, "modes", None)):
+        raise SystemExit("tracefp4 mismatch: --plot and --modes go with --sweep")
     t0 = time.perf_counter()
 
     def say(msg: str) -> None:
@@ -664,6 +673,10 @@ def run_cli(args: argparse.Namespace) -> int:
     say(f"model ready ({'checkpoint ' + args.checkpoint if args.checkpoint else 'tiny Qwen3-MoE from config'})")
     prompts = make_prompts(args.batch, model.config.vocab_size, args.prompt_len, args.seed)
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, seed=args.seed)
+    if sweeping:
+        from . import sweep
+
+        return sweep.run_cli(args, model, prompts, sampling, say)
     rep = mismatch_report(model, prompts, sampling, store_dir=args.store_dir, progress=say)
     print(format_report(rep))
     if args.json:

@@ -41,8 +41,9 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
+from .compact import CompactRecord, GuidanceSpec, encode_record, parse_hint_mode
 from .constants import Format, HintMode, ScaleMode, Site
-from .guidance import Hint, encode_hint, guided_quantize
+from .guidance import Hint, guided_quantize
 from .numerics import MXFP4, NVFP4, dequantize, quantize_mxfp4, quantize_nvfp4
 
 __all__ = [
@@ -163,11 +164,11 @@ class QuantMode(str, enum.Enum):
 class Recorder:
     """What one forward recorded, over that forward's flattened rows (batch-major, ``b*S + s``).
 
-    hints: ``record_prefix(layer, site)`` -> the Hint of the whole site tensor.
+    hints: ``record_prefix(layer, site)`` -> the Hint (or compact record) of the whole site tensor.
     routing: layer -> ``[rows, top_k]`` int64 routed expert indices.
     """
 
-    hints: dict[str, Hint] = dataclasses.field(default_factory=dict)
+    hints: dict[str, Hint | CompactRecord] = dataclasses.field(default_factory=dict)
     routing: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def take(self) -> Recorder:
@@ -186,15 +187,18 @@ class QuantContext:
     guided_layers: layers whose FP4 sites record hints (rollout, with ``record``) or whose codes are
         captured (trainer, with ``capture_codes``). ``None``: the deeper half of the model's layers,
         resolved by :func:`quant_context`.
-    hint_mode: what a hint keeps per element (``lsb`` 1 bit, ``full`` 4 bits).
+    hint_mode: what a hint keeps per element (``lsb`` 1 bit, ``full`` 4 bits), or a compact
+        :class:`~tracefp4.compact.GuidanceSpec` (a name such as ``"ldpc(1/16)+parity"`` is parsed).
     record: rollout only. If set, routing of every MoE layer and hints of ``guided_layers`` land here.
-    guidance: trainer only (``GUIDED``): ``record_prefix(layer, site)`` -> Hint over the forward's rows.
+    guidance: trainer only (``GUIDED``): ``record_prefix(layer, site)`` -> Hint, or a
+        :class:`~tracefp4.compact.CompactRecord` that decodes into one given this path's own value.
     routing_replay: trainer only: layer -> ``[rows, top_k]`` indices to use instead of the router's.
     reuse_quantized_weights: rollout only: keep quantized expert weights across forwards, keyed on the
         parameter's storage and version counter (an optimizer step bumps it). The trainer re-quantizes
         every forward so the master weights get straight-through gradients.
     capture_codes: trainer metrics: keep this path's packed FP4 codes at the sites of ``guided_layers``
-        in ``codes`` (same key as ``guidance``).
+        in ``codes`` (same key as ``guidance``), and the grid they are on (block scales, global amax or
+        None) in ``grids``.
     router_flips: filled under replay: layer -> (tokens whose own top-k set differs from the replayed
         one, tokens).
     """
@@ -202,18 +206,19 @@ class QuantContext:
     mode: QuantMode = QuantMode.BF16
     plan: PrecisionPlan = dataclasses.field(default_factory=PrecisionPlan)
     guided_layers: frozenset[int] | None = None
-    hint_mode: HintMode = HintMode.LSB
+    hint_mode: HintMode | GuidanceSpec = HintMode.LSB
     record: Recorder | None = None
-    guidance: Mapping[str, Hint] | None = None
+    guidance: Mapping[str, Hint | CompactRecord] | None = None
     routing_replay: Mapping[int, torch.Tensor] | None = None
     reuse_quantized_weights: bool = False
     capture_codes: bool = False
     codes: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    grids: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = dataclasses.field(default_factory=dict)
     router_flips: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.mode = QuantMode(self.mode)
-        self.hint_mode = HintMode(self.hint_mode)
+        self.hint_mode = parse_hint_mode(self.hint_mode)
         if self.guided_layers is not None:
             self.guided_layers = frozenset(int(i) for i in self.guided_layers)
         if self.guidance is not None and self.mode is not QuantMode.GUIDED:
@@ -231,20 +236,23 @@ class QuantContext:
         if fmt == "fp8":
             return _straight_through(x, _fp8_rows(x.detach(), name))  # plain torch: any device
         hint = self.guidance.get(name) if self.guidance is not None else None
+        xh = _host(x)
         try:
             if hint is not None:
                 if hint.fmt.value != fmt:
                     raise ValueError(f"the record is {hint.fmt.value} but the precision plan says {fmt}")
-                q = guided_quantize(_host(x), hint)
+                # a compact record needs this path's own value to say which codes it means
+                q = guided_quantize(xh, hint if isinstance(hint, Hint) else hint.decode(xh))
             else:
-                q = self._quantize(_host(x), fmt)
+                q = self._quantize(xh, fmt)
         except ValueError as e:
             raise ValueError(f"site {name}: {e}") from e
         if self.guided_layers is not None and layer in self.guided_layers:
             if self.record is not None:
-                self.record.hints[name] = encode_hint(q, self.hint_mode)
+                self.record.hints[name] = encode_record(xh, q, self.hint_mode)
             if self.capture_codes:
                 self.codes[name] = q.codes
+                self.grids[name] = (q.scales, getattr(q, "global_amax", None))
         return _straight_through(x, dequantize(q))
 
     def quantize_kv(self, layer: int, site: Site, states: torch.Tensor) -> torch.Tensor:

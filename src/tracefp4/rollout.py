@@ -39,8 +39,8 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
+from .compact import GuidanceSpec, parse_hint_mode, record_cat
 from .constants import HintMode
-from .guidance import Hint, hint_cat
 from .model import (
     FP4KVCache,
     PrecisionPlan,
@@ -89,7 +89,8 @@ class RolloutOutput:
     finish_reasons[b]: ``"stop"`` (sampled a stop token, which is kept) or ``"length"``.
     records[b]: the trajectory's record, ``{name: Tensor [T_b, ...]}`` with names
         ``L{layer:02d}.routing`` (every MoE layer) and, in ``trace`` mode,
-        ``L{layer:02d}.{site}.{field}`` for the guided layers (fields from ``Hint.to_tensors``).
+        ``L{layer:02d}.{site}.{field}`` for the guided layers (fields from ``Hint.to_tensors``, or from
+        ``CompactRecord.to_tensors`` for a compact ``hint_mode``, see :mod:`tracefp4.compact`).
     """
 
     token_ids: list[torch.Tensor]
@@ -99,7 +100,7 @@ class RolloutOutput:
     records: list[dict[str, torch.Tensor]]
     mode: RolloutMode
     plan: PrecisionPlan
-    hint_mode: HintMode
+    hint_mode: HintMode | GuidanceSpec
     guided_layers: frozenset[int]
 
     def completion(self, b: int) -> torch.Tensor:
@@ -159,7 +160,7 @@ def generate(
     mode: RolloutMode = "trace",
     plan: PrecisionPlan | None = None,
     guided_layers: Sequence[int] | None = None,
-    hint_mode: HintMode | str = HintMode.LSB,
+    hint_mode: HintMode | GuidanceSpec | str = HintMode.LSB,
     pad_token_id: int | None = None,
 ) -> RolloutOutput:
     """Sample completions for ``prompts`` on a model prepared with :func:`tracefp4.model.prepare_model`.
@@ -185,13 +186,13 @@ def _generate(
     mode: RolloutMode,
     plan: PrecisionPlan | None,
     guided_layers: Sequence[int] | None,
-    hint_mode: HintMode | str,
+    hint_mode: HintMode | GuidanceSpec | str,
     pad_token_id: int | None,
 ) -> RolloutOutput:
     if mode not in ("bf16", "fp4", "trace"):
         raise ValueError(f"mode must be 'bf16', 'fp4' or 'trace', got {mode!r}")
     plan = plan if plan is not None else PrecisionPlan()
-    hint_mode = HintMode(hint_mode)
+    hint_mode = parse_hint_mode(hint_mode)
     n_layers, _ = model_layers(model)
     guided = frozenset(guided_layers) if guided_layers is not None else default_guided_layers(n_layers)
     if any(not 0 <= i < n_layers for i in guided):
@@ -293,7 +294,7 @@ def _assemble_records(steps: list[_Step], lengths: list[int], n_experts: int) ->
             raise RuntimeError(f"trajectory {b}: {idx.numel()} recorded positions for {lengths[b]} tokens")
     records: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
     for name in steps[0].record.hints:
-        hint: Hint = hint_cat([s.record.hints[name].select(s.rows.cpu()) for s in steps])
+        hint = record_cat([s.record.hints[name].select(s.rows.cpu()) for s in steps])
         for b in range(n):
             records[b].update(hint.select(per_traj[b]).to_tensors(name))
     dtype = torch.uint8 if n_experts <= 256 else torch.int32

@@ -37,8 +37,9 @@ import torch
 from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
+from .compact import CompactRecord, read_record, record_cat
 from .constants import Site
-from .guidance import Hint, hint_cat
+from .guidance import Hint
 from .model import (
     FP4KVCache,
     PrecisionPlan,
@@ -75,11 +76,14 @@ class TrainerOutput:
         (``record_prefix(layer, site)`` -> uint8 ``[T_b, ..., K//2]``).
     router_flips: under replay, layer -> share of tokens whose own top-k set differs from the
         replayed one (the router flip rate before replay).
+    grids[b]: with ``capture_codes``, the grid of those codes per site: (block scales, global amax
+        or None), leading dim ``T_b`` (a compact record's codes are only right on the right grid).
     """
 
     logprobs: list[torch.Tensor]
     codes: list[dict[str, torch.Tensor]] | None
     router_flips: dict[int, float]
+    grids: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]] | None = None
 
     def padded(self, value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(``[B, C_max]`` log-probs right-padded with ``value``, bool mask of real tokens)."""
@@ -168,7 +172,7 @@ def _check_batch(
         raise ValueError(f"records name layers outside [0, {n_layers}): {sorted({i for i, _ in guided})}")
     for layer, site in sorted(guided):
         name, want = record_prefix(layer, site), plan.site_format(site)
-        fmt = Hint.from_tensors(dict(records[0]), name).fmt.value
+        fmt = read_record(records[0], name).fmt.value
         if fmt != want:
             raise ValueError(f"{name}: the records are {fmt} but the precision plan says {want}")
     return guided
@@ -200,11 +204,11 @@ def forward_logprobs(
     guided = _check_batch(model, lengths, prompt_lens, records, mode, plan, replay_routing, capture_codes)
     device = model.device
 
-    guidance: dict[str, Hint] | None = None
+    guidance: dict[str, Hint | CompactRecord] | None = None
     if mode == "trace":
         assert records is not None
         names = [record_prefix(layer, site) for layer, site in sorted(guided)]
-        guidance = {name: hint_cat([Hint.from_tensors(dict(rec), name) for rec in records]) for name in names}
+        guidance = {name: record_cat([read_record(rec, name) for rec in records]) for name in names}
     replay = None
     if replay_routing:
         assert records is not None
@@ -251,11 +255,15 @@ def forward_logprobs(
     logp = torch.log_softmax(out.logits[0].to(torch.float32) / temperature, dim=-1)
     token_logp = logp.gather(-1, targets[:, None]).squeeze(-1)
     counts = [n - p for p, n in zip(prompt_lens, lengths)]
-    codes = None
+    codes = grids = None
     if capture_codes:
-        codes = [{k: v[o:e] for k, v in ctx.codes.items()} for o, e in zip(offsets[:-1], offsets[1:])]
+        spans = list(zip(offsets[:-1], offsets[1:]))
+        codes = [{k: v[o:e] for k, v in ctx.codes.items()} for o, e in spans]
+        grids = [
+            {k: (s[o:e], None if a is None else a[o:e]) for k, (s, a) in ctx.grids.items()} for o, e in spans
+        ]
     flips = {layer: f / max(t, 1) for layer, (f, t) in ctx.router_flips.items()}
-    return TrainerOutput(list(token_logp.split(counts)), codes, flips)
+    return TrainerOutput(list(token_logp.split(counts)), codes, flips, grids)
 
 
 def forward_rollout(

@@ -1,0 +1,371 @@
+"""Compact guidance records: names, exact sizes, round trips through the store, and decoding.
+
+The central property: a compact record, decoded with the trainer's own value of the site, names the
+same grid (block scales, global amax) and the same codeword choices as the information it replaced,
+whenever the trainer's value is within the drift the mode is built for; and what goes through the
+store comes back bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tracefp4 import compact, reference
+from tracefp4.compact import (
+    STANDARD_MODES,
+    CompactRecord,
+    GuidanceSpec,
+    GuidedMode,
+    encode_record,
+    parse_hint_mode,
+    read_record,
+    record_cat,
+    site_bytes_per_token,
+)
+from tracefp4.constants import Format, HintMode
+from tracefp4.guidance import Hint, encode_hint, guided_quantize
+from tracefp4.numerics import quantize_mxfp4, quantize_nvfp4, unpack_fp4
+from tracefp4.store import StoreReader, StoreWriter, seal_step
+
+torch.set_num_threads(1)
+
+SPECS = [
+    "full+parity+amax:lo3",
+    "lsb+amax:bf16",
+    "lsb+amax:lo2",
+    "lsb+parity",
+    "lsb+parity+amax:lo3",
+    "lsb+scales:own+amax:own",
+    "sparse(0.05)",
+    "sparse(0.02)+parity+amax:lo3",
+    "ldpc(1/8)+parity+amax:lo3",
+    "ldpc(1/16)+scales:ldpc(1/4)+amax:lo3",
+    "ldpc(1/4)+scales:ldpc(1/2)+amax:lo4",
+    "ldpc(1/8)+scales:ldpc(1/4)+amax:ldpc(1/2)",
+]
+SHAPES = [(5, 64), (7, 2, 32), (3, 2, 16)]  # [T, *lead, K]: expert_in, expert_mid, k/v of the tiny model
+
+
+def site_value(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # heavy-ish tails and a few zero blocks, as activations have
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[:-1] + (1,), generator=g))
+    x[..., :16] *= (torch.rand(shape[:-1] + (1,), generator=g) > 0.2).float()
+    return x.to(torch.bfloat16)
+
+
+def nudged(x: torch.Tensor, share: float, seed: int) -> torch.Tensor:
+    """x with a share of its elements moved by one BF16 ulp, as the trainer's BF16-level drift does."""
+    g = torch.Generator().manual_seed(seed)
+    bits = x.view(torch.int16).clone()
+    pick = (torch.rand(x.shape, generator=g) < share) & (x != 0)
+    step = torch.where(torch.rand(x.shape, generator=g) < 0.5, -1, 1).to(torch.int16)
+    return torch.where(pick, bits + step, bits).view(torch.bfloat16)
+
+
+def stored(rec: CompactRecord | Hint, prefix: str = "L01.k") -> CompactRecord | Hint:
+    return read_record(rec.to_tensors(prefix), prefix)
+
+
+def same_hint(a: Hint, b: Hint) -> None:
+    assert a.mode == b.mode and a.fmt == b.fmt
+    assert torch.equal(a.data, b.data)
+    assert torch.equal(a.scales.view(torch.uint8), b.scales.view(torch.uint8))
+    assert (a.global_amax is None) == (b.global_amax is None)
+    if a.global_amax is not None:
+        assert torch.equal(a.global_amax.float(), b.global_amax.float())
+
+
+# --- names ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", STANDARD_MODES)
+def test_standard_mode_names_round_trip(name: str) -> None:
+    g = GuidedMode.parse(name)
+    assert g.name == name and GuidedMode.parse(g.name) == g
+    if isinstance(g.mode, GuidanceSpec):
+        assert GuidanceSpec.from_tag(g.mode.tag) == g.mode
+        assert all(c.isalnum() or c == "_" for c in g.mode.tag)
+
+
+def test_names_defaults_and_the_briefs_spelling() -> None:
+    assert parse_hint_mode("lsb") is HintMode.LSB and parse_hint_mode("full") is HintMode.FULL
+    assert parse_hint_mode("lsb+scales:full+amax:fp32") is HintMode.LSB  # the paper's compact, spelled out
+    assert GuidanceSpec.parse("sparse+parity(0.02)") == GuidanceSpec.parse("sparse(0.02)+parity")
+    assert GuidanceSpec.parse("ldpc(16)") == GuidanceSpec.parse("ldpc(1/16)")
+    assert GuidedMode.parse("full").layers == "all" and GuidedMode.parse("lsb").layers == "deeper"
+    assert GuidedMode.parse("lsb@all").layer_indices(4) == {0, 1, 2, 3}
+    assert GuidedMode.parse("lsb").layer_indices(5) == {2, 3, 4}
+    for bad in ("sparse", "ldpc(1/0)", "lsb(3)", "lsb+amax:lo9", "lsb+parity+bogus", "nope", "sparse(-1)"):
+        with pytest.raises(ValueError):
+            GuidanceSpec.parse(bad)
+
+
+# --- the rollout's grid --------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-7, 7, width=32), min_size=1, max_size=64), st.booleans())
+def test_rtn_codes_equal_the_reference(values: list[float], add_midpoints: bool) -> None:
+    z = torch.tensor(values, dtype=torch.float32)
+    if add_midpoints:  # every tie, both signs, and both zeros
+        mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.0])
+        z = torch.cat([z, mids, -mids])
+    z = z.clamp(-6, 6)
+    assert torch.equal(compact.rtn_codes(z), reference.round_to_e2m1(z))
+    d = compact.midpoint_distance(z)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    assert torch.equal(d, (z.abs().unsqueeze(-1) - mids).abs().amin(-1))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_grid_z_is_the_quantizers_grid(shape: tuple[int, ...]) -> None:
+    x = site_value(shape, 1)
+    q = quantize_nvfp4(x, per_row=True)
+    z = compact.grid_z(x, Format.NVFP4, q.scales, q.global_amax)
+    assert torch.equal(compact.rtn_codes(z), unpack_fp4(q.codes))
+
+
+# --- sizes ---------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from([s for s in SPECS if "sparse" not in s] + ["lsb@all"]),
+    st.integers(1, 9),
+    st.sampled_from([(), (1,), (3,), (2, 2)]),
+    st.sampled_from([16, 32, 48, 128]),
+)
+def test_fixed_size_records_take_exactly_the_formula(name: str, t: int, lead: tuple, k: int) -> None:
+    mode = GuidedMode.parse(name).mode
+    x = site_value((t, *lead, k), t + k)
+    rec = encode_record(x, quantize_nvfp4(x, per_row=True), mode)
+    tensors = rec.to_tensors("L03.expert_mid")
+    assert sum(v.nbytes for v in tensors.values()) == rec.nbytes == t * site_bytes_per_token(mode, (*lead, k))
+    assert all(v.shape[0] == t for v in tensors.values())  # the store's contract: leading dim T
+
+
+def test_byte_formulas_by_hand() -> None:
+    # expert_mid of the tiny model: 2 rows of 32 -> 64 elements, 4 blocks, 2 rows per token
+    shape = (2, 32)
+    assert site_bytes_per_token("full", shape) == 32 + 4 + 8  # codes + e4m3 scales + fp32 amax
+    assert site_bytes_per_token("lsb", shape) == 8 + 4 + 8
+    assert site_bytes_per_token("lsb+amax:bf16", shape) == 8 + 4 + 4
+    assert site_bytes_per_token("lsb+parity+amax:lo3", shape) == math.ceil((2 * 3 + 4 + 64) / 8)
+    # 2 x 3 amax bits + ceil(4/4) scale checks + ceil(64/16) element checks = 11 bits -> 2 bytes
+    assert site_bytes_per_token("ldpc(1/16)+scales:ldpc(1/4)+amax:lo3", shape) == 2
+    # Qwen3-30B-A3B expert_in: 2048 elements, 128 blocks: 3 + 32 + 128 = 163 bits -> 21 bytes
+    assert site_bytes_per_token("ldpc(1/16)+scales:ldpc(1/4)+amax:lo3", (2048,)) == 21
+    # sparse: byte fields + the stream's expectation
+    d = 0.05
+    expect = 64 * d * compact.rice_bits_per_entry(d) / 8 + 4 + 8
+    assert site_bytes_per_token("sparse(0.05)", shape, density=d) == pytest.approx(expect)
+    with pytest.raises(ValueError, match="density"):
+        site_bytes_per_token("sparse(0.05)", shape)
+
+
+def test_rice_bits_per_entry_is_the_geometric_expectation() -> None:
+    rng = np.random.default_rng(0)
+    for density in (0.01, 0.05, 0.3):
+        mask = rng.random(400_000) < density
+        pos = np.flatnonzero(mask)
+        data = compact._stream_encode(pos, np.zeros(pos.size, np.uint8))
+        per_entry = (len(data) - 4) * 8 / pos.size
+        assert per_entry == pytest.approx(compact.rice_bits_per_entry(density), rel=0.02)
+
+
+def test_sparse_stream_is_exactly_its_bits_and_padding() -> None:
+    x = site_value((6, 2, 32), 3)
+    rec = CompactRecord.encode(x, quantize_nvfp4(x, per_row=True), GuidanceSpec.parse("sparse(0.2)"))
+    plane = rec.elements.reshape(-1).numpy()
+    pos = np.flatnonzero(plane >= 0)
+    gaps = np.diff(pos, prepend=-1) - 1
+    k = compact._best_rice_k(gaps)
+    length = len(compact._leb128(pos.size)) + 1 + math.ceil(int(((gaps >> k) + k + 2).sum()) / 8)
+    stream = next(v for n, v in rec.to_tensors("L00.k").items() if ".stream__" in n)
+    assert stream.shape == (6, math.ceil(length / 6))
+
+
+# --- decoding ------------------------------------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(SPECS), st.sampled_from(SHAPES), st.integers(0, 10_000))
+def test_same_value_decodes_to_the_rollouts_own_choice(name: str, shape: tuple, seed: int) -> None:
+    """No drift at all: every mode reproduces the rollout's quantization exactly."""
+    x = site_value(shape, seed)
+    q = quantize_nvfp4(x, per_row=True)
+    rec = stored(CompactRecord.encode(x, q, GuidanceSpec.parse(name)))
+    g = guided_quantize(x, rec.decode(x))
+    assert torch.equal(g.codes, q.codes)
+    assert torch.equal(g.scales.view(torch.uint8), q.scales.view(torch.uint8))
+    assert torch.equal(g.global_amax, q.global_amax)
+
+
+@pytest.mark.parametrize("name", ["lsb+parity+amax:lo3", "lsb+amax:bf16", "lsb+parity+amax:lo2"])
+@pytest.mark.parametrize("seed", range(4))
+def test_one_ulp_drift_decodes_to_the_lsb_hint(name: str, seed: int) -> None:
+    """Cheap scales and amax recover the rollout's grid exactly under one-ulp drift, so the decoded hint
+    *is* the paper's lsb hint."""
+    x = site_value((16, 2, 64), seed)
+    q = quantize_nvfp4(x, per_row=True)
+    y = nudged(x, 0.05, seed)
+    decoded = stored(CompactRecord.encode(x, q, GuidanceSpec.parse(name))).decode(y)
+    same_hint(decoded, encode_hint(q, "lsb"))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["sparse(0.05)+parity+amax:lo3", "ldpc(1/4)+parity+amax:lo3", "ldpc(1/8)+scales:ldpc(1/4)+amax:lo3",
+     "ldpc(1/4)+parity+amax:ldpc(1/2)"],
+)  # fmt: skip
+def test_drift_within_the_modes_reach_gives_the_rollouts_codes(name: str) -> None:
+    """Sparse hints cover every element one ulp can flip (|dz| < 0.05 here); the syndrome finds the few
+    flipped low bits among the near-ties (rate 1/4 and 1/8 against 1% drifting elements)."""
+    x = site_value((64, 2, 64), 7)
+    q = quantize_nvfp4(x, per_row=True)
+    y = nudged(x, 0.01, 8)
+    assert not torch.equal(quantize_nvfp4(y, global_amax=q.global_amax).codes, q.codes)  # RTN alone flips
+    g = guided_quantize(y, stored(CompactRecord.encode(x, q, GuidanceSpec.parse(name))).decode(y))
+    assert torch.equal(g.codes, q.codes)
+    assert torch.equal(g.scales.view(torch.uint8), q.scales.view(torch.uint8))
+    assert torch.equal(g.global_amax, q.global_amax)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.floats(1e-3, 1e3), st.integers(-3, 3), st.integers(2, 5))
+def test_amax_low_bits_resolve_drift_below_half_their_period(a: float, drift: int, b: int) -> None:
+    amax = torch.tensor([[a]]).to(torch.bfloat16).float()
+    own = (amax.to(torch.bfloat16).view(torch.int16) + drift).view(torch.bfloat16).float()
+    spec = GuidanceSpec(elements="lsb", amax=f"lo{b}")
+    rec = CompactRecord(spec, Format.NVFP4, (16,), None, None, torch.zeros(1, 16, dtype=torch.uint8))
+    rec.amax = (compact._bf16_pattern(amax) & ((1 << b) - 1)).to(torch.uint8)
+    x = torch.full((1, 16), float(own)).to(torch.bfloat16)
+    got = rec._decode_amax(x)
+    if abs(drift) < 2 ** (b - 1):
+        assert torch.equal(got, amax)
+
+
+def test_scale_parity_takes_the_neighbour_the_trainers_scale_leans_to() -> None:
+    # E4M3 codes 0x38 (1.0) and 0x39 (1.125): midpoint 1.0625
+    u_roll = torch.tensor([1.07, 1.05])  # rounds to 1.125 and 1.0
+    u_train = torch.tensor([1.06, 1.065])  # just across the midpoint: rounds to 1.0 and 1.125
+    own, other, dist = compact._scale_candidates(u_train)
+    assert own.tolist() == [0x38, 0x39] and other.tolist() == [0x39, 0x38]
+    assert dist.tolist() == pytest.approx([0.02, 0.02], abs=1e-5)
+    roll = u_roll.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
+    picked = torch.where((own & 1) == (roll & 1), own, other)
+    assert picked.tolist() == roll.tolist()
+
+
+def test_ldpc_graph_is_pinned() -> None:
+    """The parity-check graph is part of the record format: both paths must build it identically."""
+    var, chk = compact._ldpc_graph(4096, 256)
+    assert var.size == 3 * 4096 and len(set(zip(var.tolist(), chk.tolist()))) == var.size
+    digest = hashlib.sha256(np.stack([var, chk]).astype("<i8").tobytes()).hexdigest()[:16]
+    assert digest == LDPC_GRAPH_DIGEST
+
+
+LDPC_GRAPH_DIGEST = "5ad9ed6472f88c9a"
+
+
+# --- storage -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_store_round_trip_equals_the_direct_path(name: str, tmp_path) -> None:
+    """encode -> store write/read -> decode -> guided quantize, for a batch of two trajectories, equals
+    the direct path (records straight from to_tensors, decoded one trajectory at a time)."""
+    spec = GuidanceSpec.parse(name)
+    xs = [site_value((t, 2, 16), t) for t in (5, 9)]
+    qs = [quantize_nvfp4(x, per_row=True) for x in xs]
+    records = [CompactRecord.encode(x, q, spec).to_tensors("L02.v") for x, q in zip(xs, qs)]
+    with StoreWriter(tmp_path, 0, "w0", model_signature="sig", policy_version=3) as w:
+        for i, rec in enumerate(records):
+            w.add(f"t{i}", {**rec, "L02.routing": torch.zeros(rec[next(iter(rec))].shape[0], 2, dtype=torch.uint8)},
+                  prompt_len=1)  # fmt: skip
+    seal_step(tmp_path, 0, ["w0"])
+    with StoreReader(tmp_path, 0, model_signature="sig", policy_version=3) as r:
+        back = [read_record({k: v.clone() for k, v in r.get(f"t{i}").items()}, "L02.v") for i in range(2)]
+    ys = [nudged(x, 0.02, 1) for x in xs]
+    batch = record_cat(back).decode(torch.cat(ys))
+    direct = [read_record(rec, "L02.v").decode(y) for rec, y in zip(records, ys)]
+    g_batch = guided_quantize(torch.cat(ys), batch)
+    g_direct = [guided_quantize(y, h) for y, h in zip(ys, direct)]
+    assert torch.equal(g_batch.codes, torch.cat([g.codes for g in g_direct]))
+    assert torch.equal(g_batch.scales.view(torch.uint8), torch.cat([g.scales for g in g_direct]).view(torch.uint8))
+    for rec, b in zip(records, back):  # bit for bit, and the same object once read
+        assert all(torch.equal(v, b.to_tensors("L02.v")[k]) for k, v in rec.items())
+
+
+def test_rollout_records_select_and_cat_like_hints() -> None:
+    """The rollout assembles a trajectory from per-step records with select + cat."""
+    x = site_value((12, 64), 5)
+    q = quantize_nvfp4(x, per_row=True)
+    spec = GuidanceSpec.parse("ldpc(1/8)+parity+amax:lo3")
+    whole = CompactRecord.encode(x, q, spec)
+    parts = record_cat([CompactRecord.encode(x[:5], quantize_nvfp4(x[:5], per_row=True), spec),
+                        CompactRecord.encode(x[5:], quantize_nvfp4(x[5:], per_row=True), spec)])  # fmt: skip
+    picked = whole.select(torch.arange(12))
+    for a, b in ((whole, parts), (whole, picked)):
+        assert all(torch.equal(v, b.to_tensors("L00.k")[k]) for k, v in a.to_tensors("L00.k").items())
+
+
+def test_mismatches_are_errors() -> None:
+    x = site_value((4, 32), 0)
+    q = quantize_nvfp4(x, per_row=True)
+    rec = stored(CompactRecord.encode(x, q, GuidanceSpec.parse("ldpc(1/8)+parity+amax:lo3")))
+    with pytest.raises(ValueError, match="shape"):
+        rec.decode(x[:, :16])
+    with pytest.raises(ValueError, match="compressed"):
+        CompactRecord.encode(x, q, GuidanceSpec.parse("ldpc(1/8)")).decode(x)
+    with pytest.raises(ValueError, match="non-finite"):
+        rec.decode(torch.full_like(x, float("nan")))
+    with pytest.raises(ValueError, match="MXFP4"):
+        CompactRecord.encode(x, quantize_mxfp4(x), GuidanceSpec.parse("lsb+parity"))
+    with pytest.raises(ValueError, match="BF16"):
+        CompactRecord.encode(x.float() * 1.001, quantize_nvfp4(x.float() * 1.001, per_row=True),
+                             GuidanceSpec.parse("lsb+amax:lo3"))  # fmt: skip
+    x = site_value((40, 2, 32), 0)
+    sparse = CompactRecord.encode(x, quantize_nvfp4(x, per_row=True), GuidanceSpec.parse("sparse(0.3)"))
+    sliced = {k: v[5:30] for k, v in sparse.to_tensors("L00.k").items()}  # what get(positions=5:30) returns
+    with pytest.raises(ValueError, match="sparse stream"):  # a stream covers its whole trajectory
+        read_record(sliced, "L00.k")
+    with pytest.raises(ValueError, match="record_cat"):
+        record_cat([encode_hint(q, "lsb"), rec])
+
+
+def test_mxfp4_sites_take_compact_elements() -> None:
+    x = site_value((6, 64), 2)
+    q = quantize_mxfp4(x)
+    for name in ("sparse(0.05)", "ldpc(1/4)"):
+        rec = stored(CompactRecord.encode(x, q, GuidanceSpec.parse(name)))
+        assert rec.fmt is Format.MXFP4
+        assert torch.equal(guided_quantize(x, rec.decode(x)).codes, q.codes)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_amax_syndrome_recovers_one_ulp_drift_of_the_row_maximum(seed: int) -> None:
+    x = site_value((96, 2, 32), seed)
+    q = quantize_nvfp4(x, per_row=True)
+    g = torch.Generator().manual_seed(seed)
+    rows = x.reshape(-1, 32)
+    top = rows.abs().float().argmax(-1)
+    bits = rows.view(torch.int16).clone()
+    moved = torch.rand(rows.shape[0], generator=g) < 0.1
+    step = torch.where(torch.rand(rows.shape[0], generator=g) < 0.5, -1, 1).to(torch.int16)
+    idx = torch.arange(rows.shape[0])
+    bits[idx[moved], top[moved]] += step[moved]
+    y = bits.view(torch.bfloat16).reshape(x.shape)
+    assert not torch.equal(y.float().abs().amax(-1, keepdim=True), q.global_amax)
+    rec = stored(CompactRecord.encode(x, q, GuidanceSpec.parse("lsb+amax:ldpc(1/2)")))
+    assert torch.equal(rec.decode(y).global_amax, q.global_amax)
+    # per token: 4 E4M3 scales + ceil((3 checks for 2 rows x 3 Gray bits + 64 low bits) / 8)
+    assert rec.nbytes == 96 * (4 + math.ceil((math.ceil(2 * 3 / 2) + 64) / 8))

@@ -37,5 +37,5 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
 
 def atomic_write_json(path: str | os.PathLike[str], payload: Any, *, sort_keys: bool = True) -> None:
     """:func:`atomic_write_bytes` of ``payload`` as indented JSON (non-JSON values as ``str``)."""
-    text = json.dumps(payload, indent=2, sort_keys=sort_keys, default=str) + "\n"
+    text = json.dumps(payload, indent=2, sort_keys=sort_keys, default=str, allow_nan=False) + "\n"
     atomic_write_bytes(path, text.encode("utf-8"))

@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import os
 import sys
 import tempfile
@@ -64,6 +63,7 @@ from typing import Any
 import torch
 
 from .constants import HintMode, Site
+from .files import atomic_write_json
 from .grpo import mismatch_metrics
 from .guidance import lsb_bits
 from .model import default_guided_layers, from_config, load_model, model_layers, moe_layers, record_prefix, routing_key
@@ -122,48 +122,11 @@ _STEP_FULL, _STEP_COMPACT = 0, 1
 # --- inputs --------------------------------------------------------------------------------------
 
 
-def tiny_config(
-    *,
-    layers: int = DEFAULTS["layers"],
-    experts: int = DEFAULTS["experts"],
-    top_k: int = DEFAULTS["top_k"],
-    hidden: int = DEFAULTS["hidden"],
-    moe_intermediate: int = DEFAULTS["moe_intermediate"],
-    heads: int = DEFAULTS["heads"],
-    kv_heads: int = DEFAULTS["kv_heads"],
-    head_dim: int = DEFAULTS["head_dim"],
-    vocab: int = DEFAULTS["vocab"],
-    init_std: float = DEFAULTS["init_std"],
-    max_positions: int = 512,
-):
-    """A small Qwen3-MoE config. The FP4 sites need the quantized dims to be multiples of 16."""
-    from transformers import Qwen3MoeConfig
+def tiny_config(**dims):
+    """A small Qwen3-MoE config: :func:`tracefp4.model.tiny_config` with this report's defaults."""
+    from .model import tiny_config as _tiny
 
-    for name, v in (("hidden", hidden), ("moe_intermediate", moe_intermediate), ("head_dim", head_dim)):
-        if v <= 0 or v % 16:
-            raise ValueError(f"{name} must be a positive multiple of 16 (the NVFP4 block), got {v}")
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k}")
-    if layers < 1 or heads < 1 or kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"need layers >= 1 and heads a multiple of kv_heads, got {layers}, {heads}, {kv_heads}")
-    if vocab < 2:
-        raise ValueError(f"vocab must be >= 2, got {vocab}")
-    return Qwen3MoeConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        moe_intermediate_size=moe_intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        max_position_embeddings=max_positions,
-        # Peaked logits and routing (the 0.02 default gives a near-uniform router and near-uniform
-        # next-token distributions, where every gap is tiny and uninformative).
-        initializer_range=init_std,
-    )
+    return _tiny(**{k: dims.get(k, DEFAULTS[k]) for k in DEFAULTS}, **{k: v for k, v in dims.items() if k not in DEFAULTS})
 
 
 def make_prompts(batch: int, vocab: int, max_len: int, seed: int) -> list[torch.Tensor]:
@@ -591,21 +554,6 @@ def format_report(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _write_json_atomic(path: str | os.PathLike[str], payload: dict[str, Any]) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(payload, f, indent=2, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 # --- command line --------------------------------------------------------------------------------
 
 
@@ -680,7 +628,7 @@ def run_cli(args: argparse.Namespace) -> int:
     rep = mismatch_report(model, prompts, sampling, store_dir=args.store_dir, progress=say)
     print(format_report(rep))
     if args.json:
-        _write_json_atomic(args.json, rep)
+        atomic_write_json(args.json, rep, sort_keys=False)
         print(f"wrote {args.json}")
     return 0
 

@@ -65,6 +65,7 @@ __all__ = [
     "quant_context",
     "record_prefix",
     "routing_key",
+    "tiny_config",
 ]
 
 #: Name under which our experts forward is registered in transformers' ExpertsInterface.
@@ -587,6 +588,53 @@ def from_config(
     # A copy: set_experts_implementation writes to the config, which the caller may reuse.
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
     return prepare_model(model.eval())
+
+
+def tiny_config(
+    *,
+    layers: int,
+    experts: int,
+    top_k: int,
+    hidden: int,
+    moe_intermediate: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    vocab: int,
+    init_std: float = 0.02,
+    max_positions: int = 512,
+    **extra: Any,
+) -> PretrainedConfig:
+    """A small Qwen3-MoE config (every layer sparse) for tests, demos and reports; ``extra`` goes to
+    ``Qwen3MoeConfig`` as is. The FP4 sites need the quantized dims to be multiples of 16."""
+    from transformers import Qwen3MoeConfig
+
+    for name, v in (("hidden", hidden), ("moe_intermediate", moe_intermediate), ("head_dim", head_dim)):
+        if v <= 0 or v % 16:
+            raise ValueError(f"{name} must be a positive multiple of 16 (the NVFP4 block), got {v}")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k}")
+    if layers < 1 or heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"need layers >= 1 and heads a multiple of kv_heads, got {layers}, {heads}, {kv_heads}")
+    if vocab < 2:
+        raise ValueError(f"vocab must be >= 2, got {vocab}")
+    return Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=moe_intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=max_positions,
+        # Peaked logits and routing (the 0.02 default gives a near-uniform router and near-uniform
+        # next-token distributions, where every gap is tiny and uninformative).
+        initializer_range=init_std,
+        **extra,
+    )
 
 
 def load_model(

@@ -39,13 +39,13 @@ from typing import Any, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import PreTrainedModel, Qwen3MoeConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from . import runlog
 from .files import atomic_write_json
 from .guidance import lsb_bits
 from .grpo import LossAgg, group_advantages, grpo_loss, mismatch_metrics
-from .model import PrecisionPlan, default_guided_layers, from_config, load_model, model_layers
+from .model import PrecisionPlan, default_guided_layers, from_config, load_model, model_layers, tiny_config
 from .rollout import SamplingParams, generate
 from .store import StoreReader, StoreWriter, seal_step
 from .tasks import CharTokenizer, Example, Task, make_task
@@ -68,28 +68,15 @@ class ModelSpec:
     head_dim: int = 16
     vocab: int = 32
 
-    def hf_config(self, tok: CharTokenizer) -> Qwen3MoeConfig:
+    def hf_config(self, tok: CharTokenizer) -> PretrainedConfig:
         if self.vocab < tok.vocab_size:
             raise ValueError(f"model vocab {self.vocab} is smaller than the tokenizer's {tok.vocab_size}")
-        return Qwen3MoeConfig(
-            vocab_size=self.vocab,
-            hidden_size=self.hidden,
-            intermediate_size=2 * self.hidden,
-            moe_intermediate_size=self.moe_intermediate,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            num_experts=self.experts,
-            num_experts_per_tok=self.top_k,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            max_position_embeddings=128,
-            norm_topk_prob=True,
-            tie_word_embeddings=False,
-            pad_token_id=tok.PAD,
-            bos_token_id=tok.BOS,
-            eos_token_id=tok.EOS,
+        return tiny_config(
+            layers=self.layers, experts=self.experts, top_k=self.top_k, hidden=self.hidden,
+            moe_intermediate=self.moe_intermediate, heads=self.heads, kv_heads=self.kv_heads,
+            head_dim=self.head_dim, vocab=self.vocab, max_positions=128,
+            norm_topk_prob=True, tie_word_embeddings=False,
+            pad_token_id=tok.PAD, bos_token_id=tok.BOS, eos_token_id=tok.EOS,
         )
 
 

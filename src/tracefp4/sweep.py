@@ -40,10 +40,11 @@ from typing import Any
 
 import torch
 
+from .files import atomic_write_json
 from . import compact
 from .compact import STANDARD_MODES, CompactRecord, GuidedMode, read_record
 from .constants import HintMode
-from .mismatch import _aggregate, _gap, _same_rollout, _store_bytes, _store_records, _write_json_atomic
+from .mismatch import _aggregate, _gap, _same_rollout, _store_bytes, _store_records
 from .model import model_layers
 from .rollout import SamplingParams, generate
 from .store import parse_name
@@ -401,7 +402,7 @@ def run_cli(
     rep = run_sweep(model, prompts, sampling, modes=modes, store_dir=args.store_dir, progress=say)
     print(format_sweep(rep))
     if args.json:
-        _write_json_atomic(args.json, rep)
+        atomic_write_json(args.json, rep, sort_keys=False)
         print(f"wrote {args.json}")
     if args.plot:
         plot_sweep(rep, args.plot)

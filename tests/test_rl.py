@@ -144,3 +144,11 @@ def test_ray_rollout_workers(tmp_path):
     assert len(train) == 1
     assert train[0]["code_mismatch_rate"] == 0.0  # full records came through the store from two writers
     assert train[0]["guidance_bytes_per_token"] > 0
+
+
+def test_yaml_config(tmp_path):
+    pytest.importorskip("yaml", reason="PyYAML not installed")
+    p = tmp_path / "c.yaml"
+    p.write_text("task: reverse\narms: [qat]\nmodel: {hidden: 32}\n")
+    cfg = RLConfig.from_file(str(p))
+    assert cfg.arms == ("qat",) and cfg.model.hidden == 32

@@ -110,6 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def run_subcommand(add_parser, name: str, argv=None) -> int:
+    """Run one subcommand on its own (``python -m tracefp4.<module>``); the leading name is optional."""
+    parser = argparse.ArgumentParser(prog="tracefp4")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != name:
+        argv = [name, *argv]
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return args.func(args)

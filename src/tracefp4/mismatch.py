@@ -635,14 +635,9 @@ def run_cli(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``tracefp4 mismatch ...`` on its own (the package CLI adds it with :func:`add_parser`)."""
-    parser = argparse.ArgumentParser(prog="tracefp4")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "mismatch":
-        argv = ["mismatch", *argv]
-    args = parser.parse_args(argv)
-    return args.func(args)
+    from .cli import run_subcommand
+
+    return run_subcommand(add_parser, "mismatch", argv)
 
 
 if __name__ == "__main__":

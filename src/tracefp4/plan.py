@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .files import atomic_write_json
 from .compact import STANDARD_MODES, GuidanceSpec, GuidedMode, site_bytes_per_token
 from .constants import NVFP4_BLOCK, Site
 
@@ -292,23 +293,16 @@ def run_cli(args: argparse.Namespace) -> int:
         raise SystemExit(f"tracefp4 plan: {e}") from None
     print(format_plan(p))
     if args.json:
-        tmp = Path(f"{args.json}.tmp")
-        tmp.write_text(json.dumps(p, indent=2) + "\n")
-        tmp.replace(args.json)
+        atomic_write_json(args.json, p, sort_keys=False)
         print(f"wrote {args.json}")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``tracefp4 plan ...`` on its own (the package CLI adds it with :func:`add_parser`)."""
-    parser = argparse.ArgumentParser(prog="tracefp4")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "plan":
-        argv = ["plan", *argv]
-    args = parser.parse_args(argv)
-    return args.func(args)
+    from .cli import run_subcommand
+
+    return run_subcommand(add_parser, "plan", argv)
 
 
 if __name__ == "__main__":

@@ -145,9 +145,9 @@ def test_activation_codes_do_not_depend_on_the_batch() -> None:
     ctx = QuantContext(mode=QuantMode.RTN, guided_layers={0}, record=Recorder(), hint_mode="full")
     x = torch.randn(3, 2, 32, dtype=torch.bfloat16)
     ctx.quantize_site(0, Site.EXPERT_MID, x)
-    alone = ctx.record.take().hints["L00.expert_mid"].data
+    alone = ctx.record.take().hints["L00.expert_mid"].codes  # full hints: the raw codes
     ctx.quantize_site(0, Site.EXPERT_MID, torch.cat([x, 100 * torch.randn(4, 2, 32, dtype=torch.bfloat16)]))
-    assert torch.equal(ctx.record.take().hints["L00.expert_mid"].data[:3], alone)
+    assert torch.equal(ctx.record.take().hints["L00.expert_mid"].codes[:3], alone)
 
 
 def test_expert_weights_per_expert_scale_with_straight_through_gradient(model: torch.nn.Module) -> None:

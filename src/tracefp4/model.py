@@ -165,11 +165,12 @@ class QuantMode(str, enum.Enum):
 class Recorder:
     """What one forward recorded, over that forward's flattened rows (batch-major, ``b*S + s``).
 
-    hints: ``record_prefix(layer, site)`` -> the Hint (or compact record) of the whole site tensor.
+    hints: ``record_prefix(layer, site)`` -> the whole site tensor's quantized value (NVFP4/MXFP4, for
+        ``full``/``lsb`` hints, which the rollout encodes once at the end) or its compact record.
     routing: layer -> ``[rows, top_k]`` int64 routed expert indices.
     """
 
-    hints: dict[str, Hint | CompactRecord] = dataclasses.field(default_factory=dict)
+    hints: dict[str, NVFP4 | MXFP4 | CompactRecord] = dataclasses.field(default_factory=dict)
     routing: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def take(self) -> Recorder:
@@ -250,7 +251,10 @@ class QuantContext:
             raise ValueError(f"site {name}: {e}") from e
         if self.guided_layers is not None and layer in self.guided_layers:
             if self.record is not None:
-                self.record.hints[name] = encode_record(xh, q, self.hint_mode)
+                # full/lsb hints are encoded once per rollout from the raw codes (rollout._assemble_records),
+                # not once per decode step: the per-call overhead is what recording costs at small batch
+                raw = isinstance(self.hint_mode, HintMode)
+                self.record.hints[name] = q if raw else encode_record(xh, q, self.hint_mode)
             if self.capture_codes:
                 self.codes[name] = q.codes
                 self.grids[name] = (q.scales, getattr(q, "global_amax", None))

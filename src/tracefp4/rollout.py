@@ -41,6 +41,8 @@ from transformers import PreTrainedModel
 
 from .compact import GuidanceSpec, parse_hint_mode, record_cat
 from .constants import HintMode
+from .guidance import encode_hint
+from .numerics import MXFP4, NVFP4
 from .model import (
     FP4KVCache,
     PrecisionPlan,
@@ -270,7 +272,7 @@ def _generate(
 
     token_ids = [torch.cat([prompt_ids[b], torch.tensor(completions[b], dtype=torch.long)]) for b in range(n)]
     n_experts = max(m.experts.gate_up_proj.shape[0] for m in moe_layers(model))
-    records = _assemble_records(steps, [t.numel() for t in token_ids], n_experts)
+    records = _assemble_records(steps, [t.numel() for t in token_ids], n_experts, hint_mode)
     return RolloutOutput(
         token_ids=token_ids,
         prompt_lens=prompt_lens,
@@ -284,22 +286,50 @@ def _generate(
     )
 
 
-def _assemble_records(steps: list[_Step], lengths: list[int], n_experts: int) -> list[dict[str, torch.Tensor]]:
+def _select_rows(q: NVFP4 | MXFP4, rows: torch.Tensor) -> NVFP4 | MXFP4:
+    if isinstance(q, NVFP4):
+        return NVFP4(q.codes[rows], q.scales[rows], q.global_amax[rows])
+    return MXFP4(q.codes[rows], q.scales[rows])
+
+
+def _cat_quantized(parts: list[NVFP4 | MXFP4]) -> NVFP4 | MXFP4:
+    codes = torch.cat([p.codes for p in parts])
+    scales = torch.cat([p.scales for p in parts])
+    if isinstance(parts[0], NVFP4):
+        return NVFP4(codes, scales, torch.cat([p.global_amax for p in parts]))
+    return MXFP4(codes, scales)
+
+
+def _assemble_records(
+    steps: list[_Step], lengths: list[int], n_experts: int, hint_mode: HintMode | GuidanceSpec
+) -> list[dict[str, torch.Tensor]]:
     """Per-trajectory records, rows in position order (steps are chronological, prefill rows in order)."""
     n = len(lengths)
     traj = torch.cat([s.traj for s in steps]).cpu()
-    per_traj = [(traj == b).nonzero().squeeze(-1) for b in range(n)]
-    for b, idx in enumerate(per_traj):
-        if idx.numel() != lengths[b]:
-            raise RuntimeError(f"trajectory {b}: {idx.numel()} recorded positions for {lengths[b]} tokens")
+    counts = torch.bincount(traj, minlength=n).tolist()
+    for b in range(n):
+        if counts[b] != lengths[b]:
+            raise RuntimeError(f"trajectory {b}: {counts[b]} recorded positions for {lengths[b]} tokens")
+    # rows grouped by trajectory, chronological within each: one gather, then views per trajectory
+    order = torch.argsort(traj, stable=True)
     records: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
     for name in steps[0].record.hints:
-        hint = record_cat([s.record.hints[name].select(s.rows.cpu()) for s in steps])
-        for b in range(n):
-            records[b].update(hint.select(per_traj[b]).to_tensors(name))
+        parts = [s.record.hints[name] for s in steps]
+        if isinstance(parts[0], (NVFP4, MXFP4)):  # full/lsb: encode the whole rollout's codes at once
+            q = _cat_quantized([_select_rows(p, s.rows.cpu()) for p, s in zip(parts, steps)])
+            tensors = encode_hint(_select_rows(q, order), hint_mode).to_tensors(name)
+            for key, t in tensors.items():
+                for b, piece in enumerate(t.split(counts)):
+                    records[b][key] = piece
+        else:
+            record = record_cat([p.select(s.rows.cpu()) for p, s in zip(parts, steps)]).select(order)
+            start = 0
+            for b in range(n):
+                records[b].update(record.select(slice(start, start + counts[b])).to_tensors(name))
+                start += counts[b]
     dtype = torch.uint8 if n_experts <= 256 else torch.int32
     for layer in steps[0].record.routing:
-        routing = torch.cat([s.record.routing[layer][s.rows].cpu() for s in steps]).to(dtype)
-        for b in range(n):
-            records[b][routing_key(layer)] = routing[per_traj[b]].contiguous()
+        routing = torch.cat([s.record.routing[layer][s.rows].cpu() for s in steps]).to(dtype)[order]
+        for b, piece in enumerate(routing.split(counts)):
+            records[b][routing_key(layer)] = piece
     return records

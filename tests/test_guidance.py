@@ -8,21 +8,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tracefp4 as tf
+from fp4data import S_ENC_ONE, rollout_and_trainer
 from tracefp4 import reference as ref
 
-S_ENC_ONE = torch.tensor(448.0 * 6.0)
 
 
 def signed(codes_packed: torch.Tensor) -> torch.Tensor:
     return ref.signed_index(tf.unpack_fp4(codes_packed))
-
-
-def rollout_and_trainer(seed: int, rows: int, cols: int, drift: float, dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    x_roll = (torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 10).to(dtype)
-    noise = 1 + drift * torch.randn(rows, cols, generator=g)
-    x_train = (x_roll.float() * noise).to(dtype)
-    return x_roll, x_train
 
 
 # --- golden --------------------------------------------------------------------------------------

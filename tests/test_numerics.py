@@ -8,12 +8,9 @@ import torch
 import tracefp4 as tf
 from tracefp4 import reference as ref
 
-S_ENC_ONE = torch.tensor(448.0 * 6.0)  # global amax for which S_enc == 1 exactly
+from fp4data import DTYPES, S_ENC_ONE, bits, make_data
 
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Bit pattern view, so that -0.0 != 0.0 and comparisons are exact."""
-    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.uint8)
+KINDS = ["randn", "heavy_tailed", "zero_blocks", "subnormal_scales", "saturating"]
 
 
 def mx_codes(values: list[float]) -> list[int]:
@@ -129,32 +126,6 @@ def test_golden_mxfp4_scales():
 # --- fast path == reference, bit for bit ---------------------------------------------------------
 
 
-def make_data(kind: str, dtype: torch.dtype, rows: int = 24, cols: int = 256) -> torch.Tensor:
-    g = torch.Generator().manual_seed(hash(kind) % 1000)
-    if kind == "randn":
-        x = torch.randn(rows, cols, generator=g)
-    elif kind == "heavy_tailed":  # magnitudes spanning 1e-6 .. 1e4 within rows and blocks
-        mags = torch.exp(torch.empty(rows, cols).uniform_(-13.8, 9.2, generator=g))
-        x = mags * torch.randn(rows, cols, generator=g).sign()
-    elif kind == "zero_blocks":
-        x = torch.randn(rows, cols, generator=g)
-        x[:, 16:48] = 0.0
-        x[::3] = 0.0
-        x[1, 64:80] = -0.0
-    elif kind == "subnormal_scales":  # blocks 2^-12 .. 2^-20 below the row amax: E4M3 subnormal scales
-        x = torch.randn(rows, cols, generator=g)
-        x[:, 0] = 1000.0
-        decay = 2.0 ** -torch.arange(12, 12 + cols // 16).float().repeat_interleave(16)
-        x[:, 16:] = x[:, 16:] * decay[16:]
-    elif kind == "saturating":  # values far above the global amax passed in
-        x = torch.randn(rows, cols, generator=g) * 50
-    else:
-        raise AssertionError(kind)
-    return x.to(dtype)
-
-
-KINDS = ["randn", "heavy_tailed", "zero_blocks", "subnormal_scales", "saturating"]
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import tracefp4 as tf
+from fp4data import S_ENC_ONE
 from tracefp4.constants import TORCHAO_E4M3_SCALE_FLOOR
 
 nvfp4_tensor = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor", reason="torchao not installed")
-S_ENC_ONE = torch.tensor(448.0 * 6.0)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+import fp4data
 import tracefp4 as tf
 from tracefp4 import kernels
 from tracefp4 import reference as ref
@@ -68,7 +69,7 @@ def test_triton_kernels_in_a_fresh_interpreter_process():
     assert " passed" in summary and "skipped" not in summary, proc.stdout[-2000:]
 
 
-S_ENC_ONE = torch.tensor(448.0 * 6.0)
+S_ENC_ONE = fp4data.S_ENC_ONE
 DEVICE = "cuda" if tk is not None and not tk.interpreting() else "cpu"
 
 
@@ -77,32 +78,11 @@ def on_device(t: torch.Tensor) -> torch.Tensor:
 
 
 def make_data(kind: str, dtype: torch.dtype, rows: int = 12, cols: int = 96, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if kind == "randn":
-        x = torch.randn(rows, cols, generator=g)
-    elif kind == "heavy_tailed":  # magnitudes 1e-6 .. 1e4 within rows and blocks
-        mags = torch.exp(torch.empty(rows, cols).uniform_(-13.8, 9.2, generator=g))
-        x = mags * torch.randn(rows, cols, generator=g).sign()
-    elif kind == "zero_blocks":
-        x = torch.randn(rows, cols, generator=g)
-        x[:, 16:48] = 0.0
-        x[::3] = 0.0
-        x[1, 64:80] = -0.0
-    elif kind == "subnormal_scales":  # blocks far below the row amax: E4M3 subnormal block scales
-        x = torch.randn(rows, cols, generator=g)
-        x[:, 0] = 1000.0
-        decay = 2.0 ** -torch.arange(12, 12 + cols // 16).float().repeat_interleave(16)
-        x[:, 16:] = x[:, 16:] * decay[16:]
-    elif kind == "tiny":  # float32/bf16 subnormals, and an S_enc so large that 1/S_enc is subnormal too:
-        # bit-exact only where the device keeps float32 subnormals instead of flushing them to zero
-        x = torch.randn(rows, cols, generator=g) * 1e-38
-    else:
-        raise AssertionError(kind)
-    return x.to(dtype)
+    return fp4data.make_data(kind, dtype, rows, cols, seed)
 
 
 KINDS = ["randn", "heavy_tailed", "zero_blocks", "subnormal_scales", "tiny"]
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPES = fp4data.DTYPES
 
 
 # --- bit-level helpers (CPU kernels; the Triton helpers use the same formulas) ---------------------

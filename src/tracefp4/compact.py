@@ -57,21 +57,49 @@ Trajectory scope: ``ldpc`` checks and ``sparse`` streams are computed over a who
 blocks of consecutive tokens, so that a tiny model's few elements per token still make long codes);
 read them with :meth:`StoreReader.get` without ``positions``. A record read back knows its
 trajectory lengths (``segments``) and decodes batches of concatenated trajectories.
+
+This module holds the specs (:class:`GuidanceSpec`, parsing and names), the records
+(:class:`CompactRecord`: encode on the rollout side, store layout, decode on the trainer side, with
+the drift priors ``ELEMENT_PRIOR``/``SCALE_PRIOR``/``AMAX_PRIOR``), the record-level helpers, the byte
+formulas (:func:`site_bytes_per_token`) and the named configurations (:class:`GuidedMode`,
+:data:`STANDARD_MODES`). How the bits themselves are coded (bit packing, Gray codes, the LDPC
+parity-check graph, syndromes and belief-propagation decoder, Rice/LEB128 position streams) is
+:mod:`tracefp4.coding`; ``decode_stats``, ``rice_bits_per_entry`` and the ``LDPC_*`` constants are
+re-exported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from collections.abc import Mapping, Sequence
 
-import numba
 import numpy as np
 import torch
 
 from . import reference as ref
+from .coding import (
+    LDPC_BLOCK,
+    LDPC_COLUMN_WEIGHT,
+    LDPC_ITERATIONS,
+    LDPC_SEED,
+    bits_int,
+    bp_flips,
+    decode_stats,
+    gray_bits,
+    gray_decode,
+    int_bits,
+    ldpc_checks,
+    ldpc_layout,
+    ldpc_syndrome,
+    pack_bits,
+    prior_llr,
+    rice_bits_per_entry,
+    stream_decode,
+    stream_encode,
+    unpack_bits,
+)
 from .constants import E2M1_MAX, E2M1_MIDPOINTS, E4M3_MAX, NVFP4_BLOCK, Format, HintMode
 from .guidance import Hint, encode_hint, hint_cat
 from .numerics import MXFP4, NVFP4, mx_scale_values, pack_fp4, unpack_fp4
@@ -87,6 +115,10 @@ __all__ = [
     "site_bytes_per_token",
     "rice_bits_per_entry",
     "decode_stats",
+    "LDPC_SEED",
+    "LDPC_COLUMN_WEIGHT",
+    "LDPC_BLOCK",
+    "LDPC_ITERATIONS",
     "GuidedMode",
     "LAYER_SETS",
     "STANDARD_MODES",
@@ -98,14 +130,6 @@ _AMAX_RE = re.compile(r"fp32|bf16|own|ldpc|lo([1-8])")
 #: Gray-coded low bits of the BF16 amax pattern that ``amax:ldpc`` protects (resolves |drift| <= 3 ulps).
 AMAX_LDPC_BITS = 3
 
-#: Format constants of ``ldpc`` records: both paths must build the same parity-check graph.
-LDPC_SEED = 0x7ACE_F4
-LDPC_COLUMN_WEIGHT = 3
-#: Smallest code block, in variables: a trajectory is cut into as many blocks of whole tokens as keep
-#: every block at least this long (a shorter trajectory is one block).
-LDPC_BLOCK = 4096
-#: Decoder settings (the trainer's side only; they change no stored byte).
-LDPC_ITERATIONS = 60
 #: Prior probability that an element's low bit differs from the trainer's round-to-nearest one:
 #: ``p0 * exp(-r / sigma)``, r = distance of the trainer's z to the nearest midpoint (grid units).
 #: Fitted on the tiny model's drift with every layer guided: p ~ 0.08-0.1 at r ~ 0, ~1e-3 at r = 0.04.
@@ -349,276 +373,6 @@ def _check_bf16_exact(amax: torch.Tensor, knob: str) -> None:
         )
 
 
-# --- bits ----------------------------------------------------------------------------------------
-
-
-def _int_bits(v: np.ndarray, nbits: int) -> np.ndarray:
-    """``[..., n]`` small non-negative ints -> ``[..., n * nbits]`` bits, least significant first."""
-    return ((v[..., None].astype(np.int64) >> np.arange(nbits)) & 1).astype(np.uint8).reshape(*v.shape[:-1], -1)
-
-
-def _bits_int(bits: np.ndarray, nbits: int) -> np.ndarray:
-    b = bits.reshape(*bits.shape[:-1], -1, nbits).astype(np.int64)
-    return (b << np.arange(nbits)).sum(axis=-1)
-
-
-def _pack(bits: np.ndarray) -> np.ndarray:
-    return np.packbits(bits, axis=-1, bitorder="little")
-
-
-def _unpack(packed: np.ndarray, nbits: int) -> np.ndarray:
-    return np.unpackbits(packed, axis=-1, count=nbits, bitorder="little")
-
-
-# --- LDPC syndromes ------------------------------------------------------------------------------
-
-_U64 = np.uint64
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        z = x + _U64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
-        return z ^ (z >> _U64(31))
-
-
-@functools.lru_cache(maxsize=512)
-def _ldpc_graph(n: int, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """Edges (variable, check) of one code block: each of n variables in ``min(3, m)`` distinct checks
-    out of m, chosen by a fixed hash (so every machine and numpy version builds the same graph)."""
-    w = min(LDPC_COLUMN_WEIGHT, m)
-    i = np.arange(n, dtype=np.uint64)
-    checks = np.empty((n, w), dtype=np.int64)
-    for k in range(w):
-        c = (_splitmix64(i * _U64(w) + _U64(k) + _U64(LDPC_SEED)) % _U64(m)).astype(np.int64)
-        while True:
-            dup = np.zeros(n, dtype=bool)
-            for j in range(k):
-                dup |= checks[:, j] == c
-            if not dup.any():
-                break
-            c = np.where(dup, (c + 1) % m, c)
-        checks[:, k] = c
-    var = np.repeat(np.arange(n, dtype=np.int64), w)
-    return var, checks.reshape(-1)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """The union of the code blocks of a batch of trajectories: edges and the block of each node."""
-
-    var: np.ndarray
-    chk: np.ndarray
-    var_block: np.ndarray
-    chk_block: np.ndarray
-    n_vars: int
-    n_checks: int
-    n_blocks: int
-
-
-def _ldpc_blocks(length: int, per_token: int) -> list[tuple[int, int]]:
-    """Token ranges of a trajectory's code blocks: as many as keep each at least ``LDPC_BLOCK``
-    variables (one, for a shorter trajectory), as equal as whole tokens allow. Short codes are weak
-    codes, so no block is left with a short remainder."""
-    n = max(1, min(length, length * per_token // LDPC_BLOCK))
-    bounds = [length * i // n for i in range(n + 1)]
-    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-
-
-def _ldpc_layout(segments: Sequence[int], per_token: int, checks_per_token: int) -> _Layout:
-    var, chk, vb, cb = [], [], [], []
-    token = block = 0
-    for length in segments:
-        for start, stop in _ldpc_blocks(length, per_token):
-            nt = stop - start
-            v, c = _ldpc_graph(nt * per_token, nt * checks_per_token)
-            var.append(v + (token + start) * per_token)
-            chk.append(c + (token + start) * checks_per_token)
-            vb.append(np.full(nt * per_token, block, dtype=np.int64))
-            cb.append(np.full(nt * checks_per_token, block, dtype=np.int64))
-            block += 1
-        token += length
-    empty = np.zeros(0, dtype=np.int64)
-    return _Layout(
-        np.concatenate(var) if var else empty,
-        np.concatenate(chk) if chk else empty,
-        np.concatenate(vb) if vb else empty,
-        np.concatenate(cb) if cb else empty,
-        token * per_token,
-        token * checks_per_token,
-        block,
-    )
-
-
-def _syndrome(layout: _Layout, bits: np.ndarray) -> np.ndarray:
-    return (np.bincount(layout.chk, weights=bits[layout.var], minlength=layout.n_checks).astype(np.int64) & 1).astype(
-        np.uint8
-    )
-
-
-_STATS: dict[str, int] = {"ldpc_blocks": 0, "ldpc_failed_blocks": 0, "ldpc_iterations": 0}
-
-
-def decode_stats(reset: bool = False) -> dict[str, int]:
-    """Counters of the trainer-side LDPC decoder since the last reset (diagnostics for the sweep)."""
-    out = dict(_STATS)
-    if reset:
-        for k in _STATS:
-            _STATS[k] = 0
-    return out
-
-
-def _prior_llr(distance: np.ndarray, prior: tuple[float, float]) -> np.ndarray:
-    p0, sigma = prior
-    p = np.clip(p0 * np.exp(-distance / sigma), 1e-12, 0.5 - 1e-9)
-    return np.log1p(-p) - np.log(p)
-
-
-def _bp_flips(layout: _Layout, syndrome: np.ndarray, llr: np.ndarray) -> np.ndarray:
-    """Most likely flip pattern e with ``H e = syndrome`` (sum-product belief propagation).
-
-    Per block, the answer is the first iterate that satisfies every check, or else the iterate that
-    left the fewest unsatisfied (counted in :func:`decode_stats`).
-    """
-    var, chk = layout.var, layout.chk
-    sign = 1.0 - 2.0 * syndrome.astype(np.float64)
-
-    def unsatisfied_per_block(hard: np.ndarray) -> np.ndarray:
-        bad = _syndrome(layout, hard.astype(np.uint8)) != syndrome
-        return np.bincount(layout.chk_block, weights=bad, minlength=layout.n_blocks)
-
-    best = np.zeros(layout.n_vars, dtype=bool)
-    best_bad = unsatisfied_per_block(best)
-    v2c = llr[var].copy()
-    iterations = 0
-    while best_bad.any() and iterations < LDPC_ITERATIONS:
-        iterations += 1
-        t = np.tanh(np.clip(v2c, -40.0, 40.0) / 2.0)
-        mag = np.log(np.maximum(np.abs(t), 1e-300))
-        neg = (t < 0).astype(np.int64)
-        sum_mag = np.bincount(chk, weights=mag, minlength=layout.n_checks)
-        sum_neg = np.bincount(chk, weights=neg, minlength=layout.n_checks).astype(np.int64)
-        # product over the check's other edges, signed by the check's target parity
-        prod = np.exp(sum_mag[chk] - mag) * (1 - 2 * ((sum_neg[chk] - neg) & 1)) * sign[chk]
-        c2v = 2.0 * np.arctanh(np.clip(prod, -1 + 1e-15, 1 - 1e-15))
-        total = llr + np.bincount(var, weights=c2v, minlength=layout.n_vars)
-        hard = total < 0
-        bad = unsatisfied_per_block(hard)
-        better = bad < best_bad
-        if better.any():
-            take = better[layout.var_block]
-            best[take] = hard[take]
-            best_bad[better] = bad[better]
-        v2c = total[var] - c2v
-    _STATS["ldpc_blocks"] += layout.n_blocks
-    _STATS["ldpc_failed_blocks"] += int((best_bad > 0).sum())
-    _STATS["ldpc_iterations"] += iterations
-    return best
-
-
-# --- sparse streams (Rice-coded gaps) ------------------------------------------------------------
-
-
-def _leb128(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _best_rice_k(gaps: np.ndarray) -> int:
-    if gaps.size == 0:
-        return 0
-    costs = [int((gaps >> k).sum()) + gaps.size * (k + 1) for k in range(25)]
-    return int(np.argmin(costs))
-
-
-def _stream_encode(positions: np.ndarray, bits: np.ndarray) -> bytes:
-    """The sparse stream of one trajectory: count, k, then (Rice gap, low bit) per recorded element."""
-    gaps = np.diff(positions, prepend=-1) - 1
-    k = _best_rice_k(gaps)
-    q = gaps >> k
-    length = q + k + 2  # unary quotient, its terminating 0, k remainder bits, the low bit
-    start = np.cumsum(length) - length
-    out = np.zeros(int(length.sum()), dtype=np.uint8)
-    ones = np.repeat(start, q) + (np.arange(int(q.sum())) - np.repeat(np.cumsum(q) - q, q))
-    out[ones] = 1
-    rem = start + q + 1
-    for b in range(k):
-        out[rem + b] = (gaps >> b) & 1
-    out[rem + k] = bits
-    return _leb128(int(positions.size)) + bytes([k]) + _pack(out).tobytes()
-
-
-@numba.njit(cache=True)
-def _rice_decode(bits: np.ndarray, count: int, k: int, n_total: int, positions: np.ndarray, lsb: np.ndarray) -> int:
-    """Parse ``count`` entries; returns 0, or -1 if the stream ends early or runs past ``n_total``."""
-    i = 0
-    pos = -1
-    n = bits.shape[0]
-    for e in range(count):
-        q = 0
-        while i < n and bits[i] == 1:
-            q += 1
-            i += 1
-        if i + k + 2 > n:
-            return -1
-        i += 1
-        r = 0
-        for b in range(k):
-            r |= np.int64(bits[i + b]) << b
-        i += k
-        pos += (q << k) + r + 1
-        if pos >= n_total:
-            return -1
-        positions[e] = pos
-        lsb[e] = bits[i]
-        i += 1
-    return 0
-
-
-def _stream_decode(data: bytes, n_total: int, where: str) -> tuple[np.ndarray, np.ndarray]:
-    count, shift, i = 0, 0, 0
-    while True:
-        if i >= len(data) or shift > 56:
-            raise ValueError(f"{where}: truncated or corrupt sparse stream header")
-        byte = data[i]
-        count |= (byte & 0x7F) << shift
-        shift += 7
-        i += 1
-        if not byte & 0x80:
-            break
-    if i >= len(data) or count > n_total:
-        raise ValueError(f"{where}: sparse stream claims {count} entries for {n_total} elements")
-    k = data[i]
-    payload = _unpack(np.frombuffer(data[i + 1 :], dtype=np.uint8), 8 * (len(data) - i - 1))
-    positions = np.empty(count, dtype=np.int64)
-    lsb = np.empty(count, dtype=np.uint8)
-    if k > 30 or _rice_decode(payload, count, int(k), n_total, positions, lsb) != 0:
-        raise ValueError(
-            f"{where}: corrupt sparse stream (a sparse record covers a whole trajectory: read it without "
-            "a positions slice)"
-        )
-    return positions, lsb
-
-
-def rice_bits_per_entry(density: float) -> float:
-    """Expected bits per recorded element of a sparse stream whose entries are an i.i.d. share
-    ``density`` of the elements (geometric gaps), at the best Rice parameter: ``k + 2 + E[g >> k]``
-    with ``E[g >> k] = q^(2^k) / (1 - q^(2^k))``, ``q = 1 - density`` (the 2 = terminator + low bit)."""
-    if not 0 < density <= 1:
-        raise ValueError(f"density must be in (0, 1], got {density}")
-    q = 1.0 - density
-    best = math.inf
-    for k in range(25):
-        qm = q ** (2**k)
-        best = min(best, k + 2 + (qm / (1 - qm) if qm < 1 else math.inf))
-    return best
-
-
 # --- the record ----------------------------------------------------------------------------------
 
 
@@ -732,7 +486,7 @@ class CompactRecord:
         t = self.rows
         parts = []
         if self.spec.amax_bits:
-            parts.append(_int_bits(self.amax.reshape(t, -1).numpy(), self.spec.amax_bits))
+            parts.append(int_bits(self.amax.reshape(t, -1).numpy(), self.spec.amax_bits))
         elif self.spec.amax == "ldpc":
             parts.append(checks["amax"])
         if self.spec.scales == "parity":
@@ -740,7 +494,7 @@ class CompactRecord:
         elif self.spec.scales == "ldpc":
             parts.append(checks["scales"])
         if self.spec.elements == "full":
-            parts.append(_int_bits(self.elements.reshape(t, -1).numpy(), 4))
+            parts.append(int_bits(self.elements.reshape(t, -1).numpy(), 4))
         elif self.spec.elements == "lsb":
             parts.append(self.elements.reshape(t, -1).numpy().astype(np.uint8))
         elif self.spec.elements == "ldpc":
@@ -775,7 +529,7 @@ class CompactRecord:
             out[f"{prefix}.global_amax"] = self.amax
         checks = {}
         if self.spec.amax == "ldpc":
-            plane = self.amax if self.compressed else _gray_bits(self.amax.reshape(t, -1))
+            plane = self.amax if self.compressed else gray_bits(self.amax.reshape(t, -1), AMAX_LDPC_BITS)
             checks["amax"] = self._checks_of(plane, lead * AMAX_LDPC_BITS, self.spec.amax_rate)
         if self.spec.scales == "ldpc":
             checks["scales"] = self._checks_of(self.scales, blocks, self.spec.scale_rate)
@@ -783,11 +537,11 @@ class CompactRecord:
             checks["elements"] = self._checks_of(self.elements, elems, self.spec.rate)
         bits = self._packed_bits(checks)
         if bits.shape[1]:
-            out[f"{prefix}.packed__{suffix}"] = torch.from_numpy(_pack(bits))
+            out[f"{prefix}.packed__{suffix}"] = torch.from_numpy(pack_bits(bits))
         if self.spec.elements == "sparse":
             plane = self.elements.reshape(-1).numpy()
             pos = np.flatnonzero(plane >= 0)
-            data = _stream_encode(pos, plane[pos].astype(np.uint8))
+            data = stream_encode(pos, plane[pos].astype(np.uint8))
             width = max(1, -(-len(data) // t))
             buf = np.zeros(t * width, dtype=np.uint8)
             buf[: len(data)] = np.frombuffer(data, dtype=np.uint8)
@@ -797,9 +551,9 @@ class CompactRecord:
     def _checks_of(self, plane: torch.Tensor, per_token: int, rate: int | None) -> np.ndarray:
         if self.compressed:
             return plane.numpy().astype(np.uint8)
-        cpt = _checks(per_token, rate)
-        layout = _ldpc_layout([self.rows], per_token, cpt)
-        return _syndrome(layout, plane.reshape(-1).numpy().astype(np.uint8)).reshape(self.rows, cpt)
+        cpt = ldpc_checks(per_token, rate)
+        layout = ldpc_layout([self.rows], per_token, cpt)
+        return ldpc_syndrome(layout, plane.reshape(-1).numpy().astype(np.uint8)).reshape(self.rows, cpt)
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], prefix: str) -> CompactRecord:
@@ -838,9 +592,9 @@ class CompactRecord:
         nbits = rec._packed_bits_width()
         if nbits:
             packed = expect(f"{prefix}.packed__{suffix}", (t, -(-nbits // 8)), (torch.uint8,))
-            fields = rec._split_packed(_unpack(packed.numpy(), nbits))
+            fields = rec._split_packed(unpack_bits(packed.numpy(), nbits))
             if spec.amax_bits:
-                rec.amax = torch.from_numpy(_bits_int(fields["amax"], spec.amax_bits).astype(np.uint8)).reshape(
+                rec.amax = torch.from_numpy(bits_int(fields["amax"], spec.amax_bits).astype(np.uint8)).reshape(
                     *elem_shape[:-1], 1
                 )
             elif spec.amax == "ldpc":
@@ -850,7 +604,7 @@ class CompactRecord:
             elif spec.scales == "ldpc":
                 rec.scales = torch.from_numpy(fields["scales"].copy())
             if spec.elements == "full":
-                rec.elements = torch.from_numpy(_bits_int(fields["elements"], 4).astype(np.uint8)).reshape(elem_shape)
+                rec.elements = torch.from_numpy(bits_int(fields["elements"], 4).astype(np.uint8)).reshape(elem_shape)
             elif spec.elements == "lsb":
                 rec.elements = torch.from_numpy(fields["elements"].copy()).reshape(elem_shape)
             elif spec.elements == "ldpc":
@@ -859,7 +613,7 @@ class CompactRecord:
             stream = tensors[f"{prefix}.stream__{suffix}"]
             if stream.dtype != torch.uint8 or stream.dim() != 2 or stream.shape[0] != t:
                 raise ValueError(f"{where}: stream should be uint8 [T, W], got {stream.dtype} {tuple(stream.shape)}")
-            pos, bits = _stream_decode(stream.numpy().tobytes(), t * elems, where)
+            pos, bits = stream_decode(stream.numpy().tobytes(), t * elems, where)
             plane = np.full(t * elems, -1, dtype=np.int8)
             plane[pos] = bits.astype(np.int8)
             rec.elements = torch.from_numpy(plane).reshape(elem_shape)
@@ -913,13 +667,13 @@ class CompactRecord:
         elif self.spec.elements == "sparse":
             bits = torch.where(self.elements >= 0, self.elements.to(torch.uint8), own)
         else:
-            layout = _ldpc_layout(self.segments, elems, _checks(elems, self.spec.rate))
+            layout = ldpc_layout(self.segments, elems, ldpc_checks(elems, self.spec.rate))
             own_np = own.reshape(-1).numpy().astype(np.uint8)
-            syn = self.elements.reshape(-1).numpy().astype(np.uint8) ^ _syndrome(layout, own_np)
-            llr = _prior_llr(midpoint_distance(z).reshape(-1).numpy().astype(np.float64), ELEMENT_PRIOR)
-            flips = _bp_flips(layout, syn, llr)
+            syn = self.elements.reshape(-1).numpy().astype(np.uint8) ^ ldpc_syndrome(layout, own_np)
+            llr = prior_llr(midpoint_distance(z).reshape(-1).numpy().astype(np.float64), ELEMENT_PRIOR)
+            flips = bp_flips(layout, syn, llr)
             bits = torch.from_numpy((own_np ^ flips.astype(np.uint8)).reshape(tuple(self.shape)))
-        data = torch.from_numpy(_pack(bits.numpy().astype(np.uint8)))
+        data = torch.from_numpy(pack_bits(bits.numpy().astype(np.uint8)))
         return Hint(HintMode.LSB, self.fmt, data, scales, amax)
 
     def _decode_amax(self, x: torch.Tensor) -> torch.Tensor:
@@ -941,21 +695,17 @@ class CompactRecord:
         rows = self._per_token[0]
         m = 1 << AMAX_LDPC_BITS
         own = (mine % m).reshape(self.rows, rows)
-        own_gray = _gray_bits(own)  # [T, rows * 3]
+        own_gray = gray_bits(own, AMAX_LDPC_BITS)  # [T, rows * 3]
         # the Gray bits one ulp either way would flip are the likely ones
-        near = _gray_bits((own + 1) % m) ^ own_gray | _gray_bits((own - 1) % m) ^ own_gray
+        near = gray_bits((own + 1) % m, AMAX_LDPC_BITS) ^ own_gray | gray_bits((own - 1) % m, AMAX_LDPC_BITS) ^ own_gray
         p_near, p_far = AMAX_PRIOR
         llr = np.where(near.numpy().reshape(-1) == 1, math.log((1 - p_near) / p_near), math.log((1 - p_far) / p_far))
         per_token = rows * AMAX_LDPC_BITS
-        layout = _ldpc_layout(self.segments, per_token, _checks(per_token, self.spec.amax_rate))
+        layout = ldpc_layout(self.segments, per_token, ldpc_checks(per_token, self.spec.amax_rate))
         own_np = own_gray.reshape(-1).numpy().astype(np.uint8)
-        syn = self.amax.reshape(-1).numpy().astype(np.uint8) ^ _syndrome(layout, own_np)
-        gray = torch.from_numpy(own_np ^ _bp_flips(layout, syn, llr).astype(np.uint8)).reshape(self.rows, rows, -1)
-        g = (gray.to(torch.int64) << torch.arange(AMAX_LDPC_BITS)).sum(-1)
-        value = g.clone()
-        for shift in range(1, AMAX_LDPC_BITS):  # Gray -> binary
-            value ^= g >> shift
-        return value.reshape(mine.shape)
+        syn = self.amax.reshape(-1).numpy().astype(np.uint8) ^ ldpc_syndrome(layout, own_np)
+        gray = torch.from_numpy(own_np ^ bp_flips(layout, syn, llr).astype(np.uint8)).reshape(self.rows, rows, -1)
+        return gray_decode(gray, AMAX_LDPC_BITS).reshape(mine.shape)
 
     def _decode_scales(self, x: torch.Tensor, s_enc: torch.Tensor, blocks: int) -> torch.Tensor:
         if self.spec.scales == "full":
@@ -966,47 +716,34 @@ class CompactRecord:
         elif self.spec.scales == "parity":
             code = torch.where((own & 1) == self.scales.to(torch.int64), own, other)
         else:
-            layout = _ldpc_layout(self.segments, blocks, _checks(blocks, self.spec.scale_rate))
+            layout = ldpc_layout(self.segments, blocks, ldpc_checks(blocks, self.spec.scale_rate))
             own_np = (own & 1).reshape(-1).numpy().astype(np.uint8)
-            syn = self.scales.reshape(-1).numpy().astype(np.uint8) ^ _syndrome(layout, own_np)
-            flips = _bp_flips(layout, syn, _prior_llr(dist.reshape(-1).numpy().astype(np.float64), SCALE_PRIOR))
+            syn = self.scales.reshape(-1).numpy().astype(np.uint8) ^ ldpc_syndrome(layout, own_np)
+            flips = bp_flips(layout, syn, prior_llr(dist.reshape(-1).numpy().astype(np.float64), SCALE_PRIOR))
             code = torch.where(torch.from_numpy(flips).reshape(own.shape), other, own)
         return code.to(torch.uint8).view(torch.float8_e4m3fn)
-
-
-def _checks(per_token: int, rate: int | None) -> int:
-    """Check bits per token for ``per_token`` variables at rate 1/d: ``ceil(per_token / d)``."""
-    assert rate is not None
-    return -(-per_token // rate)
 
 
 def _scale_bits(spec: GuidanceSpec, blocks: int) -> int:
     if spec.scales == "parity":
         return blocks
-    return _checks(blocks, spec.scale_rate) if spec.scales == "ldpc" else 0
+    return ldpc_checks(blocks, spec.scale_rate) if spec.scales == "ldpc" else 0
 
 
 def _element_bits(spec: GuidanceSpec, elems: int) -> int:
     if spec.elements == "ldpc":
-        return _checks(elems, spec.rate)
+        return ldpc_checks(elems, spec.rate)
     return {"full": 4 * elems, "lsb": elems}.get(spec.elements, 0)
 
 
 def _amax_bits(spec: GuidanceSpec, rows: int) -> int:
     if spec.amax == "ldpc":
-        return _checks(rows * AMAX_LDPC_BITS, spec.amax_rate)
+        return ldpc_checks(rows * AMAX_LDPC_BITS, spec.amax_rate)
     return rows * spec.amax_bits
 
 
 def _residue_bits(spec: GuidanceSpec) -> int:
     return AMAX_LDPC_BITS if spec.amax == "ldpc" else spec.amax_bits
-
-
-def _gray_bits(residue: torch.Tensor) -> torch.Tensor:
-    """``[T, rows]`` residues -> ``[T, rows * 3]`` bits of their Gray codes (adjacent values differ in one bit)."""
-    r = residue.to(torch.int64)
-    g = r ^ (r >> 1)
-    return ((g.unsqueeze(-1) >> torch.arange(AMAX_LDPC_BITS)) & 1).to(torch.uint8).reshape(r.shape[0], -1)
 
 
 def _packed_bits_per_token(spec: GuidanceSpec, rows: int, blocks: int, elems: int) -> int:

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tracefp4 as tf
-from fp4data import S_ENC_ONE, rollout_and_trainer
+from fp4data import S_ENC_ONE, bits, rollout_and_trainer
 from tracefp4 import reference as ref
 
 
@@ -100,15 +100,11 @@ def test_hint_select_cat_and_tensor_round_trip():
     h = tf.encode_hint(q, "lsb")
     parts = [h.select(slice(0, 4)), h.select(slice(4, 10))]
     again = tf.hint_cat(parts)
-    assert torch.equal(again.data, h.data) and torch.equal(bits_u8(again.scales), bits_u8(h.scales))
+    assert torch.equal(again.data, h.data) and torch.equal(bits(again.scales), bits(h.scales))
     back = tf.Hint.from_tensors(h.to_tensors("L03.k"), "L03.k")
     assert back.mode is h.mode and back.fmt is h.fmt and back.shape == h.shape
     y = x * 1.01
     assert torch.equal(tf.guided_quantize(y, back).codes, tf.guided_quantize(y, h).codes)
-
-
-def bits_u8(t):
-    return t.view(torch.uint8)
 
 
 def test_hint_shape_mismatch_raises():

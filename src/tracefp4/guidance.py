@@ -137,12 +137,15 @@ def clone_scales(scales: torch.Tensor) -> torch.Tensor:
     return out.view(scales.dtype) if scales.dtype == torch.float8_e4m3fn else out
 
 
-def encode_hint(q: NVFP4 | MXFP4, mode: str | HintMode = "lsb") -> Hint:
-    """What the rollout records for a quantized site: see :class:`Hint`."""
+def encode_hint(q: NVFP4 | MXFP4, mode: str | HintMode = "lsb", *, pack=lsb_bits) -> Hint:
+    """What the rollout records for a quantized site: see :class:`Hint`.
+
+    ``pack`` turns packed codes into bit-packed low bits (the Triton path passes its GPU kernel).
+    """
     mode = HintMode(mode)
     if not isinstance(q, (NVFP4, MXFP4)):
         raise ValueError(f"encode_hint: expected an NVFP4 or MXFP4 tensor, got {type(q).__name__}")
-    data = lsb_bits(q.codes) if mode is HintMode.LSB else q.codes.clone()
+    data = pack(q.codes) if mode is HintMode.LSB else q.codes.clone()
     amax = q.global_amax.clone() if isinstance(q, NVFP4) else None
     return Hint(mode, q.fmt, data, clone_scales(q.scales), amax)
 

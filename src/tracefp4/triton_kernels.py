@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import kernels
+from . import guidance, kernels
 from .constants import NVFP4_BLOCK, Format, HintMode
 from .guidance import Hint, _check_hint
 from .numerics import MXFP4, NVFP4, _global_amax, check_input, nvfp4_global_encode_scale, raise_non_finite
@@ -329,9 +329,4 @@ def lsb_bits(codes: torch.Tensor) -> torch.Tensor:
 
 def encode_hint(q: NVFP4 | MXFP4, mode: str | HintMode = "lsb") -> Hint:
     """:func:`tracefp4.guidance.encode_hint` on the GPU."""
-    mode = HintMode(mode)
-    if not isinstance(q, (NVFP4, MXFP4)):
-        raise ValueError(f"encode_hint: expected an NVFP4 or MXFP4 tensor, got {type(q).__name__}")
-    data = lsb_bits(q.codes) if mode is HintMode.LSB else q.codes.clone()
-    amax = q.global_amax.clone() if isinstance(q, NVFP4) else None
-    return Hint(mode, q.fmt, data, q.scales.clone(), amax)
+    return guidance.encode_hint(q, mode, pack=lsb_bits)

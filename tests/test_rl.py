@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tracefp4.rl import ARMS, MasterWeightAdamW, RLConfig, ModelSpec, _store_record, run
+from tracefp4.rl import ARMS, MasterWeightAdamW, RLConfig, ModelSpec, store_record, run
 from tracefp4.guidance import Hint, encode_hint, guided_quantize
 from tracefp4.numerics import quantize_nvfp4
 
@@ -82,18 +82,18 @@ def test_resume_continues_from_checkpoints(tiny_run):
     assert state["step"] == 3 and state["policy_version"] == 3
 
 
-def test_store_record_lsb_matches_an_lsb_rollout():
+def teststore_record_lsb_matches_an_lsb_rollout():
     # the trace arm derives lsb hints from full records: the bytes equal what an lsb rollout records
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     q = quantize_nvfp4(x, per_row=True)
     full = encode_hint(q, "full").to_tensors("L01.k")
     rec = {**full, "L01.routing": torch.zeros(5, 2, dtype=torch.int64)}
-    out = _store_record(rec, ARMS["trace"])
+    out = store_record(rec, ARMS["trace"].guidance)
     lsb = encode_hint(q, "lsb").to_tensors("L01.k")
     assert set(out) == set(lsb) | {"L01.routing"}
     for k, v in lsb.items():
         assert torch.equal(out[k].view(torch.uint8), v.view(torch.uint8))
-    assert set(_store_record(rec, ARMS["qat"])) == {"L01.routing"}
+    assert set(store_record(rec, ARMS["qat"].guidance)) == {"L01.routing"}
     y = x.float() * 1.01
     assert torch.equal(guided_quantize(y, Hint.from_tensors(out, "L01.k")).codes,
                        guided_quantize(y, encode_hint(q, "lsb")).codes)

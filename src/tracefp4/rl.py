@@ -309,12 +309,13 @@ def _pad(values: Sequence[torch.Tensor], width: int) -> tuple[torch.Tensor, torc
     return out, mask
 
 
-def _store_record(rec: dict[str, torch.Tensor], arm: Arm) -> dict[str, torch.Tensor]:
-    """What the trainer gets from the rollout: routing always, plus the arm's guidance."""
+def store_record(rec: dict[str, torch.Tensor], guidance: str | None) -> dict[str, torch.Tensor]:
+    """What the trainer gets from a full-hint rollout record: routing always, plus ``guidance``
+    (None, ``"lsb"`` or ``"full"``, an :class:`Arm`'s field)."""
     out = {k: v for k, v in rec.items() if k.endswith(".routing")}
-    if arm.guidance == "full":
+    if guidance == "full":
         out.update(rec)
-    elif arm.guidance == "lsb":
+    elif guidance == "lsb":
         for key, codes in rec.items():
             if key.endswith(".codes"):  # the low magnitude bit of each code, 8 per byte
                 prefix = key[: -len(".codes")]
@@ -372,7 +373,7 @@ class ArmRunner:
             roll, writers, timings = self.pool.generate(
                 prompts, sampling, group_size=cfg.group_size, mode=arm.rollout, plan=self.plan,
                 guided_layers=sorted(self.guided_layers), hint_mode="full", store_root=str(self.store_root),
-                step=step, traj_ids=ids, signature=self.signature, keep=arm.guidance or "routing",
+                step=step, traj_ids=ids, signature=self.signature, guidance=arm.guidance,
             )
             seal_step(self.store_root, step, writers)
         else:
@@ -385,7 +386,7 @@ class ArmRunner:
             with StoreWriter(self.store_root, step, "w0", model_signature=self.signature,
                              policy_version=self.version) as w:
                 for tid, rec, p in zip(ids, roll.records, roll.prompt_lens):
-                    w.add(tid, _store_record(rec, arm), prompt_len=p)
+                    w.add(tid, store_record(rec, arm.guidance), prompt_len=p)
             seal_step(self.store_root, step, ["w0"])
             timings["time/store_write_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()

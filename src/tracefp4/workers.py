@@ -72,12 +72,13 @@ class _Worker:
             hint_mode=job["hint_mode"],
         )
         t_gen = time.perf_counter() - t0
-        keep = job["keep"]  # which record tensors the trainer needs: see rl._store_record
+        from .rl import store_record
+
         t0 = time.perf_counter()
         with StoreWriter(job["store_root"], job["step"], job["writer_id"], model_signature=job["signature"],
                          policy_version=job["policy_version"]) as w:
             for tid, rec, p in zip(job["traj_ids"], out.records, out.prompt_lens):
-                w.add(tid, _select(rec, keep), prompt_len=p)
+                w.add(tid, store_record(rec, job["guidance"]), prompt_len=p)
         return json.dumps({
             "token_ids": [t.tolist() for t in out.token_ids],
             "prompt_lens": out.prompt_lens,
@@ -86,12 +87,6 @@ class _Worker:
             "time_generate_s": t_gen,
             "time_store_write_s": time.perf_counter() - t0,
         })
-
-
-def _select(rec: dict[str, torch.Tensor], keep: str) -> dict[str, torch.Tensor]:
-    from .rl import Arm, _store_record
-
-    return _store_record(rec, Arm("trace", "trace", None if keep == "routing" else keep, False))
 
 
 def _plan_dict(plan: PrecisionPlan) -> dict:
@@ -125,7 +120,7 @@ class RolloutPool:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, group_size: int,
                  mode: str, plan: PrecisionPlan, guided_layers: Sequence[int], hint_mode: str,
-                 store_root: str, step: int, traj_ids: Sequence[str], signature: str, keep: str
+                 store_root: str, step: int, traj_ids: Sequence[str], signature: str, guidance: str | None
                  ) -> tuple[RolloutOutput, list[str], dict[str, float]]:
         """Returns (trajectories without records, the writer ids to seal, worker timings)."""
         groups = len(prompts) // group_size
@@ -144,7 +139,7 @@ class RolloutPool:
                 "mode": mode, "plan": _plan_dict(plan), "guided_layers": sorted(guided_layers),
                 "hint_mode": hint_mode, "store_root": str(store_root), "step": step, "writer_id": f"w{i}",
                 "traj_ids": list(traj_ids[lo:hi]), "signature": signature, "policy_version": self.version,
-                "keep": keep,
+                "guidance": guidance,  # what of the full-hint records reaches the store (rl.store_record)
             }
             futures.append(worker.rollout.remote(json.dumps(job)))
             writers.append(f"w{i}")

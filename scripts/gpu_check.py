@@ -5,7 +5,7 @@ GPU's copy bandwidth they run.
 Correctness: every kernel (NVFP4 quantize per tensor / per row / given amax, guided quantize lsb and
 full for NVFP4 and MXFP4, lsb hint packing) on several shapes, dtypes and data kinds (heavy-tailed,
 zero blocks, subnormal block scales among them). Small shapes are compared with
-:mod:`tracefp4.reference` directly; large ones with the CPU kernels, which the test suite holds equal
+:mod:`tracefp4.formats.reference` directly; large ones with the CPU kernels, which the test suite holds equal
 to the reference (the reference's codeword search needs ~1 GB per 16M elements).
 
 Bandwidth: each operation's time next to ``x.clone()`` of the same input, as ``clone / op`` (1.0 means

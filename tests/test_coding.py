@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tracefp4 import coding
+from tracefp4.guidance import coding
 
 
 def test_rice_bits_per_entry_is_the_geometric_expectation() -> None:

@@ -16,8 +16,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tracefp4 import coding, compact, reference
-from tracefp4.compact import (
+from tracefp4.formats import reference
+from tracefp4.guidance import coding, compact
+from tracefp4.guidance.compact import (
     STANDARD_MODES,
     CompactRecord,
     GuidanceSpec,
@@ -28,10 +29,10 @@ from tracefp4.compact import (
     record_cat,
     site_bytes_per_token,
 )
-from tracefp4.constants import Format, HintMode
-from tracefp4.guidance import Hint, encode_hint, guided_quantize
-from tracefp4.numerics import quantize_mxfp4, quantize_nvfp4, unpack_fp4
-from tracefp4.store import StoreReader, StoreWriter, seal_step
+from tracefp4.formats.constants import Format, HintMode
+from tracefp4.guidance.hints import Hint, encode_hint, guided_quantize
+from tracefp4.formats.numerics import quantize_mxfp4, quantize_nvfp4, unpack_fp4
+from tracefp4.guidance.store import StoreReader, StoreWriter, seal_step
 
 torch.set_num_threads(1)
 

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from tracefp4.grpo import LossAgg, aggregate, group_advantages, grpo_loss, mismatch_metrics
-from tracefp4.tasks import Addition, CharTokenizer, Example, Reverse, make_task
+from tracefp4.rl.grpo import LossAgg, aggregate, group_advantages, grpo_loss, mismatch_metrics
+from tracefp4.rl.tasks import Addition, CharTokenizer, Example, Reverse, make_task
 
 
 def test_group_advantages_hand_values():

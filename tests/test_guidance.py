@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import tracefp4 as tf
 from fp4data import S_ENC_ONE, bits, rollout_and_trainer
-from tracefp4 import reference as ref
+from tracefp4.formats import reference as ref
 
 
 

@@ -1,6 +1,6 @@
 """Peak memory of the quantize and guided paths: at most 1.5x the input's size beyond input and output.
 
-Measured in a fresh subprocess from the kernel's resident high-water mark (see tracefp4.bench), on a
+Measured in a fresh subprocess from the kernel's resident high-water mark (see tracefp4.reports.bench), on a
 tensor big enough (2048 x 4096) that allocator noise is small against the bound.
 """
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tracefp4.bench import MEMORY_BOUND, measure_memory
+from tracefp4.reports.bench import MEMORY_BOUND, measure_memory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for resident memory")
 

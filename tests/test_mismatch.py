@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from tracefp4 import mismatch
-from tracefp4.model import default_guided_layers, from_config
-from tracefp4.rollout import SamplingParams, generate
+from tracefp4.reports import mismatch
+from tracefp4.engines.model import default_guided_layers, from_config
+from tracefp4.engines.rollout import SamplingParams, generate
 
 torch.set_num_threads(1)
 

@@ -15,8 +15,8 @@ from transformers import (
 )
 
 from tracefp4 import dequantize, quantize_nvfp4
-from tracefp4.constants import Format, Site
-from tracefp4.model import (
+from tracefp4.formats.constants import Format, Site
+from tracefp4.engines.model import (
     EXPERTS_IMPLEMENTATION,
     FP4KVCache,
     PrecisionPlan,
@@ -30,8 +30,8 @@ from tracefp4.model import (
     prepare_model,
     quant_context,
 )
-from tracefp4.rollout import SamplingParams, generate
-from tracefp4.trainer import code_mismatch, forward_logprobs
+from tracefp4.engines.rollout import SamplingParams, generate
+from tracefp4.engines.trainer import code_mismatch, forward_logprobs
 
 torch.set_num_threads(1)
 

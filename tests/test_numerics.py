@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tracefp4 as tf
-from tracefp4 import reference as ref
+from tracefp4.formats import reference as ref
 
 from fp4data import DTYPES, S_ENC_ONE, bits, make_data
 

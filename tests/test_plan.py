@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from tracefp4 import plan as planner
-from tracefp4.compact import CompactRecord, GuidanceSpec, rice_bits_per_entry, site_bytes_per_token
-from tracefp4.numerics import quantize_nvfp4
-from tracefp4.plan import PRESETS, ModelDims, plan, sparse_density
+from tracefp4.reports import capacity as planner
+from tracefp4.guidance.compact import CompactRecord, GuidanceSpec, rice_bits_per_entry, site_bytes_per_token
+from tracefp4.formats.numerics import quantize_nvfp4
+from tracefp4.reports.capacity import PRESETS, ModelDims, plan, sparse_density
 
 STEP = dict(prompts=256, samples=16, tokens=32768)
 TOKENS = 256 * 16 * 32768

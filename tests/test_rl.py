@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from tracefp4.rl import ARMS, MasterWeightAdamW, RLConfig, ModelSpec, store_record, run
-from tracefp4.guidance import Hint, encode_hint, guided_quantize
-from tracefp4.numerics import quantize_nvfp4
+from tracefp4.rl.loop import ARMS, MasterWeightAdamW, RLConfig, ModelSpec, store_record, run
+from tracefp4.guidance.hints import Hint, encode_hint, guided_quantize
+from tracefp4.formats.numerics import quantize_nvfp4
 
 TINY = dict(
     steps=2, warm_start_steps=3, prompts_per_step=2, group_size=2, max_new_tokens=4, eval_every=1,
@@ -100,8 +100,8 @@ def teststore_record_lsb_matches_an_lsb_rollout():
 
 
 def test_master_weight_optimizer_round_trip():
-    from tracefp4.model import from_config
-    from tracefp4.tasks import CharTokenizer
+    from tracefp4.engines.model import from_config
+    from tracefp4.rl.tasks import CharTokenizer
 
     model = from_config(TINY["model"].hf_config(CharTokenizer()), seed=0)
     opt = MasterWeightAdamW(model, lr=1e-2, weight_decay=0.0, grad_clip=1.0)

@@ -9,10 +9,10 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from tracefp4.constants import Site
-from tracefp4.model import PrecisionPlan, from_config, moe_layers
-from tracefp4.rollout import RolloutOutput, SamplingParams, generate, sample
-from tracefp4.trainer import code_mismatch, forward_logprobs, forward_rollout
+from tracefp4.formats.constants import Site
+from tracefp4.engines.model import PrecisionPlan, from_config, moe_layers
+from tracefp4.engines.rollout import RolloutOutput, SamplingParams, generate, sample
+from tracefp4.engines.trainer import code_mismatch, forward_logprobs, forward_rollout
 
 torch.set_num_threads(1)
 
@@ -272,7 +272,7 @@ def test_trainer_rejects_records_that_do_not_fit(model: torch.nn.Module, trace_f
 
 def test_records_travel_through_the_store(tmp_path, model: torch.nn.Module) -> None:
     """The rollout's per-trajectory dicts are the store's record format, and come back usable."""
-    from tracefp4.store import StoreReader, StoreWriter, seal_step
+    from tracefp4.guidance.store import StoreReader, StoreWriter, seal_step
 
     rollout = generate(model, PROMPTS, SamplingParams(max_new_tokens=8, seed=2))
     ids = [f"t{b}" for b in range(len(PROMPTS))]

@@ -1,4 +1,4 @@
-"""Tests of the guidance store (``tracefp4.store``): round trips, sealing, corruption, bytes."""
+"""Tests of the guidance store (``tracefp4.guidance.store``): round trips, sealing, corruption, bytes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from tracefp4.store import (
+from tracefp4.guidance.store import (
     COMPLETE_NAME,
     StoreError,
     StoreReader,

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from tracefp4 import mismatch
-from tracefp4.compact import CompactRecord, read_record, site_bytes_per_token
-from tracefp4.model import from_config, record_prefix
-from tracefp4.rollout import SamplingParams, generate
-from tracefp4.trainer import code_mismatch, forward_rollout
+from tracefp4.reports import mismatch
+from tracefp4.guidance.compact import CompactRecord, read_record, site_bytes_per_token
+from tracefp4.engines.model import from_config, record_prefix
+from tracefp4.engines.rollout import SamplingParams, generate
+from tracefp4.engines.trainer import code_mismatch, forward_rollout
 
 torch.set_num_threads(1)
 

@@ -7,7 +7,7 @@ import torch
 
 import tracefp4 as tf
 from fp4data import S_ENC_ONE
-from tracefp4.constants import TORCHAO_E4M3_SCALE_FLOOR
+from tracefp4.formats.constants import TORCHAO_E4M3_SCALE_FLOOR
 
 nvfp4_tensor = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor", reason="torchao not installed")
 
@@ -53,7 +53,7 @@ def test_documented_difference_two_level_operation_order():
     ours = tf.quantize_nvfp4(x)
     assert torch.equal(ao_scales.view(torch.uint8), ours.scales.view(torch.uint8))
     a, b = tf.unpack_fp4(ao_codes), tf.unpack_fp4(ours.codes)
-    from tracefp4.reference import signed_index
+    from tracefp4.formats.reference import signed_index
 
     diff = (signed_index(a) - signed_index(b)).abs()
     share = (diff > 0).float().mean().item()

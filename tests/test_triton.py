@@ -23,8 +23,8 @@ import torch
 
 import fp4data
 import tracefp4 as tf
-from tracefp4 import kernels
-from tracefp4 import reference as ref
+from tracefp4.formats import kernels
+from tracefp4.formats import reference as ref
 
 _CHILD_FLAG = "TRACEFP4_TRITON_FRESH_PROCESS"
 if not torch.cuda.is_available() and "triton" not in sys.modules:
@@ -49,7 +49,7 @@ else:
 
 tk = None
 if triton is not None and not _FRESH_PROCESS:
-    from tracefp4 import triton_kernels as tk
+    from tracefp4.formats import triton_kernels as tk
 
 needs_triton = pytest.mark.skipif(tk is None, reason=_SKIP_REASON or "triton kernels unavailable")
 # The interpreter evaluates with numpy, which warns about the x/0 that the recipes cap at FLT_MAX.

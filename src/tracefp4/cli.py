@@ -7,7 +7,7 @@ import sys
 
 
 def cmd_twopath(args: argparse.Namespace) -> int:
-    from .synthetic import format_report, run_two_path
+    from tracefp4.reports.twopath import format_report, run_two_path
 
     rep = run_two_path(rows=args.rows, k=args.cols, inner=args.inner, seed=args.seed)
     print(format_report(rep))
@@ -15,7 +15,7 @@ def cmd_twopath(args: argparse.Namespace) -> int:
 
 
 def _run_rl(cfg) -> int:
-    from .rl import run, write_report
+    from tracefp4.rl.loop import run, write_report
 
     run_dir = run(cfg)
     print(f"\nrun folder: {run_dir}")
@@ -25,7 +25,7 @@ def _run_rl(cfg) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .rl import RLConfig
+    from tracefp4.rl.loop import RLConfig
 
     cfg = RLConfig(out=args.out, task=args.task, seed=args.seed, run_name=args.name)
     if args.steps is not None:
@@ -37,7 +37,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .rl import RLConfig
+    from tracefp4.rl.loop import RLConfig
 
     cfg = RLConfig.from_file(args.config)
     if args.resume:
@@ -48,7 +48,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .rl import write_report
+    from tracefp4.rl.loop import write_report
 
     print(write_report(Path(args.run_dir)))
     return 0
@@ -57,7 +57,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tracefp4", description="TRACE: rollout-guided FP4 rounding for RL of MoE LLMs")
     sub = p.add_subparsers(dest="command", required=True)
-    from . import mismatch, plan
+    from tracefp4.reports import mismatch
+    from tracefp4.reports import capacity as plan
 
     mismatch.add_parser(sub)
     plan.add_parser(sub)
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one process)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from .bench import add_bench_commands
+    from tracefp4.reports.bench import add_bench_commands
 
     add_bench_commands(bsub)  # numerics (--memory, --threads) and all (every registered section)
     return p

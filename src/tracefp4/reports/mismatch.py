@@ -10,19 +10,19 @@ runs the rollout engine in four modes and the trainer on each mode's own complet
 * **Router flip rate without replay**: the share of (token, MoE layer) pairs whose top-k expert set
   differs between the rollout and a trainer that follows its own router.
 * **Log-prob gap** per arm (rollout / trainer): bf16/bf16, fp4/qat, fp4+lsb/trace, fp4+full/trace:
-  mean and max |delta logp| and k3 KL over completion tokens (:func:`tracefp4.grpo.mismatch_metrics`).
+  mean and max |delta logp| and k3 KL over completion tokens (:func:`tracefp4.rl.grpo.mismatch_metrics`).
 * **Guidance bytes per generated token**, full information on all layers vs the compact default (lsb
-  on the deeper half), through the record store's own accounting (:func:`tracefp4.store.bytes_per_token`).
+  on the deeper half), through the record store's own accounting (:func:`tracefp4.guidance.store.bytes_per_token`).
 
 ``tracefp4 mismatch --sweep [--modes M1,M2] [--json PATH] [--plot PATH]`` measures instead every
-guidance mode of :mod:`tracefp4.compact` against bytes per token (:mod:`tracefp4.sweep`).
+guidance mode of :mod:`tracefp4.guidance.compact` against bytes per token (:mod:`tracefp4.reports.sweep`).
 
 Decisions (and why)
     * **Each arm compares its own rollout with its own trainer.** The bf16 rollout samples different
       tokens than the FP4 ones; that is fine, nothing is compared across arms except the summary
       figures. The trace arms' trainer consumes exactly the records of the matching rollout.
     * **Records go through the store.** Both trace rollouts' records are written with
-      :class:`~tracefp4.store.StoreWriter`, sealed, read back with :class:`~tracefp4.store.StoreReader`
+      :class:`~tracefp4.guidance.store.StoreWriter`, sealed, read back with :class:`~tracefp4.guidance.store.StoreReader`
       (checksums verified) and *those* tensors feed the trace trainers and the code comparison, so the
       report exercises the full rollout -> store -> trainer path, and the byte figures are the store's.
     * **Codes of the lsb rollout.** An lsb record keeps one bit per element, so the codes the trace-lsb
@@ -62,14 +62,14 @@ from typing import Any
 
 import torch
 
-from .constants import HintMode, Site
-from .files import atomic_write_json
-from .grpo import mismatch_metrics
-from .guidance import lsb_bits
-from .model import default_guided_layers, from_config, load_model, model_layers, moe_layers, record_prefix, routing_key
-from .rollout import RolloutOutput, SamplingParams, generate
-from .store import StoreReader, StoreWriter, bytes_per_token, parse_name, seal_step
-from .trainer import SiteMismatch, TrainerOutput, code_mismatch, forward_logprobs, forward_rollout
+from tracefp4.formats.constants import HintMode, Site
+from tracefp4.files import atomic_write_json
+from tracefp4.rl.grpo import mismatch_metrics
+from tracefp4.guidance.hints import lsb_bits
+from tracefp4.engines.model import default_guided_layers, from_config, load_model, model_layers, moe_layers, record_prefix, routing_key
+from tracefp4.engines.rollout import RolloutOutput, SamplingParams, generate
+from tracefp4.guidance.store import StoreReader, StoreWriter, bytes_per_token, parse_name, seal_step
+from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, code_mismatch, forward_logprobs, forward_rollout
 
 __all__ = [
     "DEFAULTS",
@@ -123,8 +123,8 @@ _STEP_FULL, _STEP_COMPACT = 0, 1
 
 
 def tiny_config(**dims):
-    """A small Qwen3-MoE config: :func:`tracefp4.model.tiny_config` with this report's defaults."""
-    from .model import tiny_config as _tiny
+    """A small Qwen3-MoE config: :func:`tracefp4.engines.model.tiny_config` with this report's defaults."""
+    from tracefp4.engines.model import tiny_config as _tiny
 
     return _tiny(**{k: dims.get(k, DEFAULTS[k]) for k in DEFAULTS}, **{k: v for k, v in dims.items() if k not in DEFAULTS})
 
@@ -622,7 +622,7 @@ def run_cli(args: argparse.Namespace) -> int:
     prompts = make_prompts(args.batch, model.config.vocab_size, args.prompt_len, args.seed)
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, seed=args.seed)
     if sweeping:
-        from . import sweep
+        from tracefp4.reports import sweep
 
         return sweep.run_cli(args, model, prompts, sampling, say)
     rep = mismatch_report(model, prompts, sampling, store_dir=args.store_dir, progress=say)
@@ -635,7 +635,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``tracefp4 mismatch ...`` on its own (the package CLI adds it with :func:`add_parser`)."""
-    from .cli import run_subcommand
+    from tracefp4.cli import run_subcommand
 
     return run_subcommand(add_parser, "mismatch", argv)
 

@@ -1,6 +1,6 @@
 """How bits are coded: the generic, spec-independent codecs behind compact guidance records.
 
-Nothing here knows about guidance specs, sites or the store; :mod:`tracefp4.compact` builds its
+Nothing here knows about guidance specs, sites or the store; :mod:`tracefp4.guidance.compact` builds its
 records from these pieces (and fixes the record format by the constants below).
 
 **Bit packing**: :func:`int_bits` / :func:`bits_int` spread small ints into fixed-width bit fields,

@@ -41,10 +41,10 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
-from .compact import CompactRecord, GuidanceSpec, encode_record, parse_hint_mode
-from .constants import Format, HintMode, ScaleMode, Site
-from .guidance import Hint, guided_quantize
-from .numerics import MXFP4, NVFP4, dequantize, quantize_mxfp4, quantize_nvfp4
+from tracefp4.guidance.compact import CompactRecord, GuidanceSpec, encode_record, parse_hint_mode
+from tracefp4.formats.constants import Format, HintMode, ScaleMode, Site
+from tracefp4.guidance.hints import Hint, guided_quantize
+from tracefp4.formats.numerics import MXFP4, NVFP4, dequantize, quantize_mxfp4, quantize_nvfp4
 
 __all__ = [
     "EXPERTS_IMPLEMENTATION",
@@ -190,10 +190,10 @@ class QuantContext:
         captured (trainer, with ``capture_codes``). ``None``: the deeper half of the model's layers,
         resolved by :func:`quant_context`.
     hint_mode: what a hint keeps per element (``lsb`` 1 bit, ``full`` 4 bits), or a compact
-        :class:`~tracefp4.compact.GuidanceSpec` (a name such as ``"ldpc(1/16)+parity"`` is parsed).
+        :class:`~tracefp4.guidance.compact.GuidanceSpec` (a name such as ``"ldpc(1/16)+parity"`` is parsed).
     record: rollout only. If set, routing of every MoE layer and hints of ``guided_layers`` land here.
     guidance: trainer only (``GUIDED``): ``record_prefix(layer, site)`` -> Hint, or a
-        :class:`~tracefp4.compact.CompactRecord` that decodes into one given this path's own value.
+        :class:`~tracefp4.guidance.compact.CompactRecord` that decodes into one given this path's own value.
     routing_replay: trainer only: layer -> ``[rows, top_k]`` indices to use instead of the router's.
     reuse_quantized_weights: rollout only: keep quantized expert weights across forwards, keyed on the
         parameter's storage and version counter (an optimizer step bumps it). The trainer re-quantizes
@@ -318,7 +318,7 @@ class _StraightThrough(torch.autograd.Function):
 
 
 def _host(x: torch.Tensor) -> torch.Tensor:
-    """``x`` detached, on the CPU: the FP4 kernels of :mod:`tracefp4.numerics` are CPU kernels."""
+    """``x`` detached, on the CPU: the FP4 kernels of :mod:`tracefp4.formats.numerics` are CPU kernels."""
     return x.detach().cpu()
 
 
@@ -374,7 +374,7 @@ def _context(runtime: _Runtime) -> QuantContext:
 def _runtime(model: PreTrainedModel) -> _Runtime:
     rt = model.__dict__.get("_tracefp4_runtime")
     if rt is None:
-        raise ValueError("model is not prepared for tracefp4: call tracefp4.model.prepare_model(model) first")
+        raise ValueError("model is not prepared for tracefp4: call tracefp4.engines.model.prepare_model(model) first")
     return rt
 
 

@@ -13,9 +13,9 @@ import dataclasses
 import numpy as np
 import torch
 
-from . import kernels
-from .constants import Format, HintMode
-from .numerics import (
+from tracefp4.formats import kernels
+from tracefp4.formats.constants import Format, HintMode
+from tracefp4.formats.numerics import (
     MXFP4,
     NVFP4,
     FLOAT32_MAX,

@@ -1,6 +1,6 @@
 """The rollout engine: batched autoregressive sampling with FP4 experts and an FP4 KV cache.
 
-It runs the prepared transformers model (:mod:`tracefp4.model`) the way an inference engine does: one
+It runs the prepared transformers model (:mod:`tracefp4.engines.model`) the way an inference engine does: one
 prefill over the prompts, then one token per sequence per step against the KV cache. This is the
 path whose numbers differ from the trainer's full-sequence forward (different attention shapes and
 reduction order, a batch that shrinks as sequences finish); that drift is real and is what TRACE has
@@ -39,11 +39,11 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
-from .compact import GuidanceSpec, parse_hint_mode, record_cat
-from .constants import HintMode
-from .guidance import encode_hint
-from .numerics import MXFP4, NVFP4
-from .model import (
+from tracefp4.guidance.compact import GuidanceSpec, parse_hint_mode, record_cat
+from tracefp4.formats.constants import HintMode
+from tracefp4.guidance.hints import encode_hint
+from tracefp4.formats.numerics import MXFP4, NVFP4
+from tracefp4.engines.model import (
     FP4KVCache,
     PrecisionPlan,
     QuantContext,
@@ -92,7 +92,7 @@ class RolloutOutput:
     records[b]: the trajectory's record, ``{name: Tensor [T_b, ...]}`` with names
         ``L{layer:02d}.routing`` (every MoE layer) and, in ``trace`` mode,
         ``L{layer:02d}.{site}.{field}`` for the guided layers (fields from ``Hint.to_tensors``, or from
-        ``CompactRecord.to_tensors`` for a compact ``hint_mode``, see :mod:`tracefp4.compact`).
+        ``CompactRecord.to_tensors`` for a compact ``hint_mode``, see :mod:`tracefp4.guidance.compact`).
     """
 
     token_ids: list[torch.Tensor]
@@ -165,7 +165,7 @@ def generate(
     hint_mode: HintMode | GuidanceSpec | str = HintMode.LSB,
     pad_token_id: int | None = None,
 ) -> RolloutOutput:
-    """Sample completions for ``prompts`` on a model prepared with :func:`tracefp4.model.prepare_model`.
+    """Sample completions for ``prompts`` on a model prepared with :func:`tracefp4.engines.model.prepare_model`.
 
     ``guided_layers`` defaults to the deeper half of the layers; it only matters in ``trace`` mode.
     ``sampling.max_new_tokens == 0`` runs the prompts through one full-sequence prefill and records

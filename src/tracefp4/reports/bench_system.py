@@ -12,12 +12,12 @@ import time
 
 import torch
 
-from .model import PrecisionPlan, from_config
-from .rl import ModelSpec
-from .rollout import SamplingParams, generate
-from .store import StoreReader, StoreWriter, seal_step
-from .tasks import CharTokenizer
-from .trainer import forward_logprobs
+from tracefp4.engines.model import PrecisionPlan, from_config
+from tracefp4.rl.loop import ModelSpec
+from tracefp4.engines.rollout import SamplingParams, generate
+from tracefp4.guidance.store import StoreReader, StoreWriter, seal_step
+from tracefp4.rl.tasks import CharTokenizer
+from tracefp4.engines.trainer import forward_logprobs
 
 
 def _interleaved(fns: dict, repeats: int) -> dict[str, float]:

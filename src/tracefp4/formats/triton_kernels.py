@@ -1,7 +1,7 @@
 """Triton (GPU) twins of the CPU kernels: NVFP4 quantize, guided quantize (lsb and full), lsb hint packing.
 
-Same contracts as the CPU path (:mod:`tracefp4.numerics`, :mod:`tracefp4.guidance`): the functions
-here return the same containers, bit for bit equal to :mod:`tracefp4.reference`. They take CUDA
+Same contracts as the CPU path (:mod:`tracefp4.formats.numerics`, :mod:`tracefp4.guidance`): the functions
+here return the same containers, bit for bit equal to :mod:`tracefp4.formats.reference`. They take CUDA
 tensors; under Triton's interpreter (``TRITON_INTERPRET=1``, set before this module is imported) they
 take CPU tensors too, which is how CI checks them without a GPU. ``scripts/gpu_check.py`` checks them
 on a real device and measures bandwidth.
@@ -9,7 +9,7 @@ on a real device and measures bandwidth.
 Exactness on a GPU: every step is float32 in the reference's order; divisions use ``tl.div_rn``
 (IEEE round-to-nearest, where a plain ``/`` may be approximate); no product feeds an addition, so
 nothing can be contracted into an FMA; the E4M3 cast is the bit-level rounding of the CPU kernels
-(:func:`tracefp4.kernels._e4m3_round`), checked against torch's cast on every float32 in [0, 448];
+(:func:`tracefp4.formats.kernels._e4m3_round`), checked against torch's cast on every float32 in [0, 448];
 magnitudes are compared as integer bit patterns, so NaN/Inf detection does not depend on the
 GPU's float min/max NaN rules. One assumption is left to check on each device: float32 subnormals
 survive multiplication (no flush to zero). They matter only for values below ~1e-35 (bf16/fp32
@@ -24,10 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import guidance, kernels
-from .constants import NVFP4_BLOCK, Format, HintMode
-from .guidance import Hint, _check_hint
-from .numerics import MXFP4, NVFP4, _global_amax, check_input, nvfp4_global_encode_scale, raise_non_finite
+from tracefp4.guidance import hints as guidance
+from tracefp4.formats import kernels
+from tracefp4.formats.constants import NVFP4_BLOCK, Format, HintMode
+from tracefp4.guidance.hints import Hint, _check_hint
+from tracefp4.formats.numerics import MXFP4, NVFP4, _global_amax, check_input, nvfp4_global_encode_scale, raise_non_finite
 
 __all__ = ["interpreting", "row_amax", "quantize_nvfp4", "guided_quantize", "encode_hint", "lsb_bits"]
 
@@ -255,7 +256,7 @@ def _grid(n: int, k: int, block: int) -> tuple[int, int, int]:
 
 
 def quantize_nvfp4(x: torch.Tensor, *, global_amax=None, per_row: bool = False) -> NVFP4:
-    """:func:`tracefp4.numerics.quantize_nvfp4` on the GPU: same arguments, same result."""
+    """:func:`tracefp4.formats.numerics.quantize_nvfp4` on the GPU: same arguments, same result."""
     check_input(x, NVFP4_BLOCK, cpu=False)
     _check_device(x)
     rows = _rows(x)

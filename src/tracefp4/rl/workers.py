@@ -20,9 +20,9 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from transformers import AutoConfig, PreTrainedModel
 
-from .constants import HintMode
-from .model import PrecisionPlan
-from .rollout import RolloutOutput, SamplingParams
+from tracefp4.formats.constants import HintMode
+from tracefp4.engines.model import PrecisionPlan
+from tracefp4.engines.rollout import RolloutOutput, SamplingParams
 
 
 def _require_ray():
@@ -38,7 +38,7 @@ class _Worker:
     does not need Ray)."""
 
     def __init__(self, config_json: str, threads: int):
-        from .model import from_config
+        from tracefp4.engines.model import from_config
 
         torch.set_num_threads(threads)
         cfg = json.loads(config_json)
@@ -55,8 +55,8 @@ class _Worker:
         return version
 
     def rollout(self, job_json: str) -> str:
-        from .rollout import generate
-        from .store import StoreWriter
+        from tracefp4.engines.rollout import generate
+        from tracefp4.guidance.store import StoreWriter
 
         job = json.loads(job_json)
         if job["policy_version"] != self.version:
@@ -72,7 +72,7 @@ class _Worker:
             hint_mode=job["hint_mode"],
         )
         t_gen = time.perf_counter() - t0
-        from .rl import store_record
+        from tracefp4.rl.loop import store_record
 
         t0 = time.perf_counter()
         with StoreWriter(job["store_root"], job["step"], job["writer_id"], model_signature=job["signature"],

@@ -1,7 +1,7 @@
 """FP4 tensors (NVFP4, MXFP4): quantize, dequantize, pack, and straight-through fake quantization.
 
 The recipes are those of ``shared/DESIGN.md`` section 2 (Transformer Engine's operation order for
-NVFP4, OCP MX v1.0 for MXFP4); :mod:`tracefp4.reference` spells them out and :mod:`tracefp4.kernels`
+NVFP4, OCP MX v1.0 for MXFP4); :mod:`tracefp4.formats.reference` spells them out and :mod:`tracefp4.formats.kernels`
 runs them fast. This module validates inputs, shapes the data, and owns the public containers.
 """
 
@@ -12,8 +12,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from . import kernels
-from .constants import (
+from tracefp4.formats import kernels
+from tracefp4.formats.constants import (
     FLOAT32_MAX,
     MXFP4_BLOCK,
     NVFP4_BLOCK,
@@ -120,7 +120,7 @@ def raise_non_finite(x: torch.Tensor, bad: np.ndarray, what: str = "x") -> None:
 
 _NO_BLOCK_MAX = np.empty((0, 0), dtype=np.uint32)
 
-#: The kernels' view of each input dtype (see :mod:`tracefp4.kernels`): 16-bit formats travel as their
+#: The kernels' view of each input dtype (see :mod:`tracefp4.formats.kernels`): 16-bit formats travel as their
 #: bit patterns, and the integer dtype tells the kernel which widening to compile.
 _KERNEL_VIEW = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16}
 

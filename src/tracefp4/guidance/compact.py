@@ -64,7 +64,7 @@ the drift priors ``ELEMENT_PRIOR``/``SCALE_PRIOR``/``AMAX_PRIOR``), the record-l
 formulas (:func:`site_bytes_per_token`) and the named configurations (:class:`GuidedMode`,
 :data:`STANDARD_MODES`). How the bits themselves are coded (bit packing, Gray codes, the LDPC
 parity-check graph, syndromes and belief-propagation decoder, Rice/LEB128 position streams) is
-:mod:`tracefp4.coding`; ``decode_stats``, ``rice_bits_per_entry`` and the ``LDPC_*`` constants are
+:mod:`tracefp4.guidance.coding`; ``decode_stats``, ``rice_bits_per_entry`` and the ``LDPC_*`` constants are
 re-exported here.
 """
 
@@ -78,8 +78,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from . import reference as ref
-from .coding import (
+from tracefp4.formats import reference as ref
+from tracefp4.guidance.coding import (
     LDPC_BLOCK,
     LDPC_COLUMN_WEIGHT,
     LDPC_ITERATIONS,
@@ -100,9 +100,9 @@ from .coding import (
     stream_encode,
     unpack_bits,
 )
-from .constants import E2M1_MAX, E2M1_MIDPOINTS, E4M3_MAX, NVFP4_BLOCK, Format, HintMode
-from .guidance import Hint, encode_hint, hint_cat
-from .numerics import MXFP4, NVFP4, mx_scale_values, pack_fp4, unpack_fp4
+from tracefp4.formats.constants import E2M1_MAX, E2M1_MIDPOINTS, E4M3_MAX, NVFP4_BLOCK, Format, HintMode
+from tracefp4.guidance.hints import Hint, encode_hint, hint_cat
+from tracefp4.formats.numerics import MXFP4, NVFP4, mx_scale_values, pack_fp4, unpack_fp4
 
 __all__ = [
     "GuidanceSpec",

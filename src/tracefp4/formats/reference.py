@@ -3,7 +3,7 @@
 This module is the oracle. It favours one obvious step per line over speed: rounding is done by
 searching the codeword table for the nearest value (not by comparing against midpoints, as the fast
 kernels do), block scales go through PyTorch's own float8 cast, and guided rounding enumerates the
-bracket explicitly. The fast paths in :mod:`tracefp4.numerics` and :mod:`tracefp4.guidance` are
+bracket explicitly. The fast paths in :mod:`tracefp4.formats.numerics` and :mod:`tracefp4.guidance` are
 tested against these functions bit for bit (atol=0).
 
 All arithmetic is float32, in the operation order of Transformer Engine's NVFP4 recipe. Inputs are
@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .constants import (
+from tracefp4.formats.constants import (
     E2M1_EMAX,
     E2M1_MAX,
     E2M1_VALUES,

@@ -32,10 +32,10 @@ from typing import Callable
 
 import torch
 
-from .files import atomic_write_json
+from tracefp4.files import atomic_write_json
 
-from .guidance import encode_hint, guided_quantize
-from .numerics import dequantize_nvfp4, quantize_nvfp4
+from tracefp4.guidance.hints import encode_hint, guided_quantize
+from tracefp4.formats.numerics import dequantize_nvfp4, quantize_nvfp4
 
 # --- timing --------------------------------------------------------------------------------------
 
@@ -321,7 +321,7 @@ def measure_memory(rows: int = 4096, cols: int = 4096, ops: list[str] | None = N
     groups = [ops] if _reset_peak() else [[op] for op in ops]
     res: dict = {"shape": [rows, cols], "bound_extra_over_input": MEMORY_BOUND, "ops": {}}
     for group in groups:
-        cmd = [sys.executable, "-m", "tracefp4.bench", "memory-probe", "--rows", str(rows), "--cols", str(cols)]
+        cmd = [sys.executable, "-m", "tracefp4.reports.bench", "memory-probe", "--rows", str(rows), "--cols", str(cols)]
         cmd += ["--ops", ",".join(group)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
         if proc.returncode != 0:
@@ -387,14 +387,14 @@ register_section("numerics", Section(_run_numerics, format_numerics, "FP4 numeri
 
 
 def _run_system(args: argparse.Namespace) -> dict:
-    from .bench_system import bench_system
+    from tracefp4.reports.bench_system import bench_system
 
     set_threads(getattr(args, "threads", None))
     return bench_system(repeats=args.repeats)
 
 
 def _format_system(res: dict) -> str:
-    from .bench_system import format_system
+    from tracefp4.reports.bench_system import format_system
 
     return format_system(res)
 
@@ -464,8 +464,8 @@ def add_bench_commands(bsub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tracefp4.bench``: the bench commands, plus the memory probe the subprocesses run."""
-    p = argparse.ArgumentParser(prog="python -m tracefp4.bench", description=__doc__.split("\n\n")[0])
+    """``python -m tracefp4.reports.bench``: the bench commands, plus the memory probe the subprocesses run."""
+    p = argparse.ArgumentParser(prog="python -m tracefp4.reports.bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     add_bench_commands(sub)
     mp = sub.add_parser("memory-probe", help="(internal) measure peak memory in this process, print JSON")

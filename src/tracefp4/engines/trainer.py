@@ -23,7 +23,7 @@ Decisions
       missing while replay is on, trace mode without guidance) raises ``ValueError``; nothing falls
       back silently.
     * Log-probs are ``log_softmax(logits / temperature)`` in float32 at each completion token: the
-      rollout's definition (see :mod:`tracefp4.rollout`). Only the completion rows go through lm_head.
+      rollout's definition (see :mod:`tracefp4.engines.rollout`). Only the completion rows go through lm_head.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ import torch
 from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
-from .compact import CompactRecord, read_record, record_cat
-from .constants import Site
-from .guidance import Hint
-from .model import (
+from tracefp4.guidance.compact import CompactRecord, read_record, record_cat
+from tracefp4.formats.constants import Site
+from tracefp4.guidance.hints import Hint
+from tracefp4.engines.model import (
     FP4KVCache,
     PrecisionPlan,
     QuantContext,
@@ -50,9 +50,9 @@ from .model import (
     record_prefix,
     routing_key,
 )
-from .numerics import unpack_fp4
-from .reference import signed_index
-from .rollout import RolloutOutput
+from tracefp4.formats.numerics import unpack_fp4
+from tracefp4.formats.reference import signed_index
+from tracefp4.engines.rollout import RolloutOutput
 
 __all__ = [
     "TrainerMode",
@@ -192,7 +192,7 @@ def forward_logprobs(
 ) -> TrainerOutput:
     """Teacher-forced log-probs of the completions ``token_ids[b][prompt_lens[b]:]``.
 
-    ``records[b]`` is trajectory b's rollout record (see :class:`tracefp4.rollout.RolloutOutput`).
+    ``records[b]`` is trajectory b's rollout record (see :class:`tracefp4.engines.rollout.RolloutOutput`).
     ``plan`` must be the rollout's. Gradients flow to every parameter (straight-through at the FP4
     sites, through the recomputed router probabilities under replay).
     """

@@ -1,6 +1,6 @@
 """Fused CPU kernels (numba) for the FP4 recipes, parallel over rows.
 
-Each kernel is the fast twin of a function in :mod:`tracefp4.reference` and is tested against it at
+Each kernel is the fast twin of a function in :mod:`tracefp4.formats.reference` and is tested against it at
 atol=0. All arithmetic is float32 in the reference's operation order: numba keeps float32 x float32
 in float32, does not contract multiply-adds (fastmath is off), and every literal below is an
 ``np.float32`` so nothing is silently promoted to float64.
@@ -41,7 +41,7 @@ from numba.core import types
 from numba.extending import intrinsic, overload
 
 if sys.byteorder != "little":  # the word view and the packed layouts assume it
-    raise ImportError("tracefp4.kernels needs a little-endian machine")
+    raise ImportError("tracefp4.formats.kernels needs a little-endian machine")
 
 F32 = np.float32
 U8 = np.uint8

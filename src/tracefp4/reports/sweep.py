@@ -1,7 +1,7 @@
 """``tracefp4 mismatch --sweep``: guidance bytes per generated token against agreement and log-prob gap.
 
-For every named mode (:data:`tracefp4.compact.STANDARD_MODES` unless told otherwise: the paper's full
-and compact references, each knob of :mod:`tracefp4.compact` on its own, and each new mode across its
+For every named mode (:data:`tracefp4.guidance.compact.STANDARD_MODES` unless told otherwise: the paper's full
+and compact references, each knob of :mod:`tracefp4.guidance.compact` on its own, and each new mode across its
 knobs, on the deeper half and on all layers) the sweep runs the FP4 rollout recording that mode,
 writes its records through the guidance store, reads them back and runs the guided trainer on them,
 and reports per mode:
@@ -40,15 +40,15 @@ from typing import Any
 
 import torch
 
-from .files import atomic_write_json
-from . import compact
-from .compact import STANDARD_MODES, CompactRecord, GuidedMode, read_record
-from .constants import HintMode
-from .mismatch import _aggregate, _gap, _same_rollout, _store_bytes, _store_records
-from .model import model_layers
-from .rollout import SamplingParams, generate
-from .store import parse_name
-from .trainer import code_mismatch, forward_logprobs
+from tracefp4.files import atomic_write_json
+from tracefp4.guidance import compact
+from tracefp4.guidance.compact import STANDARD_MODES, CompactRecord, GuidedMode, read_record
+from tracefp4.formats.constants import HintMode
+from tracefp4.reports.mismatch import _aggregate, _gap, _same_rollout, _store_bytes, _store_records
+from tracefp4.engines.model import model_layers
+from tracefp4.engines.rollout import SamplingParams, generate
+from tracefp4.guidance.store import parse_name
+from tracefp4.engines.trainer import code_mismatch, forward_logprobs
 
 __all__ = ["run_sweep", "format_sweep", "plot_sweep", "run_cli"]
 
@@ -382,7 +382,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plot", metavar="PATH", help="with --sweep: write the curve as a PNG")
     g.add_argument(
         "--modes", metavar="M1,M2", help="with --sweep: comma-separated modes (default: the standard sweep; "
-        "names as in tracefp4.compact, e.g. 'lsb,ldpc(1/16)+parity+amax:lo3@all')",
+        "names as in tracefp4.guidance.compact, e.g. 'lsb,ldpc(1/16)+parity+amax:lo3@all')",
     )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ Layout of one RL step::
 Record
     One trajectory's record is ``dict[str, Tensor]``; every tensor has leading dim ``T`` = number of
     token positions (prompt + completion). Names are ``L{layer:02d}.{site}.{field}`` for guidance
-    (site in :class:`~tracefp4.constants.Site`) and ``L{layer:02d}.routing`` for the routed expert
+    (site in :class:`~tracefp4.formats.constants.Site`) and ``L{layer:02d}.routing`` for the routed expert
     indices (routing replay travels in the same store; it is just one more tensor).
 
 Decisions (and why)
@@ -87,7 +87,7 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from tracefp4.constants import Site
+from tracefp4.formats.constants import Site
 from tracefp4.files import atomic_write_bytes, fsync_dir
 
 __all__ = [
@@ -113,9 +113,9 @@ ROUTING = "routing"
 MANIFEST_SUFFIX = ".manifest.json"
 SHARD_SUFFIX = ".safetensors"
 COMPLETE_NAME = "COMPLETE.json"
-_MANIFEST_FORMAT = "tracefp4.store.manifest"
-_COMPLETE_FORMAT = "tracefp4.store.complete"
-_SHARD_FORMAT = "tracefp4.store.shard"
+_MANIFEST_FORMAT = "tracefp4.guidance.store.manifest"
+_COMPLETE_FORMAT = "tracefp4.guidance.store.complete"
+_SHARD_FORMAT = "tracefp4.guidance.store.shard"
 _MAX_SEQ = 99_999  # {seq:05d} must stay five digits, see module docstring
 _HASH_CHUNK = 1 << 20
 

@@ -13,10 +13,10 @@ import dataclasses
 
 import torch
 
-from .constants import HintMode
-from .guidance import encode_hint, guided_quantize
-from .numerics import quantize_nvfp4, unpack_fp4
-from .reference import signed_index
+from tracefp4.formats.constants import HintMode
+from tracefp4.guidance.hints import encode_hint, guided_quantize
+from tracefp4.formats.numerics import quantize_nvfp4, unpack_fp4
+from tracefp4.formats.reference import signed_index
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ Per token position, a guided layer records (DESIGN.md section 4):
 * layers with a KV cache: ``k`` and ``v`` (``num_key_value_heads`` rows of ``head_dim`` each); linear-
   attention layers (Gated DeltaNet, ``layer_types`` = ``linear_attention``) have none.
 
-Each site costs :func:`tracefp4.compact.site_bytes_per_token` for the mode (exact for all but
+Each site costs :func:`tracefp4.guidance.compact.site_bytes_per_token` for the mode (exact for all but
 ``sparse``, whose stream size follows from the share of elements it records: from a sweep JSON with
 ``--sweep-json``, else :data:`DEFAULT_SPARSE_DENSITY`). A mode's guided layers are all of them
 (``@all``, and ``full``) or the deeper half (``layers >= L // 2``), as in the sweep. One RL step is
@@ -33,9 +33,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .files import atomic_write_json
-from .compact import STANDARD_MODES, GuidanceSpec, GuidedMode, site_bytes_per_token
-from .constants import NVFP4_BLOCK, Site
+from tracefp4.files import atomic_write_json
+from tracefp4.guidance.compact import STANDARD_MODES, GuidanceSpec, GuidedMode, site_bytes_per_token
+from tracefp4.formats.constants import NVFP4_BLOCK, Site
 
 __all__ = [
     "PRESETS",
@@ -300,7 +300,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``tracefp4 plan ...`` on its own (the package CLI adds it with :func:`add_parser`)."""
-    from .cli import run_subcommand
+    from tracefp4.cli import run_subcommand
 
     return run_subcommand(add_parser, "plan", argv)
 

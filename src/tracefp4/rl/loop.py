@@ -41,15 +41,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig, PreTrainedModel
 
-from . import runlog
-from .files import atomic_write_json
-from .guidance import lsb_bits
-from .grpo import LossAgg, group_advantages, grpo_loss, mismatch_metrics
-from .model import PrecisionPlan, default_guided_layers, from_config, load_model, model_layers, tiny_config
-from .rollout import SamplingParams, generate
-from .store import StoreReader, StoreWriter, seal_step
-from .tasks import CharTokenizer, Example, Task, make_task
-from .trainer import code_mismatch, forward_logprobs
+from tracefp4.rl import runlog
+from tracefp4.files import atomic_write_json
+from tracefp4.guidance.hints import lsb_bits
+from tracefp4.rl.grpo import LossAgg, group_advantages, grpo_loss, mismatch_metrics
+from tracefp4.engines.model import PrecisionPlan, default_guided_layers, from_config, load_model, model_layers, tiny_config
+from tracefp4.engines.rollout import SamplingParams, generate
+from tracefp4.guidance.store import StoreReader, StoreWriter, seal_step
+from tracefp4.rl.tasks import CharTokenizer, Example, Task, make_task
+from tracefp4.engines.trainer import code_mismatch, forward_logprobs
 
 # --- configuration -------------------------------------------------------------------------------
 
@@ -536,7 +536,7 @@ def run(cfg: RLConfig) -> Path:
 
     pool = None
     if cfg.rollout_workers > 0:
-        from .workers import RolloutPool
+        from tracefp4.rl.workers import RolloutPool
 
         pool = RolloutPool(base, cfg.rollout_workers)
     try:

@@ -17,6 +17,7 @@ from tracefp4.formats.constants import (
     FLOAT32_MAX,
     MXFP4_BLOCK,
     NVFP4_BLOCK,
+    E4M3_MAX,
     NVFP4_GLOBAL_NUMERATOR,
     SUPPORTED_DTYPES,
     Format,
@@ -36,6 +37,13 @@ __all__ = [
     "unpack_fp4",
     "fake_quant",
     "nvfp4_global_encode_scale",
+    "FP8",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "guided_codes",
+    "lsb_bits",
+    "clone_scales",
+    "straight_through",
 ]
 
 
@@ -83,6 +91,27 @@ class MXFP4:
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
+
+
+@dataclasses.dataclass
+class FP8:
+    """An FP8 E4M3 tensor with one float32 scale per row (W4A8 activations).
+
+    data: torch.float8_e4m3fn ``[..., K]``; scale: float32 ``[..., 1]`` (``amax / 448``, 1 for a zero row).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    fmt = "fp8"
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scale.nbytes
 
 
 # --- validation ----------------------------------------------------------------------------------
@@ -318,3 +347,89 @@ def fake_quant(
     """Round-to-nearest quantize-dequantize with a straight-through gradient, in x's dtype."""
     q = quantize(x.detach(), fmt, per_row=per_row, global_amax=global_amax)
     return straight_through(x, dequantize(q))
+
+
+def lsb_bits(codes: torch.Tensor) -> torch.Tensor:
+    """Packed codes ``[..., K//2]`` -> bit-packed low magnitude bits ``[..., K//8]``."""
+    flat = codes.reshape(_row_count(codes), codes.shape[-1]).contiguous().numpy()
+    bits = np.empty((flat.shape[0], flat.shape[1] // 4), dtype=np.uint8)
+    # a few bit operations per byte: one thread keeps up with memory until the codes are large
+    with kernels.threads_for(flat.nbytes, grain=16 * kernels.GRAIN_BYTES):
+        kernels.pack_lsb(flat, bits)
+    return torch.from_numpy(bits).reshape(*codes.shape[:-1], bits.shape[-1])
+
+
+# --- FP8 E4M3 with a per-row scale (W4A8 activations) --------------------------------------------
+
+
+def quantize_fp8(x: torch.Tensor) -> FP8:
+    """FP8 E4M3 with one float32 scale ``amax/448`` per row (any device: plain torch ops)."""
+    xf = x.detach().to(torch.float32)
+    if not bool(torch.isfinite(xf).all()):
+        raise ValueError("x: non-finite input; NaN/Inf is a bug upstream and is never encoded")
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # Clamp before the cast: older CPU casts turn overflow into NaN instead of saturating.
+    return FP8((xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale)
+
+
+def dequantize_fp8(q: FP8) -> torch.Tensor:
+    return q.data.to(torch.float32) * q.scale
+
+
+# --- rollout-guided rounding on a given grid -----------------------------------------------------
+
+
+def clone_scales(scales: torch.Tensor) -> torch.Tensor:
+    """A copy of block scales, made as a plain byte copy.
+
+    torch copies float8 element by element, and hands even a 1 MB copy to its thread pool; a numpy
+    copy of the bytes is a single memcpy, with the same bits.
+    """
+    if scales.device.type != "cpu":
+        return scales.clone()
+    raw = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
+    out = torch.from_numpy(raw.detach().numpy().copy())
+    return out.view(scales.dtype) if scales.dtype == torch.float8_e4m3fn else out
+
+
+def guided_codes(
+    x: torch.Tensor,
+    fmt: Format | str,
+    scales: torch.Tensor,
+    global_amax: torch.Tensor | None,
+    *,
+    codes: torch.Tensor | None = None,
+    lsb: torch.Tensor | None = None,
+) -> NVFP4 | MXFP4:
+    """Quantize ``x`` on the grid ``(scales, global_amax)``, each element rounded to the member of its
+    bracket that ``codes`` (packed 4-bit codes, full information) or ``lsb`` (low magnitude bits,
+    eight per byte) names. Exactly one of the two is given; shapes are checked by the caller
+    (:func:`tracefp4.guidance.hints.guided_quantize`)."""
+    fmt = Format(fmt)
+    if (codes is None) == (lsb is None):
+        raise ValueError("guided_codes: give exactly one of codes (full) or lsb")
+    check_input(x, fmt.block)
+    n, k = _row_count(x), x.shape[-1]
+    # The kernels rebuild each block's encode factor from the stored scale byte, as the reference does.
+    scale_bytes = scales.reshape(n, scales.shape[-1]).contiguous().view(torch.uint8).numpy()
+    if fmt is Format.NVFP4:
+        s_enc = _per_row(nvfp4_global_encode_scale(global_amax), x.shape)
+        s_dec = np.float32(1.0) / s_enc
+        values = kernels.E4M3_VALUES
+    else:
+        s_dec = np.ones(n, dtype=np.float32)
+        values = kernels.E8M0_VALUES
+    hint = codes if codes is not None else lsb
+    out = np.empty((n, k // 2), dtype=np.uint8)
+    data = hint.reshape(n, hint.shape[-1]).contiguous().numpy()
+    bad = np.zeros(n, dtype=np.bool_)
+    guided = kernels.guided_full if codes is not None else kernels.guided_lsb
+    rows = kernel_rows(x)
+    with kernels.threads_for(rows.nbytes):
+        guided(rows, scale_bytes, values, s_dec, data, fmt.block, out, bad, kernels.row_chunks(n))
+    raise_non_finite(x, bad)
+    codes_t = torch.from_numpy(out).reshape(*x.shape[:-1], out.shape[-1])
+    if fmt is Format.NVFP4:
+        return NVFP4(codes_t, clone_scales(scales), torch.as_tensor(global_amax, dtype=torch.float32).clone())
+    return MXFP4(codes_t, clone_scales(scales))

@@ -10,24 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import torch
 
-from tracefp4.formats import kernels
 from tracefp4.formats.constants import Format, HintMode
 from tracefp4.formats.numerics import (
     MXFP4,
     NVFP4,
-    FLOAT32_MAX,
     check_input,
-    mx_scale_values,
-    nvfp4_global_encode_scale,
-    straight_through,
+    clone_scales,
     dequantize,
-    _per_row,
-    _row_count,
-    kernel_rows,
-    raise_non_finite,
+    guided_codes,
+    lsb_bits,
+    straight_through,
 )
 
 __all__ = ["Hint", "encode_hint", "guided_quantize", "guided_fake_quant", "hint_cat"]
@@ -114,29 +108,6 @@ def hint_cat(hints: list[Hint], dim: int = 0) -> Hint:
     )
 
 
-def lsb_bits(codes: torch.Tensor) -> torch.Tensor:
-    """Packed codes ``[..., K//2]`` -> bit-packed low magnitude bits ``[..., K//8]``."""
-    flat = codes.reshape(_row_count(codes), codes.shape[-1]).contiguous().numpy()
-    bits = np.empty((flat.shape[0], flat.shape[1] // 4), dtype=np.uint8)
-    # a few bit operations per byte: one thread keeps up with memory until the codes are large
-    with kernels.threads_for(flat.nbytes, grain=16 * kernels.GRAIN_BYTES):
-        kernels.pack_lsb(flat, bits)
-    return torch.from_numpy(bits).reshape(*codes.shape[:-1], bits.shape[-1])
-
-
-def clone_scales(scales: torch.Tensor) -> torch.Tensor:
-    """A copy of block scales, made as a plain byte copy.
-
-    torch copies float8 element by element, and hands even a 1 MB copy to its thread pool; a numpy
-    copy of the bytes is a single memcpy, with the same bits.
-    """
-    if scales.device.type != "cpu":
-        return scales.clone()
-    raw = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
-    out = torch.from_numpy(raw.detach().numpy().copy())
-    return out.view(scales.dtype) if scales.dtype == torch.float8_e4m3fn else out
-
-
 def encode_hint(q: NVFP4 | MXFP4, mode: str | HintMode = "lsb", *, pack=lsb_bits) -> Hint:
     """What the rollout records for a quantized site: see :class:`Hint`.
 
@@ -168,43 +139,13 @@ def _check_hint(x: torch.Tensor, hint: Hint, *, cpu: bool = True) -> None:
         )
 
 
-def rollout_encode_factors(hint: Hint) -> torch.Tensor:
-    """float32 ``[R, K/block]``: the multiplier that put each block on the rollout's grid."""
-    nb = hint.scales.shape[-1]
-    if hint.fmt is Format.NVFP4:
-        s_enc = torch.from_numpy(_per_row(nvfp4_global_encode_scale(hint.global_amax), hint.shape)).unsqueeze(-1)
-        s8 = hint.scales.to(torch.float32).reshape(-1, nb)
-        enc = torch.tensor(1.0) / (s8 * (torch.tensor(1.0) / s_enc))
-        return torch.minimum(enc, torch.tensor(FLOAT32_MAX, dtype=torch.float32)).contiguous()
-    return (torch.tensor(1.0) / mx_scale_values(hint.scales.reshape(-1, nb))).contiguous()
-
-
 def guided_quantize(x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4:
     """Quantize ``x`` on the hint's grid, each element rounded to the bracket member the hint names."""
     _check_hint(x, hint)
-    n, k = _row_count(x), x.shape[-1]
-    # The kernels rebuild each block's encode factor from the stored scale byte, as the reference does,
-    # instead of materialising rollout_encode_factors (a float32 per block) first.
-    scales = hint.scales.reshape(n, hint.scales.shape[-1]).contiguous().view(torch.uint8).numpy()
-    if hint.fmt is Format.NVFP4:
-        s_enc = _per_row(nvfp4_global_encode_scale(hint.global_amax), hint.shape)
-        s_dec = np.float32(1.0) / s_enc
-        values = kernels.E4M3_VALUES
-    else:
-        s_dec = np.ones(n, dtype=np.float32)
-        values = kernels.E8M0_VALUES
-    codes = np.empty((n, k // 2), dtype=np.uint8)
-    data = hint.data.reshape(n, hint.data.shape[-1]).contiguous().numpy()
-    bad = np.zeros(n, dtype=np.bool_)
-    guided = kernels.guided_full if hint.mode is HintMode.FULL else kernels.guided_lsb
-    rows = kernel_rows(x)
-    with kernels.threads_for(rows.nbytes):
-        guided(rows, scales, values, s_dec, data, hint.fmt.block, codes, bad, kernels.row_chunks(n))
-    raise_non_finite(x, bad)
-    codes_t = torch.from_numpy(codes).reshape(*x.shape[:-1], codes.shape[-1])
-    if hint.fmt is Format.NVFP4:
-        return NVFP4(codes_t, clone_scales(hint.scales), hint.global_amax.clone())
-    return MXFP4(codes_t, clone_scales(hint.scales))
+    full = hint.mode is HintMode.FULL
+    return guided_codes(
+        x, hint.fmt, hint.scales, hint.global_amax, codes=hint.data if full else None, lsb=None if full else hint.data
+    )
 
 
 def guided_fake_quant(x: torch.Tensor, hint: Hint) -> torch.Tensor:

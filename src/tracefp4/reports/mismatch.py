@@ -65,7 +65,7 @@ import torch
 from tracefp4.formats.constants import HintMode, Site
 from tracefp4.files import atomic_write_json
 from tracefp4.rl.grpo import mismatch_metrics
-from tracefp4.guidance.hints import lsb_bits
+from tracefp4.formats.numerics import lsb_bits
 from tracefp4.engines.model import default_guided_layers, from_config, load_model, model_layers, moe_layers, record_prefix, routing_key
 from tracefp4.engines.rollout import RolloutOutput, SamplingParams, generate
 from tracefp4.guidance.store import StoreReader, StoreWriter, bytes_per_token, parse_name, seal_step

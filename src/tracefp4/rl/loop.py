@@ -43,7 +43,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from tracefp4.rl import runlog
 from tracefp4.files import atomic_write_json
-from tracefp4.guidance.hints import lsb_bits
+from tracefp4.formats.numerics import lsb_bits
 from tracefp4.rl.grpo import LossAgg, group_advantages, grpo_loss, mismatch_metrics
 from tracefp4.engines.model import PrecisionPlan, default_guided_layers, from_config, load_model, model_layers, tiny_config
 from tracefp4.engines.rollout import SamplingParams, generate

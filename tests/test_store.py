@@ -18,9 +18,13 @@ from tracefp4.guidance.store import (
     StoreError,
     StoreReader,
     StoreWriter,
+    FORMAT_VERSION,
+    Manifest,
     bytes_per_token,
+    discard_step,
     parse_name,
     seal_step,
+    step_bytes,
     step_dir,
 )
 
@@ -329,11 +333,21 @@ def test_one_flipped_byte_is_detected(tmp_path):
     differs = []
     for key, t in loaded.items():
         tid, name = key.split("/")
-        differs.append(not bit_equal(t, expected[tid][0][name]))
-    assert sum(differs) == 1
+        if not bit_equal(t, expected[tid][0][name]):
+            differs.append(tid)
+    assert len(differs) == 1
+    bad = differs[0]
     r = open_reader(tmp_path)
+    # Detected when the trajectory holding the byte is read, without verify(); the message names
+    # the trajectory and the shard. Other trajectories of that shard are still served exactly.
+    msg = rf"trajectory {re.escape(repr(bad))}, shard {re.escape(str(victim))}: sha256 mismatch"
+    with pytest.raises(StoreError, match=msg):
+        r.get(bad)
+    for tid in {t for t in loaded if not t.startswith(bad + "/")}:
+        tid = tid.split("/")[0]
+        assert_record_equal(r.get(tid), expected[tid][0])
     with pytest.raises(StoreError, match=rf"{re.escape(str(victim))}: sha256 mismatch"):
-        r.get(_traj_in(r, victim))
+        r.verify()
 
 
 def test_missing_or_edited_manifest_after_seal(tmp_path):
@@ -523,3 +537,315 @@ def test_bytes_per_token_matches_hand_arithmetic(tmp_path):
     assert in_bytes * 8 / (10 * 2048) == 4.5
     with pytest.raises(StoreError, match="0 generated tokens"):
         bytes_per_token(manifests, generated_tokens=0)
+
+
+# --------------------------------------------------------------------------------------------
+# One writer per name, clean-up, discarding a step
+# --------------------------------------------------------------------------------------------
+
+
+def writer(root: Path, step: int = 3, wid: str = "w0", **kw) -> StoreWriter:
+    return StoreWriter(root, step, wid, model_signature=SIG, policy_version=PV, **kw)
+
+
+def test_second_writer_of_the_same_name_is_refused_at_creation(tmp_path):
+    w = writer(tmp_path)
+    sdir = step_dir(tmp_path, 3)
+    lock = json.loads((sdir / "w0.lock").read_text())
+    assert lock["pid"] == os.getpid() and len(lock["token"]) == 32
+    msg = rf"another writer of this name holds the lock .*pid {os.getpid()}"
+    with pytest.raises(StoreError, match=msg):
+        writer(tmp_path)
+    other = writer(tmp_path, wid="w1")  # other names are independent
+    for i, ww in enumerate((w, other)):
+        tid, rec, p = make_record(i, 0)
+        ww.add(tid, rec, prompt_len=p)
+        ww.close()
+    assert not list(sdir.glob("*.lock")), "a finished writer keeps no lock"
+    with pytest.raises(StoreError, match="manifest for this writer already exists"):
+        writer(tmp_path)
+    seal_step(tmp_path, 3, ["w0", "w1"])
+    assert len(open_reader(tmp_path)) == 2
+
+
+def test_writer_is_refused_at_close_if_its_manifest_appeared_or_it_lost_its_lock(tmp_path):
+    sdir = step_dir(tmp_path, 3)
+    w = writer(tmp_path, shard_bytes=500)
+    for i in range(3):
+        tid, rec, p = make_record(0, i)
+        w.add(tid, rec, prompt_len=p)
+    assert list(sdir.glob("w0-*.safetensors"))  # some shards already published
+    manifest = sdir / "w0.manifest.json"
+    manifest.write_bytes(b"written by someone else")  # appears while w0 is still writing
+    with pytest.raises(StoreError, match=rf"manifest {re.escape(str(manifest))} already exists"):
+        w.close()
+    assert manifest.read_bytes() == b"written by someone else"  # not replaced
+    assert sorted(p.name for p in sdir.iterdir()) == ["w0.manifest.json"]  # own files removed
+
+    # A writer whose lock was taken over (removed, then created by another) publishes nothing and
+    # deletes nothing: the files there are no longer its own.
+    w = writer(tmp_path, wid="w1", shard_bytes=500)
+    tid, rec, p = make_record(1, 0)
+    w.add(tid, rec, prompt_len=p)  # flushed: one shard of w1 on disk
+    (sdir / "w1.lock").unlink()
+    thief = writer(tmp_path, wid="w1")
+    with pytest.raises(StoreError, match="lost its lock"):
+        w.close()
+    assert not (sdir / "w1.manifest.json").exists()
+    assert (sdir / "w1-00000.safetensors").exists() and (sdir / "w1.lock").exists()
+    thief.abort()
+
+
+def test_seal_removes_what_dead_and_unnamed_writers_left(tmp_path):
+    expected = small_step(tmp_path)
+    sdir = step_dir(tmp_path, 3)
+    kept = sorted(p.name for p in sdir.iterdir()) + [COMPLETE_NAME]
+    # A writer killed mid-way: a temp file, a published shard no manifest lists, its lock.
+    dead = writer(tmp_path, wid="w2", shard_bytes=100)
+    tid, rec, p = make_record(2, 0)
+    dead.add(tid, rec, prompt_len=p)  # flushed at once: over shard_bytes
+    del dead  # never closed: like SIGKILL
+    (sdir / ".w2-00001.safetensors.123.abcdef.tmp").write_bytes(b"partial")
+    (sdir / "w0-00099.safetensors").write_bytes(b"orphan")  # unreferenced shard of a named writer
+    write_writer(str(tmp_path), 3, "late", 9, 2)  # a finished writer the driver did not name
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    (sdir / "junk").mkdir()
+    (sdir / "junk" / "link").symlink_to(outside)
+    (sdir / "link").symlink_to(outside)
+    assert {"w2.lock", "w2-00000.safetensors", "late.manifest.json"} <= {
+        p.name for p in sdir.iterdir()
+    }
+    seal_step(tmp_path, 3, ["w0", "w1"])
+    assert sorted(p.name for p in sdir.iterdir()) == sorted(kept)
+    assert outside.read_text() == "keep me"
+    seal_step(tmp_path, 3, ["w0", "w1"])  # idempotent
+    with open_reader(tmp_path) as r:
+        r.verify()
+        for tid, (rec, _) in expected.items():
+            assert_record_equal(r.get(tid), rec)
+
+
+def test_discard_step_removes_sealed_and_half_written_steps(tmp_path):
+    small_step(tmp_path)
+    seal_step(tmp_path, 3, ["w0", "w1"])
+    with pytest.raises(StoreError, match=r"already sealed.*discard_step"):
+        writer(tmp_path)
+    assert discard_step(tmp_path, 3) is True
+    assert not step_dir(tmp_path, 3).exists()
+    assert discard_step(tmp_path, 3) is False  # idempotent
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no tombstone left
+    expected = small_step(tmp_path)  # the step can be redone
+    seal_step(tmp_path, 3, ["w0", "w1"])
+    with open_reader(tmp_path) as r:
+        for tid, (rec, _) in expected.items():
+            assert_record_equal(r.get(tid), rec)
+
+    # Half-written: a writer died holding its lock; a retry under its name is refused until the
+    # step is discarded. The dead writer, should it wake up, cannot publish into the new step.
+    dead = writer(tmp_path, step=4, shard_bytes=500)
+    tid, rec, p = make_record(0, 0)
+    dead.add(tid, rec, prompt_len=p)
+    with pytest.raises(StoreError, match="holds the lock"):
+        writer(tmp_path, step=4)
+    assert discard_step(tmp_path, 4) is True
+    write_writer(str(tmp_path), 4, "w0", 0, 4)
+    with pytest.raises(StoreError, match="step folder was discarded or replaced"):
+        dead.close()
+    seal_step(tmp_path, 4, ["w0"])
+    assert len(open_reader(tmp_path, 4)) == 4
+
+    # An interrupted discard (renamed, not yet deleted) is finished by the next call.
+    small_step(tmp_path, step=5)
+    tomb = tmp_path / f".{step_dir(tmp_path, 5).name}.discarded-0123456789abcdef"
+    step_dir(tmp_path, 5).rename(tomb)
+    assert discard_step(tmp_path, 5) is False and not tomb.exists()
+
+
+def test_discard_step_never_follows_links(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    small_step(elsewhere)
+    before = sorted(p.name for p in step_dir(elsewhere, 3).iterdir())
+    root = tmp_path / "root"
+    root.mkdir()
+    step_dir(root, 3).symlink_to(step_dir(elsewhere, 3), target_is_directory=True)
+    assert discard_step(root, 3) is True
+    assert not os.path.lexists(step_dir(root, 3))
+    assert sorted(p.name for p in step_dir(elsewhere, 3).iterdir()) == before  # target untouched
+
+
+# --------------------------------------------------------------------------------------------
+# Links and malformed files
+# --------------------------------------------------------------------------------------------
+
+
+def test_symlinked_step_folder_or_files_are_refused(sealed):
+    root, expected = sealed
+    other = root / "other-root"
+    other.mkdir()
+    step_dir(other, 3).symlink_to(step_dir(root, 3), target_is_directory=True)
+    with pytest.raises(StoreError, match="is a symbolic link"):
+        open_reader(other)
+    with pytest.raises(StoreError, match="is a symbolic link"):
+        writer(other, wid="w9")
+    with pytest.raises(StoreError, match="is a symbolic link"):
+        seal_step(other, 3, ["w0", "w1"])
+
+    sdir = step_dir(root, 3)
+    victim = shard_files(root)[0]
+    moved = root / "moved.safetensors"
+    victim.rename(moved)
+    victim.symlink_to(moved)
+    r = open_reader(root)
+    with pytest.raises(StoreError, match=rf"{re.escape(str(victim))} is a symbolic link"):
+        r.get(_traj_in(r, victim))
+    with pytest.raises(StoreError, match="is a symbolic link"):
+        seal_step(root, 3, ["w0", "w1"])
+    victim.unlink()
+    moved.rename(victim)
+
+    for name in ("w1.manifest.json", COMPLETE_NAME):
+        f = sdir / name
+        f.rename(root / name)
+        f.symlink_to(root / name)
+        with pytest.raises(StoreError, match=rf"{re.escape(str(f))} is a symbolic link"):
+            open_reader(root)
+        f.unlink()
+        (root / name).rename(f)
+    assert len(open_reader(root)) == len(expected)
+
+
+def test_deeply_nested_json_is_a_store_error(tmp_path):
+    nested = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    with pytest.raises(RecursionError):  # what json does with it
+        json.loads(nested)
+    small_step(tmp_path)
+    manifest = step_dir(tmp_path, 3) / "w1.manifest.json"
+    good = manifest.read_bytes()
+    manifest.write_text(nested)
+    msg = rf"{re.escape(str(manifest))}: not valid JSON \(RecursionError"
+    with pytest.raises(StoreError, match=msg):
+        seal_step(tmp_path, 3, ["w0", "w1"])
+    manifest.write_bytes(good)
+    seal = seal_step(tmp_path, 3, ["w0", "w1"])
+    manifest.write_text(nested)
+    with pytest.raises(StoreError, match=msg):
+        open_reader(tmp_path)
+    manifest.write_bytes(good)
+    seal.write_text(nested)
+    with pytest.raises(StoreError, match=rf"seal {re.escape(str(seal))}: not valid JSON"):
+        open_reader(tmp_path)
+    seal.write_bytes(b"\xff\xfe not utf-8")
+    with pytest.raises(StoreError, match="not valid JSON"):
+        open_reader(tmp_path)
+
+
+def test_format_version_1_is_refused_with_a_clear_message(sealed):
+    root, _ = sealed
+    sdir = step_dir(root, 3)
+    assert FORMAT_VERSION == 2
+    m = json.loads((sdir / "w0.manifest.json").read_text())
+    m["version"] = 1
+    msg = r"manifest format version 1, this code reads only version 2 \(version 1 has no per-traj"
+    with pytest.raises(StoreError, match=msg):
+        Manifest.from_json(m)
+    seal = sdir / COMPLETE_NAME
+    c = json.loads(seal.read_text())
+    c["version"] = 1
+    seal.write_text(json.dumps(c))
+    with pytest.raises(StoreError, match=r"seal format version 1, this code reads only version 2"):
+        open_reader(root)
+
+
+# --------------------------------------------------------------------------------------------
+# Verified reads from one open file; rank-local reads
+# --------------------------------------------------------------------------------------------
+
+
+def data_range(shard: Path, key: str) -> tuple[int, int]:
+    """Absolute byte range of ``key``'s data in a safetensors file."""
+    raw = shard.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    begin, end = json.loads(raw[8 : 8 + n])[key]["data_offsets"]
+    return 8 + n + begin, 8 + n + end
+
+
+def big_record(i: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return {
+        "L02.expert_in.codes": torch.randint(0, 256, (16, 512), generator=g, dtype=torch.uint8),
+        "L02.expert_in.scales": _random_bits(g, (16, 32), torch.float8_e4m3fn),
+        "L02.k.global_amax": _random_bits(g, (16, 2), torch.float32),
+        "L02.routing": torch.randint(0, 8, (16, 2), generator=g, dtype=torch.int64),
+    }
+
+
+def test_rank_local_reads_count_bytes_and_verify_each_trajectory(tmp_path):
+    with writer(tmp_path, shard_bytes=1 << 30) as w:
+        for i in range(16):
+            w.add(f"t{i}", big_record(i), prompt_len=4)
+    seal_step(tmp_path, 3, ["w0"])
+    (shard,) = shard_files(tmp_path)
+    r = open_reader(tmp_path)
+    assert r.bytes_read == 0  # opening the step reads no shard
+    for i in (0, 1):
+        assert_record_equal(r.get(f"t{i}"), big_record(i))
+    (sm,) = r.manifests[0].shards.values()
+    traj_bytes = r.manifests[0].trajectories["t0"].nbytes
+    assert r.bytes_read == sm.header_bytes + 2 * traj_bytes
+    assert step_bytes(r) == shard.stat().st_size == sm.nbytes
+    assert r.bytes_read < step_bytes(r) / 4
+    assert bytes_per_token(r)["total_bytes"] == 16 * traj_bytes
+    # Positions and names restrict what is returned, not what is read and checked.
+    before = r.bytes_read
+    got = r.get("t2", slice(3, 5), ["L02.routing"])
+    assert bit_equal(got["L02.routing"], big_record(2)["L02.routing"][3:5])
+    assert r.bytes_read - before == traj_bytes
+    r.verify()
+    assert r.bytes_read - before == traj_bytes + sm.nbytes
+    r.close()
+
+    # A flipped byte in trajectory 5's data: caught when t5 is read, t0 and t1 still fine.
+    begin, end = data_range(shard, "t5/L02.expert_in.codes")
+    data = bytearray(shard.read_bytes())
+    data[(begin + end) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    r = open_reader(tmp_path)
+    for i in (0, 1):
+        assert_record_equal(r.get(f"t{i}"), big_record(i))
+    with pytest.raises(
+        StoreError,
+        match=rf"trajectory 't5', shard {re.escape(str(shard))}: sha256 mismatch \(corrupted "
+        r"trajectory data\)",
+    ):
+        r.get("t5")
+    with pytest.raises(StoreError, match="sha256 mismatch"):
+        r.batch(["t4", "t5"], [16, 16])
+
+
+def test_a_file_swapped_in_after_opening_is_never_read(tmp_path):
+    with writer(tmp_path, shard_bytes=1 << 30) as w:
+        for i in range(4):
+            w.add(f"t{i}", big_record(i), prompt_len=4)
+    seal_step(tmp_path, 3, ["w0"])
+    (shard,) = shard_files(tmp_path)
+    begin, end = data_range(shard, "t1/L02.expert_in.codes")
+    forged = bytearray(shard.read_bytes())
+    forged[begin:end] = bytes(end - begin)  # same header, t1's data zeroed: still valid safetensors
+    r = open_reader(tmp_path)
+    assert_record_equal(r.get("t0"), big_record(0))  # header verified, descriptor held
+    tmp = shard.with_name("swap.tmp")
+    tmp.write_bytes(bytes(forged))
+    os.replace(tmp, shard)  # swapped by path
+    assert_record_equal(r.get("t1"), big_record(1))  # read from the verified file
+    with pytest.raises(StoreError, match="trajectory 't1'.*sha256 mismatch"):
+        open_reader(tmp_path).get("t1")  # a new reader opens the swapped file and refuses it
+
+    # Changed in place (same file, after its header was verified): caught by the trajectory hash.
+    r2 = open_reader(tmp_path)
+    assert_record_equal(r2.get("t0"), big_record(0))
+    with open(shard, "r+b") as f:
+        f.seek(begin)
+        f.write(b"\x01")
+    with pytest.raises(StoreError, match="trajectory 't1'.*sha256 mismatch"):
+        r2.get("t1")

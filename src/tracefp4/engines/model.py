@@ -61,6 +61,9 @@ __all__ = [
     "moe_layers",
     "model_layers",
     "forward_state",
+    "quantize_site",
+    "quantize_kv",
+    "expert_weight",
     "tiny_config",
 ]
 

@@ -198,19 +198,15 @@ def decode_n_tokens(st: _Decode, logits: torch.Tensor, sampling: SamplingParams,
 
 
 def _select_rows(q: NVFP4 | MXFP4, rows: torch.Tensor) -> NVFP4 | MXFP4:
+    """Rows of a quantized activation (every tensor of it is per row: codes, scales, global amax)."""
     rows = rows.to(q.codes.device)
-    if isinstance(q, NVFP4):
-        return NVFP4(q.codes[rows], q.scales[rows], q.global_amax[rows])
-    return MXFP4(q.codes[rows], q.scales[rows])
+    return type(q)(**{f.name: getattr(q, f.name)[rows] for f in dataclasses.fields(q)})
 
 
 def _cat_quantized(parts: list[NVFP4 | MXFP4]) -> NVFP4 | MXFP4:
     """The parts concatenated along rows, on the host (records go to the store from there)."""
-    codes = torch.cat([p.codes for p in parts]).cpu()
-    scales = torch.cat([p.scales for p in parts]).cpu()
-    if isinstance(parts[0], NVFP4):
-        return NVFP4(codes, scales, torch.cat([p.global_amax for p in parts]).cpu())
-    return MXFP4(codes, scales)
+    fields = dataclasses.fields(parts[0])
+    return type(parts[0])(**{f.name: torch.cat([getattr(p, f.name) for p in parts]).cpu() for f in fields})
 
 
 def _split(tensors: Mapping[str, torch.Tensor], counts: list[int], out: list[dict[str, torch.Tensor]]) -> None:

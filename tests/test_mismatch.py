@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from tracefp4.reports import mismatch
-from tracefp4.engines.model import default_guided_layers, from_config
-from tracefp4.engines.rollout import SamplingParams, generate
+from tracefp4.engines.model import from_config
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import SamplingParams
+from tracefp4.engines.rollout import generate
+from tracefp4.guidance.names import deeper_half, layer_tag
 
 torch.set_num_threads(1)
 
@@ -64,9 +67,9 @@ def test_required_keys_are_flat_numbers(report: dict, key: str) -> None:
 def test_per_site_detail_covers_every_site_and_layer(report: dict) -> None:
     per_site = report["per_site"]
     assert sorted(per_site) == ["expert_in", "expert_mid", "k", "v"]
-    guided = {f"L{i:02d}" for i in default_guided_layers(DIMS["layers"])}
+    guided = {layer_tag(i) for i in deeper_half(DIMS["layers"])}
     for site, layers in per_site.items():
-        assert sorted(layers) == [f"L{i:02d}" for i in range(DIMS["layers"])], site
+        assert sorted(layers) == [layer_tag(i) for i in range(DIMS["layers"])], site
         for key, row in layers.items():
             # the lsb arm is guided (and measured) on the deeper half only
             assert (row["mismatch_rate"]["trace_lsb"] is not None) == (key in guided), (site, key)
@@ -112,7 +115,7 @@ def test_router_flips_detect_a_changed_selection() -> None:
     token there (no 2-subset of 8 experts is invariant under the shift), reordering flips none."""
     model = from_config(mismatch.tiny_config(**DIMS), seed=0)
     prompts = mismatch.make_prompts(2, DIMS["vocab"], 6, seed=3)
-    roll = generate(model, prompts, SamplingParams(max_new_tokens=4, seed=3), mode="fp4")
+    roll = generate(model, prompts, SamplingParams(max_new_tokens=4, seed=3), plan=PrecisionPlan())
     base = mismatch._router_flips_without_replay(model, roll, "qat")
     for rec in roll.records:
         rec["L01.routing"] = (rec["L01.routing"] + 1) % DIMS["experts"]
@@ -146,7 +149,7 @@ def test_guidance_bytes_match_hand_computation(report: dict) -> None:
     generated = RUN["batch"] * RUN["new_tokens"]
     positions = sum(p.numel() for p in prompts) + generated  # records cover every position
     assert (report["tokens"]["positions"], report["tokens"]["generated"]) == (positions, generated)
-    half = len(default_guided_layers(L))
+    half = len(deeper_half(L))
     assert half == 2
 
     b = report["bytes_per_token"]

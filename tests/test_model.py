@@ -15,23 +15,29 @@ from transformers import (
 )
 
 from tracefp4 import dequantize, quantize_nvfp4
-from tracefp4.formats.constants import Format, Site
+from tracefp4.engines.capture import RolloutCapture
+from tracefp4.engines.guidance import TrainerGuidance
 from tracefp4.engines.model import (
     EXPERTS_IMPLEMENTATION,
     FP4KVCache,
-    PrecisionPlan,
-    QuantContext,
-    QuantMode,
-    Recorder,
-    default_guided_layers,
+    ForwardState,
+    TinyMoESpec,
+    expert_weight,
+    forward_state,
     from_config,
     load_model,
     moe_layers,
     prepare_model,
-    quant_context,
+    quantize_site,
 )
-from tracefp4.engines.rollout import SamplingParams, generate
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import SamplingParams
+from tracefp4.engines.rollout import generate
 from tracefp4.engines.trainer import code_mismatch, forward_logprobs
+from tracefp4.formats.constants import Format, HintMode
+from tracefp4.formats.quantizers import FP8Quantizer, MXFP4Quantizer, NVFP4Quantizer
+from tracefp4.guidance.compact import GuidedMode
+from tracefp4.guidance.names import Site, deeper_half, parse_name, record_prefix, routing_key
 
 torch.set_num_threads(1)
 
@@ -105,9 +111,28 @@ def test_sliding_window_is_refused() -> None:
         from_config(qwen3_config(use_sliding_window=True, sliding_window=8))
 
 
-def test_default_guided_layers_are_the_deeper_half() -> None:
-    assert default_guided_layers(4) == {2, 3}
-    assert default_guided_layers(48) == frozenset(range(24, 48))
+def test_deeper_half_is_one_rule() -> None:
+    assert deeper_half(4) == {2, 3}
+    assert deeper_half(48) == frozenset(range(24, 48))
+    assert GuidedMode.parse("lsb").layer_indices(48) == deeper_half(48)
+    assert GuidedMode.parse("full").layer_indices(5) == frozenset(range(5))
+
+
+def test_record_names() -> None:
+    assert record_prefix(3, Site.K) == "L03.k" and routing_key(12) == "L12.routing"
+    assert parse_name("L03.expert_mid.bits") == (3, "expert_mid", "bits")
+    assert parse_name("L100.routing").is_routing
+    for bad in ("L3.k.bits", "L003.k.bits", "L03.q.bits", "L03.k", "L03.routing.x"):
+        with pytest.raises(ValueError, match=repr(bad).replace(".", r"\.")):
+            parse_name(bad)
+
+
+def test_tiny_spec_defaults_are_the_rl_demo() -> None:
+    from tracefp4.rl.loop import ModelSpec
+
+    assert isinstance(ModelSpec(), TinyMoESpec)
+    cfg = TinyMoESpec().config()
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts, cfg.vocab_size) == (64, 4, 8, 32)
 
 
 def test_precision_plan() -> None:
@@ -117,6 +142,12 @@ def test_precision_plan() -> None:
     assert not PrecisionPlan.w4a8().guidable(Site.EXPERT_MID)
     mx = PrecisionPlan.mxfp4("rceil")
     assert (mx.weights, mx.kv_cache, mx.site_format(Site.EXPERT_MID)) == (Format.MXFP4, Format.MXFP4, "mxfp4")
+    # one quantizer per site, chosen by the plan
+    assert PrecisionPlan().quantizer(Site.EXPERT_IN) == NVFP4Quantizer("row")
+    assert PrecisionPlan().weight_quantizer == NVFP4Quantizer("expert")
+    assert PrecisionPlan.w4a8().quantizer(Site.EXPERT_MID) == FP8Quantizer()
+    assert mx.quantizer(Site.V) == mx.weight_quantizer == MXFP4Quantizer("rceil")
+    assert PrecisionPlan(**mx.to_dict()) == mx
     with pytest.raises(ValueError, match="activations"):
         PrecisionPlan(activations="int4")  # type: ignore[arg-type]
 
@@ -126,34 +157,35 @@ def test_precision_plan() -> None:
 
 def test_one_forward_records_every_site_with_its_granularity(model: torch.nn.Module) -> None:
     ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
-    ctx = QuantContext(mode=QuantMode.RTN, guided_layers={1, 3}, record=Recorder(), hint_mode="full")
-    with quant_context(model, ctx), torch.no_grad():
+    capture = RolloutCapture(HintMode.FULL, guided_layers={1, 3}, diagnostic_layers={0})
+    with forward_state(model, PrecisionPlan(), capture), torch.no_grad():
         model(ids, cache=FP4KVCache(model), use_cache=True)
-    rec = ctx.record.take()
+    rec = capture.take()
     n = ids.numel()
-    assert set(rec.hints) == {f"L{i:02d}.{s.value}" for i in (1, 3) for s in Site}
-    assert rec.hints["L01.expert_in"].shape == (n, 64)  # per token
-    assert rec.hints["L01.expert_mid"].shape == (n, 2, 32)  # per token and selected expert
-    assert rec.hints["L03.k"].shape == rec.hints["L03.v"].shape == (n, 2, 16)  # per token and KV head
-    assert rec.hints["L03.k"].global_amax.shape == (n, 2, 1)  # one global scale per row
+    assert set(rec.guidance) == {record_prefix(i, s) for i in (1, 3) for s in Site}
+    assert set(rec.diagnostics) == {record_prefix(0, s) for s in Site}
+    assert rec.guidance["L01.expert_in"].shape == (n, 64)  # per token
+    assert rec.guidance["L01.expert_mid"].shape == (n, 2, 32)  # per token and selected expert
+    assert rec.guidance["L03.k"].shape == rec.guidance["L03.v"].shape == (n, 2, 16)  # per token and KV head
+    assert rec.guidance["L03.k"].global_amax.shape == (n, 2, 1)  # one global scale per row
     assert sorted(rec.routing) == [0, 1, 2, 3] and rec.routing[0].shape == (n, 2)
-    assert ctx.record.take().hints == {}
+    assert capture.take().guidance == {}
 
 
 def test_activation_codes_do_not_depend_on_the_batch() -> None:
     """Per-row global scales: a token's codes are the same alone or next to a much larger token."""
-    ctx = QuantContext(mode=QuantMode.RTN, guided_layers={0}, record=Recorder(), hint_mode="full")
+    capture = RolloutCapture(HintMode.FULL, guided_layers={0})
+    state = ForwardState(PrecisionPlan(), capture)
     x = torch.randn(3, 2, 32, dtype=torch.bfloat16)
-    ctx.quantize_site(0, Site.EXPERT_MID, x)
-    alone = ctx.record.take().hints["L00.expert_mid"].codes  # full hints: the raw codes
-    ctx.quantize_site(0, Site.EXPERT_MID, torch.cat([x, 100 * torch.randn(4, 2, 32, dtype=torch.bfloat16)]))
-    assert torch.equal(ctx.record.take().hints["L00.expert_mid"].codes[:3], alone)
+    quantize_site(state, 0, Site.EXPERT_MID, x)
+    alone = capture.take().guidance["L00.expert_mid"].codes  # full hints: the raw codes
+    quantize_site(state, 0, Site.EXPERT_MID, torch.cat([x, 100 * torch.randn(4, 2, 32, dtype=torch.bfloat16)]))
+    assert torch.equal(capture.take().guidance["L00.expert_mid"].codes[:3], alone)
 
 
 def test_expert_weights_per_expert_scale_with_straight_through_gradient(model: torch.nn.Module) -> None:
     experts = moe_layers(model)[0].experts
-    ctx = QuantContext(mode=QuantMode.RTN)
-    w_hat = ctx.expert_weight(experts, "down_proj")
+    w_hat = expert_weight(ForwardState(PrecisionPlan(), TrainerGuidance()), experts, "down_proj")
     w = experts.down_proj.detach()
     for e in (0, 5):  # each expert on its own global scale
         expect = dequantize(quantize_nvfp4(w[e], global_amax=w[e].abs().amax().float()))
@@ -166,31 +198,30 @@ def test_expert_weights_per_expert_scale_with_straight_through_gradient(model: t
 def test_rollout_weight_cache_follows_in_place_updates() -> None:
     model = from_config(qwen3_config(), seed=0)
     experts = moe_layers(model)[1].experts
-    ctx = QuantContext(mode=QuantMode.RTN, reuse_quantized_weights=True)
-    first = ctx.expert_weight(experts, "gate_up_proj")
-    assert ctx.expert_weight(experts, "gate_up_proj") is first  # cached
+    rollout = ForwardState(PrecisionPlan(), RolloutCapture())
+    first = expert_weight(rollout, experts, "gate_up_proj")
+    assert expert_weight(rollout, experts, "gate_up_proj") is first  # cached
+    trainer = ForwardState(PrecisionPlan(), TrainerGuidance())
+    assert expert_weight(trainer, experts, "gate_up_proj") is not first  # re-quantized, same values
     with torch.no_grad():
         experts.gate_up_proj.mul_(1.5)  # what an optimizer step does
-    again = ctx.expert_weight(experts, "gate_up_proj")
+    again = expert_weight(rollout, experts, "gate_up_proj")
     assert again is not first and not torch.equal(again, first)
 
 
 def test_non_finite_input_names_the_site() -> None:
-    ctx = QuantContext(mode=QuantMode.RTN)
     x = torch.zeros(2, 2, 16)
     x[1, 0, 3] = float("nan")
     with pytest.raises(ValueError, match=r"L07\.k"):
-        ctx.quantize_site(7, Site.K, x)
+        quantize_site(ForwardState(PrecisionPlan()), 7, Site.K, x)
     with pytest.raises(ValueError, match=r"L02\.expert_in"):
-        QuantContext(mode=QuantMode.RTN, plan=PrecisionPlan.w4a8()).quantize_site(
-            2, Site.EXPERT_IN, torch.full((1, 32), float("inf"))
-        )
+        quantize_site(ForwardState(PrecisionPlan.w4a8()), 2, Site.EXPERT_IN, torch.full((1, 32), float("inf")))
 
 
 def test_a_deep_copy_is_an_independent_prepared_model(model: torch.nn.Module) -> None:
     """E.g. a GRPO reference policy: its hooks and experts must follow its own context."""
     twin = copy.deepcopy(model)
-    rollout = generate(model, [[3, 4, 5, 6]], SamplingParams(max_new_tokens=3))
+    rollout = generate(model, [[3, 4, 5, 6]], SamplingParams(max_new_tokens=3), plan=PrecisionPlan())
     out = forward_logprobs(twin, rollout.token_ids, rollout.prompt_lens, rollout.records, mode="qat")
     assert sorted(out.router_flips) == [0, 1, 2, 3]  # replay ran in the copy's routers
     with torch.no_grad():
@@ -198,9 +229,9 @@ def test_a_deep_copy_is_an_independent_prepared_model(model: torch.nn.Module) ->
     assert torch.equal(out.logprobs[0].detach(), ref.logprobs[0])
 
 
-def test_quant_context_does_not_nest(model: torch.nn.Module) -> None:
-    with quant_context(model, QuantContext()), pytest.raises(RuntimeError, match="already active"):
-        with quant_context(model, QuantContext()):
+def test_forward_state_does_not_nest(model: torch.nn.Module) -> None:
+    with forward_state(model, None), pytest.raises(RuntimeError, match="already active"):
+        with forward_state(model, PrecisionPlan(), RolloutCapture()):
             pass
 
 
@@ -219,15 +250,18 @@ def test_identical_inputs_give_identical_codes(family: str, plan: str) -> None:
     config = qwen3_config(head_dim=32) if plan == "mxfp4" else FAMILIES[family]()  # MXFP4 blocks are 32
     model = from_config(config, seed=0)
     seq = torch.randint(2, 32, (19,), generator=torch.Generator().manual_seed(2))
-    rec = generate(model, [seq], SamplingParams(max_new_tokens=0), hint_mode="full", plan=_PLANS[plan]).records[0]
+    every = frozenset(range(4))
+    roll = generate(model, [seq], SamplingParams(max_new_tokens=0), plan=_PLANS[plan], guidance=GuidedMode.parse("lsb"),
+                    diagnostics=every)
+    rec, diag = roll.records[0], roll.diagnostics[0]
     sites = {k.rsplit(".", 1)[0] for k in rec if not k.endswith("routing")}
     kv = {"L02.k", "L02.v", "L03.k", "L03.v"}
     experts = {"L02.expert_in", "L02.expert_mid", "L03.expert_in", "L03.expert_mid"}
     assert sites == (kv if plan == "w4a8" else kv | experts)  # FP8 activations carry no FP4 guidance
     for mode in ("qat", "trace"):
-        out = forward_logprobs(model, [seq], [4], [rec], mode=mode, plan=_PLANS[plan], capture_codes=True)
-        stats = code_mismatch(out.codes, [rec])
-        assert set(stats) == sites
+        out = forward_logprobs(model, [seq], [4], [rec], mode=mode, plan=_PLANS[plan], capture_codes=every)
+        stats = code_mismatch(out.codes, [diag])
+        assert {k for k in stats if int(k[1:3]) >= 2} == sites and len(stats) == 2 * len(sites)
         assert sum(s.mismatched for s in stats.values()) == 0, (mode, stats)
 
 

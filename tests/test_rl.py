@@ -7,9 +7,7 @@ import json
 import pytest
 import torch
 
-from tracefp4.rl.loop import ARMS, MasterWeightAdamW, RLConfig, ModelSpec, store_record, run
-from tracefp4.guidance.hints import Hint, encode_hint, guided_quantize
-from tracefp4.formats.numerics import quantize_nvfp4
+from tracefp4.rl.loop import ARMS, ArmRunner, MasterWeightAdamW, RLConfig, ModelSpec, run
 
 TINY = dict(
     steps=2, warm_start_steps=3, prompts_per_step=2, group_size=2, max_new_tokens=4, eval_every=1,
@@ -20,7 +18,7 @@ TINY = dict(
 REQUIRED = [
     "reward_mean", "accuracy", "response_length", "entropy", "rollout_corr/kl", "rollout_corr/k3_kl",
     "rollout_corr/log_ppl_diff", "train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max",
-    "guidance_bytes_per_token", "time/rollout_s", "time/store_write_s", "time/store_read_s", "time/train_s",
+    "guidance_bytes_per_token", "guidance/decode_failures", "time/rollout_s", "time/store_write_s", "time/store_read_s", "time/train_s",
 ]
 
 
@@ -57,6 +55,7 @@ def test_arms_guidance_and_code_mismatch(tiny_run):
 
     assert last("bf16")["guidance_bytes_per_token"] == 0 and "code_mismatch_rate" not in last("bf16")
     assert last("qat")["guidance_bytes_per_token"] == 0  # vanilla QAT sends no guidance
+    assert "code_mismatch_rate" in last("qat")  # measured against the rollout's in-memory codes
     # trace-full: full hints on all layers > lsb hints on the deeper half
     assert last("trace-full")["guidance_bytes_per_token"] > last("trace")["guidance_bytes_per_token"] > 0
     # every layer guided with full information: the trainer reproduces every rollout code
@@ -82,21 +81,26 @@ def test_resume_continues_from_checkpoints(tiny_run):
     assert state["step"] == 3 and state["policy_version"] == 3
 
 
-def teststore_record_lsb_matches_an_lsb_rollout():
-    # the trace arm derives lsb hints from full records: the bytes equal what an lsb rollout records
-    x = torch.randn(5, 64, dtype=torch.bfloat16)
-    q = quantize_nvfp4(x, per_row=True)
-    full = encode_hint(q, "full").to_tensors("L01.k")
-    rec = {**full, "L01.routing": torch.zeros(5, 2, dtype=torch.int64)}
-    out = store_record(rec, ARMS["trace"].guidance)
-    lsb = encode_hint(q, "lsb").to_tensors("L01.k")
-    assert set(out) == set(lsb) | {"L01.routing"}
-    for k, v in lsb.items():
-        assert torch.equal(out[k].view(torch.uint8), v.view(torch.uint8))
-    assert set(store_record(rec, ARMS["qat"].guidance)) == {"L01.routing"}
-    y = x.float() * 1.01
-    assert torch.equal(guided_quantize(y, Hint.from_tensors(out, "L01.k")).codes,
-                       guided_quantize(y, encode_hint(q, "lsb")).codes)
+def test_arms_record_only_what_they_use(tmp_path):
+    # bf16: BF16 rollout; qat: routing only, full codes of the deeper half in memory; trace: lsb on the
+    # deeper half; trace-full: full on every layer (diagnostics = the guided layers)
+    from tracefp4.engines.model import from_config
+    from tracefp4.rl.tasks import CharTokenizer, make_task
+
+    tok, cfg = CharTokenizer(), RLConfig(out=str(tmp_path), **TINY)
+    model = from_config(cfg.model.hf_config(tok), seed=0)
+    (tmp_path / "metrics").mkdir()
+    got = {}
+    for name in ARMS:
+        r = ArmRunner(name, model, make_task(cfg.task), tok, cfg, tmp_path)
+        got[name] = (r.rollout_plan is None, r.guidance.name if r.guidance else None, sorted(r.diagnostics))
+        r.log.close()
+    assert got == {
+        "bf16": (True, None, []),
+        "qat": (False, None, [1]),
+        "trace": (False, "lsb", [1]),
+        "trace-full": (False, "full", [0, 1]),
+    }
 
 
 def test_master_weight_optimizer_round_trip():

@@ -9,10 +9,14 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from tracefp4.formats.constants import Site
-from tracefp4.engines.model import PrecisionPlan, from_config, moe_layers
-from tracefp4.engines.rollout import RolloutOutput, SamplingParams, generate, sample
+from tracefp4.engines.model import from_config, moe_layers
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import RolloutEngine, RolloutOutput, SamplingParams
+from tracefp4.engines.rollout import HomeEngine, generate, sample
 from tracefp4.engines.trainer import code_mismatch, forward_logprobs, forward_rollout
+from tracefp4.formats.numerics import lsb_bits
+from tracefp4.guidance.compact import GuidedMode
+from tracefp4.guidance.names import Site, deeper_half, parse_name, record_prefix, routing_key
 
 torch.set_num_threads(1)
 
@@ -34,6 +38,9 @@ PROMPTS = [
     torch.randint(2, 32, (n,), generator=torch.Generator().manual_seed(10 + n)) for n in (3, 7, 5, 9)
 ]  # ragged on purpose
 SAMPLING = SamplingParams(max_new_tokens=24, seed=0)
+FP4 = PrecisionPlan()
+LSB = GuidedMode.parse("lsb")  # the paper's compact cache: lsb on the deeper half
+DEEPER, ALL = deeper_half(4), frozenset(range(4))
 
 
 def hf_logprobs(model: torch.nn.Module, ids: torch.Tensor, prompt_len: int, temperature: float = 1.0) -> Tensor:
@@ -54,7 +61,7 @@ def model() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def trace_full(model: torch.nn.Module) -> RolloutOutput:
-    return generate(model, PROMPTS, SAMPLING, mode="trace", hint_mode="full")
+    return generate(model, PROMPTS, SAMPLING, plan=FP4, guidance=GuidedMode.parse("full@deeper"), diagnostics=DEEPER)
 
 
 # --- the rollout engine --------------------------------------------------------------------------
@@ -74,7 +81,7 @@ def test_bf16_rollout_logprobs_equal_transformers_forward(dtype: torch.dtype, at
     model = from_config(CONFIG, dtype=dtype, seed=0)
     twin = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIG), dtype=dtype).eval()
     twin.load_state_dict(model.state_dict())
-    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=12, stop_token_ids=(3, 5), seed=1), mode="bf16")
+    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=12, stop_token_ids=(3, 5), seed=1))
     assert "stop" in out.finish_reasons and "length" in out.finish_reasons  # ragged completions
     diffs = []
     with torch.no_grad():
@@ -88,7 +95,8 @@ def test_logprobs_use_the_temperature_scaled_distribution() -> None:
     """logprob = log_softmax(logits / T)[token], before top-p truncation (checked in float32)."""
     model = from_config(CONFIG, dtype=torch.float32, seed=0)
     sampling = SamplingParams(max_new_tokens=6, temperature=0.7, top_p=0.9, seed=4)
-    out = generate(model, PROMPTS[:2], sampling, mode="bf16")
+    out = generate(model, PROMPTS[:2], sampling)
+    assert out.plan is None and all(set(r) == {routing_key(i) for i in range(4)} for r in out.records)
     with torch.no_grad():
         for b, ids in enumerate(out.token_ids):
             expect = hf_logprobs(model, ids, out.prompt_lens[b], 0.7)
@@ -111,7 +119,8 @@ def test_sampler() -> None:
 
 def test_rollout_output_and_record_layout(model: torch.nn.Module, trace_full: RolloutOutput) -> None:
     stops = (4, 9)
-    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=10, stop_token_ids=stops, seed=5), mode="trace")
+    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=10, stop_token_ids=stops, seed=5), plan=FP4, guidance=LSB)
+    assert out.diagnostics == [{}] * len(PROMPTS) and out.guidance == LSB and out.plan == FP4
     n_moe = len(moe_layers(model))
     for b, ids in enumerate(out.token_ids):
         p, t = out.prompt_lens[b], ids.numel()
@@ -131,26 +140,26 @@ def test_rollout_output_and_record_layout(model: torch.nn.Module, trace_full: Ro
         assert rec["L02.k.scales"].dtype == torch.float8_e4m3fn and rec["L02.k.global_amax"].shape == (t, 2, 1)
     assert len(set(out.finish_reasons)) == 2
     # full hints: 4 bits/element + scales; lsb: 1 bit/element + scales
-    lsb = generate(model, PROMPTS, SAMPLING, mode="trace")
+    lsb = generate(model, PROMPTS, SAMPLING, plan=FP4, guidance=LSB)
     assert lsb.guidance_bytes() < 0.5 * trace_full.guidance_bytes()
 
 
 def test_records_do_not_change_the_numerics(model: torch.nn.Module, trace_full: RolloutOutput) -> None:
-    vanilla = generate(model, PROMPTS, SAMPLING, mode="fp4")
-    lsb = generate(model, PROMPTS, SAMPLING, mode="trace", hint_mode="lsb")
+    vanilla = generate(model, PROMPTS, SAMPLING, plan=FP4)
+    lsb = generate(model, PROMPTS, SAMPLING, plan=FP4, guidance=LSB, diagnostics=ALL)
     for other in (vanilla, lsb):
         assert all(torch.equal(a, b) for a, b in zip(other.token_ids, trace_full.token_ids))
         assert all(torch.equal(a, b) for a, b in zip(other.logprobs, trace_full.logprobs))
         for a, b in zip(other.records, trace_full.records):
             assert torch.equal(a["L03.routing"], b["L03.routing"])
-    assert all(set(r) == {f"L{i:02d}.routing" for i in range(4)} for r in vanilla.records)
-    scored = generate(model, PROMPTS[:1], SamplingParams(max_new_tokens=0))
+    assert all(set(r) == {routing_key(i) for i in range(4)} for r in vanilla.records)
+    scored = generate(model, PROMPTS[:1], SamplingParams(max_new_tokens=0), plan=FP4, guidance=LSB)
     assert scored.logprobs[0].numel() == 0 and scored.records[0]["L02.k.bits"].shape[0] == PROMPTS[0].numel()
 
 
 def test_fp4_rollout_differs_from_bf16(model: torch.nn.Module, trace_full: RolloutOutput) -> None:
     """Against the same BF16 teacher-forced reference, the FP4 engine is far off, the BF16 engine is not."""
-    bf16 = generate(model, PROMPTS, SAMPLING, mode="bf16")
+    bf16 = generate(model, PROMPTS, SAMPLING)
     with torch.no_grad():
         ref_fp4 = forward_rollout(model, trace_full, mode="bf16").logprobs
         ref_bf16 = forward_rollout(model, bf16, mode="bf16").logprobs
@@ -168,11 +177,11 @@ def test_trace_reproduces_rollout_codes_on_identical_inputs(model: torch.nn.Modu
     identical inputs at every site, so TRACE must land on the rollout's codeword everywhere."""
     for ids, p in zip(PROMPTS[1:3], (2, 4)):
         score = SamplingParams(max_new_tokens=0)
-        rec = generate(model, [ids], score, hint_mode=hint_mode, guided_layers=range(4)).records[0]
-        full = generate(model, [ids], score, hint_mode="full", guided_layers=range(4)).records[0]
+        rec = generate(model, [ids], score, plan=FP4, guidance=GuidedMode.parse(f"{hint_mode}@all")).records[0]
+        full = generate(model, [ids], score, plan=FP4, diagnostics=ALL).diagnostics[0]
         with torch.no_grad():
-            out = forward_logprobs(model, [ids], [p], [rec], mode="trace", capture_codes=True)
-        assert set(out.codes[0]) == {f"L{i:02d}.{s.value}" for i in range(4) for s in Site}
+            out = forward_logprobs(model, [ids], [p], [rec], mode="trace", capture_codes=ALL)
+        assert set(out.codes[0]) == {record_prefix(i, s) for i in range(4) for s in Site}
         assert mismatches(out.codes, [full])[0] == 0
 
 
@@ -190,7 +199,7 @@ def test_routing_replay_uses_recorded_experts_and_router_learns(
         for h in hooks:
             h.remove()
     for layer, chosen in seen.items():
-        recorded = torch.cat([r[f"L{layer:02d}.routing"] for r in trace_full.records]).long()
+        recorded = torch.cat([r[routing_key(layer)] for r in trace_full.records]).long()
         assert torch.equal(chosen, recorded)
     # Drift flips some of the trainer's own choices; replay overrides them.
     assert 0 < max(out.router_flips.values()) < 0.2, out.router_flips
@@ -208,25 +217,25 @@ def test_guidance_removes_code_mismatches_under_decode_drift(
     """Incremental decode vs full-sequence forward: QAT's round-to-nearest picks other codewords at the
     guided sites, TRACE far fewer; guiding every layer removes them and closes the log-prob gap."""
     with torch.no_grad():
-        qat = forward_rollout(model, trace_full, mode="qat", capture_codes=True)
-        trace = forward_rollout(model, trace_full, mode="trace", capture_codes=True)
+        qat = forward_rollout(model, trace_full, mode="qat", capture_codes=DEEPER)
+        trace = forward_rollout(model, trace_full, mode="trace", capture_codes=DEEPER)
         lsb = forward_logprobs(
             model, trace_full.token_ids, trace_full.prompt_lens,
-            generate(model, PROMPTS, SAMPLING, mode="trace", hint_mode="lsb").records,
-            mode="trace", capture_codes=True,
+            generate(model, PROMPTS, SAMPLING, plan=FP4, guidance=LSB).records,
+            mode="trace", capture_codes=DEEPER,
         )  # fmt: skip
-    m_qat, m_trace, m_lsb = (mismatches(o.codes, trace_full.records) for o in (qat, trace, lsb))
+    m_qat, m_trace, m_lsb = (mismatches(o.codes, trace_full.diagnostics) for o in (qat, trace, lsb))
     # measured (deeper half guided): qat 7638/46080, trace-full 48, trace-lsb 73
     assert m_qat[0] > 0.05 * m_qat[2]
     assert m_trace[0] < 0.02 * m_qat[0] and m_lsb[0] < 0.02 * m_qat[0]
     assert m_qat[1] > 0.8 * m_qat[0]  # most mismatches are one codeword apart
 
-    everywhere = generate(model, PROMPTS, SAMPLING, hint_mode="full", guided_layers=range(4))
+    everywhere = generate(model, PROMPTS, SAMPLING, plan=FP4, guidance=GuidedMode.parse("full"), diagnostics=ALL)
     with torch.no_grad():
-        qat_all = forward_rollout(model, everywhere, mode="qat", capture_codes=True)
-        trace_all = forward_rollout(model, everywhere, mode="trace", capture_codes=True)
-    assert mismatches(trace_all.codes, everywhere.records)[0] == 0  # measured: qat 9308/92160
-    assert mismatches(qat_all.codes, everywhere.records)[0] > 0
+        qat_all = forward_rollout(model, everywhere, mode="qat", capture_codes=ALL)
+        trace_all = forward_rollout(model, everywhere, mode="trace", capture_codes=ALL)
+    assert mismatches(trace_all.codes, everywhere.diagnostics)[0] == 0  # measured: qat 9308/92160
+    assert mismatches(qat_all.codes, everywhere.diagnostics)[0] > 0
     gap = {
         name: torch.cat([a - b for a, b in zip(o.logprobs, everywhere.logprobs)]).abs().max()
         for name, o in (("qat", qat_all), ("trace", trace_all))
@@ -274,7 +283,7 @@ def test_records_travel_through_the_store(tmp_path, model: torch.nn.Module) -> N
     """The rollout's per-trajectory dicts are the store's record format, and come back usable."""
     from tracefp4.guidance.store import StoreReader, StoreWriter, seal_step
 
-    rollout = generate(model, PROMPTS, SamplingParams(max_new_tokens=8, seed=2))
+    rollout = generate(model, PROMPTS, SamplingParams(max_new_tokens=8, seed=2), plan=FP4, guidance=LSB)
     ids = [f"t{b}" for b in range(len(PROMPTS))]
     with StoreWriter(tmp_path, 0, "w0", model_signature="tiny", policy_version=0) as writer:
         for tid, rec, p in zip(ids, rollout.records, rollout.prompt_lens):
@@ -287,3 +296,86 @@ def test_records_travel_through_the_store(tmp_path, model: torch.nn.Module) -> N
         direct = forward_rollout(model, rollout, mode="trace").logprobs
         stored = forward_logprobs(model, rollout.token_ids, rollout.prompt_lens, records, mode="trace").logprobs
     assert all(torch.equal(a, b) for a, b in zip(direct, stored))
+
+
+# --- what each arm records -----------------------------------------------------------------------
+
+
+def test_qat_rollout_records_only_routing_and_capture_needs_no_guidance(model: torch.nn.Module) -> None:
+    """A qat arm's rollout: routing records only; its full codes (diagnostics) stay out of the records,
+    and the trainer captures its own codes at any layers from routing-only records."""
+    roll = generate(model, PROMPTS, SAMPLING, plan=FP4, diagnostics=DEEPER)
+    assert all(set(r) == {routing_key(i) for i in range(4)} for r in roll.records)
+    assert roll.guidance_bytes() == 0
+    for diag in roll.diagnostics:
+        assert {parse_name(k).layer for k in diag} == DEEPER and {parse_name(k).field for k in diag} == {
+            "codes", "scales", "global_amax"
+        }
+    with torch.no_grad():
+        qat = forward_rollout(model, roll, mode="qat", capture_codes=DEEPER)
+    assert set(qat.codes[0]) == {record_prefix(i, s) for i in DEEPER for s in Site}
+    mism, one, total = mismatches(qat.codes, roll.diagnostics)
+    assert total > 0 and 0 < mism < 0.5 * total
+    with pytest.raises(ValueError, match="diagnostics"):
+        code_mismatch(forward_rollout(model, roll, mode="qat", capture_codes=ALL).codes, roll.diagnostics)
+    with pytest.raises(ValueError, match="BF16"):
+        forward_rollout(model, roll, mode="bf16", capture_codes=DEEPER)
+
+
+def test_diagnostics_are_never_records(model: torch.nn.Module) -> None:
+    roll = generate(model, PROMPTS[:2], SAMPLING, plan=FP4, guidance=LSB, diagnostics=ALL)
+    for rec, diag in zip(roll.records, roll.diagnostics):
+        assert not any(k.endswith(".codes") for k in rec)  # lsb records carry bits, never codes
+        assert {parse_name(k).layer for k in rec if not parse_name(k).is_routing} == DEEPER
+        assert {parse_name(k).layer for k in diag} == ALL
+
+
+def test_lsb_recording_path_equals_the_lsb_bits_of_full_records(model: torch.nn.Module) -> None:
+    """The lsb mode's own recording path (bits packed once per rollout) writes exactly the low bits,
+    scales and amax of a full-mode rollout on the same prompts and seed."""
+    lsb = generate(model, PROMPTS, SAMPLING, plan=FP4, guidance=LSB)
+    full = generate(model, PROMPTS, SAMPLING, plan=FP4, guidance=GuidedMode.parse("full@deeper"))
+    for rl, rf in zip(lsb.records, full.records):
+        assert {k.replace(".bits", ".codes") for k in rl} == set(rf)
+        for key, bits in rl.items():
+            if key.endswith(".bits"):
+                assert torch.equal(bits, lsb_bits(rf[key.replace(".bits", ".codes")]))
+            elif key.endswith(".scales"):
+                assert torch.equal(bits.view(torch.uint8), rf[key].view(torch.uint8))
+            else:
+                assert torch.equal(bits, rf[key])
+
+
+def test_compact_mode_end_to_end(model: torch.nn.Module) -> None:
+    """An ldpc record from the rollout decodes in the trainer and guides it (code mismatches drop)."""
+    mode = GuidedMode.parse("ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all")
+    roll = generate(model, PROMPTS, SAMPLING, plan=FP4, guidance=mode, diagnostics=ALL)
+    assert roll.guidance == mode
+    assert all(any("packed__" in k for k in r) for r in roll.records)
+    lsb = generate(model, PROMPTS, SAMPLING, plan=FP4, guidance=LSB)
+    assert roll.guidance_bytes() <= 0.25 * lsb.guidance_bytes()  # all layers at a quarter of lsb's deeper half
+    with torch.no_grad():
+        trace = forward_rollout(model, roll, mode="trace", capture_codes=ALL)
+        qat = forward_rollout(model, roll, mode="qat", capture_codes=ALL)
+    assert trace.decode_failures >= 0
+    m_trace, m_qat = mismatches(trace.codes, roll.diagnostics), mismatches(qat.codes, roll.diagnostics)
+    assert m_trace[0] < 0.01 * m_qat[0], (m_trace, m_qat)  # measured: 0 vs 6940 of 92160
+
+
+def test_home_engine_is_a_rollout_engine(model: torch.nn.Module) -> None:
+    engine = HomeEngine(copy.deepcopy(model))
+    assert isinstance(engine, RolloutEngine)
+    a = engine.generate(PROMPTS[:2], SAMPLING, plan=FP4, guidance=None)
+    b = generate(model, PROMPTS[:2], SAMPLING, plan=FP4)
+    assert all(torch.equal(x, y) for x, y in zip(a.token_ids, b.token_ids))
+    assert set(a.timings) == {"prefill_s", "decode_s", "records_s"}
+    state = {k: v * 0.5 if k.endswith("gate_up_proj") else v for k, v in model.state_dict().items()}
+    engine.load_weights(state, 7)
+    c = engine.generate(PROMPTS[:2], SAMPLING, plan=FP4, guidance=None)
+    assert engine.version == 7 and not all(torch.equal(x, y) for x, y in zip(c.logprobs, a.logprobs))
+    with pytest.raises(ValueError, match="do not fit"):
+        engine.load_weights({"nope": torch.zeros(1)}, 8)
+    with pytest.raises(ValueError, match="BF16"):
+        generate(model, PROMPTS[:1], SAMPLING, guidance=LSB)
+    with pytest.raises(ValueError, match="diagnostic layers"):
+        generate(model, PROMPTS[:1], SAMPLING, plan=FP4, diagnostics=frozenset({4}))

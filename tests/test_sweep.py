@@ -9,8 +9,12 @@ import torch
 
 from tracefp4.reports import mismatch
 from tracefp4.guidance.compact import CompactRecord, read_record, site_bytes_per_token
-from tracefp4.engines.model import from_config, record_prefix
-from tracefp4.engines.rollout import SamplingParams, generate
+from tracefp4.engines.model import from_config
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import SamplingParams
+from tracefp4.engines.rollout import generate
+from tracefp4.guidance.compact import GuidedMode
+from tracefp4.guidance.names import record_prefix
 from tracefp4.engines.trainer import code_mismatch, forward_rollout
 
 torch.set_num_threads(1)
@@ -88,14 +92,15 @@ def test_compact_guidance_through_rollout_and_trainer() -> None:
     model = from_config(mismatch.tiny_config(**DIMS), seed=0)
     prompts = mismatch.make_prompts(3, DIMS["vocab"], 6, 0)
     sampling = SamplingParams(max_new_tokens=6, seed=0)
-    full = generate(model, prompts, sampling, mode="trace", hint_mode="full", guided_layers=range(4))
-    mode = "ldpc(1/4)+parity+amax:lo3"
-    roll = generate(model, prompts, sampling, mode="trace", hint_mode=mode, guided_layers=range(4))
+    every = frozenset(range(4))
+    full = generate(model, prompts, sampling, plan=PrecisionPlan(), diagnostics=every)
+    mode = GuidedMode.parse("ldpc(1/4)+parity+amax:lo3@all")
+    roll = generate(model, prompts, sampling, plan=PrecisionPlan(), guidance=mode)
     rec = read_record(roll.records[0], record_prefix(2, "expert_mid"))
     assert isinstance(rec, CompactRecord) and rec.site_shape == (DIMS["top_k"], DIMS["moe_intermediate"])
     with torch.no_grad():
-        out = forward_rollout(model, roll, mode="trace", capture_codes=True)
-    assert sum(s.mismatched for s in code_mismatch(out.codes, full.records).values()) == 0
+        out = forward_rollout(model, roll, mode="trace", capture_codes=every)
+    assert sum(s.mismatched for s in code_mismatch(out.codes, full.diagnostics).values()) == 0
     bad = [dict(r) for r in roll.records]
     name = next(k for k in bad[0] if k.startswith("L01.k.packed__"))
     bad[0][name] = bad[0][name][:, :0]

@@ -4,7 +4,8 @@ Exact NVFP4/MXFP4 numerics, rollout-guided rounding, the compact guidance cache,
 FP4 rollout path and a QAT trainer path, and GRPO on top.
 """
 
-from tracefp4.formats.constants import Format, HintMode, ScaleMode, Site
+from tracefp4.formats.constants import Format, HintMode, ScaleMode
+from tracefp4.guidance.names import Site
 from tracefp4.guidance.hints import Hint, encode_hint, guided_fake_quant, guided_quantize, hint_cat
 from tracefp4.formats.numerics import (
     MXFP4,

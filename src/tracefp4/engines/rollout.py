@@ -24,93 +24,44 @@ Decisions
       *before* top-p truncation (a trainer divides its logits by the same temperature and cannot know
       the truncation; verl does the same). With ``temperature == 0`` sampling is greedy and the
       log-prob is taken at temperature 1.
-    * **Routing** of every MoE layer is recorded in every mode (routing replay needs it also when the
-      rollout ran in BF16).
+    * **Records hold what the arm uses.** Routing of every MoE layer always (routing replay needs it
+      also after a BF16 rollout); guidance only in the requested mode at its layers; full codes
+      at diagnostic layers go to ``RolloutOutput.diagnostics``, never to the records.
     * Everything runs under ``torch.no_grad``; quantized expert weights are cached across steps, keyed
       on each parameter's version (an optimizer step invalidates them).
+
+The loop is split the way gpt-fast splits it: :func:`prefill`, :func:`decode_one_token`,
+:func:`decode_n_tokens`, then :func:`assemble_records`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Literal
+import time
+from collections.abc import Mapping, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
-from tracefp4.guidance.compact import GuidanceSpec, parse_hint_mode, record_cat
+from tracefp4.engines.capture import ForwardRecord, RolloutCapture
+from tracefp4.engines.model import FP4KVCache, forward_state, model_layers, moe_layers
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import RolloutOutput, SamplingParams
 from tracefp4.formats.constants import HintMode
-from tracefp4.guidance.hints import encode_hint
 from tracefp4.formats.numerics import MXFP4, NVFP4
-from tracefp4.engines.model import (
-    FP4KVCache,
-    PrecisionPlan,
-    QuantContext,
-    QuantMode,
-    Recorder,
-    default_guided_layers,
-    model_layers,
-    moe_layers,
-    quant_context,
-    routing_key,
-)
+from tracefp4.guidance.compact import GuidedMode, record_cat
+from tracefp4.guidance.hints import encode_hint
+from tracefp4.guidance.names import routing_key
 
-__all__ = ["RolloutMode", "SamplingParams", "RolloutOutput", "generate", "sample"]
-
-RolloutMode = Literal["bf16", "fp4", "trace"]
-"""``bf16``: reference, no quantization. ``fp4``: FP4 round-to-nearest, no guidance recorded (vanilla).
-``fp4`` + records = ``trace``: the same numerics as ``fp4`` plus guidance records."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-
-
-@dataclasses.dataclass
-class RolloutOutput:
-    """One batch of trajectories.
-
-    token_ids[b]: int64 ``[T_b]``, prompt then completion.
-    prompt_lens[b]: prompt length ``P_b``.
-    logprobs[b]: float32 ``[T_b - P_b]``, log-prob of each sampled token (see module docstring).
-    finish_reasons[b]: ``"stop"`` (sampled a stop token, which is kept) or ``"length"``.
-    records[b]: the trajectory's record, ``{name: Tensor [T_b, ...]}`` with names
-        ``L{layer:02d}.routing`` (every MoE layer) and, in ``trace`` mode,
-        ``L{layer:02d}.{site}.{field}`` for the guided layers (fields from ``Hint.to_tensors``, or from
-        ``CompactRecord.to_tensors`` for a compact ``hint_mode``, see :mod:`tracefp4.guidance.compact`).
-    """
-
-    token_ids: list[torch.Tensor]
-    prompt_lens: list[int]
-    logprobs: list[torch.Tensor]
-    finish_reasons: list[str]
-    records: list[dict[str, torch.Tensor]]
-    mode: RolloutMode
-    plan: PrecisionPlan
-    hint_mode: HintMode | GuidanceSpec
-    guided_layers: frozenset[int]
-
-    def completion(self, b: int) -> torch.Tensor:
-        return self.token_ids[b][self.prompt_lens[b] :]
-
-    def guidance_bytes(self) -> int:
-        """Bytes of guidance (routing excluded) over the whole batch."""
-        return sum(t.nbytes for rec in self.records for k, t in rec.items() if not k.endswith(".routing"))
+__all__ = [
+    "HomeEngine",
+    "generate",
+    "sample",
+    "prefill",
+    "decode_one_token",
+    "decode_n_tokens",
+    "assemble_records",
+]
 
 
 def sample(
@@ -137,7 +88,24 @@ class _Step:
 
     rows: torch.Tensor  # which flattened rows of the forward are real tokens
     traj: torch.Tensor  # their trajectory index
-    record: Recorder
+    record: ForwardRecord
+
+
+@dataclasses.dataclass
+class _Decode:
+    """The state of one batched decode: what the model and the sampler need between steps."""
+
+    model: PreTrainedModel
+    plan: PrecisionPlan | None
+    capture: RolloutCapture
+    cache: FP4KVCache
+    attention: torch.Tensor  # [rows, width] of the batch still decoding
+    active: torch.Tensor  # trajectory of each batch row
+    prompt_lens: list[int]
+    completions: list[list[int]]
+    logprobs: list[list[float]]
+    finish: list[str]
+    steps: list[_Step] = dataclasses.field(default_factory=list)
 
 
 def _check_prompts(prompts: Sequence[Sequence[int] | torch.Tensor], vocab: int) -> list[torch.Tensor]:
@@ -154,70 +122,31 @@ def _check_prompts(prompts: Sequence[Sequence[int] | torch.Tensor], vocab: int) 
     return out
 
 
-def generate(
-    model: PreTrainedModel,
-    prompts: Sequence[Sequence[int] | torch.Tensor],
-    sampling: SamplingParams = SamplingParams(),
-    *,
-    mode: RolloutMode = "trace",
-    plan: PrecisionPlan | None = None,
-    guided_layers: Sequence[int] | None = None,
-    hint_mode: HintMode | GuidanceSpec | str = HintMode.LSB,
-    pad_token_id: int | None = None,
-) -> RolloutOutput:
-    """Sample completions for ``prompts`` on a model prepared with :func:`tracefp4.engines.model.prepare_model`.
-
-    ``guided_layers`` defaults to the deeper half of the layers; it only matters in ``trace`` mode.
-    ``sampling.max_new_tokens == 0`` runs the prompts through one full-sequence prefill and records
-    them (no sampling): the engine's scoring mode. The model runs in eval mode (no dropout, no router
-    jitter) and is put back in the mode it was in.
-    """
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            return _generate(model, prompts, sampling, mode, plan, guided_layers, hint_mode, pad_token_id)
-    finally:
-        model.train(was_training)
+def _forward(
+    st: _Decode, ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, traj: torch.Tensor
+) -> torch.Tensor:
+    """One forward against the cache; keeps its records; returns the last position's float32 logits."""
+    with forward_state(st.model, st.plan, st.capture):
+        out = st.model(
+            input_ids=ids,
+            attention_mask=st.attention,
+            position_ids=pos,
+            cache=st.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    st.steps.append(_Step(rows, traj, st.capture.take()))
+    return out.logits[:, -1, :].to(torch.float32)
 
 
-def _generate(
-    model: PreTrainedModel,
-    prompts: Sequence[Sequence[int] | torch.Tensor],
-    sampling: SamplingParams,
-    mode: RolloutMode,
-    plan: PrecisionPlan | None,
-    guided_layers: Sequence[int] | None,
-    hint_mode: HintMode | GuidanceSpec | str,
-    pad_token_id: int | None,
-) -> RolloutOutput:
-    if mode not in ("bf16", "fp4", "trace"):
-        raise ValueError(f"mode must be 'bf16', 'fp4' or 'trace', got {mode!r}")
-    plan = plan if plan is not None else PrecisionPlan()
-    hint_mode = parse_hint_mode(hint_mode)
-    n_layers, _ = model_layers(model)
-    guided = frozenset(guided_layers) if guided_layers is not None else default_guided_layers(n_layers)
-    if any(not 0 <= i < n_layers for i in guided):
-        raise ValueError(f"guided_layers {sorted(guided)} outside [0, {n_layers})")
+def prefill(
+    model: PreTrainedModel, plan: PrecisionPlan | None, capture: RolloutCapture, prompt_ids: list[torch.Tensor], pad: int
+) -> tuple[_Decode, torch.Tensor]:
+    """Left-padded prompts through the model once; returns the decode state and the next-token logits."""
     device = model.device
-    prompt_ids = _check_prompts(prompts, model.config.vocab_size)
-    pad = pad_token_id if pad_token_id is not None else (model.config.pad_token_id or 0)
-
-    ctx = QuantContext(
-        mode=QuantMode.BF16 if mode == "bf16" else QuantMode.RTN,
-        plan=plan,
-        guided_layers=guided if mode == "trace" else frozenset(),
-        hint_mode=hint_mode,
-        record=Recorder(),
-        reuse_quantized_weights=True,
-    )
-    generator = torch.Generator(device=device).manual_seed(sampling.seed)
-    stop = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=device)
     n = len(prompt_ids)
     prompt_lens = [int(p.numel()) for p in prompt_ids]
     width = max(prompt_lens)
-
-    # Prefill: left-padded prompts.
     input_ids = torch.full((n, width), pad, dtype=torch.long)
     attention = torch.zeros((n, width), dtype=torch.long)
     for b, p in enumerate(prompt_ids):
@@ -225,85 +154,106 @@ def _generate(
         attention[b, width - p.numel() :] = 1
     input_ids, attention = input_ids.to(device), attention.to(device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    cache = FP4KVCache(model)
-    steps: list[_Step] = []
-
-    def forward(ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
-        with quant_context(model, ctx):
-            out = model(
-                input_ids=ids,
-                attention_mask=attention,
-                position_ids=pos,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        steps.append(_Step(rows, traj, ctx.record.take()))
-        return out.logits[:, -1, :].to(torch.float32)
-
-    real = attention.reshape(-1).nonzero().squeeze(-1)
-    logits = forward(input_ids, positions, real, real // width)
-
-    completions: list[list[int]] = [[] for _ in range(n)]
-    logprobs: list[list[float]] = [[] for _ in range(n)]
-    finish = ["length"] * n
-    active = torch.arange(n, device=device)  # trajectory of each batch row
-    while sampling.max_new_tokens > 0:
-        tokens, lps = sample(logits, sampling, generator)
-        done = torch.isin(tokens, stop)
-        for row, b in enumerate(active.tolist()):
-            completions[b].append(int(tokens[row]))
-            logprobs[b].append(float(lps[row]))
-            if bool(done[row]):
-                finish[b] = "stop"
-        full = [len(completions[b]) >= sampling.max_new_tokens for b in active.tolist()]
-        done |= torch.tensor(full, device=device)
-        # Every sampled token goes through the model once, so that records cover all T positions.
-        attention = torch.cat([attention, attention.new_ones(len(active), 1)], dim=1)
-        step_pos = torch.tensor([prompt_lens[b] + len(completions[b]) - 1 for b in active.tolist()], device=device)
-        rows = torch.arange(len(active), device=device)
-        logits = forward(tokens[:, None], step_pos[:, None], rows, active.clone())
-        keep = (~done).nonzero().squeeze(-1)
-        if keep.numel() == 0:
-            break
-        if keep.numel() < len(active):
-            cache.batch_select_indices(keep)
-            attention, logits, active = attention[keep], logits[keep], active[keep]
-
-    token_ids = [torch.cat([prompt_ids[b], torch.tensor(completions[b], dtype=torch.long)]) for b in range(n)]
-    n_experts = max(m.experts.gate_up_proj.shape[0] for m in moe_layers(model))
-    records = _assemble_records(steps, [t.numel() for t in token_ids], n_experts, hint_mode)
-    return RolloutOutput(
-        token_ids=token_ids,
-        prompt_lens=prompt_lens,
-        logprobs=[torch.tensor(lp, dtype=torch.float32) for lp in logprobs],
-        finish_reasons=finish,
-        records=records,
-        mode=mode,
-        plan=plan,
-        hint_mode=hint_mode,
-        guided_layers=guided if mode == "trace" else frozenset(),
+    st = _Decode(
+        model, plan, capture, FP4KVCache(model), attention, torch.arange(n, device=device), prompt_lens,
+        [[] for _ in range(n)], [[] for _ in range(n)], ["length"] * n,
     )
+    real = attention.reshape(-1).nonzero().squeeze(-1)
+    return st, _forward(st, input_ids, positions, real, real // width)
+
+
+def decode_one_token(
+    st: _Decode, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+) -> torch.Tensor | None:
+    """Sample a token for every active row, run it through the model (so that records cover it),
+    drop the finished rows; returns the next logits, or None when every sequence has finished."""
+    device = logits.device
+    tokens, lps = sample(logits, sampling, generator)
+    done = torch.isin(tokens, torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=device))
+    active = st.active.tolist()
+    for row, b in enumerate(active):
+        st.completions[b].append(int(tokens[row]))
+        st.logprobs[b].append(float(lps[row]))
+        if bool(done[row]):
+            st.finish[b] = "stop"
+    done |= torch.tensor([len(st.completions[b]) >= sampling.max_new_tokens for b in active], device=device)
+    st.attention = torch.cat([st.attention, st.attention.new_ones(len(active), 1)], dim=1)
+    step_pos = torch.tensor([st.prompt_lens[b] + len(st.completions[b]) - 1 for b in active], device=device)
+    rows = torch.arange(len(active), device=device)
+    logits = _forward(st, tokens[:, None], step_pos[:, None], rows, st.active.clone())
+    keep = (~done).nonzero().squeeze(-1)
+    if keep.numel() == 0:
+        return None
+    if keep.numel() < len(active):
+        st.cache.batch_select_indices(keep)
+        st.attention, logits, st.active = st.attention[keep], logits[keep], st.active[keep]
+    return logits
+
+
+def decode_n_tokens(st: _Decode, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> None:
+    """Decode until every sequence has sampled a stop token or ``max_new_tokens`` tokens."""
+    next_logits: torch.Tensor | None = logits
+    while sampling.max_new_tokens > 0 and next_logits is not None:
+        next_logits = decode_one_token(st, next_logits, sampling, generator)
 
 
 def _select_rows(q: NVFP4 | MXFP4, rows: torch.Tensor) -> NVFP4 | MXFP4:
-    if isinstance(q, NVFP4):
-        return NVFP4(q.codes[rows], q.scales[rows], q.global_amax[rows])
-    return MXFP4(q.codes[rows], q.scales[rows])
+    """Rows of a quantized activation (every tensor of it is per row: codes, scales, global amax)."""
+    rows = rows.to(q.codes.device)
+    return type(q)(**{f.name: getattr(q, f.name)[rows] for f in dataclasses.fields(q)})
 
 
 def _cat_quantized(parts: list[NVFP4 | MXFP4]) -> NVFP4 | MXFP4:
-    codes = torch.cat([p.codes for p in parts])
-    scales = torch.cat([p.scales for p in parts])
-    if isinstance(parts[0], NVFP4):
-        return NVFP4(codes, scales, torch.cat([p.global_amax for p in parts]))
-    return MXFP4(codes, scales)
+    """The parts concatenated along rows, on the host (records go to the store from there)."""
+    fields = dataclasses.fields(parts[0])
+    return type(parts[0])(**{f.name: torch.cat([getattr(p, f.name) for p in parts]).cpu() for f in fields})
 
 
-def _assemble_records(
-    steps: list[_Step], lengths: list[int], n_experts: int, hint_mode: HintMode | GuidanceSpec
+def _split(tensors: Mapping[str, torch.Tensor], counts: list[int], out: list[dict[str, torch.Tensor]]) -> None:
+    """Rows grouped by trajectory -> each trajectory's views."""
+    for key, t in tensors.items():
+        for b, piece in enumerate(t.split(counts)):
+            out[b][key] = piece
+
+
+def _raw_records(
+    steps: list[_Step], field: str, order: torch.Tensor, counts: list[int], mode: HintMode
 ) -> list[dict[str, torch.Tensor]]:
-    """Per-trajectory records, rows in position order (steps are chronological, prefill rows in order)."""
+    """Raw quantized values (``field`` of each step's record) encoded once for the whole rollout."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in counts]
+    for name in getattr(steps[0].record, field):
+        q = _cat_quantized([_select_rows(getattr(s.record, field)[name], s.rows) for s in steps])
+        _split(encode_hint(_select_rows(q, order), mode).to_tensors(name), counts, out)
+    return out
+
+
+def _compact_records(steps: list[_Step], order: torch.Tensor, counts: list[int]) -> list[dict[str, torch.Tensor]]:
+    out: list[dict[str, torch.Tensor]] = [{} for _ in counts]
+    for name in steps[0].record.guidance:
+        record = record_cat([s.record.guidance[name].select(s.rows.cpu()) for s in steps]).select(order)
+        start = 0
+        for b, c in enumerate(counts):
+            out[b].update(record.select(slice(start, start + c)).to_tensors(name))
+            start += c
+    return out
+
+
+def _routing_records(
+    steps: list[_Step], order: torch.Tensor, counts: list[int], n_experts: int
+) -> list[dict[str, torch.Tensor]]:
+    out: list[dict[str, torch.Tensor]] = [{} for _ in counts]
+    dtype = torch.uint8 if n_experts <= 256 else torch.int32
+    for layer in steps[0].record.routing:
+        routing = torch.cat([s.record.routing[layer][s.rows].cpu() for s in steps]).to(dtype)[order]
+        _split({routing_key(layer): routing}, counts, out)
+    return out
+
+
+def assemble_records(
+    steps: list[_Step], lengths: list[int], n_experts: int, capture: RolloutCapture
+) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """(records, diagnostics) per trajectory, rows in position order (steps are chronological,
+    prefill rows in order)."""
     n = len(lengths)
     traj = torch.cat([s.traj for s in steps]).cpu()
     counts = torch.bincount(traj, minlength=n).tolist()
@@ -312,24 +262,112 @@ def _assemble_records(
             raise RuntimeError(f"trajectory {b}: {counts[b]} recorded positions for {lengths[b]} tokens")
     # rows grouped by trajectory, chronological within each: one gather, then views per trajectory
     order = torch.argsort(traj, stable=True)
-    records: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
-    for name in steps[0].record.hints:
-        parts = [s.record.hints[name] for s in steps]
-        if isinstance(parts[0], (NVFP4, MXFP4)):  # full/lsb: encode the whole rollout's codes at once
-            q = _cat_quantized([_select_rows(p, s.rows.cpu()) for p, s in zip(parts, steps)])
-            tensors = encode_hint(_select_rows(q, order), hint_mode).to_tensors(name)
-            for key, t in tensors.items():
-                for b, piece in enumerate(t.split(counts)):
-                    records[b][key] = piece
-        else:
-            record = record_cat([p.select(s.rows.cpu()) for p, s in zip(parts, steps)]).select(order)
-            start = 0
-            for b in range(n):
-                records[b].update(record.select(slice(start, start + counts[b])).to_tensors(name))
-                start += counts[b]
-    dtype = torch.uint8 if n_experts <= 256 else torch.int32
-    for layer in steps[0].record.routing:
-        routing = torch.cat([s.record.routing[layer][s.rows].cpu() for s in steps]).to(dtype)[order]
-        for b, piece in enumerate(routing.split(counts)):
-            records[b][routing_key(layer)] = piece
-    return records
+    records = _routing_records(steps, order, counts, n_experts)
+    if isinstance(capture.mode, HintMode):
+        guidance = _raw_records(steps, "guidance", order, counts, capture.mode)
+    elif capture.mode is not None:
+        guidance = _compact_records(steps, order, counts)
+    else:
+        guidance = [{} for _ in range(n)]
+    for rec, g in zip(records, guidance):
+        rec.update(g)
+    return records, _raw_records(steps, "diagnostics", order, counts, HintMode.FULL)
+
+
+def generate(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int] | torch.Tensor],
+    sampling: SamplingParams = SamplingParams(),
+    *,
+    plan: PrecisionPlan | None = None,
+    guidance: GuidedMode | None = None,
+    diagnostics: frozenset[int] = frozenset(),
+    pad_token_id: int | None = None,
+) -> RolloutOutput:
+    """Sample completions for ``prompts`` on a model prepared with
+    :func:`tracefp4.engines.model.prepare_model`.
+
+    ``plan`` None is a BF16 rollout (then neither guidance nor diagnostics exist). ``guidance`` picks
+    what is recorded besides routing; ``diagnostics`` the layers whose full codes are kept in memory.
+    ``sampling.max_new_tokens == 0`` runs the prompts through one prefill and records them (no
+    sampling): the engine's scoring mode. The model runs in eval mode (no dropout, no router jitter)
+    and is put back in the mode it was in.
+    """
+    if plan is None and (guidance is not None or diagnostics):
+        raise ValueError("a BF16 rollout (plan=None) has no FP4 codes: no guidance or diagnostics")
+    if guidance is not None and not isinstance(guidance, GuidedMode):
+        raise ValueError(f"guidance must be a GuidedMode (GuidedMode.parse(name)), got {type(guidance).__name__}")
+    n_layers, _ = model_layers(model)
+    capture = RolloutCapture.of(guidance, frozenset(diagnostics), n_layers)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return _generate(model, prompts, sampling, plan, guidance, capture, pad_token_id)
+    finally:
+        model.train(was_training)
+
+
+def _generate(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int] | torch.Tensor],
+    sampling: SamplingParams,
+    plan: PrecisionPlan | None,
+    guidance: GuidedMode | None,
+    capture: RolloutCapture,
+    pad_token_id: int | None,
+) -> RolloutOutput:
+    prompt_ids = _check_prompts(prompts, model.config.vocab_size)
+    pad = pad_token_id if pad_token_id is not None else (model.config.pad_token_id or 0)
+    generator = torch.Generator(device=model.device).manual_seed(sampling.seed)
+    t0 = time.perf_counter()
+    st, logits = prefill(model, plan, capture, prompt_ids, pad)
+    t1 = time.perf_counter()
+    decode_n_tokens(st, logits, sampling, generator)
+    t2 = time.perf_counter()
+    token_ids = [torch.cat([p, torch.tensor(c, dtype=torch.long)]) for p, c in zip(prompt_ids, st.completions)]
+    n_experts = max(m.experts.gate_up_proj.shape[0] for m in moe_layers(model))
+    records, diagnostics = assemble_records(st.steps, [t.numel() for t in token_ids], n_experts, capture)
+    t3 = time.perf_counter()
+    return RolloutOutput(
+        token_ids=token_ids,
+        prompt_lens=st.prompt_lens,
+        logprobs=[torch.tensor(lp, dtype=torch.float32) for lp in st.logprobs],
+        finish_reasons=st.finish,
+        records=records,
+        diagnostics=diagnostics,
+        plan=plan,
+        guidance=guidance,
+        timings={"prefill_s": t1 - t0, "decode_s": t2 - t1, "records_s": t3 - t2},
+    )
+
+
+class HomeEngine:
+    """Our :class:`~tracefp4.engines.protocol.RolloutEngine` over a prepared transformers model."""
+
+    def __init__(self, model: PreTrainedModel, *, pad_token_id: int | None = None) -> None:
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.version = 0
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        plan: PrecisionPlan | None,
+        guidance: GuidedMode | None,
+        diagnostics: frozenset[int] = frozenset(),
+    ) -> RolloutOutput:
+        return generate(
+            self.model, prompts, sampling, plan=plan, guidance=guidance, diagnostics=diagnostics,
+            pad_token_id=self.pad_token_id,
+        )
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy ``state`` into the model in place (bumping the version counters the quantized-weight
+        cache keys on); every tensor must fit, none may be missing."""
+        missing, unexpected = self.model.load_state_dict(dict(state), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
+        self.version = version

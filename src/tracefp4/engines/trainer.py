@@ -29,7 +29,6 @@ Decisions
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -37,22 +36,15 @@ import torch
 from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
-from tracefp4.guidance.compact import CompactRecord, read_record, record_cat
-from tracefp4.formats.constants import Site
-from tracefp4.guidance.hints import Hint
-from tracefp4.engines.model import (
-    FP4KVCache,
-    PrecisionPlan,
-    QuantContext,
-    QuantMode,
-    model_layers,
-    quant_context,
-    record_prefix,
-    routing_key,
-)
+from tracefp4.engines.guidance import TrainerGuidance
+from tracefp4.engines.model import FP4KVCache, forward_state, model_layers
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import RolloutOutput
 from tracefp4.formats.numerics import unpack_fp4
 from tracefp4.formats.reference import signed_index
-from tracefp4.engines.rollout import RolloutOutput
+from tracefp4.guidance.compact import CompactRecord, read_record, record_cat
+from tracefp4.guidance.hints import Hint
+from tracefp4.guidance.names import Site, parse_name, record_prefix, routing_key
 
 __all__ = [
     "TrainerMode",
@@ -65,25 +57,25 @@ __all__ = [
 
 TrainerMode = Literal["bf16", "qat", "trace"]
 
-_NAME = re.compile(r"L(\d{2,})\.(" + "|".join(s.value for s in Site) + r"|routing)(?:\.(\w+))?")
-
 
 @dataclasses.dataclass
 class TrainerOutput:
     """logprobs[b]: ``[T_b - P_b]`` log-probs of the completion tokens, differentiable.
 
-    codes[b]: with ``capture_codes``, this path's packed FP4 codes per guided site
-        (``record_prefix(layer, site)`` -> uint8 ``[T_b, ..., K//2]``).
+    codes[b]: this path's packed FP4 codes at the ``capture_codes`` layers, per guidable site
+        (``record_prefix(layer, site)`` -> uint8 ``[T_b, ..., K//2]``; ``{}`` without capture).
+    grids[b]: the grid of those codes per site: (block scales, global amax or None), leading dim
+        ``T_b`` (a compact record's codes are only right on the right grid).
     router_flips: under replay, layer -> share of tokens whose own top-k set differs from the
         replayed one (the router flip rate before replay).
-    grids[b]: with ``capture_codes``, the grid of those codes per site: (block scales, global amax
-        or None), leading dim ``T_b`` (a compact record's codes are only right on the right grid).
+    decode_failures: compact-record blocks that did not decode (rounded to nearest instead).
     """
 
     logprobs: list[torch.Tensor]
-    codes: list[dict[str, torch.Tensor]] | None
+    codes: list[dict[str, torch.Tensor]]
+    grids: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]
     router_flips: dict[int, float]
-    grids: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]] | None = None
+    decode_failures: int = 0
 
     def padded(self, value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(``[B, C_max]`` log-probs right-padded with ``value``, bool mask of real tokens)."""
@@ -100,34 +92,32 @@ def _parse_records(
     records: Sequence[Mapping[str, torch.Tensor]], lengths: Sequence[int]
 ) -> tuple[set[tuple[int, Site]], set[int]]:
     """Validate the batch's records; return (guided (layer, site) pairs, layers with routing)."""
-    signature: tuple[frozenset[str], ...] | None = None
+    signature: frozenset[str] | None = None
     for b, (rec, length) in enumerate(zip(records, lengths)):
         for name, t in rec.items():
-            if _NAME.fullmatch(name) is None:
-                raise ValueError(f"trajectory {b}: unknown record name {name!r}")
+            try:
+                parse_name(name)
+            except ValueError as e:
+                raise ValueError(f"trajectory {b}: unknown record name {name!r}: {e}") from None
             if t.dim() < 1 or t.shape[0] != length:
                 raise ValueError(
                     f"trajectory {b}: record {name!r} has leading dim {tuple(t.shape)[:1]} but the "
                     f"trajectory has {length} tokens"
                 )
-        sig = (frozenset(rec),)
+        sig = frozenset(rec)
         if signature is None:
             signature = sig
         elif sig != signature:
-            diff = sorted(signature[0] ^ sig[0])
-            raise ValueError(f"trajectory {b}: its records name different tensors than trajectory 0's: {diff}")
+            raise ValueError(f"trajectory {b}: its records name different tensors than trajectory 0's: "
+                             f"{sorted(signature ^ sig)}")
     guided: set[tuple[int, Site]] = set()
     routed: set[int] = set()
     for name in records[0] if records else ():
-        m = _NAME.fullmatch(name)
-        assert m is not None
-        layer = int(m.group(1))
-        if m.group(1) != f"{layer:02d}":
-            raise ValueError(f"record name {name!r}: the layer must be written as L{layer:02d}")
-        if m.group(2) == "routing":
-            routed.add(layer)
+        parsed = parse_name(name)
+        if parsed.is_routing:
+            routed.add(parsed.layer)
         else:
-            guided.add((layer, Site(m.group(2))))
+            guided.add((parsed.layer, Site(parsed.site)))
     return guided, routed
 
 
@@ -139,7 +129,7 @@ def _check_batch(
     mode: TrainerMode,
     plan: PrecisionPlan,
     replay_routing: bool,
-    capture_codes: bool,
+    capture_codes: frozenset[int],
 ) -> set[tuple[int, Site]]:
     """Every way the batch and its records can disagree is an error; return the guided sites."""
     if mode not in ("bf16", "qat", "trace"):
@@ -149,13 +139,17 @@ def _check_batch(
     for b, (length, p) in enumerate(zip(lengths, prompt_lens)):
         if not 1 <= p <= length:
             raise ValueError(f"trajectory {b}: prompt length {p} not in [1, {length}]")
+    n_layers, moe = model_layers(model)
+    if capture_codes and mode == "bf16":
+        raise ValueError("capture_codes needs a quantized mode ('qat', 'trace'): BF16 has no codes")
+    if any(not 0 <= i < n_layers for i in capture_codes):
+        raise ValueError(f"capture_codes {sorted(capture_codes)} outside [0, {n_layers})")
     if records is None:
-        if replay_routing or mode == "trace" or capture_codes:
+        if replay_routing or mode == "trace":
             raise ValueError(f"mode {mode!r} with replay_routing={replay_routing} needs the rollout's records")
         return set()
     if len(records) != len(lengths):
         raise ValueError(f"{len(records)} records for {len(lengths)} sequences")
-    n_layers, moe = model_layers(model)
     guided, routed = _parse_records(records, lengths)
     if replay_routing and routed != set(moe):
         raise ValueError(
@@ -163,8 +157,6 @@ def _check_batch(
         )
     if mode == "trace" and not guided:
         raise ValueError("trace mode needs guidance records (was the rollout run in 'trace' mode?)")
-    if capture_codes and (not guided or mode == "bf16"):
-        raise ValueError("capture_codes needs guided sites in the records and a quantized mode ('qat', 'trace')")
     if mode == "trace" and not replay_routing and any(site is Site.EXPERT_MID for _, site in guided):
         # expert_mid hints are per (token, top-k slot): without replay the slots may hold other experts.
         raise ValueError("trace mode with expert_mid guidance needs replay_routing=True")
@@ -188,27 +180,31 @@ def forward_logprobs(
     plan: PrecisionPlan | None = None,
     temperature: float = 1.0,
     replay_routing: bool = True,
-    capture_codes: bool = False,
+    capture_codes: frozenset[int] = frozenset(),
 ) -> TrainerOutput:
     """Teacher-forced log-probs of the completions ``token_ids[b][prompt_lens[b]:]``.
 
     ``records[b]`` is trajectory b's rollout record (see :class:`tracefp4.engines.rollout.RolloutOutput`).
-    ``plan`` must be the rollout's. Gradients flow to every parameter (straight-through at the FP4
+    ``plan`` must be the rollout's (None: the default plan in ``qat``/``trace``). ``capture_codes``: the
+    layers whose codes this path picks are returned (whatever the records hold). Gradients flow to every parameter (straight-through at the FP4
     sites, through the recomputed router probabilities under replay).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
-    plan = plan if plan is not None else PrecisionPlan()
+    plan = None if mode == "bf16" else (plan if plan is not None else PrecisionPlan())
+    capture_codes = frozenset(int(i) for i in capture_codes)
     ids = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in token_ids]
     lengths = [t.numel() for t in ids]
-    guided = _check_batch(model, lengths, prompt_lens, records, mode, plan, replay_routing, capture_codes)
+    guided = _check_batch(
+        model, lengths, prompt_lens, records, mode, plan or PrecisionPlan(), replay_routing, capture_codes
+    )
     device = model.device
 
-    guidance: dict[str, Hint | CompactRecord] | None = None
+    hints: dict[str, Hint | CompactRecord] = {}
     if mode == "trace":
         assert records is not None
         names = [record_prefix(layer, site) for layer, site in sorted(guided)]
-        guidance = {name: record_cat([read_record(rec, name) for rec in records]) for name in names}
+        hints = {name: record_cat([read_record(rec, name) for rec in records]) for name in names}
     replay = None
     if replay_routing:
         assert records is not None
@@ -216,14 +212,7 @@ def forward_logprobs(
             layer: torch.cat([rec[routing_key(layer)] for rec in records]).to(device, torch.long)
             for layer in model_layers(model)[1]
         }
-    ctx = QuantContext(
-        mode={"bf16": QuantMode.BF16, "qat": QuantMode.RTN, "trace": QuantMode.GUIDED}[mode],
-        plan=plan,
-        guided_layers=frozenset(layer for layer, _ in guided) if capture_codes else frozenset(),
-        guidance=guidance,
-        routing_replay=replay,
-        capture_codes=capture_codes,
-    )
+    path = TrainerGuidance(hints, replay, capture_codes)
 
     # Packed: one row of all trajectories, positions restarting at 0 for each.
     input_ids = torch.cat(ids).to(device)[None]
@@ -243,7 +232,7 @@ def forward_logprobs(
         cache=None,
         position_ids=position_ids,
     )
-    with quant_context(model, ctx):
+    with forward_state(model, plan, path):
         out = model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -255,15 +244,11 @@ def forward_logprobs(
     logp = torch.log_softmax(out.logits[0].to(torch.float32) / temperature, dim=-1)
     token_logp = logp.gather(-1, targets[:, None]).squeeze(-1)
     counts = [n - p for p, n in zip(prompt_lens, lengths)]
-    codes = grids = None
-    if capture_codes:
-        spans = list(zip(offsets[:-1], offsets[1:]))
-        codes = [{k: v[o:e] for k, v in ctx.codes.items()} for o, e in spans]
-        grids = [
-            {k: (s[o:e], None if a is None else a[o:e]) for k, (s, a) in ctx.grids.items()} for o, e in spans
-        ]
-    flips = {layer: f / max(t, 1) for layer, (f, t) in ctx.router_flips.items()}
-    return TrainerOutput(list(token_logp.split(counts)), codes, flips, grids)
+    spans = list(zip(offsets[:-1], offsets[1:]))
+    codes = [{k: v[o:e] for k, v in path.codes.items()} for o, e in spans]
+    grids = [{k: (sc[o:e], None if a is None else a[o:e]) for k, (sc, a) in path.grids.items()} for o, e in spans]
+    flips = {layer: f / max(t, 1) for layer, (f, t) in path.router_flips.items()}
+    return TrainerOutput(list(token_logp.split(counts)), codes, grids, flips, path.decode_failures)
 
 
 def forward_rollout(
@@ -273,7 +258,7 @@ def forward_rollout(
     mode: TrainerMode = "trace",
     temperature: float = 1.0,
     replay_routing: bool = True,
-    capture_codes: bool = False,
+    capture_codes: frozenset[int] = frozenset(),
 ) -> TrainerOutput:
     """:func:`forward_logprobs` over a rollout's trajectories, records and precision plan."""
     return forward_logprobs(
@@ -306,25 +291,26 @@ class SiteMismatch:
 
 
 def code_mismatch(
-    trainer_codes: Sequence[Mapping[str, torch.Tensor]], records: Sequence[Mapping[str, torch.Tensor]]
+    trainer_codes: Sequence[Mapping[str, torch.Tensor]], diagnostics: Sequence[Mapping[str, torch.Tensor]]
 ) -> dict[str, SiteMismatch]:
     """Per site, how many codewords the trainer (``TrainerOutput.codes``) picked differently from the
-    rollout (full-information records, ``{prefix}.codes``), and how many of those are one apart."""
-    if len(trainer_codes) != len(records):
-        raise ValueError(f"{len(trainer_codes)} trajectories of codes for {len(records)} records")
+    rollout (its full codes, ``RolloutOutput.diagnostics`` or full-mode records: ``{prefix}.codes``),
+    and how many of those are one apart."""
+    if len(trainer_codes) != len(diagnostics):
+        raise ValueError(f"{len(trainer_codes)} trajectories of codes for {len(diagnostics)} of the rollout's")
     out: dict[str, SiteMismatch] = {}
-    for b, (mine, rec) in enumerate(zip(trainer_codes, records)):
+    for b, (mine, rec) in enumerate(zip(trainer_codes, diagnostics)):
         for name, packed in mine.items():
             key = f"{name}.codes"
             if key not in rec:
                 raise ValueError(
-                    f"trajectory {b}: no full-information record {key!r} (rollout hint_mode must be 'full')"
+                    f"trajectory {b}: the rollout kept no full codes {key!r} (run it with this layer in diagnostics)"
                 )
             if rec[key].shape != packed.shape:
                 raise ValueError(
                     f"trajectory {b}, {name}: codes {tuple(packed.shape)} vs record {tuple(rec[key].shape)}"
                 )
-            # Compared on the signed line (+0 and -0 are one codeword, as in the design's metric).
+            # Compared on the signed line (+0 and -0 are one codeword).
             diff = (signed_index(unpack_fp4(packed.cpu())) - signed_index(unpack_fp4(rec[key].cpu()))).abs()
             s = out.setdefault(name, SiteMismatch(0, 0, 0))
             s.mismatched += int((diff != 0).sum())

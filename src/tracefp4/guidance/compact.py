@@ -102,6 +102,7 @@ from tracefp4.guidance.coding import (
 )
 from tracefp4.formats.constants import E2M1_MAX, E2M1_MIDPOINTS, E4M3_MAX, NVFP4_BLOCK, Format, HintMode
 from tracefp4.guidance.hints import Hint, encode_hint, hint_cat
+from tracefp4.guidance.names import deeper_half
 from tracefp4.formats.numerics import MXFP4, NVFP4, mx_scale_values, pack_fp4, unpack_fp4
 
 __all__ = [
@@ -857,8 +858,8 @@ class GuidedMode:
         return cls(mode, layers or cls.default_layers(mode))
 
     def layer_indices(self, n_layers: int) -> frozenset[int]:
-        """``all``: every layer; ``deeper``: ``layers >= n_layers // 2`` (as ``default_guided_layers``)."""
-        return frozenset(range(0 if self.layers == "all" else n_layers // 2, n_layers))
+        """``all``: every layer; ``deeper``: :func:`tracefp4.guidance.names.deeper_half`."""
+        return frozenset(range(n_layers)) if self.layers == "all" else deeper_half(n_layers)
 
 
 #: The modes ``tracefp4 mismatch --sweep`` measures and ``tracefp4 plan`` sizes, references first.

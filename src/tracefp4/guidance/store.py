@@ -19,7 +19,7 @@ Layout of one RL step::
 Record
     One trajectory's record is ``dict[str, Tensor]``; every tensor has leading dim ``T`` = number of
     token positions (prompt + completion). Names are ``L{layer:02d}.{site}.{field}`` for guidance
-    (site in :class:`~tracefp4.formats.constants.Site`) and ``L{layer:02d}.routing`` for the routed expert
+    (site in :class:`~tracefp4.guidance.names.Site`) and ``L{layer:02d}.routing`` for the routed expert
     indices (routing replay travels in the same store; it is just one more tensor).
 
 Decisions (and why)
@@ -132,7 +132,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from tracefp4.formats.constants import Site
+from tracefp4.guidance import names
 from tracefp4.files import fsync_dir
 
 __all__ = [
@@ -156,7 +156,7 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 2
-ROUTING = "routing"
+ROUTING = names.ROUTING
 MANIFEST_SUFFIX = ".manifest.json"
 SHARD_SUFFIX = ".safetensors"
 LOCK_SUFFIX = ".lock"
@@ -181,9 +181,6 @@ _O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
 _TRAJ_ID_RE = re.compile(r"[A-Za-z0-9_.:-]+")
 # Writer ids become file names: no ':' (not portable) and no leading '.' (temp files are hidden).
 _WRITER_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
-_SITES = tuple(s.value for s in Site)
-_GUIDANCE_NAME_RE = re.compile(r"L(\d+)\.(" + "|".join(_SITES) + r")\.([A-Za-z0-9_]+)")
-_ROUTING_NAME_RE = re.compile(r"L(\d+)\.routing")
 
 _DTYPE_NAMES = (
     "bool",
@@ -235,26 +232,14 @@ class StoreError(ValueError):
 
 
 def parse_name(name: str) -> tuple[int, str, str]:
-    """``"L07.k.scales"`` -> ``(7, "k", "scales")``; ``"L07.routing"`` -> ``(7, "routing", "")``."""
+    """``"L07.k.scales"`` -> ``(7, "k", "scales")``; ``"L07.routing"`` -> ``(7, "routing", "")``
+    (:func:`tracefp4.guidance.names.parse_name`, failing as a :class:`StoreError`)."""
     if not isinstance(name, str):
         raise StoreError(f"tensor name must be a str, got {type(name).__name__}: {name!r}")
-    m = _GUIDANCE_NAME_RE.fullmatch(name)
-    if m is not None:
-        layer, site, fld = int(m.group(1)), m.group(2), m.group(3)
-    else:
-        m = _ROUTING_NAME_RE.fullmatch(name)
-        if m is None:
-            raise StoreError(
-                f"tensor name {name!r} does not match 'L{{layer:02d}}.{{site}}.{{field}}' "
-                f"(site in {list(_SITES)}) or 'L{{layer:02d}}.routing'"
-            )
-        layer, site, fld = int(m.group(1)), ROUTING, ""
-    if m.group(1) != f"{layer:02d}":
-        raise StoreError(
-            f"tensor name {name!r}: layer must be written as {layer:02d} "
-            f"(canonical 'L{{layer:02d}}'), so that names cannot alias"
-        )
-    return layer, site, fld
+    try:
+        return names.parse_name(name)
+    except ValueError as e:
+        raise StoreError(str(e)) from None
 
 
 def _check_traj_id(traj_id: object) -> str:

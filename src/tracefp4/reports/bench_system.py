@@ -12,9 +12,12 @@ import time
 
 import torch
 
-from tracefp4.engines.model import PrecisionPlan, from_config
+from tracefp4.engines.model import from_config
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import SamplingParams
+from tracefp4.engines.rollout import generate
+from tracefp4.guidance.compact import GuidedMode
 from tracefp4.rl.loop import ModelSpec
-from tracefp4.engines.rollout import SamplingParams, generate
 from tracefp4.guidance.store import StoreReader, StoreWriter, seal_step
 from tracefp4.rl.tasks import CharTokenizer
 from tracefp4.engines.trainer import forward_logprobs
@@ -41,12 +44,14 @@ def bench_system(batch: int = 32, new_tokens: int = 16, repeats: int = 5, seed: 
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=seed)
     plan = PrecisionPlan()
 
-    def rollout(mode):
-        return lambda: generate(model, prompts, sampling, mode=mode, plan=plan, hint_mode="lsb")
+    lsb = GuidedMode.parse("lsb")
 
-    t_roll = _interleaved({"plain": rollout("fp4"), "record": rollout("trace")}, repeats)
+    def rollout(guidance):
+        return lambda: generate(model, prompts, sampling, plan=plan, guidance=guidance)
 
-    roll = generate(model, prompts, sampling, mode="trace", plan=plan, hint_mode="lsb")
+    t_roll = _interleaved({"plain": rollout(None), "record": rollout(lsb)}, repeats)
+
+    roll = generate(model, prompts, sampling, plan=plan, guidance=lsb)
 
     def train(mode):
         def step():

@@ -35,7 +35,8 @@ from typing import Any
 
 from tracefp4.files import atomic_write_json
 from tracefp4.guidance.compact import STANDARD_MODES, GuidanceSpec, GuidedMode, site_bytes_per_token
-from tracefp4.formats.constants import NVFP4_BLOCK, Site
+from tracefp4.formats.constants import NVFP4_BLOCK
+from tracefp4.guidance.names import Site
 
 __all__ = [
     "PRESETS",

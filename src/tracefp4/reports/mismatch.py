@@ -2,7 +2,7 @@
 
 ``tracefp4 mismatch`` builds a tiny Qwen3-MoE (or loads a local checkpoint), samples B ragged prompts,
 runs the rollout engine in four modes and the trainer on each mode's own completions, and reports
-(DESIGN.md section 6):
+:
 
 * **FP4 code mismatch rate** per site kind and layer, trainer vs rollout, for vanilla QAT and for the
   trainer guided by ``lsb`` hints on the deeper half / by full hints on every layer; and the share of
@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import os
 import sys
@@ -62,12 +63,15 @@ from typing import Any
 
 import torch
 
-from tracefp4.formats.constants import HintMode, Site
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import RolloutOutput, SamplingParams
+from tracefp4.guidance.compact import GuidedMode
+from tracefp4.guidance.names import Site, deeper_half, layer_tag, record_prefix, routing_key
 from tracefp4.files import atomic_write_json
 from tracefp4.rl.grpo import mismatch_metrics
 from tracefp4.formats.numerics import lsb_bits
-from tracefp4.engines.model import default_guided_layers, from_config, load_model, model_layers, moe_layers, record_prefix, routing_key
-from tracefp4.engines.rollout import RolloutOutput, SamplingParams, generate
+from tracefp4.engines.model import TinyMoESpec, from_config, load_model, model_layers, moe_layers
+from tracefp4.engines.rollout import generate
 from tracefp4.guidance.store import StoreReader, StoreWriter, bytes_per_token, parse_name, seal_step
 from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, code_mismatch, forward_logprobs, forward_rollout
 
@@ -86,16 +90,8 @@ __all__ = [
 
 #: Defaults of the command: a model small enough that the whole report takes seconds on 2 cores.
 DEFAULTS: dict[str, Any] = dict(
-    layers=4,
-    experts=8,
-    top_k=2,
-    hidden=64,
-    moe_intermediate=32,
-    heads=4,
-    kv_heads=2,
-    head_dim=16,
-    vocab=64,
-    init_std=0.1,
+    # the tiny MoE's dims, with this report's own expert dim, vocabulary and (peaked) init
+    **dataclasses.asdict(TinyMoESpec(moe_intermediate=32, vocab=64, init_std=0.1)),
     batch=8,
     new_tokens=32,
     prompt_len=12,
@@ -228,9 +224,9 @@ def _router_flips_without_replay(model, rollout: RolloutOutput, mode: str) -> di
         own = captured[layer][0].long().sort(dim=-1).values
         rec = torch.cat([r[routing_key(layer)] for r in rollout.records]).long().sort(dim=-1).values
         if own.shape != rec.shape:
-            raise RuntimeError(f"L{layer:02d}: trainer routed {tuple(own.shape)}, rollout recorded {tuple(rec.shape)}")
+            raise RuntimeError(f"{layer_tag(layer)}: trainer routed {tuple(own.shape)}, rollout recorded {tuple(rec.shape)}")
         differ = int((own != rec).any(dim=-1).sum())
-        per_layer[f"L{layer:02d}"] = differ / own.shape[0]
+        per_layer[layer_tag(layer)] = differ / own.shape[0]
         flips, total = flips + differ, total + own.shape[0]
     return {"rate": flips / total, "flips": flips, "token_layers": total, "per_layer": per_layer}
 
@@ -261,15 +257,15 @@ def _store_bytes(root: Path, step: int, signature: str) -> dict[str, Any]:
                     if site == "routing":
                         continue
                     d = by_site_layer.setdefault(site, {})
-                    d[f"L{layer:02d}"] = d.get(f"L{layer:02d}", 0) + tm.nbytes
+                    d[layer_tag(layer)] = d.get(layer_tag(layer), 0) + tm.nbytes
                     by_field[fld] = by_field.get(fld, 0) + tm.nbytes
     gen = acc["generated_tokens"]
     if sum(sum(d.values()) for d in by_site_layer.values()) != acc["guidance_bytes"]:
         raise RuntimeError("store accounting: the (site, layer) split does not add up to the guidance bytes")
     acc["by_site_layer"] = {s: {k: b / gen for k, b in sorted(d.items())} for s, d in sorted(by_site_layer.items())}
     acc["by_field"] = {f: b / gen for f, b in sorted(by_field.items())}
-    acc["by_layer"] = {f"L{k:02d}": v for k, v in acc["by_layer"].items()}
-    acc["routing_by_layer"] = {f"L{k:02d}": v for k, v in acc["routing_by_layer"].items()}
+    acc["by_layer"] = {layer_tag(k): v for k, v in acc["by_layer"].items()}
+    acc["routing_by_layer"] = {layer_tag(k): v for k, v in acc["routing_by_layer"].items()}
     return acc
 
 
@@ -326,17 +322,18 @@ def mismatch_report(
         say(f"{name}: {seconds[name]:.1f}s")
 
     n_layers, moe = model_layers(model)
-    compact_layers = default_guided_layers(n_layers)
+    compact_layers = deeper_half(n_layers)
     all_layers = frozenset(range(n_layers))
     cfg = model.config
     signature = "mismatch:" + hashlib.sha256(cfg.to_json_string(use_diff=False).encode()).hexdigest()[:16]
 
     rollouts: dict[str, RolloutOutput] = {}
+    plan = PrecisionPlan()
     for arm, kwargs in (
-        ("bf16", dict(mode="bf16")),
-        ("qat", dict(mode="fp4")),
-        ("trace_lsb", dict(mode="trace", hint_mode=HintMode.LSB, guided_layers=sorted(compact_layers))),
-        ("trace_full", dict(mode="trace", hint_mode=HintMode.FULL, guided_layers=sorted(all_layers))),
+        ("bf16", dict(plan=None)),
+        ("qat", dict(plan=plan)),
+        ("trace_lsb", dict(plan=plan, guidance=GuidedMode.parse("lsb"))),
+        ("trace_full", dict(plan=plan, guidance=GuidedMode.parse("full"))),
     ):
         with phase(f"rollout {arm} ({ARMS[arm][0]})"):
             rollouts[arm] = generate(model, prompts, sampling, **kwargs)
@@ -376,17 +373,17 @@ def mismatch_report(
         with phase("trainer qat, capturing codes at all sites"):
             qat_codes = forward_logprobs(
                 model, roll_full.token_ids, roll_full.prompt_lens, full_records,
-                mode="qat", plan=roll_full.plan, capture_codes=True,
+                mode="qat", plan=roll_full.plan, capture_codes=all_layers,
             )  # fmt: skip
         with phase("trainer trace_lsb (lsb hints, deeper half)"):
             trainers["trace_lsb"] = forward_logprobs(
                 model, roll_lsb.token_ids, roll_lsb.prompt_lens, lsb_records,
-                mode="trace", plan=roll_lsb.plan, capture_codes=True,
+                mode="trace", plan=roll_lsb.plan, capture_codes=compact_layers,
             )  # fmt: skip
         with phase("trainer trace_full (full hints, all layers)"):
             trainers["trace_full"] = forward_logprobs(
                 model, roll_full.token_ids, roll_full.prompt_lens, full_records,
-                mode="trace", plan=roll_full.plan, capture_codes=True,
+                mode="trace", plan=roll_full.plan, capture_codes=all_layers,
             )  # fmt: skip
     with phase("router flips without replay (qat, bf16)"):
         flips = {arm: _router_flips_without_replay(model, rollouts[arm], ARMS[arm][1]) for arm in ("qat", "bf16")}
@@ -419,7 +416,7 @@ def mismatch_report(
                 arm: _share(stats[arm][name].one_apart, stats[arm][name].mismatched) if name in stats[arm] else None
                 for arm in stats
             }
-            key = f"L{layer:02d}"
+            key = layer_tag(layer)
             row["bytes_per_token"] = {
                 "full": bytes_full["by_site_layer"].get(site, {}).get(key, 0.0),
                 "compact": bytes_compact["by_site_layer"].get(site, {}).get(key, 0.0),
@@ -468,7 +465,7 @@ def mismatch_report(
             "under_replay": {
                 arm: {
                     "mean": sum(t.router_flips.values()) / len(t.router_flips) if t.router_flips else None,
-                    "per_layer": {f"L{k:02d}": v for k, v in sorted(t.router_flips.items())},
+                    "per_layer": {layer_tag(k): v for k, v in sorted(t.router_flips.items())},
                 }
                 for arm, t in trainers.items()
             },
@@ -499,7 +496,7 @@ def _pct(x: float | None, width: int = 10) -> str:
 def format_report(rep: dict[str, Any]) -> str:
     c, tok = rep["config"], rep["tokens"]
     compact = c["compact_layers"]
-    guided = f"L{compact[0]:02d}-L{compact[-1]:02d}" if compact else "none"
+    guided = f"{layer_tag(compact[0])}-{layer_tag(compact[-1])}" if compact else "none"
     lines = [
         f"mismatch report: {c['model_type']} {c['layers']} layers, {c['experts']} experts top-{c['top_k']}, "
         f"hidden {c['hidden']}, expert dim {c['moe_intermediate']}, {c['kv_heads']} KV heads x {c['head_dim']}",

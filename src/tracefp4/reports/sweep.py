@@ -43,10 +43,12 @@ import torch
 from tracefp4.files import atomic_write_json
 from tracefp4.guidance import compact
 from tracefp4.guidance.compact import STANDARD_MODES, CompactRecord, GuidedMode, read_record
-from tracefp4.formats.constants import HintMode
 from tracefp4.reports.mismatch import _aggregate, _gap, _same_rollout, _store_bytes, _store_records
 from tracefp4.engines.model import model_layers
-from tracefp4.engines.rollout import SamplingParams, generate
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import SamplingParams
+from tracefp4.engines.rollout import generate
+from tracefp4.guidance.names import deeper_half
 from tracefp4.guidance.store import parse_name
 from tracefp4.engines.trainer import code_mismatch, forward_logprobs
 
@@ -111,7 +113,8 @@ def run_sweep(
         raise ValueError(f"duplicate modes in the sweep: {names}")
     n_layers, _ = model_layers(model)
     every = frozenset(range(n_layers))
-    deeper = GuidedMode(HintMode.LSB, "deeper").layer_indices(n_layers)
+    deeper = deeper_half(n_layers)
+    plan = PrecisionPlan()
     cfg = model.config
     signature = "sweep:" + hashlib.sha256(cfg.to_json_string(use_diff=False).encode()).hexdigest()[:16]
 
@@ -121,12 +124,12 @@ def run_sweep(
         else:
             root = Path(store_dir)
         say("reference: full-information rollout on every layer, and vanilla QAT")
-        reference = generate(model, prompts, sampling, mode="trace", hint_mode="full", guided_layers=sorted(every))
+        reference = generate(model, prompts, sampling, plan=plan, guidance=GuidedMode.parse("full"))
         ref_records = _store_records(root, _STEP_REFERENCE, reference, signature)
         with torch.no_grad():
             qat = forward_logprobs(
                 model, reference.token_ids, reference.prompt_lens, ref_records,
-                mode="qat", plan=reference.plan, capture_codes=True,
+                mode="qat", plan=reference.plan, capture_codes=every,
             )  # fmt: skip
         qat_stats = code_mismatch(qat.codes, ref_records)
         generated = sum(lp.numel() for lp in reference.logprobs)
@@ -148,7 +151,7 @@ def run_sweep(
         for i, g in enumerate(parsed):
             t0 = time.perf_counter()
             layers = g.layer_indices(n_layers)
-            roll = generate(model, prompts, sampling, mode="trace", hint_mode=g.mode, guided_layers=sorted(layers))
+            roll = generate(model, prompts, sampling, plan=plan, guidance=g)
             if not _same_rollout(roll, reference):
                 raise RuntimeError(f"{g.name}: the rollout sampled other tokens or routing than the reference")
             step = _STEP_REFERENCE + 1 + i
@@ -157,7 +160,7 @@ def run_sweep(
             compact.decode_stats(reset=True)
             with torch.no_grad():
                 out = forward_logprobs(
-                    model, roll.token_ids, roll.prompt_lens, records, mode="trace", plan=roll.plan, capture_codes=True
+                    model, roll.token_ids, roll.prompt_lens, records, mode="trace", plan=roll.plan, capture_codes=layers
                 )
             ldpc = compact.decode_stats(reset=True)
             stats = code_mismatch(out.codes, ref_records)

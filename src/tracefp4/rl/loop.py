@@ -43,10 +43,14 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from tracefp4.rl import runlog
 from tracefp4.files import atomic_write_json
-from tracefp4.formats.numerics import lsb_bits
 from tracefp4.rl.grpo import LossAgg, group_advantages, grpo_loss, mismatch_metrics
-from tracefp4.engines.model import PrecisionPlan, default_guided_layers, from_config, load_model, model_layers, tiny_config
-from tracefp4.engines.rollout import SamplingParams, generate
+from tracefp4.engines.model import TinyMoESpec, from_config, load_model, model_layers
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import SamplingParams
+from tracefp4.engines.rollout import generate
+from tracefp4.formats.constants import HintMode
+from tracefp4.guidance.compact import GuidedMode
+from tracefp4.guidance.names import deeper_half
 from tracefp4.guidance.store import StoreReader, StoreWriter, seal_step
 from tracefp4.rl.tasks import CharTokenizer, Example, Task, make_task
 from tracefp4.engines.trainer import code_mismatch, forward_logprobs
@@ -55,26 +59,14 @@ from tracefp4.engines.trainer import code_mismatch, forward_logprobs
 
 
 @dataclasses.dataclass
-class ModelSpec:
+class ModelSpec(TinyMoESpec):
     """A tiny Qwen3-MoE (every layer sparse). Ignored when ``RLConfig.checkpoint`` is given."""
-
-    hidden: int = 64
-    layers: int = 4
-    experts: int = 8
-    top_k: int = 2
-    moe_intermediate: int = 64
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 16
-    vocab: int = 32
 
     def hf_config(self, tok: CharTokenizer) -> PretrainedConfig:
         if self.vocab < tok.vocab_size:
             raise ValueError(f"model vocab {self.vocab} is smaller than the tokenizer's {tok.vocab_size}")
-        return tiny_config(
-            layers=self.layers, experts=self.experts, top_k=self.top_k, hidden=self.hidden,
-            moe_intermediate=self.moe_intermediate, heads=self.heads, kv_heads=self.kv_heads,
-            head_dim=self.head_dim, vocab=self.vocab, max_positions=128,
+        return self.config(
+            max_positions=128,
             norm_topk_prob=True, tie_word_embeddings=False,
             pad_token_id=tok.PAD, bos_token_id=tok.BOS, eos_token_id=tok.EOS,
         )
@@ -170,17 +162,16 @@ class RLConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
-    rollout: str  # rollout.generate mode
+    rollout: str  # "bf16" (no precision plan) or "fp4" (the run's plan)
     trainer: str  # trainer.forward_logprobs mode
-    guidance: str | None  # what reaches the trainer: None, "lsb" or "full" hints
-    all_layers: bool  # guidance on every layer (else the deeper half)
+    guidance: str | None  # the GuidedMode the rollout records for the trainer; None: routing only
 
 
 ARMS = {
-    "bf16": Arm("bf16", "bf16", None, False),
-    "qat": Arm("trace", "qat", None, False),
-    "trace": Arm("trace", "trace", "lsb", False),
-    "trace-full": Arm("trace", "trace", "full", True),
+    "bf16": Arm("bf16", "bf16", None),
+    "qat": Arm("fp4", "qat", None),
+    "trace": Arm("fp4", "trace", "lsb"),
+    "trace-full": Arm("fp4", "trace", "full"),
 }
 
 
@@ -290,8 +281,7 @@ def evaluate(model: PreTrainedModel, arm: Arm, task: Task, tok: CharTokenizer, c
         model,
         [tok.encode(e.prompt) for e in examples],
         SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0, stop_token_ids=(tok.EOS,)),
-        mode="bf16" if arm.rollout == "bf16" else "fp4",
-        plan=plan,
+        plan=None if arm.rollout == "bf16" else plan,
     )
     rewards = [task.reward(e, tok.decode(out.completion(b).tolist())) for b, e in enumerate(examples)]
     return {
@@ -307,23 +297,6 @@ def _pad(values: Sequence[torch.Tensor], width: int) -> tuple[torch.Tensor, torc
         out[b, : v.numel()] = v
         mask[b, : v.numel()] = True
     return out, mask
-
-
-def store_record(rec: dict[str, torch.Tensor], guidance: str | None) -> dict[str, torch.Tensor]:
-    """What the trainer gets from a full-hint rollout record: routing always, plus ``guidance``
-    (None, ``"lsb"`` or ``"full"``, an :class:`Arm`'s field)."""
-    out = {k: v for k, v in rec.items() if k.endswith(".routing")}
-    if guidance == "full":
-        out.update(rec)
-    elif guidance == "lsb":
-        for key, codes in rec.items():
-            if key.endswith(".codes"):  # the low magnitude bit of each code, 8 per byte
-                prefix = key[: -len(".codes")]
-                out[f"{prefix}.bits"] = lsb_bits(codes)
-                out[f"{prefix}.scales"] = rec[f"{prefix}.scales"]
-                if f"{prefix}.global_amax" in rec:
-                    out[f"{prefix}.global_amax"] = rec[f"{prefix}.global_amax"]
-    return out
 
 
 def guidance_bytes_per_token(records: Sequence[dict[str, torch.Tensor]], generated: int) -> float:
@@ -348,9 +321,15 @@ class ArmRunner:
         self.signature = model_signature(model, self.plan)
         self.version = 0
         self.step = 0
+        # arms record only what they use: guidance in the arm's mode, full codes (in memory, for
+        # code-mismatch metrics) at its guided layers or, without guidance, the deeper half
         n_layers, _ = model_layers(model)
-        self.guided_layers = (
-            frozenset(range(n_layers)) if self.arm.all_layers else default_guided_layers(n_layers)
+        self.rollout_plan = None if self.arm.rollout == "bf16" else self.plan
+        self.guidance = GuidedMode.parse(self.arm.guidance) if self.arm.guidance else None
+        self.diagnostics = (
+            frozenset() if self.rollout_plan is None
+            else self.guidance.layer_indices(n_layers) if self.guidance is not None
+            else deeper_half(n_layers)
         )
         self.log = runlog.MetricsLog(run_dir, name)
         self.pool = pool
@@ -371,22 +350,21 @@ class ArmRunner:
             # worker processes: each writes its own shards; the driver seals the step
             self.pool.sync_weights(self.model, self.version)
             roll, writers, timings = self.pool.generate(
-                prompts, sampling, group_size=cfg.group_size, mode=arm.rollout, plan=self.plan,
-                guided_layers=sorted(self.guided_layers), hint_mode="full", store_root=str(self.store_root),
-                step=step, traj_ids=ids, signature=self.signature, guidance=arm.guidance,
+                prompts, sampling, group_size=cfg.group_size, plan=self.rollout_plan, guidance=arm.guidance,
+                store_root=str(self.store_root), step=step, traj_ids=ids, signature=self.signature,
             )
             seal_step(self.store_root, step, writers)
         else:
             t0 = time.perf_counter()
-            roll = generate(self.model, prompts, sampling, mode=arm.rollout, plan=self.plan,
-                            guided_layers=sorted(self.guided_layers), hint_mode="full")
+            roll = generate(self.model, prompts, sampling, plan=self.rollout_plan, guidance=self.guidance,
+                            diagnostics=self.diagnostics)
             timings["time/rollout_s"] = time.perf_counter() - t0
             # the store: records cross to the trainer as they would between processes
             t0 = time.perf_counter()
             with StoreWriter(self.store_root, step, "w0", model_signature=self.signature,
                              policy_version=self.version) as w:
                 for tid, rec, p in zip(ids, roll.records, roll.prompt_lens):
-                    w.add(tid, store_record(rec, arm.guidance), prompt_len=p)
+                    w.add(tid, rec, prompt_len=p)
             seal_step(self.store_root, step, ["w0"])
             timings["time/store_write_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -398,17 +376,16 @@ class ArmRunner:
         completions = [tok.decode(roll.completion(b).tolist()) for b in range(len(batch))]
         rewards = torch.tensor([self.task.reward(e, c) for e, c in zip(batch, completions)])
         adv = group_advantages(rewards, cfg.group_size, normalize_std=cfg.normalize_std)
-        # Code mismatch needs the rollout's full codes: in-process they are in memory (every FP4 rollout
-        # records them); from worker processes only what reached the store (trace-full) has them.
-        reference = roll.records if roll.records else (records if arm.guidance == "full" else None)
-        measure = arm.rollout == "trace" and reference is not None
+        # Code mismatch needs the rollout's full codes: in-process they are its diagnostics (in memory);
+        # from worker processes only what reached the store (full guidance) has them.
+        full_records = self.guidance is not None and self.guidance.mode is HintMode.FULL
+        reference = roll.diagnostics if any(roll.diagnostics) else (records if full_records else None)
+        measure = self.rollout_plan is not None and reference is not None
         with torch.no_grad():  # the policy before this step's updates, with the codes it picks
             old = forward_logprobs(
-                self.model, roll.token_ids, roll.prompt_lens,
-                # qat never sees hints; it takes the in-memory records only to compare codes
-                reference if arm.trainer == "qat" and measure else records,
+                self.model, roll.token_ids, roll.prompt_lens, records,
                 mode=arm.trainer, plan=self.plan, temperature=max(cfg.temperature, 1e-6),
-                capture_codes=measure,
+                capture_codes=self.diagnostics if measure else frozenset(),
             )
         width = max(lp.numel() for lp in roll.logprobs)
         logp_roll, mask = _pad(roll.logprobs, width)
@@ -454,6 +431,7 @@ class ArmRunner:
             "grad_norm": sum(norms) / len(norms),
             "guidance_bytes_per_token": guidance_bytes_per_token(records, generated),
             "router_flip_rate": sum(old.router_flips.values()) / max(len(old.router_flips), 1),
+            "guidance/decode_failures": old.decode_failures,
             **metrics,
             **code_stats,
             **stats_acc,

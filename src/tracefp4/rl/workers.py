@@ -20,9 +20,9 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from transformers import AutoConfig, PreTrainedModel
 
-from tracefp4.formats.constants import HintMode
-from tracefp4.engines.model import PrecisionPlan
-from tracefp4.engines.rollout import RolloutOutput, SamplingParams
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import RolloutOutput, SamplingParams
+from tracefp4.guidance.compact import GuidedMode
 
 
 def _require_ray():
@@ -66,19 +66,15 @@ class _Worker:
             self.model,
             job["prompts"],
             SamplingParams(**job["sampling"]),
-            mode=job["mode"],
-            plan=PrecisionPlan(**job["plan"]),
-            guided_layers=job["guided_layers"],
-            hint_mode=job["hint_mode"],
+            plan=PrecisionPlan(**job["plan"]) if job["plan"] is not None else None,
+            guidance=GuidedMode.parse(job["guidance"]) if job["guidance"] is not None else None,
         )
         t_gen = time.perf_counter() - t0
-        from tracefp4.rl.loop import store_record
-
         t0 = time.perf_counter()
         with StoreWriter(job["store_root"], job["step"], job["writer_id"], model_signature=job["signature"],
                          policy_version=job["policy_version"]) as w:
             for tid, rec, p in zip(job["traj_ids"], out.records, out.prompt_lens):
-                w.add(tid, store_record(rec, job["guidance"]), prompt_len=p)
+                w.add(tid, rec, prompt_len=p)
         return json.dumps({
             "token_ids": [t.tolist() for t in out.token_ids],
             "prompt_lens": out.prompt_lens,
@@ -87,11 +83,6 @@ class _Worker:
             "time_generate_s": t_gen,
             "time_store_write_s": time.perf_counter() - t0,
         })
-
-
-def _plan_dict(plan: PrecisionPlan) -> dict:
-    return {"weights": plan.weights.value, "activations": plan.activations, "kv_cache": plan.kv_cache.value,
-            "mx_scale_mode": plan.mx_scale_mode.value}
 
 
 class RolloutPool:
@@ -119,10 +110,10 @@ class RolloutPool:
         self.version = version
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, group_size: int,
-                 mode: str, plan: PrecisionPlan, guided_layers: Sequence[int], hint_mode: str,
-                 store_root: str, step: int, traj_ids: Sequence[str], signature: str, guidance: str | None
-                 ) -> tuple[RolloutOutput, list[str], dict[str, float]]:
-        """Returns (trajectories without records, the writer ids to seal, worker timings)."""
+                 plan: PrecisionPlan | None, guidance: str | None, store_root: str, step: int,
+                 traj_ids: Sequence[str], signature: str) -> tuple[RolloutOutput, list[str], dict[str, float]]:
+        """Returns (trajectories without records, the writer ids to seal, worker timings). ``guidance``
+        is a :class:`GuidedMode` name (None: routing only); diagnostics stay in the workers."""
         groups = len(prompts) // group_size
         per = [list(range(i * groups // len(self.workers), (i + 1) * groups // len(self.workers)))
                for i in range(len(self.workers))]
@@ -136,10 +127,9 @@ class RolloutPool:
                 "sampling": {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                              "top_p": sampling.top_p, "stop_token_ids": list(sampling.stop_token_ids),
                              "seed": sampling.seed * 1009 + i},
-                "mode": mode, "plan": _plan_dict(plan), "guided_layers": sorted(guided_layers),
-                "hint_mode": hint_mode, "store_root": str(store_root), "step": step, "writer_id": f"w{i}",
+                "plan": plan.to_dict() if plan is not None else None, "guidance": guidance,
+                "store_root": str(store_root), "step": step, "writer_id": f"w{i}",
                 "traj_ids": list(traj_ids[lo:hi]), "signature": signature, "policy_version": self.version,
-                "guidance": guidance,  # what of the full-hint records reaches the store (rl.store_record)
             }
             futures.append(worker.rollout.remote(json.dumps(job)))
             writers.append(f"w{i}")
@@ -151,7 +141,9 @@ class RolloutPool:
             logprobs=[torch.tensor(lp, dtype=torch.float32) for r in results for lp in r["logprobs"]],
             finish_reasons=[f for r in results for f in r["finish_reasons"]],
             records=[],
-            mode=mode, plan=plan, hint_mode=HintMode(hint_mode), guided_layers=frozenset(guided_layers),
+            diagnostics=[],
+            plan=plan,
+            guidance=GuidedMode.parse(guidance) if guidance is not None else None,
         )
         timings = {
             "time/rollout_s": max(r["time_generate_s"] for r in results),

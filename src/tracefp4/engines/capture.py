@@ -1,0 +1,88 @@
+"""What the rollout engine records during one forward (the rollout side of the seams).
+
+A :class:`RolloutCapture` is handed to the model's seams for every forward of one rollout. It keeps,
+over that forward's flattened rows (batch-major, ``b*S + s``):
+
+* the routed expert indices of every MoE layer (always: routing replay needs them also after a
+  BF16 rollout);
+* at the guided layers, in the capture's guidance mode: for ``full``/``lsb`` the site's raw
+  quantized value (encoded once per rollout when the records are assembled: encoding per decode
+  step would cost more than the recording itself at small batch), for a compact mode the
+  :class:`~tracefp4.guidance.compact.CompactRecord` of this forward (it needs this forward's input);
+* at the diagnostic layers, the raw quantized value (full codes, for code-mismatch metrics; they are
+  kept in memory only and never reach the store).
+
+Recording never changes what the forward computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tracefp4.formats.constants import HintMode
+from tracefp4.formats.numerics import MXFP4, NVFP4
+from tracefp4.guidance.compact import CompactRecord, GuidanceSpec, GuidedMode, encode_record
+
+__all__ = ["ForwardRecord", "RolloutCapture"]
+
+
+@dataclasses.dataclass
+class ForwardRecord:
+    """What one forward recorded; keys are ``record_prefix(layer, site)`` (sites) or layers (routing)."""
+
+    guidance: dict[str, NVFP4 | MXFP4 | CompactRecord] = dataclasses.field(default_factory=dict)
+    diagnostics: dict[str, NVFP4 | MXFP4] = dataclasses.field(default_factory=dict)
+    routing: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class RolloutCapture:
+    """What a rollout records; see the module docstring.
+
+    mode: the guidance mode (``None``: routing only, no guidance at any layer).
+    guided_layers: where ``mode`` records (empty when ``mode`` is None).
+    diagnostic_layers: where full codes are kept for metrics.
+    """
+
+    mode: HintMode | GuidanceSpec | None = None
+    guided_layers: frozenset[int] = frozenset()
+    diagnostic_layers: frozenset[int] = frozenset()
+    _current: ForwardRecord = dataclasses.field(default_factory=ForwardRecord, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.guided_layers = frozenset(int(i) for i in self.guided_layers)
+        self.diagnostic_layers = frozenset(int(i) for i in self.diagnostic_layers)
+        if self.mode is None and self.guided_layers:
+            raise ValueError("guided layers without a guidance mode")
+
+    @classmethod
+    def of(cls, guidance: GuidedMode | None, diagnostics: frozenset[int], n_layers: int) -> RolloutCapture:
+        """The capture of a rollout on a model with ``n_layers`` decoder layers."""
+        bad = sorted(i for i in diagnostics if not 0 <= i < n_layers)
+        if bad:
+            raise ValueError(f"diagnostic layers {bad} outside [0, {n_layers})")
+        if guidance is None:
+            return cls(None, frozenset(), frozenset(diagnostics))
+        return cls(guidance.mode, guidance.layer_indices(n_layers), frozenset(diagnostics))
+
+    @property
+    def encodes_per_forward(self) -> bool:
+        """A compact mode encodes each forward's input; ``full``/``lsb`` keep the raw codes."""
+        return isinstance(self.mode, GuidanceSpec)
+
+    def record_site(self, layer: int, name: str, x: torch.Tensor, q: NVFP4 | MXFP4) -> None:
+        """A guidable site of ``layer`` quantized ``x`` (this forward's input) to ``q``."""
+        if layer in self.guided_layers:
+            self._current.guidance[name] = encode_record(x.detach(), q, self.mode) if self.encodes_per_forward else q
+        if layer in self.diagnostic_layers:
+            self._current.diagnostics[name] = q
+
+    def record_routing(self, layer: int, indices: torch.Tensor) -> None:
+        self._current.routing[layer] = indices.detach()
+
+    def take(self) -> ForwardRecord:
+        """Hand over what the last forward recorded and start empty (one call per forward)."""
+        out, self._current = self._current, ForwardRecord()
+        return out

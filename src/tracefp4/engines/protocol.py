@@ -1,0 +1,95 @@
+"""The contract between a rollout engine and its callers (the RL loop, the reports).
+
+An engine samples completions with a precision plan and hands back, per trajectory, the records
+the trainer needs: routing of every MoE layer always, and the guidance of the requested mode at
+that mode's layers, nothing else. Full FP4 codes at a few diagnostic layers may be kept in memory
+for code-mismatch metrics; they never reach the store or the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.guidance.compact import GuidedMode
+from tracefp4.guidance.names import ROUTING, parse_name
+
+__all__ = ["SamplingParams", "RolloutOutput", "RolloutEngine"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclasses.dataclass
+class RolloutOutput:
+    """One batch of trajectories.
+
+    token_ids[b]: int64 ``[T_b]``, prompt then completion.
+    prompt_lens[b]: prompt length ``P_b``.
+    logprobs[b]: float32 ``[T_b - P_b]``, log-prob of each sampled token under the rollout's
+        temperature-scaled distribution, before top-p truncation.
+    finish_reasons[b]: ``"stop"`` (sampled a stop token, which is kept) or ``"length"``.
+    records[b]: store-ready, ``{name: Tensor [T_b, ...]}``: ``L{ll}.routing`` for every MoE layer and,
+        with a guidance mode, that mode's tensors ``L{ll}.{site}.{field}`` at its layers.
+    diagnostics[b]: full-code records ``L{ll}.{site}.codes/.scales/.global_amax`` at the diagnostic
+        layers (``{}`` without any), in memory only.
+    plan: the precision plan (None: BF16); guidance: the recorded mode (None: routing only).
+    timings: seconds per phase (``prefill_s``, ``decode_s``, ``records_s``).
+    """
+
+    token_ids: list[torch.Tensor]
+    prompt_lens: list[int]
+    logprobs: list[torch.Tensor]
+    finish_reasons: list[str]
+    records: list[dict[str, torch.Tensor]]
+    diagnostics: list[dict[str, torch.Tensor]]
+    plan: PrecisionPlan | None
+    guidance: GuidedMode | None
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def completion(self, b: int) -> torch.Tensor:
+        return self.token_ids[b][self.prompt_lens[b] :]
+
+    def guidance_bytes(self) -> int:
+        """Bytes of guidance (routing excluded) over the whole batch's records."""
+        return sum(t.nbytes for rec in self.records for k, t in rec.items() if parse_name(k).site != ROUTING)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A rollout engine: ours (:class:`tracefp4.engines.rollout.HomeEngine`) or an adapter of another."""
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        plan: PrecisionPlan | None,
+        guidance: GuidedMode | None,
+        diagnostics: frozenset[int] = frozenset(),
+    ) -> RolloutOutput:
+        """Sample; ``plan`` None is a BF16 rollout, ``guidance`` None records routing only."""
+        ...
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Take the policy's weights (pushed after every optimizer step)."""
+        ...

@@ -193,7 +193,9 @@ def test_same_value_decodes_to_the_rollouts_own_choice(name: str, shape: tuple, 
     x = site_value(shape, seed)
     q = quantize_nvfp4(x, per_row=True)
     rec = stored(CompactRecord.encode(x, q, GuidanceSpec.parse(name)))
-    g = guided_quantize(x, rec.decode(x))
+    hint, report = rec.decode(x)
+    assert report == compact.DecodeReport(blocks=report.blocks) and report.ok  # nothing failed
+    g = guided_quantize(x, hint)
     assert torch.equal(g.codes, q.codes)
     assert torch.equal(g.scales.view(torch.uint8), q.scales.view(torch.uint8))
     assert torch.equal(g.global_amax, q.global_amax)
@@ -207,7 +209,8 @@ def test_one_ulp_drift_decodes_to_the_lsb_hint(name: str, seed: int) -> None:
     x = site_value((16, 2, 64), seed)
     q = quantize_nvfp4(x, per_row=True)
     y = nudged(x, 0.05, seed)
-    decoded = stored(CompactRecord.encode(x, q, GuidanceSpec.parse(name))).decode(y)
+    decoded, report = stored(CompactRecord.encode(x, q, GuidanceSpec.parse(name))).decode(y)
+    assert report == compact.DecodeReport()  # no ldpc knob: nothing to fail
     same_hint(decoded, encode_hint(q, "lsb"))
 
 
@@ -223,7 +226,9 @@ def test_drift_within_the_modes_reach_gives_the_rollouts_codes(name: str) -> Non
     q = quantize_nvfp4(x, per_row=True)
     y = nudged(x, 0.01, 8)
     assert not torch.equal(quantize_nvfp4(y, global_amax=q.global_amax).codes, q.codes)  # RTN alone flips
-    g = guided_quantize(y, stored(CompactRecord.encode(x, q, GuidanceSpec.parse(name))).decode(y))
+    hint, report = stored(CompactRecord.encode(x, q, GuidanceSpec.parse(name))).decode(y)
+    assert report.ok and (report.blocks > 0) == ("ldpc" in name)
+    g = guided_quantize(y, hint)
     assert torch.equal(g.codes, q.codes)
     assert torch.equal(g.scales.view(torch.uint8), q.scales.view(torch.uint8))
     assert torch.equal(g.global_amax, q.global_amax)
@@ -238,7 +243,7 @@ def test_amax_low_bits_resolve_drift_below_half_their_period(a: float, drift: in
     rec = CompactRecord(spec, Format.NVFP4, (16,), None, None, torch.zeros(1, 16, dtype=torch.uint8))
     rec.amax = (compact._bf16_pattern(amax) & ((1 << b) - 1)).to(torch.uint8)
     x = torch.full((1, 16), float(own)).to(torch.bfloat16)
-    got = rec._decode_amax(x)
+    got, _ = rec._decode_amax(x)
     if abs(drift) < 2 ** (b - 1):
         assert torch.equal(got, amax)
 
@@ -274,8 +279,9 @@ def test_store_round_trip_equals_the_direct_path(name: str, tmp_path) -> None:
     with StoreReader(tmp_path, 0, model_signature="sig", policy_version=3) as r:
         back = [read_record({k: v.clone() for k, v in r.get(f"t{i}").items()}, "L02.v") for i in range(2)]
     ys = [nudged(x, 0.02, 1) for x in xs]
-    batch = record_cat(back).decode(torch.cat(ys))
-    direct = [read_record(rec, "L02.v").decode(y) for rec, y in zip(records, ys)]
+    batch, report = record_cat(back).decode(torch.cat(ys))
+    direct, reports = zip(*(read_record(rec, "L02.v").decode(y) for rec, y in zip(records, ys)))
+    assert report == sum(reports, compact.DecodeReport())
     g_batch = guided_quantize(torch.cat(ys), batch)
     g_direct = [guided_quantize(y, h) for y, h in zip(ys, direct)]
     assert torch.equal(g_batch.codes, torch.cat([g.codes for g in g_direct]))
@@ -327,7 +333,7 @@ def test_mxfp4_sites_take_compact_elements() -> None:
     for name in ("sparse(0.05)", "ldpc(1/4)"):
         rec = stored(CompactRecord.encode(x, q, GuidanceSpec.parse(name)))
         assert rec.fmt is Format.MXFP4
-        assert torch.equal(guided_quantize(x, rec.decode(x)).codes, q.codes)
+        assert torch.equal(guided_quantize(x, rec.decode(x)[0]).codes, q.codes)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -345,6 +351,7 @@ def test_amax_syndrome_recovers_one_ulp_drift_of_the_row_maximum(seed: int) -> N
     y = bits.view(torch.bfloat16).reshape(x.shape)
     assert not torch.equal(y.float().abs().amax(-1, keepdim=True), q.global_amax)
     rec = stored(CompactRecord.encode(x, q, GuidanceSpec.parse("lsb+amax:ldpc(1/2)")))
-    assert torch.equal(rec.decode(y).global_amax, q.global_amax)
+    hint, report = rec.decode(y)
+    assert torch.equal(hint.global_amax, q.global_amax) and report.blocks == 1 and report.ok
     # per token: 4 E4M3 scales + ceil((3 checks for 2 rows x 3 Gray bits + 64 low bits) / 8)
     assert rec.nbytes == 96 * (4 + math.ceil((math.ceil(2 * 3 / 2) + 64) / 8))

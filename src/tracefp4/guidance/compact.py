@@ -389,6 +389,14 @@ def _bf16_pattern(a: torch.Tensor) -> torch.Tensor:
     return a.to(torch.bfloat16).view(torch.int16).to(torch.int64)
 
 
+def _nearest_with_residue(mine: torch.Tensor, residue: torch.Tensor, m: int) -> torch.Tensor:
+    """The float32 value of the BF16 pattern nearest ``mine`` that is ``residue`` mod ``m``."""
+    low = mine - ((mine - residue) % m)
+    high = low + m
+    pattern = torch.where(((high - mine) < (mine - low)) | (low < 0), high, low)
+    return pattern.to(torch.int16).view(torch.bfloat16).to(torch.float32)
+
+
 def _check_bf16_exact(amax: torch.Tensor, knob: str) -> None:
     if not torch.equal(amax.to(torch.bfloat16).to(torch.float32), amax.to(torch.float32)):
         raise ValueError(
@@ -718,18 +726,10 @@ class CompactRecord:
             return own, DecodeReport()
         m = 1 << _residue_bits(self.spec)
         mine = _bf16_pattern(own)
-        report = DecodeReport()
         if self.spec.amax_bits:
-            residue = self.amax.to(torch.int64)
-        else:
-            residue, failed_rows, report = self._decode_amax_residue(mine)
-        low = mine - ((mine - residue) % m)
-        high = low + m
-        pattern = torch.where(((high - mine) < (mine - low)) | (low < 0), high, low)
-        decoded = pattern.to(torch.int16).view(torch.bfloat16).to(torch.float32)
-        if self.spec.amax_bits:
-            return decoded, report
-        return torch.where(failed_rows, own, decoded), report
+            return _nearest_with_residue(mine, self.amax.to(torch.int64), m), DecodeReport()
+        residue, failed_rows, report = self._decode_amax_residue(mine)
+        return torch.where(failed_rows, own, _nearest_with_residue(mine, residue, m)), report
 
     def _decode_amax_residue(self, mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DecodeReport]:
         """The rollout's amax residue mod 8 from its Gray-bit syndrome and the trainer's own pattern,
@@ -755,9 +755,7 @@ class CompactRecord:
         )
         return gray_decode(gray, AMAX_LDPC_BITS).reshape(mine.shape), failed_rows.reshape(mine.shape), report
 
-    def _decode_scales(
-        self, x: torch.Tensor, s_enc: torch.Tensor, blocks: int
-    ) -> tuple[torch.Tensor, DecodeReport]:
+    def _decode_scales(self, x: torch.Tensor, s_enc: torch.Tensor, blocks: int) -> tuple[torch.Tensor, DecodeReport]:
         if self.spec.scales == "full":
             return self.scales, DecodeReport()
         own, other, dist = _scale_candidates(_unrounded_block_scale(x, s_enc))

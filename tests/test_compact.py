@@ -33,6 +33,7 @@ from tracefp4.formats.constants import Format, HintMode
 from tracefp4.guidance.hints import Hint, encode_hint, guided_quantize
 from tracefp4.formats.numerics import quantize_mxfp4, quantize_nvfp4, unpack_fp4
 from tracefp4.guidance.store import StoreReader, StoreWriter, seal_step
+from test_coding import unsatisfiable_check
 
 torch.set_num_threads(1)
 
@@ -193,7 +194,9 @@ def test_same_value_decodes_to_the_rollouts_own_choice(name: str, shape: tuple, 
     x = site_value(shape, seed)
     q = quantize_nvfp4(x, per_row=True)
     rec = stored(CompactRecord.encode(x, q, GuidanceSpec.parse(name)))
-    g = guided_quantize(x, rec.decode(x))
+    hint, report = rec.decode(x)
+    assert report == compact.DecodeReport(blocks=report.blocks) and report.ok  # nothing failed
+    g = guided_quantize(x, hint)
     assert torch.equal(g.codes, q.codes)
     assert torch.equal(g.scales.view(torch.uint8), q.scales.view(torch.uint8))
     assert torch.equal(g.global_amax, q.global_amax)
@@ -207,7 +210,8 @@ def test_one_ulp_drift_decodes_to_the_lsb_hint(name: str, seed: int) -> None:
     x = site_value((16, 2, 64), seed)
     q = quantize_nvfp4(x, per_row=True)
     y = nudged(x, 0.05, seed)
-    decoded = stored(CompactRecord.encode(x, q, GuidanceSpec.parse(name))).decode(y)
+    decoded, report = stored(CompactRecord.encode(x, q, GuidanceSpec.parse(name))).decode(y)
+    assert report == compact.DecodeReport()  # no ldpc knob: nothing to fail
     same_hint(decoded, encode_hint(q, "lsb"))
 
 
@@ -223,7 +227,9 @@ def test_drift_within_the_modes_reach_gives_the_rollouts_codes(name: str) -> Non
     q = quantize_nvfp4(x, per_row=True)
     y = nudged(x, 0.01, 8)
     assert not torch.equal(quantize_nvfp4(y, global_amax=q.global_amax).codes, q.codes)  # RTN alone flips
-    g = guided_quantize(y, stored(CompactRecord.encode(x, q, GuidanceSpec.parse(name))).decode(y))
+    hint, report = stored(CompactRecord.encode(x, q, GuidanceSpec.parse(name))).decode(y)
+    assert report.ok and (report.blocks > 0) == ("ldpc" in name)
+    g = guided_quantize(y, hint)
     assert torch.equal(g.codes, q.codes)
     assert torch.equal(g.scales.view(torch.uint8), q.scales.view(torch.uint8))
     assert torch.equal(g.global_amax, q.global_amax)
@@ -238,7 +244,7 @@ def test_amax_low_bits_resolve_drift_below_half_their_period(a: float, drift: in
     rec = CompactRecord(spec, Format.NVFP4, (16,), None, None, torch.zeros(1, 16, dtype=torch.uint8))
     rec.amax = (compact._bf16_pattern(amax) & ((1 << b) - 1)).to(torch.uint8)
     x = torch.full((1, 16), float(own)).to(torch.bfloat16)
-    got = rec._decode_amax(x)
+    got, _ = rec._decode_amax(x)
     if abs(drift) < 2 ** (b - 1):
         assert torch.equal(got, amax)
 
@@ -274,8 +280,9 @@ def test_store_round_trip_equals_the_direct_path(name: str, tmp_path) -> None:
     with StoreReader(tmp_path, 0, model_signature="sig", policy_version=3) as r:
         back = [read_record({k: v.clone() for k, v in r.get(f"t{i}").items()}, "L02.v") for i in range(2)]
     ys = [nudged(x, 0.02, 1) for x in xs]
-    batch = record_cat(back).decode(torch.cat(ys))
-    direct = [read_record(rec, "L02.v").decode(y) for rec, y in zip(records, ys)]
+    batch, report = record_cat(back).decode(torch.cat(ys))
+    direct, reports = zip(*(read_record(rec, "L02.v").decode(y) for rec, y in zip(records, ys)))
+    assert report == sum(reports, compact.DecodeReport())
     g_batch = guided_quantize(torch.cat(ys), batch)
     g_direct = [guided_quantize(y, h) for y, h in zip(ys, direct)]
     assert torch.equal(g_batch.codes, torch.cat([g.codes for g in g_direct]))
@@ -327,7 +334,7 @@ def test_mxfp4_sites_take_compact_elements() -> None:
     for name in ("sparse(0.05)", "ldpc(1/4)"):
         rec = stored(CompactRecord.encode(x, q, GuidanceSpec.parse(name)))
         assert rec.fmt is Format.MXFP4
-        assert torch.equal(guided_quantize(x, rec.decode(x)).codes, q.codes)
+        assert torch.equal(guided_quantize(x, rec.decode(x)[0]).codes, q.codes)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -345,6 +352,85 @@ def test_amax_syndrome_recovers_one_ulp_drift_of_the_row_maximum(seed: int) -> N
     y = bits.view(torch.bfloat16).reshape(x.shape)
     assert not torch.equal(y.float().abs().amax(-1, keepdim=True), q.global_amax)
     rec = stored(CompactRecord.encode(x, q, GuidanceSpec.parse("lsb+amax:ldpc(1/2)")))
-    assert torch.equal(rec.decode(y).global_amax, q.global_amax)
+    hint, report = rec.decode(y)
+    assert torch.equal(hint.global_amax, q.global_amax) and report.blocks == 1 and report.ok
     # per token: 4 E4M3 scales + ceil((3 checks for 2 rows x 3 Gray bits + 64 low bits) / 8)
     assert rec.nbytes == 96 * (4 + math.ceil((math.ceil(2 * 3 / 2) + 64) / 8))
+
+
+# --- decode failures -----------------------------------------------------------------------------
+
+
+def two_trajectories(spec: str, shape: tuple[int, ...]) -> tuple[list, list, list[CompactRecord]]:
+    """Two trajectories (seeds 1, 2) of site value ``shape``: values, quantized, records read back."""
+    xs = [site_value(shape, s) for s in (1, 2)]
+    qs = [quantize_nvfp4(x, per_row=True) for x in xs]
+    return xs, qs, [stored(CompactRecord.encode(x, q, GuidanceSpec.parse(spec))) for x, q in zip(xs, qs)]
+
+
+def test_an_undecodable_element_block_is_rounded_to_nearest_on_the_rollouts_grid_and_counted() -> None:
+    """Trajectory 0 drifted far beyond what a rate-1/8 syndrome resolves (about 30% of its low bits
+    differ): its block fails, is counted, and its elements get exactly the trainer's round-to-nearest
+    codes on the rollout's grid, not BP's best half-converged iterate (which differs there). Trajectory
+    1, within reach, still decodes to the rollout's codes."""
+    xs, qs, recs = two_trajectories("ldpc(1/8)", (48, 2, 32))
+    g = torch.Generator().manual_seed(0)
+    y0 = (xs[0].float() * (1 + 0.2 * torch.randn(xs[0].shape, generator=g))).to(torch.bfloat16)
+    ys = [y0, nudged(xs[1], 0.01, 3)]
+    hint, report = compact.decode_record(record_cat(recs), torch.cat(ys))
+    assert report == compact.DecodeReport(blocks=2, failed_blocks=1, failed_elements=48 * 2 * 32)
+    codes = unpack_fp4(guided_quantize(torch.cat(ys), hint).codes)
+    rtn = compact.rtn_codes(compact.grid_z(y0, Format.NVFP4, qs[0].scales, qs[0].global_amax))
+    assert not torch.equal(rtn, unpack_fp4(qs[0].codes))
+    assert torch.equal(codes[:48], rtn)
+    assert torch.equal(codes[48:], unpack_fp4(qs[1].codes))
+
+
+def test_an_undecodable_scale_block_takes_the_trainers_own_scales_and_is_counted() -> None:
+    """One corrupted check bit (no flip pattern can produce it) fails trajectory 0's scale block: its
+    block scales are the trainer's own E4M3 codes on the rollout's S_enc (the trainer's values are 3%
+    larger, so several differ from the rollout's); trajectory 1's decode."""
+    xs, qs, recs = two_trajectories("lsb+scales:ldpc(1/1)", (8, 2, 32))
+    recs[0].scales.view(-1)[unsatisfiable_check(8 * 4, 8 * 4)] ^= 1
+    ys = [(xs[0].float() * 1.03).to(torch.bfloat16), nudged(xs[1], 0.05, 3)]
+    hint, report = compact.decode_record(record_cat(recs), torch.cat(ys))
+    assert report == compact.DecodeReport(blocks=2, failed_blocks=1, failed_scales=8 * 4)
+    own = quantize_nvfp4(ys[0], global_amax=qs[0].global_amax).scales.view(torch.uint8)
+    assert not torch.equal(own, qs[0].scales.view(torch.uint8))
+    assert torch.equal(hint.scales[:8].view(torch.uint8), own)
+    assert torch.equal(hint.scales[8:].view(torch.uint8), qs[1].scales.view(torch.uint8))
+
+
+def test_an_undecodable_amax_block_takes_the_trainers_own_amax_and_is_counted() -> None:
+    """The same for the amax syndrome: every other row's maximum drifts up one ulp in both
+    trajectories; trajectory 0's block fails and its rows take the trainer's own amax, trajectory 1's
+    recovers the rollout's."""
+    xs, qs, recs = two_trajectories("lsb+amax:ldpc(1/1)", (8, 2, 32))
+    recs[0].amax.view(-1)[unsatisfiable_check(8 * 2 * 3, 8 * 2 * 3)] ^= 1
+
+    def bump(x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        top = rows.abs().float().argmax(-1)
+        bits = rows.view(torch.int16).clone()
+        bits[torch.arange(0, rows.shape[0], 2), top[::2]] += 1  # sign-magnitude: one ulp larger
+        return bits.view(torch.bfloat16).reshape(x.shape)
+
+    ys = [bump(x) for x in xs]
+    hint, report = compact.decode_record(record_cat(recs), torch.cat(ys))
+    assert report == compact.DecodeReport(blocks=2, failed_blocks=1, failed_amax=8 * 2)
+    own = ys[0].float().abs().amax(-1, keepdim=True)
+    assert not torch.equal(own, qs[0].global_amax)
+    assert torch.equal(hint.global_amax[:8], own)
+    assert torch.equal(hint.global_amax[8:], qs[1].global_amax)
+
+
+def test_decode_record_takes_plain_hints_and_reports_add_up() -> None:
+    x = site_value((4, 32), 0)
+    h = encode_hint(quantize_nvfp4(x, per_row=True), "lsb")
+    hint, report = compact.decode_record(h, x)
+    assert hint is h and report == compact.DecodeReport() and report.ok
+    a = compact.DecodeReport(blocks=3, failed_blocks=1, failed_elements=10)
+    b = compact.DecodeReport(blocks=2, failed_blocks=1, failed_scales=4, failed_amax=1)
+    assert sum([a, b], compact.DecodeReport()) == compact.DecodeReport(5, 2, 10, 4, 1) and not (a + b).ok
+    # no process-wide decode state anywhere in guidance
+    assert not hasattr(compact, "decode_stats") and not hasattr(coding, "decode_stats")

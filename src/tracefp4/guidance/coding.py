@@ -17,7 +17,8 @@ trajectories into code blocks of whole tokens (:func:`ldpc_blocks`, at least ``L
 variables each) and :func:`ldpc_checks` is the check count per token at rate 1/d;
 :func:`ldpc_syndrome` computes the check bits; :func:`bp_flips` (sum-product belief propagation, with
 per-variable log-likelihood ratios from :func:`prior_llr`) finds the most likely flip pattern that
-explains a syndrome difference, and :func:`decode_stats` counts its blocks, failures and iterations.
+explains a syndrome difference and says which blocks it solved; a block it cannot solve gets no flips
+(the caller keeps its own bits there and counts the failure: the decoder keeps no state of its own).
 
 **Sparse position streams**: :func:`stream_encode` / :func:`stream_decode` code a sorted list of
 positions, each with one bit: LEB128 entry count (:func:`leb128`), one byte Rice parameter k
@@ -56,7 +57,6 @@ __all__ = [
     "ldpc_syndrome",
     "prior_llr",
     "bp_flips",
-    "decode_stats",
     "leb128",
     "best_rice_k",
     "stream_encode",
@@ -215,18 +215,6 @@ def ldpc_syndrome(layout: LdpcLayout, bits: np.ndarray) -> np.ndarray:
     )
 
 
-_STATS: dict[str, int] = {"ldpc_blocks": 0, "ldpc_failed_blocks": 0, "ldpc_iterations": 0}
-
-
-def decode_stats(reset: bool = False) -> dict[str, int]:
-    """Counters of the trainer-side LDPC decoder since the last reset (diagnostics for the sweep)."""
-    out = dict(_STATS)
-    if reset:
-        for k in _STATS:
-            _STATS[k] = 0
-    return out
-
-
 def prior_llr(distance: np.ndarray, prior: tuple[float, float]) -> np.ndarray:
     """Log-likelihood ratio log((1 - p) / p) of no flip, for a flip probability
     ``p = p0 * exp(-distance / sigma)`` with ``prior = (p0, sigma)``."""
@@ -235,11 +223,14 @@ def prior_llr(distance: np.ndarray, prior: tuple[float, float]) -> np.ndarray:
     return np.log1p(-p) - np.log(p)
 
 
-def bp_flips(layout: LdpcLayout, syndrome: np.ndarray, llr: np.ndarray) -> np.ndarray:
-    """Most likely flip pattern e with ``H e = syndrome`` (sum-product belief propagation).
+def bp_flips(layout: LdpcLayout, syndrome: np.ndarray, llr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Most likely flip pattern e with ``H e = syndrome`` (sum-product belief propagation), and which
+    blocks it solved: ``(flips bool [n_vars], solved bool [n_blocks])``.
 
-    Per block, the answer is the first iterate that satisfies every check, or else the iterate that
-    left the fewest unsatisfied (counted in :func:`decode_stats`).
+    Per block, the answer is the first iterate that satisfies every check. A block that no iterate
+    satisfies within ``LDPC_ITERATIONS`` gets no flips at all: an iterate that left checks unsatisfied
+    is not a codeword, and a half-converged one can be further from the truth than the caller's own
+    bits, so the caller keeps its own bits there and counts the block as failed.
     """
     var, chk = layout.var, layout.chk
     sign = 1.0 - 2.0 * syndrome.astype(np.float64)
@@ -248,11 +239,11 @@ def bp_flips(layout: LdpcLayout, syndrome: np.ndarray, llr: np.ndarray) -> np.nd
         bad = ldpc_syndrome(layout, hard.astype(np.uint8)) != syndrome
         return np.bincount(layout.chk_block, weights=bad, minlength=layout.n_blocks)
 
-    best = np.zeros(layout.n_vars, dtype=bool)
-    best_bad = unsatisfied_per_block(best)
+    flips = np.zeros(layout.n_vars, dtype=bool)
+    solved = unsatisfied_per_block(flips) == 0
     v2c = llr[var].copy()
     iterations = 0
-    while best_bad.any() and iterations < LDPC_ITERATIONS:
+    while not solved.all() and iterations < LDPC_ITERATIONS:
         iterations += 1
         t = np.tanh(np.clip(v2c, -40.0, 40.0) / 2.0)
         mag = np.log(np.maximum(np.abs(t), 1e-300))
@@ -264,17 +255,13 @@ def bp_flips(layout: LdpcLayout, syndrome: np.ndarray, llr: np.ndarray) -> np.nd
         c2v = 2.0 * np.arctanh(np.clip(prod, -1 + 1e-15, 1 - 1e-15))
         total = llr + np.bincount(var, weights=c2v, minlength=layout.n_vars)
         hard = total < 0
-        bad = unsatisfied_per_block(hard)
-        better = bad < best_bad
-        if better.any():
-            take = better[layout.var_block]
-            best[take] = hard[take]
-            best_bad[better] = bad[better]
+        newly = (unsatisfied_per_block(hard) == 0) & ~solved
+        if newly.any():
+            take = newly[layout.var_block]
+            flips[take] = hard[take]
+            solved |= newly
         v2c = total[var] - c2v
-    _STATS["ldpc_blocks"] += layout.n_blocks
-    _STATS["ldpc_failed_blocks"] += int((best_bad > 0).sum())
-    _STATS["ldpc_iterations"] += iterations
-    return best
+    return flips, solved
 
 
 # --- sparse position streams (Rice-coded gaps) ---------------------------------------------------

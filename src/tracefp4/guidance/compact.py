@@ -53,6 +53,28 @@ Record layout (the store's ``L{layer:02d}.{site}.{field}``, every tensor with le
     names everything needed to decode it. Exact bytes per token and site are therefore
     ``byte fields + ceil(packed bits / 8)`` plus, for ``sparse``, the stream's ``T * W`` bytes over T.
 
+Decode failures (decisions): a record that cannot be decoded is never silent. Only the ``ldpc`` knobs
+can fail (every other field is read exactly); :meth:`CompactRecord.decode` returns the hint and a
+:class:`DecodeReport`, and :func:`decode_record` does the same for either kind of record (a plain
+:class:`~tracefp4.guidance.Hint` with an empty report), so the trainer sums the reports of its sites
+(``failed_blocks`` into its decode-failure count). A code block whose checks belief propagation leaves
+unsatisfied after ``LDPC_ITERATIONS`` iterations is *failed*, and every value it covers takes what the
+trainer computes on its own, on the grid decoded so far; no half-converged iterate is ever used (it
+is not a codeword, and it can be further from the rollout's choice than the trainer's own value):
+    * ``amax:ldpc``: the rows of a failed block take the trainer's own global amax (its FP32 row
+      maximum, exactly as ``amax:own``), and so its ``S_enc``; the scales of those rows are then
+      decoded on that ``S_enc``.
+    * ``scales:ldpc``: the block scales of a failed block take the trainer's own E4M3 code (its
+      unrounded scale rounded to nearest on the decoded ``S_enc``, exactly as ``scales:own``).
+    * ``ldpc`` elements: the elements of a failed block take the trainer's round-to-nearest low bit on
+      the decoded grid, so the guided quantizer gives them the trainer's round-to-nearest codes there
+      (the rollout's grid wherever amax and scales decoded).
+The knobs are decoded in that order (amax, scales, elements), each on the result of the one before,
+and each counts its own failed blocks (``failed_amax`` rows, ``failed_scales`` blocks,
+``failed_elements``). A block whose checks are all satisfied is accepted: a wrong flip pattern that
+happens to satisfy every check cannot be told from the right one, so it is not counted. The decoder
+keeps no state between calls: the counts live only in the reports.
+
 Trajectory scope: ``ldpc`` checks and ``sparse`` streams are computed over a whole trajectory (code
 blocks of consecutive tokens, so that a tiny model's few elements per token still make long codes);
 read them with :meth:`StoreReader.get` without ``positions``. A record read back knows its
@@ -60,12 +82,12 @@ trajectory lengths (``segments``) and decodes batches of concatenated trajectori
 
 This module holds the specs (:class:`GuidanceSpec`, parsing and names), the records
 (:class:`CompactRecord`: encode on the rollout side, store layout, decode on the trainer side, with
-the drift priors ``ELEMENT_PRIOR``/``SCALE_PRIOR``/``AMAX_PRIOR``), the record-level helpers, the byte
-formulas (:func:`site_bytes_per_token`) and the named configurations (:class:`GuidedMode`,
-:data:`STANDARD_MODES`). How the bits themselves are coded (bit packing, Gray codes, the LDPC
+the drift priors ``ELEMENT_PRIOR``/``SCALE_PRIOR``/``AMAX_PRIOR``, and its :class:`DecodeReport`), the
+record-level helpers (:func:`encode_record`, :func:`read_record`, :func:`decode_record`,
+:func:`record_cat`), the byte formulas (:func:`site_bytes_per_token`) and the named configurations
+(:class:`GuidedMode`, :data:`STANDARD_MODES`). How the bits themselves are coded (bit packing, Gray codes, the LDPC
 parity-check graph, syndromes and belief-propagation decoder, Rice/LEB128 position streams) is
-:mod:`tracefp4.guidance.coding`; ``decode_stats``, ``rice_bits_per_entry`` and the ``LDPC_*`` constants are
-re-exported here.
+:mod:`tracefp4.guidance.coding`; ``rice_bits_per_entry`` and the ``LDPC_*`` constants are re-exported here.
 """
 
 from __future__ import annotations
@@ -86,7 +108,6 @@ from tracefp4.guidance.coding import (
     LDPC_SEED,
     bits_int,
     bp_flips,
-    decode_stats,
     gray_bits,
     gray_decode,
     int_bits,
@@ -115,7 +136,8 @@ __all__ = [
     "record_cat",
     "site_bytes_per_token",
     "rice_bits_per_entry",
-    "decode_stats",
+    "DecodeReport",
+    "decode_record",
     "LDPC_SEED",
     "LDPC_COLUMN_WEIGHT",
     "LDPC_BLOCK",
@@ -336,7 +358,9 @@ def midpoint_distance(z: torch.Tensor) -> torch.Tensor:
 
 # --- E4M3 scale codes and BF16 amax patterns -----------------------------------------------------
 
-_E4M3_TOP = 126  # 0x7E = 448; 0x7F is NaN in float8_e4m3fn
+#: The largest finite E4M3 code (0x7E = 448; 0x7F is NaN in float8_e4m3fn): a scale never rounds up past
+#: it. Derived from ``E4M3_MAX`` because :mod:`tracefp4.formats.constants` names values, not codes.
+_E4M3_MAX_CODE = int(torch.tensor(E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8))
 
 
 def _e4m3_value(code: torch.Tensor) -> torch.Tensor:
@@ -355,7 +379,7 @@ def _scale_candidates(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     in code steps). A u exactly on a code leans down (up from code 0)."""
     own = u.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
     value = _e4m3_value(own)
-    up = ((u > value) | (own == 0)) & (own < _E4M3_TOP)
+    up = ((u > value) | (own == 0)) & (own < _E4M3_MAX_CODE)
     other = torch.where(up, own + 1, own - 1)
     step = (_e4m3_value(other) - value).abs()
     frac = torch.where(step > 0, (u - value).abs() / step, torch.zeros_like(u))
@@ -364,6 +388,14 @@ def _scale_candidates(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 
 def _bf16_pattern(a: torch.Tensor) -> torch.Tensor:
     return a.to(torch.bfloat16).view(torch.int16).to(torch.int64)
+
+
+def _nearest_with_residue(mine: torch.Tensor, residue: torch.Tensor, m: int) -> torch.Tensor:
+    """The float32 value of the BF16 pattern nearest ``mine`` that is ``residue`` mod ``m``."""
+    low = mine - ((mine - residue) % m)
+    high = low + m
+    pattern = torch.where(((high - mine) < (mine - low)) | (low < 0), high, low)
+    return pattern.to(torch.int16).view(torch.bfloat16).to(torch.float32)
 
 
 def _check_bf16_exact(amax: torch.Tensor, knob: str) -> None:
@@ -640,8 +672,10 @@ class CompactRecord:
 
     # -- trainer side --
 
-    def decode(self, x: torch.Tensor) -> Hint:
-        """The lsb (or full) Hint this record means, given the trainer's own value ``x`` of the site."""
+    def decode(self, x: torch.Tensor) -> tuple[Hint, DecodeReport]:
+        """The lsb (or full) Hint this record means, given the trainer's own value ``x`` of the site,
+        and what could not be decoded (a failed LDPC block takes the trainer's own values; see the
+        module docstring, "Decode failures")."""
         if tuple(x.shape) != tuple(self.shape):
             raise ValueError(
                 f"compact record {self.spec.name}: x has shape {tuple(x.shape)} but the record covers "
@@ -654,13 +688,15 @@ class CompactRecord:
             raise ValueError("non-finite input; NaN/Inf is a bug upstream and is never encoded")
         lead, blocks, elems = self._per_token
         amax = None
+        report = DecodeReport()
         if self.fmt is Format.NVFP4:
-            amax = self._decode_amax(x)
-            scales = self._decode_scales(x, ref.nvfp4_global_encode_scale(amax), blocks)
+            amax, r_amax = self._decode_amax(x)
+            scales, r_scales = self._decode_scales(x, ref.nvfp4_global_encode_scale(amax), blocks)
+            report = r_amax + r_scales
         else:
             scales = self.scales
         if self.spec.elements == "full":
-            return Hint(HintMode.FULL, self.fmt, pack_fp4(self.elements.to(torch.uint8)), scales, amax)
+            return Hint(HintMode.FULL, self.fmt, pack_fp4(self.elements.to(torch.uint8)), scales, amax), report
         z = grid_z(x, self.fmt, scales, amax)
         own = rtn_codes(z) & 1
         if self.spec.elements == "lsb":
@@ -672,27 +708,33 @@ class CompactRecord:
             own_np = own.reshape(-1).numpy().astype(np.uint8)
             syn = self.elements.reshape(-1).numpy().astype(np.uint8) ^ ldpc_syndrome(layout, own_np)
             llr = prior_llr(midpoint_distance(z).reshape(-1).numpy().astype(np.float64), ELEMENT_PRIOR)
-            flips = bp_flips(layout, syn, llr)
+            flips, solved = bp_flips(layout, syn, llr)
             bits = torch.from_numpy((own_np ^ flips.astype(np.uint8)).reshape(tuple(self.shape)))
+            failed = ~solved
+            report = report + DecodeReport(
+                blocks=layout.n_blocks,
+                failed_blocks=int(failed.sum()),
+                failed_elements=int(failed[layout.var_block].sum()),
+            )
         data = torch.from_numpy(pack_bits(bits.numpy().astype(np.uint8)))
-        return Hint(HintMode.LSB, self.fmt, data, scales, amax)
+        return Hint(HintMode.LSB, self.fmt, data, scales, amax), report
 
-    def _decode_amax(self, x: torch.Tensor) -> torch.Tensor:
+    def _decode_amax(self, x: torch.Tensor) -> tuple[torch.Tensor, DecodeReport]:
         if self.spec.amax in ("fp32", "bf16"):
-            return self.amax.to(torch.float32)
+            return self.amax.to(torch.float32), DecodeReport()
         own = x.to(torch.float32).abs().amax(dim=-1, keepdim=True)
         if self.spec.amax == "own":
-            return own
+            return own, DecodeReport()
         m = 1 << _residue_bits(self.spec)
         mine = _bf16_pattern(own)
-        residue = self.amax.to(torch.int64) if self.spec.amax_bits else self._decode_amax_residue(mine)
-        low = mine - ((mine - residue) % m)
-        high = low + m
-        pattern = torch.where(((high - mine) < (mine - low)) | (low < 0), high, low)
-        return pattern.to(torch.int16).view(torch.bfloat16).to(torch.float32)
+        if self.spec.amax_bits:
+            return _nearest_with_residue(mine, self.amax.to(torch.int64), m), DecodeReport()
+        residue, failed_rows, report = self._decode_amax_residue(mine)
+        return torch.where(failed_rows, own, _nearest_with_residue(mine, residue, m)), report
 
-    def _decode_amax_residue(self, mine: torch.Tensor) -> torch.Tensor:
-        """The rollout's amax residue mod 8 from its Gray-bit syndrome and the trainer's own pattern."""
+    def _decode_amax_residue(self, mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DecodeReport]:
+        """The rollout's amax residue mod 8 from its Gray-bit syndrome and the trainer's own pattern,
+        the rows of failed blocks (bool, ``mine``'s shape) and the report."""
         rows = self._per_token[0]
         m = 1 << AMAX_LDPC_BITS
         own = (mine % m).reshape(self.rows, rows)
@@ -705,13 +747,20 @@ class CompactRecord:
         layout = ldpc_layout(self.segments, per_token, ldpc_checks(per_token, self.spec.amax_rate))
         own_np = own_gray.reshape(-1).numpy().astype(np.uint8)
         syn = self.amax.reshape(-1).numpy().astype(np.uint8) ^ ldpc_syndrome(layout, own_np)
-        gray = torch.from_numpy(own_np ^ bp_flips(layout, syn, llr).astype(np.uint8)).reshape(self.rows, rows, -1)
-        return gray_decode(gray, AMAX_LDPC_BITS).reshape(mine.shape)
+        flips, solved = bp_flips(layout, syn, llr)
+        gray = torch.from_numpy(own_np ^ flips.astype(np.uint8)).reshape(self.rows, rows, -1)
+        # a row's Gray bits are consecutive variables of one token, so of one block
+        failed_rows = torch.from_numpy(~solved[layout.var_block]).reshape(self.rows, rows, -1)[..., 0]
+        report = DecodeReport(
+            blocks=layout.n_blocks, failed_blocks=int((~solved).sum()), failed_amax=int(failed_rows.sum())
+        )
+        return gray_decode(gray, AMAX_LDPC_BITS).reshape(mine.shape), failed_rows.reshape(mine.shape), report
 
-    def _decode_scales(self, x: torch.Tensor, s_enc: torch.Tensor, blocks: int) -> torch.Tensor:
+    def _decode_scales(self, x: torch.Tensor, s_enc: torch.Tensor, blocks: int) -> tuple[torch.Tensor, DecodeReport]:
         if self.spec.scales == "full":
-            return self.scales
+            return self.scales, DecodeReport()
         own, other, dist = _scale_candidates(_unrounded_block_scale(x, s_enc))
+        report = DecodeReport()
         if self.spec.scales == "own":
             code = own
         elif self.spec.scales == "parity":
@@ -720,9 +769,41 @@ class CompactRecord:
             layout = ldpc_layout(self.segments, blocks, ldpc_checks(blocks, self.spec.scale_rate))
             own_np = (own & 1).reshape(-1).numpy().astype(np.uint8)
             syn = self.scales.reshape(-1).numpy().astype(np.uint8) ^ ldpc_syndrome(layout, own_np)
-            flips = bp_flips(layout, syn, prior_llr(dist.reshape(-1).numpy().astype(np.float64), SCALE_PRIOR))
+            flips, solved = bp_flips(layout, syn, prior_llr(dist.reshape(-1).numpy().astype(np.float64), SCALE_PRIOR))
             code = torch.where(torch.from_numpy(flips).reshape(own.shape), other, own)
-        return code.to(torch.uint8).view(torch.float8_e4m3fn)
+            failed = ~solved
+            report = DecodeReport(
+                blocks=layout.n_blocks,
+                failed_blocks=int(failed.sum()),
+                failed_scales=int(failed[layout.var_block].sum()),
+            )
+        return code.to(torch.uint8).view(torch.float8_e4m3fn), report
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeReport:
+    """What a decode could not recover (see the module docstring, "Decode failures").
+
+    blocks / failed_blocks: LDPC code blocks decoded, over every ldpc knob of the record, and those whose
+    checks belief propagation could not satisfy. failed_elements / failed_scales / failed_amax: the
+    elements, block scales and amax rows those failed blocks cover, which took the trainer's own values.
+    Reports add up (``sum(reports, DecodeReport())``) over sites, layers and steps.
+    """
+
+    blocks: int = 0
+    failed_blocks: int = 0
+    failed_elements: int = 0
+    failed_scales: int = 0
+    failed_amax: int = 0
+
+    def __add__(self, other: DecodeReport) -> DecodeReport:
+        if not isinstance(other, DecodeReport):
+            return NotImplemented
+        return DecodeReport(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    @property
+    def ok(self) -> bool:
+        return self.failed_blocks == 0
 
 
 def _scale_bits(spec: GuidanceSpec, blocks: int) -> int:
@@ -766,6 +847,14 @@ def read_record(tensors: Mapping[str, torch.Tensor], prefix: str) -> Hint | Comp
     if any(k.startswith(f"{prefix}.packed__") or k.startswith(f"{prefix}.stream__") for k in tensors):
         return CompactRecord.from_tensors(tensors, prefix)
     return Hint.from_tensors(dict(tensors), prefix)
+
+
+def decode_record(record: Hint | CompactRecord, x: torch.Tensor) -> tuple[Hint, DecodeReport]:
+    """The Hint a site's record means given the trainer's own value ``x``, and what could not be decoded
+    (an empty report for a plain :class:`Hint`, which needs no decoding): the trainer's one call for both."""
+    if isinstance(record, Hint):
+        return record, DecodeReport()
+    return record.decode(x)
 
 
 def record_cat(records: Sequence[Hint | CompactRecord]) -> Hint | CompactRecord:

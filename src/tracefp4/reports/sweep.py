@@ -157,12 +157,10 @@ def run_sweep(
             step = _STEP_REFERENCE + 1 + i
             records = _store_records(root, step, roll, signature)
             acc = _store_bytes(root, step, signature)
-            compact.decode_stats(reset=True)
             with torch.no_grad():
                 out = forward_logprobs(
                     model, roll.token_ids, roll.prompt_lens, records, mode="trace", plan=roll.plan, capture_codes=layers
                 )
-            ldpc = compact.decode_stats(reset=True)
             stats = code_mismatch(out.codes, ref_records)
             guided = _agreement(stats, lambda layer, site: True)
             # below the first guided layer the trainer is vanilla QAT on identical inputs
@@ -183,8 +181,7 @@ def run_sweep(
                 "elements": guided["total"],
                 **_grid_agreement(out.grids or [], ref_records),
                 "density": _density(records, prefixes),
-                "ldpc_blocks": ldpc["ldpc_blocks"],
-                "ldpc_failed_blocks": ldpc["ldpc_failed_blocks"],
+                "decode_failures": out.decode_failures,
                 **_gap_fields(_gap(roll, out)),
                 "seconds": time.perf_counter() - t0,
             }

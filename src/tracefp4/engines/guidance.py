@@ -19,7 +19,7 @@ import torch
 from tracefp4.formats.constants import HintMode
 from tracefp4.formats.numerics import MXFP4, NVFP4
 from tracefp4.formats.quantizers import Grid, Quantizer
-from tracefp4.guidance.compact import CompactRecord
+from tracefp4.guidance.compact import CompactRecord, decode_record
 from tracefp4.guidance.hints import Hint
 
 __all__ = ["TrainerGuidance", "guided"]
@@ -42,12 +42,9 @@ class TrainerGuidance:
         record = self.hints.get(name)
         if record is None or isinstance(record, Hint):
             return record
-        decoded = record.decode(x.detach())
-        # CompactRecord.decode is moving to (hint, failed blocks); accept both while it does
-        if isinstance(decoded, tuple):
-            decoded, failures = decoded
-            self.decode_failures += int(failures)
-        return decoded
+        hint, report = decode_record(record, x.detach())
+        self.decode_failures += report.failed_blocks
+        return hint
 
     def capture_site(self, layer: int, name: str, q: NVFP4 | MXFP4, grid: Grid) -> None:
         if layer in self.capture_layers:

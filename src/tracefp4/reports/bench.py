@@ -33,9 +33,9 @@ from typing import Callable
 import torch
 
 from tracefp4.files import atomic_write_json
-
-from tracefp4.guidance.hints import encode_hint, guided_quantize
+from tracefp4.formats.constants import NVFP4_GLOBAL_NUMERATOR
 from tracefp4.formats.numerics import dequantize_nvfp4, quantize_nvfp4
+from tracefp4.guidance.hints import encode_hint, guided_quantize
 
 # --- timing --------------------------------------------------------------------------------------
 
@@ -57,11 +57,6 @@ def _time_rounds(fns: dict[str, Callable[[], object]], repeats: int, limits: dic
             fn()
             samples[name].append(time.perf_counter() - t0)
     return samples
-
-
-def _time(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``repeats`` calls after one warm-up call."""
-    return statistics.median(_time_rounds({"fn": fn}, repeats)["fn"])
 
 
 def torchao_nvfp4():
@@ -129,7 +124,7 @@ def bench_numerics(rows: int = 4096, cols: int = 4096, repeats: int = 5, seed: i
     ao = torchao_nvfp4()
     limits = {}
     if ao is not None:
-        pts = x.float().abs().amax() / (448.0 * 6.0)
+        pts = x.float().abs().amax() / NVFP4_GLOBAL_NUMERATOR
         fns["torchao_nvfp4_quantize_s"] = lambda: ao(x, per_tensor_scale=pts)
         limits["torchao_nvfp4_quantize_s"] = max(2, repeats // 2)
     samples = _time_rounds(fns, repeats, limits)
@@ -144,7 +139,7 @@ def bench_numerics(rows: int = 4096, cols: int = 4096, repeats: int = 5, seed: i
         "min_s": {key: min(s) for key, s in samples.items()},
     }
     if ao is not None:
-        ours = quantize_nvfp4(x, global_amax=torch.tensor(448.0 * 6.0))
+        ours = quantize_nvfp4(x, global_amax=torch.tensor(NVFP4_GLOBAL_NUMERATOR))
         ao_scales, ao_codes = ao(x)  # single-level: equal to ours with S_enc = 1
         out["torchao_bit_exact"] = bool(torch.equal(ao_codes, ours.codes)) and bool(
             torch.equal(ao_scales.view(torch.uint8), ours.scales.view(torch.uint8))

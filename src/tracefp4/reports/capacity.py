@@ -1,6 +1,6 @@
 """``tracefp4 plan``: how much guidance one RL step writes and reads, for each mode, from a model config.
 
-Per token position, a guided layer records (DESIGN.md section 4):
+Per token position, a guided layer records (the sites of ``docs/contracts.md`` section 3):
 
 * MoE layers: ``expert_in`` (1 row of ``hidden_size``) and ``expert_mid`` (``num_experts_per_tok`` rows
   of ``moe_intermediate_size``); dense-MLP layers have no FP4 expert sites;
@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,6 @@ __all__ = [
     "format_plan",
     "add_parser",
     "run_cli",
-    "main",
 ]
 
 #: Hugging Face config fields of the presets (the transformers docs' values for each checkpoint).
@@ -296,14 +294,3 @@ def run_cli(args: argparse.Namespace) -> int:
         atomic_write_json(args.json, p, sort_keys=False)
         print(f"wrote {args.json}")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``tracefp4 plan ...`` on its own (the package CLI adds it with :func:`add_parser`)."""
-    from tracefp4.cli import run_subcommand
-
-    return run_subcommand(add_parser, "plan", argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

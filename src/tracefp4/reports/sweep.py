@@ -353,6 +353,48 @@ def _family(name: str) -> str:
     return "lsb"
 
 
+#: Marker colour of each mode family in the plot.
+_COLORS = {"full": "tab:blue", "lsb": "tab:orange", "sparse": "tab:green", "ldpc": "tab:red", "qat": "black"}
+
+
+def _draw_panel(ax, rep: dict[str, Any], key: str, label: str, floor: float) -> None:
+    """One panel: every mode at (bytes per token, ``key``); the reference modes and the best exact-grid
+    mode are named, the target's byte budget is a dashed line."""
+    for r in rep["modes"]:
+        x = max(r["bytes_per_token"], 1.0)
+        y = max(1.0 - r[key], floor) if key == "agreement" else r[key]
+        fam = _family(r["name"])
+        filled = r["layers"] in ("all", "none")
+        ax.scatter(
+            [x], [y], s=36, marker="o" if fam != "qat" else "x", color=_COLORS[fam],
+            facecolors=_COLORS[fam] if filled else "none", linewidths=1.2,
+        )  # fmt: skip
+        if r["name"] in ("full", "lsb", "qat"):
+            ax.annotate(r["name"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        elif r["name"] == rep.get("target", {}).get("best_exact_grid"):
+            ax.annotate(r["name"], (x, y), fontsize=7, xytext=(-6, 14), textcoords="offset points", ha="right",
+                        arrowprops={"arrowstyle": "-", "lw": 0.5})  # fmt: skip
+    t = rep.get("target")
+    if t:
+        ax.axvline(t["budget_bytes_per_token"], color="gray", ls="--", lw=0.8)
+        ax.text(t["budget_bytes_per_token"], ax.get_ylim()[1], " 1/4 of lsb", fontsize=7, va="top", color="gray")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("guidance bytes per generated token (store accounting; qat drawn at 1)")
+    ax.set_ylabel(label)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _legend_handles(plt) -> list:
+    return [
+        plt.Line2D([], [], marker="o", ls="", color=c, label=f) for f, c in _COLORS.items() if f != "qat"
+    ] + [
+        plt.Line2D([], [], marker="o", ls="", color="gray", label="all layers"),
+        plt.Line2D([], [], marker="o", ls="", color="gray", markerfacecolor="none", label="deeper half"),
+        plt.Line2D([], [], marker="x", ls="", color="black", label="qat (no guidance)"),
+    ]
+
+
 def plot_sweep(rep: dict[str, Any], path: str | Path) -> None:
     """Two panels: bytes per generated token against code mismatch (1 - agreement) and against the
     mean log-prob gap. Filled markers guide every layer, hollow ones the deeper half."""
@@ -361,48 +403,14 @@ def plot_sweep(rep: dict[str, Any], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"full": "tab:blue", "lsb": "tab:orange", "sparse": "tab:green", "ldpc": "tab:red", "qat": "black"}
     rows = rep["modes"]
     floor = 0.5 / max(r["elements"] for r in rows)  # where a mode without a single mismatch is drawn
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
-    for ax, key, label in (
-        (axes[0], "agreement", "code mismatch at guided sites (1 - agreement)"),
-        (axes[1], "logprob_gap_mean_abs", "mean |logp_train - logp_rollout|"),
-    ):
-        for r in rows:
-            x = max(r["bytes_per_token"], 1.0)
-            y = max(1.0 - r[key], floor) if key == "agreement" else r[key]
-            fam = _family(r["name"])
-            filled = r["layers"] in ("all", "none")
-            ax.scatter(
-                [x], [y], s=36, marker="o" if fam != "qat" else "x", color=colors[fam],
-                facecolors=colors[fam] if filled else "none", linewidths=1.2,
-            )  # fmt: skip
-            if r["name"] in ("full", "lsb", "qat"):
-                ax.annotate(r["name"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
-            elif r["name"] == rep.get("target", {}).get("best_exact_grid"):
-                ax.annotate(r["name"], (x, y), fontsize=7, xytext=(-6, 14), textcoords="offset points", ha="right",
-                            arrowprops={"arrowstyle": "-", "lw": 0.5})  # fmt: skip
-        t = rep.get("target")
-        if t:
-            ax.axvline(t["budget_bytes_per_token"], color="gray", ls="--", lw=0.8)
-            ax.text(t["budget_bytes_per_token"], ax.get_ylim()[1], " 1/4 of lsb", fontsize=7, va="top", color="gray")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("guidance bytes per generated token (store accounting; qat drawn at 1)")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-    if rows:
-        axes[0].axhline(floor, color="gray", lw=0.5, ls=":")
-        axes[0].text(axes[0].get_xlim()[0], floor, " no mismatch", fontsize=7, va="bottom", color="gray")
-    handles = [
-        plt.Line2D([], [], marker="o", ls="", color=c, label=f) for f, c in colors.items() if f != "qat"
-    ] + [
-        plt.Line2D([], [], marker="o", ls="", color="gray", label="all layers"),
-        plt.Line2D([], [], marker="o", ls="", color="gray", markerfacecolor="none", label="deeper half"),
-        plt.Line2D([], [], marker="x", ls="", color="black", label="qat (no guidance)"),
-    ]
-    axes[1].legend(handles=handles, fontsize=8, loc="best")
+    _draw_panel(axes[0], rep, "agreement", "code mismatch at guided sites (1 - agreement)", floor)
+    _draw_panel(axes[1], rep, "logprob_gap_mean_abs", "mean |logp_train - logp_rollout|", floor)
+    axes[0].axhline(floor, color="gray", lw=0.5, ls=":")
+    axes[0].text(axes[0].get_xlim()[0], floor, " no mismatch", fontsize=7, va="bottom", color="gray")
+    axes[1].legend(handles=_legend_handles(plt), fontsize=8, loc="best")
     c = rep["config"]
     fig.suptitle(
         f"guidance bytes vs agreement and log-prob gap ({c['layers']} layers, hidden {c['hidden']}, "

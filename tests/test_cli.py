@@ -42,3 +42,28 @@ def test_bench_numerics_json(tmp_path):
 def test_console_script_entry_point():
     out = subprocess.run([sys.executable, "-m", "tracefp4.cli", "--help"], capture_output=True, text=True, check=True)
     assert "demo" in out.stdout and "bench" in out.stdout
+
+
+def test_python_m_tracefp4_runs_a_subcommand():
+    argv = ["plan", "--preset", "qwen3-30b-a3b", "--prompts", "2", "--samples", "3", "--tokens", "100"]
+    argv += ["--modes", "full,lsb"]
+    out = subprocess.run([sys.executable, "-m", "tracefp4", *argv], capture_output=True, text=True, check=True)
+    assert "guidance plan for qwen3-30b-a3b" in out.stdout and "600 token positions" in out.stdout
+
+
+def test_reports_never_import_the_cli():
+    """The CLI imports the reports, never the other way round (no cycle, even through a lazy import)."""
+    import ast
+    from pathlib import Path
+
+    import tracefp4.reports
+
+    for path in Path(tracefp4.reports.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            assert not any(n == "tracefp4.cli" or n.startswith("tracefp4.cli.") for n in names), path.name

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from tracefp4.reports import mismatch
-from tracefp4.engines.model import from_config
+from tracefp4.cli import main
+from tracefp4.reports import commands, mismatch
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import SamplingParams
 from tracefp4.engines.rollout import generate
@@ -32,7 +32,7 @@ def _argv(**kw) -> list[str]:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     path = tmp_path_factory.mktemp("mismatch") / "report.json"
-    assert mismatch.main(["mismatch", *_argv(**DIMS, **RUN), "--json", str(path), "--quiet"]) == 0
+    assert main(["mismatch", *_argv(**DIMS, **RUN), "--json", str(path), "--quiet"]) == 0
     # Atomic write: the report and nothing else (no temp file left next to it).
     assert [p.name for p in path.parent.iterdir()] == ["report.json"]
     return json.loads(path.read_text())
@@ -113,7 +113,7 @@ def test_router_flip_rate_is_a_share(report: dict) -> None:
 def test_router_flips_detect_a_changed_selection() -> None:
     """The flip metric compares top-k *sets*: shifting one layer's recorded experts by one flips every
     token there (no 2-subset of 8 experts is invariant under the shift), reordering flips none."""
-    model = from_config(mismatch.tiny_config(**DIMS), seed=0)
+    model = mismatch.build_model(seed=0, **DIMS)
     prompts = mismatch.make_prompts(2, DIMS["vocab"], 6, seed=3)
     roll = generate(model, prompts, SamplingParams(max_new_tokens=4, seed=3), plan=PrecisionPlan())
     base = mismatch._router_flips_without_replay(model, roll, "qat")
@@ -167,20 +167,20 @@ def test_guidance_bytes_match_hand_computation(report: dict) -> None:
 def test_add_parser_wires_the_subcommand() -> None:
     parser = argparse.ArgumentParser(prog="tracefp4")
     sub = parser.add_subparsers(dest="command", required=True)
-    mismatch.add_parser(sub)
+    commands.add_mismatch_parser(sub)
     args = parser.parse_args(["mismatch", "--layers", "2", "--top-k", "1", "--json", "x.json"])
-    assert args.func is mismatch.run_cli
+    assert args.func is commands.run_mismatch and not args.sweep
     assert (args.layers, args.top_k, args.json, args.batch) == (2, 1, "x.json", mismatch.DEFAULTS["batch"])
 
 
 def test_checkpoint_folder(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    model = from_config(mismatch.tiny_config(**{**DIMS, "layers": 2}), seed=1)
+    model = mismatch.build_model(seed=1, **{**DIMS, "layers": 2})
     model.save_pretrained(tmp_path / "ckpt")
     with pytest.raises(SystemExit, match="--checkpoint fixes the model"):
-        mismatch.main(["--checkpoint", str(tmp_path / "ckpt"), "--layers", "3"])
+        main(["mismatch", "--checkpoint", str(tmp_path / "ckpt"), "--layers", "3"])
     out = tmp_path / "r.json"
-    argv = ["--checkpoint", str(tmp_path / "ckpt"), "--batch", "2", "--new-tokens", "4", "--json", str(out)]
-    assert mismatch.main(argv) == 0
+    argv = ["mismatch", "--checkpoint", str(tmp_path / "ckpt"), "--batch", "2", "--new-tokens", "4", "--json", str(out)]
+    assert main(argv) == 0
     rep = json.loads(out.read_text())
     assert rep["config"]["layers"] == 2 and rep["config"]["compact_layers"] == [1]
     assert rep["tokens"]["generated"] == 8

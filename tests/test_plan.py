@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from tracefp4.cli import main
 from tracefp4.reports import capacity as planner
 from tracefp4.guidance.compact import CompactRecord, GuidanceSpec, rice_bits_per_entry, site_bytes_per_token
 from tracefp4.formats.numerics import quantize_nvfp4
@@ -125,11 +126,11 @@ def test_cli_writes_the_json(tmp_path) -> None:
     cfg.mkdir()
     (cfg / "config.json").write_text(json.dumps(PRESETS["qwen3-30b-a3b"]))
     argv = ["plan", "--config", str(cfg), "--prompts", "2", "--samples", "3", "--tokens", "100", "--bandwidth", "10"]
-    assert planner.main([*argv, "--sweep-json", str(sweep), "--json", str(out)]) == 0
+    assert main([*argv, "--sweep-json", str(sweep), "--json", str(out)]) == 0
     p = json.loads(out.read_text())
     assert p["modes"]["full"]["bytes_per_token"] == 252_096
     assert p["modes"]["full"]["bytes_per_step"] == 252_096 * 600
     assert p["modes"]["sparse(0.05)"]["density"] == 0.1
     assert set(p["modes"]) >= {"full", "lsb", "ldpc(1/16)+scales:ldpc(1/4)+amax:lo3@all"}
     with pytest.raises(SystemExit, match="none.json"):
-        planner.main(["plan", "--config", str(tmp_path / "none.json"), *"--prompts 1 --samples 1 --tokens 1".split()])
+        main(["plan", "--config", str(tmp_path / "none.json"), *"--prompts 1 --samples 1 --tokens 1".split()])

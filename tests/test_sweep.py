@@ -7,13 +7,12 @@ import json
 import pytest
 import torch
 
+from tracefp4.cli import main
 from tracefp4.reports import mismatch
-from tracefp4.guidance.compact import CompactRecord, read_record, site_bytes_per_token
-from tracefp4.engines.model import from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import SamplingParams
 from tracefp4.engines.rollout import generate
-from tracefp4.guidance.compact import GuidedMode
+from tracefp4.guidance.compact import CompactRecord, GuidedMode, read_record, site_bytes_per_token
 from tracefp4.guidance.names import record_prefix
 from tracefp4.engines.trainer import code_mismatch, forward_rollout
 
@@ -38,7 +37,7 @@ def _argv(**kw) -> list[str]:
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, bytes]:
     d = tmp_path_factory.mktemp("sweep")
     argv = ["mismatch", "--sweep", *_argv(**DIMS, **RUN), "--modes", ",".join(MODES), "--quiet"]
-    assert mismatch.main([*argv, "--json", str(d / "s.json"), "--plot", str(d / "s.png")]) == 0
+    assert main([*argv, "--json", str(d / "s.json"), "--plot", str(d / "s.png")]) == 0
     return json.loads((d / "s.json").read_text()), (d / "s.png").read_bytes()
 
 
@@ -81,15 +80,15 @@ def test_sweep_figures_obey_their_relations(sweep: tuple[dict, bytes]) -> None:
 
 def test_plot_and_modes_need_sweep() -> None:
     with pytest.raises(SystemExit, match="--sweep"):
-        mismatch.main(["mismatch", *_argv(**DIMS, **RUN), "--plot", "x.png", "--quiet"])
+        main(["mismatch", *_argv(**DIMS, **RUN), "--plot", "x.png", "--quiet"])
     with pytest.raises(SystemExit, match="lsb\\(2\\)"):
-        mismatch.main(["mismatch", "--sweep", *_argv(**DIMS, **RUN), "--modes", "lsb(2)", "--quiet"])
+        main(["mismatch", "--sweep", *_argv(**DIMS, **RUN), "--modes", "lsb(2)", "--quiet"])
 
 
 def test_compact_guidance_through_rollout_and_trainer() -> None:
     """The model's own path: a compact rollout record drives the trainer to the rollout's codes, and a
     record from another mode's rollout is refused when its shape disagrees."""
-    model = from_config(mismatch.tiny_config(**DIMS), seed=0)
+    model = mismatch.build_model(seed=0, **DIMS)
     prompts = mismatch.make_prompts(3, DIMS["vocab"], 6, 0)
     sampling = SamplingParams(max_new_tokens=6, seed=0)
     every = frozenset(range(4))

@@ -57,10 +57,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tracefp4", description="TRACE: rollout-guided FP4 rounding for RL of MoE LLMs")
     sub = p.add_subparsers(dest="command", required=True)
-    from tracefp4.reports import mismatch
     from tracefp4.reports import capacity as plan
+    from tracefp4.reports.commands import add_mismatch_parser
 
-    mismatch.add_parser(sub)
+    add_mismatch_parser(sub)  # the report, and the guidance sweep with --sweep
     plan.add_parser(sub)
 
     d = sub.add_parser(
@@ -109,17 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_commands(bsub)  # numerics (--memory, --threads) and all (every registered section)
     return p
-
-
-def run_subcommand(add_parser, name: str, argv=None) -> int:
-    """Run one subcommand on its own (``python -m tracefp4.<module>``); the leading name is optional."""
-    parser = argparse.ArgumentParser(prog="tracefp4")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != name:
-        argv = [name, *argv]
-    args = parser.parse_args(argv)
-    return args.func(args)
 
 
 def main(argv: list[str] | None = None) -> int:

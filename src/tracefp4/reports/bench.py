@@ -27,41 +27,17 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from typing import Callable
 
 import torch
 
 from tracefp4.files import atomic_write_json
-
-from tracefp4.guidance.hints import encode_hint, guided_quantize
+from tracefp4.formats.constants import NVFP4_GLOBAL_NUMERATOR
 from tracefp4.formats.numerics import dequantize_nvfp4, quantize_nvfp4
+from tracefp4.guidance.hints import encode_hint, guided_quantize
+from tracefp4.reports.timing import time_rounds
 
-# --- timing --------------------------------------------------------------------------------------
-
-
-def _time_rounds(fns: dict[str, Callable[[], object]], repeats: int, limits: dict[str, int] | None = None):
-    """Per name: call times (s) over ``repeats`` interleaved rounds, after one warm-up call each.
-
-    ``limits`` caps the rounds of slow callables (torchao) so they do not dominate the run.
-    """
-    limits = limits or {}
-    for fn in fns.values():
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for rnd in range(repeats):
-        for name, fn in fns.items():
-            if rnd >= limits.get(name, repeats):
-                continue
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - t0)
-    return samples
-
-
-def _time(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``repeats`` calls after one warm-up call."""
-    return statistics.median(_time_rounds({"fn": fn}, repeats)["fn"])
+# --- helpers -------------------------------------------------------------------------------------
 
 
 def torchao_nvfp4():
@@ -107,16 +83,13 @@ NUMERICS_TARGETS = {
 }
 
 
-def bench_numerics(rows: int = 4096, cols: int = 4096, repeats: int = 5, seed: int = 0) -> dict:
-    """Time the numerics on a ``rows x cols`` bf16 tensor; returns seconds and ratios."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
-    y = (x.float() * (1 + 1e-3 * torch.randn(rows, cols, generator=g))).to(torch.bfloat16)
+def _numerics_fns(x: torch.Tensor, y: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The timed operations on ``x`` (guided rounding of ``y``, a perturbed ``x``, on ``x``'s grid)."""
     q = quantize_nvfp4(x)
     hint = encode_hint(q, "lsb")
     hint_full = encode_hint(q, "full")
     buffer = torch.empty_like(x)
-    fns: dict[str, Callable[[], object]] = {
+    return {
         "copy_s": lambda: x.clone(),
         "copy_into_s": lambda: buffer.copy_(x),
         "nvfp4_quantize_s": lambda: quantize_nvfp4(x),
@@ -126,13 +99,40 @@ def bench_numerics(rows: int = 4096, cols: int = 4096, repeats: int = 5, seed: i
         "guided_quantize_s": lambda: guided_quantize(y, hint),
         "guided_quantize_full_s": lambda: guided_quantize(y, hint_full),
     }
+
+
+def _torchao_bit_exact(ao, x: torch.Tensor) -> bool:
+    """torchao single-level NVFP4 equals ours with ``S_enc = 1`` (the global amax at the numerator)."""
+    ours = quantize_nvfp4(x, global_amax=torch.tensor(NVFP4_GLOBAL_NUMERATOR))
+    ao_scales, ao_codes = ao(x)
+    return bool(torch.equal(ao_codes, ours.codes)) and bool(
+        torch.equal(ao_scales.view(torch.uint8), ours.scales.view(torch.uint8))
+    )
+
+
+def _add_ratios(out: dict) -> None:
+    quant = out["nvfp4_quantize_s"]
+    out["quantize_over_copy"] = quant / out["copy_s"]
+    out["quantize_over_copy_into"] = quant / out["copy_into_s"]
+    out["guided_over_quantize"] = out["guided_quantize_s"] / quant
+    out["encode_hint_over_quantize"] = out["encode_hint_s"] / quant
+    ao = out["torchao_nvfp4_quantize_s"]
+    out["torchao_over_quantize"] = ao / quant if ao is not None else None
+
+
+def bench_numerics(rows: int = 4096, cols: int = 4096, repeats: int = 5, seed: int = 0) -> dict:
+    """Time the numerics on a ``rows x cols`` bf16 tensor; returns seconds and ratios."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
+    y = (x.float() * (1 + 1e-3 * torch.randn(rows, cols, generator=g))).to(torch.bfloat16)
+    fns = _numerics_fns(x, y)
     ao = torchao_nvfp4()
     limits = {}
     if ao is not None:
-        pts = x.float().abs().amax() / (448.0 * 6.0)
+        pts = x.float().abs().amax() / NVFP4_GLOBAL_NUMERATOR
         fns["torchao_nvfp4_quantize_s"] = lambda: ao(x, per_tensor_scale=pts)
         limits["torchao_nvfp4_quantize_s"] = max(2, repeats // 2)
-    samples = _time_rounds(fns, repeats, limits)
+    samples = time_rounds(fns, repeats, limits)
     out = {
         "shape": [rows, cols],
         "dtype": "bfloat16",
@@ -144,19 +144,10 @@ def bench_numerics(rows: int = 4096, cols: int = 4096, repeats: int = 5, seed: i
         "min_s": {key: min(s) for key, s in samples.items()},
     }
     if ao is not None:
-        ours = quantize_nvfp4(x, global_amax=torch.tensor(448.0 * 6.0))
-        ao_scales, ao_codes = ao(x)  # single-level: equal to ours with S_enc = 1
-        out["torchao_bit_exact"] = bool(torch.equal(ao_codes, ours.codes)) and bool(
-            torch.equal(ao_scales.view(torch.uint8), ours.scales.view(torch.uint8))
-        )
+        out["torchao_bit_exact"] = _torchao_bit_exact(ao, x)
     else:
         out["torchao_nvfp4_quantize_s"] = None
-    quant = out["nvfp4_quantize_s"]
-    out["quantize_over_copy"] = quant / out["copy_s"]
-    out["quantize_over_copy_into"] = quant / out["copy_into_s"]
-    out["guided_over_quantize"] = out["guided_quantize_s"] / quant
-    out["encode_hint_over_quantize"] = out["encode_hint_s"] / quant
-    out["torchao_over_quantize"] = out["torchao_nvfp4_quantize_s"] / quant if ao is not None else None
+    _add_ratios(out)
     return out
 
 

@@ -21,18 +21,26 @@ from tracefp4.rl.loop import ModelSpec
 from tracefp4.guidance.store import StoreReader, StoreWriter, seal_step
 from tracefp4.rl.tasks import CharTokenizer
 from tracefp4.engines.trainer import forward_logprobs
+from tracefp4.reports.timing import median_times
 
 
-def _interleaved(fns: dict, repeats: int) -> dict[str, float]:
-    for fn in fns.values():  # warm-up: numba compilation, weight caches
-        fn()
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
+def _time_store(records, prompt_lens, lengths, repeats: int) -> tuple[float, float]:
+    """Median seconds to write and seal one step of ``records``, and to read them back."""
+    writes, reads = [], []
+    with tempfile.TemporaryDirectory() as root:
+        ids = [f"t{b}" for b in range(len(records))]
+        for step in range(repeats):
             t0 = time.perf_counter()
-            fn()
-            samples[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in samples.items()}
+            with StoreWriter(root, step, "w0", model_signature="bench", policy_version=0) as w:
+                for tid, rec, p in zip(ids, records, prompt_lens):
+                    w.add(tid, rec, prompt_len=p)
+            seal_step(root, step, ["w0"])
+            writes.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with StoreReader(root, step, model_signature="bench", policy_version=0) as r:
+                r.batch(ids, lengths)
+            reads.append(time.perf_counter() - t0)
+    return statistics.median(writes), statistics.median(reads)
 
 
 def bench_system(batch: int = 32, new_tokens: int = 16, repeats: int = 5, seed: int = 0) -> dict:
@@ -49,7 +57,7 @@ def bench_system(batch: int = 32, new_tokens: int = 16, repeats: int = 5, seed: 
     def rollout(guidance):
         return lambda: generate(model, prompts, sampling, plan=plan, guidance=guidance)
 
-    t_roll = _interleaved({"plain": rollout(None), "record": rollout(lsb)}, repeats)
+    t_roll = median_times({"plain": rollout(None), "record": rollout(lsb)}, repeats)
 
     roll = generate(model, prompts, sampling, plan=plan, guidance=lsb)
 
@@ -61,25 +69,11 @@ def bench_system(batch: int = 32, new_tokens: int = 16, repeats: int = 5, seed: 
         return step
 
     model.train()
-    t_train = _interleaved({"qat": train("qat"), "trace": train("trace")}, repeats)
+    t_train = median_times({"qat": train("qat"), "trace": train("trace")}, repeats)
     model.eval()
 
     nbytes = sum(t.nbytes for rec in roll.records for t in rec.values())
-    writes, reads = [], []
-    with tempfile.TemporaryDirectory() as root:
-        ids = [f"t{b}" for b in range(batch)]
-        lengths = [t.numel() for t in roll.token_ids]
-        for step in range(repeats):
-            t0 = time.perf_counter()
-            with StoreWriter(root, step, "w0", model_signature="bench", policy_version=0) as w:
-                for tid, rec, p in zip(ids, roll.records, roll.prompt_lens):
-                    w.add(tid, rec, prompt_len=p)
-            seal_step(root, step, ["w0"])
-            writes.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            with StoreReader(root, step, model_signature="bench", policy_version=0) as r:
-                r.batch(ids, lengths)
-            reads.append(time.perf_counter() - t0)
+    write_s, read_s = _time_store(roll.records, roll.prompt_lens, [t.numel() for t in roll.token_ids], repeats)
     mb = nbytes / 2**20
     return {
         "system_model": "tiny Qwen3-MoE (demo model: 4 layers, hidden 64, 8 experts top-2)",
@@ -92,8 +86,8 @@ def bench_system(batch: int = 32, new_tokens: int = 16, repeats: int = 5, seed: 
         "train_step_trace_s": t_train["trace"],
         "train_step_trace_over_qat": t_train["trace"] / t_train["qat"],
         "store_record_mb": mb,
-        "store_write_mb_s": mb / statistics.median(writes),
-        "store_read_mb_s": mb / statistics.median(reads),
+        "store_write_mb_s": mb / write_s,
+        "store_read_mb_s": mb / read_s,
     }
 
 

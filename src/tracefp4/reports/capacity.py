@@ -1,6 +1,6 @@
 """``tracefp4 plan``: how much guidance one RL step writes and reads, for each mode, from a model config.
 
-Per token position, a guided layer records (DESIGN.md section 4):
+Per token position, a guided layer records (the sites of ``docs/contracts.md`` section 3):
 
 * MoE layers: ``expert_in`` (1 row of ``hidden_size``) and ``expert_mid`` (``num_experts_per_tok`` rows
   of ``moe_intermediate_size``); dense-MLP layers have no FP4 expert sites;
@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,6 @@ __all__ = [
     "format_plan",
     "add_parser",
     "run_cli",
-    "main",
 ]
 
 #: Hugging Face config fields of the presets (the transformers docs' values for each checkpoint).
@@ -77,6 +75,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 DEFAULT_SPARSE_DENSITY: dict[float, float] = {0.01: 0.0283, 0.02: 0.0563, 0.05: 0.1419, 0.1: 0.2854}
 
 _NO_KV = ("linear_attention",)
+_BYTES_PER_GB = 1e9  # bandwidth in GB/s, decimal
 
 
 def sparse_density(delta: float, measured: Mapping[float, float] | None = None) -> float:
@@ -167,6 +166,25 @@ def _mode_density(g: GuidedMode, measured: Mapping[str, float], by_delta: Mappin
     return sparse_density(g.mode.delta, by_delta)
 
 
+def _measured_densities(sweep: Mapping[str, Any] | None) -> tuple[dict[str, float], dict[float, float]]:
+    """Densities a sweep measured: by mode name, and by ``sparse`` delta (for modes it did not run)."""
+    measured: dict[str, float] = {}
+    by_delta: dict[float, float] = {}
+    for row in (sweep or {}).get("modes", []):
+        if row.get("density") is not None:
+            measured[row["name"]] = float(row["density"])
+            spec = GuidedMode.parse(row["name"]).mode
+            if isinstance(spec, GuidanceSpec) and spec.delta is not None:
+                by_delta[spec.delta] = float(row["density"])
+    return measured, by_delta
+
+
+def _bytes_per_token(dims: ModelDims, g: GuidedMode, density: float | None) -> float:
+    """Guidance bytes one token position costs over the mode's guided layers."""
+    shapes = (shape for layer in sorted(g.layer_indices(dims.layers)) for shape in dims.sites(layer).values())
+    return sum((site_bytes_per_token(g.mode, shape, density=density) for shape in shapes), 0.0)
+
+
 def plan(
     dims: ModelDims,
     *,
@@ -182,32 +200,18 @@ def plan(
         raise ValueError("prompts, samples and tokens must be >= 1")
     if bandwidth_gbps is not None and not bandwidth_gbps > 0:
         raise ValueError(f"bandwidth must be > 0 GB/s, got {bandwidth_gbps}")
-    measured: dict[str, float] = {}
-    by_delta: dict[float, float] = {}
-    for row in (sweep or {}).get("modes", []):
-        if row.get("density") is not None:
-            measured[row["name"]] = float(row["density"])
-            spec = GuidedMode.parse(row["name"]).mode
-            if isinstance(spec, GuidanceSpec) and spec.delta is not None:
-                by_delta[spec.delta] = float(row["density"])
+    measured, by_delta = _measured_densities(sweep)
     per_step_tokens = prompts * samples * tokens
     out: dict[str, Any] = {}
     for m in modes:
         g = GuidedMode.parse(m)
         density = _mode_density(g, measured, by_delta)
-        per_token = 0.0
-        for layer in sorted(g.layer_indices(dims.layers)):
-            for shape in dims.sites(layer).values():
-                per_token += site_bytes_per_token(g.mode, shape, density=density)
-        row = {
-            "layers": g.layers,
-            "bytes_per_token": per_token,
-            "bytes_per_step": per_token * per_step_tokens,
-        }
+        per_token = _bytes_per_token(dims, g, density)
+        row = {"layers": g.layers, "bytes_per_token": per_token, "bytes_per_step": per_token * per_step_tokens}
         if density is not None:
             row["density"] = density
         if bandwidth_gbps is not None:
-            row["io_seconds"] = row["bytes_per_step"] / (bandwidth_gbps * 1e9)
+            row["io_seconds"] = row["bytes_per_step"] / (bandwidth_gbps * _BYTES_PER_GB)
         out[g.name] = row
     for ref in ("full", "lsb"):
         if ref in out and out[ref]["bytes_per_token"]:
@@ -297,14 +301,3 @@ def run_cli(args: argparse.Namespace) -> int:
         atomic_write_json(args.json, p, sort_keys=False)
         print(f"wrote {args.json}")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``tracefp4 plan ...`` on its own (the package CLI adds it with :func:`add_parser`)."""
-    from tracefp4.cli import run_subcommand
-
-    return run_subcommand(add_parser, "plan", argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 
 ``tracefp4 mismatch`` builds a tiny Qwen3-MoE (or loads a local checkpoint), samples B ragged prompts,
 runs the rollout engine in four modes and the trainer on each mode's own completions, and reports
-:
+the metrics of ``docs/contracts.md`` section 5:
 
 * **FP4 code mismatch rate** per site kind and layer, trainer vs rollout, for vanilla QAT and for the
   trainer guided by ``lsb`` hints on the deeper half / by full hints on every layer; and the share of
@@ -15,7 +15,8 @@ runs the rollout engine in four modes and the trainer on each mode's own complet
   on the deeper half), through the record store's own accounting (:func:`tracefp4.guidance.store.bytes_per_token`).
 
 ``tracefp4 mismatch --sweep [--modes M1,M2] [--json PATH] [--plot PATH]`` measures instead every
-guidance mode of :mod:`tracefp4.guidance.compact` against bytes per token (:mod:`tracefp4.reports.sweep`).
+guidance mode of :mod:`tracefp4.guidance.compact` against bytes per token (:mod:`tracefp4.reports.sweep`;
+the command line joins the two in :mod:`tracefp4.reports.commands`).
 
 Decisions (and why)
     * **Each arm compares its own rollout with its own trainer.** The bf16 rollout samples different
@@ -52,43 +53,47 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import os
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from tracefp4.engines.model import TinyMoESpec, from_config, load_model, model_layers, moe_layers, tiny_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
+from tracefp4.engines.rollout import generate
+from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, code_mismatch, forward_logprobs, forward_rollout
+from tracefp4.files import atomic_write_json
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import Site, deeper_half, layer_tag, record_prefix, routing_key
-from tracefp4.files import atomic_write_json
-from tracefp4.rl.grpo import mismatch_metrics
 from tracefp4.formats.numerics import lsb_bits
-from tracefp4.engines.model import TinyMoESpec, from_config, load_model, model_layers, moe_layers
-from tracefp4.engines.rollout import generate
-from tracefp4.guidance.store import StoreReader, StoreWriter, bytes_per_token, parse_name, seal_step
-from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, code_mismatch, forward_logprobs, forward_rollout
+from tracefp4.reports.measure import (
+    aggregate,
+    config_signature,
+    gap,
+    same_rollout,
+    share,
+    store_bytes,
+    store_records,
+    store_root,
+)
 
 __all__ = [
     "DEFAULTS",
+    "MODEL_DIMS",
     "ARMS",
-    "tiny_config",
     "make_prompts",
     "build_model",
     "mismatch_report",
     "format_report",
-    "add_parser",
+    "add_arguments",
     "run_cli",
-    "main",
 ]
 
-#: Defaults of the command: a model small enough that the whole report takes seconds on 2 cores.
+#: Defaults of the command: a model small enough that the whole report takes seconds on 2 cores
+#: (the README's figures are measured with them).
 DEFAULTS: dict[str, Any] = dict(
     # the tiny MoE's dims, with this report's own expert dim, vocabulary and (peaked) init
     **dataclasses.asdict(TinyMoESpec(moe_intermediate=32, vocab=64, init_std=0.1)),
@@ -98,7 +103,8 @@ DEFAULTS: dict[str, Any] = dict(
     temperature=1.0,
     seed=0,
 )
-_MODEL_DIMS = (
+#: The keys of :data:`DEFAULTS` that shape the model (arguments of :func:`tracefp4.engines.model.tiny_config`).
+MODEL_DIMS = (
     "layers", "experts", "top_k", "hidden", "moe_intermediate", "heads", "kv_heads", "head_dim", "vocab", "init_std",
 )  # fmt: skip
 
@@ -110,19 +116,10 @@ ARMS: dict[str, tuple[str, str]] = {
     "trace_full": ("fp4 + full hints, all layers", "trace"),
 }
 _SITES = tuple(s.value for s in Site)
-_POLICY_VERSION = 0
-_WRITER = "mismatch-report"
 _STEP_FULL, _STEP_COMPACT = 0, 1
 
 
-# --- inputs --------------------------------------------------------------------------------------
-
-
-def tiny_config(**dims):
-    """A small Qwen3-MoE config: :func:`tracefp4.engines.model.tiny_config` with this report's defaults."""
-    from tracefp4.engines.model import tiny_config as _tiny
-
-    return _tiny(**{k: dims.get(k, DEFAULTS[k]) for k in DEFAULTS}, **{k: v for k, v in dims.items() if k not in DEFAULTS})
+# --- inputs ---------------------------------------------------------------------------------------
 
 
 def make_prompts(batch: int, vocab: int, max_len: int, seed: int) -> list[torch.Tensor]:
@@ -137,58 +134,30 @@ def make_prompts(batch: int, vocab: int, max_len: int, seed: int) -> list[torch.
 
 
 def build_model(checkpoint: str | os.PathLike[str] | None = None, seed: int = 0, **dims: Any):
-    """A prepared model: loaded from a local folder, or freshly initialised from :func:`tiny_config`."""
+    """A prepared model: loaded from a local folder, or a fresh tiny Qwen3-MoE whose dims not given
+    take this report's :data:`DEFAULTS`."""
     if checkpoint is not None:
         return load_model(checkpoint)
-    return from_config(tiny_config(**dims), seed=seed)
+    return from_config(tiny_config(**{**{k: DEFAULTS[k] for k in MODEL_DIMS}, **dims}), seed=seed)
 
 
-# --- helpers -------------------------------------------------------------------------------------
+# --- measurements of this report ------------------------------------------------------------------
 
 
-def _padded(seqs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(s.numel() for s in seqs)
-    out = torch.zeros(len(seqs), width, dtype=torch.float32)
-    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
-    for b, s in enumerate(seqs):
-        out[b, : s.numel()] = s.detach().float()
-        mask[b, : s.numel()] = True
-    return out, mask
+class _Phases:
+    """Named, timed steps of the report, announced through ``progress``."""
 
+    def __init__(self, progress: Callable[[str], None] | None) -> None:
+        self.say = progress or (lambda msg: None)
+        self.seconds: dict[str, float] = {}
 
-def _gap(rollout: RolloutOutput, trainer: TrainerOutput) -> dict[str, float]:
-    lr, mask = _padded(rollout.logprobs)
-    lt, mask_t = trainer.padded()
-    if not torch.equal(mask, mask_t):
-        raise RuntimeError("trainer and rollout disagree on the completion lengths")
-    m = mismatch_metrics(lr, lt.detach().float(), mask)
-    return {
-        "mean_abs": m["train_rollout_logprob_abs_diff"],
-        "max_abs": m["train_rollout_logprob_abs_diff_max"],
-        "k3_kl": m["rollout_corr/k3_kl"],
-        "kl": m["rollout_corr/kl"],
-        "log_ppl_diff": m["rollout_corr/log_ppl_diff"],
-        "tokens": int(mask.sum()),
-    }
-
-
-def _share(num: int, den: int) -> float | None:
-    return num / den if den else None
-
-
-def _aggregate(stats: Mapping[str, SiteMismatch], keep: Callable[[int, str], bool]) -> dict[str, Any]:
-    mis = one = tot = 0
-    for name, s in stats.items():
-        layer, site, _ = parse_name(name + ".codes")
-        if keep(layer, site):
-            mis, one, tot = mis + s.mismatched, one + s.one_apart, tot + s.total
-    return {
-        "mismatched": mis,
-        "one_apart": one,
-        "total": tot,
-        "rate": mis / tot if tot else None,
-        "adjacent_share": _share(one, mis),
-    }
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.say(f"{name} ...")
+        t0 = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - t0
+        self.say(f"{name}: {self.seconds[name]:.1f}s")
 
 
 @contextlib.contextmanager
@@ -231,51 +200,6 @@ def _router_flips_without_replay(model, rollout: RolloutOutput, mode: str) -> di
     return {"rate": flips / total, "flips": flips, "token_layers": total, "per_layer": per_layer}
 
 
-def _store_records(root: Path, step: int, rollout: RolloutOutput, signature: str) -> list[dict[str, torch.Tensor]]:
-    """Write the rollout's records as one sealed store step, read them back (verified)."""
-    ids = [f"traj-{b:05d}" for b in range(len(rollout.token_ids))]
-    with StoreWriter(root, step, _WRITER, model_signature=signature, policy_version=_POLICY_VERSION) as w:
-        for tid, rec, p in zip(ids, rollout.records, rollout.prompt_lens):
-            w.add(tid, rec, prompt_len=p)
-    seal_step(root, step, [_WRITER])
-    with StoreReader(root, step, model_signature=signature, policy_version=_POLICY_VERSION) as r:
-        r.verify()
-        # clone: the reader's handles are memory-mapped and closed on exit
-        return [{k: v.clone() for k, v in rec.items()} for rec in r.batch(ids, [t.numel() for t in rollout.token_ids])]
-
-
-def _store_bytes(root: Path, step: int, signature: str) -> dict[str, Any]:
-    """The store's accounting, plus guidance bytes per token split by (site, layer) and by field."""
-    with StoreReader(root, step, model_signature=signature, policy_version=_POLICY_VERSION) as r:
-        acc = bytes_per_token(r)
-        by_site_layer: dict[str, dict[str, int]] = {}
-        by_field: dict[str, int] = {}
-        for m in r.manifests:
-            for t in m.trajectories.values():
-                for name, tm in t.tensors.items():
-                    layer, site, fld = parse_name(name)
-                    if site == "routing":
-                        continue
-                    d = by_site_layer.setdefault(site, {})
-                    d[layer_tag(layer)] = d.get(layer_tag(layer), 0) + tm.nbytes
-                    by_field[fld] = by_field.get(fld, 0) + tm.nbytes
-    gen = acc["generated_tokens"]
-    if sum(sum(d.values()) for d in by_site_layer.values()) != acc["guidance_bytes"]:
-        raise RuntimeError("store accounting: the (site, layer) split does not add up to the guidance bytes")
-    acc["by_site_layer"] = {s: {k: b / gen for k, b in sorted(d.items())} for s, d in sorted(by_site_layer.items())}
-    acc["by_field"] = {f: b / gen for f, b in sorted(by_field.items())}
-    acc["by_layer"] = {layer_tag(k): v for k, v in acc["by_layer"].items()}
-    acc["routing_by_layer"] = {layer_tag(k): v for k, v in acc["routing_by_layer"].items()}
-    return acc
-
-
-def _same_rollout(a: RolloutOutput, b: RolloutOutput) -> bool:
-    """Same tokens and same routing records (what the trainer's replay consumes)."""
-    return all(torch.equal(x, y) for x, y in zip(a.token_ids, b.token_ids)) and all(
-        torch.equal(x[k], y[k]) for x, y in zip(a.records, b.records) for k in x if k.endswith(".routing")
-    )
-
-
 def _check_lsb_matches_full(
     lsb: Sequence[Mapping[str, torch.Tensor]], full: Sequence[Mapping[str, torch.Tensor]]
 ) -> None:
@@ -297,36 +221,23 @@ def _check_lsb_matches_full(
                 )
 
 
-# --- the report ----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Stored:
+    """The trace rollouts' records as read back from the store, and the store's byte accounting."""
+
+    full_records: list[dict[str, torch.Tensor]]
+    lsb_records: list[dict[str, torch.Tensor]]
+    bytes_full: dict[str, Any]
+    bytes_compact: dict[str, Any]
 
 
-def mismatch_report(
-    model,
-    prompts: Sequence[torch.Tensor],
-    sampling: SamplingParams,
-    *,
-    store_dir: str | os.PathLike[str] | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """Run the four rollouts and their trainers; return the report as a JSON-ready dict."""
-    say = progress or (lambda msg: None)
-    t_start = time.perf_counter()
-    seconds: dict[str, float] = {}
+# --- the report, step by step ---------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def phase(name: str) -> Iterator[None]:
-        say(f"{name} ...")
-        t0 = time.perf_counter()
-        yield
-        seconds[name] = time.perf_counter() - t0
-        say(f"{name}: {seconds[name]:.1f}s")
 
-    n_layers, moe = model_layers(model)
-    compact_layers = deeper_half(n_layers)
-    all_layers = frozenset(range(n_layers))
-    cfg = model.config
-    signature = "mismatch:" + hashlib.sha256(cfg.to_json_string(use_diff=False).encode()).hexdigest()[:16]
-
+def _rollouts(
+    model, prompts, sampling: SamplingParams, compact_layers, all_layers, phase: _Phases
+) -> dict[str, RolloutOutput]:
+    """One rollout per arm: bf16, plain fp4, fp4 recording lsb hints (deeper half) and full hints (all layers)."""
     rollouts: dict[str, RolloutOutput] = {}
     plan = PrecisionPlan()
     for arm, kwargs in (
@@ -337,34 +248,39 @@ def mismatch_report(
     ):
         with phase(f"rollout {arm} ({ARMS[arm][0]})"):
             rollouts[arm] = generate(model, prompts, sampling, **kwargs)
+    return rollouts
 
-    fp4_identical = _same_rollout(rollouts["qat"], rollouts["trace_lsb"]) and _same_rollout(
-        rollouts["qat"], rollouts["trace_full"]
-    )
-    if not _same_rollout(rollouts["trace_lsb"], rollouts["trace_full"]):
+
+def _fp4_rollouts_identical(rollouts: Mapping[str, RolloutOutput]) -> bool:
+    """Whether every FP4 rollout sampled the same tokens and routing; the two trace ones must."""
+    if not same_rollout(rollouts["trace_lsb"], rollouts["trace_full"]):
         raise RuntimeError(
             "the lsb and full-hint FP4 rollouts sampled different tokens or routing: recording changed the "
             "numerics, so the trace-lsb code mismatch cannot be measured"
         )
+    return same_rollout(rollouts["qat"], rollouts["trace_lsb"]) and same_rollout(
+        rollouts["qat"], rollouts["trace_full"]
+    )
 
-    tmp = None
-    if store_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="tracefp4-mismatch-")
-        root = Path(tmp.name)
-    else:
-        root = Path(store_dir)
-    try:
-        with phase("store: write, seal, read back"):
-            full_records = _store_records(root, _STEP_FULL, rollouts["trace_full"], signature)
-            lsb_records = _store_records(root, _STEP_COMPACT, rollouts["trace_lsb"], signature)
-            _check_lsb_matches_full(lsb_records, full_records)
-            bytes_full = _store_bytes(root, _STEP_FULL, signature)
-            bytes_compact = _store_bytes(root, _STEP_COMPACT, signature)
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
 
+def _store_round_trip(root, rollouts: Mapping[str, RolloutOutput], signature: str) -> _Stored:
+    """Both trace rollouts' records through the store (one sealed step each), and the store's bytes."""
+    full_records = store_records(root, _STEP_FULL, rollouts["trace_full"], signature)
+    lsb_records = store_records(root, _STEP_COMPACT, rollouts["trace_lsb"], signature)
+    _check_lsb_matches_full(lsb_records, full_records)
+    return _Stored(
+        full_records, lsb_records, store_bytes(root, _STEP_FULL, signature), store_bytes(root, _STEP_COMPACT, signature)
+    )
+
+
+def _trainers(
+    model, rollouts: Mapping[str, RolloutOutput], full_records, lsb_records, phase: _Phases
+) -> tuple[dict[str, TrainerOutput], TrainerOutput]:
+    """Each arm's trainer on its own rollout (routing replayed), and a QAT trainer capturing codes
+    over the full-hint records (capture needs named sites; the QAT trainer ignores the hints)."""
     roll_full, roll_lsb = rollouts["trace_full"], rollouts["trace_lsb"]
+    n_layers = model_layers(model)[0]
+    all_layers, compact_layers = roll_full.guidance.layer_indices(n_layers), roll_lsb.guidance.layer_indices(n_layers)
     trainers: dict[str, TrainerOutput] = {}
     with torch.no_grad():
         for arm in ("bf16", "qat"):
@@ -385,26 +301,38 @@ def mismatch_report(
                 model, roll_full.token_ids, roll_full.prompt_lens, full_records,
                 mode="trace", plan=roll_full.plan, capture_codes=all_layers,
             )  # fmt: skip
-    with phase("router flips without replay (qat, bf16)"):
-        flips = {arm: _router_flips_without_replay(model, rollouts[arm], ARMS[arm][1]) for arm in ("qat", "bf16")}
+    return trainers, qat_codes
 
-    stats = {
+
+def _code_stats(
+    qat_codes: TrainerOutput, trainers: Mapping[str, TrainerOutput], full_records
+) -> dict[str, dict[str, SiteMismatch]]:
+    """Per arm and site, the trainer's codes against the full-hint rollout's (see the module docstring)."""
+    return {
         "qat": code_mismatch(qat_codes.codes, full_records),
         "trace_lsb": code_mismatch(trainers["trace_lsb"].codes, full_records),
         "trace_full": code_mismatch(trainers["trace_full"].codes, full_records),
     }
+
+
+def _aggregates(stats: Mapping[str, Mapping[str, SiteMismatch]], compact_layers) -> dict[str, dict[str, Any]]:
+    """Totals at comparable sites: QAT everywhere and on the deeper half, each trace arm at its guided sites."""
     everywhere = lambda layer, site: True  # noqa: E731
     deeper = lambda layer, site: layer in compact_layers  # noqa: E731
-    agg = {
-        "qat": _aggregate(stats["qat"], everywhere),
-        "qat_deeper_half": _aggregate(stats["qat"], deeper),
-        "trace_lsb": _aggregate(stats["trace_lsb"], everywhere),  # its guided sites = the deeper half
-        "trace_full": _aggregate(stats["trace_full"], everywhere),
-        "trace_full_deeper_half": _aggregate(stats["trace_full"], deeper),
+    return {
+        "qat": aggregate(stats["qat"], everywhere),
+        "qat_deeper_half": aggregate(stats["qat"], deeper),
+        "trace_lsb": aggregate(stats["trace_lsb"], everywhere),  # its guided sites = the deeper half
+        "trace_full": aggregate(stats["trace_full"], everywhere),
+        "trace_full_deeper_half": aggregate(stats["trace_full"], deeper),
     }
 
+
+def _per_site_table(
+    stats: Mapping[str, Mapping[str, SiteMismatch]], stored: _Stored, n_layers: int
+) -> dict[str, dict[str, Any]]:
+    """site -> layer -> elements, mismatch rate and adjacent share per arm, bytes per token full/compact."""
     per_site: dict[str, dict[str, Any]] = {}
-    gen = bytes_full["generated_tokens"]
     for site in _SITES:
         for layer in range(n_layers):
             name = record_prefix(layer, site)
@@ -413,44 +341,106 @@ def mismatch_report(
             row: dict[str, Any] = {"elements": stats["qat"][name].total}
             row["mismatch_rate"] = {arm: stats[arm][name].rate if name in stats[arm] else None for arm in stats}
             row["adjacent_share"] = {
-                arm: _share(stats[arm][name].one_apart, stats[arm][name].mismatched) if name in stats[arm] else None
+                arm: share(stats[arm][name].one_apart, stats[arm][name].mismatched) if name in stats[arm] else None
                 for arm in stats
             }
             key = layer_tag(layer)
             row["bytes_per_token"] = {
-                "full": bytes_full["by_site_layer"].get(site, {}).get(key, 0.0),
-                "compact": bytes_compact["by_site_layer"].get(site, {}).get(key, 0.0),
+                "full": stored.bytes_full["by_site_layer"].get(site, {}).get(key, 0.0),
+                "compact": stored.bytes_compact["by_site_layer"].get(site, {}).get(key, 0.0),
             }
             per_site.setdefault(site, {})[key] = row
+    return per_site
 
-    amax_full = bytes_full["by_field"].get("global_amax", 0.0)
-    amax_compact = bytes_compact["by_field"].get("global_amax", 0.0)
-    report: dict[str, Any] = {
-        "config": {
-            "model_type": cfg.model_type,
-            "layers": n_layers,
-            "moe_layers": list(moe),
-            "experts": getattr(cfg, "num_experts", getattr(cfg, "num_local_experts", None)),
-            "top_k": cfg.num_experts_per_tok,
-            "hidden": cfg.hidden_size,
-            "moe_intermediate": getattr(cfg, "moe_intermediate_size", None),
-            "heads": cfg.num_attention_heads,
-            "kv_heads": cfg.num_key_value_heads,
-            "head_dim": getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads),
-            "vocab": cfg.vocab_size,
-            "batch": len(prompts),
-            "prompt_lens": [int(p.numel()) for p in prompts],
-            "new_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "seed": sampling.seed,
-            "plan": {"weights": roll_full.plan.weights.value, "activations": roll_full.plan.activations,
-                     "kv_cache": roll_full.plan.kv_cache.value},  # fmt: skip
-            "compact_layers": sorted(compact_layers),
-            "routing_replay": True,
+
+# --- the report's sections ------------------------------------------------------------------------
+
+
+def _config_section(model, prompts, sampling: SamplingParams, plan, compact_layers) -> dict[str, Any]:
+    cfg = model.config
+    n_layers, moe = model_layers(model)
+    return {
+        "model_type": cfg.model_type,
+        "layers": n_layers,
+        "moe_layers": list(moe),
+        "experts": getattr(cfg, "num_experts", getattr(cfg, "num_local_experts", None)),
+        "top_k": cfg.num_experts_per_tok,
+        "hidden": cfg.hidden_size,
+        "moe_intermediate": getattr(cfg, "moe_intermediate_size", None),
+        "heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads,
+        "head_dim": getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads),
+        "vocab": cfg.vocab_size,
+        "batch": len(prompts),
+        "prompt_lens": [int(p.numel()) for p in prompts],
+        "new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "seed": sampling.seed,
+        "plan": {"weights": plan.weights.value, "activations": plan.activations, "kv_cache": plan.kv_cache.value},
+        "compact_layers": sorted(compact_layers),
+        "routing_replay": True,
+    }
+
+
+def _router_flip_section(flips: Mapping[str, dict[str, Any]], trainers: Mapping[str, TrainerOutput]) -> dict:
+    return {
+        "qat": flips["qat"],
+        "bf16": flips["bf16"],
+        # The trainer's own figure: under replay, its router's choice given replayed upstream layers.
+        "under_replay": {
+            arm: {
+                "mean": sum(t.router_flips.values()) / len(t.router_flips) if t.router_flips else None,
+                "per_layer": {layer_tag(k): v for k, v in sorted(t.router_flips.items())},
+            }
+            for arm, t in trainers.items()
         },
+    }
+
+
+def _bytes_section(stored: _Stored) -> dict[str, Any]:
+    full, compact = stored.bytes_full, stored.bytes_compact
+    amax_full = full["by_field"].get("global_amax", 0.0)
+    amax_compact = compact["by_field"].get("global_amax", 0.0)
+    return {
+        "full_all_layers": full["guidance"],
+        "compact_default": compact["guidance"],
+        "ratio": full["guidance"] / compact["guidance"],
+        "ratio_without_amax": (full["guidance"] - amax_full) / (compact["guidance"] - amax_compact),
+        "routing": full["routing"],
+        "full_detail": full,
+        "compact_detail": compact,
+    }
+
+
+def mismatch_report(
+    model,
+    prompts: Sequence[torch.Tensor],
+    sampling: SamplingParams,
+    *,
+    store_dir: str | os.PathLike[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the four rollouts and their trainers; return the report as a JSON-ready dict."""
+    t_start = time.perf_counter()
+    phase = _Phases(progress)
+    n_layers, _ = model_layers(model)
+    compact_layers = deeper_half(n_layers)
+    rollouts = _rollouts(model, prompts, sampling, compact_layers, frozenset(range(n_layers)), phase)
+    fp4_identical = _fp4_rollouts_identical(rollouts)
+    signature = config_signature("mismatch", model.config)
+    with store_root(store_dir, "tracefp4-mismatch-") as root, phase("store: write, seal, read back"):
+        stored = _store_round_trip(root, rollouts, signature)
+    trainers, qat_codes = _trainers(model, rollouts, stored.full_records, stored.lsb_records, phase)
+    with phase("router flips without replay (qat, bf16)"):
+        flips = {arm: _router_flips_without_replay(model, rollouts[arm], ARMS[arm][1]) for arm in ("qat", "bf16")}
+    stats = _code_stats(qat_codes, trainers, stored.full_records)
+    agg = _aggregates(stats, compact_layers)
+    roll_full = rollouts["trace_full"]
+    return {
+        "config": _config_section(model, prompts, sampling, roll_full.plan, compact_layers),
         "tokens": {
             "positions": sum(t.numel() for t in roll_full.token_ids),
-            "generated": gen,
+            "generated": stored.bytes_full["generated_tokens"],
             "generated_bf16": sum(lp.numel() for lp in rollouts["bf16"].logprobs),
         },
         "fp4_rollouts_identical": fp4_identical,
@@ -458,53 +448,41 @@ def mismatch_report(
         "adjacent_share": {k: v["adjacent_share"] for k, v in agg.items()},
         "mismatch_counts": {k: {f: v[f] for f in ("mismatched", "one_apart", "total")} for k, v in agg.items()},
         "router_flip_rate": flips["qat"]["rate"],
-        "router_flip": {
-            "qat": flips["qat"],
-            "bf16": flips["bf16"],
-            # The trainer's own figure: under replay, its router's choice given replayed upstream layers.
-            "under_replay": {
-                arm: {
-                    "mean": sum(t.router_flips.values()) / len(t.router_flips) if t.router_flips else None,
-                    "per_layer": {layer_tag(k): v for k, v in sorted(t.router_flips.items())},
-                }
-                for arm, t in trainers.items()
-            },
-        },
-        "logprob_gap": {arm: _gap(rollouts[arm], trainers[arm]) for arm in ARMS},
-        "bytes_per_token": {
-            "full_all_layers": bytes_full["guidance"],
-            "compact_default": bytes_compact["guidance"],
-            "ratio": bytes_full["guidance"] / bytes_compact["guidance"],
-            "ratio_without_amax": (bytes_full["guidance"] - amax_full) / (bytes_compact["guidance"] - amax_compact),
-            "routing": bytes_full["routing"],
-            "full_detail": bytes_full,
-            "compact_detail": bytes_compact,
-        },
-        "per_site": per_site,
-        "seconds": {**seconds, "total": time.perf_counter() - t_start},
+        "router_flip": _router_flip_section(flips, trainers),
+        "logprob_gap": {arm: gap(rollouts[arm], trainers[arm]) for arm in ARMS},
+        "bytes_per_token": _bytes_section(stored),
+        "per_site": _per_site_table(stats, stored, n_layers),
+        "seconds": {**phase.seconds, "total": time.perf_counter() - t_start},
     }
-    return report
 
 
-# --- presentation --------------------------------------------------------------------------------
+# --- presentation ---------------------------------------------------------------------------------
 
 
 def _pct(x: float | None, width: int = 10) -> str:
     return f"{'-':>{width}}" if x is None else f"{x:>{width}.3%}"
 
 
-def format_report(rep: dict[str, Any]) -> str:
+def _guided_span(rep: dict[str, Any]) -> str:
+    compact = rep["config"]["compact_layers"]
+    return f"{layer_tag(compact[0])}-{layer_tag(compact[-1])}" if compact else "none"
+
+
+def _header_lines(rep: dict[str, Any]) -> list[str]:
     c, tok = rep["config"], rep["tokens"]
-    compact = c["compact_layers"]
-    guided = f"{layer_tag(compact[0])}-{layer_tag(compact[-1])}" if compact else "none"
-    lines = [
+    return [
         f"mismatch report: {c['model_type']} {c['layers']} layers, {c['experts']} experts top-{c['top_k']}, "
         f"hidden {c['hidden']}, expert dim {c['moe_intermediate']}, {c['kv_heads']} KV heads x {c['head_dim']}",
         f"  batch {c['batch']} ragged prompts ({min(c['prompt_lens'])}-{max(c['prompt_lens'])} tokens), "
         f"{c['new_tokens']} new tokens, seed {c['seed']}: {tok['generated']} generated tokens, "
         f"{tok['positions']} positions; FP4 rollouts identical across modes: {rep['fp4_rollouts_identical']}",
         "",
-        f"FP4 code mismatch rate, trainer vs rollout (routing replayed; lsb hints on {guided})",
+    ]
+
+
+def _code_table_lines(rep: dict[str, Any]) -> list[str]:
+    lines = [
+        f"FP4 code mismatch rate, trainer vs rollout (routing replayed; lsb hints on {_guided_span(rep)})",
         f"{'site':<11}{'layer':<6}{'elements':>9}{'qat':>10}{'1-apart':>10}{'trace-lsb':>11}{'trace-full':>11}"
         f"{'full B/tok':>12}{'lsb B/tok':>11}",
     ]
@@ -517,53 +495,61 @@ def format_report(rep: dict[str, Any]) -> str:
                 f"{_pct(mr['trace_lsb'], 11)}{_pct(mr['trace_full'], 11)}{bt['full']:>12.1f}{bt['compact']:>11.1f}"
             )
     mr, adj = rep["mismatch_rate"], rep["adjacent_share"]
-    lines += [
+    return lines + [
         f"{'all sites':<17}{rep['mismatch_counts']['qat']['total']:>9}{_pct(mr['qat'])}{_pct(adj['qat'])}"
         f"{'-':>11}{_pct(mr['trace_full'], 11)}",
         f"{'deeper half':<17}{rep['mismatch_counts']['qat_deeper_half']['total']:>9}{_pct(mr['qat_deeper_half'])}"
         f"{_pct(adj['qat_deeper_half'])}{_pct(mr['trace_lsb'], 11)}{_pct(mr['trace_full_deeper_half'], 11)}",
         "",
     ]
+
+
+def _router_flip_lines(rep: dict[str, Any]) -> list[str]:
     fl = rep["router_flip"]
     per_layer = "  ".join(f"{k} {v:.1%}" for k, v in fl["qat"]["per_layer"].items())
-    lines += [
+    return [
         f"router flips without replay (token x MoE layer, top-k set differs): fp4/qat {rep['router_flip_rate']:.2%} "
         f"({fl['qat']['flips']}/{fl['qat']['token_layers']}; {per_layer}),  bf16/bf16 {fl['bf16']['rate']:.2%}",
         "  under replay (trainer's router_flips, given replayed upstream layers): "
         + ",  ".join(f"{arm} {v['mean']:.2%}" for arm, v in fl["under_replay"].items() if v["mean"] is not None),
         "",
+    ]
+
+
+def _gap_lines(rep: dict[str, Any]) -> list[str]:
+    lines = [
         "log-prob gap over completion tokens",
         f"{'arm':<12}{'rollout':<31}{'trainer':<9}{'mean|dlogp|':>13}{'max|dlogp|':>12}{'k3 KL':>12}",
     ]
     for arm, (roll, train) in ARMS.items():
         g = rep["logprob_gap"][arm]
         lines.append(f"{arm:<12}{roll:<31}{train:<9}{g['mean_abs']:>13.5f}{g['max_abs']:>12.5f}{g['k3_kl']:>12.2e}")
+    return lines
+
+
+def _bytes_lines(rep: dict[str, Any]) -> list[str]:
     b = rep["bytes_per_token"]
-    lines += [
+    return [
         "",
         "guidance bytes per generated token (store accounting, routing excluded)",
         f"  full information, all layers: {b['full_all_layers']:10.1f}",
-        f"  compact default (lsb, {guided}): {b['compact_default']:8.1f}",
+        f"  compact default (lsb, {_guided_span(rep)}): {b['compact_default']:8.1f}",
         f"  ratio: {b['ratio']:.2f}x   (without the 4-byte per-row global amax: {b['ratio_without_amax']:.2f}x; "
         "paper: about 6x)",
         f"  routing records (separate): {b['routing']:.1f} bytes per generated token",
     ]
-    return "\n".join(lines)
 
 
-# --- command line --------------------------------------------------------------------------------
+def format_report(rep: dict[str, Any]) -> str:
+    sections = (_header_lines, _code_table_lines, _router_flip_lines, _gap_lines, _bytes_lines)
+    return "\n".join(line for section in sections for line in section(rep))
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``mismatch`` subcommand to a ``tracefp4`` subparsers object."""
-    p = subparsers.add_parser(
-        "mismatch",
-        help="train-rollout mismatch report: FP4 code mismatches, router flips, log-prob gap, guidance bytes",
-        description="Run a tiny Qwen3-MoE (or a local checkpoint) through the rollout engine in bf16, fp4, "
-        "trace (lsb hints, deeper half) and trace (full hints, all layers), and the trainer on each mode's "
-        "completions; print code mismatch rates per site and layer, router flips without replay, the log-prob "
-        "gap per arm and the guidance bytes per generated token.",
-    )
+# --- command line (the ``mismatch`` command is assembled in tracefp4.reports.commands) ------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The report's options on the ``mismatch`` parser: the model, the batch, the store, the output."""
     m = p.add_argument_group("model (ignored with --checkpoint)")
     m.add_argument("--layers", type=int, default=None, help=f"decoder layers (default {DEFAULTS['layers']})")
     m.add_argument("--experts", type=int, default=None, help=f"routed experts (default {DEFAULTS['experts']})")
@@ -589,53 +575,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--store-dir", metavar="DIR", help="keep the guidance store here (default: a temp dir, removed)")
     p.add_argument("--json", metavar="PATH", help="also write the report (or the sweep) as JSON (atomically)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    from . import sweep  # sweep builds on this module's helpers
-
-    sweep.add_arguments(p)
-    p.set_defaults(func=run_cli)
-    return p
 
 
-def run_cli(args: argparse.Namespace) -> int:
-    dims = {k: getattr(args, k) for k in _MODEL_DIMS if getattr(args, k, None) is not None}
-    if args.checkpoint is not None and dims:
-        raise SystemExit(f"tracefp4 mismatch: --checkpoint fixes the model; drop {sorted(dims)}")
-    if args.batch < 1 or args.new_tokens < 1 or args.prompt_len < 1:
-        raise SystemExit("tracefp4 mismatch: --batch, --new-tokens and --prompt-len must be >= 1")
-    sweeping = getattr(args, "sweep", False)
-    if not sweeping and (getattr(args, "plot", None) or getattr(args, "modes", None)):
-        raise SystemExit("tracefp4 mismatch: --plot and --modes go with --sweep")
-    t0 = time.perf_counter()
-
-    def say(msg: str) -> None:
-        if not args.quiet:
-            print(f"[mismatch {time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
-    try:
-        model = build_model(args.checkpoint, seed=args.seed, **{**{k: DEFAULTS[k] for k in _MODEL_DIMS}, **dims})
-    except ValueError as e:
-        raise SystemExit(f"tracefp4 mismatch: {e}") from None
-    say(f"model ready ({'checkpoint ' + args.checkpoint if args.checkpoint else 'tiny Qwen3-MoE from config'})")
-    prompts = make_prompts(args.batch, model.config.vocab_size, args.prompt_len, args.seed)
-    sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, seed=args.seed)
-    if sweeping:
-        from tracefp4.reports import sweep
-
-        return sweep.run_cli(args, model, prompts, sampling, say)
+def run_cli(
+    args: argparse.Namespace,
+    model,
+    prompts: Sequence[torch.Tensor],
+    sampling: SamplingParams,
+    say: Callable[[str], None],
+) -> int:
+    """Run the report on prepared inputs; print it, and write it as JSON with ``--json``."""
     rep = mismatch_report(model, prompts, sampling, store_dir=args.store_dir, progress=say)
     print(format_report(rep))
     if args.json:
         atomic_write_json(args.json, rep, sort_keys=False)
         print(f"wrote {args.json}")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``tracefp4 mismatch ...`` on its own (the package CLI adds it with :func:`add_parser`)."""
-    from tracefp4.cli import run_subcommand
-
-    return run_subcommand(add_parser, "mismatch", argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

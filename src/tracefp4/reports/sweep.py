@@ -30,31 +30,39 @@ Decisions (and why)
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
-import tempfile
+import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tracefp4.engines.model import model_layers
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import RolloutOutput, SamplingParams
+from tracefp4.engines.rollout import generate
+from tracefp4.engines.trainer import SiteMismatch, code_mismatch, forward_logprobs
 from tracefp4.files import atomic_write_json
 from tracefp4.guidance import compact
 from tracefp4.guidance.compact import STANDARD_MODES, CompactRecord, GuidedMode, read_record
-from tracefp4.reports.mismatch import _aggregate, _gap, _same_rollout, _store_bytes, _store_records
-from tracefp4.engines.model import model_layers
-from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.engines.protocol import SamplingParams
-from tracefp4.engines.rollout import generate
 from tracefp4.guidance.names import deeper_half
 from tracefp4.guidance.store import parse_name
-from tracefp4.engines.trainer import code_mismatch, forward_logprobs
+from tracefp4.reports.measure import (
+    aggregate,
+    config_signature,
+    gap,
+    same_rollout,
+    store_bytes,
+    store_records,
+    store_root,
+)
 
-__all__ = ["run_sweep", "format_sweep", "plot_sweep", "run_cli"]
+__all__ = ["COMPACT", "run_sweep", "format_sweep", "plot_sweep", "add_arguments", "run_cli"]
 
 COMPACT = "lsb"  # the paper's compact cache: lsb hints on the deeper half
+#: The issue's target (see ``target``): at most 1/_BUDGET_DIVISOR of the compact mode's bytes per token.
+_BUDGET_DIVISOR = 4
 _STEP_REFERENCE = 0
 
 
@@ -90,9 +98,135 @@ def _grid_agreement(
     }
 
 
-def _agreement(stats: dict, keep: Callable[[int, str], bool]) -> dict[str, Any]:
-    agg = _aggregate(stats, keep)
+def _agreement(stats: Mapping[str, SiteMismatch], keep: Callable[[int, str], bool]) -> dict[str, Any]:
+    agg = aggregate(stats, keep)
     return {**agg, "agreement": None if agg["rate"] is None else 1.0 - agg["rate"]}
+
+
+def _gap_fields(g: dict[str, float]) -> dict[str, float]:
+    return {
+        "logprob_gap_mean_abs": g["mean_abs"],
+        "logprob_gap_max_abs": g["max_abs"],
+        "k3_kl": g["k3_kl"],
+    }
+
+
+def _everywhere(layer: int, site: str) -> bool:
+    return True
+
+
+@dataclasses.dataclass
+class _Reference:
+    """The full-information rollout (every layer, 4-bit codes) every mode is measured against."""
+
+    rollout: RolloutOutput
+    records: list[dict[str, torch.Tensor]]  # as read back from the store
+    qat_stats: dict[str, SiteMismatch]  # a QAT trainer's codes against them
+    n_layers: int
+    deeper: frozenset[int]
+    root: Path
+    signature: str
+
+    def in_deeper_half(self, layer: int, site: str) -> bool:
+        return layer in self.deeper
+
+
+def _parse_modes(modes: Sequence[str]) -> list[GuidedMode]:
+    parsed = [GuidedMode.parse(m) for m in modes]
+    names = [g.name for g in parsed]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate modes in the sweep: {names}")
+    return parsed
+
+
+def _reference_and_qat(model, prompts, sampling: SamplingParams, root: Path) -> tuple[_Reference, dict[str, Any]]:
+    """The reference rollout through the store, and the ``qat`` row (no guidance, 0 bytes)."""
+    n_layers, _ = model_layers(model)
+    every = frozenset(range(n_layers))
+    deeper = deeper_half(n_layers)
+    signature = config_signature("sweep", model.config)
+    reference = generate(model, prompts, sampling, plan=PrecisionPlan(), guidance=GuidedMode.parse("full"))
+    ref_records = store_records(root, _STEP_REFERENCE, reference, signature)
+    with torch.no_grad():
+        qat = forward_logprobs(
+            model, reference.token_ids, reference.prompt_lens, ref_records,
+            mode="qat", plan=reference.plan, capture_codes=every,
+        )  # fmt: skip
+    qat_stats = code_mismatch(qat.codes, ref_records)
+    ref = _Reference(reference, ref_records, qat_stats, n_layers, deeper, root, signature)
+    qat_all = _agreement(qat_stats, _everywhere)
+    row = {
+        "name": "qat",
+        "layers": "none",
+        "bytes_per_token": 0.0,
+        "agreement": qat_all["agreement"],
+        "agreement_all_sites": qat_all["agreement"],
+        "agreement_deeper_half": _agreement(qat_stats, ref.in_deeper_half)["agreement"],
+        "mismatched": qat_all["mismatched"],
+        "elements": qat_all["total"],
+        **_grid_agreement(qat.grids or [], ref_records),
+        **_gap_fields(gap(reference, qat)),
+    }
+    return ref, row
+
+
+def _mode_row(model, prompts, sampling: SamplingParams, g: GuidedMode, step: int, ref: _Reference) -> dict[str, Any]:
+    """One mode: its rollout through the store, the guided trainer on what the store returns."""
+    t0 = time.perf_counter()
+    layers = g.layer_indices(ref.n_layers)
+    roll = generate(model, prompts, sampling, plan=ref.rollout.plan, guidance=g)
+    if not same_rollout(roll, ref.rollout):
+        raise RuntimeError(f"{g.name}: the rollout sampled other tokens or routing than the reference")
+    records = store_records(ref.root, step, roll, ref.signature)
+    acc = store_bytes(ref.root, step, ref.signature)
+    with torch.no_grad():
+        out = forward_logprobs(
+            model, roll.token_ids, roll.prompt_lens, records, mode="trace", plan=roll.plan, capture_codes=layers
+        )
+    stats = code_mismatch(out.codes, ref.records)
+    guided = _agreement(stats, _everywhere)
+    # below the first guided layer the trainer is vanilla QAT on identical inputs
+    merged = {**{k: v for k, v in ref.qat_stats.items() if parse_name(k + ".codes")[0] not in layers}, **stats}
+    prefixes = sorted(out.codes[0]) if out.codes else []
+    return {
+        "name": g.name,
+        "mode": compact.mode_name(g.mode),
+        "layers": g.layers,
+        "guided_layers": sorted(layers),
+        "bytes_per_token": acc["guidance"],
+        "bytes_per_position": acc["guidance_bytes"] / sum(t.numel() for t in roll.token_ids),
+        "bytes_by_field": acc["by_field"],
+        "agreement": guided["agreement"],
+        "agreement_all_sites": _agreement(merged, _everywhere)["agreement"],
+        "agreement_deeper_half": _agreement(merged, ref.in_deeper_half)["agreement"],
+        "mismatched": guided["mismatched"],
+        "elements": guided["total"],
+        **_grid_agreement(out.grids or [], ref.records),
+        "density": _density(records, prefixes),
+        "decode_failures": out.decode_failures,
+        **_gap_fields(gap(roll, out)),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _sweep_config(model, prompts, sampling: SamplingParams) -> dict[str, Any]:
+    cfg = model.config
+    return {
+        "model_type": cfg.model_type,
+        "layers": model_layers(model)[0],
+        "hidden": cfg.hidden_size,
+        "moe_intermediate": getattr(cfg, "moe_intermediate_size", None),
+        "top_k": cfg.num_experts_per_tok,
+        "kv_heads": cfg.num_key_value_heads,
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "batch": len(prompts),
+        "new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "seed": sampling.seed,
+        "element_prior": list(compact.ELEMENT_PRIOR),
+        "scale_prior": list(compact.SCALE_PRIOR),
+        "ldpc_block": compact.LDPC_BLOCK,
+    }
 
 
 def run_sweep(
@@ -107,126 +241,36 @@ def run_sweep(
     """Measure every mode; return the sweep as a JSON-ready dict (see the module docstring)."""
     say = progress or (lambda msg: None)
     t_start = time.perf_counter()
-    parsed = [GuidedMode.parse(m) for m in modes]
-    names = [g.name for g in parsed]
-    if len(set(names)) != len(names):
-        raise ValueError(f"duplicate modes in the sweep: {names}")
-    n_layers, _ = model_layers(model)
-    every = frozenset(range(n_layers))
-    deeper = deeper_half(n_layers)
-    plan = PrecisionPlan()
-    cfg = model.config
-    signature = "sweep:" + hashlib.sha256(cfg.to_json_string(use_diff=False).encode()).hexdigest()[:16]
-
-    with contextlib.ExitStack() as stack:
-        if store_dir is None:
-            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tracefp4-sweep-")))
-        else:
-            root = Path(store_dir)
+    parsed = _parse_modes(modes)
+    with store_root(store_dir, "tracefp4-sweep-") as root:
         say("reference: full-information rollout on every layer, and vanilla QAT")
-        reference = generate(model, prompts, sampling, plan=plan, guidance=GuidedMode.parse("full"))
-        ref_records = _store_records(root, _STEP_REFERENCE, reference, signature)
-        with torch.no_grad():
-            qat = forward_logprobs(
-                model, reference.token_ids, reference.prompt_lens, ref_records,
-                mode="qat", plan=reference.plan, capture_codes=every,
-            )  # fmt: skip
-        qat_stats = code_mismatch(qat.codes, ref_records)
-        generated = sum(lp.numel() for lp in reference.logprobs)
-        qat_all = _agreement(qat_stats, lambda layer, site: True)
-        rows: list[dict[str, Any]] = [
-            {
-                "name": "qat",
-                "layers": "none",
-                "bytes_per_token": 0.0,
-                "agreement": qat_all["agreement"],
-                "agreement_all_sites": qat_all["agreement"],
-                "agreement_deeper_half": _agreement(qat_stats, lambda layer, site: layer in deeper)["agreement"],
-                "mismatched": qat_all["mismatched"],
-                "elements": qat_all["total"],
-                **_grid_agreement(qat.grids or [], ref_records),
-                **_gap_fields(_gap(reference, qat)),
-            }
-        ]
+        ref, qat_row = _reference_and_qat(model, prompts, sampling, root)
+        rows = [qat_row]
         for i, g in enumerate(parsed):
-            t0 = time.perf_counter()
-            layers = g.layer_indices(n_layers)
-            roll = generate(model, prompts, sampling, plan=plan, guidance=g)
-            if not _same_rollout(roll, reference):
-                raise RuntimeError(f"{g.name}: the rollout sampled other tokens or routing than the reference")
-            step = _STEP_REFERENCE + 1 + i
-            records = _store_records(root, step, roll, signature)
-            acc = _store_bytes(root, step, signature)
-            with torch.no_grad():
-                out = forward_logprobs(
-                    model, roll.token_ids, roll.prompt_lens, records, mode="trace", plan=roll.plan, capture_codes=layers
-                )
-            stats = code_mismatch(out.codes, ref_records)
-            guided = _agreement(stats, lambda layer, site: True)
-            # below the first guided layer the trainer is vanilla QAT on identical inputs
-            merged = {**{k: v for k, v in qat_stats.items() if parse_name(k + ".codes")[0] not in layers}, **stats}
-            prefixes = sorted(out.codes[0]) if out.codes else []
-            row = {
-                "name": g.name,
-                "mode": compact.mode_name(g.mode),
-                "layers": g.layers,
-                "guided_layers": sorted(layers),
-                "bytes_per_token": acc["guidance"],
-                "bytes_per_position": acc["guidance_bytes"] / sum(t.numel() for t in roll.token_ids),
-                "bytes_by_field": acc["by_field"],
-                "agreement": guided["agreement"],
-                "agreement_all_sites": _agreement(merged, lambda layer, site: True)["agreement"],
-                "agreement_deeper_half": _agreement(merged, lambda layer, site: layer in deeper)["agreement"],
-                "mismatched": guided["mismatched"],
-                "elements": guided["total"],
-                **_grid_agreement(out.grids or [], ref_records),
-                "density": _density(records, prefixes),
-                "decode_failures": out.decode_failures,
-                **_gap_fields(_gap(roll, out)),
-                "seconds": time.perf_counter() - t0,
-            }
+            row = _mode_row(model, prompts, sampling, g, _STEP_REFERENCE + 1 + i, ref)
             rows.append(row)
             say(
                 f"[{i + 1}/{len(parsed)}] {g.name}: {row['bytes_per_token']:.1f} B/token, agreement "
                 f"{row['agreement']:.5%}, mean|dlogp| {row['logprob_gap_mean_abs']:.5f}"
             )
-    by_name = {r["name"]: r for r in rows}
+    reference = ref.rollout
     rep: dict[str, Any] = {
-        "config": {
-            "model_type": cfg.model_type,
-            "layers": n_layers,
-            "hidden": cfg.hidden_size,
-            "moe_intermediate": getattr(cfg, "moe_intermediate_size", None),
-            "top_k": cfg.num_experts_per_tok,
-            "kv_heads": cfg.num_key_value_heads,
-            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-            "batch": len(prompts),
-            "new_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "seed": sampling.seed,
-            "element_prior": list(compact.ELEMENT_PRIOR),
-            "scale_prior": list(compact.SCALE_PRIOR),
-            "ldpc_block": compact.LDPC_BLOCK,
+        "config": _sweep_config(model, prompts, sampling),
+        "tokens": {
+            "generated": sum(lp.numel() for lp in reference.logprobs),
+            "positions": sum(t.numel() for t in reference.token_ids),
         },
-        "tokens": {"generated": generated, "positions": sum(t.numel() for t in reference.token_ids)},
         "modes": rows,
         "seconds": time.perf_counter() - t_start,
     }
+    by_name = {r["name"]: r for r in rows}
     if COMPACT in by_name:
         rep["target"] = _target(rows, by_name[COMPACT])
     return rep
 
 
-def _gap_fields(g: dict[str, float]) -> dict[str, float]:
-    return {
-        "logprob_gap_mean_abs": g["mean_abs"],
-        "logprob_gap_max_abs": g["max_abs"],
-        "k3_kl": g["k3_kl"],
-    }
-
-
 def _target(rows: list[dict[str, Any]], ref: dict[str, Any]) -> dict[str, Any]:
-    budget = ref["bytes_per_token"] / 4
+    budget = ref["bytes_per_token"] / _BUDGET_DIVISOR
     met = [
         r
         for r in rows
@@ -254,7 +298,7 @@ def _target(rows: list[dict[str, Any]], ref: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# --- presentation --------------------------------------------------------------------------------
+# --- presentation ---------------------------------------------------------------------------------
 
 
 def format_sweep(rep: dict[str, Any]) -> str:
@@ -308,6 +352,48 @@ def _family(name: str) -> str:
     return "lsb"
 
 
+#: Marker colour of each mode family in the plot.
+_COLORS = {"full": "tab:blue", "lsb": "tab:orange", "sparse": "tab:green", "ldpc": "tab:red", "qat": "black"}
+
+
+def _draw_panel(ax, rep: dict[str, Any], key: str, label: str, floor: float) -> None:
+    """One panel: every mode at (bytes per token, ``key``); the reference modes and the best exact-grid
+    mode are named, the target's byte budget is a dashed line."""
+    for r in rep["modes"]:
+        x = max(r["bytes_per_token"], 1.0)
+        y = max(1.0 - r[key], floor) if key == "agreement" else r[key]
+        fam = _family(r["name"])
+        filled = r["layers"] in ("all", "none")
+        ax.scatter(
+            [x], [y], s=36, marker="o" if fam != "qat" else "x", color=_COLORS[fam],
+            facecolors=_COLORS[fam] if filled else "none", linewidths=1.2,
+        )  # fmt: skip
+        if r["name"] in ("full", "lsb", "qat"):
+            ax.annotate(r["name"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        elif r["name"] == rep.get("target", {}).get("best_exact_grid"):
+            ax.annotate(r["name"], (x, y), fontsize=7, xytext=(-6, 14), textcoords="offset points", ha="right",
+                        arrowprops={"arrowstyle": "-", "lw": 0.5})  # fmt: skip
+    t = rep.get("target")
+    if t:
+        ax.axvline(t["budget_bytes_per_token"], color="gray", ls="--", lw=0.8)
+        ax.text(t["budget_bytes_per_token"], ax.get_ylim()[1], " 1/4 of lsb", fontsize=7, va="top", color="gray")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("guidance bytes per generated token (store accounting; qat drawn at 1)")
+    ax.set_ylabel(label)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _legend_handles(plt) -> list:
+    return [
+        plt.Line2D([], [], marker="o", ls="", color=c, label=f) for f, c in _COLORS.items() if f != "qat"
+    ] + [
+        plt.Line2D([], [], marker="o", ls="", color="gray", label="all layers"),
+        plt.Line2D([], [], marker="o", ls="", color="gray", markerfacecolor="none", label="deeper half"),
+        plt.Line2D([], [], marker="x", ls="", color="black", label="qat (no guidance)"),
+    ]
+
+
 def plot_sweep(rep: dict[str, Any], path: str | Path) -> None:
     """Two panels: bytes per generated token against code mismatch (1 - agreement) and against the
     mean log-prob gap. Filled markers guide every layer, hollow ones the deeper half."""
@@ -316,48 +402,14 @@ def plot_sweep(rep: dict[str, Any], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"full": "tab:blue", "lsb": "tab:orange", "sparse": "tab:green", "ldpc": "tab:red", "qat": "black"}
     rows = rep["modes"]
     floor = 0.5 / max(r["elements"] for r in rows)  # where a mode without a single mismatch is drawn
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
-    for ax, key, label in (
-        (axes[0], "agreement", "code mismatch at guided sites (1 - agreement)"),
-        (axes[1], "logprob_gap_mean_abs", "mean |logp_train - logp_rollout|"),
-    ):
-        for r in rows:
-            x = max(r["bytes_per_token"], 1.0)
-            y = max(1.0 - r[key], floor) if key == "agreement" else r[key]
-            fam = _family(r["name"])
-            filled = r["layers"] in ("all", "none")
-            ax.scatter(
-                [x], [y], s=36, marker="o" if fam != "qat" else "x", color=colors[fam],
-                facecolors=colors[fam] if filled else "none", linewidths=1.2,
-            )  # fmt: skip
-            if r["name"] in ("full", "lsb", "qat"):
-                ax.annotate(r["name"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
-            elif r["name"] == rep.get("target", {}).get("best_exact_grid"):
-                ax.annotate(r["name"], (x, y), fontsize=7, xytext=(-6, 14), textcoords="offset points", ha="right",
-                            arrowprops={"arrowstyle": "-", "lw": 0.5})  # fmt: skip
-        t = rep.get("target")
-        if t:
-            ax.axvline(t["budget_bytes_per_token"], color="gray", ls="--", lw=0.8)
-            ax.text(t["budget_bytes_per_token"], ax.get_ylim()[1], " 1/4 of lsb", fontsize=7, va="top", color="gray")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("guidance bytes per generated token (store accounting; qat drawn at 1)")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-    if rows:
-        axes[0].axhline(floor, color="gray", lw=0.5, ls=":")
-        axes[0].text(axes[0].get_xlim()[0], floor, " no mismatch", fontsize=7, va="bottom", color="gray")
-    handles = [
-        plt.Line2D([], [], marker="o", ls="", color=c, label=f) for f, c in colors.items() if f != "qat"
-    ] + [
-        plt.Line2D([], [], marker="o", ls="", color="gray", label="all layers"),
-        plt.Line2D([], [], marker="o", ls="", color="gray", markerfacecolor="none", label="deeper half"),
-        plt.Line2D([], [], marker="x", ls="", color="black", label="qat (no guidance)"),
-    ]
-    axes[1].legend(handles=handles, fontsize=8, loc="best")
+    _draw_panel(axes[0], rep, "agreement", "code mismatch at guided sites (1 - agreement)", floor)
+    _draw_panel(axes[1], rep, "logprob_gap_mean_abs", "mean |logp_train - logp_rollout|", floor)
+    axes[0].axhline(floor, color="gray", lw=0.5, ls=":")
+    axes[0].text(axes[0].get_xlim()[0], floor, " no mismatch", fontsize=7, va="bottom", color="gray")
+    axes[1].legend(handles=_legend_handles(plt), fontsize=8, loc="best")
     c = rep["config"]
     fig.suptitle(
         f"guidance bytes vs agreement and log-prob gap ({c['layers']} layers, hidden {c['hidden']}, "
@@ -369,7 +421,7 @@ def plot_sweep(rep: dict[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
-# --- command line (``tracefp4 mismatch --sweep``, wired in mismatch.add_parser) ------------------
+# --- command line (``tracefp4 mismatch --sweep``, assembled in tracefp4.reports.commands) ---------
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,80 @@
+"""The ``tracefp4 mismatch`` command: the mismatch report, or with ``--sweep`` the guidance sweep.
+
+Both measure the same model on the same prompts, so they share one parser and one way of building
+their inputs; this module is the only one that knows both (the report and the sweep never import
+each other, and nothing under ``tracefp4.reports`` imports the package CLI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tracefp4.engines.rollout import SamplingParams
+from tracefp4.reports import mismatch, sweep
+
+__all__ = ["add_mismatch_parser", "run_mismatch"]
+
+
+def add_mismatch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``mismatch`` subcommand (report and ``--sweep``) to a ``tracefp4`` subparsers object."""
+    p = subparsers.add_parser(
+        "mismatch",
+        help="train-rollout mismatch report: FP4 code mismatches, router flips, log-prob gap, guidance bytes",
+        description="Run a tiny Qwen3-MoE (or a local checkpoint) through the rollout engine in bf16, fp4, "
+        "trace (lsb hints, deeper half) and trace (full hints, all layers), and the trainer on each mode's "
+        "completions; print code mismatch rates per site and layer, router flips without replay, the log-prob "
+        "gap per arm and the guidance bytes per generated token.",
+    )
+    mismatch.add_arguments(p)
+    sweep.add_arguments(p)
+    p.set_defaults(func=run_mismatch)
+    return p
+
+
+def _check_args(args: argparse.Namespace) -> dict[str, object]:
+    """The model dims given on the command line; exits on a combination that cannot run."""
+    dims = {k: getattr(args, k) for k in mismatch.MODEL_DIMS if getattr(args, k, None) is not None}
+    if args.checkpoint is not None and dims:
+        raise SystemExit(f"tracefp4 mismatch: --checkpoint fixes the model; drop {sorted(dims)}")
+    if args.batch < 1 or args.new_tokens < 1 or args.prompt_len < 1:
+        raise SystemExit("tracefp4 mismatch: --batch, --new-tokens and --prompt-len must be >= 1")
+    if not args.sweep and (args.plot or args.modes):
+        raise SystemExit("tracefp4 mismatch: --plot and --modes go with --sweep")
+    return dims
+
+
+def _progress(quiet: bool) -> Callable[[str], None]:
+    t0 = time.perf_counter()
+
+    def say(msg: str) -> None:
+        if not quiet:
+            print(f"[mismatch {time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def _inputs(
+    args: argparse.Namespace, dims: dict[str, object], say: Callable[[str], None]
+) -> tuple[object, Sequence[torch.Tensor], SamplingParams]:
+    """The model (checkpoint, or the tiny default with ``dims``), the prompts and the sampling parameters."""
+    try:
+        model = mismatch.build_model(args.checkpoint, seed=args.seed, **dims)
+    except ValueError as e:
+        raise SystemExit(f"tracefp4 mismatch: {e}") from None
+    say(f"model ready ({'checkpoint ' + args.checkpoint if args.checkpoint else 'tiny Qwen3-MoE from config'})")
+    prompts = mismatch.make_prompts(args.batch, model.config.vocab_size, args.prompt_len, args.seed)
+    sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, seed=args.seed)
+    return model, prompts, sampling
+
+
+def run_mismatch(args: argparse.Namespace) -> int:
+    dims = _check_args(args)
+    say = _progress(args.quiet)
+    model, prompts, sampling = _inputs(args, dims, say)
+    run = sweep.run_cli if args.sweep else mismatch.run_cli
+    return run(args, model, prompts, sampling, say)

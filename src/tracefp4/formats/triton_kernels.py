@@ -274,7 +274,7 @@ def _mxfp4_kernel(x_ptr, codes_ptr, scales_ptr, bad_ptr, K, BLOCKS: tl.constexpr
     top = tl.minimum(tl.max(_abs_bits(x), axis=1), _FINITE_LIMIT)  # a bad block still computes in range
     e = _mx_exponent(top.to(tl.float32, bitcast=True), RCEIL)
     # 2^-e as a float32 pattern: e is in [-127, 126], so the biased field 127 - e is a normal one
-    enc = ((_E8M0_BIAS - e).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+    enc = ((-e + _E8M0_BIAS).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
     codes = _rtn_mag(tl.abs(x) * enc[:, None]) | _sign_code_bit(x)  # a power of two: |x * enc| == |x| * enc
     j = tl.arange(0, 16)
     tl.store(codes_ptr + r * (K // 2) + b[:, None] * 16 + j[None, :], _pack_pairs(codes, BLOCKS, 32),

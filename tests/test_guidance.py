@@ -241,11 +241,12 @@ def _bad_hints():
         (_replace(h, global_amax=h.global_amax.double()), "hint global_amax: expected float32"),
         (_replace(h, scales=nan_scale.view(torch.float8_e4m3fn)), r"hint scales: NaN scale code 0x7F at index \(2, 1\)"),
         (_replace(h, scales=h.scales.view(torch.uint8)), "hint scales: expected float8_e4m3fn"),
-        (_replace(h, data=h.data[:, :-1]), r"hint data: expected uint8 of shape \(4, 8\)"),
-        (_replace(h, mode=tf.HintMode.FULL), r"hint data: expected uint8 of shape \(4, 32\)"),
+        (_replace(h, data=h.data[:, :-1]), r"hint (data|lsb): expected uint8 of shape \(4, 8\)"),
+        (_replace(h, mode=tf.HintMode.FULL), r"hint (data|codes): expected uint8 of shape \(4, 32\)"),
+        (_replace(h, mode="lsb"), "hint: mode and fmt must be HintMode and Format"),
         (_replace(m, scales=m_nan), "hint scales: NaN scale code 0xFF"),
         (_replace(m, global_amax=torch.tensor(1.0)), "hint global_amax: expected None for mxfp4"),
-        (_replace(m, fmt=tf.Format.NVFP4), "hint scales: expected float8_e4m3fn"),
+        (_replace(m, fmt=tf.Format.NVFP4), "hint scales: expected float8_e4m3fn|hint shape mismatch"),
     ]
 
 

@@ -60,11 +60,7 @@ class Hint:
         :func:`tracefp4.formats.numerics.check_grid` (no NaN scale codes; NVFP4 needs a finite
         non-negative float32 amax, MXFP4 has none).
         """
-        if not isinstance(self.mode, HintMode) or not isinstance(self.fmt, Format):
-            raise ValueError(f"hint: mode and fmt must be HintMode and Format, got {self.mode!r}, {self.fmt!r}")
-        if not isinstance(self.scales, torch.Tensor) or self.scales.dim() == 0:
-            raise ValueError(f"hint scales: expected a tensor of shape [..., K/{self.fmt.block}], got {self.scales!r}")
-        shape = self.shape
+        shape = self._check_kind()
         check_grid(self.fmt, self.scales, self.global_amax, shape, "hint")
         per_byte = 8 if self.mode is HintMode.LSB else 2
         expect = (*shape[:-1], shape[-1] // per_byte)
@@ -73,6 +69,14 @@ class Hint:
             found = f"{data.dtype} of shape {tuple(data.shape)}" if isinstance(data, torch.Tensor) else type(data).__name__
             raise ValueError(f"hint data: expected uint8 of shape {expect} for {self.mode.value} hints, got {found}")
         return self
+
+    def _check_kind(self) -> torch.Size:
+        """Mode, format and scales' rank, so that :attr:`shape` means something; returns it."""
+        if not isinstance(self.mode, HintMode) or not isinstance(self.fmt, Format):
+            raise ValueError(f"hint: mode and fmt must be HintMode and Format, got {self.mode!r}, {self.fmt!r}")
+        if not isinstance(self.scales, torch.Tensor) or self.scales.dim() == 0:
+            raise ValueError(f"hint scales: expected a tensor of shape [..., K/{self.fmt.block}], got {self.scales!r}")
+        return self.shape
 
     @property
     def nbytes(self) -> int:
@@ -157,7 +161,7 @@ def guided_quantize(x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4:
     """
     if not isinstance(hint, Hint):
         raise ValueError(f"expected a Hint, got {type(hint).__name__}")
-    hint.check()
+    hint._check_kind()  # the grid and data are checked against x by guided_codes, in one pass
     if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(hint.shape):
         found = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(
@@ -165,9 +169,8 @@ def guided_quantize(x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4:
             f"{tuple(hint.shape)} ({hint.fmt.value}, {hint.mode.value})"
         )
     full = hint.mode is HintMode.FULL
-    return guided_codes(
-        x, hint.fmt, hint.scales, hint.global_amax, codes=hint.data if full else None, lsb=None if full else hint.data
-    )
+    data = {"codes": hint.data} if full else {"lsb": hint.data}
+    return guided_codes(x, hint.fmt, hint.scales, hint.global_amax, owner="hint", **data)
 
 
 def guided_fake_quant(x: torch.Tensor, hint: Hint) -> torch.Tensor:

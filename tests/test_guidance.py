@@ -284,7 +284,7 @@ def test_guided_codes_validates_grid_and_hint_data():
 
     x = torch.randn(4, 64)
     q = tf.quantize_nvfp4(x, per_row=True)
-    with pytest.raises(ValueError, match=r"guided lsb: expected uint8 of shape \(4, 8\)"):
+    with pytest.raises(ValueError, match=r"grid lsb: expected uint8 of shape \(4, 8\)"):
         guided_codes(x, "nvfp4", q.scales, q.global_amax, lsb=q.codes)
     with pytest.raises(ValueError, match=r"grid scales: expected float8_e4m3fn of shape \(4, 4\)"):
         guided_codes(x, "nvfp4", q.scales[:, :2], q.global_amax, codes=q.codes)

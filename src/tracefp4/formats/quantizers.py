@@ -34,7 +34,7 @@ from tracefp4.formats.numerics import (
     FP8,
     MXFP4,
     NVFP4,
-    check_global_amax,
+    as_rows,
     dequantize_fp8,
     dequantize_mxfp4,
     dequantize_nvfp4,
@@ -124,8 +124,7 @@ class NVFP4Quantizer(Quantizer):
             raise ValueError(f"x: amax_scope 'expert' needs [E, ..., K], got {getattr(x, 'shape', type(x).__name__)}")
         amax = x.detach().abs().amax(dim=tuple(range(1, x.dim())), keepdim=True).to(torch.float32)
         if not bool(torch.isfinite(amax).all()):  # name the bad element, as every quantize does
-            rows = x.detach().reshape(-1, x.shape[-1])
-            raise_non_finite(x, ~torch.isfinite(rows).all(dim=-1))
+            raise_non_finite(x, ~torch.isfinite(as_rows(x)).all(dim=-1))
         return amax.expand(*x.shape[:-1], 1)
 
     def quantize(self, x: torch.Tensor) -> NVFP4:

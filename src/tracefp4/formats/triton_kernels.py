@@ -159,15 +159,14 @@ def _pack_pairs(codes, BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_amax_kernel(x_ptr, amax_ptr, bad_ptr, K, TILE: tl.constexpr):
+def _row_amax_kernel(x_ptr, amax_ptr, K, TILE: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     top = tl.zeros((TILE,), tl.uint32)
     for k0 in range(0, K, TILE):
         offs = k0 + tl.arange(0, TILE)
         x = tl.load(x_ptr + r * K + offs, mask=offs < K, other=0.0)
         top = tl.maximum(top, _abs_bits(_widen(x)))
-    m = tl.max(top, axis=0)
-    tl.store(bad_ptr + r, (m > _FINITE_LIMIT).to(tl.int8))
+    m = tl.max(top, axis=0)  # a NaN/Inf row is clamped here; the quantize pass flags it
     tl.store(amax_ptr + r, tl.minimum(m, _FINITE_LIMIT).to(tl.float32, bitcast=True))
 
 
@@ -351,9 +350,8 @@ def row_amax(rows: torch.Tensor) -> torch.Tensor:
     _check_device(rows)
     n, k = rows.shape
     amax = torch.empty(n, dtype=torch.float32, device=rows.device)
-    bad = torch.zeros(n, dtype=torch.int8, device=rows.device)
     if n:
-        _row_amax_kernel[(n,)](rows, amax, bad, k, TILE=_ROW_TILE, **_EXACT)
+        _row_amax_kernel[(n,)](rows, amax, k, TILE=_ROW_TILE, **_EXACT)
     return amax
 
 

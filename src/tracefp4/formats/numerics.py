@@ -443,7 +443,6 @@ def _nvfp4_triton(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool):
     rows = as_rows(x)
     n = rows.shape[0]
     if amax is not None:
-        amax = amax.to(x.device)
         by_row = per_row_values(amax, x.shape)
     else:
         by_row = tk.row_amax(rows)  # a NaN/Inf row gets a finite amax here; the quantize pass flags it
@@ -464,7 +463,7 @@ def quantize_nvfp4(x: torch.Tensor, *, global_amax=None, per_row: bool = False) 
     a tensor passed in (a scalar, or ``[..., 1]``) is used as is.
     """
     check_input(x, NVFP4_BLOCK)
-    amax = None if global_amax is None else check_global_amax(global_amax, x.shape)
+    amax = None if global_amax is None else check_global_amax(global_amax, x.shape).to(x.device)
     run = _nvfp4_triton if backend(x) == "triton" else _nvfp4_numba
     codes, scales, amax = run(x, amax, per_row)
     lead = x.shape[:-1]
@@ -479,8 +478,9 @@ def _dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: Format, row_div:
     """float32 ``(value(code) * scale) / row_div[row]`` of a validated container, on the codes' device."""
     rows = as_rows(codes)
     scale_rows = as_rows(scales.view(torch.uint8))
+    row_div = row_div.to(codes.device)  # a global amax may be kept elsewhere than the codes
     if backend(codes, "codes") == "triton":
-        out = _triton().dequantize(rows, scale_rows, fmt.value, row_div.to(codes.device), fmt.block)
+        out = _triton().dequantize(rows, scale_rows, fmt.value, row_div, fmt.block)
     else:
         values = E4M3_VALUES if fmt is Format.NVFP4 else E8M0_VALUES
         out = np.empty((rows.shape[0], rows.shape[1] * 2), dtype=np.float32)

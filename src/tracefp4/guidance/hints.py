@@ -114,7 +114,7 @@ class Hint:
         amax = tensors.get(f"{prefix}.global_amax")
         if fmt is Format.NVFP4 and amax is None:
             raise ValueError(f"NVFP4 hint {prefix!r} lacks its global_amax")
-        return cls(mode, fmt, tensors[data_key], scales, amax)
+        return cls(mode, fmt, tensors[data_key], scales, amax).check()
 
 
 def hint_cat(hints: list[Hint], dim: int = 0) -> Hint:

@@ -408,3 +408,23 @@ def test_backend_choice_and_override():
             pass
     with pytest.raises(ValueError, match="meta"):
         tf.quantize_nvfp4(torch.zeros(2, 32, device="meta"))
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_triton_rows_spanning_several_programs(fmt):
+    # 2080 elements: three programs per row, the last one partly masked
+    x = make_data("heavy_tailed", torch.bfloat16, rows=3, cols=2080)
+    y = (x.float() * 1.01).to(torch.bfloat16)
+    quantize = (lambda t: tf.quantize_nvfp4(t, per_row=True)) if fmt == "nvfp4" else tf.quantize_mxfp4
+    cpu = quantize(x)
+    with triton_path():
+        fast = quantize(on_device(x))
+        deq = tf.dequantize(fast)
+        guided = tf.guided_quantize(on_device(y), tf.encode_hint(cpu, "lsb"))
+        hint = tf.encode_hint(fast, "lsb")
+    assert torch.equal(fast.codes.cpu(), cpu.codes)
+    assert torch.equal(fast.scales.cpu().view(torch.uint8), cpu.scales.view(torch.uint8))
+    assert torch.equal(deq.cpu().view(torch.int32), tf.dequantize(cpu).view(torch.int32))
+    assert torch.equal(guided.codes.cpu(), tf.guided_quantize(y, tf.encode_hint(cpu, "lsb")).codes)
+    assert torch.equal(hint.data.cpu(), tf.encode_hint(cpu, "lsb").data)

@@ -2,8 +2,12 @@
 """Check the Triton kernels on a CUDA device: bit-exact against the reference, and how close to the
 GPU's copy bandwidth they run.
 
-Correctness: every kernel (NVFP4 quantize per tensor / per row / given amax, guided quantize lsb and
-full for NVFP4 and MXFP4, lsb hint packing) on several shapes, dtypes and data kinds (heavy-tailed,
+The kernels are reached the way every caller reaches them: the public ops of ``tracefp4`` on CUDA
+tensors (the one dispatch point in :mod:`tracefp4.formats.numerics` sends those to Triton).
+
+Correctness: every kernel (NVFP4 quantize per tensor / per row / given amax, MXFP4 quantize floor and
+rceil, NVFP4 and MXFP4 dequantize, guided quantize lsb and full for NVFP4 and MXFP4, lsb hint
+packing) on several shapes, dtypes and data kinds (heavy-tailed,
 zero blocks, subnormal block scales among them). Small shapes are compared with
 :mod:`tracefp4.formats.reference` directly; large ones with the CPU kernels, which the test suite holds equal
 to the reference (the reference's codeword search needs ~1 GB per 16M elements).
@@ -68,7 +72,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a, b)
 
 
-def check_correctness(tk, tf, ref, big: tuple[int, int]) -> list[dict]:
+def check_correctness(tf, ref, big: tuple[int, int]) -> list[dict]:
     """One record per (kernel, shape, dtype, kind): ok or not, and against which oracle."""
     records = []
     shapes = [(1, 16), (7, 48), (33, 160), (3, 5, 256), (256, 4096), big]
@@ -84,16 +88,34 @@ def check_correctness(tk, tf, ref, big: tuple[int, int]) -> list[dict]:
                 base = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "kind": kind, "oracle": oracle}
                 for label, kw in [("quantize_nvfp4", {}), ("quantize_nvfp4 per_row", {"per_row": True}),
                                   ("quantize_nvfp4 given amax", {"global_amax": torch.tensor(3.0)})]:
-                    q = tk.quantize_nvfp4(xd, **kw)
+                    q = tf.quantize_nvfp4(xd, **kw)
+                    deq = tf.dequantize_nvfp4(q)
                     if small:
                         codes, s8, amax = ref.quantize_nvfp4(x, global_amax=kw.get("global_amax"),
                                                              per_row=kw.get("per_row", False))
                         ok = _same(tf.unpack_fp4(q.codes.cpu()), codes) and _same(q.scales, s8)
                         ok = ok and _same(q.global_amax, amax)
+                        ok_deq = _same(deq, ref.dequantize_nvfp4(codes, s8, amax))
                     else:
                         c = tf.quantize_nvfp4(x, **kw)
                         ok = _same(q.codes, c.codes) and _same(q.scales, c.scales) and _same(q.global_amax, c.global_amax)
+                        ok_deq = _same(deq, tf.dequantize_nvfp4(c))
                     records.append({**base, "kernel": label, "ok": ok})
+                    records.append({**base, "kernel": f"dequantize_nvfp4 ({label})", "ok": ok_deq})
+                if shape[-1] % 32 == 0:
+                    for mode in ("floor", "rceil"):
+                        m = tf.quantize_mxfp4(xd, scale_mode=mode)
+                        deq = tf.dequantize_mxfp4(m)
+                        if small:
+                            codes, scales = ref.quantize_mxfp4(x, mode)
+                            ok = _same(tf.unpack_fp4(m.codes.cpu()), codes) and _same(m.scales, scales)
+                            ok_deq = _same(deq, ref.dequantize_mxfp4(codes, scales))
+                        else:
+                            c = tf.quantize_mxfp4(x, scale_mode=mode)
+                            ok = _same(m.codes, c.codes) and _same(m.scales, c.scales)
+                            ok_deq = _same(deq, tf.dequantize_mxfp4(c))
+                        records.append({**base, "kernel": f"quantize_mxfp4 {mode}", "ok": ok})
+                        records.append({**base, "kernel": f"dequantize_mxfp4 {mode}", "ok": ok_deq})
                 if kind != "randn" and not small:
                     continue  # guided checks on the big shape: one data kind is enough
                 y = (x.float() * (1 + 0.02 * torch.randn(*shape, generator=torch.Generator().manual_seed(7)))).to(dtype)
@@ -103,7 +125,7 @@ def check_correctness(tk, tf, ref, big: tuple[int, int]) -> list[dict]:
                     q = tf.quantize_nvfp4(x, per_row=True) if fmt == "nvfp4" else tf.quantize_mxfp4(x)
                     for mode in ("lsb", "full"):
                         hint = tf.encode_hint(q, mode)
-                        got = tk.guided_quantize(y.cuda(), hint)
+                        got = tf.guided_quantize(y.cuda(), hint)
                         if small:
                             rc = tf.unpack_fp4(q.codes)
                             kw = {"rollout_codes": rc} if mode == "full" else {"rollout_lsb": rc & 1}
@@ -117,7 +139,7 @@ def check_correctness(tk, tf, ref, big: tuple[int, int]) -> list[dict]:
                         records.append({**base, "kernel": f"guided_quantize {fmt} {mode}", "ok": ok})
                     dq = tf.NVFP4(q.codes.cuda(), q.scales.cuda(), q.global_amax.cuda()) if fmt == "nvfp4" else \
                         tf.MXFP4(q.codes.cuda(), q.scales.cuda())
-                    ok = _same(tk.encode_hint(dq, "lsb").data, tf.encode_hint(q, "lsb").data)
+                    ok = _same(tf.encode_hint(dq, "lsb").data, tf.encode_hint(q, "lsb").data)
                     records.append({**base, "kernel": f"encode_hint lsb ({fmt})", "ok": ok})
     return records
 
@@ -138,23 +160,27 @@ def _cuda_time(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def measure_bandwidth(tk, tf, rows: int, cols: int, repeats: int) -> dict:
+def measure_bandwidth(tf, rows: int, cols: int, repeats: int) -> dict:
     x = torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
     y = (x.float() * (1 + 1e-3 * torch.randn_like(x, dtype=torch.float32))).to(torch.bfloat16)
     n_in = x.nbytes
     codes_b, scales_b = x.numel() // 2, x.numel() // 16
-    q = tk.quantize_nvfp4(x, per_row=True)
-    hint_lsb, hint_full = tk.encode_hint(q, "lsb"), tk.encode_hint(q, "full")
-    amax = x.float().abs().amax().cpu()
+    q = tf.quantize_nvfp4(x, per_row=True)
+    m = tf.quantize_mxfp4(x)
+    hint_lsb, hint_full = tf.encode_hint(q, "lsb"), tf.encode_hint(q, "full")
+    amax = x.float().abs().amax()
     # (label, callable, bytes it must move)
     ops = [
         ("x.clone()", lambda: x.clone(), 2 * n_in),
-        ("quantize_nvfp4 (per tensor: amax pass + quantize)", lambda: tk.quantize_nvfp4(x), 2 * n_in + codes_b + scales_b),
-        ("quantize_nvfp4 given amax (one pass)", lambda: tk.quantize_nvfp4(x, global_amax=amax), n_in + codes_b + scales_b),
-        ("quantize_nvfp4 per_row", lambda: tk.quantize_nvfp4(x, per_row=True), 2 * n_in + codes_b + scales_b),
-        ("guided_quantize lsb", lambda: tk.guided_quantize(y, hint_lsb), n_in + n_in // 16 + codes_b + 2 * scales_b),
-        ("guided_quantize full", lambda: tk.guided_quantize(y, hint_full), n_in + 2 * codes_b + 2 * scales_b),
-        ("encode_hint lsb", lambda: tk.encode_hint(q, "lsb"), codes_b + codes_b // 4 + 2 * scales_b),
+        ("quantize_nvfp4 (per tensor: amax pass + quantize)", lambda: tf.quantize_nvfp4(x), 2 * n_in + codes_b + scales_b),
+        ("quantize_nvfp4 given amax (one pass)", lambda: tf.quantize_nvfp4(x, global_amax=amax), n_in + codes_b + scales_b),
+        ("quantize_nvfp4 per_row", lambda: tf.quantize_nvfp4(x, per_row=True), 2 * n_in + codes_b + scales_b),
+        ("quantize_mxfp4", lambda: tf.quantize_mxfp4(x), n_in + codes_b + scales_b // 2),
+        ("dequantize_nvfp4 (fp32 out)", lambda: tf.dequantize_nvfp4(q), codes_b + scales_b + 2 * n_in),
+        ("dequantize_mxfp4 (fp32 out)", lambda: tf.dequantize_mxfp4(m), codes_b + scales_b // 2 + 2 * n_in),
+        ("guided_quantize lsb", lambda: tf.guided_quantize(y, hint_lsb), n_in + n_in // 16 + codes_b + 2 * scales_b),
+        ("guided_quantize full", lambda: tf.guided_quantize(y, hint_full), n_in + 2 * codes_b + 2 * scales_b),
+        ("encode_hint lsb", lambda: tf.encode_hint(q, "lsb"), codes_b + codes_b // 4 + 2 * scales_b),
     ]
     times = {label: _cuda_time(fn, repeats) for label, fn, _ in ops}
     clone_s = times["x.clone()"]
@@ -201,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", metavar="PATH", default="gpu_check.json", help="where to write the figures")
     p.add_argument("--skip-bandwidth", action="store_true")
+    p.add_argument("--big-rows", type=int, default=4096, help="rows of the largest correctness shape")
+    p.add_argument("--big-cols", type=int, default=4096, help="columns of the largest correctness shape")
     args = p.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -209,14 +237,14 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: ignoring TRITON_INTERPRET: this script runs the compiled kernels", file=sys.stderr)
     try:
         import tracefp4 as tf
-        from tracefp4 import reference as ref
-        from tracefp4 import triton_kernels as tk
+        from tracefp4.formats import reference as ref
+        from tracefp4.formats import triton_kernels  # noqa: F401 - fail early, clearly, without triton
     except ImportError as e:
         return _fail_early(f"Triton is not importable ({e})")
 
     t0 = time.perf_counter()
-    correct = check_correctness(tk, tf, ref, big=(4096, 4096))
-    bw = None if args.skip_bandwidth else measure_bandwidth(tk, tf, args.rows, args.cols, args.repeats)
+    correct = check_correctness(tf, ref, big=(args.big_rows, args.big_cols))
+    bw = None if args.skip_bandwidth else measure_bandwidth(tf, args.rows, args.cols, args.repeats)
     print(format_report(correct, bw))
     ok = all(r["ok"] for r in correct)
     payload = {"bit_exact": ok, "cases": correct, "bandwidth": bw, "seconds": time.perf_counter() - t0,

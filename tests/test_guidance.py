@@ -1,4 +1,4 @@
-"""Rollout-guided rounding: golden cases, fast == reference, and the properties DESIGN.md promises."""
+"""Rollout-guided rounding: golden cases, fast == reference, and the properties guided rounding promises."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def two_paths(draw):
 @PROFILE
 @given(two_paths())
 def test_full_guidance_never_farther_than_rtn(paths):
-    # DESIGN.md 3.3, per element: |q_guided - q_roll| <= |q_rtn - q_roll|, with q_rtn the trainer's
+    # the full-hint promise, per element: |q_guided - q_roll| <= |q_rtn - q_roll|, with q_rtn the trainer's
     # round-to-nearest on the rollout's grid (the grid both are compared on)
     x_roll, x_train = paths
     q = tf.quantize_nvfp4(x_roll, per_row=True)
@@ -210,3 +210,83 @@ def test_guidance_reduces_mismatch_on_drifted_activations():
     lsb = (tf.unpack_fp4(tf.guided_quantize(x_train, tf.encode_hint(q, "lsb")).codes) != tf.unpack_fp4(q.codes))
     assert rtn > 0.01
     assert lsb.float().mean() < rtn / 10
+
+
+# --- hint validation: every malformed hint is a ValueError naming the field ----------------------
+
+
+def _nvfp4_hint(mode="lsb", rows=4, cols=64):
+    return tf.encode_hint(tf.quantize_nvfp4(torch.randn(rows, cols), per_row=True), mode)
+
+
+def _replace(h, **kw):
+    fields = {"mode": h.mode, "fmt": h.fmt, "data": h.data, "scales": h.scales, "global_amax": h.global_amax}
+    return tf.Hint(**{**fields, **kw})
+
+
+def _bad_hints():
+    h = _nvfp4_hint()
+    nan_amax = h.global_amax.clone()
+    nan_amax[1] = float("nan")
+    nan_scale = h.scales.view(torch.uint8).clone()
+    nan_scale[2, 1] = 0x7F
+    m = tf.encode_hint(tf.quantize_mxfp4(torch.randn(4, 64)), "full")
+    m_nan = m.scales.clone()
+    m_nan[0, 0] = 255
+    return h, [
+        (_replace(h, global_amax=nan_amax), "hint global_amax: must be finite"),
+        (_replace(h, global_amax=torch.tensor(-1.0)), "hint global_amax: must be finite and non-negative"),
+        (_replace(h, global_amax=None), r"hint global_amax: expected float32.*got None"),
+        (_replace(h, global_amax=torch.ones(3, 1)), r"hint global_amax: expected float32, a scalar or of shape \(4, 1\)"),
+        (_replace(h, global_amax=h.global_amax.double()), "hint global_amax: expected float32"),
+        (_replace(h, scales=nan_scale.view(torch.float8_e4m3fn)), r"hint scales: NaN scale code 0x7F at index \(2, 1\)"),
+        (_replace(h, scales=h.scales.view(torch.uint8)), "hint scales: expected float8_e4m3fn"),
+        (_replace(h, data=h.data[:, :-1]), r"hint (data|lsb): expected uint8 of shape \(4, 8\)"),
+        (_replace(h, mode=tf.HintMode.FULL), r"hint (data|codes): expected uint8 of shape \(4, 32\)"),
+        (_replace(h, mode="lsb"), "hint: mode and fmt must be HintMode and Format"),
+        (_replace(m, scales=m_nan), "hint scales: NaN scale code 0xFF"),
+        (_replace(m, global_amax=torch.tensor(1.0)), "hint global_amax: expected None for mxfp4"),
+        (_replace(m, fmt=tf.Format.NVFP4), "hint scales: expected float8_e4m3fn|hint shape mismatch"),
+    ]
+
+
+def test_malformed_hints_raise_value_errors_everywhere():
+    good, cases = _bad_hints()
+    x = torch.randn(4, 64)
+    for bad, match in cases:
+        with pytest.raises(ValueError, match=match):
+            bad.check()
+        with pytest.raises(ValueError, match=match):
+            tf.guided_quantize(x, bad)
+        with pytest.raises(ValueError, match=match):
+            tf.guided_fake_quant(x, bad)
+        if bad.fmt is good.fmt and bad.mode is good.mode:
+            with pytest.raises(ValueError, match=match):
+                tf.hint_cat([good, bad])
+    assert good.check() is good
+
+
+def test_nan_amax_and_nan_scale_never_reach_the_kernels():
+    # before validation these gave NaN output (amax) or garbage (scale 0x7F / 0xFF / E8M0 255)
+    q = tf.quantize_nvfp4(torch.randn(2, 32), per_row=True)
+    for code in (0x7F, 0xFF):
+        s = q.scales.view(torch.uint8).clone()
+        s[0, 0] = code
+        bad = tf.NVFP4(q.codes, s.view(torch.float8_e4m3fn), q.global_amax)
+        with pytest.raises(ValueError, match=f"NVFP4 scales: NaN scale code 0x{code:02X}"):
+            tf.encode_hint(bad, "lsb")
+    with pytest.raises(ValueError, match="expected an NVFP4 or MXFP4"):
+        tf.encode_hint(q.codes, "lsb")
+
+
+def test_guided_codes_validates_grid_and_hint_data():
+    from tracefp4.formats.numerics import guided_codes
+
+    x = torch.randn(4, 64)
+    q = tf.quantize_nvfp4(x, per_row=True)
+    with pytest.raises(ValueError, match=r"grid lsb: expected uint8 of shape \(4, 8\)"):
+        guided_codes(x, "nvfp4", q.scales, q.global_amax, lsb=q.codes)
+    with pytest.raises(ValueError, match=r"grid scales: expected float8_e4m3fn of shape \(4, 4\)"):
+        guided_codes(x, "nvfp4", q.scales[:, :2], q.global_amax, codes=q.codes)
+    with pytest.raises(ValueError, match="exactly one"):
+        guided_codes(x, "nvfp4", q.scales, q.global_amax)

@@ -235,3 +235,95 @@ def test_fake_quant_forward_and_identity_gradient(fmt, dtype):
     g = torch.randn(4, 64, dtype=dtype)
     y.backward(g)
     assert torch.equal(x.grad, g)
+
+
+def test_straight_through_skips_autograd_without_grad_and_moves_value():
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    v = torch.randn(2, 16, dtype=torch.float64)
+    y = tf.formats.numerics.straight_through(x, v)
+    assert y.dtype == x.dtype and y.grad_fn is None and torch.equal(y, v.to(x.dtype))
+    xg = x.clone().requires_grad_(True)
+    with torch.no_grad():
+        assert tf.formats.numerics.straight_through(xg, v).grad_fn is None
+    y = tf.formats.numerics.straight_through(xg, v)
+    assert y.grad_fn is not None
+    y.sum().backward()
+    assert torch.equal(xg.grad, torch.ones_like(xg))
+
+
+# --- container validation: never a read past a buffer, never NaN ---------------------------------
+
+
+def _bad_containers():
+    q = tf.quantize_nvfp4(torch.randn(4, 64), per_row=True)
+    m = tf.quantize_mxfp4(torch.randn(4, 64))
+    e4m3_nan = q.scales.view(torch.uint8).clone()
+    e4m3_nan[3, 2] = 0x7F
+    e8m0_nan = m.scales.clone()
+    e8m0_nan[1, 1] = 255
+    return [
+        (tf.NVFP4(q.codes, q.scales[:, :1], q.global_amax), r"NVFP4 scales: expected float8_e4m3fn of shape \(4, 4\).*got float8_e4m3fn of shape \(4, 1\)"),
+        (tf.NVFP4(q.codes, q.scales[:2], q.global_amax), r"NVFP4 scales: expected float8_e4m3fn of shape \(4, 4\)"),
+        (tf.NVFP4(q.codes, q.scales.view(torch.uint8), q.global_amax), "NVFP4 scales: expected float8_e4m3fn"),
+        (tf.NVFP4(q.codes, e4m3_nan.view(torch.float8_e4m3fn), q.global_amax), r"NVFP4 scales: NaN scale code 0x7F at index \(3, 2\)"),
+        (tf.NVFP4(q.codes.to(torch.int32), q.scales, q.global_amax), "NVFP4 codes: expected uint8"),
+        (tf.NVFP4(q.codes[:, :4], q.scales, q.global_amax), "NVFP4 codes: last dim 4 holds 8 elements"),
+        (tf.NVFP4(q.codes, q.scales, q.global_amax[:2]), r"NVFP4 global_amax: expected float32, a scalar or of shape \(4, 1\)"),
+        (tf.NVFP4(q.codes, q.scales, q.global_amax.double()), "NVFP4 global_amax: expected float32"),
+        (tf.NVFP4(q.codes, q.scales, torch.tensor(float("nan"))), "NVFP4 global_amax: must be finite"),
+        (tf.NVFP4(q.codes, q.scales, torch.tensor(-2.0)), "NVFP4 global_amax: must be finite and non-negative"),
+        (tf.MXFP4(m.codes, m.scales[:, :1]), r"MXFP4 scales: expected uint8 of shape \(4, 2\)"),
+        (tf.MXFP4(m.codes, e8m0_nan), r"MXFP4 scales: NaN scale code 0xFF at index \(1, 1\)"),
+        (tf.MXFP4(m.codes, m.scales.view(torch.float8_e4m3fn)), "MXFP4 scales: expected uint8"),
+    ]
+
+
+def test_bad_containers_raise_value_errors_at_every_entry():
+    for bad, match in _bad_containers():
+        with pytest.raises(ValueError, match=match):
+            bad.check()
+        with pytest.raises(ValueError, match=match):
+            tf.dequantize(bad)
+        with pytest.raises(ValueError, match=match):
+            (tf.dequantize_nvfp4 if isinstance(bad, tf.NVFP4) else tf.dequantize_mxfp4)(bad)
+        with pytest.raises(ValueError, match=match):
+            tf.encode_hint(bad, "full")
+    with pytest.raises(ValueError, match="expected an NVFP4"):
+        tf.dequantize_nvfp4(tf.quantize_mxfp4(torch.randn(2, 32)))
+
+
+def test_bad_container_errors_are_one_line():
+    for bad, _ in _bad_containers():
+        with pytest.raises(ValueError) as e:
+            tf.dequantize(bad)
+        assert "\n" not in str(e.value)
+
+
+# --- no process-wide state: numba's thread count is the caller's ---------------------------------
+
+
+def test_library_never_changes_numba_thread_count(monkeypatch):
+    import numba
+
+    from tracefp4.formats import kernels
+
+    before = numba.get_num_threads()
+
+    def refuse(n):
+        raise AssertionError(f"library code called numba.set_num_threads({n})")
+
+    monkeypatch.setattr(numba, "set_num_threads", refuse)
+    x = torch.randn(2048, 1024)  # 8 MB: more than one grain, so the chunk count matters
+    q = tf.quantize_nvfp4(x)
+    tf.quantize_nvfp4(x, per_row=True)
+    tf.dequantize(q)
+    m = tf.quantize_mxfp4(x)
+    tf.dequantize(m)
+    tf.guided_quantize(x, tf.encode_hint(q, "lsb"))
+    tf.guided_quantize(x, tf.encode_hint(m, "full"))
+    assert numba.get_num_threads() == before
+    # the work is sized by the chunks a kernel is given instead
+    assert kernels.row_chunks(1, 1 << 40) == 1
+    assert kernels.row_chunks(1000, 0) == 1
+    assert kernels.row_chunks(1000, 100 * kernels.GRAIN_BYTES) == min(numba.get_num_threads(), 100)
+    assert kernels.row_chunks(3, 100 * kernels.GRAIN_BYTES) == min(numba.get_num_threads(), 3)

@@ -1,6 +1,10 @@
 """The Triton kernels against the readable reference at atol=0, and the bit-level helpers they share
 with the CPU kernels checked exhaustively.
 
+The kernels are reached through the public ops (``tf.quantize_nvfp4`` ...), the path a CUDA tensor
+takes: on a GPU with CUDA tensors, without one with CPU tensors routed to the Triton kernels by
+:func:`tracefp4.formats.numerics.use_backend` (the one dispatch point).
+
 Without a CUDA device the Triton kernels run under Triton's CPU interpreter. The interpreter must be
 switched on (``TRITON_INTERPRET=1``) before triton is first imported, since triton's own library
 functions are built at import; when another test module got there first (torchao imports triton),
@@ -21,9 +25,11 @@ import numpy as np
 import pytest
 import torch
 
+import contextlib
+
 import fp4data
 import tracefp4 as tf
-from tracefp4.formats import kernels
+from tracefp4.formats import kernels, numerics
 from tracefp4.formats import reference as ref
 
 _CHILD_FLAG = "TRACEFP4_TRITON_FRESH_PROCESS"
@@ -75,6 +81,12 @@ DEVICE = "cuda" if tk is not None and not tk.interpreting() else "cpu"
 
 def on_device(t: torch.Tensor) -> torch.Tensor:
     return t.to(DEVICE)
+
+
+def triton_path():
+    """The public ops on the Triton kernels: CUDA tensors go there anyway; CPU tensors (under the
+    interpreter) are routed there inside this context."""
+    return numerics.use_backend("triton") if DEVICE == "cpu" else contextlib.nullcontext()
 
 
 def make_data(kind: str, dtype: torch.dtype, rows: int = 12, cols: int = 96, seed: int = 0) -> torch.Tensor:
@@ -192,7 +204,7 @@ def test_triton_helpers_match_cpu_helpers():
     assert torch.equal(mags.cpu(), expect)
 
 
-# --- Triton kernels == reference -------------------------------------------------------------------
+# --- Triton kernels == reference, through the public ops ------------------------------------------
 
 
 @needs_triton
@@ -201,24 +213,77 @@ def test_triton_helpers_match_cpu_helpers():
 @pytest.mark.parametrize("per_row", [False, True])
 def test_triton_nvfp4_equals_reference(kind, dtype, per_row):
     x = make_data(kind, dtype)
-    q = tk.quantize_nvfp4(on_device(x), per_row=per_row)
+    with triton_path():
+        q = tf.quantize_nvfp4(on_device(x), per_row=per_row)
+        deq = tf.dequantize_nvfp4(q)
+    assert q.codes.device.type == DEVICE and deq.device.type == DEVICE
     codes, s8, amax = ref.quantize_nvfp4(x, per_row=per_row)
     assert torch.equal(tf.unpack_fp4(q.codes.cpu()), codes)
     assert torch.equal(q.scales.cpu().view(torch.uint8), s8.view(torch.uint8))
     assert torch.equal(q.global_amax.cpu().view(torch.int32), amax.view(torch.int32))
+    assert torch.equal(deq.cpu().view(torch.int32), ref.dequantize_nvfp4(codes, s8, amax).view(torch.int32))
     if kind == "subnormal_scales":
         assert bool((q.scales.view(torch.uint8) < 8).any()), "test data must reach subnormal scales"
 
 
 @needs_triton
+@pytest.mark.parametrize("kind", KINDS + ["saturating"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale_mode", ["floor", "rceil"])
+def test_triton_mxfp4_equals_reference(kind, dtype, scale_mode):
+    x = fp4data.make_data(kind, dtype, 12, 128)
+    with triton_path():
+        q = tf.quantize_mxfp4(on_device(x), scale_mode=scale_mode)
+        deq = tf.dequantize_mxfp4(q)
+    assert q.codes.device.type == DEVICE and deq.device.type == DEVICE
+    codes, scales = ref.quantize_mxfp4(x, scale_mode)
+    assert torch.equal(tf.unpack_fp4(q.codes.cpu()), codes)
+    assert torch.equal(q.scales.cpu(), scales)
+    assert torch.equal(deq.cpu().view(torch.int32), ref.dequantize_mxfp4(codes, scales).view(torch.int32))
+
+
+def _mx_probe_amaxes() -> torch.Tensor:
+    """Block amaxes at every E8M0 decision point: powers of two and 6 * powers of two across the whole
+    float32 range (subnormals included), and the float32s either side of each."""
+    exps = torch.arange(-149, 128, dtype=torch.float64)
+    anchors = torch.cat([2.0**exps, 6.0 * 2.0**exps]).to(torch.float32)
+    anchors = anchors[torch.isfinite(anchors) & (anchors > 0)]
+    up = torch.nextafter(anchors, torch.full_like(anchors, float("inf")))
+    down = torch.nextafter(anchors, torch.zeros_like(anchors))
+    probe = torch.cat([anchors, up, down, torch.tensor([0.0, float(np.finfo(np.float32).max)])])
+    return probe[torch.isfinite(probe)]
+
+
+@needs_triton
+@pytest.mark.parametrize("scale_mode", ["floor", "rceil"])
+def test_triton_mxfp4_exponents_at_every_decision_point(scale_mode):
+    # the Triton kernel reads block exponents off float32 bits, the CPU kernel uses frexp: every block
+    # holds one probe amax (with a few smaller elements), so each row checks 4 decision points
+    amax = _mx_probe_amaxes()
+    pad = (-amax.numel()) % 4
+    amax = torch.cat([amax, torch.zeros(pad)]).reshape(-1, 4)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.rand(amax.shape[0], 4, 32, generator=g) * 2 - 1) * amax[..., None]
+    x[..., 7] = amax
+    x = x.reshape(amax.shape[0], 128)
+    cpu = tf.quantize_mxfp4(x, scale_mode=scale_mode)
+    with triton_path():
+        fast = tf.quantize_mxfp4(on_device(x), scale_mode=scale_mode)
+    assert torch.equal(fast.scales.cpu(), cpu.scales)
+    assert torch.equal(fast.codes.cpu(), cpu.codes)
+
+
+@needs_triton
 def test_triton_nvfp4_given_amax_saturates_and_leading_dims():
     x = make_data("randn", torch.bfloat16, rows=6, cols=64) * 50
-    q = tk.quantize_nvfp4(on_device(x), global_amax=torch.tensor(2.0))
+    with triton_path():
+        q = tf.quantize_nvfp4(on_device(x), global_amax=torch.tensor(2.0))
     codes, s8, _ = ref.quantize_nvfp4(x, global_amax=torch.tensor(2.0))
     assert torch.equal(tf.unpack_fp4(q.codes.cpu()), codes)
     assert bool((q.scales.cpu().view(torch.uint8) == 0x7E).any()), "the data must saturate the scale"
     x3 = make_data("heavy_tailed", torch.float32, rows=6, cols=48).reshape(2, 3, 48)
-    q3 = tk.quantize_nvfp4(on_device(x3), per_row=True)
+    with triton_path():
+        q3 = tf.quantize_nvfp4(on_device(x3), per_row=True)
     cpu = tf.quantize_nvfp4(x3, per_row=True)
     assert q3.codes.shape == cpu.codes.shape and q3.global_amax.shape == cpu.global_amax.shape
     assert torch.equal(q3.codes.cpu(), cpu.codes)
@@ -235,8 +300,10 @@ def test_triton_guided_equals_reference(fmt, mode, dtype):
     x_roll = (torch.randn(8, cols, generator=g) * torch.rand(8, 1, generator=g) * 10).to(dtype)
     x_train = (x_roll.float() * (1 + 0.05 * torch.randn(8, cols, generator=g))).to(dtype)
     q = tf.quantize_nvfp4(x_roll, per_row=True) if fmt == "nvfp4" else tf.quantize_mxfp4(x_roll)
-    hint = tf.encode_hint(q, mode)
-    fast = tk.guided_quantize(on_device(x_train), hint)
+    hint = tf.encode_hint(q, mode)  # CPU tensors: the hint may live elsewhere than x
+    with triton_path():
+        fast = tf.guided_quantize(on_device(x_train), hint)
+    assert fast.codes.device.type == DEVICE and fast.scales.device.type == DEVICE
     rc = tf.unpack_fp4(q.codes)
     kw = {"rollout_codes": rc} if mode == "full" else {"rollout_lsb": rc & 1}
     if fmt == "nvfp4":
@@ -257,27 +324,37 @@ def test_triton_lsb_hint_packing(fmt):
     else:
         dq = tf.MXFP4(on_device(q.codes), on_device(q.scales))
     for mode in ("lsb", "full"):
-        fast, cpu = tk.encode_hint(dq, mode), tf.encode_hint(q, mode)
+        with triton_path():
+            fast = tf.encode_hint(dq, mode)
+        cpu = tf.encode_hint(q, mode)
         assert torch.equal(fast.data.cpu(), cpu.data)
         assert fast.mode is cpu.mode and fast.fmt is cpu.fmt
-    assert torch.equal(tk.lsb_bits(on_device(q.codes)).cpu(), tf.encode_hint(q, "lsb").data)
+    with triton_path():
+        bits = numerics.lsb_bits(on_device(q.codes))
+    assert torch.equal(bits.cpu(), tf.encode_hint(q, "lsb").data)
 
 
 @needs_triton
 def test_triton_refuses_non_finite_and_bad_input():
     x = torch.ones(3, 32)
     x[2, 17] = float("nan")
-    with pytest.raises(ValueError, match=r"non-finite input at index \(2, 17\)"):
-        tk.quantize_nvfp4(on_device(x))
-    with pytest.raises(ValueError, match=r"non-finite input at index \(2, 17\)"):
-        tk.quantize_nvfp4(on_device(x), global_amax=torch.tensor(1.0))
     q = tf.quantize_nvfp4(torch.ones(3, 32), per_row=True)
-    with pytest.raises(ValueError, match=r"non-finite input at index \(2, 17\)"):
-        tk.guided_quantize(on_device(x), tf.encode_hint(q, "lsb"))
-    with pytest.raises(ValueError, match="not a multiple of the block size 16"):
-        tk.quantize_nvfp4(on_device(torch.ones(2, 24)))
-    with pytest.raises(ValueError, match="hint shape mismatch"):
-        tk.guided_quantize(on_device(torch.ones(3, 64)), tf.encode_hint(q, "lsb"))
+    with triton_path():
+        with pytest.raises(ValueError, match=r"non-finite input at index \(2, 17\)"):
+            tf.quantize_nvfp4(on_device(x))
+        with pytest.raises(ValueError, match=r"non-finite input at index \(2, 17\)"):
+            tf.quantize_nvfp4(on_device(x), global_amax=torch.tensor(1.0))
+        with pytest.raises(ValueError, match=r"non-finite input at index \(2, 17\)"):
+            tf.quantize_mxfp4(on_device(x))
+        with pytest.raises(ValueError, match=r"non-finite input at index \(2, 17\)"):
+            tf.guided_quantize(on_device(x), tf.encode_hint(q, "lsb"))
+        with pytest.raises(ValueError, match="not a multiple of the block size 16"):
+            tf.quantize_nvfp4(on_device(torch.ones(2, 24)))
+        with pytest.raises(ValueError, match="hint shape mismatch"):
+            tf.guided_quantize(on_device(torch.ones(3, 64)), tf.encode_hint(q, "lsb"))
+        bad = tf.NVFP4(on_device(q.codes), on_device(q.scales[:, :1]), on_device(q.global_amax))
+        with pytest.raises(ValueError, match="scales"):
+            tf.dequantize(bad)
 
 
 @pytest.mark.parametrize("shape", [(0, 64), (2, 0, 32)])
@@ -285,14 +362,69 @@ def test_empty_batches(shape):
     # an expert that no token was routed to still gets quantized: zero rows in, zero rows out (a
     # per-tensor amax of nothing is 0, so S_enc is 1), on the CPU and on the Triton path alike
     x = torch.zeros(*shape, dtype=torch.bfloat16)
-    paths = [(tf.quantize_nvfp4, tf.guided_quantize, tf.encode_hint)]
-    if tk is not None:
-        paths.append((tk.quantize_nvfp4, tk.guided_quantize, tk.encode_hint))
-    for quantize, guided, encode in paths:
-        for per_row in (False, True):
-            q = quantize(on_device(x), per_row=per_row)
-            assert q.codes.shape == (*shape[:-1], shape[-1] // 2) and q.shape == x.shape
-            assert q.global_amax.shape == ((*shape[:-1], 1) if per_row else ())
-            for mode in ("lsb", "full"):
-                assert guided(on_device(x), encode(q, mode)).codes.shape == q.codes.shape
-    assert tf.dequantize_nvfp4(tf.quantize_nvfp4(x)).shape == x.shape
+    paths = [(contextlib.nullcontext, "cpu")] + ([(triton_path, DEVICE)] if tk is not None else [])
+    for path, device in paths:
+        with path():
+            xd = x.to(device)
+            for per_row in (False, True):
+                q = tf.quantize_nvfp4(xd, per_row=per_row)
+                assert q.codes.shape == (*shape[:-1], shape[-1] // 2) and q.shape == x.shape
+                assert q.global_amax.shape == ((*shape[:-1], 1) if per_row else ())
+                assert tf.dequantize_nvfp4(q).shape == x.shape
+                for mode in ("lsb", "full"):
+                    assert tf.guided_quantize(xd, tf.encode_hint(q, mode)).codes.shape == q.codes.shape
+            m = tf.quantize_mxfp4(xd)
+            assert m.scales.shape == (*shape[:-1], shape[-1] // 32) and tf.dequantize_mxfp4(m).shape == x.shape
+
+
+def test_cpu_tensors_go_to_numba_and_never_import_triton():
+    # the dispatch point sends CPU tensors to the numba kernels: triton stays unimported
+    code = (
+        "import sys, torch, tracefp4 as tf\n"
+        "from tracefp4.formats import numerics\n"
+        "x = torch.randn(4, 64)\n"
+        "assert numerics.backend(x) == 'numba'\n"
+        "q = tf.quantize_nvfp4(x, per_row=True); tf.dequantize(q)\n"
+        "m = tf.quantize_mxfp4(x); tf.dequantize(m)\n"
+        "tf.guided_quantize(x, tf.encode_hint(q, 'lsb')); tf.guided_quantize(x, tf.encode_hint(m, 'full'))\n"
+        "tf.fake_quant(x, 'mxfp4', scale_mode='rceil')\n"
+        "assert 'triton' not in sys.modules, 'triton was imported for CPU tensors'\n"
+        "assert 'tracefp4.formats.triton_kernels' not in sys.modules\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_backend_choice_and_override():
+    x = torch.zeros(2, 32)
+    assert numerics.backend(x) == "numba"
+    with numerics.use_backend("triton"):
+        assert numerics.backend(x) == "triton"
+    assert numerics.backend(x) == "numba"
+    with pytest.raises(ValueError, match="backend"):
+        with numerics.use_backend("cuda"):
+            pass
+    with pytest.raises(ValueError, match="meta"):
+        tf.quantize_nvfp4(torch.zeros(2, 32, device="meta"))
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_triton_rows_spanning_several_programs(fmt):
+    # 2080 elements: three programs per row, the last one partly masked
+    x = make_data("heavy_tailed", torch.bfloat16, rows=3, cols=2080)
+    y = (x.float() * 1.01).to(torch.bfloat16)
+    quantize = (lambda t: tf.quantize_nvfp4(t, per_row=True)) if fmt == "nvfp4" else tf.quantize_mxfp4
+    cpu = quantize(x)
+    with triton_path():
+        fast = quantize(on_device(x))
+        deq = tf.dequantize(fast)
+        guided = tf.guided_quantize(on_device(y), tf.encode_hint(cpu, "lsb"))
+        hint = tf.encode_hint(fast, "lsb")
+    assert torch.equal(fast.codes.cpu(), cpu.codes)
+    assert torch.equal(fast.scales.cpu().view(torch.uint8), cpu.scales.view(torch.uint8))
+    assert torch.equal(deq.cpu().view(torch.int32), tf.dequantize(cpu).view(torch.int32))
+    assert torch.equal(guided.codes.cpu(), tf.guided_quantize(y, tf.encode_hint(cpu, "lsb")).codes)
+    assert torch.equal(hint.data.cpu(), tf.encode_hint(cpu, "lsb").data)

@@ -13,12 +13,18 @@ from tracefp4.formats.numerics import (
     dequantize,
     dequantize_mxfp4,
     dequantize_nvfp4,
-    fake_quant,
     pack_fp4,
-    quantize,
     quantize_mxfp4,
     quantize_nvfp4,
     unpack_fp4,
+)
+from tracefp4.formats.quantizers import (
+    FP8Quantizer,
+    Grid,
+    MXFP4Quantizer,
+    NVFP4Quantizer,
+    fake_quant,
+    quantize,
 )
 
 __version__ = "0.1.0"
@@ -44,4 +50,8 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_nvfp4",
     "unpack_fp4",
+    "FP8Quantizer",
+    "Grid",
+    "MXFP4Quantizer",
+    "NVFP4Quantizer",
 ]

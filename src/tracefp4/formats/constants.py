@@ -1,13 +1,14 @@
 """Every numeric constant of the FP4 formats, in one place.
 
-The formats are defined in ``shared/DESIGN.md`` section 2; the docstrings of the enums state each
-formula so a reader never has to hunt for it in the kernels.
+The docstrings of the enums state each format's formula (NVFP4 in Transformer Engine's operation
+order, MXFP4 per OCP MX v1.0), so a reader never has to hunt for it in the kernels.
 """
 
 from __future__ import annotations
 
 import enum
 
+import numpy as np
 import torch
 
 # --- E2M1 (FP4) element -------------------------------------------------------------------------
@@ -27,10 +28,18 @@ E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9
 E4M3_MIN_NORMAL = 2.0**-6
 TORCHAO_E4M3_SCALE_FLOOR = E4M3_MIN_NORMAL
+#: Bit pattern of 448, the largest finite E4M3 value (what a saturated block scale is stored as).
+E4M3_MAX_CODE = 0x7E
+#: E4M3 has no infinities: 0x7F and 0xFF (magnitude bits all set) are its only NaN patterns.
+E4M3_NAN_CODE = 0x7F
+E4M3_MAG_MASK = 0x7F
 
 # --- E8M0 shared scale of MXFP4 -----------------------------------------------------------------
 E8M0_BIAS = 127
 E8M0_NAN = 255
+#: Unbiased exponent range an MXFP4 block scale is clamped to (biased 0 .. 254).
+E8M0_MIN_EXP = -E8M0_BIAS
+E8M0_MAX_EXP = E8M0_BIAS
 #: exponent of E2M1's largest power of two (4 = 2^2): MX scale = 2^(floor(log2 amax) - 2)
 E2M1_EMAX = 2
 
@@ -41,6 +50,22 @@ NVFP4_GLOBAL_NUMERATOR = E4M3_MAX * E2M1_MAX
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _e4m3_values() -> np.ndarray:
+    """float32 value of every E4M3 bit pattern (0x7F/0xFF are NaN; validation keeps them out)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+
+
+def _e8m0_values() -> np.ndarray:
+    """float32 ``2^(b - 127)`` of every biased E8M0 exponent b (b = 255, NaN in E8M0, gives inf)."""
+    with np.errstate(over="ignore"):
+        return np.ldexp(np.float64(1.0), np.arange(256) - E8M0_BIAS).astype(np.float32)
+
+
+#: Lookup tables from a stored scale byte to its float32 value, shared by the CPU and GPU kernels.
+E4M3_VALUES: np.ndarray = _e4m3_values()
+E8M0_VALUES: np.ndarray = _e8m0_values()
 
 
 class Format(str, enum.Enum):

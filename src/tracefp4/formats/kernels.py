@@ -30,7 +30,6 @@ state the rule and are the yardstick the bit forms are checked against, exhausti
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 
@@ -40,6 +39,37 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic, overload
 
+from tracefp4.formats.constants import (
+    E2M1_EMAX,
+    E2M1_MAG_MASK,
+    E2M1_MAX,
+    E2M1_SIGN_BIT,
+    E4M3_MAX,
+    E4M3_MIN_NORMAL,
+    E4M3_VALUES,
+    E8M0_BIAS,
+    E8M0_MAX_EXP,
+    E8M0_MIN_EXP,
+    E8M0_VALUES,
+    FLOAT32_MAX,
+    NVFP4_GLOBAL_NUMERATOR,
+)
+
+__all__ = [
+    "E4M3_VALUES",
+    "E8M0_VALUES",
+    "GRAIN_BYTES",
+    "row_chunks",
+    "nvfp4_block_amax",
+    "nvfp4_quantize",
+    "mxfp4_quantize",
+    "dequantize",
+    "guided_lsb",
+    "guided_full",
+    "pack_lsb",
+    "count_masked",
+]
+
 if sys.byteorder != "little":  # the word view and the packed layouts assume it
     raise ImportError("tracefp4.formats.kernels needs a little-endian machine")
 
@@ -47,32 +77,18 @@ F32 = np.float32
 U8 = np.uint8
 U32 = np.uint32
 U64 = np.uint64
-_SIX = F32(6.0)
+_SIX = F32(E2M1_MAX)
 _ONE = F32(1.0)
-_ONE_SIXTH = F32(1.0) / F32(6.0)  # the float32 nearest 1/6, as C's constexpr 1.0f/6.0f
-_E4M3_MAX = F32(448.0)
-_FLT_MAX = F32(np.finfo(np.float32).max)
-_NVFP4_NUMERATOR = F32(448.0 * 6.0)  # exact in float32
+_ONE_SIXTH = F32(1.0) / F32(E2M1_MAX)  # the float32 nearest 1/6, as C's constexpr 1.0f/6.0f
+_E4M3_MAX = F32(E4M3_MAX)
+_FLT_MAX = F32(FLOAT32_MAX)
+_NVFP4_NUMERATOR = F32(NVFP4_GLOBAL_NUMERATOR)  # 2688: exact in float32
+_SIGN_BIT = U32(E2M1_SIGN_BIT)
+_MAG_MASK = U32(E2M1_MAG_MASK)
 _F16_RESCALE = F32(2.0**112)  # float16 bits shifted into a float32's place are off by 2^(127-15)
 
 _PAR = dict(nogil=True, cache=True, parallel=True)
 _INL = dict(nogil=True, cache=True, inline="always")
-
-def _e4m3_values() -> np.ndarray:
-    """float32 value of every E4M3 bit pattern (0x7f/0xff are NaN and never produced here)."""
-    import torch
-
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
-
-
-def _e8m0_values() -> np.ndarray:
-    """float32 ``2^(b - 127)`` of every biased E8M0 exponent b (b = 255 gives inf, as the reference)."""
-    with np.errstate(over="ignore"):
-        return np.ldexp(np.float64(1.0), np.arange(256) - 127).astype(np.float32)
-
-
-E4M3_VALUES = _e4m3_values()
-E8M0_VALUES = _e8m0_values()
 
 
 # --- bit casts -----------------------------------------------------------------------------------
@@ -261,7 +277,7 @@ def _floor_mag_bits(m):
     return lo, inexact
 
 
-_E4M3_MIN_NORMAL = F32(2.0**-6)
+_E4M3_MIN_NORMAL = F32(E4M3_MIN_NORMAL)
 #: Adding 2^14 to a float32 below 2^-6 rounds it (to nearest, ties to even) onto the 2^-9 grid of
 #: E4M3 subnormals: floats in [2^14, 2^15) are spaced exactly 2^-9 apart.
 _E4M3_SUBNORMAL_MAGIC = F32(2.0**14)
@@ -322,7 +338,7 @@ def _guided_full(m, rollout_code, same_sign):
     round-to-nearest) has nothing to decide.
     """
     lo, inexact = _floor_mag_bits(min(m, _SIX))
-    return U32(lo + U32(inexact & U32(U32(rollout_code & U32(7)) > lo) & same_sign))
+    return U32(lo + U32(inexact & U32(U32(rollout_code & _MAG_MASK) > lo) & same_sign))
 
 
 # --- kernels -------------------------------------------------------------------------------------
@@ -344,24 +360,15 @@ def _guided_full(m, rollout_code, same_sign):
 GRAIN_BYTES = 4 << 20
 
 
-@contextlib.contextmanager
-def threads_for(nbytes: int, grain: int = GRAIN_BYTES):
-    """Run the kernels inside with at most one numba thread per ``grain`` bytes of ``nbytes``."""
-    prev = numba.get_num_threads()
-    numba.set_num_threads(max(1, min(prev, nbytes // grain)))
-    try:
-        yield
-    finally:
-        numba.set_num_threads(prev)
+def row_chunks(rows: int, nbytes: int, grain: int = GRAIN_BYTES) -> int:
+    """How many contiguous row ranges a kernel splits ``rows`` rows (``nbytes`` bytes) into.
 
-
-def row_chunks(rows: int) -> int:
-    """How many contiguous row ranges a kernel splits its rows into: one per numba thread.
-
-    Passed in rather than asked for inside a kernel: ``numba.get_num_threads()`` there would keep the
-    kernel out of numba's on-disk cache.
+    At most one per numba thread, one per row, and one per ``grain`` bytes, and at least one. The
+    kernels prange over these chunks, so fewer chunks means fewer busy threads: the work is sized to
+    the data without touching numba's process-wide thread count. Passed in rather than asked for
+    inside a kernel: ``numba.get_num_threads()`` there would keep the kernel out of numba's cache.
     """
-    return max(1, min(numba.get_num_threads(), rows))
+    return max(1, min(numba.get_num_threads(), rows, nbytes // grain))
 
 
 @numba.njit(**_INL)
@@ -477,17 +484,17 @@ def nvfp4_quantize(x, amax, own_amax, block_max, codes, scales, bad, nchunks):
 def _mx_exponent(amax, rceil):
     """Unbiased E8M0 exponent of a block (see ScaleMode), clamped to [-127, 127]."""
     if amax == 0:
-        return -127
+        return E8M0_MIN_EXP
     if rceil:
         t = amax / _SIX
         if t == 0:
-            return -127
+            return E8M0_MIN_EXP
         mant, ex = math.frexp(t)
         e = ex - 1 if mant == 0.5 else ex
     else:
         mant, ex = math.frexp(amax)
-        e = ex - 1 - 2
-    return min(max(e, -127), 127)
+        e = ex - 1 - E2M1_EMAX
+    return min(max(e, E8M0_MIN_EXP), E8M0_MAX_EXP)
 
 
 @numba.njit(**_PAR)
@@ -506,7 +513,7 @@ def mxfp4_quantize(x, rceil, codes, scales, bad, nchunks):
             bad[r] = _block_abs_max(w, row, 16, block_max) > limit
             for b in range(block_max.shape[0]):
                 e = _mx_exponent(_magnitude(min(block_max[b], limit), row), rceil)
-                sr[b] = U8(e + 127)
+                sr[b] = U8(e + E8M0_BIAS)
                 enc_b[b] = F32(math.ldexp(1.0, -e))  # a power of two: exact in float32 for |e| <= 127
             _rtn_row(w, row, enc_b, 16, codes[r])
 
@@ -515,10 +522,10 @@ def mxfp4_quantize(x, rceil, codes, scales, bad, nchunks):
 def _e2m1_value(code):
     """float32 value of a 4-bit code: from magnitude code 2 up, exponent (c >> 1) - 1 and mantissa bit
     c & 1; codes 0 and 1 are 0 and 0.5; bit 3 is the float's sign bit (code 8 is -0.0)."""
-    mag = U32(code & U32(7))
+    mag = U32(code & _MAG_MASK)
     normal = U32(U32(U32(126) + U32(mag >> U32(1))) << U32(23)) | U32(U32(mag & U32(1)) << U32(22))
     bits = normal if mag >= U32(2) else U32(mag * U32(0x3F000000))  # 0x3f000000 is 0.5
-    return f32_from_bits(bits | U32(U32(code & U32(8)) << U32(28)))
+    return f32_from_bits(bits | U32(U32(code & _SIGN_BIT) << U32(28)))  # to bit 31
 
 
 @numba.njit(**_INL)
@@ -645,14 +652,26 @@ def guided_full(x, scales, scale_values, s_dec, rollout, block, codes, bad, nchu
 
 
 @numba.njit(**_PAR)
-def pack_lsb(codes, bits):
+def pack_lsb(codes, bits, nchunks):
     """Low magnitude bit of packed codes u8 [R, K/2] -> bit-packed u8 [R, K/8]."""
     rows, nbytes = bits.shape
-    for r in numba.prange(rows):
-        for j in range(nbytes):
-            acc = np.uint8(0)
-            for q in range(4):
-                byte = codes[r, 4 * j + q]
-                acc |= (byte & np.uint8(1)) << np.uint8(2 * q)
-                acc |= ((byte >> np.uint8(4)) & np.uint8(1)) << np.uint8(2 * q + 1)
-            bits[r, j] = acc
+    for t in numba.prange(nchunks):
+        start, stop = _chunk_rows(t, nchunks, rows)
+        for r in range(start, stop):
+            for j in range(nbytes):
+                acc = np.uint8(0)
+                for q in range(4):
+                    byte = codes[r, 4 * j + q]
+                    acc |= (byte & np.uint8(1)) << np.uint8(2 * q)
+                    acc |= ((byte >> np.uint8(4)) & np.uint8(1)) << np.uint8(2 * q + 1)
+                bits[r, j] = acc
+
+
+@numba.njit(nogil=True, cache=True)
+def count_masked(raw, mask, value):
+    """How many bytes b of ``raw`` (u8, 1-D) have ``b & mask == value``: a branch-free count LLVM
+    vectorises, so validating a tensor's scale bytes costs a fraction of reading them once."""
+    n = 0
+    for i in range(raw.shape[0]):
+        n += np.int64((raw[i] & mask) == value)
+    return n

@@ -1,23 +1,38 @@
-"""FP4 tensors (NVFP4, MXFP4): quantize, dequantize, pack, and straight-through fake quantization.
+"""FP4 tensors (NVFP4, MXFP4) and FP8: containers, quantize, dequantize, pack, straight-through.
 
-The recipes are those of ``shared/DESIGN.md`` section 2 (Transformer Engine's operation order for
-NVFP4, OCP MX v1.0 for MXFP4); :mod:`tracefp4.formats.reference` spells them out and :mod:`tracefp4.formats.kernels`
-runs them fast. This module validates inputs, shapes the data, and owns the public containers.
+NVFP4 follows Transformer Engine's operation order and MXFP4 the OCP MX v1.0 recipe; the formulas
+are stated on :class:`tracefp4.formats.constants.Format` and :class:`ScaleMode`,
+:mod:`tracefp4.formats.reference` spells them out plainly, and the kernels run them fast.
+
+This module owns the public containers and ops. Every op validates what enters it (input tensors,
+containers, grids) and then hands the work to the kernels of the tensor's device, chosen in one
+place, :func:`backend`: CPU tensors go to the numba kernels (:mod:`tracefp4.formats.kernels`), CUDA
+tensors to the Triton kernels (:mod:`tracefp4.formats.triton_kernels`, imported only when needed).
+Both are bit for bit equal to the reference; nothing is copied to the host to be quantized.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from typing import Literal
 
 import numpy as np
 import torch
 
 from tracefp4.formats import kernels
 from tracefp4.formats.constants import (
+    E4M3_MAG_MASK,
+    E4M3_MAX,
+    E4M3_NAN_CODE,
+    E4M3_VALUES,
+    E8M0_BIAS,
+    E8M0_NAN,
+    E8M0_VALUES,
     FLOAT32_MAX,
     MXFP4_BLOCK,
     NVFP4_BLOCK,
-    E4M3_MAX,
     NVFP4_GLOBAL_NUMERATOR,
     SUPPORTED_DTYPES,
     Format,
@@ -27,17 +42,26 @@ from tracefp4.formats.constants import (
 __all__ = [
     "NVFP4",
     "MXFP4",
+    "FP8",
+    "Backend",
+    "backend",
+    "use_backend",
+    "check_input",
+    "check_global_amax",
+    "check_grid",
+    "row_count",
+    "as_rows",
+    "per_row_values",
+    "raise_non_finite",
     "quantize_nvfp4",
     "dequantize_nvfp4",
     "quantize_mxfp4",
     "dequantize_mxfp4",
-    "quantize",
     "dequantize",
+    "mx_scale_values",
     "pack_fp4",
     "unpack_fp4",
-    "fake_quant",
     "nvfp4_global_encode_scale",
-    "FP8",
     "quantize_fp8",
     "dequantize_fp8",
     "guided_codes",
@@ -46,6 +70,40 @@ __all__ = [
     "straight_through",
 ]
 
+_SCALE_DTYPE = {Format.NVFP4: torch.float8_e4m3fn, Format.MXFP4: torch.uint8}
+
+
+def _fmt_shape(shape) -> tuple[int, ...]:
+    return tuple(int(d) for d in shape)
+
+
+def _found(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{str(t.dtype).removeprefix('torch.')} of shape {_fmt_shape(t.shape)}"
+
+
+# --- rows ----------------------------------------------------------------------------------------
+# Every kernel, CPU or GPU, sees a tensor [..., K] as 2-D rows [R, K]; per-row quantities are [R].
+
+
+def row_count(shape) -> int:
+    """Number of rows of a tensor of ``shape``: the product of its leading dims (1 for a vector)."""
+    return int(np.prod(tuple(shape[:-1]), dtype=np.int64))
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t [..., K]`` as contiguous rows ``[R, K]`` on its own device (no copy when contiguous)."""
+    return t.detach().contiguous().reshape(row_count(t.shape), t.shape[-1])
+
+
+def per_row_values(t: torch.Tensor, shape) -> torch.Tensor:
+    """A scalar or ``[..., 1]`` tensor as float32 ``[R]`` for a tensor of ``shape``, on t's device."""
+    return t.to(torch.float32).expand(*shape[:-1], 1).reshape(row_count(shape)).contiguous()
+
+
+# --- containers ----------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class NVFP4:
@@ -53,7 +111,7 @@ class NVFP4:
 
     codes: uint8 ``[..., K//2]``, two 4-bit codes per byte, element 2i in the low nibble.
     scales: torch.float8_e4m3fn ``[..., K//16]``, one block scale per 16 elements.
-    global_amax: float32, a scalar (per tensor) or ``[..., 1]`` (per row).
+    global_amax: float32, a scalar (per tensor) or ``[..., 1]`` (per row), finite and non-negative.
     """
 
     codes: torch.Tensor
@@ -70,13 +128,19 @@ class NVFP4:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes + self.global_amax.nbytes
 
+    def check(self) -> "NVFP4":
+        """Raise ValueError unless codes, scales and global amax agree (see :func:`check_grid`)."""
+        _check_codes(self.codes, NVFP4_BLOCK, "NVFP4")
+        check_grid(Format.NVFP4, self.scales, self.global_amax, self.shape, "NVFP4", device=self.codes.device)
+        return self
+
 
 @dataclasses.dataclass
 class MXFP4:
     """An MXFP4 tensor of logical shape ``[..., K]``.
 
     codes: uint8 ``[..., K//2]`` packed as in :class:`NVFP4`.
-    scales: uint8 ``[..., K//32]``, biased E8M0 exponents (value ``2^(s - 127)``).
+    scales: uint8 ``[..., K//32]``, biased E8M0 exponents (value ``2^(s - 127)``; 255 is NaN).
     """
 
     codes: torch.Tensor
@@ -91,6 +155,12 @@ class MXFP4:
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
+
+    def check(self) -> "MXFP4":
+        """Raise ValueError unless codes and scales agree (see :func:`check_grid`)."""
+        _check_codes(self.codes, MXFP4_BLOCK, "MXFP4")
+        check_grid(Format.MXFP4, self.scales, None, self.shape, "MXFP4", device=self.codes.device)
+        return self
 
 
 @dataclasses.dataclass
@@ -113,15 +183,28 @@ class FP8:
     def nbytes(self) -> int:
         return self.data.nbytes + self.scale.nbytes
 
+    def check(self) -> "FP8":
+        """Raise ValueError unless data and scale have the documented dtypes and shapes."""
+        if not isinstance(self.data, torch.Tensor) or self.data.dtype != torch.float8_e4m3fn or self.data.dim() == 0:
+            raise ValueError(f"FP8 data: expected float8_e4m3fn of shape [..., K], got {_found(self.data)}")
+        expect = (*_fmt_shape(self.data.shape[:-1]), 1)
+        if (
+            not isinstance(self.scale, torch.Tensor)
+            or self.scale.dtype != torch.float32
+            or _fmt_shape(self.scale.shape) != expect
+        ):
+            raise ValueError(f"FP8 scale: expected float32 of shape {expect}, got {_found(self.scale)}")
+        return self
+
 
 # --- validation ----------------------------------------------------------------------------------
 
 
-def check_input(x: torch.Tensor, block: int, what: str = "x", *, cpu: bool = True) -> None:
-    """Raise ValueError unless ``x`` is a float CPU tensor whose last dim is a multiple of ``block``.
+def check_input(x: torch.Tensor, block: int, what: str = "x") -> None:
+    """Raise ValueError unless ``x`` is a float tensor whose last dim is a multiple of ``block``.
 
-    ``cpu=False`` leaves the device to the caller (the Triton kernels). Finiteness is checked by the
-    kernels in the same pass that quantizes (see :func:`raise_non_finite`).
+    The device is checked by :func:`backend`. Finiteness is checked by the kernels in the same pass
+    that quantizes (see :func:`raise_non_finite`).
     """
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
@@ -129,174 +212,340 @@ def check_input(x: torch.Tensor, block: int, what: str = "x", *, cpu: bool = Tru
         raise ValueError(f"{what}: dtype {x.dtype} is not supported; expected one of float32, bfloat16, float16")
     if x.dim() == 0 or x.shape[-1] % block != 0:
         last = "a scalar" if x.dim() == 0 else f"last dim {x.shape[-1]}"
-        raise ValueError(f"{what}: {last} is not a multiple of the block size {block} (shape {tuple(x.shape)})")
-    if cpu and x.device.type != "cpu":
-        raise ValueError(f"{what}: the CPU kernels take CPU tensors, got device {x.device}")
+        raise ValueError(f"{what}: {last} is not a multiple of the block size {block} (shape {_fmt_shape(x.shape)})")
 
 
-def raise_non_finite(x: torch.Tensor, bad: np.ndarray, what: str = "x") -> None:
-    """Refuse input in which a kernel flagged a NaN or Inf, naming the first offending element."""
-    if bad.any():
-        flat = x.detach().reshape(-1, x.shape[-1])
-        row = int(np.flatnonzero(bad)[0])
-        col = int((~torch.isfinite(flat[row])).nonzero()[0, 0])
-        index = tuple(np.unravel_index(row, tuple(x.shape[:-1]))) + (col,) if x.dim() > 1 else (col,)
+def _check_codes(codes, block: int, owner: str) -> None:
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.dim() == 0:
+        raise ValueError(f"{owner} codes: expected uint8 of shape [..., K/2], got {_found(codes)}")
+    if (2 * codes.shape[-1]) % block:
         raise ValueError(
-            f"{what}: non-finite input at index {tuple(int(i) for i in index)} (value {flat[row, col].item()}); "
-            "NaN/Inf is a bug upstream and is never encoded"
+            f"{owner} codes: last dim {codes.shape[-1]} holds {2 * codes.shape[-1]} elements, "
+            f"not a multiple of the block size {block}"
         )
 
 
-_NO_BLOCK_MAX = np.empty((0, 0), dtype=np.uint32)
+def _check_amax_values(amax: torch.Tensor, what: str) -> None:
+    if amax.device.type == "cpu":  # numpy: a fraction of torch's per-op cost on these small tensors
+        a = amax.detach().numpy()
+        ok = bool(np.isfinite(a).all() and (a >= 0).all())
+    else:  # one device sync: NaN fails both comparisons
+        ok = bool(((amax >= 0) & (amax <= FLOAT32_MAX)).all())
+    if not ok:
+        raise ValueError(f"{what}: must be finite and non-negative")
 
-#: The kernels' view of each input dtype (see :mod:`tracefp4.formats.kernels`): 16-bit formats travel as their
-#: bit patterns, and the integer dtype tells the kernel which widening to compile.
+
+def check_global_amax(global_amax, shape, what: str = "global_amax") -> torch.Tensor:
+    """A global amax given for a tensor of ``shape``, validated and copied as float32.
+
+    A scalar or ``[..., 1]`` over ``shape``'s leading dims, finite and non-negative. Python numbers
+    and other float dtypes are accepted here (an argument, not a stored container).
+    """
+    amax = torch.as_tensor(global_amax, dtype=torch.float32)
+    lead = _fmt_shape(shape[:-1])
+    if amax.dim() != 0 and _fmt_shape(amax.shape) != (*lead, 1):
+        raise ValueError(
+            f"{what}: shape {_fmt_shape(amax.shape)} does not fit x of shape {_fmt_shape(shape)}; "
+            f"expected a scalar or {(*lead, 1)}"
+        )
+    _check_amax_values(amax, what)
+    return amax.clone()
+
+
+#: A scale byte b is NaN when ``b & mask == value``: E4M3 0x7F/0xFF, E8M0 255.
+_NAN_SCALE = {Format.NVFP4: (E4M3_MAG_MASK, E4M3_NAN_CODE), Format.MXFP4: (0xFF, E8M0_NAN)}
+
+
+def _check_scale_codes(fmt: Format, scales: torch.Tensor, owner: str) -> None:
+    """Refuse NaN scale codes, naming the first. One vectorised pass over the scale bytes."""
+    mask, value = _NAN_SCALE[fmt]
+    raw = scales.view(torch.uint8)
+    if raw.device.type == "cpu":
+        if not kernels.count_masked(_numpy(raw).reshape(-1), np.uint8(mask), np.uint8(value)):
+            return
+    elif not bool(((raw & mask) == value).any()):
+        return
+    index = tuple(int(i) for i in ((raw & mask) == value).nonzero()[0])
+    raise ValueError(
+        f"{owner} scales: NaN scale code 0x{int(raw[index]):02X} at index {index}; a grid never holds NaN"
+    )
+
+
+def check_grid(
+    fmt: Format | str,
+    scales,
+    global_amax,
+    shape,
+    owner: str = "grid",
+    *,
+    device: torch.device | None = None,
+) -> None:
+    """Raise ValueError unless ``(scales, global_amax)`` is a valid grid for a tensor of ``shape``.
+
+    scales: ``[..., K/block]`` over ``shape``'s leading dims, float8_e4m3fn (NVFP4) or uint8 (MXFP4),
+    no NaN codes; on ``device`` when one is given. global_amax: NVFP4 only, float32, a scalar or
+    ``[..., 1]``, finite and non-negative; None for MXFP4. Shapes and dtypes cost nothing; the NaN
+    check is one vectorised pass over the scales (1/16 or 1/32 of the elements).
+    """
+    fmt = Format(fmt)
+    shape = _fmt_shape(shape)
+    lead, k = shape[:-1], shape[-1]
+    dtype = _SCALE_DTYPE[fmt]
+    expect = (*lead, k // fmt.block)
+    name = str(dtype).removeprefix("torch.")
+    if not isinstance(scales, torch.Tensor) or scales.dtype != dtype or _fmt_shape(scales.shape) != expect:
+        raise ValueError(
+            f"{owner} scales: expected {name} of shape {expect} for a {fmt.value} tensor of shape {shape}, "
+            f"got {_found(scales)}"
+        )
+    if device is not None and scales.device != device:
+        raise ValueError(f"{owner} scales: expected device {device} (where the codes are), got {scales.device}")
+    _check_scale_codes(fmt, scales, owner)
+    if fmt is Format.MXFP4:
+        if global_amax is not None:
+            raise ValueError(f"{owner} global_amax: expected None for mxfp4 (E8M0 scales are absolute), got {_found(global_amax)}")
+        return
+    if not isinstance(global_amax, torch.Tensor) or global_amax.dtype != torch.float32:
+        raise ValueError(
+            f"{owner} global_amax: expected float32, a scalar or of shape {(*lead, 1)}, got "
+            f"{'None' if global_amax is None else _found(global_amax)}"
+        )
+    if global_amax.dim() != 0 and _fmt_shape(global_amax.shape) != (*lead, 1):
+        raise ValueError(
+            f"{owner} global_amax: expected float32, a scalar or of shape {(*lead, 1)}, got {_found(global_amax)}"
+        )
+    _check_amax_values(global_amax, f"{owner} global_amax")
+
+
+def raise_non_finite(x: torch.Tensor, bad, what: str = "x") -> None:
+    """Refuse input in which a kernel flagged a NaN or Inf (``bad`` [R], per row), naming the first
+    offending element. ``bad`` may be a numpy array (CPU kernels) or a tensor on x's device."""
+    bad = torch.as_tensor(bad)
+    if not bool(bad.any()):
+        return
+    flat = as_rows(x)
+    row = int(bad.nonzero()[0, 0])
+    col = int((~torch.isfinite(flat[row])).nonzero()[0, 0])
+    index = tuple(np.unravel_index(row, tuple(x.shape[:-1]))) + (col,) if x.dim() > 1 else (col,)
+    raise ValueError(
+        f"{what}: non-finite input at index {tuple(int(i) for i in index)} (value {flat[row, col].item()}); "
+        "NaN/Inf is a bug upstream and is never encoded"
+    )
+
+
+# --- device dispatch -----------------------------------------------------------------------------
+
+Backend = Literal["numba", "triton"]
+_CPU_BACKEND: contextvars.ContextVar[Backend] = contextvars.ContextVar("tracefp4_cpu_backend", default="numba")
+
+
+@contextlib.contextmanager
+def use_backend(name: Backend):
+    """Send CPU tensors to the named kernels inside the block (this thread/context only).
+
+    For tests: with Triton's CPU interpreter (``TRITON_INTERPRET=1``) the Triton kernels accept CPU
+    tensors, and this routes the public ops to them through the same code path a CUDA tensor takes.
+    """
+    if name not in ("numba", "triton"):
+        raise ValueError(f"backend: expected 'numba' or 'triton', got {name!r}")
+    token = _CPU_BACKEND.set(name)
+    try:
+        yield
+    finally:
+        _CPU_BACKEND.reset(token)
+
+
+def backend(x: torch.Tensor, what: str = "x") -> Backend:
+    """Which kernels handle ``x``: Triton for CUDA tensors, numba for CPU tensors. The one place the
+    choice is made; every public op asks it."""
+    if x.device.type == "cuda":
+        return "triton"
+    if x.device.type == "cpu":
+        return _CPU_BACKEND.get()
+    raise ValueError(f"{what}: tensors on {x.device} are not supported; expected a CPU or CUDA tensor")
+
+
+def _triton():
+    # lazy: triton (and a GPU toolchain) is needed only for CUDA tensors and the interpreter tests
+    from tracefp4.formats import triton_kernels
+
+    return triton_kernels
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().numpy()
+
+
+#: The numba kernels' view of each input dtype: 16-bit formats travel as their bit patterns, and the
+#: integer dtype tells the kernel which widening to compile (see :mod:`tracefp4.formats.kernels`).
 _KERNEL_VIEW = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16}
 
 
 def kernel_rows(x: torch.Tensor) -> np.ndarray:
-    """``x`` as 2-D rows for the kernels, without a copy when ``x`` is contiguous.
+    """``x`` as 2-D rows for the numba kernels, without a copy when ``x`` is contiguous.
 
     float32 stays float32; bfloat16 and float16 are passed as their bits and widened in the kernels,
     so no float32 temporary of the input is ever made.
     """
-    x = x.detach().contiguous()
-    return x.view(_KERNEL_VIEW[x.dtype]).reshape(_row_count(x), x.shape[-1]).numpy()
+    return as_rows(x).view(_KERNEL_VIEW[x.dtype]).numpy()
 
 
-def _row_count(x: torch.Tensor) -> int:
-    return int(np.prod(tuple(x.shape[:-1]), dtype=np.int64))
+def _chunks(rows: np.ndarray) -> int:
+    return kernels.row_chunks(rows.shape[0], rows.nbytes)
 
 
 # --- NVFP4 ---------------------------------------------------------------------------------------
 
 
 def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """``S_enc = 448*6/amax`` in float32, capped at FLT_MAX; amax 0 gives 1."""
+    """``S_enc = 448*6/amax`` in float32, capped at FLT_MAX; amax 0 gives 1 (on amax's device)."""
     amax = amax.to(torch.float32)
     s_enc = torch.minimum(
-        torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32) / amax,
-        torch.tensor(FLOAT32_MAX, dtype=torch.float32),
+        torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32, device=amax.device) / amax,
+        torch.tensor(FLOAT32_MAX, dtype=torch.float32, device=amax.device),
     )
     return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
 
 
-def _global_amax(x: torch.Tensor, global_amax) -> torch.Tensor:
-    """A given global amax, validated: a scalar or ``[..., 1]``, finite and non-negative."""
-    amax = torch.as_tensor(global_amax, dtype=torch.float32)
-    lead = tuple(x.shape[:-1])
-    if amax.dim() != 0 and tuple(amax.shape) != (*lead, 1):
-        raise ValueError(
-            f"global_amax: shape {tuple(amax.shape)} does not fit x of shape {tuple(x.shape)}; "
-            f"expected a scalar or {(*lead, 1)}"
-        )
-    if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
-        raise ValueError("global_amax: must be finite and non-negative")
-    return amax.clone()
+_NO_BLOCK_MAX = np.empty((0, 0), dtype=np.uint32)
 
 
-def _per_row(t: torch.Tensor, x_shape: torch.Size) -> np.ndarray:
-    """A scalar or [..., 1] tensor as a float32 [R] array."""
-    rows = int(np.prod(tuple(x_shape[:-1]), dtype=np.int64))
-    return t.to(torch.float32).expand(*x_shape[:-1], 1).reshape(rows).contiguous().numpy()
+def _nvfp4_numba(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool):
+    rows = kernel_rows(x)
+    n, k = rows.shape
+    bad = np.zeros(n, dtype=np.bool_)
+    block_max = _NO_BLOCK_MAX
+    own_amax = amax is None and per_row
+    if amax is not None:
+        row_amax = per_row_values(amax, x.shape).numpy()  # read only: written back only with own_amax
+    elif per_row:
+        row_amax = np.empty(n, dtype=np.float32)  # the kernel finds each row's amax in its own pass
+    else:
+        # a per-tensor amax needs the whole tensor before the first scale: a first pass keeps the
+        # block amaxes (1/8 of a bf16 input's size) so the second only has to code
+        row_amax = np.empty(n, dtype=np.float32)
+        block_max = np.empty((n, k // NVFP4_BLOCK), dtype=np.uint32)
+        kernels.nvfp4_block_amax(rows, block_max, row_amax, bad, _chunks(rows))
+        raise_non_finite(x, bad)
+        amax = torch.from_numpy(row_amax).amax() if n else torch.zeros((), dtype=torch.float32)
+        row_amax[:] = amax.item()
+    codes = np.empty((n, k // 2), dtype=np.uint8)
+    scales = np.empty((n, k // NVFP4_BLOCK), dtype=np.uint8)
+    kernels.nvfp4_quantize(rows, row_amax, own_amax, block_max, codes, scales, bad, _chunks(rows))
+    raise_non_finite(x, bad)
+    if own_amax:
+        amax = torch.from_numpy(row_amax).reshape(*x.shape[:-1], 1)
+    return torch.from_numpy(codes), torch.from_numpy(scales), amax
+
+
+def _nvfp4_triton(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool):
+    tk = _triton()
+    rows = as_rows(x)
+    n = rows.shape[0]
+    if amax is not None:
+        by_row = per_row_values(amax, x.shape)
+    else:
+        by_row = tk.row_amax(rows)  # a NaN/Inf row gets a finite amax here; the quantize pass flags it
+        if per_row:
+            amax = by_row.reshape(*x.shape[:-1], 1)
+        else:  # an empty tensor has amax 0 (S_enc 1), as on the CPU
+            amax = by_row.amax() if n else torch.zeros((), dtype=torch.float32, device=x.device)
+            by_row = amax.expand(n).contiguous()
+    codes, scales, bad = tk.quantize_nvfp4(rows, by_row)
+    raise_non_finite(x, bad)
+    return codes, scales, amax
 
 
 def quantize_nvfp4(x: torch.Tensor, *, global_amax=None, per_row: bool = False) -> NVFP4:
-    """Quantize ``x [..., K]`` (K % 16 == 0) to NVFP4.
+    """Quantize ``x [..., K]`` (K % 16 == 0) to NVFP4, on x's device.
 
     ``global_amax=None`` takes the amax of the whole tensor, or of each row with ``per_row=True``;
     a tensor passed in (a scalar, or ``[..., 1]``) is used as is.
     """
     check_input(x, NVFP4_BLOCK)
-    rows = kernel_rows(x)
-    n, k = rows.shape
+    amax = None if global_amax is None else check_global_amax(global_amax, x.shape).to(x.device)
+    run = _nvfp4_triton if backend(x) == "triton" else _nvfp4_numba
+    codes, scales, amax = run(x, amax, per_row)
     lead = x.shape[:-1]
-    bad = np.zeros(n, dtype=np.bool_)
-    block_max = _NO_BLOCK_MAX
-    with kernels.threads_for(rows.nbytes):
-        if global_amax is not None:
-            amax = _global_amax(x, global_amax)
-            row_amax = _per_row(amax, x.shape)  # read only: the kernel writes it back only with own_amax
-        elif per_row:
-            row_amax = np.empty(n, dtype=np.float32)  # the kernel finds each row's amax in its own pass
-        else:
-            # a per-tensor amax needs the whole tensor before the first scale: a first pass keeps the
-            # block amaxes (1/8 of a bf16 input's size) so the second only has to code
-            row_amax = np.empty(n, dtype=np.float32)
-            block_max = np.empty((n, k // NVFP4_BLOCK), dtype=np.uint32)
-            kernels.nvfp4_block_amax(rows, block_max, row_amax, bad, kernels.row_chunks(n))
-            raise_non_finite(x, bad)
-            amax = torch.from_numpy(row_amax).amax() if n else torch.zeros((), dtype=torch.float32)
-            row_amax[:] = amax.item()
-        codes = np.empty((n, k // 2), dtype=np.uint8)
-        scales = np.empty((n, k // NVFP4_BLOCK), dtype=np.uint8)
-        own_amax = global_amax is None and per_row
-        kernels.nvfp4_quantize(rows, row_amax, own_amax, block_max, codes, scales, bad, kernels.row_chunks(n))
-    raise_non_finite(x, bad)
-    if own_amax:
-        amax = torch.from_numpy(row_amax).reshape(*lead, 1)
     return NVFP4(
-        codes=torch.from_numpy(codes).reshape(*lead, codes.shape[-1]),
-        scales=torch.from_numpy(scales).view(torch.float8_e4m3fn).reshape(*lead, scales.shape[-1]),
+        codes=codes.reshape(*lead, codes.shape[-1]),
+        scales=scales.view(torch.float8_e4m3fn).reshape(*lead, scales.shape[-1]),
         global_amax=amax,
     )
 
 
-def _dequantize(codes: torch.Tensor, scales: torch.Tensor, scale_values: np.ndarray, row_div: np.ndarray, block: int):
-    n = _row_count(codes)
-    rows = codes.reshape(n, codes.shape[-1]).contiguous().numpy()
-    scale_bytes = scales.reshape(n, scales.shape[-1]).contiguous().view(torch.uint8).numpy()
-    out = np.empty((rows.shape[0], rows.shape[1] * 2), dtype=np.float32)
-    with kernels.threads_for(out.nbytes):
-        kernels.dequantize(rows, scale_bytes, scale_values, row_div, block, out, kernels.row_chunks(rows.shape[0]))
-    return torch.from_numpy(out)
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: Format, row_div: torch.Tensor) -> torch.Tensor:
+    """float32 ``(value(code) * scale) / row_div[row]`` of a validated container, on the codes' device."""
+    rows = as_rows(codes)
+    scale_rows = as_rows(scales.view(torch.uint8))
+    row_div = row_div.to(codes.device)  # a global amax may be kept elsewhere than the codes
+    if backend(codes, "codes") == "triton":
+        out = _triton().dequantize(rows, scale_rows, fmt.value, row_div, fmt.block)
+    else:
+        values = E4M3_VALUES if fmt is Format.NVFP4 else E8M0_VALUES
+        out = np.empty((rows.shape[0], rows.shape[1] * 2), dtype=np.float32)
+        nchunks = kernels.row_chunks(rows.shape[0], out.nbytes)
+        kernels.dequantize(rows.numpy(), scale_rows.numpy(), values, _numpy(row_div), fmt.block, out, nchunks)
+        out = torch.from_numpy(out)
+    return out.reshape(*codes.shape[:-1], codes.shape[-1] * 2)
 
 
 def dequantize_nvfp4(q: NVFP4) -> torch.Tensor:
-    """float32 ``[..., K]``: ``value(code) * float(s8) / S_enc``."""
-    s_enc = _per_row(nvfp4_global_encode_scale(q.global_amax), q.shape)
-    return _dequantize(q.codes, q.scales, kernels.E4M3_VALUES, s_enc, NVFP4_BLOCK).reshape(q.shape)
+    """float32 ``[..., K]``: ``value(code) * float(s8) / S_enc``, on the codes' device."""
+    _expect(q, NVFP4).check()
+    s_enc = per_row_values(nvfp4_global_encode_scale(q.global_amax), q.shape)
+    return _dequantize(q.codes, q.scales, Format.NVFP4, s_enc)
+
+
+def _expect(q, cls):
+    if not isinstance(q, cls):
+        raise ValueError(f"expected an {cls.__name__} tensor, got {type(q).__name__}")
+    return q
 
 
 # --- MXFP4 ---------------------------------------------------------------------------------------
 
 
 def quantize_mxfp4(x: torch.Tensor, *, scale_mode: str = "floor") -> MXFP4:
-    """Quantize ``x [..., K]`` (K % 32 == 0) to MXFP4 with E8M0 block scales (see ScaleMode)."""
-    mode = ScaleMode(scale_mode)
+    """Quantize ``x [..., K]`` (K % 32 == 0) to MXFP4 with E8M0 block scales (see ScaleMode), on x's device."""
+    rceil = ScaleMode(scale_mode) is ScaleMode.RCEIL
     check_input(x, MXFP4_BLOCK)
-    n, k = _row_count(x), x.shape[-1]
-    codes = np.empty((n, k // 2), dtype=np.uint8)
-    scales = np.empty((n, k // MXFP4_BLOCK), dtype=np.uint8)
-    bad = np.zeros(n, dtype=np.bool_)
-    rows = kernel_rows(x)
-    with kernels.threads_for(rows.nbytes):
-        kernels.mxfp4_quantize(rows, mode is ScaleMode.RCEIL, codes, scales, bad, kernels.row_chunks(n))
+    if backend(x) == "triton":
+        codes, scales, bad = _triton().quantize_mxfp4(as_rows(x), rceil)
+    else:
+        rows = kernel_rows(x)
+        n, k = rows.shape
+        codes = np.empty((n, k // 2), dtype=np.uint8)
+        scales = np.empty((n, k // MXFP4_BLOCK), dtype=np.uint8)
+        bad = np.zeros(n, dtype=np.bool_)
+        kernels.mxfp4_quantize(rows, rceil, codes, scales, bad, _chunks(rows))
+        codes, scales = torch.from_numpy(codes), torch.from_numpy(scales)
     raise_non_finite(x, bad)
     lead = x.shape[:-1]
-    return MXFP4(codes=torch.from_numpy(codes).reshape(*lead, codes.shape[-1]), scales=torch.from_numpy(scales).reshape(*lead, scales.shape[-1]))
+    return MXFP4(codes=codes.reshape(*lead, codes.shape[-1]), scales=scales.reshape(*lead, scales.shape[-1]))
 
 
 def mx_scale_values(biased: torch.Tensor) -> torch.Tensor:
     """float32 ``2^(b - 127)`` of biased E8M0 exponents (exact, 2^-127 included)."""
-    return torch.pow(torch.tensor(2.0, dtype=torch.float64), biased.to(torch.float64) - 127).to(torch.float32)
+    two = torch.tensor(2.0, dtype=torch.float64, device=biased.device)
+    return torch.pow(two, biased.to(torch.float64) - E8M0_BIAS).to(torch.float32)
 
 
 def dequantize_mxfp4(q: MXFP4) -> torch.Tensor:
-    """float32 ``[..., K]``: ``value(code) * 2^(s - 127)``."""
-    ones = np.ones(_row_count(q.codes), dtype=np.float32)  # x / 1 == x: the NVFP4 formula with S_enc 1
-    return _dequantize(q.codes, q.scales, kernels.E8M0_VALUES, ones, MXFP4_BLOCK).reshape(q.shape)
-
-
-def quantize(x: torch.Tensor, fmt: str | Format = "nvfp4", *, per_row: bool = False, global_amax=None):
-    """Round-to-nearest quantization in either format (``per_row``/``global_amax`` are NVFP4's)."""
-    if Format(fmt) is Format.NVFP4:
-        return quantize_nvfp4(x, global_amax=global_amax, per_row=per_row)
-    return quantize_mxfp4(x)
+    """float32 ``[..., K]``: ``value(code) * 2^(s - 127)``, on the codes' device."""
+    _expect(q, MXFP4).check()
+    # x / 1 == x: the NVFP4 formula with S_enc 1
+    ones = torch.ones(row_count(q.codes.shape), dtype=torch.float32, device=q.codes.device)
+    return _dequantize(q.codes, q.scales, Format.MXFP4, ones)
 
 
 def dequantize(q: NVFP4 | MXFP4) -> torch.Tensor:
-    return dequantize_nvfp4(q) if isinstance(q, NVFP4) else dequantize_mxfp4(q)
+    """float32 values of an NVFP4 or MXFP4 container."""
+    if isinstance(q, NVFP4):
+        return dequantize_nvfp4(q)
+    if isinstance(q, MXFP4):
+        return dequantize_mxfp4(q)
+    raise ValueError(f"dequantize: expected an NVFP4 or MXFP4 tensor, got {type(q).__name__}")
 
 
 # --- packing -------------------------------------------------------------------------------------
@@ -307,7 +556,7 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     if codes.dtype != torch.uint8:
         raise ValueError(f"pack_fp4: expected uint8 codes, got {codes.dtype}")
     if codes.dim() == 0 or codes.shape[-1] % 2:
-        raise ValueError(f"pack_fp4: last dim must be even, got shape {tuple(codes.shape)}")
+        raise ValueError(f"pack_fp4: last dim must be even, got shape {_fmt_shape(codes.shape)}")
     if bool((codes > 15).any()):
         raise ValueError("pack_fp4: codes must be 4-bit values 0..15")
     pairs = codes.reshape(*codes.shape[:-1], -1, 2)
@@ -319,6 +568,22 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     if packed.dtype != torch.uint8:
         raise ValueError(f"unpack_fp4: expected uint8, got {packed.dtype}")
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def lsb_bits(codes: torch.Tensor) -> torch.Tensor:
+    """Packed codes ``[..., K//2]`` -> bit-packed low magnitude bits ``[..., K//8]``, on the codes' device."""
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.dim() == 0 or codes.shape[-1] % 4:
+        raise ValueError(f"lsb_bits codes: expected uint8 of shape [..., K/2] with K/2 % 4 == 0, got {_found(codes)}")
+    rows = as_rows(codes)
+    if backend(codes, "codes") == "triton":
+        bits = _triton().lsb_bits(rows)
+    else:
+        out = np.empty((rows.shape[0], rows.shape[1] // 4), dtype=np.uint8)
+        # a few bit operations per byte: one thread keeps up with memory until the codes are large
+        nchunks = kernels.row_chunks(rows.shape[0], rows.nbytes, grain=16 * kernels.GRAIN_BYTES)
+        kernels.pack_lsb(rows.numpy(), out, nchunks)
+        bits = torch.from_numpy(out)
+    return bits.reshape(*codes.shape[:-1], codes.shape[-1] // 4)
 
 
 # --- straight-through fake quantization ----------------------------------------------------------
@@ -337,33 +602,27 @@ class _StraightThrough(torch.autograd.Function):
 
 
 def straight_through(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` in x's dtype in the forward pass, identity gradient to ``x``."""
-    return _StraightThrough.apply(x, value.to(x.dtype))
+    """``value`` on x's device and in x's dtype in the forward pass, identity gradient to ``x``.
 
-
-def fake_quant(
-    x: torch.Tensor, fmt: str | Format = "nvfp4", *, per_row: bool = False, global_amax=None
-) -> torch.Tensor:
-    """Round-to-nearest quantize-dequantize with a straight-through gradient, in x's dtype."""
-    q = quantize(x.detach(), fmt, per_row=per_row, global_amax=global_amax)
-    return straight_through(x, dequantize(q))
-
-
-def lsb_bits(codes: torch.Tensor) -> torch.Tensor:
-    """Packed codes ``[..., K//2]`` -> bit-packed low magnitude bits ``[..., K//8]``."""
-    flat = codes.reshape(_row_count(codes), codes.shape[-1]).contiguous().numpy()
-    bits = np.empty((flat.shape[0], flat.shape[1] // 4), dtype=np.uint8)
-    # a few bit operations per byte: one thread keeps up with memory until the codes are large
-    with kernels.threads_for(flat.nbytes, grain=16 * kernels.GRAIN_BYTES):
-        kernels.pack_lsb(flat, bits)
-    return torch.from_numpy(bits).reshape(*codes.shape[:-1], bits.shape[-1])
+    Without a gradient to carry (grad mode off, or ``x`` not requiring one) no autograd node is made.
+    """
+    value = value.to(device=x.device, dtype=x.dtype)
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return value
+    return _StraightThrough.apply(x, value)
 
 
 # --- FP8 E4M3 with a per-row scale (W4A8 activations) --------------------------------------------
 
 
 def quantize_fp8(x: torch.Tensor) -> FP8:
-    """FP8 E4M3 with one float32 scale ``amax/448`` per row (any device: plain torch ops)."""
+    """FP8 E4M3 with one float32 scale ``amax/448`` per row, on x's device.
+
+    A handful of elementwise torch ops, the same on either backend: no kernel of ours is needed.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype not in SUPPORTED_DTYPES or x.dim() == 0:
+        raise ValueError(f"x: expected a float32/bfloat16/float16 tensor of shape [..., K], got {_found(x)}")
+    backend(x)  # the device check every op makes
     xf = x.detach().to(torch.float32)
     if not bool(torch.isfinite(xf).all()):
         raise ValueError("x: non-finite input; NaN/Inf is a bug upstream and is never encoded")
@@ -374,6 +633,7 @@ def quantize_fp8(x: torch.Tensor) -> FP8:
 
 
 def dequantize_fp8(q: FP8) -> torch.Tensor:
+    _expect(q, FP8).check()
     return q.data.to(torch.float32) * q.scale
 
 
@@ -401,35 +661,51 @@ def guided_codes(
     *,
     codes: torch.Tensor | None = None,
     lsb: torch.Tensor | None = None,
+    owner: str = "grid",
 ) -> NVFP4 | MXFP4:
     """Quantize ``x`` on the grid ``(scales, global_amax)``, each element rounded to the member of its
-    bracket that ``codes`` (packed 4-bit codes, full information) or ``lsb`` (low magnitude bits,
-    eight per byte) names. Exactly one of the two is given; shapes are checked by the caller
-    (:func:`tracefp4.guidance.hints.guided_quantize`)."""
+    bracket that ``codes`` (packed 4-bit codes ``[..., K//2]``, full information) or ``lsb`` (low
+    magnitude bits, eight per byte, ``[..., K//8]``) names. Exactly one of the two is given.
+
+    The grid and the hint are validated against x (:func:`check_grid`; ``owner`` names them in the
+    errors); they may live on another device than x and are moved to it. The result is on x's device.
+    """
     fmt = Format(fmt)
     if (codes is None) == (lsb is None):
         raise ValueError("guided_codes: give exactly one of codes (full) or lsb")
     check_input(x, fmt.block)
-    n, k = _row_count(x), x.shape[-1]
-    # The kernels rebuild each block's encode factor from the stored scale byte, as the reference does.
-    scale_bytes = scales.reshape(n, scales.shape[-1]).contiguous().view(torch.uint8).numpy()
+    check_grid(fmt, scales, global_amax, x.shape, owner)
+    hint, name, per_byte = (codes, "codes", 2) if codes is not None else (lsb, "lsb", 8)
+    expect = (*_fmt_shape(x.shape[:-1]), x.shape[-1] // per_byte)
+    if not isinstance(hint, torch.Tensor) or hint.dtype != torch.uint8 or _fmt_shape(hint.shape) != expect:
+        raise ValueError(
+            f"{owner} {name}: expected uint8 of shape {expect} for x of shape {_fmt_shape(x.shape)}, got {_found(hint)}"
+        )
+    dev = x.device
+    scales = scales.to(dev)
     if fmt is Format.NVFP4:
-        s_enc = _per_row(nvfp4_global_encode_scale(global_amax), x.shape)
-        s_dec = np.float32(1.0) / s_enc
-        values = kernels.E4M3_VALUES
+        global_amax = global_amax.to(dev)
+        s_dec = torch.tensor(1.0, dtype=torch.float32, device=dev) / nvfp4_global_encode_scale(global_amax)
+        s_dec = per_row_values(s_dec, x.shape)
     else:
-        s_dec = np.ones(n, dtype=np.float32)
-        values = kernels.E8M0_VALUES
-    hint = codes if codes is not None else lsb
-    out = np.empty((n, k // 2), dtype=np.uint8)
-    data = hint.reshape(n, hint.shape[-1]).contiguous().numpy()
-    bad = np.zeros(n, dtype=np.bool_)
-    guided = kernels.guided_full if codes is not None else kernels.guided_lsb
-    rows = kernel_rows(x)
-    with kernels.threads_for(rows.nbytes):
-        guided(rows, scale_bytes, values, s_dec, data, fmt.block, out, bad, kernels.row_chunks(n))
+        s_dec = torch.ones(row_count(x.shape), dtype=torch.float32, device=dev)
+    scale_rows = as_rows(scales.view(torch.uint8))
+    hint_rows = as_rows(hint.to(dev))
+    full = codes is not None
+    if backend(x) == "triton":
+        out, bad = _triton().guided_codes(as_rows(x), scale_rows, fmt.value, s_dec, hint_rows, fmt.block, full)
+    else:
+        # the kernels rebuild each block's encode factor from the stored scale byte, as the reference does
+        rows = kernel_rows(x)
+        n, k = rows.shape
+        out = np.empty((n, k // 2), dtype=np.uint8)
+        bad = np.zeros(n, dtype=np.bool_)
+        values = E4M3_VALUES if fmt is Format.NVFP4 else E8M0_VALUES
+        guided = kernels.guided_full if full else kernels.guided_lsb
+        guided(rows, scale_rows.numpy(), values, s_dec.numpy(), hint_rows.numpy(), fmt.block, out, bad, _chunks(rows))
+        out = torch.from_numpy(out)
     raise_non_finite(x, bad)
-    codes_t = torch.from_numpy(out).reshape(*x.shape[:-1], out.shape[-1])
+    codes_t = out.reshape(*x.shape[:-1], out.shape[-1])
     if fmt is Format.NVFP4:
-        return NVFP4(codes_t, clone_scales(scales), torch.as_tensor(global_amax, dtype=torch.float32).clone())
+        return NVFP4(codes_t, clone_scales(scales), global_amax.clone())
     return MXFP4(codes_t, clone_scales(scales))

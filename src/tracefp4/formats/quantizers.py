@@ -15,6 +15,10 @@ caller ever branches on the format. Every quantizer offers the same five operati
 
 FP8 E4M3 (the activations of W4A8) has no codeword bracket to guide, so its quantizer is not
 ``guidable`` and refuses ``guided_quantize``.
+
+Every operation runs on the input's device (see :func:`tracefp4.formats.numerics.backend`) and
+validates the containers and grids it is given. :func:`quantize` and :func:`fake_quant` are the
+functional forms, one call per format, built on these objects.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from tracefp4.formats.numerics import (
     FP8,
     MXFP4,
     NVFP4,
+    as_rows,
     dequantize_fp8,
     dequantize_mxfp4,
     dequantize_nvfp4,
@@ -37,6 +42,7 @@ from tracefp4.formats.numerics import (
     quantize_fp8,
     quantize_mxfp4,
     quantize_nvfp4,
+    raise_non_finite,
     straight_through,
 )
 
@@ -47,6 +53,9 @@ __all__ = [
     "MXFP4Quantizer",
     "FP8Quantizer",
     "AmaxScope",
+    "quantizer_for",
+    "quantize",
+    "fake_quant",
 ]
 
 #: Which elements share one NVFP4 global amax: the whole tensor, each row (last dim), or each slice
@@ -89,27 +98,40 @@ class Quantizer(abc.ABC):
         return straight_through(x, self.dequantize(self.quantize(x.detach())))
 
 
+_AMAX_SCOPES = ("tensor", "row", "expert")
+
+
 @dataclasses.dataclass(frozen=True)
 class NVFP4Quantizer(Quantizer):
-    """NVFP4 (blocks of 16, E4M3 block scales, FP32 global amax over ``amax_scope``)."""
+    """NVFP4 (blocks of 16, E4M3 block scales, FP32 global amax over ``amax_scope``).
+
+    ``global_amax``, when given (a scalar or ``[..., 1]``, e.g. a calibrated amax), is used instead of
+    measuring one over ``amax_scope``.
+    """
 
     amax_scope: AmaxScope = "row"
+    global_amax: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     fmt = Format.NVFP4.value
     block = NVFP4_BLOCK
 
-    def _amax(self, x: torch.Tensor) -> torch.Tensor | None:
-        if self.amax_scope == "expert":
-            if x.dim() < 2:
-                raise ValueError(f"amax_scope 'expert' needs [E, ..., K], got shape {tuple(x.shape)}")
-            dims = tuple(range(1, x.dim()))
-            amax = x.detach().abs().amax(dim=dims, keepdim=True).to(torch.float32)
-            return amax.expand(*x.shape[:-1], 1)
-        return None
+    def __post_init__(self) -> None:
+        if self.amax_scope not in _AMAX_SCOPES:
+            raise ValueError(f"amax_scope: expected one of {_AMAX_SCOPES}, got {self.amax_scope!r}")
+
+    def _expert_amax(self, x: torch.Tensor) -> torch.Tensor:
+        """One amax per slice along the first dim (one routed expert), as ``[..., 1]`` over x's rows."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            raise ValueError(f"x: amax_scope 'expert' needs [E, ..., K], got {getattr(x, 'shape', type(x).__name__)}")
+        amax = x.detach().abs().amax(dim=tuple(range(1, x.dim())), keepdim=True).to(torch.float32)
+        if not bool(torch.isfinite(amax).all()):  # name the bad element, as every quantize does
+            raise_non_finite(x, ~torch.isfinite(as_rows(x)).all(dim=-1))
+        return amax.expand(*x.shape[:-1], 1)
 
     def quantize(self, x: torch.Tensor) -> NVFP4:
-        amax = self._amax(x)
-        if amax is not None:
-            return quantize_nvfp4(x, global_amax=amax)
+        if self.global_amax is not None:
+            return quantize_nvfp4(x, global_amax=self.global_amax)
+        if self.amax_scope == "expert":
+            return quantize_nvfp4(x, global_amax=self._expert_amax(x))
         return quantize_nvfp4(x, per_row=self.amax_scope == "row")
 
     def dequantize(self, q: NVFP4) -> torch.Tensor:
@@ -117,10 +139,13 @@ class NVFP4Quantizer(Quantizer):
 
     def guided_quantize(self, x, grid, *, codes=None, lsb=None) -> NVFP4:
         if grid.global_amax is None:
-            raise ValueError("an NVFP4 grid needs its global_amax")
+            raise ValueError("grid global_amax: an NVFP4 grid needs its global amax, got None")
         return guided_codes(x, Format.NVFP4, grid.scales, grid.global_amax, codes=codes, lsb=lsb)
 
     def grid(self, q: NVFP4) -> Grid:
+        if not isinstance(q, NVFP4):
+            raise ValueError(f"expected an NVFP4 tensor, got {type(q).__name__}")
+        q.check()
         return Grid(q.scales, q.global_amax)
 
 
@@ -145,6 +170,9 @@ class MXFP4Quantizer(Quantizer):
         return guided_codes(x, Format.MXFP4, grid.scales, None, codes=codes, lsb=lsb)
 
     def grid(self, q: MXFP4) -> Grid:
+        if not isinstance(q, MXFP4):
+            raise ValueError(f"expected an MXFP4 tensor, got {type(q).__name__}")
+        q.check()
         return Grid(q.scales)
 
 
@@ -163,5 +191,42 @@ class FP8Quantizer(Quantizer):
         return dequantize_fp8(q)
 
     def grid(self, q: FP8) -> Grid:
+        if not isinstance(q, FP8):
+            raise ValueError(f"expected an FP8 tensor, got {type(q).__name__}")
+        q.check()
         return Grid(q.scale)
+
+
+# --- functional forms ----------------------------------------------------------------------------
+
+
+def quantizer_for(
+    fmt: str | Format = "nvfp4", *, per_row: bool = False, global_amax=None, scale_mode: str = "floor"
+) -> NVFP4Quantizer | MXFP4Quantizer:
+    """The quantizer of :func:`quantize`'s arguments; an argument the format does not have is a
+    ValueError (``per_row``/``global_amax`` are NVFP4's, a ``scale_mode`` other than floor MXFP4's)."""
+    fmt = Format(fmt)
+    mode = ScaleMode(scale_mode)
+    if fmt is Format.NVFP4:
+        if mode is not ScaleMode.FLOOR:
+            raise ValueError(f"scale_mode: {mode.value!r} is an MXFP4 option; NVFP4 block scales are E4M3")
+        return NVFP4Quantizer("row" if per_row else "tensor", global_amax=global_amax)
+    if per_row or global_amax is not None:
+        given = "per_row" if per_row else "global_amax"
+        raise ValueError(f"{given}: an NVFP4 option; MXFP4 has no global amax (its E8M0 block scales are absolute)")
+    return MXFP4Quantizer(mode)
+
+
+def quantize(
+    x: torch.Tensor, fmt: str | Format = "nvfp4", *, per_row: bool = False, global_amax=None, scale_mode: str = "floor"
+) -> NVFP4 | MXFP4:
+    """Round-to-nearest quantization in either format (see :func:`quantizer_for` for the options)."""
+    return quantizer_for(fmt, per_row=per_row, global_amax=global_amax, scale_mode=scale_mode).quantize(x)
+
+
+def fake_quant(
+    x: torch.Tensor, fmt: str | Format = "nvfp4", *, per_row: bool = False, global_amax=None, scale_mode: str = "floor"
+) -> torch.Tensor:
+    """Round-to-nearest quantize-dequantize with a straight-through gradient, in x's dtype."""
+    return quantizer_for(fmt, per_row=per_row, global_amax=global_amax, scale_mode=scale_mode).fake_quant(x)
 

@@ -1,4 +1,4 @@
-"""The readable reference: every FP4 recipe of ``shared/DESIGN.md`` written as plainly as possible.
+"""The readable reference: every FP4 recipe (NVFP4, MXFP4, guided rounding) written as plainly as possible.
 
 This module is the oracle. It favours one obvious step per line over speed: rounding is done by
 searching the codeword table for the nearest value (not by comparing against midpoints, as the fast
@@ -20,6 +20,7 @@ import torch
 from tracefp4.formats.constants import (
     E2M1_EMAX,
     E2M1_MAX,
+    E2M1_SIGN_BIT,
     E2M1_VALUES,
     E4M3_MAX,
     E8M0_BIAS,
@@ -52,7 +53,7 @@ def round_to_e2m1(z: torch.Tensor) -> torch.Tensor:
     codes = torch.arange(8)
     preference = torch.where(is_best, (codes % 2) * 8 + codes, torch.full_like(codes, 10_000))
     mag_code = preference.argmin(dim=-1)
-    sign = torch.signbit(z).to(torch.int64) * 8
+    sign = torch.signbit(z).to(torch.int64) * E2M1_SIGN_BIT
     return (mag_code + sign).to(torch.uint8)
 
 
@@ -158,7 +159,10 @@ def dequantize_mxfp4(codes: torch.Tensor, biased: torch.Tensor) -> torch.Tensor:
     return (vals * mx_scale(biased).unsqueeze(-1)).reshape(codes.shape)
 
 
-# --- Rollout-guided rounding (DESIGN.md section 3) -----------------------------------------------
+# --- Rollout-guided rounding ----------------------------------------------------------------------
+# The trainer rounds its own value onto the rollout's grid and, of the two codewords bracketing it,
+# keeps the one the rollout's hint names: the one nearer the rollout's code on the signed code line
+# (full; a tie keeps round-to-nearest), or the one whose low magnitude bit matches (lsb).
 
 
 def bracket(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +180,7 @@ def bracket(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def signed_index(codes: torch.Tensor) -> torch.Tensor:
     """Position of each 4-bit code on the signed line -7..7 (both zeros at 0)."""
     c = codes.long()
-    return torch.where(c >= 8, -(c - 8), c)
+    return torch.where(c >= E2M1_SIGN_BIT, -(c - E2M1_SIGN_BIT), c)
 
 
 def guided_round(z: torch.Tensor, rollout_codes: torch.Tensor | None, rollout_lsb: torch.Tensor | None):
@@ -200,7 +204,7 @@ def guided_round(z: torch.Tensor, rollout_codes: torch.Tensor | None, rollout_ls
         bit = rollout_lsb.long()
         chosen = torch.where(lo == hi, lo * sign, torch.where((lo & 1) == bit, lo * sign, hi * sign))
     mag = chosen.abs()
-    return (mag + negative.long() * 8).to(torch.uint8)
+    return (mag + negative.long() * E2M1_SIGN_BIT).to(torch.uint8)
 
 
 def guided_quantize_nvfp4(x, s8, amax, rollout_codes=None, rollout_lsb=None) -> torch.Tensor:

@@ -1,9 +1,15 @@
-"""Rollout-guided rounding (DESIGN.md section 3): what the rollout records, and how the trainer uses it.
+"""Rollout-guided rounding: what the rollout records, and how the trainer uses it.
 
 The rollout quantizes a site and keeps a :class:`Hint`: its block scales, global amax, and per
 element either the whole 4-bit code (``full``) or the low bit of the code's magnitude (``lsb``). The
 trainer quantizes its own, slightly different, value of the same site *on the rollout's grid* and,
-of the two codewords bracketing it, picks the one the hint names.
+of the two codewords bracketing it, picks the one the hint names: with ``full``, the member nearer
+the rollout's code on the signed code line (so the trainer's code is never farther from the
+rollout's than its own round-to-nearest code); with ``lsb``, the member whose low magnitude bit
+matches (adjacent codewords alternate in it). An element that sits on a codeword keeps it.
+
+Every hint is validated where it enters (:meth:`Hint.check`): a malformed one is a ValueError,
+never NaN output or a read past a buffer.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from tracefp4.formats.constants import Format, HintMode
 from tracefp4.formats.numerics import (
     MXFP4,
     NVFP4,
-    check_input,
+    check_grid,
     clone_scales,
     dequantize,
     guided_codes,
@@ -46,6 +52,31 @@ class Hint:
     @property
     def shape(self) -> torch.Size:
         return torch.Size((*self.scales.shape[:-1], self.scales.shape[-1] * self.fmt.block))
+
+    def check(self) -> "Hint":
+        """Raise ValueError unless mode, format, data, scales and global amax agree.
+
+        data: uint8 ``[..., K//8]`` (lsb) or ``[..., K//2]`` (full); scales and global amax as in
+        :func:`tracefp4.formats.numerics.check_grid` (no NaN scale codes; NVFP4 needs a finite
+        non-negative float32 amax, MXFP4 has none).
+        """
+        shape = self._check_kind()
+        check_grid(self.fmt, self.scales, self.global_amax, shape, "hint")
+        per_byte = 8 if self.mode is HintMode.LSB else 2
+        expect = (*shape[:-1], shape[-1] // per_byte)
+        data = self.data
+        if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or tuple(data.shape) != expect:
+            found = f"{data.dtype} of shape {tuple(data.shape)}" if isinstance(data, torch.Tensor) else type(data).__name__
+            raise ValueError(f"hint data: expected uint8 of shape {expect} for {self.mode.value} hints, got {found}")
+        return self
+
+    def _check_kind(self) -> torch.Size:
+        """Mode, format and scales' rank, so that :attr:`shape` means something; returns it."""
+        if not isinstance(self.mode, HintMode) or not isinstance(self.fmt, Format):
+            raise ValueError(f"hint: mode and fmt must be HintMode and Format, got {self.mode!r}, {self.fmt!r}")
+        if not isinstance(self.scales, torch.Tensor) or self.scales.dim() == 0:
+            raise ValueError(f"hint scales: expected a tensor of shape [..., K/{self.fmt.block}], got {self.scales!r}")
+        return self.shape
 
     @property
     def nbytes(self) -> int:
@@ -83,13 +114,17 @@ class Hint:
         amax = tensors.get(f"{prefix}.global_amax")
         if fmt is Format.NVFP4 and amax is None:
             raise ValueError(f"NVFP4 hint {prefix!r} lacks its global_amax")
-        return cls(mode, fmt, tensors[data_key], scales, amax)
+        return cls(mode, fmt, tensors[data_key], scales, amax).check()
 
 
 def hint_cat(hints: list[Hint], dim: int = 0) -> Hint:
     """Concatenate hints of the same mode and format along a leading dim (per-row global amax only)."""
     if not hints:
         raise ValueError("hint_cat: no hints given")
+    for h in hints:
+        if not isinstance(h, Hint):
+            raise ValueError(f"hint_cat: expected Hints, got {type(h).__name__}")
+        h.check()
     h0 = hints[0]
     for h in hints[1:]:
         if (h.mode, h.fmt) != (h0.mode, h0.fmt):
@@ -108,44 +143,34 @@ def hint_cat(hints: list[Hint], dim: int = 0) -> Hint:
     )
 
 
-def encode_hint(q: NVFP4 | MXFP4, mode: str | HintMode = "lsb", *, pack=lsb_bits) -> Hint:
-    """What the rollout records for a quantized site: see :class:`Hint`.
-
-    ``pack`` turns packed codes into bit-packed low bits (the Triton path passes its GPU kernel).
-    """
+def encode_hint(q: NVFP4 | MXFP4, mode: str | HintMode = "lsb") -> Hint:
+    """What the rollout records for a quantized site (see :class:`Hint`), on the container's device."""
     mode = HintMode(mode)
     if not isinstance(q, (NVFP4, MXFP4)):
         raise ValueError(f"encode_hint: expected an NVFP4 or MXFP4 tensor, got {type(q).__name__}")
-    data = pack(q.codes) if mode is HintMode.LSB else q.codes.clone()
+    q.check()
+    data = lsb_bits(q.codes) if mode is HintMode.LSB else q.codes.clone()
     amax = q.global_amax.clone() if isinstance(q, NVFP4) else None
     return Hint(mode, q.fmt, data, clone_scales(q.scales), amax)
 
 
-def _check_hint(x: torch.Tensor, hint: Hint, *, cpu: bool = True) -> None:
+def guided_quantize(x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4:
+    """Quantize ``x`` on the hint's grid, each element rounded to the bracket member the hint names.
+
+    The result is on x's device (the hint's tensors may live elsewhere and are moved to it).
+    """
     if not isinstance(hint, Hint):
         raise ValueError(f"expected a Hint, got {type(hint).__name__}")
-    check_input(x, hint.fmt.block, cpu=cpu)
-    if tuple(x.shape) != tuple(hint.shape):
+    hint._check_kind()  # the grid and data are checked against x by guided_codes, in one pass
+    if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(hint.shape):
+        found = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(
-            f"hint shape mismatch: x has shape {tuple(x.shape)} but the hint was recorded for shape "
+            f"hint shape mismatch: x has shape {found} but the hint was recorded for shape "
             f"{tuple(hint.shape)} ({hint.fmt.value}, {hint.mode.value})"
         )
-    per_elem = 8 if hint.mode is HintMode.LSB else 2
-    expect = (*x.shape[:-1], x.shape[-1] // per_elem)
-    if tuple(hint.data.shape) != expect or hint.data.dtype != torch.uint8:
-        raise ValueError(
-            f"hint data: expected uint8 of shape {expect} for {hint.mode.value} hints, "
-            f"got {hint.data.dtype} {tuple(hint.data.shape)}"
-        )
-
-
-def guided_quantize(x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4:
-    """Quantize ``x`` on the hint's grid, each element rounded to the bracket member the hint names."""
-    _check_hint(x, hint)
     full = hint.mode is HintMode.FULL
-    return guided_codes(
-        x, hint.fmt, hint.scales, hint.global_amax, codes=hint.data if full else None, lsb=None if full else hint.data
-    )
+    data = {"codes": hint.data} if full else {"lsb": hint.data}
+    return guided_codes(x, hint.fmt, hint.scales, hint.global_amax, owner="hint", **data)
 
 
 def guided_fake_quant(x: torch.Tensor, hint: Hint) -> torch.Tensor:

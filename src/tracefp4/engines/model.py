@@ -98,17 +98,6 @@ class ForwardState:
 _BF16 = ForwardState()
 
 
-def _straight_through(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` on x's device and in x's dtype, with an identity gradient to ``x``.
-
-    Skips the autograd node when no gradient is wanted (the rollout; the trainer's no-grad pass).
-    """
-    value = value.to(device=x.device, dtype=x.dtype)
-    if not (torch.is_grad_enabled() and x.requires_grad):
-        return value
-    return straight_through(x, value)
-
-
 def quantize_site(state: ForwardState, layer: int, site: Site, x: torch.Tensor) -> torch.Tensor:
     """The value the next op sees at ``site``: ``x`` quantized per row (last dim) by the plan's
     quantizer, rounded toward the rollout's codeword where the trainer has a hint, in x's dtype with a
@@ -120,7 +109,7 @@ def quantize_site(state: ForwardState, layer: int, site: Site, x: torch.Tensor) 
     path = state.path
     try:
         if not quantizer.guidable:  # FP8: no codewords, nothing recorded or guided
-            return _straight_through(x, quantizer.dequantize(quantizer.quantize(x.detach())))
+            return straight_through(x, quantizer.dequantize(quantizer.quantize(x.detach())))
         hint = path.hint(name, x) if isinstance(path, TrainerGuidance) else None
         q = quantizer.quantize(x.detach()) if hint is None else guided(quantizer, x.detach(), hint)
     except ValueError as e:
@@ -129,7 +118,7 @@ def quantize_site(state: ForwardState, layer: int, site: Site, x: torch.Tensor) 
         path.record_site(layer, name, x, q)
     elif isinstance(path, TrainerGuidance):
         path.capture_site(layer, name, q, quantizer.grid(q))
-    return _straight_through(x, quantizer.dequantize(q))
+    return straight_through(x, quantizer.dequantize(q))
 
 
 def quantize_kv(state: ForwardState, layer: int, site: Site, states: torch.Tensor) -> torch.Tensor:
@@ -161,7 +150,7 @@ def expert_weight(state: ForwardState, experts: nn.Module, name: str) -> torch.T
             raise ValueError(f"expert weight {name}: {e}") from e
 
     if not isinstance(state.path, RolloutCapture):
-        return _straight_through(w, fake_quant())
+        return straight_through(w, fake_quant())
     # data_ptr and _version change when the weight is replaced or updated in place.
     key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, quantizer)
     cache: dict[str, tuple[Any, torch.Tensor]] = experts.__dict__.setdefault("_tracefp4_weight_cache", {})

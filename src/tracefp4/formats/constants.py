@@ -105,19 +105,3 @@ class HintMode(str, enum.Enum):
     LSB = "lsb"
     """The low bit of the code's magnitude (1 bit/element): adjacent codewords on the signed line
     alternate in this bit, so it names one member of any bracket."""
-
-
-class Site(str, enum.Enum):
-    """Quantization sites per MoE layer that carry guidance."""
-
-    EXPERT_IN = "expert_in"
-    """Token hidden state entering the routed experts (per token)."""
-
-    EXPERT_MID = "expert_mid"
-    """Input of the down projection (per token and selected expert)."""
-
-    K = "k"
-    """Key cache entry (per token and KV head)."""
-
-    V = "v"
-    """Value cache entry (per token and KV head)."""

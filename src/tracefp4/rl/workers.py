@@ -20,9 +20,11 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from transformers import AutoConfig, PreTrainedModel
 
-from tracefp4.formats.constants import HintMode
 from tracefp4.engines.model import PrecisionPlan
 from tracefp4.engines.rollout import RolloutOutput, SamplingParams
+from tracefp4.guidance.compact import mode_name, parse_hint_mode
+from tracefp4.rl import engine
+from tracefp4.rl.arms import Arm, store_record
 
 
 def _require_ray():
@@ -55,43 +57,31 @@ class _Worker:
         return version
 
     def rollout(self, job_json: str) -> str:
-        from tracefp4.engines.rollout import generate
         from tracefp4.guidance.store import StoreWriter
 
         job = json.loads(job_json)
         if job["policy_version"] != self.version:
             raise ValueError(f"worker holds policy version {self.version}, job wants {job['policy_version']}")
+        arm = Arm.from_dict(job["arm"])
         t0 = time.perf_counter()
-        out = generate(
-            self.model,
-            job["prompts"],
-            SamplingParams(**job["sampling"]),
-            mode=job["mode"],
-            plan=PrecisionPlan(**job["plan"]),
-            guided_layers=job["guided_layers"],
-            hint_mode=job["hint_mode"],
-        )
+        out, _ = engine.rollout(self.model, job["prompts"], SamplingParams(**job["sampling"]), arm)
         t_gen = time.perf_counter() - t0
-        from tracefp4.rl.loop import store_record
-
         t0 = time.perf_counter()
         with StoreWriter(job["store_root"], job["step"], job["writer_id"], model_signature=job["signature"],
                          policy_version=job["policy_version"]) as w:
             for tid, rec, p in zip(job["traj_ids"], out.records, out.prompt_lens):
-                w.add(tid, store_record(rec, job["guidance"]), prompt_len=p)
+                w.add(tid, store_record(rec, arm), prompt_len=p)
         return json.dumps({
             "token_ids": [t.tolist() for t in out.token_ids],
             "prompt_lens": out.prompt_lens,
             "logprobs": [lp.tolist() for lp in out.logprobs],
             "finish_reasons": out.finish_reasons,
+            "mode": out.mode,
+            "hint_mode": mode_name(out.hint_mode),
+            "guided_layers": sorted(out.guided_layers),
             "time_generate_s": t_gen,
             "time_store_write_s": time.perf_counter() - t0,
         })
-
-
-def _plan_dict(plan: PrecisionPlan) -> dict:
-    return {"weights": plan.weights.value, "activations": plan.activations, "kv_cache": plan.kv_cache.value,
-            "mx_scale_mode": plan.mx_scale_mode.value}
 
 
 class RolloutPool:
@@ -118,11 +108,12 @@ class RolloutPool:
         self._ray.get([w.load_weights.remote(blob, version) for w in self.workers])
         self.version = version
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, group_size: int,
-                 mode: str, plan: PrecisionPlan, guided_layers: Sequence[int], hint_mode: str,
-                 store_root: str, step: int, traj_ids: Sequence[str], signature: str, guidance: str | None
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, group_size: int, arm: Arm,
+                 store_root: str, step: int, traj_ids: Sequence[str], signature: str
                  ) -> tuple[RolloutOutput, list[str], dict[str, float]]:
-        """Returns (trajectories without records, the writer ids to seal, worker timings)."""
+        """Roll out on ``arm``'s serving path (:func:`tracefp4.rl.engine.rollout` in each worker); the
+        records it stores are :func:`tracefp4.rl.arms.store_record`'s. Returns (trajectories without
+        records, the writer ids to seal, worker timings)."""
         groups = len(prompts) // group_size
         per = [list(range(i * groups // len(self.workers), (i + 1) * groups // len(self.workers)))
                for i in range(len(self.workers))]
@@ -136,10 +127,8 @@ class RolloutPool:
                 "sampling": {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                              "top_p": sampling.top_p, "stop_token_ids": list(sampling.stop_token_ids),
                              "seed": sampling.seed * 1009 + i},
-                "mode": mode, "plan": _plan_dict(plan), "guided_layers": sorted(guided_layers),
-                "hint_mode": hint_mode, "store_root": str(store_root), "step": step, "writer_id": f"w{i}",
+                "arm": arm.to_dict(), "store_root": str(store_root), "step": step, "writer_id": f"w{i}",
                 "traj_ids": list(traj_ids[lo:hi]), "signature": signature, "policy_version": self.version,
-                "guidance": guidance,  # what of the full-hint records reaches the store (rl.store_record)
             }
             futures.append(worker.rollout.remote(json.dumps(job)))
             writers.append(f"w{i}")
@@ -151,7 +140,8 @@ class RolloutPool:
             logprobs=[torch.tensor(lp, dtype=torch.float32) for r in results for lp in r["logprobs"]],
             finish_reasons=[f for r in results for f in r["finish_reasons"]],
             records=[],
-            mode=mode, plan=plan, hint_mode=HintMode(hint_mode), guided_layers=frozenset(guided_layers),
+            mode=results[0]["mode"], plan=arm.plan or PrecisionPlan(), hint_mode=parse_hint_mode(results[0]["hint_mode"]),
+            guided_layers=frozenset(results[0]["guided_layers"]),
         )
         timings = {
             "time/rollout_s": max(r["time_generate_s"] for r in results),

@@ -1,0 +1,117 @@
+"""The arms compared side by side, and what each one records.
+
+An arm records only what it uses. Each states its rollout's precision ``plan`` (None: a BF16 rollout),
+the ``guidance`` its rollout records for the trainer (a :class:`GuidedMode` name; None: routing only),
+the ``diagnostics`` layers whose full FP4 codes the rollout keeps in memory to measure the code
+mismatch (never stored, never given to the trainer), and the trainer's forward mode:
+
+==============  ===========  =====================  ======================  ========
+arm             plan         guidance               diagnostics             trainer
+==============  ===========  =====================  ======================  ========
+``bf16``        None         None                   none                    bf16
+``qat``         FP4          None (routing only)    the deeper half         qat
+``trace``       FP4          the run's ``guidance`` its guided layers       trace
+                             (default ``lsb``)
+``trace-full``  FP4          ``full`` (all layers)  all layers              trace
+==============  ===========  =====================  ======================  ========
+
+Routing replay is on in every arm: the routing of every MoE layer always reaches the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import torch
+
+from tracefp4.engines.model import PrecisionPlan, default_guided_layers
+from tracefp4.guidance.compact import GuidedMode
+
+TrainerMode = Literal["bf16", "qat", "trace"]
+LayerSet = Literal["deeper", "guided", "all"]
+
+#: In :data:`ARMS`, the guidance mode the run config names (``RLConfig.guidance``).
+CONFIGURED = "<configured>"
+
+
+@dataclasses.dataclass(frozen=True)
+class ArmSpec:
+    """One row of the arm table, before a run's guidance mode and model depth are known."""
+
+    fp4: bool  # FP4 rollout (the run's precision plan) or BF16
+    guidance: str | None  # a GuidedMode name, CONFIGURED, or None (routing only)
+    diagnostics: LayerSet | None  # layers whose full codes the rollout keeps, or None
+    trainer: TrainerMode
+
+
+ARMS: dict[str, ArmSpec] = {
+    "bf16": ArmSpec(fp4=False, guidance=None, diagnostics=None, trainer="bf16"),
+    "qat": ArmSpec(fp4=True, guidance=None, diagnostics="deeper", trainer="qat"),
+    "trace": ArmSpec(fp4=True, guidance=CONFIGURED, diagnostics="guided", trainer="trace"),
+    "trace-full": ArmSpec(fp4=True, guidance="full", diagnostics="all", trainer="trace"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """An arm resolved for one run: what its rollout and trainer are called with."""
+
+    name: str
+    plan: PrecisionPlan | None
+    guidance: GuidedMode | None
+    diagnostics: frozenset[int]
+    trainer: TrainerMode
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values (what a rollout worker process is sent)."""
+        return {
+            "name": self.name,
+            "plan": None if self.plan is None else plan_to_dict(self.plan),
+            "guidance": None if self.guidance is None else self.guidance.name,
+            "diagnostics": sorted(self.diagnostics),
+            "trainer": self.trainer,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Arm:
+        return cls(
+            name=d["name"],
+            plan=None if d["plan"] is None else PrecisionPlan(**d["plan"]),
+            guidance=None if d["guidance"] is None else GuidedMode.parse(d["guidance"]),
+            diagnostics=frozenset(d["diagnostics"]),
+            trainer=d["trainer"],
+        )
+
+
+def make_arm(name: str, *, guidance: str, n_layers: int, plan: PrecisionPlan | None = None) -> Arm:
+    """Arm ``name`` of :data:`ARMS` for a model of ``n_layers`` layers; ``guidance`` is the run's
+    configured mode (used by the arms whose table entry says CONFIGURED)."""
+    if name not in ARMS:
+        raise ValueError(f"unknown arm {name!r}; available: {sorted(ARMS)}")
+    spec = ARMS[name]
+    mode_name = guidance if spec.guidance == CONFIGURED else spec.guidance
+    mode = None if mode_name is None else GuidedMode.parse(mode_name)
+    diagnostics = {
+        None: frozenset(),
+        "deeper": default_guided_layers(n_layers),
+        "all": frozenset(range(n_layers)),
+        "guided": mode.layer_indices(n_layers) if mode is not None else frozenset(),
+    }[spec.diagnostics]
+    plan = (plan if plan is not None else PrecisionPlan()) if spec.fp4 else None
+    return Arm(name, plan, mode, diagnostics, spec.trainer)
+
+
+def plan_to_dict(plan: PrecisionPlan) -> dict[str, str]:
+    return {"weights": plan.weights.value, "activations": plan.activations, "kv_cache": plan.kv_cache.value,
+            "mx_scale_mode": plan.mx_scale_mode.value}
+
+
+def store_record(rec: dict[str, torch.Tensor], arm: Arm) -> dict[str, torch.Tensor]:
+    """What of a rollout's record reaches the store (and the trainer): the routing always, plus the
+    guidance tensors when the arm records guidance, passed through unchanged whatever the mode
+    (full, lsb or compact). An arm without guidance keeps routing only, even where today's engine
+    recorded full codes for it in memory (its diagnostics)."""
+    if arm.guidance is not None:
+        return rec
+    return {k: v for k, v in rec.items() if k.endswith(".routing")}

@@ -211,6 +211,7 @@ def test_yaml_config(tmp_path):
     ("arms", (), "expected at least one of"),
     ("arms", ("bf16", "bf16"), "each arm at most once"),
     ("task", "sorting", "expected a registered task"),
+    ("task_kwargs", {"digitz": 2}, "expected keyword arguments of task 'reverse'"),
     ("guidance", "lsbx", "expected a guidance mode"),
     ("guidance", "lsb@some", "expected a guidance mode"),
     ("loss_agg", "mean", "expected one of"),

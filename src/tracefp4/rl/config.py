@@ -22,7 +22,7 @@ from tracefp4.engines.model import tiny_config
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.rl.arms import ARMS
 from tracefp4.rl.grpo import LossAgg
-from tracefp4.rl.tasks import TASKS, Tokenizer
+from tracefp4.rl.tasks import TASKS, Tokenizer, make_task
 
 # Range checks, as field metadata: ``ge``/``gt``/``le``/``lt`` bounds, ``multiple_of``, ``choices``.
 _BOUNDS = (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
@@ -214,6 +214,10 @@ class RLConfig:
             _fail("arms", self.arms, "each arm at most once")
         if self.task not in TASKS:
             _fail("task", self.task, f"a registered task: {', '.join(sorted(TASKS))}")
+        try:
+            make_task(self.task, **self.task_kwargs)
+        except (TypeError, ValueError) as e:
+            _fail("task_kwargs", self.task_kwargs, f"keyword arguments of task {self.task!r} ({e})")
         try:
             GuidedMode.parse(self.guidance)
         except ValueError as e:

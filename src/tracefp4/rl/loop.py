@@ -30,7 +30,7 @@ from tracefp4.engines.model import PrecisionPlan, from_config, load_model, model
 from tracefp4.files import atomic_write_json
 from tracefp4.guidance.store import discard_step
 from tracefp4.rl import runlog
-from tracefp4.rl.arms import make_arm
+from tracefp4.rl.arms import Arm, make_arm
 from tracefp4.rl.collect import ArmSetup, collect
 from tracefp4.rl.config import ModelSpec, RLConfig  # ModelSpec: reports.bench_system imports it from here
 from tracefp4.rl.evaluate import evaluate
@@ -70,7 +70,7 @@ class ArmRunner:
         return self.setup.name
 
     @property
-    def arm(self):
+    def arm(self) -> Arm:
         return self.setup.arm
 
     @property

@@ -5,15 +5,13 @@ the ``guidance`` its rollout records for the trainer (a :class:`GuidedMode` name
 the ``diagnostics`` layers whose full FP4 codes the rollout keeps in memory to measure the code
 mismatch (never stored, never given to the trainer), and the trainer's forward mode:
 
-==============  ===========  =====================  ======================  ========
-arm             plan         guidance               diagnostics             trainer
-==============  ===========  =====================  ======================  ========
-``bf16``        None         None                   none                    bf16
-``qat``         FP4          None (routing only)    the deeper half         qat
-``trace``       FP4          the run's ``guidance`` its guided layers       trace
-                             (default ``lsb``)
-``trace-full``  FP4          ``full`` (all layers)  all layers              trace
-==============  ===========  =====================  ======================  ========
+* ``bf16``: BF16 rollout (plan None), no guidance, no diagnostics; BF16 trainer.
+* ``qat``: FP4 rollout, no guidance (routing only), diagnostics on the deeper half; the trainer
+  rounds to nearest (vanilla QAT).
+* ``trace``: FP4 rollout recording the run's ``guidance`` mode (default ``lsb``: the low bit of each
+  code on the deeper half), diagnostics on its guided layers; guided trainer.
+* ``trace-full``: FP4 rollout recording ``full`` codes on all layers, diagnostics on all layers;
+  guided trainer.
 
 Routing replay is on in every arm: the routing of every MoE layer always reaches the store.
 """

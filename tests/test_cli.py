@@ -67,3 +67,32 @@ def test_reports_never_import_the_cli():
             else:
                 continue
             assert not any(n == "tracefp4.cli" or n.startswith("tracefp4.cli.") for n in names), path.name
+
+
+@pytest.mark.parametrize("mode", ["lsb", "lsb+parity+amax:lo3", "ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all", "full@deeper"])
+def test_guidance_option_parses(mode):
+    from tracefp4.cli import build_parser
+
+    for argv in (["demo", "--guidance", mode], ["train", "--config", "c.toml", "--guidance", mode]):
+        assert build_parser().parse_args(argv).guidance == mode
+    assert build_parser().parse_args(["demo"]).guidance is None  # the config's (default lsb)
+
+
+def test_bad_guidance_option_is_a_usage_error(capsys):
+    from tracefp4.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["demo", "--guidance", "lsbx"])
+    assert e.value.code == 2
+    assert "--guidance: 'lsbx' is not a guidance mode" in capsys.readouterr().err
+
+
+def test_train_rejects_a_bad_config_before_any_work(tmp_path):
+    from tracefp4.cli import build_parser
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'steps = "ten"\nout = "{tmp_path / "runs"}"\n')
+    args = build_parser().parse_args(["train", "--config", str(cfg)])
+    with pytest.raises(ValueError, match="steps = 'ten': expected an integer"):
+        args.func(args)
+    assert not (tmp_path / "runs").exists()

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tracefp4.rl.grpo import LossAgg, aggregate, group_advantages, grpo_loss, mismatch_metrics
+from tracefp4.rl.grpo import LossAgg, aggregate, group_advantages, grpo_loss, mismatch_metrics, pad_right
 from tracefp4.rl.tasks import Addition, CharTokenizer, Example, Reverse, make_task
 
 
@@ -76,7 +76,8 @@ def test_tasks_rewards_and_held_out(task):
     ex = held[0]
     assert task.reward(ex, ex.answer) == 1.0
     assert task.reward(ex, ex.answer + "9") < 1.0
-    CharTokenizer().encode(ex.prompt + ex.answer)
+    tok = task.make_tokenizer()  # the task makes the tokenizer its prompts are written for
+    assert tok.decode(tok.encode(ex.prompt + ex.answer)) == ex.prompt + ex.answer
 
 
 def test_reverse_partial_credit_and_make_task():
@@ -84,3 +85,9 @@ def test_reverse_partial_credit_and_make_task():
     assert t.reward(Example("R123=", "321"), "329") == pytest.approx(0.5 * 2 / 3)
     with pytest.raises(ValueError, match="unknown task"):
         make_task("chess")
+
+
+def test_pad_right():
+    out, mask = pad_right([torch.tensor([1.0, 2.0]), torch.tensor([3.0])], 3)
+    assert torch.equal(out, torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]))
+    assert mask.tolist() == [[True, True, False], [True, False, False]]

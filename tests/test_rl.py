@@ -1,24 +1,38 @@
-"""The GRPO loop end to end on a tiny model: run folder, metrics, checkpoints, resume, config files."""
+"""The GRPO loop on a tiny model: collect/update, run folder, metrics, checkpoints, resume, config
+files and their validation, the guidance mode, a task bringing its own tokenizer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
+from pathlib import Path
 
 import pytest
 import torch
 
-from tracefp4.rl.loop import ARMS, ArmRunner, MasterWeightAdamW, RLConfig, ModelSpec, run
+from tracefp4.engines.model import from_config
+from tracefp4.engines.protocol import SamplingParams
+from tracefp4.rl import engine
+from tracefp4.rl.arms import make_arm
+from tracefp4.rl.collect import ArmSetup, Batch, collect
+from tracefp4.rl.config import ModelSpec, RLConfig
+from tracefp4.rl.loop import model_signature, run
+from tracefp4.rl.optim import MasterWeightAdamW
+from tracefp4.rl.tasks import TASKS, CharTokenizer, Example, Reverse
+from tracefp4.rl.update import update
 
 TINY = dict(
     steps=2, warm_start_steps=3, prompts_per_step=2, group_size=2, max_new_tokens=4, eval_every=1,
-    eval_size=4, updates_per_step=2, threads=1,
+    eval_size=4, updates_per_step=2, threads=3,
     model=ModelSpec(hidden=32, layers=2, experts=4, top_k=2, moe_intermediate=32, heads=2, kv_heads=1),
 )
 
 REQUIRED = [
     "reward_mean", "accuracy", "response_length", "entropy", "rollout_corr/kl", "rollout_corr/k3_kl",
     "rollout_corr/log_ppl_diff", "train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max",
-    "guidance_bytes_per_token", "guidance/decode_failures", "time/rollout_s", "time/store_write_s", "time/store_read_s", "time/train_s",
+    "guidance_bytes_per_token", "guidance/decode_failures", "router_flip_rate", "grad_norm", "clip_frac",
+    "time/rollout_s", "time/store_write_s", "time/store_read_s", "time/train_s",
 ]
 
 
@@ -26,7 +40,10 @@ REQUIRED = [
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     cfg = RLConfig(out=str(out), run_name="t", arms=("bf16", "qat", "trace", "trace-full"), **TINY)
-    return run(cfg)
+    threads = torch.get_num_threads()
+    run_dir = run(cfg)
+    assert torch.get_num_threads() == threads  # the library leaves the process's threads alone
+    return run_dir
 
 
 def test_run_folder_contents(tiny_run):
@@ -55,12 +72,13 @@ def test_arms_guidance_and_code_mismatch(tiny_run):
 
     assert last("bf16")["guidance_bytes_per_token"] == 0 and "code_mismatch_rate" not in last("bf16")
     assert last("qat")["guidance_bytes_per_token"] == 0  # vanilla QAT sends no guidance
-    assert "code_mismatch_rate" in last("qat")  # measured against the rollout's in-memory codes
     # trace-full: full hints on all layers > lsb hints on the deeper half
     assert last("trace-full")["guidance_bytes_per_token"] > last("trace")["guidance_bytes_per_token"] > 0
     # every layer guided with full information: the trainer reproduces every rollout code
     assert last("trace-full")["code_mismatch_rate"] == 0.0
+    # the rollout's full codes (diagnostics, never stored) measure every FP4 arm's code mismatch
     assert last("qat")["code_mismatch_rate"] >= last("trace")["code_mismatch_rate"]
+    assert all(last(a)["guidance/decode_failures"] == 0 for a in ["bf16", "qat", "trace", "trace-full"])
 
 
 def test_same_prompts_and_samples_across_arms(tiny_run):
@@ -81,32 +99,37 @@ def test_resume_continues_from_checkpoints(tiny_run):
     assert state["step"] == 3 and state["policy_version"] == 3
 
 
-def test_arms_record_only_what_they_use(tmp_path):
-    # bf16: BF16 rollout; qat: routing only, full codes of the deeper half in memory; trace: lsb on the
-    # deeper half; trace-full: full on every layer (diagnostics = the guided layers)
-    from tracefp4.engines.model import from_config
-    from tracefp4.rl.tasks import CharTokenizer, make_task
+def test_each_arm_records_only_what_it_uses():
+    """bf16 and qat store routing only; trace stores its own mode's records (the real lsb recording
+    path); the full codes that measure the code mismatch stay in memory as diagnostics."""
+    model = from_config(TINY["model"].hf_config(CharTokenizer()), seed=0)
+    prompts = [[1, 5, 6, 7], [1, 8, 9]]
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
+    n_layers = TINY["model"].layers
+    for name in ("bf16", "qat", "trace", "trace-full"):
+        arm = make_arm(name, guidance="lsb", n_layers=n_layers)
+        roll, diagnostics = engine.rollout(model, prompts, sampling, arm)
+        kinds = {k.split(".", 2)[-1] if not k.endswith(".routing") else "routing" for k in roll.records[0]}
+        expected = {"bf16": {"routing"}, "qat": {"routing"}, "trace": {"routing", "bits", "scales", "global_amax"},
+                    "trace-full": {"routing", "codes", "scales", "global_amax"}}[name]
+        assert kinds == expected, name
+        assert (diagnostics is None) == (name == "bf16")
+        if diagnostics is not None:
+            layers = {int(k[1:3]) for k in diagnostics[0]}
+            assert layers == set(arm.diagnostics) and all(not k.endswith(".routing") for k in diagnostics[0])
 
-    tok, cfg = CharTokenizer(), RLConfig(out=str(tmp_path), **TINY)
-    model = from_config(cfg.model.hf_config(tok), seed=0)
-    (tmp_path / "metrics").mkdir()
-    got = {}
-    for name in ARMS:
-        r = ArmRunner(name, model, make_task(cfg.task), tok, cfg, tmp_path)
-        got[name] = (r.rollout_plan is None, r.guidance.name if r.guidance else None, sorted(r.diagnostics))
-        r.log.close()
-    assert got == {
-        "bf16": (True, None, []),
-        "qat": (False, None, [1]),
-        "trace": (False, "lsb", [1]),
-        "trace-full": (False, "full", [0, 1]),
-    }
+
+def test_arm_table():
+    qat, trace = make_arm("qat", guidance="lsb", n_layers=4), make_arm("trace", guidance="lsb@all", n_layers=4)
+    full, bf16 = make_arm("trace-full", guidance="lsb", n_layers=4), make_arm("bf16", guidance="lsb", n_layers=4)
+    assert bf16.plan is None and bf16.guidance is None and bf16.diagnostics == frozenset()
+    assert qat.guidance is None and qat.diagnostics == {2, 3} and qat.trainer == "qat"
+    assert trace.guidance.name == "lsb@all" and trace.diagnostics == {0, 1, 2, 3}
+    assert full.guidance.name == "full" and full.diagnostics == {0, 1, 2, 3}
+    assert type(trace).from_dict(json.loads(json.dumps(trace.to_dict()))) == trace
 
 
 def test_master_weight_optimizer_round_trip():
-    from tracefp4.engines.model import from_config
-    from tracefp4.rl.tasks import CharTokenizer
-
     model = from_config(TINY["model"].hf_config(CharTokenizer()), seed=0)
     opt = MasterWeightAdamW(model, lr=1e-2, weight_decay=0.0, grad_clip=1.0)
     model(input_ids=torch.tensor([[1, 5, 6]]), labels=torch.tensor([[1, 5, 6]])).loss.backward()
@@ -131,6 +154,11 @@ def test_config_files(tmp_path):
     p.write_text('arms = ["fp3"]\n')
     with pytest.raises(ValueError, match="unknown arm 'fp3'"):
         RLConfig.from_file(str(p))
+    p.write_text('steps = "ten"\n')
+    with pytest.raises(ValueError, match=r"c.toml: steps = 'ten': expected an integer"):
+        RLConfig.from_file(str(p))
+    p.write_text('guidance = "ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all"\n')
+    assert RLConfig.from_file(str(p)).guidance == "ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all"
     j = tmp_path / "c.json"
     j.write_text(json.dumps({"model": {"hidden": 32, "depth": 3}}))
     with pytest.raises(ValueError, match=r"unknown model keys \['depth'\]"):
@@ -156,3 +184,115 @@ def test_yaml_config(tmp_path):
     p.write_text("task: reverse\narms: [qat]\nmodel: {hidden: 32}\n")
     cfg = RLConfig.from_file(str(p))
     assert cfg.arms == ("qat",) and cfg.model.hidden == 32
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("steps", "ten", "expected an integer"),
+    ("steps", -1, "expected a value >= 0"),
+    ("steps", True, "expected an integer"),
+    ("lr", "fast", "expected a number"),
+    ("lr", 0, "expected a value > 0"),
+    ("eval_every", 0, "expected a value >= 1"),
+    ("threads", 0, "expected a value >= 1"),
+    ("prompts_per_step", 0, "expected a value >= 1"),
+    ("group_size", 1, "expected a value >= 2"),
+    ("top_p", 1.5, "expected a value <= 1"),
+    ("arms", "bf16", "expected a list of strings"),
+    ("arms", (), "expected at least one of"),
+    ("arms", ("bf16", "bf16"), "each arm at most once"),
+    ("task", "sorting", "expected a registered task"),
+    ("task_kwargs", {"digitz": 2}, "expected keyword arguments of task 'reverse'"),
+    ("guidance", "lsbx", "expected a guidance mode"),
+    ("guidance", "lsb@some", "expected a guidance mode"),
+    ("loss_agg", "mean", "expected one of"),
+    ("normalize_std", 1, "expected true or false"),
+    ("run_name", 5, "expected a string or null"),
+    ("updates_per_step", 3, "expected a divisor of prompts_per_step"),
+    ("model.hidden", 40, "expected a multiple of 16"),
+    ("model.head_dim", 8, "expected a value >= 16"),
+    ("model.moe_intermediate", 24, "expected a multiple of 16"),
+    ("model.top_k", 9, "expected at most model.experts"),
+    ("model.kv_heads", 3, "expected a divisor of model.heads"),
+])
+def test_config_validation_names_field_value_and_expectation(field, value, expected):
+    cfg = RLConfig()
+    if field.startswith("model."):
+        cfg.model = dataclasses.replace(cfg.model, **{field[len("model."):]: value})
+    else:
+        setattr(cfg, field, value)
+    with pytest.raises(ValueError) as e:
+        cfg.validate()
+    msg = str(e.value)
+    assert msg.startswith(f"{field} = {value!r}: ") and expected in msg and "\n" not in msg, msg
+    with pytest.raises(ValueError, match="expected"):  # run() checks before any work: no run folder
+        run(dataclasses.replace(cfg, out="/nonexistent/never-created"))
+    assert not Path("/nonexistent/never-created").exists()
+
+
+def test_config_accepts_ints_for_floats_and_every_documented_field():
+    cfg = RLConfig.from_dict({"lr": 1, "arms": ["trace"], "guidance": "lsb+parity+amax:lo3"})
+    assert cfg.lr == 1 and cfg.arms == ("trace",)
+    for f in [*dataclasses.fields(RLConfig), *dataclasses.fields(ModelSpec)]:
+        assert f.metadata.get("help"), f.name
+
+
+class CopyTask:
+    """A task over letters that the default character tokenizer does not know."""
+
+    name = "copy"
+
+    def make_tokenizer(self):
+        return CharTokenizer("abc=")
+
+    def sample(self, rng, n):
+        return [Example(s + "=", s) for s in ("".join(rng.choice("abc") for _ in range(3)) for _ in range(n))]
+
+    def reward(self, example, completion):
+        return float(completion == example.answer)
+
+    def eval_set(self, n=128):
+        return self.sample(random.Random(1), n)
+
+
+def test_a_task_brings_its_own_tokenizer(tmp_path, monkeypatch):
+    monkeypatch.setitem(TASKS, "copy", CopyTask)
+    cfg = RLConfig(out=str(tmp_path), run_name="copy", task="copy", arms=("trace",),
+                   **{**TINY, "steps": 1, "eval_every": 1})
+    run_dir = run(cfg)
+    rows = [json.loads(x) for x in (run_dir / "metrics" / "trace.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["eval", "train", "eval"]
+
+
+def _setup(tmp_path, arm: str, guidance: str = "lsb") -> ArmSetup:
+    cfg = RLConfig(**{**TINY, "guidance": guidance})
+    task = Reverse()
+    tok = task.make_tokenizer()
+    model = from_config(cfg.model.hf_config(tok), seed=0)
+    a = make_arm(arm, guidance=cfg.guidance, n_layers=cfg.model.layers)
+    return ArmSetup(arm, a, model, task, tok, cfg, tmp_path / "store", model_signature(model, a.plan), None)
+
+
+def test_collect_then_update(tmp_path):
+    s = _setup(tmp_path, "trace-full")
+    batch = collect(s, step=0, version=0)
+    assert isinstance(batch, Batch)
+    n = s.cfg.prompts_per_step * s.cfg.group_size
+    assert len(batch.token_ids) == len(batch.records) == n and batch.rewards.shape == batch.advantages.shape == (n,)
+    assert batch.logp_old.shape == batch.logp_rollout.shape == batch.mask.shape == (n, batch.width)
+    assert batch.metrics["code_mismatch_rate"] == 0.0 and batch.metrics["guidance_bytes_per_token"] > 0
+    assert {"time/rollout_s", "time/store_write_s", "time/store_read_s"} <= set(batch.timings)
+    batch.advantages = torch.tensor([1.0, -1.0] * (n // 2))  # an untrained policy's rewards tie: give it signal
+    opt = MasterWeightAdamW(s.model, lr=1e-2, weight_decay=0.0, grad_clip=1.0)
+    before = [p.detach().clone() for p in s.model.parameters()]
+    stats = update(s.model, opt, s.arm, s.cfg, batch)
+    assert {"grad_norm", "clip_frac", "is_weight_mean"} <= set(stats)
+    assert any(not torch.equal(a, b) for a, b in zip(before, s.model.parameters()))
+
+
+def test_trace_arm_records_in_its_configured_mode(tmp_path):
+    lsb = collect(_setup(tmp_path / "a", "trace", "lsb"), step=0, version=0)
+    compact = collect(_setup(tmp_path / "b", "trace", "lsb+parity+amax:lo3"), step=0, version=0)
+    assert any(k.endswith(".bits") for k in lsb.records[0])
+    assert set(compact.records[0]) != set(lsb.records[0])  # the compact record reached the trainer as is
+    assert 0 < compact.metrics["guidance_bytes_per_token"]
+    assert torch.equal(compact.rewards, lsb.rewards)  # what is recorded does not change what is sampled

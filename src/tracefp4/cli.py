@@ -15,8 +15,13 @@ def cmd_twopath(args: argparse.Namespace) -> int:
 
 
 def _run_rl(cfg) -> int:
-    from tracefp4.rl.loop import run, write_report
+    import torch
 
+    from tracefp4.rl.loop import run
+    from tracefp4.rl.report import write_report
+
+    cfg.validate()  # before touching the process: a bad value is reported with nothing done
+    torch.set_num_threads(cfg.threads)  # the command owns the process; rl.loop.run leaves threads alone
     run_dir = run(cfg)
     print(f"\nrun folder: {run_dir}")
     print(write_report(run_dir))
@@ -24,34 +29,53 @@ def _run_rl(cfg) -> int:
     return 0
 
 
+def guidance_mode(name: str) -> str:
+    """argparse type of ``--guidance``: a GuidedMode name, checked, kept as written."""
+    from tracefp4.guidance.compact import GuidedMode
+
+    try:
+        GuidedMode.parse(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a guidance mode: {e}") from None
+    return name
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tracefp4.rl.loop import RLConfig
+    from tracefp4.rl.config import RLConfig
 
     cfg = RLConfig(out=args.out, task=args.task, seed=args.seed, run_name=args.name)
     if args.steps is not None:
         cfg.steps = args.steps
     if args.arms:
         cfg.arms = tuple(args.arms.split(","))
+    if args.guidance is not None:
+        cfg.guidance = args.guidance
     cfg.eval_every = max(1, min(cfg.eval_every, cfg.steps))
     return _run_rl(cfg)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from tracefp4.rl.loop import RLConfig
+    from tracefp4.rl.config import RLConfig
 
     cfg = RLConfig.from_file(args.config)
     if args.resume:
         cfg.resume = args.resume
+    if args.guidance is not None:
+        cfg.guidance = args.guidance
     return _run_rl(cfg)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from tracefp4.rl.loop import write_report
+    from tracefp4.rl.report import write_report
 
     print(write_report(Path(args.run_dir)))
     return 0
+
+
+GUIDANCE_HELP = ("the trace arm's guidance mode, <mode>[@all|@deeper]: lsb (default), lsb+parity+amax:lo3, "
+                 "ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all, ... (trace-full stays full on all layers)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--task", default="reverse", help="reverse or addition")
     d.add_argument("--arms", default=None, help="comma-separated subset of bf16,qat,trace,trace-full")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--guidance", type=guidance_mode, default=None, metavar="MODE", help=GUIDANCE_HELP)
     d.set_defaults(func=cmd_demo)
 
     t = sub.add_parser(
@@ -84,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--config", required=True, help="a .toml, .yaml/.yml or .json file of RLConfig fields")
     t.add_argument("--resume", default=None, help="a run folder to continue (its arm checkpoints)")
+    t.add_argument("--guidance", type=guidance_mode, default=None, metavar="MODE",
+                   help=GUIDANCE_HELP + " (overrides the config's guidance)")
     t.set_defaults(func=cmd_train)
 
     r = sub.add_parser("report", help="redraw the plots and summary table of a run folder",

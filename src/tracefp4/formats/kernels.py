@@ -31,6 +31,7 @@ state the rule and are the yardstick the bit forms are checked against, exhausti
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import numba
@@ -69,6 +70,12 @@ __all__ = [
     "pack_lsb",
     "count_masked",
 ]
+
+# numba's OpenMP threading layer shares libgomp with PyTorch and sets its thread count on every
+# parallel launch, so quantizing would silently change torch.get_num_threads() for the whole process.
+# The workqueue layer keeps numba's threads to itself; a user who chose a layer keeps theirs.
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = "workqueue"
 
 if sys.byteorder != "little":  # the word view and the packed layouts assume it
     raise ImportError("tracefp4.formats.kernels needs a little-endian machine")

@@ -17,7 +17,7 @@ from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import SamplingParams
 from tracefp4.engines.rollout import generate
 from tracefp4.guidance.compact import GuidedMode
-from tracefp4.rl.loop import ModelSpec
+from tracefp4.rl.config import ModelSpec
 from tracefp4.guidance.store import StoreReader, StoreWriter, seal_step
 from tracefp4.rl.tasks import CharTokenizer
 from tracefp4.engines.trainer import forward_logprobs

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tracefp4.engines.rollout import SamplingParams
+from tracefp4.engines.protocol import SamplingParams
 from tracefp4.reports import mismatch, sweep
 
 __all__ = ["add_mismatch_parser", "run_mismatch"]

@@ -8,6 +8,7 @@ was generated (0 for padding after the stop token).
 from __future__ import annotations
 
 import enum
+from typing import Sequence
 
 import torch
 
@@ -23,6 +24,17 @@ class LossAgg(str, enum.Enum):
 
     DR_GRPO = "dr-grpo"
     """sum over all tokens / (B * max_new_tokens): no length normalisation bias (Dr. GRPO)."""
+
+
+def pad_right(values: Sequence[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence 1-d tensors as float32 ``[B, width]``, zero-padded on the right, and the bool mask
+    of real entries."""
+    out = torch.zeros(len(values), width)
+    mask = torch.zeros(len(values), width, dtype=torch.bool)
+    for b, v in enumerate(values):
+        out[b, : v.numel()] = v
+        mask[b, : v.numel()] = True
+    return out, mask
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6):

@@ -1,9 +1,11 @@
 """Synthetic verifiable tasks with a character tokenizer, for GRPO that runs on two CPU cores.
 
 A task is anything with the :class:`Task` interface: it samples prompts with their reference answers,
-scores a completion with a reward in [0, 1], and has a fixed held-out evaluation set. Plug in your
-own by implementing the three methods (prompts are plain strings; bring a tokenizer whose
-``encode``/``decode`` map them to and from token ids, see :class:`CharTokenizer`).
+scores a completion with a reward in [0, 1], has a fixed held-out evaluation set, and makes the
+tokenizer its prompts are written for. Plug in your own by implementing the four methods (prompts are
+plain strings; the tokenizer is anything with the :class:`Tokenizer` interface, such as
+:class:`CharTokenizer`) and registering the class in :data:`TASKS` under its ``name``: a run config's
+``task = "<name>"`` (with ``task_kwargs``) then builds it.
 """
 
 from __future__ import annotations
@@ -19,8 +21,29 @@ class Example:
     answer: str
 
 
+class Tokenizer(Protocol):
+    """What the loop needs of a tokenizer: text <-> ids, and the special ids the model config names."""
+
+    PAD: int
+    BOS: int
+    EOS: int
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids are ``0 .. vocab_size - 1``; the model's vocabulary must be at least this large."""
+
+    def encode(self, text: str, *, bos: bool = True) -> list[int]:
+        """Ids of ``text``, led by ``BOS`` when ``bos``."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` up to the first ``EOS`` (a completion, as :meth:`Task.reward` reads it)."""
+
+
 class Task(Protocol):
     name: str
+
+    def make_tokenizer(self) -> Tokenizer:
+        """The tokenizer this task's prompts and answers are written for."""
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         """``n`` training examples drawn with ``rng`` (deterministic given its state)."""
@@ -91,6 +114,9 @@ class Addition:
     def _held_out(self, a: int, b: int) -> bool:
         return (a * 31 + b * 17) % 10 == 0  # a fixed tenth of all pairs never appears in training
 
+    def make_tokenizer(self) -> CharTokenizer:
+        return CharTokenizer()
+
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         out = []
         while len(out) < n:
@@ -127,6 +153,9 @@ class Reverse:
     def _held_out(self, s: str) -> bool:
         return sum(map(int, s)) % 10 == 7
 
+    def make_tokenizer(self) -> CharTokenizer:
+        return CharTokenizer()
+
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         out = []
         while len(out) < n:
@@ -152,7 +181,8 @@ class Reverse:
         return out
 
 
-TASKS = {"addition": Addition, "reverse": Reverse}
+TASKS: dict[str, type] = {"addition": Addition, "reverse": Reverse}
+"""Task classes by the name a run config gives (``task = "reverse"``); add your own here."""
 
 
 def make_task(name: str, **kwargs) -> Task:

@@ -11,6 +11,7 @@ Ray is optional (``pip install ray``); everything else in tracefp4 runs in-proce
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -20,9 +21,9 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from transformers import AutoConfig, PreTrainedModel
 
-from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
-from tracefp4.guidance.compact import GuidedMode
+from tracefp4.rl import engine
+from tracefp4.rl.arms import Arm
 
 
 def _require_ray():
@@ -55,20 +56,15 @@ class _Worker:
         return version
 
     def rollout(self, job_json: str) -> str:
-        from tracefp4.engines.rollout import generate
         from tracefp4.guidance.store import StoreWriter
 
         job = json.loads(job_json)
         if job["policy_version"] != self.version:
             raise ValueError(f"worker holds policy version {self.version}, job wants {job['policy_version']}")
+        # diagnostics stay in the driver's process (they never cross it): none are kept here
+        arm = dataclasses.replace(Arm.from_dict(job["arm"]), diagnostics=frozenset())
         t0 = time.perf_counter()
-        out = generate(
-            self.model,
-            job["prompts"],
-            SamplingParams(**job["sampling"]),
-            plan=PrecisionPlan(**job["plan"]) if job["plan"] is not None else None,
-            guidance=GuidedMode.parse(job["guidance"]) if job["guidance"] is not None else None,
-        )
+        out, _ = engine.rollout(self.model, job["prompts"], SamplingParams(**job["sampling"]), arm)
         t_gen = time.perf_counter() - t0
         t0 = time.perf_counter()
         with StoreWriter(job["store_root"], job["step"], job["writer_id"], model_signature=job["signature"],
@@ -109,11 +105,12 @@ class RolloutPool:
         self._ray.get([w.load_weights.remote(blob, version) for w in self.workers])
         self.version = version
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, group_size: int,
-                 plan: PrecisionPlan | None, guidance: str | None, store_root: str, step: int,
-                 traj_ids: Sequence[str], signature: str) -> tuple[RolloutOutput, list[str], dict[str, float]]:
-        """Returns (trajectories without records, the writer ids to seal, worker timings). ``guidance``
-        is a :class:`GuidedMode` name (None: routing only); diagnostics stay in the workers."""
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, group_size: int, arm: Arm,
+                 store_root: str, step: int, traj_ids: Sequence[str], signature: str
+                 ) -> tuple[RolloutOutput, list[str], dict[str, float]]:
+        """Roll out on ``arm``'s serving path (:func:`tracefp4.rl.engine.rollout` in each worker); the
+        records it stores are the engine's store-ready records. Returns (trajectories without
+        records, the writer ids to seal, worker timings)."""
         groups = len(prompts) // group_size
         per = [list(range(i * groups // len(self.workers), (i + 1) * groups // len(self.workers)))
                for i in range(len(self.workers))]
@@ -127,8 +124,7 @@ class RolloutPool:
                 "sampling": {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                              "top_p": sampling.top_p, "stop_token_ids": list(sampling.stop_token_ids),
                              "seed": sampling.seed * 1009 + i},
-                "plan": plan.to_dict() if plan is not None else None, "guidance": guidance,
-                "store_root": str(store_root), "step": step, "writer_id": f"w{i}",
+                "arm": arm.to_dict(), "store_root": str(store_root), "step": step, "writer_id": f"w{i}",
                 "traj_ids": list(traj_ids[lo:hi]), "signature": signature, "policy_version": self.version,
             }
             futures.append(worker.rollout.remote(json.dumps(job)))
@@ -142,8 +138,8 @@ class RolloutPool:
             finish_reasons=[f for r in results for f in r["finish_reasons"]],
             records=[],
             diagnostics=[],
-            plan=plan,
-            guidance=GuidedMode.parse(guidance) if guidance is not None else None,
+            plan=arm.plan,
+            guidance=arm.guidance,
         )
         timings = {
             "time/rollout_s": max(r["time_generate_s"] for r in results),

@@ -1,0 +1,156 @@
+"""One step's experience: rollout -> store -> read back -> rewards, advantages, old log-probs.
+
+The records cross from the rollout to the trainer through the guidance store, as they would between
+processes: written (by this process or by the rollout workers, one writer each), sealed, and read
+back with the policy version and model signature checked. What the trainer then reads is only what
+reached the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from tracefp4.engines.protocol import RolloutOutput, SamplingParams
+from tracefp4.formats.constants import HintMode
+from tracefp4.guidance.store import StoreReader, StoreWriter, discard_step, seal_step
+from tracefp4.rl import engine
+from tracefp4.rl.arms import Arm
+from tracefp4.rl.config import RLConfig
+from tracefp4.rl.grpo import group_advantages, mismatch_metrics, pad_right
+from tracefp4.rl.tasks import Example, Task, Tokenizer
+
+Records = engine.Records
+
+
+@dataclasses.dataclass
+class ArmSetup:
+    """What every step of one arm shares: the policy, the arm, the task and where its records go."""
+
+    name: str
+    arm: Arm
+    model: PreTrainedModel
+    task: Task
+    tok: Tokenizer
+    cfg: RLConfig
+    store_root: Path
+    signature: str  # the model signature the store checks on every read
+    pool: Any = None  # a tracefp4.rl.workers.RolloutPool, or None: roll out in this process
+
+
+@dataclasses.dataclass
+class Batch:
+    """A step's trajectories with everything the update needs, and the step's rollout-side metrics.
+
+    Per-token tensors are ``[B, T]`` over completion tokens, ``T`` the longest completion; ``mask``
+    is True where a token was generated.
+    """
+
+    step: int
+    token_ids: list[torch.Tensor]  # prompt then completion, per trajectory
+    prompt_lens: list[int]
+    records: Records  # as read back from the store: what the trainer is given
+    rewards: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B], group-relative
+    logp_rollout: torch.Tensor  # what the rollout engine reported
+    logp_old: torch.Tensor  # the trainer's, before this step's updates (no gradient)
+    mask: torch.Tensor
+    metrics: dict[str, float]  # reward, mismatch, guidance bytes, code mismatch, ...
+    timings: dict[str, float]  # time/rollout_s, time/store_write_s, time/store_read_s
+    score_s: float  # seconds spent scoring (rewards and old log-probs): part of time/train_s
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+
+def collect(s: ArmSetup, step: int, version: int) -> Batch:
+    """Roll out step ``step`` with policy ``version`` and score it."""
+    cfg = s.cfg
+    rng = random.Random(cfg.seed * 1_000_003 + step)  # same prompts for every arm, resumable
+    group = [e for e in s.task.sample(rng, cfg.prompts_per_step) for _ in range(cfg.group_size)]
+    ids = [f"s{step:06d}-{b:04d}" for b in range(len(group))]
+    roll, diagnostics, timings = _rollout_to_store(s, step, version, [s.tok.encode(e.prompt) for e in group], ids)
+    t0 = time.perf_counter()
+    with StoreReader(s.store_root, step, model_signature=s.signature, policy_version=version) as r:
+        records = r.batch(ids, [t.numel() for t in roll.token_ids])
+    timings["time/store_read_s"] = time.perf_counter() - t0
+    if diagnostics is None and _stored_full_codes(s.arm):
+        diagnostics = records  # from worker processes: the full codes that reached the store
+    t0 = time.perf_counter()
+    batch = _score(s, step, group, roll, records, diagnostics)
+    batch.timings, batch.score_s = timings, time.perf_counter() - t0
+    return batch
+
+
+def _rollout_to_store(s: ArmSetup, step: int, version: int, prompts: list[list[int]], ids: list[str]
+                      ) -> tuple[RolloutOutput, Records | None, dict[str, float]]:
+    cfg, timings = s.cfg, {}
+    sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, (s.tok.EOS,), seed=cfg.seed * 7_919 + step)
+    discard_step(s.store_root, step)  # what an interrupted run may have left of this step
+    if s.pool is not None:  # worker processes: each writes its own shards; the driver seals the step
+        s.pool.sync_weights(s.model, version)
+        roll, writers, timings = s.pool.generate(
+            prompts, sampling, group_size=cfg.group_size, arm=s.arm, store_root=str(s.store_root), step=step,
+            traj_ids=ids, signature=s.signature,
+        )
+        seal_step(s.store_root, step, writers)
+        return roll, None, timings
+    t0 = time.perf_counter()
+    roll, diagnostics = engine.rollout(s.model, prompts, sampling, s.arm)
+    timings["time/rollout_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with StoreWriter(s.store_root, step, "w0", model_signature=s.signature, policy_version=version) as w:
+        for tid, rec, p in zip(ids, roll.records, roll.prompt_lens):
+            w.add(tid, rec, prompt_len=p)
+    seal_step(s.store_root, step, ["w0"])
+    timings["time/store_write_s"] = time.perf_counter() - t0
+    return roll, diagnostics, timings
+
+
+def _stored_full_codes(arm: Arm) -> bool:
+    """Whether the store holds the rollout's full codes at every diagnostics layer."""
+    return arm.guidance is not None and arm.guidance.mode is HintMode.FULL and bool(arm.diagnostics)
+
+
+def _score(s: ArmSetup, step: int, group: list[Example], roll: RolloutOutput, records: Records,
+           diagnostics: Records | None) -> Batch:
+    """Rewards, advantages and the trainer's log-probs before the update, with the step's metrics."""
+    cfg = s.cfg
+    completions = [s.tok.decode(roll.completion(b).tolist()) for b in range(len(group))]
+    rewards = torch.tensor([s.task.reward(e, c) for e, c in zip(group, completions)])
+    adv = group_advantages(rewards, cfg.group_size, normalize_std=cfg.normalize_std)
+    measure = s.arm.plan is not None and diagnostics is not None  # code mismatch: FP4 arms with full codes
+    with torch.no_grad():  # the policy before this step's updates, with the codes it picks
+        old = engine.trainer_logprobs(s.model, roll.token_ids, roll.prompt_lens, records, s.arm,
+                                      temperature=cfg.temperature, diagnostics=diagnostics if measure else None)
+    width = max(lp.numel() for lp in roll.logprobs)
+    logp_roll, mask = pad_right(roll.logprobs, width)
+    logp_old, _ = pad_right([lp.detach() for lp in old.logprobs], width)
+    generated = int(mask.sum())
+    metrics = {
+        "reward_mean": float(rewards.mean()),
+        "accuracy": float((rewards == 1.0).float().mean()),
+        "response_length": generated / len(group),
+        # Monte Carlo entropy estimate over the sampled tokens: mean of -log pi_rollout
+        "entropy": float(-(logp_roll[mask]).mean()),
+        "guidance_bytes_per_token": guidance_bytes_per_token(records, generated),
+        "router_flip_rate": sum(old.router_flips.values()) / max(len(old.router_flips), 1),
+        **mismatch_metrics(logp_roll, logp_old, mask),
+        **(engine.code_mismatch_metrics(old, diagnostics) if measure else {}),
+        "guidance/decode_failures": engine.decode_failures(old),
+    }
+    return Batch(step, roll.token_ids, roll.prompt_lens, records, rewards, adv, logp_roll, logp_old, mask,
+                 metrics, {}, 0.0)
+
+
+def guidance_bytes_per_token(records: Records, generated: int) -> float:
+    """Bytes of guidance (routing excluded) that reached the store, per generated token."""
+    total = sum(t.nbytes for r in records for k, t in r.items() if not k.endswith(".routing"))
+    return total / max(generated, 1)

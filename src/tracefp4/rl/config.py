@@ -1,0 +1,252 @@
+"""The configuration of a GRPO run: every field, what it means, and what values it takes.
+
+A run config is a TOML, YAML or JSON file of :class:`RLConfig` fields (``tracefp4 train --config``),
+with the model's fields in a ``[model]`` table. Every value is checked, type and range, by
+:meth:`RLConfig.validate` before any work starts: a bad one is a one-line ``ValueError`` naming the
+field, the value and what is expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from tracefp4.engines.model import TinyMoESpec, tiny_config
+from tracefp4.guidance.compact import GuidedMode
+from tracefp4.rl.arms import ARMS
+from tracefp4.rl.grpo import LossAgg
+from tracefp4.rl.tasks import TASKS, Tokenizer, make_task
+
+# Range checks, as field metadata: ``ge``/``gt``/``le``/``lt`` bounds, ``multiple_of``, ``choices``.
+_BOUNDS = (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
+           ("le", "<=", lambda v, b: v <= b), ("lt", "<", lambda v, b: v < b))
+
+
+def _field(default: Any = dataclasses.MISSING, *, help: str, factory: Any = dataclasses.MISSING, **checks):
+    """A dataclass field with its documentation (``help``) and range checks in its metadata."""
+    return field(default=default, default_factory=factory, metadata={"help": help, **checks})
+
+
+def _type_problem(value: Any, tp: Any) -> str | None:
+    """What ``value`` should have been, if it does not have type ``tp`` (None if it does)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        problem = _type_problem(value, inner)
+        return None if problem is None else f"{problem} or null"
+    if tp is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if tp is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if tp is float:
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
+    if tp is str:
+        return None if isinstance(value, str) else "a string"
+    if origin is tuple:
+        ok = isinstance(value, tuple) and all(_type_problem(v, args[0]) is None for v in value)
+        return None if ok else "a list of strings"
+    if tp is dict or origin is dict:
+        return None if isinstance(value, dict) else "a table (mapping)"
+    if dataclasses.is_dataclass(tp):
+        return None if isinstance(value, tp) else f"a table of {tp.__name__} fields"
+    raise TypeError(f"no type check for {tp!r}")  # a field type this module does not know yet
+
+
+def _range_problem(value: Any, meta: dict) -> str | None:
+    for key, sym, ok in _BOUNDS:
+        if key in meta and not ok(value, meta[key]):
+            return f"a value {sym} {meta[key]}"
+    if "multiple_of" in meta and value % meta["multiple_of"]:
+        return f"a multiple of {meta['multiple_of']}"
+    if "choices" in meta and value not in meta["choices"]:
+        return f"one of {', '.join(map(repr, meta['choices']))}"
+    return None
+
+
+def _fail(name: str, value: Any, expected: str) -> None:
+    raise ValueError(f"{name} = {value!r}: expected {expected}")
+
+
+def check_fields(obj: Any, prefix: str = "") -> None:
+    """Type and range of every field of the dataclass ``obj``, from its declared type and metadata."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        problem = _type_problem(value, hints[f.name])
+        if problem is None and value is not None and not isinstance(value, (dict, tuple)):
+            problem = _range_problem(value, f.metadata)
+        if problem is not None:
+            _fail(prefix + f.name, value, problem)
+
+
+#: The tiny MoE's default dimensions live in one place (the engines' TinyMoESpec).
+_TINY = TinyMoESpec()
+
+
+@dataclass
+class ModelSpec:
+    """A tiny Qwen3-MoE (every layer sparse), built from these fields. Ignored when
+    ``RLConfig.checkpoint`` is given. The FP4 sites quantize blocks of 16 along ``hidden``,
+    ``moe_intermediate`` and ``head_dim``: each must be a multiple of 16."""
+
+    hidden: int = _field(_TINY.hidden, help="width of the residual stream", ge=16, multiple_of=16)
+    layers: int = _field(_TINY.layers, help="decoder layers (every one a sparse MoE layer)", ge=1)
+    experts: int = _field(_TINY.experts, help="routed experts per layer", ge=1)
+    top_k: int = _field(_TINY.top_k, help="experts each token is routed to (<= experts)", ge=1)
+    moe_intermediate: int = _field(_TINY.moe_intermediate, help="inner width of each expert's MLP", ge=16, multiple_of=16)
+    heads: int = _field(_TINY.heads, help="attention query heads", ge=1)
+    kv_heads: int = _field(_TINY.kv_heads, help="attention key/value heads (divides heads)", ge=1)
+    head_dim: int = _field(_TINY.head_dim, help="width of each attention head", ge=16, multiple_of=16)
+    vocab: int = _field(_TINY.vocab, help="embedding rows; at least the task tokenizer's vocab_size", ge=1)
+
+    def validate(self) -> None:
+        check_fields(self, "model.")
+        if self.top_k > self.experts:
+            _fail("model.top_k", self.top_k, f"at most model.experts = {self.experts}")
+        if self.heads % self.kv_heads:
+            _fail("model.kv_heads", self.kv_heads, f"a divisor of model.heads = {self.heads}")
+
+    def hf_config(self, tok: Tokenizer) -> PretrainedConfig:
+        if self.vocab < tok.vocab_size:
+            raise ValueError(f"model.vocab = {self.vocab}: expected at least the tokenizer's {tok.vocab_size}")
+        return tiny_config(
+            layers=self.layers, experts=self.experts, top_k=self.top_k, hidden=self.hidden,
+            moe_intermediate=self.moe_intermediate, heads=self.heads, kv_heads=self.kv_heads,
+            head_dim=self.head_dim, vocab=self.vocab, max_positions=128,
+            norm_topk_prob=True, tie_word_embeddings=False,
+            pad_token_id=tok.PAD, bos_token_id=tok.BOS, eos_token_id=tok.EOS,
+        )
+
+
+@dataclass
+class RLConfig:
+    """Every knob of a run (GRPO with BF16, vanilla FP4 QAT and TRACE arms side by side)."""
+
+    # --- task and model
+    task: str = _field("reverse", help="a task name registered in tracefp4.rl.tasks.TASKS (reverse, addition, "
+                       "or your own); the task also makes the tokenizer")
+    task_kwargs: dict = _field(help="keyword arguments of the task class (e.g. {digits = 2} for addition)",
+                               factory=dict)
+    model: ModelSpec = _field(help="the tiny Qwen3-MoE to build (ignored with checkpoint)", factory=ModelSpec)
+    checkpoint: str | None = _field(None, help="a local Hugging Face folder (config.json + safetensors) to "
+                                    "start from instead of building model")
+    # --- arms
+    arms: tuple[str, ...] = _field(("bf16", "qat", "trace", "trace-full"),
+                                   help=f"the arms to run, in order, each from the same warm start: {', '.join(ARMS)}")
+    guidance: str = _field("lsb", help="the trace arm's guidance mode, a GuidedMode name <mode>[@all|@deeper] "
+                           "such as 'lsb', 'lsb+parity+amax:lo3' or 'ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all' "
+                           "(trace-full is always 'full' on all layers)")
+    # --- GRPO
+    steps: int = _field(60, help="GRPO steps per arm", ge=0)
+    prompts_per_step: int = _field(8, help="prompts sampled per step", ge=1)
+    group_size: int = _field(8, help="completions per prompt (group-relative advantages need >= 2)", ge=2)
+    max_new_tokens: int = _field(8, help="completion length limit, in tokens", ge=1)
+    temperature: float = _field(1.0, help="rollout sampling temperature (the trainer's log-probs use it too)", gt=0)
+    top_p: float = _field(1.0, help="nucleus sampling mass, in (0, 1]", gt=0, le=1)
+    lr: float = _field(1e-4, help="AdamW learning rate of the GRPO updates", gt=0)
+    weight_decay: float = _field(0.0, help="AdamW decoupled weight decay", ge=0)
+    grad_clip: float = _field(1.0, help="global gradient-norm clip of every optimizer step", gt=0)
+    clip_low: float = _field(0.2, help="PPO ratio clip below: ratio >= 1 - clip_low", ge=0, lt=1)
+    clip_high: float = _field(0.28, help="PPO ratio clip above: ratio <= 1 + clip_high", ge=0)
+    is_cap: float = _field(5.0, help="truncation of the token-level importance weight pi_old / pi_rollout", gt=0)
+    loss_agg: str = _field(LossAgg.TOKEN_MEAN.value, help="loss aggregation over tokens",
+                           choices=tuple(a.value for a in LossAgg))
+    normalize_std: bool = _field(True, help="divide advantages by their group's reward std")
+    updates_per_step: int = _field(2, help="minibatches per rollout batch, one optimizer step each (one pass); "
+                                   "divides prompts_per_step * group_size", ge=1)
+    # --- supervised warm start (once, shared by every arm)
+    warm_start_steps: int = _field(120, help="supervised fine-tuning steps before GRPO (0: none)", ge=0)
+    warm_start_lr: float = _field(3e-3, help="learning rate of the warm start", gt=0)
+    warm_start_batch: int = _field(64, help="examples per warm-start step", ge=1)
+    # --- evaluation
+    eval_every: int = _field(10, help="greedy held-out evaluation (and a checkpoint) every this many steps", ge=1)
+    eval_size: int = _field(64, help="held-out examples per evaluation", ge=1)
+    # --- run folder and process
+    seed: int = _field(0, help="seeds the model init, prompts, sampling and minibatch order", ge=0)
+    out: str = _field("runs", help="parent folder of the run folder")
+    run_name: str | None = _field(None, help="the run folder's name (default: a timestamp)")
+    resume: str | None = _field(None, help="a run folder whose arm checkpoints to continue from")
+    threads: int = _field(2, help="torch intra-op threads; used by the tracefp4 command (the process owner), "
+                          "not by rl.loop.run", ge=1)
+    rollout_workers: int = _field(0, help="> 0: that many Ray rollout worker processes (needs ray)", ge=0)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RLConfig:
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; known: {sorted(known)}")
+        if isinstance(d.get("model"), dict):
+            mk = {f.name for f in dataclasses.fields(ModelSpec)}
+            bad = sorted(set(d["model"]) - mk)
+            if bad:
+                raise ValueError(f"unknown model keys {bad}; known: {sorted(mk)}")
+            d["model"] = ModelSpec(**d["model"])
+        if isinstance(d.get("arms"), list):
+            d["arms"] = tuple(d["arms"])
+        cfg = cls(**d)
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str) -> RLConfig:
+        try:
+            return cls.from_dict(_read_table(path))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    def validate(self) -> None:
+        """Raise a one-line ValueError naming the first bad field, its value and what is expected."""
+        check_fields(self)
+        self.model.validate()
+        if not self.arms:
+            _fail("arms", self.arms, f"at least one of {', '.join(ARMS)}")
+        for arm in self.arms:
+            if arm not in ARMS:
+                _fail("arms", self.arms, f"arm names from {', '.join(ARMS)} (unknown arm {arm!r})")
+        if len(set(self.arms)) != len(self.arms):
+            _fail("arms", self.arms, "each arm at most once")
+        if self.task not in TASKS:
+            _fail("task", self.task, f"a registered task: {', '.join(sorted(TASKS))}")
+        try:
+            make_task(self.task, **self.task_kwargs)
+        except (TypeError, ValueError) as e:
+            _fail("task_kwargs", self.task_kwargs, f"keyword arguments of task {self.task!r} ({e})")
+        try:
+            GuidedMode.parse(self.guidance)
+        except ValueError as e:
+            _fail("guidance", self.guidance, f"a guidance mode <mode>[@all|@deeper] such as 'lsb' or "
+                  f"'lsb+parity+amax:lo3' ({e})")
+        if self.prompts_per_step * self.group_size % self.updates_per_step:
+            _fail("updates_per_step", self.updates_per_step,
+                  f"a divisor of prompts_per_step * group_size = {self.prompts_per_step * self.group_size}")
+
+
+def _read_table(path: str) -> dict:
+    text = Path(path).read_text()
+    if path.endswith(".toml"):
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib
+
+        return tomllib.loads(text)
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ModuleNotFoundError:
+            raise ValueError("reading YAML needs PyYAML (pip install pyyaml), or use TOML") from None
+        return yaml.safe_load(text) or {}
+    if path.endswith(".json"):
+        return json.loads(text)
+    raise ValueError("config must be .toml, .yaml/.yml or .json")

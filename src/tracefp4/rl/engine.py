@@ -1,0 +1,65 @@
+"""Every call the RL loop makes into ``tracefp4.engines``, in one place.
+
+The loop (collect, update, evaluate, the rollout workers) states what it wants in the terms of an
+:class:`Arm` (precision plan, guidance mode, diagnostics layers) and calls the functions here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from tracefp4.engines.protocol import RolloutOutput, SamplingParams
+from tracefp4.engines.rollout import generate
+from tracefp4.engines.trainer import TrainerOutput, code_mismatch, forward_logprobs
+from tracefp4.rl.arms import Arm
+
+Records = list[dict[str, torch.Tensor]]
+
+
+def rollout(model: PreTrainedModel, prompts: Sequence[Sequence[int]], sampling: SamplingParams, arm: Arm
+            ) -> tuple[RolloutOutput, Records | None]:
+    """Sample completions on the arm's serving path. Returns the rollout, whose ``records`` hold the
+    routing of every MoE layer plus the arm's guidance at its guided layers (nothing else: what an
+    arm does not use is never recorded), and the full-code diagnostics of each trajectory at the
+    arm's diagnostics layers (in memory only; None where there are none)."""
+    roll = generate(model, prompts, sampling, plan=arm.plan, guidance=arm.guidance, diagnostics=arm.diagnostics)
+    return roll, (roll.diagnostics if arm.diagnostics else None)
+
+
+def greedy(model: PreTrainedModel, prompts: Sequence[Sequence[int]], arm: Arm, *, max_new_tokens: int,
+           stop_token_ids: Sequence[int]) -> RolloutOutput:
+    """Greedy decoding on the arm's serving path, recording nothing but routing (evaluation)."""
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=tuple(stop_token_ids))
+    return generate(model, prompts, sampling, plan=arm.plan)
+
+
+def trainer_logprobs(model: PreTrainedModel, token_ids: Sequence[torch.Tensor], prompt_lens: Sequence[int],
+                     records: Sequence[Mapping[str, torch.Tensor]], arm: Arm, *, temperature: float,
+                     diagnostics: Records | None = None) -> TrainerOutput:
+    """The trainer's log-probs of the completions, reading ``records`` (what reached the store) in the
+    arm's trainer mode. With the rollout's ``diagnostics``, the trainer also reports its own codes at
+    the arm's diagnostics layers (for :func:`code_mismatch_metrics`)."""
+    capture = arm.diagnostics if diagnostics is not None else frozenset()
+    return forward_logprobs(model, token_ids, prompt_lens, records, mode=arm.trainer, plan=arm.plan,
+                            temperature=temperature, capture_codes=capture)
+
+
+def code_mismatch_metrics(out: TrainerOutput, diagnostics: Records) -> dict[str, float]:
+    """Share of FP4 codes at the diagnostics sites that the trainer picked differently from the
+    rollout, and the share of those that are one codeword apart."""
+    sites = code_mismatch(out.codes, diagnostics)
+    total = sum(s.total for s in sites.values())
+    mism = sum(s.mismatched for s in sites.values())
+    one = sum(s.one_apart for s in sites.values())
+    return {
+        "code_mismatch_rate": mism / max(total, 1),
+        "code_mismatch_one_apart_share": one / mism if mism else 1.0,
+    }
+
+
+def decode_failures(out: TrainerOutput) -> int:
+    """Guidance blocks the trainer could not decode (rounded to nearest on the rollout's grid instead)."""
+    return out.decode_failures

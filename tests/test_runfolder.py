@@ -157,3 +157,78 @@ def test_lock_refuses_a_second_process_and_is_released(tmp_path):
     p.start()
     p.join()
     assert q.get() == "locked"
+
+
+# --- metrics log on resume ------------------------------------------------------------------------
+
+from tracefp4.rl.runlog import MetricsLog, read_metrics  # noqa: E402
+
+
+def _write_run(run_dir, steps_done, *, eval_every=2):
+    """What the loop logs: eval at 0, a train row per step, eval (then a checkpoint) every eval_every."""
+    log = MetricsLog(run_dir, "trace", tensorboard=False)
+    log.log({"kind": "eval", "step": 0, "eval_accuracy": 0.0})
+    for s in range(steps_done):
+        log.log({"kind": "train", "step": s, "reward_mean": s / 10})
+        if (s + 1) % eval_every == 0:
+            log.log({"kind": "eval", "step": s + 1, "eval_accuracy": (s + 1) / 10})
+    log.close()
+
+
+def _steps(rows, kind):
+    return [r["step"] for r in rows if r.get("kind", "train") == kind]
+
+
+def test_resume_keeps_exactly_the_rows_before_the_checkpoint(tmp_path):
+    _write_run(tmp_path, 5)  # killed after step 4's row; the last checkpoint is at step 4
+    path = tmp_path / "metrics" / "trace.jsonl"
+    with open(path, "a") as f:
+        f.write('{"kind": "train", "step": 5, "rew')  # and in the middle of step 5's row
+    log = MetricsLog(tmp_path, "trace", tensorboard=False, resume_step=4)
+    rows = read_metrics(tmp_path)["trace"]
+    assert _steps(rows, "train") == [0, 1, 2, 3] and _steps(rows, "eval") == [0, 2, 4]
+    for s in range(4, 6):  # the resumed run continues
+        log.log({"kind": "train", "step": s, "reward_mean": s / 10})
+        if (s + 1) % 2 == 0:
+            log.log({"kind": "eval", "step": s + 1, "eval_accuracy": (s + 1) / 10})
+    log.close()
+    rows = read_metrics(tmp_path)["trace"]
+    assert _steps(rows, "train") == list(range(6)) and _steps(rows, "eval") == [0, 2, 4, 6]
+    assert not [p for p in os.listdir(tmp_path / "metrics") if p.startswith(".")]
+
+
+def test_resume_drops_an_eval_logged_just_before_a_checkpoint_that_was_not_saved(tmp_path):
+    _write_run(tmp_path, 6)  # eval at 6 logged, killed before checkpoint 6: resumed from 4
+    MetricsLog(tmp_path, "trace", tensorboard=False, resume_step=4).close()
+    rows = read_metrics(tmp_path)["trace"]
+    assert _steps(rows, "train") == [0, 1, 2, 3] and _steps(rows, "eval") == [0, 2, 4]
+
+
+def test_resume_at_zero_starts_over(tmp_path):
+    _write_run(tmp_path, 1)  # killed before the first checkpoint: the arm starts over, step-0 eval again
+    MetricsLog(tmp_path, "trace", tensorboard=False, resume_step=0).close()
+    assert read_metrics(tmp_path)["trace"] == []
+
+
+def test_torn_last_line_is_tolerated_by_read_metrics(tmp_path):
+    _write_run(tmp_path, 2)
+    path = tmp_path / "metrics" / "trace.jsonl"
+    with open(path, "a") as f:
+        f.write('{"kind": "train", "st')
+    rows = read_metrics(tmp_path)["trace"]
+    assert _steps(rows, "train") == [0, 1]
+    # appending without resume first drops the torn tail, so the next row is not glued to it
+    log = MetricsLog(tmp_path, "trace", tensorboard=False)
+    log.log({"kind": "train", "step": 2})
+    log.close()
+    assert _steps(read_metrics(tmp_path)["trace"], "train") == [0, 1, 2]
+
+
+def test_a_bad_line_in_the_middle_is_an_error(tmp_path):
+    _write_run(tmp_path, 2)
+    path = tmp_path / "metrics" / "trace.jsonl"
+    lines = path.read_text().splitlines()
+    lines[1] = lines[1][:10]
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"trace\.jsonl:2: unreadable metrics row"):
+        read_metrics(tmp_path)

@@ -53,6 +53,7 @@ __all__ = [
     "RESUME_NEUTRAL_KEYS",
     "RunFolderError",
     "check_model_folder",
+    "check_new_run_folder",
     "check_run_folder",
     "config_differences",
     "create_run_folder",
@@ -81,6 +82,22 @@ def _config_bytes(config: Mapping[str, Any]) -> bytes:
     return text.encode("utf-8")
 
 
+_NOT_EMPTY = "run folder {path} is not empty: starting a new run in an existing run folder without --resume is refused"
+
+
+def check_new_run_folder(out: str | os.PathLike[str], name: str | None) -> Path:
+    """The path a new run would get (a timestamp when ``name`` is None); refused if already in use.
+
+    Only a check (nothing is created); :func:`create_run_folder` checks again and claims the folder.
+    """
+    path = Path(out) / (name or time.strftime("%Y%m%d-%H%M%S"))
+    if path.exists() and not path.is_dir():
+        raise RunFolderError(f"run folder {path} exists and is not a folder")
+    if path.is_dir() and any(path.iterdir()):
+        raise RunFolderError(_NOT_EMPTY.format(path=path))
+    return path
+
+
 def create_run_folder(out: str | os.PathLike[str], name: str | None, config: Mapping[str, Any]) -> Path:
     """Create ``out/name`` (a timestamp when ``name`` is None) for a new run and write its config.json.
 
@@ -88,13 +105,9 @@ def create_run_folder(out: str | os.PathLike[str], name: str | None, config: Map
     a folder. The config is published with ``link``, which fails if config.json appeared meanwhile,
     so of two processes creating the same folder at once exactly one succeeds.
     """
-    path = Path(out) / (name or time.strftime("%Y%m%d-%H%M%S"))
-    if path.exists() and not path.is_dir():
-        raise RunFolderError(f"run folder {path} exists and is not a folder")
+    path = check_new_run_folder(out, name)
     path.mkdir(parents=True, exist_ok=True)
-    refused = RunFolderError(
-        f"run folder {path} is not empty: starting a new run in an existing run folder without --resume is refused"
-    )
+    refused = RunFolderError(_NOT_EMPTY.format(path=path))
     if any(path.iterdir()):
         raise refused
     tmp = path / f".{CONFIG_NAME}.{os.getpid()}.{secrets.token_hex(6)}.tmp"

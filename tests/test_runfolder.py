@@ -232,3 +232,10 @@ def test_a_bad_line_in_the_middle_is_an_error(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=r"trace\.jsonl:2: unreadable metrics row"):
         read_metrics(tmp_path)
+
+
+def test_a_create_killed_before_config_json_does_not_block_the_folder(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / ".config.json.123.abcdef.tmp").write_text('{"lr": ')
+    path = create_run_folder(tmp_path, "a", CONFIG)
+    assert sorted(os.listdir(path)) == ["config.json", "metrics", "plots"]

@@ -93,9 +93,13 @@ def check_new_run_folder(out: str | os.PathLike[str], name: str | None) -> Path:
     path = Path(out) / (name or time.strftime("%Y%m%d-%H%M%S"))
     if path.exists() and not path.is_dir():
         raise RunFolderError(f"run folder {path} exists and is not a folder")
-    if path.is_dir() and any(path.iterdir()):
+    if path.is_dir() and any(not _is_config_temp(p) for p in path.iterdir()):
         raise RunFolderError(_NOT_EMPTY.format(path=path))
     return path
+
+
+def _is_config_temp(p: Path) -> bool:
+    return p.name.startswith(f".{CONFIG_NAME}.") and p.name.endswith(".tmp") and p.is_file() and not p.is_symlink()
 
 
 def create_run_folder(out: str | os.PathLike[str], name: str | None, config: Mapping[str, Any]) -> Path:
@@ -108,8 +112,10 @@ def create_run_folder(out: str | os.PathLike[str], name: str | None, config: Map
     path = check_new_run_folder(out, name)
     path.mkdir(parents=True, exist_ok=True)
     refused = RunFolderError(_NOT_EMPTY.format(path=path))
-    if any(path.iterdir()):
-        raise refused
+    for p in path.iterdir():
+        if not _is_config_temp(p):
+            raise refused
+        p.unlink(missing_ok=True)  # left by a create that was killed before config.json was published
     tmp = path / f".{CONFIG_NAME}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
     try:
         with open(tmp, "xb") as f:

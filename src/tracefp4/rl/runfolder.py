@@ -11,6 +11,10 @@ Which configuration keys may differ on resume (and why)
     uninterrupted one. So only keys that cannot change any number may differ:
 
     * ``out``, ``run_name``, ``resume``: where the run folder is and how it was found.
+    * ``arms``: which arms this invocation runs (a subset to finish one arm, more to add one). Every
+      arm starts from the same warm start with seeds that depend only on the step, never on the
+      other arms, so an arm's numbers do not depend on which other arms ran before it (checked by
+      killing runs in one arm and resuming after the others finished: bit-identical).
     * ``steps`` may grow (to extend a finished run); the steps already taken are the same steps.
       It may not shrink: the run has taken (or checkpointed) steps a shorter run never takes.
 
@@ -63,7 +67,7 @@ __all__ = [
 
 CONFIG_NAME = "config.json"
 LOCK_NAME = ".lock"
-RESUME_NEUTRAL_KEYS = frozenset({"out", "run_name", "resume"})
+RESUME_NEUTRAL_KEYS = frozenset({"out", "run_name", "resume", "arms"})
 GROWABLE_KEYS = frozenset({"steps"})
 _MISSING = object()
 

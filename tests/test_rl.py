@@ -48,7 +48,7 @@ def tiny_run(tmp_path_factory):
 
 def test_run_folder_contents(tiny_run):
     for name in ["config.json", "summary.md", "plots/logprob_gap_max.png", "plots/reward.png",
-                 "plots/eval_accuracy.png", "checkpoints/warm_start/config.json"]:
+                 "plots/eval_accuracy.png", "checkpoints/warm_start/step-00000000/config.json"]:
         assert (tiny_run / name).exists(), name
     for arm in ["bf16", "qat", "trace", "trace-full"]:
         rows = [json.loads(x) for x in (tiny_run / "metrics" / f"{arm}.jsonl").read_text().splitlines()]
@@ -58,9 +58,9 @@ def test_run_folder_contents(tiny_run):
         assert [r["step"] for r in evals] == [0, 1, 2]
         for key in REQUIRED:
             assert key in train[0], (arm, key)
-        ck = tiny_run / "checkpoints" / arm
+        ck = tiny_run / "checkpoints" / arm / "step-00000002"
         assert (ck / "model.safetensors").exists() and (ck / "optimizer.safetensors").exists()
-        assert json.loads((ck / "trainer_state.json").read_text())["policy_version"] == 2
+        assert json.loads((ck / "trainer_state.json").read_text())["state"]["policy_version"] == 2
     summary = (tiny_run / "summary.md").read_text()
     assert "| trace-full |" in summary and "max |Δlogp|" in summary
 
@@ -95,7 +95,7 @@ def test_resume_continues_from_checkpoints(tiny_run):
     run(cfg)
     rows = [json.loads(x) for x in (tiny_run / "metrics" / "trace.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "train"] == [0, 1, 2]
-    state = json.loads((tiny_run / "checkpoints" / "trace" / "trainer_state.json").read_text())
+    state = json.loads((tiny_run / "checkpoints" / "trace" / "step-00000003" / "trainer_state.json").read_text())["state"]
     assert state["step"] == 3 and state["policy_version"] == 3
 
 

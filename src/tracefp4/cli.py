@@ -1,9 +1,26 @@
-"""The ``tracefp4`` command line."""
+"""The ``tracefp4`` command line.
+
+Errors (and why they look the way they do)
+    A user error is reported as one line on stderr, ``tracefp4: error: <message>``, with exit code 2
+    (argparse's code for a bad command line) and no traceback: a traceback tells a user nothing about
+    a missing file or a wrong config value, and hides the one line that does. User errors are
+    ``ValueError`` (which includes the store's ``StoreError``, ``CheckpointError``,
+    ``RunFolderError``, JSON/TOML decode errors and config validation errors), ``OSError`` (a missing
+    or unreadable file or folder, a full disk: the environment, not the code) and PyYAML's
+    ``YAMLError``. Messages name the path they are about.
+
+    Every other exception type (``TypeError``, ``KeyError``, ``RuntimeError``, ``AssertionError``,
+    ...) is a bug in tracefp4 or a library and keeps its full traceback, because that is what it
+    takes to fix it. ``--debug`` (before the subcommand) or ``TRACEFP4_DEBUG=1`` re-raises user
+    errors with their traceback too. Ctrl-C ends with one line and exit code 130 (128 + SIGINT).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 
 def cmd_twopath(args: argparse.Namespace) -> int:
@@ -42,7 +59,9 @@ def guidance_mode(name: str) -> str:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from tracefp4.rl.config import RLConfig
+    from tracefp4.rl.runfolder import check_new_run_folder
 
+    check_new_run_folder(args.out, args.name)  # before the warm start, not after it
     cfg = RLConfig(out=args.out, task=args.task, seed=args.seed, run_name=args.name)
     if args.steps is not None:
         cfg.steps = args.steps
@@ -54,23 +73,57 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return _run_rl(cfg)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _load_rl_config(path: str):
+    """RLConfig.from_file with errors that name the file (a decode error alone does not)."""
     from tracefp4.rl.config import RLConfig
 
-    cfg = RLConfig.from_file(args.config)
+    file = Path(path)
+    if not file.exists():
+        raise ValueError(f"config file {path} not found")
+    if not file.is_file():
+        raise ValueError(f"config file {path} is not a file")
+    yaml_error: type[BaseException] = ValueError
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+
+            yaml_error = yaml.YAMLError
+        except ModuleNotFoundError:
+            pass  # from_file says that PyYAML is needed
+    try:
+        return RLConfig.from_file(path)
+    except (ValueError, yaml_error) as e:
+        if str(e).startswith(f"{path}:"):
+            raise
+        raise ValueError(f"config file {path}: {type(e).__name__}: {e}") from e
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from tracefp4.rl.runfolder import check_model_folder, check_new_run_folder, open_for_resume
+
+    cfg = _load_rl_config(args.config)
+    # Checked here so that a wrong path fails in a second with a clear message, not after the
+    # warm start or as a Hugging Face hub-name error.
     if args.resume:
         cfg.resume = args.resume
     if args.guidance is not None:
         cfg.guidance = args.guidance
+    if args.resume:
+        open_for_resume(args.resume, dataclasses.asdict(cfg))
+    elif cfg.run_name:
+        check_new_run_folder(cfg.out, cfg.run_name)
+    if cfg.checkpoint:
+        check_model_folder(cfg.checkpoint, "checkpoint")
     return _run_rl(cfg)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from tracefp4.rl.report import write_report
+    from tracefp4.rl.runfolder import check_run_folder
 
-    print(write_report(Path(args.run_dir)))
+    print(write_report(check_run_folder(args.run_dir)))
     return 0
 
 
@@ -138,9 +191,59 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _debug_requested(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "debug", False)) or os.environ.get("TRACEFP4_DEBUG", "").lower() not in (
+        "", "0", "false", "no", "off")
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    types: tuple[type[BaseException], ...] = (ValueError, OSError)
+    yaml = sys.modules.get("yaml")  # only a YAML config can have raised it, and then yaml is imported
+    if yaml is not None:
+        types += (yaml.YAMLError,)
+    return types
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        msg = f"{e.filename}: {e.strerror}"
+        if e.filename2 is not None:
+            msg += f" (and {e.filename2})"
+    else:
+        msg = str(e) or type(e).__name__
+    return " ".join(msg.split())
+
+
+def _check_model_argument(args: argparse.Namespace) -> None:
+    # Subcommands with a --checkpoint DIR (mismatch, its sweep) hand it to load_model, which reports
+    # a wrong path as an invalid hub repository name; check it as a local folder first.
+    checkpoint = getattr(args, "checkpoint", None)
+    if isinstance(checkpoint, str):
+        from tracefp4.rl.runfolder import check_model_folder
+
+        check_model_folder(checkpoint, "--checkpoint")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run one command; user errors become one line and exit code 2 (see the module docstring)."""
+    parser = build_parser()
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of errors too (also TRACEFP4_DEBUG=1); before the subcommand")
+    args = parser.parse_args(argv)
+    debug = _debug_requested(args)
+    try:
+        _check_model_argument(args)
+        return args.func(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("tracefp4: interrupted", file=sys.stderr)
+        return 130
+    except _user_error_types() as e:
+        if debug:
+            raise
+        print(f"tracefp4: error: {_one_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -3,7 +3,15 @@
 One loop, read top to bottom: warm start once, then for every arm from the same weights, step after
 step: :func:`~tracefp4.rl.collect.collect` (rollout -> store -> read back -> rewards, advantages, old
 log-probs) and :func:`~tracefp4.rl.update.update` (clipped-surrogate minibatch updates), with a
-held-out evaluation and a checkpoint every ``eval_every`` steps. The arms (same seeds, same prompts,
+held-out evaluation and a checkpoint every ``eval_every`` steps.
+
+Crash safety: the run folder is refused if it already holds a run (unless resuming, when the saved
+config must agree, :mod:`tracefp4.rl.runfolder`) and is locked while a process works in it;
+checkpoints are written whole or not at all and verified on load (:mod:`tracefp4.rl.checkpoint`);
+on resume each arm restarts from its last good checkpoint, the metrics log is cut back to it, and
+every store step after it is discarded, so a run killed at any moment resumes to the same weights
+and one metrics row per step. Every step is a function of the weights and the step number alone
+(prompts, sampling seeds and minibatch order are seeded by step), which is what makes that true. The arms (same seeds, same prompts,
 same sampling seeds) and what each records are in :mod:`tracefp4.rl.arms`; every field of the run
 config in :mod:`tracefp4.rl.config`.
 
@@ -23,15 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from tracefp4.engines.model import from_config, load_model, model_layers
 from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.files import atomic_write_json
 from tracefp4.guidance.store import discard_step
-from tracefp4.rl import runlog
+from tracefp4.rl import runfolder, runlog
 from tracefp4.rl.arms import Arm, make_arm
+from tracefp4.rl.checkpoint import Checkpoint, latest_checkpoint, save_checkpoint
 from tracefp4.rl.collect import ArmSetup, collect
 from tracefp4.rl.config import ModelSpec, RLConfig  # ModelSpec: reports.bench_system imports it from here
 from tracefp4.rl.evaluate import evaluate
@@ -54,7 +61,7 @@ class ArmRunner:
     """Runs GRPO for one arm; all state needed to resume lives in its checkpoint folder."""
 
     def __init__(self, name: str, model: PreTrainedModel, task: Task, tok: Tokenizer, cfg: RLConfig,
-                 run_dir: Path, plan: PrecisionPlan | None = None, pool=None):
+                 run_dir: Path, plan: PrecisionPlan | None = None, pool=None, resume_step: int = 0):
         self.plan = plan or PrecisionPlan()
         self.cfg = cfg
         self.run_dir = run_dir
@@ -64,7 +71,7 @@ class ArmRunner:
                               model_signature(model, self.plan), pool)
         self.version = 0  # policy version: optimizer steps taken so far, in whole GRPO steps
         self.step = 0
-        self.log = runlog.MetricsLog(run_dir, name)
+        self.log = runlog.MetricsLog(run_dir, name, resume_step=resume_step)
 
     @property
     def name(self) -> str:
@@ -99,22 +106,25 @@ class ArmRunner:
 
     # The runner's whole state, saved and restored here only (model, optimizer, step, policy version).
 
-    def save(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
-        save_file({k: v.contiguous() for k, v in self.opt.state_tensors().items()}, str(path / "optimizer.safetensors"))
-        atomic_write_json(path / "trainer_state.json", {
+    def save(self, arm_dir: Path) -> None:
+        save_checkpoint(arm_dir, self.step, model=self.model, optimizer_tensors=self.opt.state_tensors(), state={
             "arm": self.name, "step": self.step, "policy_version": self.version, "signature": self.setup.signature,
         })
 
-    def load(self, path: Path) -> None:
-        state = json.loads((path / "trainer_state.json").read_text())
+    def load(self, ck: Checkpoint) -> None:
+        state = ck.state
         if state["arm"] != self.name:
-            raise ValueError(f"{path}: checkpoint of arm {state['arm']!r}, not {self.name!r}")
+            raise ValueError(f"{ck.path}: checkpoint of arm {state['arm']!r}, not {self.name!r}")
         if state["signature"] != self.setup.signature:
-            raise ValueError(f"{path}: model signature {state['signature']} differs from {self.setup.signature}")
-        self.opt.load_state_tensors(load_file(str(path / "optimizer.safetensors")))
+            raise ValueError(f"{ck.path}: model signature {state['signature']} differs from {self.setup.signature}")
+        self.opt.load_state_tensors(ck.optimizer_tensors)
         self.step, self.version = int(state["step"]), int(state["policy_version"])
+
+    def discard_unconsumed_steps(self) -> None:
+        """Store steps a killed attempt left behind (sealed, half-written, or with a stale writer lock)."""
+        root = self.setup.store_root
+        for p in sorted(root.glob("step-*")) if root.is_dir() else ():
+            discard_step(root, int(p.name.split("-")[1]))
 
 
 def run(cfg: RLConfig) -> Path:
@@ -122,8 +132,17 @@ def run(cfg: RLConfig) -> Path:
     cfg.validate()
     task = make_task(cfg.task, **cfg.task_kwargs)
     tok = task.make_tokenizer()
-    run_dir = Path(cfg.resume) if cfg.resume else runlog.new_run_dir(cfg.out, cfg.run_name)
-    atomic_write_json(run_dir / "config.json", dataclasses.asdict(cfg))
+    config = dataclasses.asdict(cfg)
+    if cfg.resume:
+        run_dir = runfolder.open_for_resume(cfg.resume, config)
+    else:
+        run_dir = runfolder.create_run_folder(cfg.out, cfg.run_name, config)
+    with runfolder.lock_run_folder(run_dir):
+        _run_arms(cfg, task, tok, run_dir)
+    return run_dir
+
+
+def _run_arms(cfg: RLConfig, task: Task, tok: Tokenizer, run_dir: Path) -> None:
     base = warm_start_model(cfg, task, tok, run_dir / "checkpoints" / "warm_start")
 
     pool = None
@@ -140,16 +159,16 @@ def run(cfg: RLConfig) -> Path:
         if pool is not None:
             pool.shutdown()
     write_report(run_dir)
-    return run_dir
 
 
 def warm_start_model(cfg: RLConfig, task: Task, tok: Tokenizer, base_dir: Path) -> PreTrainedModel:
     """The shared starting point of every arm: loaded from ``base_dir`` when a run made it already,
-    else built (or loaded from ``cfg.checkpoint``), warm-started and saved there."""
-    if (base_dir / "config.json").exists():
-        return load_model(base_dir)
+    else built (or loaded from ``cfg.checkpoint``), warm-started and checkpointed there."""
+    done = latest_checkpoint(base_dir)
+    if done is not None:
+        return load_model(done.model_path)
     if cfg.checkpoint:
-        base = load_model(cfg.checkpoint)
+        base = load_model(runfolder.check_model_folder(cfg.checkpoint, "checkpoint"))
         if base.config.vocab_size < tok.vocab_size:
             raise ValueError(f"checkpoint {cfg.checkpoint}: vocab {base.config.vocab_size} is smaller than the "
                              f"task tokenizer's {tok.vocab_size}")
@@ -158,7 +177,7 @@ def warm_start_model(cfg: RLConfig, task: Task, tok: Tokenizer, base_dir: Path) 
     if cfg.warm_start_steps > 0:
         with _progress(cfg.warm_start_steps, "warm start (SFT)") as bar:
             warm_start(base, task, tok, cfg, bar)
-    base.save_pretrained(base_dir)
+    save_checkpoint(base_dir, 0, model=base, optimizer_tensors={}, state={"warm_start_steps": cfg.warm_start_steps})
     return base
 
 
@@ -166,10 +185,12 @@ def run_arm(name: str, base: PreTrainedModel, task: Task, tok: Tokenizer, cfg: R
             pool=None) -> None:
     """GRPO for one arm from the warm-start weights (or its own checkpoint, when resuming)."""
     ckpt = run_dir / "checkpoints" / name
-    resume = (ckpt / "trainer_state.json").exists()
-    runner = ArmRunner(name, load_model(ckpt) if resume else copy.deepcopy(base), task, tok, cfg, run_dir, pool=pool)
-    if resume:
-        runner.load(ckpt)
+    found = latest_checkpoint(ckpt)  # the newest that verifies; a damaged one falls back, with a warning
+    model = load_model(found.model_path) if found is not None else copy.deepcopy(base)
+    runner = ArmRunner(name, model, task, tok, cfg, run_dir, pool=pool, resume_step=found.step if found else 0)
+    if found is not None:
+        runner.load(found)
+    runner.discard_unconsumed_steps()
     if runner.step == 0:
         runner.log.log({"kind": "eval", "step": 0, **runner.evaluate()})
     with _progress(cfg.steps, f"GRPO {name:>10}") as bar:

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from tracefp4.files import atomic_write_bytes
+
 ARM_STYLE = {
     "bf16": dict(color="black", linestyle="-"),
     "qat": dict(color="tab:red", linestyle="-"),
@@ -26,31 +28,64 @@ ARM_STYLE = {
 }
 
 
-def new_run_dir(base: str | os.PathLike = "runs", name: str | None = None) -> Path:
-    path = Path(base) / (name or time.strftime("%Y%m%d-%H%M%S"))
-    (path / "metrics").mkdir(parents=True, exist_ok=True)
-    (path / "plots").mkdir(exist_ok=True)
-    return path
-
-
 class MetricsLog:
-    """Appends one JSON line per record; mirrors scalars to TensorBoard when it is installed."""
+    """Appends one JSON line per record (flushed and fsynced); mirrors scalars to TensorBoard when installed.
 
-    def __init__(self, run_dir: Path, arm: str, tensorboard: bool = True):
-        self.path = run_dir / "metrics" / f"{arm}.jsonl"
+    Resuming (``resume_step=N``, the step of the checkpoint the arm continues from, 0 when it starts
+    over) first rewrites the file so that it holds exactly what the run had logged when that
+    checkpoint was saved, so the finished file has one row per step:
+
+    * train rows with ``step < N`` (the train row of step ``s`` is logged after step ``s`` ran;
+      checkpoint ``N`` is saved after step ``N-1``);
+    * eval rows with ``step <= N`` when ``N > 0``: the evaluation at step ``N`` is logged right
+      before checkpoint ``N`` is saved and is not repeated on resume. With ``N == 0`` there is no
+      checkpoint, the arm starts over and logs its step-0 evaluation again, so nothing is kept;
+    * rows without a ``step`` are kept.
+
+    The rewrite is atomic (kept rows to a temp file, fsync, rename, fsync the folder): a kill during
+    it leaves the old file, and the next resume rewrites it again. A torn last line (a kill or power
+    loss during a write) is dropped; an unreadable line anywhere else is an error. TensorBoard events
+    from ``N`` on are purged (``purge_step``) and the kept rows at ``N`` mirrored again.
+    """
+
+    def __init__(self, run_dir: Path, arm: str, tensorboard: bool = True, *, resume_step: int | None = None):
+        self.path = Path(run_dir) / "metrics" / f"{arm}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = self._prepare(resume_step)
         self._f = open(self.path, "a")
         self._tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(run_dir / "tensorboard" / arm))
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard" / arm), purge_step=resume_step)
             except Exception:  # tensorboard is optional
                 self._tb = None
+        if resume_step is not None:
+            for row in kept:
+                if isinstance(row.get("step"), int) and row["step"] >= resume_step:
+                    self._mirror(row)
+
+    def _prepare(self, resume_step: int | None) -> list[dict]:
+        """Drop a torn tail and, when resuming, the rows logged after the checkpoint; returns the kept rows."""
+        if not self.path.exists():
+            return []
+        raw = self.path.read_bytes()
+        rows = parse_metrics_lines(raw.decode("utf-8", errors="replace"), self.path)
+        kept = rows if resume_step is None else [r for r in rows if _logged_by(r, resume_step)]
+        text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept)
+        if text.encode("utf-8") != raw:
+            atomic_write_bytes(self.path, text.encode("utf-8"))
+        return kept
 
     def log(self, record: Mapping) -> None:
         self._f.write(json.dumps(dict(record), sort_keys=True) + "\n")
         self._f.flush()
+        # Durable before the checkpoint that follows it: a checkpoint must never outlive its rows.
+        os.fsync(self._f.fileno())
+        self._mirror(record)
+
+    def _mirror(self, record: Mapping) -> None:
         if self._tb is not None and "step" in record:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
@@ -62,10 +97,39 @@ class MetricsLog:
             self._tb.close()
 
 
+def _logged_by(row: Mapping, resume_step: int) -> bool:
+    """Whether ``row`` was logged before the checkpoint at ``resume_step`` was saved (see MetricsLog)."""
+    step = row.get("step")
+    if not isinstance(step, int):
+        return True
+    if row.get("kind", "train") == "eval":
+        return step <= resume_step if resume_step > 0 else False
+    return step < resume_step
+
+
+def parse_metrics_lines(text: str, path: str | os.PathLike = "<metrics>") -> list[dict]:
+    """The JSON objects of a metrics JSONL text; a torn last line is dropped, any other bad line raises."""
+    lines = text.split("\n")
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            if all(not rest.strip() for rest in lines[i + 1 :]):
+                break  # the last line, torn by a kill in the middle of a write
+            raise ValueError(f"{path}:{i + 1}: unreadable metrics row ({e})") from None
+        rows.append(row)
+    return rows
+
+
 def read_metrics(run_dir: Path) -> dict[str, list[dict]]:
     out = {}
-    for p in sorted((run_dir / "metrics").glob("*.jsonl")):
-        out[p.stem] = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    for p in sorted((Path(run_dir) / "metrics").glob("*.jsonl")):
+        out[p.stem] = parse_metrics_lines(p.read_bytes().decode("utf-8", errors="replace"), p)
     return out
 
 

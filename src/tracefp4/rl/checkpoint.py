@@ -51,6 +51,7 @@ from typing import Any, Mapping
 import safetensors.torch
 import torch
 
+from tracefp4.faults import crash_point
 from tracefp4.files import fsync_dir
 
 __all__ = [
@@ -209,6 +210,7 @@ def save_checkpoint(
         sums[STATE_NAME] = _write_new(
             tmp / STATE_NAME, _json_bytes({"format_version": FORMAT_VERSION, "step": step, "state": dict(state)})
         )
+        crash_point("checkpoint")  # every file but the checksums written, nothing renamed yet
         _write_new(tmp / CHECKSUMS_NAME, _json_bytes({"format_version": FORMAT_VERSION, "step": step, "files": sums}))
         for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda d: len(d.parts), reverse=True):
             fsync_dir(d)

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
 from tracefp4.formats.constants import HintMode
+from tracefp4.faults import crash_point
 from tracefp4.guidance.store import StoreReader, StoreWriter, discard_step, seal_step
 from tracefp4.rl import engine
 from tracefp4.rl.arms import Arm
@@ -104,12 +105,15 @@ def _rollout_to_store(s: ArmSetup, step: int, version: int, prompts: list[list[i
         return roll, None, timings
     t0 = time.perf_counter()
     roll, diagnostics = engine.rollout(s.model, prompts, sampling, s.arm)
+    crash_point("rollout")  # sampled, nothing written
     timings["time/rollout_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with StoreWriter(s.store_root, step, "w0", model_signature=s.signature, policy_version=version) as w:
         for tid, rec, p in zip(ids, roll.records, roll.prompt_lens):
             w.add(tid, rec, prompt_len=p)
+            crash_point("store-write")  # a writer with part of its records (and maybe shards) on disk
     seal_step(s.store_root, step, ["w0"])
+    crash_point("sealed")  # the step is sealed, not yet consumed
     timings["time/store_write_s"] = time.perf_counter() - t0
     return roll, diagnostics, timings
 

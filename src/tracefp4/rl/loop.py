@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 
 from tracefp4.engines.model import from_config, load_model, model_layers
 from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.faults import crash_point
 from tracefp4.guidance.store import discard_step
 from tracefp4.rl import runfolder, runlog
 from tracefp4.rl.arms import Arm, make_arm
@@ -90,6 +91,7 @@ class ArmRunner:
         batch = collect(self.setup, self.step, self.version)
         t0 = time.perf_counter()
         stats = update(self.model, self.opt, self.arm, self.cfg, batch)
+        crash_point("updated")  # the weights moved in memory only
         self.version += 1
         rec = {
             "kind": "train", "step": self.step, "policy_version": self.version,

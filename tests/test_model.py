@@ -18,6 +18,7 @@ from tracefp4 import dequantize, quantize_nvfp4
 from tracefp4.engines.capture import RolloutCapture
 from tracefp4.engines.guidance import TrainerGuidance
 from tracefp4.engines.model import (
+    CACHE_KWARG,
     EXPERTS_IMPLEMENTATION,
     FP4KVCache,
     ForwardState,
@@ -128,9 +129,12 @@ def test_record_names() -> None:
 
 
 def test_tiny_spec_defaults_are_the_rl_demo() -> None:
-    from tracefp4.rl.loop import ModelSpec
+    import dataclasses
 
-    assert isinstance(ModelSpec(), TinyMoESpec)
+    from tracefp4.rl.config import ModelSpec
+
+    tiny = dataclasses.asdict(TinyMoESpec())
+    assert all(tiny[k] == v for k, v in dataclasses.asdict(ModelSpec()).items())  # one set of defaults
     cfg = TinyMoESpec().config()
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts, cfg.vocab_size) == (64, 4, 8, 32)
 
@@ -159,7 +163,7 @@ def test_one_forward_records_every_site_with_its_granularity(model: torch.nn.Mod
     ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
     capture = RolloutCapture(HintMode.FULL, guided_layers={1, 3}, diagnostic_layers={0})
     with forward_state(model, PrecisionPlan(), capture), torch.no_grad():
-        model(ids, cache=FP4KVCache(model), use_cache=True)
+        model(ids, **{CACHE_KWARG: FP4KVCache(model)}, use_cache=True)
     rec = capture.take()
     n = ids.numel()
     assert set(rec.guidance) == {record_prefix(i, s) for i in (1, 3) for s in Site}

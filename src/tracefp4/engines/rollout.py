@@ -44,7 +44,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tracefp4.engines.capture import ForwardRecord, RolloutCapture
-from tracefp4.engines.model import FP4KVCache, forward_state, model_layers, moe_layers
+from tracefp4.engines.model import CACHE_KWARG, FP4KVCache, forward_state, model_layers, moe_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
 from tracefp4.formats.constants import HintMode
@@ -131,7 +131,7 @@ def _forward(
             input_ids=ids,
             attention_mask=st.attention,
             position_ids=pos,
-            cache=st.cache,
+            **{CACHE_KWARG: st.cache},
             use_cache=True,
             logits_to_keep=1,
         )

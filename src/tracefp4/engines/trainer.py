@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
 from tracefp4.engines.guidance import TrainerGuidance
-from tracefp4.engines.model import FP4KVCache, forward_state, model_layers
+from tracefp4.engines.model import CACHE_KWARG, FP4KVCache, forward_state, model_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput
 from tracefp4.formats.numerics import unpack_fp4
@@ -229,7 +229,7 @@ def forward_logprobs(
         config=model.config,
         inputs_embeds=torch.empty((1, input_ids.shape[1], 0), dtype=model.dtype, device=device),
         attention_mask=None,
-        cache=None,
+        **{CACHE_KWARG: None},
         position_ids=position_ids,
     )
     with forward_state(model, plan, path):
@@ -237,7 +237,7 @@ def forward_logprobs(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids,
-            cache=FP4KVCache(model),  # the k/v sites: attention reads FP4 K/V as in the rollout
+            **{CACHE_KWARG: FP4KVCache(model)},  # the k/v sites: attention reads FP4 K/V as in the rollout
             use_cache=True,
             logits_to_keep=rows.to(device),
         )

@@ -131,6 +131,19 @@ GUIDANCE_HELP = ("the trace arm's guidance mode, <mode>[@all|@deeper]: lsb (defa
                  "ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all, ... (trace-full stays full on all layers)")
 
 
+def cmd_experiment(args: argparse.Namespace) -> int:
+    import torch
+
+    from tracefp4.rl.experiment import ExperimentConfig, format_summary, run_experiment
+
+    cfg = ExperimentConfig.from_file(args.config)
+    torch.set_num_threads(cfg.run_config(cfg.seeds[0]).threads)  # the command owns the process
+    summary = run_experiment(cfg, args.results, args.plots)
+    print(format_summary(summary))
+    print(f"\nresults: {Path(args.results) / (cfg.name + '.json')}   plots: {args.plots}/{cfg.name}_*.png")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tracefp4", description="TRACE: rollout-guided FP4 rounding for RL of MoE LLMs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -165,6 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--guidance", type=guidance_mode, default=None, metavar="MODE",
                    help=GUIDANCE_HELP + " (overrides the config's guidance)")
     t.set_defaults(func=cmd_train)
+
+    x = sub.add_parser(
+        "experiment",
+        help="one run config over several seeds: final accuracy with 95%% CIs per arm (resumable)",
+        description="Runs (or resumes) one run folder per seed, then writes <results>/<name>.json and plots of "
+        "eval accuracy and log-prob gap against steps with confidence bands.",
+    )
+    x.add_argument("--config", required=True, help="TOML/YAML/JSON: name, seeds, [out], [run] (RLConfig fields)")
+    x.add_argument("--results", default="docs/results", help="folder of the results JSON (default docs/results)")
+    x.add_argument("--plots", default="docs/img", help="folder of the plots (default docs/img)")
+    x.set_defaults(func=cmd_experiment)
 
     r = sub.add_parser("report", help="redraw the plots and summary table of a run folder",
                        description="Reads metrics/*.jsonl of a run folder and rewrites plots/ and summary.md.")

@@ -201,7 +201,7 @@ class RLConfig:
     @classmethod
     def from_file(cls, path: str) -> RLConfig:
         try:
-            return cls.from_dict(_read_table(path))
+            return cls.from_dict(read_table(path))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from None
 
@@ -232,7 +232,8 @@ class RLConfig:
                   f"a divisor of prompts_per_step * group_size = {self.prompts_per_step * self.group_size}")
 
 
-def _read_table(path: str) -> dict:
+def read_table(path: str) -> dict:
+    """A TOML, YAML or JSON file as a dict (the format from the file name)."""
     text = Path(path).read_text()
     if path.endswith(".toml"):
         try:

@@ -1,0 +1,252 @@
+"""An experiment: the same run config over several seeds, summarised per arm with confidence intervals.
+
+``tracefp4 experiment --config FILE`` reads a TOML, YAML or JSON file::
+
+    name = "addition-4l"            # the results file is <results>/<name>.json
+    seeds = [0, 1, 2]
+    out = "runs/experiments"        # run folders: <out>/<name>/seed-<s>/ (default runs/experiments)
+    [run]                           # any RLConfig field (tracefp4.rl.config), the same for every seed
+    task = "addition"
+    arms = ["bf16", "qat", "trace", "trace-full"]
+    steps = 200
+
+Each seed is one ordinary run folder (all arms of that seed, the same warm start), so the matrix is
+resumable the way a run is: a seed whose folder exists is resumed (the saved config must agree), a
+finished one is only read. The summary (:func:`summarise`) is a pure function of the run folders.
+
+Per arm, over seeds: the final held-out accuracy (the last evaluation of each seed) with its mean and a
+95% confidence interval from Student's t (``mean ± t_{0.975, n-1} * sd / sqrt(n)``; with one seed the
+interval is the point), and the means over seeds of each seed's mean and max |Δlogp| over all steps,
+its code mismatch and its guidance bytes per token. Curves (eval accuracy and the per-step max gap
+against steps) are drawn with the mean over seeds and a band of ±t·sd/sqrt(n).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tracefp4.files import atomic_write_json
+from tracefp4.rl.config import RLConfig, read_table
+from tracefp4.rl.runlog import ARM_STYLE, read_metrics
+
+__all__ = [
+    "ExperimentConfig",
+    "run_experiment",
+    "summarise",
+    "format_summary",
+    "t_quantile_975",
+    "mean_ci95",
+    "plot_experiment",
+]
+
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom; beyond 30 the normal's 1.96
+# is within 2%.
+_T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+
+def t_quantile_975(df: int) -> float:
+    """t_{0.975, df}: the half-width factor of a two-sided 95% interval."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    return _T975[df - 1] if df <= len(_T975) else 1.96
+
+
+def mean_ci95(values: Sequence[float]) -> dict[str, Any]:
+    """``{"mean", "ci95": [lo, hi], "n"}``; one value gives a zero-width interval."""
+    vals = [float(v) for v in values]
+    if not vals:
+        raise ValueError("mean_ci95: no values")
+    mean = statistics.fmean(vals)
+    half = 0.0 if len(vals) < 2 else t_quantile_975(len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
+    return {"mean": mean, "ci95": [mean - half, mean + half], "n": len(vals)}
+
+
+@dataclasses.dataclass
+class ExperimentConfig:
+    name: str
+    seeds: list[int]
+    run: dict[str, Any]
+    out: str = "runs/experiments"
+
+    @classmethod
+    def from_file(cls, path: str) -> ExperimentConfig:
+        data = read_table(path)
+        unknown = sorted(set(data) - {"name", "seeds", "run", "out"})
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {unknown}; known: name, seeds, out, run")
+        for key in ("name", "seeds", "run"):
+            if key not in data:
+                raise ValueError(f"{path}: missing {key!r}")
+        name, seeds = data["name"], data["seeds"]
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"{path}: name = {name!r}: expected a non-empty string without '/'")
+        if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
+                                                                for s in seeds) or len(set(seeds)) != len(seeds):
+            raise ValueError(f"{path}: seeds = {seeds!r}: expected a list of distinct integers")
+        if not isinstance(data["run"], dict) or {"seed", "out", "run_name", "resume"} & set(data["run"]):
+            raise ValueError(f"{path}: [run] must be a table of RLConfig fields without seed/out/run_name/resume")
+        cfg = cls(name, list(seeds), dict(data["run"]), str(data.get("out", "runs/experiments")))
+        for s in cfg.seeds:  # every value checked before any work
+            try:
+                cfg.run_config(s).validate()
+            except ValueError as e:
+                raise ValueError(f"{path}: [run] {e}") from None
+        return cfg
+
+    def run_dir(self, seed: int) -> Path:
+        return Path(self.out) / self.name / f"seed-{seed}"
+
+    def run_config(self, seed: int) -> RLConfig:
+        run_dir = self.run_dir(seed)
+        fields = {**self.run, "seed": seed, "out": str(run_dir.parent), "run_name": run_dir.name}
+        if (run_dir / "config.json").exists():
+            fields["resume"] = str(run_dir)
+        return RLConfig.from_dict(fields)
+
+
+def run_experiment(cfg: ExperimentConfig, results_dir: str | Path = "docs/results",
+                   plots_dir: str | Path = "docs/img") -> dict[str, Any]:
+    """Run (or resume) every seed, then write ``<results_dir>/<name>.json`` and the plots."""
+    from tracefp4.rl.loop import run
+
+    for i, seed in enumerate(cfg.seeds):
+        print(f"experiment {cfg.name}: seed {seed} ({i + 1}/{len(cfg.seeds)})", file=sys.stderr, flush=True)
+        run(cfg.run_config(seed))
+    summary = summarise(cfg.name, {s: read_metrics(cfg.run_dir(s)) for s in cfg.seeds}, cfg.run_config(cfg.seeds[0]))
+    Path(results_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_json(Path(results_dir) / f"{cfg.name}.json", summary, sort_keys=False)
+    plot_experiment(summary, Path(plots_dir))
+    return summary
+
+
+def _train(rows: Sequence[Mapping]) -> list[Mapping]:
+    return [r for r in rows if r.get("kind", "train") == "train"]
+
+
+def _evals(rows: Sequence[Mapping]) -> list[Mapping]:
+    return [r for r in rows if r.get("kind") == "eval"]
+
+
+def _seed_figures(rows: Sequence[Mapping]) -> dict[str, float | None]:
+    train, evals = _train(rows), _evals(rows)
+    gaps = [r["train_rollout_logprob_abs_diff"] for r in train]
+    codes = [r["code_mismatch_rate"] for r in train if r.get("code_mismatch_rate") is not None]
+    return {
+        "final_eval_accuracy": evals[-1]["eval_accuracy"] if evals else None,
+        "logprob_gap_mean": statistics.fmean(gaps) if gaps else None,
+        "logprob_gap_max": max(r["train_rollout_logprob_abs_diff_max"] for r in train) if train else None,
+        "code_mismatch": statistics.fmean(codes) if codes else None,
+        "guidance_bytes_per_token": statistics.fmean(r["guidance_bytes_per_token"] for r in train) if train else None,
+        "steps": len(train),
+    }
+
+
+def _curve(per_seed: Sequence[Sequence[Mapping]], key: str, kind: str) -> dict[str, list[float]]:
+    """Mean and 95% band over seeds at each step all seeds logged."""
+    pick = _evals if kind == "eval" else _train
+    series = [{r["step"]: r[key] for r in pick(rows) if r.get(key) is not None} for rows in per_seed]
+    steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    out: dict[str, list[float]] = {"step": [], "mean": [], "lo": [], "hi": []}
+    for step in steps:
+        ci = mean_ci95([s[step] for s in series])
+        out["step"].append(step)
+        out["mean"].append(ci["mean"])
+        out["lo"].append(ci["ci95"][0])
+        out["hi"].append(ci["ci95"][1])
+    return out
+
+
+def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]], run_cfg: RLConfig) -> dict[str, Any]:
+    """The results file's content from each seed's metrics (``{seed: {arm: rows}}``)."""
+    seeds = sorted(metrics)
+    arms = [a for a in run_cfg.arms if all(a in metrics[s] for s in seeds)]
+    out: dict[str, Any] = {
+        "name": name,
+        "task": run_cfg.task,
+        "model": dataclasses.asdict(run_cfg.model) if not run_cfg.checkpoint else {"checkpoint": run_cfg.checkpoint},
+        "steps": run_cfg.steps,
+        "engine": "home",
+        "guidance": run_cfg.guidance,
+        "arms": {},
+    }
+    for arm in arms:
+        figs = [_seed_figures(metrics[s][arm]) for s in seeds]
+        entry: dict[str, Any] = {"seeds": seeds, "steps_done": [f["steps"] for f in figs]}
+        acc = [f["final_eval_accuracy"] for f in figs if f["final_eval_accuracy"] is not None]
+        entry["final_eval_accuracy"] = mean_ci95(acc) if acc else None
+        entry["final_eval_accuracy_per_seed"] = acc
+        for key in ("logprob_gap_mean", "logprob_gap_max", "code_mismatch", "guidance_bytes_per_token"):
+            vals = [f[key] for f in figs if f[key] is not None]
+            entry[key] = statistics.fmean(vals) if vals else None
+        rows = [metrics[s][arm] for s in seeds]
+        entry["curves"] = {
+            "eval_accuracy": _curve(rows, "eval_accuracy", "eval"),
+            "logprob_gap_max": _curve(rows, "train_rollout_logprob_abs_diff_max", "train"),
+        }
+        out["arms"][arm] = entry
+    return out
+
+
+def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:
+    """``<name>_eval_accuracy.png`` and ``<name>_logprob_gap_max.png``: mean over seeds with a 95% band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for key, title, logy in (("eval_accuracy", "held-out greedy accuracy", False),
+                             ("logprob_gap_max", "max |Δlogp| per step (trainer vs rollout)", True)):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for arm, entry in summary["arms"].items():
+            c = entry["curves"][key]
+            if not c["step"]:
+                continue
+            style = ARM_STYLE.get(arm, {})
+            ax.plot(c["step"], c["mean"], label=f"{arm} (n={len(entry['seeds'])})", linewidth=1.6, **style)
+            ax.fill_between(c["step"], c["lo"], c["hi"], alpha=0.15, color=style.get("color"))
+        ax.set_title(f"{summary['name']}: {title}, mean over seeds, 95% band")
+        ax.set_xlabel("GRPO step")
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = plots_dir / f"{summary['name']}_{key}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """The paper-shaped table: arm, final accuracy ± CI, gap, code mismatch, guidance bytes."""
+    lines = [
+        f"{summary['name']}: task {summary['task']}, {summary['steps']} steps, engine {summary['engine']}",
+        f"{'arm':<14}{'seeds':>6}{'final acc':>11}{'95% CI':>18}{'mean|dlogp|':>13}{'max|dlogp|':>12}"
+        f"{'code mism.':>12}{'B/token':>9}",
+    ]
+
+    def num(v, fmt):
+        return f"{v:{fmt}}" if v is not None else "-"
+
+    for arm, e in summary["arms"].items():
+        acc = e["final_eval_accuracy"]
+        ci = f"[{acc['ci95'][0]:.3f}, {acc['ci95'][1]:.3f}]" if acc else "-"
+        lines.append(
+            f"{arm:<14}{len(e['seeds']):>6}{num(acc and acc['mean'], '.3f'):>11}{ci:>18}"
+            f"{num(e['logprob_gap_mean'], '.5f'):>13}{num(e['logprob_gap_max'], '.3f'):>12}"
+            f"{num(e['code_mismatch'], '.2e'):>12}{num(e['guidance_bytes_per_token'], '.1f'):>9}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""``tracefp4 experiment``: seeds as run folders, per-arm means with Student-t 95% intervals, resumable."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tracefp4.cli import main
+from tracefp4.rl.experiment import ExperimentConfig, mean_ci95, t_quantile_975
+
+RUN = """
+[run]
+arms = ["bf16", "trace"]
+steps = 1
+prompts_per_step = 2
+group_size = 2
+max_new_tokens = 3
+warm_start_steps = 1
+warm_start_batch = 4
+eval_every = 1
+eval_size = 4
+threads = 1
+[run.model]
+hidden = 32
+layers = 2
+moe_intermediate = 16
+"""
+
+
+def test_mean_ci95_golden():
+    ci = mean_ci95([0.5, 0.7, 0.9])  # mean 0.7, sd 0.2, t(2) = 4.303
+    half = 4.303 * 0.2 / math.sqrt(3)
+    assert ci["mean"] == pytest.approx(0.7) and ci["ci95"] == pytest.approx([0.7 - half, 0.7 + half])
+    assert mean_ci95([0.25])["ci95"] == [0.25, 0.25]
+    assert t_quantile_975(1) == 12.706 and t_quantile_975(100) == 1.96
+    with pytest.raises(ValueError):
+        mean_ci95([])
+
+
+def test_bad_experiment_config(tmp_path):
+    (tmp_path / "x.toml").write_text('name = "x"\nseeds = [0, 0]\n' + RUN)
+    with pytest.raises(ValueError, match="distinct"):
+        ExperimentConfig.from_file(str(tmp_path / "x.toml"))
+    (tmp_path / "y.toml").write_text('name = "y"\nseeds = [0]\n' + RUN.replace("steps = 1", 'steps = "one"'))
+    with pytest.raises(ValueError, match="steps = 'one'"):
+        ExperimentConfig.from_file(str(tmp_path / "y.toml"))
+
+
+def test_experiment_runs_seeds_and_resumes(tmp_path):
+    cfg = tmp_path / "e.toml"
+    cfg.write_text(f'name = "tiny"\nseeds = [0, 1]\nout = "{tmp_path / "runs"}"\n' + RUN)
+    argv = ["experiment", "--config", str(cfg), "--results", str(tmp_path / "res"), "--plots", str(tmp_path / "img")]
+    assert main(argv) == 0
+    res = json.loads((tmp_path / "res" / "tiny.json").read_text())
+    assert set(res) >= {"name", "task", "model", "steps", "engine", "arms"} and res["steps"] == 1
+    for arm in ("bf16", "trace"):
+        e = res["arms"][arm]
+        assert e["seeds"] == [0, 1] and len(e["final_eval_accuracy_per_seed"]) == 2
+        acc = e["final_eval_accuracy"]
+        assert acc["ci95"][0] <= acc["mean"] <= acc["ci95"][1]
+        for key in ("logprob_gap_mean", "logprob_gap_max", "guidance_bytes_per_token"):
+            assert e[key] is not None
+    assert res["arms"]["bf16"]["guidance_bytes_per_token"] == 0 < res["arms"]["trace"]["guidance_bytes_per_token"]
+    assert (tmp_path / "img" / "tiny_eval_accuracy.png").exists()
+    # a second invocation resumes the finished seeds (nothing is run again) and gives the same summary
+    before = (tmp_path / "runs" / "tiny" / "seed-0" / "metrics" / "trace.jsonl").read_text()
+    assert main(argv) == 0
+    assert (tmp_path / "runs" / "tiny" / "seed-0" / "metrics" / "trace.jsonl").read_text() == before
+    assert json.loads((tmp_path / "res" / "tiny.json").read_text()) == res

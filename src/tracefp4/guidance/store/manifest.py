@@ -1,0 +1,224 @@
+"""What a writer publishes about its shards and trajectories, parsed and validated. See :mod:`tracefp4.guidance.store`."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+
+from tracefp4.guidance.store.common import (
+    FORMAT_VERSION,
+    ITEMSIZE,
+    MANIFEST_FORMAT,
+    SHARD_SUFFIX,
+    SHA_RE,
+    StoreError,
+    check_policy_version,
+    check_signature,
+    check_step,
+    check_traj_id,
+    check_writer_id,
+    load_json,
+    parse_name,
+    version_error,
+)
+
+
+
+
+def req(obj: Mapping[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:
+    if key not in obj:
+        raise StoreError(f"{where}: missing field {key!r}")
+    val = obj[key]
+    if not isinstance(val, typ) or (isinstance(val, bool) and typ is int):
+        raise StoreError(f"{where}: field {key!r} has type {type(val).__name__}, expected {typ}")
+    return val
+
+
+def _req_sha(obj: Mapping[str, Any], key: str, where: str) -> str:
+    sha = req(obj, key, str, where)
+    if SHA_RE.fullmatch(sha) is None:
+        raise StoreError(f"{where}: field {key!r} is not a sha256 hex digest: {sha!r}")
+    return sha
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: str  # key of SUPPORTED_DTYPES
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class TrajectoryMeta:
+    traj_id: str
+    shard: str
+    length: int
+    prompt_len: int
+    tensors: dict[str, TensorMeta]
+    #: sha256 of the trajectory's tensor bytes, concatenated in sorted tensor-name order
+    sha256: str = ""
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.length - self.prompt_len
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    name: str
+    nbytes: int
+    sha256: str
+    #: bytes of the safetensors header: the 8-byte length plus the JSON header
+    header_bytes: int = 0
+    header_sha256: str = ""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One writer's contribution to one step."""
+
+    step: int
+    writer_id: str
+    model_signature: str
+    policy_version: int
+    shards: dict[str, ShardMeta]
+    trajectories: dict[str, TrajectoryMeta]
+    version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": MANIFEST_FORMAT,
+            "version": self.version,
+            "step": self.step,
+            "writer_id": self.writer_id,
+            "model_signature": self.model_signature,
+            "policy_version": self.policy_version,
+            "shards": {
+                s.name: {
+                    "bytes": s.nbytes,
+                    "sha256": s.sha256,
+                    "header_bytes": s.header_bytes,
+                    "header_sha256": s.header_sha256,
+                }
+                for s in self.shards.values()
+            },
+            "trajectories": {
+                t.traj_id: {
+                    "shard": t.shard,
+                    "length": t.length,
+                    "prompt_len": t.prompt_len,
+                    "sha256": t.sha256,
+                    "tensors": {
+                        n: {"shape": list(m.shape), "dtype": m.dtype} for n, m in t.tensors.items()
+                    },
+                }
+                for t in self.trajectories.values()
+            },
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any], where: str = "manifest") -> Manifest:
+        """Parse and fully validate a manifest (it may have been edited or corrupted by hand)."""
+        if obj.get("format") != MANIFEST_FORMAT:
+            raise StoreError(
+                f"{where}: not a tracefp4 store manifest (format={obj.get('format')!r})"
+            )
+        version = req(obj, "version", int, where)
+        if version != FORMAT_VERSION:
+            raise version_error(where, "manifest", version)
+        step = req(obj, "step", int, where)
+        writer_id = req(obj, "writer_id", str, where)
+        try:
+            check_step(step)
+            check_writer_id(writer_id)
+            sig = check_signature(req(obj, "model_signature", str, where))
+            pv = check_policy_version(req(obj, "policy_version", int, where))
+        except StoreError as e:
+            raise StoreError(f"{where}: {e}") from None
+
+        shard_re = re.compile(re.escape(writer_id) + r"-\d{5}" + re.escape(SHARD_SUFFIX))
+        shards: dict[str, ShardMeta] = {}
+        for name, s in req(obj, "shards", dict, where).items():
+            w = f"{where}, shard {name!r}"
+            if not isinstance(s, dict):
+                raise StoreError(f"{w}: expected an object")
+            if shard_re.fullmatch(name) is None:
+                raise StoreError(f"{w}: shard name does not belong to writer {writer_id!r}")
+            nbytes = req(s, "bytes", int, w)
+            sha = _req_sha(s, "sha256", w)
+            header_bytes = req(s, "header_bytes", int, w)
+            header_sha = _req_sha(s, "header_sha256", w)
+            if not 8 <= header_bytes <= nbytes:
+                raise StoreError(
+                    f"{w}: invalid size {nbytes!r} or header size {header_bytes!r} "
+                    "(need 8 <= header_bytes <= bytes)"
+                )
+            shards[name] = ShardMeta(name, nbytes, sha, header_bytes, header_sha)
+
+        trajs: dict[str, TrajectoryMeta] = {}
+        for tid, t in req(obj, "trajectories", dict, where).items():
+            w = f"{where}, trajectory {tid!r}"
+            try:
+                check_traj_id(tid)
+            except StoreError as e:
+                raise StoreError(f"{where}: {e}") from None
+            if not isinstance(t, dict):
+                raise StoreError(f"{w}: expected an object")
+            shard = req(t, "shard", str, w)
+            if shard not in shards:
+                raise StoreError(f"{w}: shard {shard!r} is not listed in the manifest's shards")
+            length = req(t, "length", int, w)
+            prompt_len = req(t, "prompt_len", int, w)
+            if length < 1 or not 0 <= prompt_len <= length:
+                raise StoreError(f"{w}: invalid length {length} / prompt_len {prompt_len}")
+            sha = _req_sha(t, "sha256", w)
+            tensors: dict[str, TensorMeta] = {}
+            for tname, m in req(t, "tensors", dict, w).items():
+                wt = f"{w}, tensor {tname!r}"
+                try:
+                    parse_name(tname)
+                except StoreError as e:
+                    raise StoreError(f"{w}: {e}") from None
+                if not isinstance(m, dict):
+                    raise StoreError(f"{wt}: expected an object")
+                shape = req(m, "shape", list, wt)
+                dtype = req(m, "dtype", str, wt)
+                if not shape or not all(
+                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+                ):
+                    raise StoreError(f"{wt}: invalid shape {shape!r}")
+                if shape[0] != length:
+                    raise StoreError(f"{wt}: leading dim {shape[0]} != trajectory length {length}")
+                if dtype not in ITEMSIZE:
+                    raise StoreError(f"{wt}: unsupported dtype {dtype!r}")
+                tensors[tname] = TensorMeta(tuple(shape), dtype)
+            if not tensors:
+                raise StoreError(f"{w}: no tensors")
+            trajs[tid] = TrajectoryMeta(tid, shard, length, prompt_len, tensors, sha)
+        return cls(step, writer_id, sig, pv, shards, trajs, version)
+
+
+def shard_header(data: bytes | bytearray | memoryview, where: str) -> tuple[int, dict[str, Any]]:
+    """(header bytes incl. the 8-byte length, parsed JSON header) of safetensors bytes."""
+    if len(data) < 8:
+        raise StoreError(f"{where}: shorter than a safetensors length prefix")
+    n = int.from_bytes(bytes(data[:8]), "little")
+    if n > len(data) - 8:
+        raise StoreError(f"{where}: safetensors header length {n} exceeds the file")
+    return 8 + n, load_json(bytes(data[8 : 8 + n]), f"{where}: safetensors header")
+
+

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tracefp4.engines.model import from_config
+from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import SamplingParams
 from tracefp4.rl import engine
 from tracefp4.rl.arms import make_arm
@@ -343,6 +344,8 @@ def test_baseline_and_ablation_arms():
             make_arm(bad, guidance="lsb", n_layers=n_layers)
     with pytest.raises(ValueError, match="trace-L9"):
         RLConfig(arms=("trace-L9",), **TINY).validate()
+    with pytest.raises(ValueError, match="block scales recorded in full"):  # parity scales assume amax_b / 6
+        make_arm("trace", guidance="lsb+parity", n_layers=4, plan=PrecisionPlan.four_over_six())
     with pytest.raises(ValueError, match="multiples of 32"):
         RLConfig(arms=("qat-mxfp4",), **TINY).validate()
 

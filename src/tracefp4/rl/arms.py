@@ -173,4 +173,9 @@ def make_arm(name: str, *, guidance: str, n_layers: int, plan: PrecisionPlan | N
         arm_plan = plan if plan is not None else PrecisionPlan()
     else:
         arm_plan = PLANS[spec.plan]()
+    if arm_plan is not None and arm_plan.nvfp4_scale == "4over6" and getattr(mode, "mode", None) is not None \
+            and getattr(mode.mode, "scales", "full") != "full":
+        # parity/ldpc/own scales are rebuilt from the trainer's amax_b / 6: not a Four over Six scale
+        raise ValueError(f"arm {name!r}: Four over Six needs the block scales recorded in full, not "
+                         f"{mode.name!r}")
     return Arm(name, arm_plan, mode, diagnostics, spec.trainer)

@@ -216,7 +216,7 @@ class RLConfig:
             try:
                 spec, n = arm_spec(arm)
             except ValueError as e:
-                _fail("arms", self.arms, f"arm names from {', '.join(ARMS)} ({e})")
+                _fail("arms", self.arms, f"names from the arm table ({e})")
             if self.checkpoint is None:  # the model's depth and widths are known: check the arm fits
                 if n is not None and n > self.model.layers:
                     _fail("arms", self.arms, f"arm {arm!r}: n = {n} must be between 1 and model.layers = "

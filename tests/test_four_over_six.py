@@ -52,6 +52,15 @@ def test_fast_equals_reference(kind, dtype, scope):
     assert torch.equal(bits(q.global_amax.float()), bits(amax.float()))
 
 
+def test_fast_path_in_chunks_of_rows(monkeypatch):
+    x = make_data("heavy_tailed", torch.bfloat16, rows=12, cols=64).reshape(3, 4, 64)
+    whole = numerics.quantize_nvfp4_4over6(x)
+    monkeypatch.setattr(numerics, "_4OVER6_CHUNK", 100)  # one row of 64 per chunk
+    chunked = numerics.quantize_nvfp4_4over6(x)
+    assert torch.equal(chunked.codes, whole.codes) and torch.equal(bits(chunked.scales), bits(whole.scales))
+    assert chunked.codes.shape == (3, 4, 32) and chunked.scales.shape == (3, 4, 4)
+
+
 def test_fast_path_mixes_both_choices_and_lowers_the_error():
     x = make_data("randn", torch.float32, rows=32, cols=256)
     q4, q6 = numerics.quantize_nvfp4_4over6(x, per_row=True), numerics.quantize_nvfp4(x, per_row=True)

@@ -509,29 +509,47 @@ def quantize_nvfp4_4over6(x: torch.Tensor, *, global_amax=None, per_row: bool = 
         amax = xf.abs().amax(dim=-1, keepdim=True)
     else:
         amax = xf.abs().amax() if xf.numel() else torch.zeros((), dtype=f32, device=dev)
-    s_enc = nvfp4_global_encode_scale(amax)  # scalar or [..., 1]: broadcasts over [..., nb]
-    xb = xf.reshape(*x.shape[:-1], x.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
+    s_enc = per_row_values(nvfp4_global_encode_scale(amax), x.shape).unsqueeze(-1)  # [R, 1]
+    rows = as_rows(xf)
+    step = max(1, _4OVER6_CHUNK // max(rows.shape[1], 1))  # rows per chunk: bounded temporaries
+    codes = torch.empty(rows.shape, dtype=torch.uint8, device=dev)
+    scales = torch.empty((rows.shape[0], rows.shape[1] // NVFP4_BLOCK), dtype=torch.uint8, device=dev)
+    for r in range(0, rows.shape[0], step):
+        codes[r:r + step], scales[r:r + step] = _4over6_rows(rows[r:r + step], s_enc[r:r + step])
+    lead = x.shape[:-1]
+    return NVFP4(codes=pack_fp4(codes).reshape(*lead, -1),
+                 scales=scales.view(torch.float8_e4m3fn).reshape(*lead, -1), global_amax=amax)
+
+
+_4OVER6_CHUNK = 1 << 20  # elements per chunk of rows
+
+
+def _4over6_rows(xr: torch.Tensor, s_enc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpacked codes ``[R, K]`` and E4M3 scale bytes ``[R, K/16]`` of float32 rows ``xr`` with their
+    ``S_enc`` ``[R, 1]``: both candidates at once, in the reference's operation order."""
+    dev, f32 = xr.device, torch.float32
+    xb = xr.reshape(xr.shape[0], -1, NVFP4_BLOCK)  # [R, nb, 16]
     one_sixth = torch.tensor(1.0, dtype=f32, device=dev) / torch.tensor(6.0, dtype=f32, device=dev)
     per_max = torch.stack([s_enc * one_sixth, s_enc * torch.tensor(0.25, dtype=f32, device=dev)], dim=-1)
-    decode = xb.abs().amax(dim=-1).unsqueeze(-1) * per_max  # [..., nb, 2]: candidates 6, 4
+    decode = xb.abs().amax(dim=-1).unsqueeze(-1) * per_max  # [R, nb, 2]: candidates 6, 4
     s8 = torch.clamp(decode, max=E4M3_MAX).to(torch.float8_e4m3fn)
-    s_enc_c = s_enc.unsqueeze(-1)  # broadcasts over [..., nb, 2]
+    s_enc_c = s_enc.unsqueeze(-1)  # [R, 1, 1]
     s_dec = torch.tensor(1.0, dtype=f32, device=dev) / s_enc_c
     enc = torch.minimum(torch.tensor(1.0, dtype=f32, device=dev) / (s8.to(f32) * s_dec),
                         torch.tensor(FLOAT32_MAX, dtype=f32, device=dev))
-    z = torch.clamp(xb.unsqueeze(-2) * enc.unsqueeze(-1), -6.0, 6.0)  # [..., nb, 2, 16]
+    z = torch.clamp(xb.unsqueeze(-2) * enc.unsqueeze(-1), -6.0, 6.0)  # [R, nb, 2, 16]
     codes = _rtn_e2m1(z)
     values = torch.tensor(_E2M1_SIGNED, dtype=f32, device=dev)[codes.long()]
     deq = values * s8.to(f32).unsqueeze(-1) / s_enc_c.unsqueeze(-1)
     sq = (xb.unsqueeze(-2).double() - deq.double()) ** 2
     err = torch.zeros(sq.shape[:-1], dtype=torch.float64, device=dev)
-    for j in range(NVFP4_BLOCK):
+    for j in range(NVFP4_BLOCK):  # in element order, as the reference
         err = err + sq[..., j]
     four_wins = err[..., 1] < err[..., 0]  # a tie keeps 6
     s8u = s8.view(torch.uint8)
-    scales = torch.where(four_wins, s8u[..., 1], s8u[..., 0]).view(torch.float8_e4m3fn)
-    chosen = torch.where(four_wins.unsqueeze(-1), codes[..., 1, :], codes[..., 0, :]).reshape(x.shape)
-    return NVFP4(codes=pack_fp4(chosen), scales=scales, global_amax=amax)
+    scales = torch.where(four_wins, s8u[..., 1], s8u[..., 0])
+    chosen = torch.where(four_wins.unsqueeze(-1), codes[..., 1, :], codes[..., 0, :])
+    return chosen.reshape(xr.shape), scales
 
 
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: Format, row_div: torch.Tensor) -> torch.Tensor:

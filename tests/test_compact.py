@@ -104,6 +104,14 @@ def test_names_defaults_and_the_briefs_spelling() -> None:
     assert GuidedMode.parse("full").layers == "all" and GuidedMode.parse("lsb").layers == "deeper"
     assert GuidedMode.parse("lsb@all").layer_indices(4) == {0, 1, 2, 3}
     assert GuidedMode.parse("lsb").layer_indices(5) == {2, 3, 4}
+    # the layer ablation: the last n layers
+    assert GuidedMode.parse("lsb@last1").layer_indices(4) == {3} and GuidedMode.parse("lsb@last1").name == "lsb@last1"
+    assert GuidedMode.parse("full@last3").layer_indices(3) == GuidedMode.parse("lsb@all").layer_indices(3)
+    with pytest.raises(ValueError, match="between 1 and the model's 2 layers"):
+        GuidedMode.parse("lsb@last3").layer_indices(2)
+    for bad in ("lsb@last0", "lsb@last", "lsb@last01", "lsb@first2"):
+        with pytest.raises(ValueError, match="layers must be one of"):
+            GuidedMode.parse(bad)
     for bad in ("sparse", "ldpc(1/0)", "lsb(3)", "lsb+amax:lo9", "lsb+parity+bogus", "nope", "sparse(-1)"):
         with pytest.raises(ValueError):
             GuidanceSpec.parse(bad)

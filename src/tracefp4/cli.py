@@ -127,7 +127,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-GUIDANCE_HELP = ("the trace arm's guidance mode, <mode>[@all|@deeper]: lsb (default), lsb+parity+amax:lo3, "
+GUIDANCE_HELP = ("the trace arm's guidance mode, <mode>[@all|@deeper|@last<n>]: lsb (default), lsb+parity+amax:lo3, "
                  "ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all, ... (trace-full stays full on all layers)")
 
 
@@ -163,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="runs", help="parent folder of the run folder")
     d.add_argument("--name", default=None, help="run folder name (default: a timestamp)")
     d.add_argument("--task", default="reverse", help="reverse or addition")
-    d.add_argument("--arms", default=None, help="comma-separated subset of bf16,qat,trace,trace-full")
+    d.add_argument("--arms", default=None, help="comma-separated arms (default bf16,qat,trace,trace-full); also the "
+                   "baselines fp4-rollout,qat-4over6,qat-mxfp4,qat-w4a8 and the ablations trace-L<n>,trace-ldpc,"
+                   "trace-4over6,trace-mxfp4,trace-w4a8 (see tracefp4.rl.arms)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--guidance", type=guidance_mode, default=None, metavar="MODE", help=GUIDANCE_HELP)
     d.set_defaults(func=cmd_demo)

@@ -17,6 +17,7 @@ from tracefp4.guidance.names import Site
 __all__ = ["ActivationFormat", "PrecisionPlan"]
 
 ActivationFormat = Literal["nvfp4", "mxfp4", "fp8"]
+NVFP4Scale = Literal["6", "4over6"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,9 @@ class PrecisionPlan:
         guidance: the hints are FP4 codewords.
     kv_cache: keys and values as the cache stores them (NVFP4 per token and KV head, or MXFP4).
     mx_scale_mode: E8M0 scale rule of every MXFP4 tensor.
+    nvfp4_scale: what every NVFP4 tensor's block scale maps the block maximum to: ``"6"`` (the
+        standard recipe) or ``"4over6"`` ("Four over Six": 4 or 6 per block, whichever has the smaller
+        squared error; see :class:`~tracefp4.formats.quantizers.NVFP4Quantizer`).
 
     Every activation and KV scale is per row (token, or token x expert slot, or token x KV head), so
     a token's codes never depend on what else shares its batch: records move between differently
@@ -40,8 +44,11 @@ class PrecisionPlan:
     activations: ActivationFormat = "nvfp4"
     kv_cache: Format = Format.NVFP4
     mx_scale_mode: ScaleMode = ScaleMode.FLOOR
+    nvfp4_scale: NVFP4Scale = "6"
 
     def __post_init__(self) -> None:
+        if self.nvfp4_scale not in ("6", "4over6"):
+            raise ValueError(f"nvfp4_scale must be '6' or '4over6', got {self.nvfp4_scale!r}")
         object.__setattr__(self, "weights", Format(self.weights))
         object.__setattr__(self, "kv_cache", Format(self.kv_cache))
         object.__setattr__(self, "mx_scale_mode", ScaleMode(self.mx_scale_mode))
@@ -63,9 +70,14 @@ class PrecisionPlan:
         """MXFP4 throughout."""
         return cls(Format.MXFP4, "mxfp4", Format.MXFP4, ScaleMode(scale_mode))
 
+    @classmethod
+    def four_over_six(cls) -> PrecisionPlan:
+        """NVFP4 weights, activations and KV cache with "Four over Six" block scales."""
+        return cls(nvfp4_scale="4over6")
+
     def _fp4(self, fmt: Format, amax_scope: str) -> Quantizer:
         if fmt is Format.NVFP4:
-            return NVFP4Quantizer(amax_scope)
+            return NVFP4Quantizer(amax_scope, block_max=6 if self.nvfp4_scale == "6" else "4over6")
         return MXFP4Quantizer(self.mx_scale_mode)
 
     def quantizer(self, site: Site | str) -> Quantizer:
@@ -96,4 +108,5 @@ class PrecisionPlan:
             "activations": self.activations,
             "kv_cache": self.kv_cache.value,
             "mx_scale_mode": self.mx_scale_mode.value,
+            "nvfp4_scale": self.nvfp4_scale,
         }

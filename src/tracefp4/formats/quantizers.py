@@ -42,6 +42,7 @@ from tracefp4.formats.numerics import (
     quantize_fp8,
     quantize_mxfp4,
     quantize_nvfp4,
+    quantize_nvfp4_4over6,
     raise_non_finite,
     straight_through,
 )
@@ -99,6 +100,7 @@ class Quantizer(abc.ABC):
 
 
 _AMAX_SCOPES = ("tensor", "row", "expert")
+_BLOCK_MAX = (6, "4over6")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,16 +109,29 @@ class NVFP4Quantizer(Quantizer):
 
     ``global_amax``, when given (a scalar or ``[..., 1]``, e.g. a calibrated amax), is used instead of
     measuring one over ``amax_scope``.
+
+    ``block_max``: the value each block's maximum is mapped to by its E4M3 scale: ``6`` (the standard
+    recipe) or ``"4over6"`` ("Four over Six", arXiv 2512.02010: per block, 4 or 6, whichever gives
+    the smaller sum of squared errors, ties to 6; :func:`tracefp4.formats.reference.quantize_nvfp4_4over6`).
+    Only round-to-nearest changes: the container, ``dequantize``, ``grid`` and ``guided_quantize``
+    are the same, since the chosen block scale is stored as any block scale is (the 4-or-6 choice is
+    implied by it; a guided path on that grid needs no extra bit).
     """
 
     amax_scope: AmaxScope = "row"
     global_amax: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    block_max: int | str = 6
     fmt = Format.NVFP4.value
     block = NVFP4_BLOCK
 
     def __post_init__(self) -> None:
         if self.amax_scope not in _AMAX_SCOPES:
             raise ValueError(f"amax_scope: expected one of {_AMAX_SCOPES}, got {self.amax_scope!r}")
+        if self.block_max not in _BLOCK_MAX or isinstance(self.block_max, bool):
+            raise ValueError(f"block_max: expected 6 or '4over6', got {self.block_max!r}")
+
+    def _quantize(self, x: torch.Tensor, **kw) -> NVFP4:
+        return (quantize_nvfp4_4over6 if self.block_max == "4over6" else quantize_nvfp4)(x, **kw)
 
     def _expert_amax(self, x: torch.Tensor) -> torch.Tensor:
         """One amax per slice along the first dim (one routed expert), as ``[..., 1]`` over x's rows."""
@@ -129,10 +144,10 @@ class NVFP4Quantizer(Quantizer):
 
     def quantize(self, x: torch.Tensor) -> NVFP4:
         if self.global_amax is not None:
-            return quantize_nvfp4(x, global_amax=self.global_amax)
+            return self._quantize(x, global_amax=self.global_amax)
         if self.amax_scope == "expert":
-            return quantize_nvfp4(x, global_amax=self._expert_amax(x))
-        return quantize_nvfp4(x, per_row=self.amax_scope == "row")
+            return self._quantize(x, global_amax=self._expert_amax(x))
+        return self._quantize(x, per_row=self.amax_scope == "row")
 
     def dequantize(self, q: NVFP4) -> torch.Tensor:
         return dequantize_nvfp4(q)

@@ -116,6 +116,55 @@ def dequantize_nvfp4(codes: torch.Tensor, s8: torch.Tensor, amax: torch.Tensor) 
     return (vals * s8.to(_F32).unsqueeze(-1) / s_enc).reshape(codes.shape)
 
 
+# --- NVFP4 "Four over Six" (arXiv 2512.02010) -----------------------------------------------------
+# Each block of 16 is quantized twice, once with the E4M3 block scale that maps its maximum to 6 (the
+# standard recipe above) and once with the scale that maps it to 4; the block keeps the candidate with
+# the smaller sum of squared errors (ties keep 6). Mapping the maximum to 4 uses the codewords
+# {0, 0.5, ..., 3, 4} with finer relative steps near the block maximum, and never the 4 -> 6 gap.
+# The global scale is TE's ``448*6/amax`` as for 6; a 4-candidate scale above 448 saturates at 448.
+
+
+def nvfp4_block_scale_4(block_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scale mapping the block maximum to 4: ``e4m3(clamp(amax_b * (S_enc * (1/4)), 448))``."""
+    quarter = torch.tensor(0.25, dtype=_F32)
+    decode = torch.clamp(block_amax * (s_enc * quarter), max=E4M3_MAX)
+    return decode.to(torch.float8_e4m3fn)
+
+
+def block_sse(xb: torch.Tensor, codes: torch.Tensor, s8: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
+    """Sum of squared errors of each block ``[..., nb]``: float64, accumulated element 0..15 in order,
+    of ``x - value(code) * float(s8) / S_enc`` (the dequantized value, in float32 as dequantize does)."""
+    deq = e2m1_value(codes) * s8.to(_F32).unsqueeze(-1) / s_enc.unsqueeze(-1)
+    sq = (xb.double() - deq.double()) ** 2
+    total = torch.zeros(sq.shape[:-1], dtype=torch.float64)
+    for j in range(sq.shape[-1]):
+        total = total + sq[..., j]
+    return total
+
+
+def quantize_nvfp4_4over6(x: torch.Tensor, global_amax=None, per_row: bool = False):
+    """Reference Four over Six NVFP4: returns (unpacked codes uint8 [..., K], s8 e4m3 [..., K/16], amax).
+
+    Both candidates follow :func:`quantize_nvfp4`'s operation order; only the block scale differs.
+    """
+    amax = _amax_for(x, global_amax, per_row)
+    s_enc = nvfp4_global_encode_scale(amax)
+    xb = x.to(_F32).reshape(*x.shape[:-1], x.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
+    block_amax = xb.abs().amax(dim=-1)
+    candidates = {}
+    for block_max, s8 in ((6, nvfp4_block_scale(block_amax, s_enc)), (4, nvfp4_block_scale_4(block_amax, s_enc))):
+        enc = nvfp4_encode_factor(s8, s_enc)
+        z = torch.clamp(xb * enc.unsqueeze(-1), -E2M1_MAX, E2M1_MAX)
+        codes = round_to_e2m1(z)
+        candidates[block_max] = (codes, s8, block_sse(xb, codes, s8, s_enc))
+    codes6, s8_6, err6 = candidates[6]
+    codes4, s8_4, err4 = candidates[4]
+    four_wins = err4 < err6  # a tie keeps 6
+    s8 = torch.where(four_wins, s8_4.view(torch.uint8), s8_6.view(torch.uint8)).view(torch.float8_e4m3fn)
+    codes = torch.where(four_wins.unsqueeze(-1), codes4, codes6).reshape(x.shape)
+    return codes, s8, amax
+
+
 # --- MXFP4 ---------------------------------------------------------------------------------------
 
 

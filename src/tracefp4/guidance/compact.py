@@ -123,7 +123,7 @@ from tracefp4.guidance.coding import (
 )
 from tracefp4.formats.constants import E2M1_MAX, E2M1_MIDPOINTS, E4M3_MAX, NVFP4_BLOCK, Format, HintMode
 from tracefp4.guidance.hints import Hint, encode_hint, hint_cat
-from tracefp4.guidance.names import deeper_half
+from tracefp4.guidance.names import deeper_half, last_layers
 from tracefp4.formats.numerics import MXFP4, NVFP4, mx_scale_values, pack_fp4, unpack_fp4
 
 __all__ = [
@@ -912,24 +912,27 @@ def site_bytes_per_token(
 
 # --- named configurations: a mode and the layers it guides ---------------------------------------
 
-LAYER_SETS = ("all", "deeper")
+LAYER_SETS = ("all", "deeper", "last<n>")
+_LAST_RE = re.compile(r"last([1-9][0-9]*)")
 
 
 @dataclasses.dataclass(frozen=True)
 class GuidedMode:
-    """A guidance mode on a set of layers, named ``<mode>[@all|@deeper]``.
+    """A guidance mode on a set of layers, named ``<mode>[@all|@deeper|@last<n>]``.
 
     Without a suffix, ``full`` guides every layer (the paper's full-information baseline) and every
     other mode the deeper half (the paper's default for its compact cache, so ``lsb`` *is* the
     paper's compact mode); a suffix is written only where it differs from that default.
+    ``@last<n>`` (n >= 1) guides the last n layers only (the layer ablation); n must not exceed the
+    model's layers (checked by :meth:`layer_indices`, the one place a model's depth is known).
     """
 
     mode: HintMode | GuidanceSpec
     layers: str
 
     def __post_init__(self) -> None:
-        if self.layers not in LAYER_SETS:
-            raise ValueError(f"layers must be one of {LAYER_SETS}, got {self.layers!r}")
+        if self.layers not in LAYER_SETS[:2] and _LAST_RE.fullmatch(self.layers) is None:
+            raise ValueError(f"layers must be one of {LAYER_SETS} (n >= 1), got {self.layers!r}")
 
     @staticmethod
     def default_layers(mode: HintMode | GuidanceSpec) -> str:
@@ -947,8 +950,17 @@ class GuidedMode:
         return cls(mode, layers or cls.default_layers(mode))
 
     def layer_indices(self, n_layers: int) -> frozenset[int]:
-        """``all``: every layer; ``deeper``: :func:`tracefp4.guidance.names.deeper_half`."""
-        return frozenset(range(n_layers)) if self.layers == "all" else deeper_half(n_layers)
+        """``all``: every layer; ``deeper``: :func:`tracefp4.guidance.names.deeper_half`; ``last<n>``:
+        :func:`tracefp4.guidance.names.last_layers` (a ValueError if n > n_layers)."""
+        if self.layers == "all":
+            return frozenset(range(n_layers))
+        if self.layers == "deeper":
+            return deeper_half(n_layers)
+        n = int(_LAST_RE.fullmatch(self.layers).group(1))
+        try:
+            return last_layers(n_layers, n)
+        except ValueError as e:
+            raise ValueError(f"guidance {self.name!r}: {e}") from None
 
 
 #: The modes ``tracefp4 mismatch --sweep`` measures and ``tracefp4 plan`` sizes, references first.

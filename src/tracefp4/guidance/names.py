@@ -22,6 +22,7 @@ __all__ = [
     "routing_key",
     "parse_name",
     "deeper_half",
+    "last_layers",
 ]
 
 
@@ -103,3 +104,11 @@ def deeper_half(n_layers: int) -> frozenset[int]:
     """The deeper half of a model's layers, ``n_layers // 2 .. n_layers - 1``: the layers the paper's
     compact cache guides by default (the one place this rule is written)."""
     return frozenset(range(n_layers // 2, n_layers))
+
+
+def last_layers(n_layers: int, n: int) -> frozenset[int]:
+    """The last ``n`` layers, ``n_layers - n .. n_layers - 1`` (the layer ablation's rule); ``n`` must
+    be between 1 and ``n_layers``."""
+    if not 1 <= n <= n_layers:
+        raise ValueError(f"last {n} layers: n must be between 1 and the model's {n_layers} layers")
+    return frozenset(range(n_layers - n, n_layers))

@@ -1,11 +1,17 @@
-"""The arms compared side by side, and what each one records.
+"""The arms compared side by side, and what each one records: every baseline and ablation is a row.
 
-An arm records only what it uses. Each states its rollout's precision ``plan`` (None: a BF16 rollout),
-the ``guidance`` its rollout records for the trainer (a :class:`GuidedMode` name; None: routing only),
-the ``diagnostics`` layers whose full FP4 codes the rollout keeps in memory to measure the code
-mismatch (never stored, never given to the trainer), and the trainer's forward mode:
+An arm records only what it uses. Each states its rollout's precision ``plan`` (None: a BF16 rollout;
+``run``: the run's plan, NVFP4 W4A4 unless a caller gives another; or a fixed preset), the
+``guidance`` its rollout records for the trainer (a :class:`GuidedMode` name; None: routing only), the
+``diagnostics`` layers whose full FP4 codes the rollout keeps in memory to measure the code mismatch
+(never stored, never given to the trainer), and the trainer's forward mode. Every trainer corrects
+the train-rollout mismatch with the same token-level truncated importance weight (``is_cap``).
 
-* ``bf16``: BF16 rollout (plan None), no guidance, no diagnostics; BF16 trainer.
+The paper's arms:
+
+* ``bf16``: BF16 rollout (plan None), no guidance, no diagnostics; BF16 trainer. Its evaluations
+  also report the same policy served in FP4 after the fact: ``eval_accuracy_fp4`` (greedy decoding
+  under vanilla NVFP4, ``PrecisionPlan()``) and ``eval_accuracy_fp4_4over6`` (under Four over Six).
 * ``qat``: FP4 rollout, no guidance (routing only), diagnostics on the deeper half; the trainer
   rounds to nearest (vanilla QAT).
 * ``trace``: FP4 rollout recording the run's ``guidance`` mode (default ``lsb``: the low bit of each
@@ -13,12 +19,38 @@ mismatch (never stored, never given to the trainer), and the trainer's forward m
 * ``trace-full``: FP4 rollout recording ``full`` codes on all layers, diagnostics on all layers;
   guided trainer.
 
+Baselines:
+
+* ``fp4-rollout``: FP4 rollout, BF16 trainer (no fake quantization): the low-precision-rollout
+  recipe of verl / FlashRL, where only the truncated importance weight absorbs the FP4-vs-BF16 gap.
+  No guidance, no diagnostics (a BF16 trainer has no codes to compare).
+* ``qat-4over6``: as ``qat`` with "Four over Six" NVFP4 block scales on both paths
+  (``PrecisionPlan.four_over_six()``: per block of 16, the E4M3 scale mapping the block maximum to 4
+  or to 6, whichever has the smaller squared error, ties to 6).
+* ``qat-mxfp4``: as ``qat`` in MXFP4 (``PrecisionPlan.mxfp4()``: MXFP4 W4A4 and KV cache).
+* ``qat-w4a8``: as ``qat`` in W4A8 (``PrecisionPlan.w4a8()``: FP8 E4M3 expert activations, NVFP4
+  weights and KV cache).
+
+Ablations (TRACE variants):
+
+* ``trace-L<n>``: ``lsb`` guidance on the last n layers only (``lsb@last<n>``), diagnostics there;
+  n between 1 and the model's layers (n = all layers is ``lsb@all``). E.g. ``trace-L1``.
+* ``trace-ldpc``: the compact LDPC record ``ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all``.
+* ``trace-4over6``: ``lsb`` guidance under Four over Six scales. The record already holds each
+  block's E4M3 scale byte, and the trainer quantizes on the rollout's grid as every guided NVFP4 site
+  does, so the block's 4-or-6 choice is implied by the recorded scale: no extra bit is needed.
+* ``trace-mxfp4``: ``lsb`` guidance in MXFP4.
+* ``trace-w4a8``: ``lsb`` guidance in W4A8. FP8 sites carry no guidance (no FP4 codeword bracket),
+  so only the KV-cache sites of the guided layers are guided; the expert activations are FP8 on
+  both paths.
+
 Routing replay is on in every arm: the routing of every MoE layer always reaches the store.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Literal
 
 from tracefp4.engines.plan import PrecisionPlan
@@ -27,27 +59,61 @@ from tracefp4.guidance.names import deeper_half
 
 TrainerMode = Literal["bf16", "qat", "trace"]
 LayerSet = Literal["deeper", "guided", "all"]
+PlanName = Literal["run", "4over6", "mxfp4", "w4a8"]
 
 #: In :data:`ARMS`, the guidance mode the run config names (``RLConfig.guidance``).
 CONFIGURED = "<configured>"
+
+#: The fixed precision plans an arm may name instead of the run's (``"run"``).
+PLANS = {"4over6": PrecisionPlan.four_over_six, "mxfp4": PrecisionPlan.mxfp4, "w4a8": PrecisionPlan.w4a8}
 
 
 @dataclasses.dataclass(frozen=True)
 class ArmSpec:
     """One row of the arm table, before a run's guidance mode and model depth are known."""
 
-    fp4: bool  # FP4 rollout (the run's precision plan) or BF16
-    guidance: str | None  # a GuidedMode name, CONFIGURED, or None (routing only)
+    plan: PlanName | None  # the rollout's precision plan: the run's, a fixed preset, or None (BF16)
+    guidance: str | None  # a GuidedMode name, CONFIGURED, or None (routing only); "<n>" from the arm name
     diagnostics: LayerSet | None  # layers whose full codes the rollout keeps, or None
     trainer: TrainerMode
 
 
+#: The arm table. A name with ``<n>`` is a family (``trace-L<n>``: ``trace-L1``, ``trace-L2``, ...);
+#: the number of the arm's name replaces ``<n>`` in its guidance.
 ARMS: dict[str, ArmSpec] = {
-    "bf16": ArmSpec(fp4=False, guidance=None, diagnostics=None, trainer="bf16"),
-    "qat": ArmSpec(fp4=True, guidance=None, diagnostics="deeper", trainer="qat"),
-    "trace": ArmSpec(fp4=True, guidance=CONFIGURED, diagnostics="guided", trainer="trace"),
-    "trace-full": ArmSpec(fp4=True, guidance="full", diagnostics="all", trainer="trace"),
+    "bf16": ArmSpec(plan=None, guidance=None, diagnostics=None, trainer="bf16"),
+    "qat": ArmSpec(plan="run", guidance=None, diagnostics="deeper", trainer="qat"),
+    "trace": ArmSpec(plan="run", guidance=CONFIGURED, diagnostics="guided", trainer="trace"),
+    "trace-full": ArmSpec(plan="run", guidance="full", diagnostics="all", trainer="trace"),
+    # baselines
+    "fp4-rollout": ArmSpec(plan="run", guidance=None, diagnostics=None, trainer="bf16"),
+    "qat-4over6": ArmSpec(plan="4over6", guidance=None, diagnostics="deeper", trainer="qat"),
+    "qat-mxfp4": ArmSpec(plan="mxfp4", guidance=None, diagnostics="deeper", trainer="qat"),
+    "qat-w4a8": ArmSpec(plan="w4a8", guidance=None, diagnostics="deeper", trainer="qat"),
+    # ablations
+    "trace-L<n>": ArmSpec(plan="run", guidance="lsb@last<n>", diagnostics="guided", trainer="trace"),
+    "trace-ldpc": ArmSpec(plan="run", guidance="ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all", diagnostics="guided",
+                          trainer="trace"),
+    "trace-4over6": ArmSpec(plan="4over6", guidance="lsb", diagnostics="guided", trainer="trace"),
+    "trace-mxfp4": ArmSpec(plan="mxfp4", guidance="lsb", diagnostics="guided", trainer="trace"),
+    "trace-w4a8": ArmSpec(plan="w4a8", guidance="lsb", diagnostics="guided", trainer="trace"),
 }
+
+
+def arm_spec(name: str) -> tuple[ArmSpec, int | None]:
+    """The table row of arm ``name`` and the number its name carries (None for a plain name); a
+    ValueError naming the arm for an unknown name or a number below 1."""
+    if name in ARMS and "<n>" not in name:
+        return ARMS[name], None
+    for key, spec in ARMS.items():
+        if "<n>" in key:
+            m = re.fullmatch(re.escape(key).replace("<n>", "([0-9]+)"), name)
+            if m is not None:
+                n = int(m.group(1))
+                if n < 1 or m.group(1) != str(n):
+                    raise ValueError(f"arm {name!r}: n = {m.group(1)} must be a whole number >= 1 (as in {key})")
+                return spec, n
+    raise ValueError(f"unknown arm {name!r}; available: {', '.join(ARMS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,17 +149,33 @@ class Arm:
 
 def make_arm(name: str, *, guidance: str, n_layers: int, plan: PrecisionPlan | None = None) -> Arm:
     """Arm ``name`` of :data:`ARMS` for a model of ``n_layers`` layers; ``guidance`` is the run's
-    configured mode (used by the arms whose table entry says CONFIGURED)."""
-    if name not in ARMS:
-        raise ValueError(f"unknown arm {name!r}; available: {sorted(ARMS)}")
-    spec = ARMS[name]
+    configured mode (used by the arms whose table entry says CONFIGURED), ``plan`` the run's precision
+    plan (default NVFP4 W4A4; used by the arms whose entry says ``run``). A ValueError names the arm
+    when it does not fit the model (e.g. ``trace-L9`` on a 2-layer model)."""
+    spec, n = arm_spec(name)
     mode_name = guidance if spec.guidance == CONFIGURED else spec.guidance
+    if mode_name is not None and n is not None:
+        mode_name = mode_name.replace("<n>", str(n))
     mode = None if mode_name is None else GuidedMode.parse(mode_name)
+    try:
+        guided = mode.layer_indices(n_layers) if mode is not None else frozenset()
+    except ValueError as e:
+        raise ValueError(f"arm {name!r} on a {n_layers}-layer model: {e}") from None
     diagnostics = {
         None: frozenset(),
         "deeper": deeper_half(n_layers),
         "all": frozenset(range(n_layers)),
-        "guided": mode.layer_indices(n_layers) if mode is not None else frozenset(),
+        "guided": guided,
     }[spec.diagnostics]
-    plan = (plan if plan is not None else PrecisionPlan()) if spec.fp4 else None
-    return Arm(name, plan, mode, diagnostics, spec.trainer)
+    if spec.plan is None:
+        arm_plan = None
+    elif spec.plan == "run":
+        arm_plan = plan if plan is not None else PrecisionPlan()
+    else:
+        arm_plan = PLANS[spec.plan]()
+    if arm_plan is not None and arm_plan.nvfp4_scale == "4over6" and getattr(mode, "mode", None) is not None \
+            and getattr(mode.mode, "scales", "full") != "full":
+        # parity/ldpc/own scales are rebuilt from the trainer's amax_b / 6: not a Four over Six scale
+        raise ValueError(f"arm {name!r}: Four over Six needs the block scales recorded in full, not "
+                         f"{mode.name!r}")
+    return Arm(name, arm_plan, mode, diagnostics, spec.trainer)

@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 
 from tracefp4.engines.model import TinyMoESpec, tiny_config
 from tracefp4.guidance.compact import GuidedMode
-from tracefp4.rl.arms import ARMS
+from tracefp4.rl.arms import ARMS, arm_spec
 from tracefp4.rl.grpo import LossAgg
 from tracefp4.rl.tasks import TASKS, Tokenizer, make_task
 
@@ -141,8 +141,9 @@ class RLConfig:
                                     "start from instead of building model")
     # --- arms
     arms: tuple[str, ...] = _field(("bf16", "qat", "trace", "trace-full"),
-                                   help=f"the arms to run, in order, each from the same warm start: {', '.join(ARMS)}")
-    guidance: str = _field("lsb", help="the trace arm's guidance mode, a GuidedMode name <mode>[@all|@deeper] "
+                                   help=f"the arms to run, in order, each from the same warm start: {', '.join(ARMS)} "
+                                   "(trace-L<n>: n from 1 to the model's layers, e.g. trace-L1)")
+    guidance: str = _field("lsb", help="the trace arm's guidance mode, a GuidedMode name <mode>[@all|@deeper|@last<n>] "
                            "such as 'lsb', 'lsb+parity+amax:lo3' or 'ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all' "
                            "(trace-full is always 'full' on all layers)")
     # --- GRPO
@@ -212,8 +213,19 @@ class RLConfig:
         if not self.arms:
             _fail("arms", self.arms, f"at least one of {', '.join(ARMS)}")
         for arm in self.arms:
-            if arm not in ARMS:
-                _fail("arms", self.arms, f"arm names from {', '.join(ARMS)} (unknown arm {arm!r})")
+            try:
+                spec, n = arm_spec(arm)
+            except ValueError as e:
+                _fail("arms", self.arms, f"names from the arm table ({e})")
+            if self.checkpoint is None:  # the model's depth and widths are known: check the arm fits
+                if n is not None and n > self.model.layers:
+                    _fail("arms", self.arms, f"arm {arm!r}: n = {n} must be between 1 and model.layers = "
+                          f"{self.model.layers}")
+                m = self.model
+                if spec.plan == "mxfp4" and any(d % 32 for d in (m.hidden, m.moe_intermediate, m.head_dim)):
+                    _fail("arms", self.arms, f"arm {arm!r} (MXFP4, blocks of 32): model.hidden, "
+                          f"model.moe_intermediate and model.head_dim multiples of 32, got "
+                          f"{m.hidden}, {m.moe_intermediate}, {m.head_dim}")
         if len(set(self.arms)) != len(self.arms):
             _fail("arms", self.arms, "each arm at most once")
         if self.task not in TASKS:
@@ -225,7 +237,7 @@ class RLConfig:
         try:
             GuidedMode.parse(self.guidance)
         except ValueError as e:
-            _fail("guidance", self.guidance, f"a guidance mode <mode>[@all|@deeper] such as 'lsb' or "
+            _fail("guidance", self.guidance, f"a guidance mode <mode>[@all|@deeper|@last<n>] such as 'lsb' or "
                   f"'lsb+parity+amax:lo3' ({e})")
         if self.prompts_per_step * self.group_size % self.updates_per_step:
             _fail("updates_per_step", self.updates_per_step,

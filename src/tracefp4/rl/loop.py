@@ -63,11 +63,11 @@ class ArmRunner:
 
     def __init__(self, name: str, model: PreTrainedModel, task: Task, tok: Tokenizer, cfg: RLConfig,
                  run_dir: Path, plan: PrecisionPlan | None = None, pool=None, resume_step: int = 0):
-        self.plan = plan or PrecisionPlan()
         self.cfg = cfg
         self.run_dir = run_dir
         self.opt = MasterWeightAdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
-        arm = make_arm(name, guidance=cfg.guidance, n_layers=model_layers(model)[0], plan=self.plan)
+        arm = make_arm(name, guidance=cfg.guidance, n_layers=model_layers(model)[0], plan=plan or PrecisionPlan())
+        self.plan = arm.plan or PrecisionPlan()  # the arm's own (a format variant's preset, or the run's)
         self.setup = ArmSetup(name, arm, model, task, tok, cfg, run_dir / "store" / name,
                               model_signature(model, self.plan), pool)
         self.version = 0  # policy version: optimizer steps taken so far, in whole GRPO steps

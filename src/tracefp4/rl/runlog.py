@@ -25,6 +25,17 @@ ARM_STYLE = {
     "qat": dict(color="tab:red", linestyle="-"),
     "trace": dict(color="tab:blue", linestyle="-"),
     "trace-full": dict(color="tab:green", linestyle="--"),
+    # baselines (dotted, dash-dot) and ablations (dashed) of the arm table
+    "fp4-rollout": dict(color="tab:gray", linestyle=":"),
+    "qat-4over6": dict(color="tab:orange", linestyle="-."),
+    "qat-mxfp4": dict(color="tab:brown", linestyle="-."),
+    "qat-w4a8": dict(color="tab:pink", linestyle="-."),
+    "trace-4over6": dict(color="tab:orange", linestyle="--"),
+    "trace-mxfp4": dict(color="tab:brown", linestyle="--"),
+    "trace-w4a8": dict(color="tab:pink", linestyle="--"),
+    "trace-ldpc": dict(color="tab:purple", linestyle="--"),
+    "trace-L1": dict(color="tab:cyan", linestyle="--"),
+    "trace-L2": dict(color="tab:olive", linestyle="--"),
 }
 
 

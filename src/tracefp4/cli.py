@@ -70,7 +70,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.guidance is not None:
         cfg.guidance = args.guidance
     cfg.eval_every = max(1, min(cfg.eval_every, cfg.steps))
+    _fit_demo_model(cfg)
     return _run_rl(cfg)
+
+
+def _fit_demo_model(cfg) -> None:
+    """MXFP4 blocks are 32 wide: with an MXFP4 arm the demo's model takes head_dim 32 (its other
+    quantized widths, 64, already fit). The default arms keep the default model, and its figures."""
+    from tracefp4.rl.arms import arm_spec
+
+    def mxfp4(name: str) -> bool:
+        try:
+            return arm_spec(name)[0].plan == "mxfp4"
+        except ValueError:
+            return False  # config validation names the bad arm
+
+    if any(map(mxfp4, cfg.arms)) and cfg.model.head_dim % 32:
+        cfg.model.head_dim = 32
+        print("demo: an MXFP4 arm needs widths that are multiples of 32: the model uses head_dim 32", file=sys.stderr)
 
 
 def _load_rl_config(path: str):

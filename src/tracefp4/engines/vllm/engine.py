@@ -1,0 +1,286 @@
+""":class:`VLLMEngine`: a :class:`~tracefp4.engines.protocol.RolloutEngine` on vLLM's offline ``LLM``.
+
+vLLM samples; the plugin (:mod:`.plugin`, :mod:`.quant`) computes the routed experts and the KV cache
+with our precision plan and records, per model forward, what our own engine records (same
+:class:`~tracefp4.engines.capture.RolloutCapture`, same site function). This module maps the rows of
+every forward to (trajectory, position) and assembles the records with our engine's
+:func:`~tracefp4.engines.rollout.assemble_records`, so names, dtypes and layouts are exactly ours.
+
+Decisions
+    * **In-process, eager, no prefix caching.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the worker
+      shares :data:`~tracefp4.engines.vllm.runtime.RUNTIME` with the caller), ``enforce_eager=True``
+      (compiled mode changes the bf16 numerics of the non-MoE parts and so the FP4 codes),
+      ``enable_prefix_caching=False`` (a cached block is not recomputed: its rows would never be
+      recorded, and stale blocks would survive a weight push).
+    * **Records cover every position, the last token included.** vLLM never runs the last sampled
+      token through the model. Each request therefore asks vLLM for ``max_new_tokens + 1`` tokens and
+      the extra one is dropped (its forward is the last token's row; it is sampled from the request's
+      own seeded generator, so the kept tokens are unchanged). A request that stops on a stop token
+      earlier gets its last row from one extra prefill of the whole trajectory (``max_tokens=1``),
+      of which only the last position's row is kept; that row's values come from a prefill instead
+      of a decode (bf16-level differences), and it feeds no log-prob (row ``T-1`` predicts nothing).
+      Every trajectory's recorded positions must be exactly ``0..T-1`` with the right input tokens,
+      otherwise :class:`RuntimeError`: the trainer can never be handed misaligned records.
+    * **Sampling.** One vLLM request per prompt, seeded with ``sampling.seed + b`` (vLLM's per-request
+      generator: the tokens do not depend on the batch). Log-probs are vLLM's ``processed_logprobs``:
+      ``log_softmax(logits / temperature)`` at the sampled token (temperature 0: greedy, log-probs at
+      temperature 1), our definition; with ``top_p < 1`` vLLM computes them *after* the top-p
+      truncation, unlike our engine (documented difference).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from tracefp4.engines.capture import RolloutCapture
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import RolloutOutput, SamplingParams
+from tracefp4.engines.rollout import _Step, assemble_records
+from tracefp4.guidance.compact import GuidedMode
+
+__all__ = ["VLLMEngine", "checkpoint_names", "engine_env"]
+
+_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "0",
+    "NUMBA_THREADING_LAYER": "workqueue",
+}
+
+
+def engine_env() -> None:
+    """The environment the engine needs (set where unset); a conflicting value is an error."""
+    for k, v in _ENV.items():
+        os.environ.setdefault(k, v)
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+        raise RuntimeError("VLLMEngine runs vLLM in-process: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
+
+
+def checkpoint_names(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A transformers state dict (fused ``experts.gate_up_proj [E, 2I, H]``/``down_proj [E, H, I]``)
+    under the per-expert checkpoint names vLLM's loader expects."""
+    for k, v in state.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            base, inter = k[: -len("gate_up_proj")], v.shape[1] // 2
+            for e in range(v.shape[0]):
+                yield f"{base}{e}.gate_proj.weight", v[e, :inter]
+                yield f"{base}{e}.up_proj.weight", v[e, inter:]
+        elif k.endswith("mlp.experts.down_proj"):
+            base = k[: -len("down_proj")]
+            for e in range(v.shape[0]):
+                yield f"{base}{e}.down_proj.weight", v[e]
+        else:
+            yield k, v
+
+
+def _install(worker) -> str:
+    from tracefp4.engines.vllm.runtime import install_step_recorder
+
+    return install_step_recorder(worker)
+
+
+class VLLMEngine:
+    """vLLM's offline engine with tracefp4's precision plan and records (see the module docstring).
+
+    ``model``: a local checkpoint folder (transformers format, Qwen3-MoE). ``plan``: the plan the
+    engine is built with (the quantization config's; ``generate`` may run another one or BF16 per
+    call). ``llm_kwargs`` go to ``vllm.LLM`` (the fixed ones above cannot be overridden).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        plan: PrecisionPlan | None = PrecisionPlan(),
+        dtype: str = "bfloat16",
+        max_model_len: int = 512,
+        max_num_seqs: int = 16,
+        seed: int = 0,
+        **llm_kwargs,
+    ) -> None:
+        engine_env()
+        from tracefp4.engines.vllm.plugin import register
+
+        register()  # in-process: no need for the entry point to be installed
+        from vllm import LLM
+
+        fixed = dict(
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            logprobs_mode="processed_logprobs",
+            skip_tokenizer_init=True,
+            quantization="tracefp4",
+        )
+        clash = sorted(set(fixed) & set(llm_kwargs))
+        if clash:
+            raise ValueError(f"VLLMEngine fixes {clash}; do not pass them")
+        overrides = dict(llm_kwargs.pop("hf_overrides", None) or {})
+        overrides["quantization_config"] = {"quant_method": "tracefp4", "plan": None if plan is None else plan.to_dict()}
+        # Seeded sampling + chunked prefill crashes vLLM 0.32 on CPU (generator offset rewind):
+        # whole prompts per step unless the caller decides otherwise.
+        llm_kwargs.setdefault("enable_chunked_prefill", False)
+        llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 2048))
+        self.llm = LLM(
+            model=os.fspath(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            seed=seed, hf_overrides=overrides, **fixed, **llm_kwargs,
+        )
+        self.plan = plan
+        self.version = 0
+        self.llm.collective_rpc(_install)
+        cfg = self.llm.llm_engine.model_config.hf_config
+        self.n_layers = int(cfg.num_hidden_layers)
+        self.n_experts = int(cfg.num_experts)
+        self.vocab = int(cfg.vocab_size)
+
+    # --- RolloutEngine --------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        plan: PrecisionPlan | None,
+        guidance: GuidedMode | None,
+        diagnostics: frozenset[int] = frozenset(),
+    ) -> RolloutOutput:
+        from tracefp4.engines.vllm.runtime import RUNTIME
+
+        if plan is None and (guidance is not None or diagnostics):
+            raise ValueError("a BF16 rollout (plan=None) has no FP4 codes: no guidance or diagnostics")
+        if guidance is not None and not isinstance(guidance, GuidedMode):
+            raise ValueError(f"guidance must be a GuidedMode (GuidedMode.parse(name)), got {type(guidance).__name__}")
+        prompt_ids = []
+        for b, p in enumerate(prompts):
+            t = torch.as_tensor(p, dtype=torch.long).reshape(-1)
+            if t.numel() == 0:
+                raise ValueError(f"prompt {b} is empty")
+            if int(t.min()) < 0 or int(t.max()) >= self.vocab:
+                raise ValueError(f"prompt {b}: token ids outside [0, {self.vocab})")
+            prompt_ids.append(t)
+        if not prompt_ids:
+            raise ValueError("no prompts given")
+        capture = RolloutCapture.of(guidance, frozenset(diagnostics), self.n_layers)
+        RUNTIME.begin(plan, capture)
+        try:
+            t0 = time.perf_counter()
+            token_ids, logprobs, finish, need_flush, main_ids = self._sample(prompt_ids, sampling)
+            t1 = time.perf_counter()
+            flush_ids = self._flush([token_ids[b] for b in need_flush]) if need_flush else []
+        finally:
+            steps = RUNTIME.end()
+        t2 = time.perf_counter()
+        owners = {rid: (b, "main") for b, rid in enumerate(main_ids)}
+        owners.update({rid: (b, "flush") for b, rid in zip(need_flush, flush_ids)})
+        lengths = [t.numel() for t in token_ids]
+        records, diag = assemble_records(_steps(steps, owners, token_ids), lengths, self.n_experts, capture)
+        t3 = time.perf_counter()
+        return RolloutOutput(
+            token_ids=token_ids,
+            prompt_lens=[int(p.numel()) for p in prompt_ids],
+            logprobs=logprobs,
+            finish_reasons=finish,
+            records=records,
+            diagnostics=diag,
+            plan=plan,
+            guidance=guidance,
+            timings={"generate_s": t1 - t0, "flush_s": t2 - t1, "records_s": t3 - t2},
+        )
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Push a transformers state dict into the running engine, without disk: vLLM's in-place
+        ``reload_weights`` (which re-runs ``process_weights_after_loading``: the FP4 expert weights
+        are re-quantized once), then ``reset_prefix_cache``."""
+        named = list(checkpoint_names(state))
+
+        def push(worker) -> int:
+            worker.model_runner.reload_weights(weights_iterator=iter(named))
+            return len(named)
+
+        self.llm.collective_rpc(push)
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _run(self, prompt_ids: list[list[int]], params: list) -> list:
+        from vllm.inputs import TokensPrompt
+
+        return self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False
+        )
+
+    def _sample(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams):
+        from vllm import SamplingParams as VSP
+
+        params = [
+            VSP(
+                n=1,
+                max_tokens=sampling.max_new_tokens + 1,  # +1: the last kept token's row (see the docstring)
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                seed=sampling.seed + b,
+                stop_token_ids=list(sampling.stop_token_ids),
+                logprobs=0,
+                detokenize=False,
+            )
+            for b in range(len(prompt_ids))
+        ]
+        outs = self._run([p.tolist() for p in prompt_ids], params)
+        stops = set(sampling.stop_token_ids)
+        token_ids, logprobs, finish, need_flush, ids = [], [], [], [], []
+        for b, (p, out) in enumerate(zip(prompt_ids, outs)):
+            comp = out.outputs[0]
+            toks = list(comp.token_ids)[: sampling.max_new_tokens]
+            lps = [comp.logprobs[i][t].logprob for i, t in enumerate(toks)]
+            stopped = bool(toks) and toks[-1] in stops
+            if stopped and len(toks) == len(comp.token_ids):
+                need_flush.append(b)  # vLLM ended on the stop token: its row was never computed
+            token_ids.append(torch.cat([p, torch.tensor(toks, dtype=torch.long)]))
+            logprobs.append(torch.tensor(lps, dtype=torch.float32))
+            finish.append("stop" if stopped else "length")
+            ids.append(out.request_id)
+        return token_ids, logprobs, finish, need_flush, ids
+
+    def _flush(self, seqs: list[torch.Tensor]) -> list[str]:
+        from vllm import SamplingParams as VSP
+
+        params = VSP(n=1, max_tokens=1, temperature=0.0, detokenize=False)
+        return [o.request_id for o in self._run([s.tolist() for s in seqs], [params] * len(seqs))]
+
+
+def _steps(steps, owners: dict[str, tuple[int, str]], token_ids: list[torch.Tensor]) -> list[_Step]:
+    """Each forward's rows that belong to a trajectory, in chronological order; checks that every
+    trajectory gets exactly positions ``0..T-1`` with its own tokens."""
+    out: list[_Step] = []
+    seen: list[list[torch.Tensor]] = [[] for _ in token_ids]
+    for st in steps:
+        rows, traj = [], []
+        for j, rid in enumerate(st.req_ids):
+            owner = owners.get(rid.rsplit("-", 1)[0])  # internal id = f"{external}-{random suffix}"
+            if owner is None:
+                continue
+            b, kind = owner
+            T = token_ids[b].numel()
+            lo, hi = st.query_start_loc[j], st.query_start_loc[j + 1]
+            r = torch.arange(lo, hi)
+            pos = st.positions[lo:hi]
+            keep = pos == T - 1 if kind == "flush" else pos < T
+            r, pos = r[keep], pos[keep]
+            if st.input_ids is not None and not torch.equal(st.input_ids[r], token_ids[b][pos]):
+                raise RuntimeError(f"trajectory {b}: the engine ran other tokens than the trajectory's")
+            rows.append(r)
+            traj.append(torch.full((r.numel(),), b, dtype=torch.long))
+            seen[b].append(pos)
+        if rows and sum(r.numel() for r in rows):
+            out.append(_Step(torch.cat(rows), torch.cat(traj), st.record))
+    for b, parts in enumerate(seen):
+        pos = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+        if not torch.equal(pos, torch.arange(token_ids[b].numel())):
+            raise RuntimeError(
+                f"trajectory {b}: recorded positions {pos.tolist()[:8]}... do not cover 0..{token_ids[b].numel() - 1} "
+                "exactly once in order (prefix caching, preemption?)"
+            )
+    return out

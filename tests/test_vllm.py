@@ -302,6 +302,18 @@ def test_compact_mode_records_guide_the_trainer(engine, hf: torch.nn.Module, ful
     assert rate["trace"] < bound * rate["qat"], rate
 
 
+def test_mismatch_report_with_the_vllm_rollout(engine, hf: torch.nn.Module, tmp_path) -> None:
+    """``tracefp4 mismatch --engine vllm``'s report: vLLM rollouts, our trainer, through the store."""
+    from tracefp4.reports.mismatch import format_report, make_prompts, mismatch_report
+
+    prompts = make_prompts(3, 256, 8, seed=0)
+    rep = mismatch_report(hf, prompts, SamplingParams(max_new_tokens=6, seed=0), store_dir=tmp_path, engine=engine)
+    assert rep["config"]["engine"] == "VLLMEngine" and rep["fp4_rollouts_identical"] is True
+    rates = rep["mismatch_rate"]
+    assert rates["trace_full"] == 0.0 < rates["qat"], rates
+    assert "rollout engine: VLLMEngine" in format_report(rep)
+
+
 # --- (e) weights pushed from memory ------------------------------------------------------------
 
 

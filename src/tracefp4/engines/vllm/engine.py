@@ -42,7 +42,7 @@ from tracefp4.engines.protocol import RolloutOutput, SamplingParams
 from tracefp4.engines.rollout import _Step, assemble_records
 from tracefp4.guidance.compact import GuidedMode
 
-__all__ = ["VLLMEngine", "checkpoint_names", "engine_env"]
+__all__ = ["VLLMEngine", "checkpoint_names", "engine_env", "engine_for"]
 
 _ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -284,3 +284,20 @@ def _steps(steps, owners: dict[str, tuple[int, str]], token_ids: list[torch.Tens
                 "exactly once in order (prefix caching, preemption?)"
             )
     return out
+
+
+def engine_for(model, checkpoint: str | os.PathLike[str] | None, *, max_len: int, **kwargs) -> VLLMEngine:
+    """A :class:`VLLMEngine` over ``model``'s weights: its checkpoint folder, or (a model built in
+    memory) the model written to a temporary folder that lives as long as the engine."""
+    import tempfile
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
+    tmp = None
+    if checkpoint is None:
+        tmp = tempfile.TemporaryDirectory(prefix="tracefp4-vllm-")
+        model.save_pretrained(tmp.name)
+        checkpoint = tmp.name
+    max_model_len = max(64, -(-max_len // 16) * 16)
+    engine = VLLMEngine(checkpoint, max_model_len=max_model_len, **kwargs)
+    engine._tmp = tmp
+    return engine

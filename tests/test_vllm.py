@@ -119,6 +119,34 @@ def test_tracefp4_does_not_import_vllm() -> None:
     assert out.stdout.strip().endswith("TraceFP4Config")
 
 
+def test_vllm_finds_the_plugin_through_the_entry_point(tmp_path) -> None:
+    """pyproject's ``vllm.general_plugins`` entry, as an installed package exposes it (a minimal
+    dist-info on the path), is what vLLM's ``load_general_plugins`` runs: the quant config appears."""
+    import subprocess
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    eps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    assert eps == {"tracefp4": "tracefp4.engines.vllm.plugin:register"}
+    info = tmp_path / "tracefp4_probe-0.0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tracefp4-probe\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
+    code = (
+        "from vllm.plugins import load_general_plugins; load_general_plugins(); "
+        "from tracefp4.engines.vllm import plugin; assert plugin._registered; "
+        "from vllm.model_executor.layers.quantization import get_quantization_config; "
+        "print(get_quantization_config('tracefp4').__name__)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    env.pop("VLLM_PLUGINS", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("TraceFP4Config")
+
+
 # --- (a) BF16: vLLM's forward vs transformers' -----------------------------------------------------
 
 
@@ -262,13 +290,18 @@ def test_trace_trainer_reproduces_vllm_codes(hf: torch.nn.Module, full) -> None:
     """With full records, our trainer in trace mode picks vLLM's codeword wherever its own value's
     bracket contains it; vanilla QAT (round to nearest on its own grid) misses many more. vLLM's
     bf16 forward is not transformers' (different kernels), so QAT's mismatch is not small here."""
-    rates = {}
+    rates, gaps = {}, {}
     for mode in ("qat", "trace"):
         out = forward_rollout(hf, full, mode=mode, capture_codes=ALL)
         stats = code_mismatch(out.codes, full.diagnostics)
         mism, tot = sum(s.mismatched for s in stats.values()), sum(s.total for s in stats.values())
         rates[mode] = mism / tot
+        gaps[mode] = max(float((a.detach() - b).abs().max()) for a, b in zip(out.logprobs, full.logprobs))
         assert len(stats) == 4 * LAYERS
+    # With every code reproduced (FP4 experts and FP4 K/V alike), what is left of the log-prob gap is
+    # the bf16 difference of the non-quantized parts (test (a): ~0.03); QAT's flipped codes add to it.
+    print(f"max |dlogprob| trainer vs vLLM: {gaps}")
+    assert gaps["trace"] < 0.05 and gaps["trace"] < gaps["qat"], gaps
     print(f"code mismatch vs vLLM's full codes: {rates}")
     assert rates["qat"] > 1e-3, rates
     # measured: qat 0.26, trace 0.0 (every vLLM code fell in the trainer's bracket)

@@ -39,7 +39,6 @@ import torch
 from tracefp4.engines.capture import RolloutCapture
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
-from tracefp4.engines.rollout import _Step, assemble_records
 from tracefp4.guidance.compact import GuidedMode
 
 __all__ = ["VLLMEngine", "checkpoint_names", "engine_env", "engine_for"]
@@ -50,13 +49,14 @@ _ENV = {
     "NUMBA_THREADING_LAYER": "workqueue",
 }
 
+EXTENSION = "tracefp4.engines.vllm.worker.TraceWorkerExtension"
 
-def engine_env() -> None:
-    """The environment the engine needs (set where unset); a conflicting value is an error."""
+
+def engine_env() -> bool:
+    """The environment the engine needs (set where unset); True when vLLM runs in-process."""
     for k, v in _ENV.items():
         os.environ.setdefault(k, v)
-    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-        raise RuntimeError("VLLMEngine runs vLLM in-process: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    return os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
 def checkpoint_names(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -74,12 +74,6 @@ def checkpoint_names(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, t
                 yield f"{base}{e}.down_proj.weight", v[e]
         else:
             yield k, v
-
-
-def _install(worker) -> str:
-    from tracefp4.engines.vllm.runtime import install_step_recorder
-
-    return install_step_recorder(worker)
 
 
 class VLLMEngine:
@@ -101,10 +95,12 @@ class VLLMEngine:
         seed: int = 0,
         **llm_kwargs,
     ) -> None:
-        engine_env()
+        self.in_process = engine_env()
         from tracefp4.engines.vllm.plugin import register
 
-        register()  # in-process: no need for the entry point to be installed
+        # In-process (and in a forked engine core) this registers the plugin without the entry point;
+        # a spawned engine core needs the package installed (entry point ``vllm.general_plugins``).
+        register()
         from vllm import LLM
 
         fixed = dict(
@@ -113,6 +109,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             skip_tokenizer_init=True,
             quantization="tracefp4",
+            worker_extension_cls=EXTENSION,
         )
         clash = sorted(set(fixed) & set(llm_kwargs))
         if clash:
@@ -129,7 +126,7 @@ class VLLMEngine:
         )
         self.plan = plan
         self.version = 0
-        self.llm.collective_rpc(_install)
+        self.llm.collective_rpc("tracefp4_install")
         cfg = self.llm.llm_engine.model_config.hf_config
         self.n_layers = int(cfg.num_hidden_layers)
         self.n_experts = int(cfg.num_experts)
@@ -146,7 +143,7 @@ class VLLMEngine:
         guidance: GuidedMode | None,
         diagnostics: frozenset[int] = frozenset(),
     ) -> RolloutOutput:
-        from tracefp4.engines.vllm.runtime import RUNTIME
+        from tracefp4.engines.vllm.worker import unpack_records
 
         if plan is None and (guidance is not None or diagnostics):
             raise ValueError("a BF16 rollout (plan=None) has no FP4 codes: no guidance or diagnostics")
@@ -162,20 +159,27 @@ class VLLMEngine:
             prompt_ids.append(t)
         if not prompt_ids:
             raise ValueError("no prompts given")
-        capture = RolloutCapture.of(guidance, frozenset(diagnostics), self.n_layers)
-        RUNTIME.begin(plan, capture)
+        RolloutCapture.of(guidance, frozenset(diagnostics), self.n_layers)  # validates the layers here
+        self.llm.collective_rpc(
+            "tracefp4_begin",
+            args=(None if plan is None else plan.to_dict(), None if guidance is None else guidance.name,
+                  sorted(int(i) for i in diagnostics), self.n_layers),
+        )  # fmt: skip
         try:
             t0 = time.perf_counter()
             token_ids, logprobs, finish, need_flush, main_ids = self._sample(prompt_ids, sampling)
             t1 = time.perf_counter()
             flush_ids = self._flush([token_ids[b] for b in need_flush]) if need_flush else []
-        finally:
-            steps = RUNTIME.end()
+        except BaseException:
+            self.llm.collective_rpc("tracefp4_abort")
+            raise
         t2 = time.perf_counter()
-        owners = {rid: (b, "main") for b, rid in enumerate(main_ids)}
-        owners.update({rid: (b, "flush") for b, rid in zip(need_flush, flush_ids)})
-        lengths = [t.numel() for t in token_ids]
-        records, diag = assemble_records(_steps(steps, owners, token_ids), lengths, self.n_experts, capture)
+        owners = {rid: [b, "main"] for b, rid in enumerate(main_ids)}
+        owners.update({rid: [b, "flush"] for b, rid in zip(need_flush, flush_ids)})
+        blob = self.llm.collective_rpc(
+            "tracefp4_finish", args=(owners, [t.tolist() for t in token_ids], self.n_experts)
+        )[0]
+        records, diag = unpack_records(blob)
         t3 = time.perf_counter()
         return RolloutOutput(
             token_ids=token_ids,
@@ -194,12 +198,18 @@ class VLLMEngine:
         ``reload_weights`` (which re-runs ``process_weights_after_loading``: the FP4 expert weights
         are re-quantized once), then ``reset_prefix_cache``."""
         named = list(checkpoint_names(state))
+        if self.in_process:  # the worker shares this process: hand it the tensors themselves
 
-        def push(worker) -> int:
-            worker.model_runner.reload_weights(weights_iterator=iter(named))
-            return len(named)
+            def push(worker) -> int:
+                worker.model_runner.reload_weights(weights_iterator=iter(named))
+                return len(named)
 
-        self.llm.collective_rpc(push)
+            self.llm.collective_rpc(push)
+        else:  # across processes: safetensors bytes (a list of tensors does not pass vLLM's RPC)
+            from safetensors.torch import save
+
+            blob = save({k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format) for k, v in named})
+            self.llm.collective_rpc("tracefp4_reload", args=(blob,))
         self.llm.reset_prefix_cache()
         self.version = version
 
@@ -249,41 +259,6 @@ class VLLMEngine:
 
         params = VSP(n=1, max_tokens=1, temperature=0.0, detokenize=False)
         return [o.request_id for o in self._run([s.tolist() for s in seqs], [params] * len(seqs))]
-
-
-def _steps(steps, owners: dict[str, tuple[int, str]], token_ids: list[torch.Tensor]) -> list[_Step]:
-    """Each forward's rows that belong to a trajectory, in chronological order; checks that every
-    trajectory gets exactly positions ``0..T-1`` with its own tokens."""
-    out: list[_Step] = []
-    seen: list[list[torch.Tensor]] = [[] for _ in token_ids]
-    for st in steps:
-        rows, traj = [], []
-        for j, rid in enumerate(st.req_ids):
-            owner = owners.get(rid.rsplit("-", 1)[0])  # internal id = f"{external}-{random suffix}"
-            if owner is None:
-                continue
-            b, kind = owner
-            T = token_ids[b].numel()
-            lo, hi = st.query_start_loc[j], st.query_start_loc[j + 1]
-            r = torch.arange(lo, hi)
-            pos = st.positions[lo:hi]
-            keep = pos == T - 1 if kind == "flush" else pos < T
-            r, pos = r[keep], pos[keep]
-            if st.input_ids is not None and not torch.equal(st.input_ids[r], token_ids[b][pos]):
-                raise RuntimeError(f"trajectory {b}: the engine ran other tokens than the trajectory's")
-            rows.append(r)
-            traj.append(torch.full((r.numel(),), b, dtype=torch.long))
-            seen[b].append(pos)
-        if rows and sum(r.numel() for r in rows):
-            out.append(_Step(torch.cat(rows), torch.cat(traj), st.record))
-    for b, parts in enumerate(seen):
-        pos = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
-        if not torch.equal(pos, torch.arange(token_ids[b].numel())):
-            raise RuntimeError(
-                f"trajectory {b}: recorded positions {pos.tolist()[:8]}... do not cover 0..{token_ids[b].numel() - 1} "
-                "exactly once in order (prefix caching, preemption?)"
-            )
-    return out
 
 
 def engine_for(model, checkpoint: str | os.PathLike[str] | None, *, max_len: int, **kwargs) -> VLLMEngine:

@@ -347,6 +347,50 @@ def test_mismatch_report_with_the_vllm_rollout(engine, hf: torch.nn.Module, tmp_
     assert "rollout engine: VLLMEngine" in format_report(rep)
 
 
+_MULTIPROCESS_SCRIPT = """
+import sys, torch
+from tracefp4.engines.vllm import VLLMEngine
+from tracefp4.engines.model import load_model
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import SamplingParams
+from tracefp4.engines.trainer import code_mismatch, forward_rollout
+from tracefp4.guidance.compact import GuidedMode
+if __name__ == "__main__":
+    ckpt, prompts, ALL = sys.argv[1], [[5, 17, 33, 81, 9, 100, 7], [42, 11, 250, 3]], frozenset(range(4))
+    eng = VLLMEngine(ckpt, max_model_len=128, max_num_seqs=4)
+    assert not eng.in_process
+    s = SamplingParams(max_new_tokens=8, seed=3)
+    probe = eng.generate(prompts, s, plan=PrecisionPlan(), guidance=None)
+    stop = int(probe.token_ids[0][len(prompts[0]) + 2])
+    s = SamplingParams(max_new_tokens=8, seed=3, stop_token_ids=(stop,))
+    out = eng.generate(prompts, s, plan=PrecisionPlan(), guidance=GuidedMode.parse("full@all"), diagnostics=ALL)
+    assert out.finish_reasons[0] == "stop", out.finish_reasons
+    assert all(t.shape[0] == out.token_ids[b].numel() for b, r in enumerate(out.records) for t in r.values())
+    tr = forward_rollout(load_model(ckpt), out, mode="trace", capture_codes=ALL)
+    stats = code_mismatch(tr.codes, out.diagnostics).values()
+    assert sum(x.mismatched for x in stats) == 0 and sum(x.total for x in stats) > 0
+    moved = {k: v * 1.5 if v.dim() >= 2 else v for k, v in load_model(ckpt).state_dict().items()}
+    eng.load_weights(moved, 1)
+    after = eng.generate(prompts, s, plan=PrecisionPlan(), guidance=None)
+    assert any(not torch.equal(a, b) for a, b in zip(out.token_ids, after.token_ids))
+    print("MULTIPROCESS OK")
+"""
+
+
+def test_multiprocess_engine(ckpt: str, tmp_path) -> None:
+    """The engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1, spawned worker, no
+    entry point installed): records come back by RPC, a stop-token flush works, the trainer
+    reproduces every code, weights go over as bytes."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "mp.py"
+    script.write_text(_MULTIPROCESS_SCRIPT)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    out = subprocess.run([sys.executable, str(script), ckpt], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0 and "MULTIPROCESS OK" in out.stdout, (out.stdout + out.stderr)[-3000:]
+
+
 # --- (e) weights pushed from memory ------------------------------------------------------------
 
 

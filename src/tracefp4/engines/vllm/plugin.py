@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["register", "install_numba_shim", "install_kv_wrapper"]
+__all__ = ["register", "prepare_process", "install_numba_shim", "install_kv_wrapper"]
 
 _registered = False
 
@@ -73,12 +73,19 @@ def install_kv_wrapper() -> None:
     CPUAttentionBackendImpl._tracefp4_kv = True
 
 
+def prepare_process() -> None:
+    """Steps 1-2 of ``register()``: safe to import numba (and tracefp4's kernels) in this process.
+    Every module of this package that leads to numba calls it first: a spawned vLLM worker can import
+    them (unpickling the quant config, the worker extension) before its start-up scan."""
+    os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
+    install_numba_shim()
+
+
 def register() -> None:
     global _registered
     if _registered:
         return
-    os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
-    install_numba_shim()
+    prepare_process()
     import tracefp4.engines.vllm.quant  # noqa: F401  (registers the "tracefp4" quantization config)
 
     install_kv_wrapper()

@@ -19,24 +19,28 @@ a :class:`~tracefp4.engines.vllm.engine.VLLMEngine` call may run another plan (o
 
 from __future__ import annotations
 
-from typing import Any
+from tracefp4.engines.vllm.plugin import prepare_process
 
-import torch
-import torch.nn.functional as F
+prepare_process()  # before numba: a spawned worker unpickles this config before its start-up scan
 
-from vllm.model_executor.layers.fused_moe import RoutedExperts
-from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
-from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
-from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
-from vllm.model_executor.utils import set_weight_attrs
+from typing import Any  # noqa: E402
 
-from tracefp4.engines.capture import RolloutCapture
-from tracefp4.engines.model import ForwardState, _grouped_linear, quantize_site
-from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.engines.vllm.runtime import RUNTIME, layer_index
-from tracefp4.guidance.names import Site, layer_tag
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from vllm.model_executor.layers.fused_moe import RoutedExperts  # noqa: E402
+from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig  # noqa: E402
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase  # noqa: E402
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod  # noqa: E402
+from vllm.model_executor.layers.quantization import register_quantization_config  # noqa: E402
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig  # noqa: E402
+from vllm.model_executor.utils import set_weight_attrs  # noqa: E402
+
+from tracefp4.engines.capture import RolloutCapture  # noqa: E402
+from tracefp4.engines.model import ForwardState, _grouped_linear, quantize_site  # noqa: E402
+from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
+from tracefp4.engines.vllm.runtime import RUNTIME, layer_index  # noqa: E402
+from tracefp4.guidance.names import Site, layer_tag  # noqa: E402
 
 __all__ = ["QUANT_METHOD", "TraceFP4Config", "TraceFP4MoEMethod", "expert_forward"]
 
@@ -74,8 +78,11 @@ class TraceFP4Config(QuantizationConfig):
         return cls(config)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        # Also here: in a spawned worker this config arrives unpickled (no __init__), and this is
+        # called there while the model is built.
+        RUNTIME.config_plan = self.plan
         if isinstance(layer, RoutedExperts):
-            return TraceFP4MoEMethod(layer.moe_config, prefix)
+            return TraceFP4MoEMethod(layer.moe_config, prefix, self.plan)
         if isinstance(layer, LinearBase):
             return UnquantizedLinearMethod()
         return None
@@ -123,9 +130,10 @@ def expert_forward(
 class TraceFP4MoEMethod(FusedMoEMethodBase):
     """Routed experts computed with tracefp4's numerics (see the module docstring)."""
 
-    def __init__(self, moe, prefix: str) -> None:
+    def __init__(self, moe, prefix: str, plan: PrecisionPlan | None = PrecisionPlan()) -> None:
         super().__init__(moe)
         self.prefix = prefix
+        self.config_plan = plan
         self.layer_index = layer_index(prefix)
         # plan's weight quantizer -> (w13, w2) dequantized; emptied on every weight load
         self._weights: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -153,8 +161,8 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         """Keep the plain layout (no CPU prepack: it would not survive ``reload_weights``); quantize
         the new weights once for the config's plan."""
         self._weights.clear()
-        if RUNTIME.config_plan is not None:
-            self.weights(layer, RUNTIME.config_plan)
+        if self.config_plan is not None:
+            self.weights(layer, self.config_plan)
 
     def weights(self, layer, plan: PrecisionPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) as the plan's GEMMs see them: dequantized FP4 in the parameters' dtype."""

@@ -13,13 +13,20 @@ The records are assembled here, in the worker's process, with our engine's
 
 from __future__ import annotations
 
-import torch
+# Imported by vLLM in every worker process (worker_extension_cls), before the worker's start-up scan
+# that numba would crash without the shim: registering the plugin here makes a spawned worker
+# self-sufficient even where the package's entry point is not installed.
+from tracefp4.engines.vllm.plugin import register
 
-from tracefp4.engines.capture import RolloutCapture
-from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.engines.rollout import _Step, assemble_records
-from tracefp4.engines.vllm.runtime import RUNTIME, StepRecord, install_step_recorder
-from tracefp4.guidance.compact import GuidedMode
+register()
+
+import torch  # noqa: E402
+
+from tracefp4.engines.capture import RolloutCapture  # noqa: E402
+from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
+from tracefp4.engines.rollout import _Step, assemble_records  # noqa: E402
+from tracefp4.engines.vllm.runtime import RUNTIME, StepRecord, install_step_recorder  # noqa: E402
+from tracefp4.guidance.compact import GuidedMode  # noqa: E402
 
 __all__ = ["TraceWorkerExtension", "pack_records", "unpack_records", "map_steps"]
 

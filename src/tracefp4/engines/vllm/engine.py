@@ -7,11 +7,13 @@ every forward to (trajectory, position) and assembles the records with our engin
 :func:`~tracefp4.engines.rollout.assemble_records`, so names, dtypes and layouts are exactly ours.
 
 Decisions
-    * **In-process, eager, no prefix caching.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the worker
-      shares :data:`~tracefp4.engines.vllm.runtime.RUNTIME` with the caller), ``enforce_eager=True``
-      (compiled mode changes the bf16 numerics of the non-MoE parts and so the FP4 codes),
-      ``enable_prefix_caching=False`` (a cached block is not recomputed: its rows would never be
-      recorded, and stale blocks would survive a weight push).
+    * **Eager, no prefix caching.** ``enforce_eager=True`` (compiled mode changes the bf16 numerics of
+      the non-MoE parts and so the FP4 codes), ``enable_prefix_caching=False`` (a cached block is not
+      recomputed: its rows would never be recorded, and stale blocks would survive a weight push).
+    * **In-process or multiprocess.** Everything worker-side goes through the worker extension
+      (:mod:`.worker`) by RPC name with plain arguments; records come back as safetensors bytes and
+      are assembled in the worker. In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default set
+      here) weights are handed over as tensors; across processes as safetensors bytes.
     * **Records cover every position, the last token included.** vLLM never runs the last sampled
       token through the model. Each request therefore asks vLLM for ``max_new_tokens + 1`` tokens and
       the extra one is dropped (its forward is the last token's row; it is sampled from the request's

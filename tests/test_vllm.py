@@ -266,6 +266,10 @@ def test_stop_tokens_and_scoring_mode_cover_the_last_row(engine) -> None:
         assert all(t.shape[0] == T for t in rec.values())
     # the kept tokens and their log-probs are those of the run without the stop token
     assert torch.equal(out.logprobs[0], probe.logprobs[0][:3])
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=128 - 11), plan=FP4, guidance=None)
+    edge = engine.generate(PROMPTS[2:], SamplingParams(max_new_tokens=128 - 12, seed=1), plan=FP4, guidance=None)
+    assert edge.token_ids[0].numel() == 127 and all(t.shape[0] == 127 for t in edge.records[0].values())
     score = engine.generate(PROMPTS, SamplingParams(max_new_tokens=0), plan=FP4, guidance=GuidedMode.parse("lsb"))
     for b, rec in enumerate(score.records):
         assert score.token_ids[b].tolist() == PROMPTS[b] and score.logprobs[b].numel() == 0

@@ -127,6 +127,7 @@ class VLLMEngine:
             seed=seed, hf_overrides=overrides, **fixed, **llm_kwargs,
         )
         self.plan = plan
+        self.max_model_len = max_model_len
         self.version = 0
         self.llm.collective_rpc("tracefp4_install")
         cfg = self.llm.llm_engine.model_config.hf_config
@@ -161,6 +162,12 @@ class VLLMEngine:
             prompt_ids.append(t)
         if not prompt_ids:
             raise ValueError("no prompts given")
+        longest = max(p.numel() for p in prompt_ids) + sampling.max_new_tokens + 1
+        if longest > self.max_model_len:
+            raise ValueError(
+                f"prompt + max_new_tokens + 1 = {longest} exceeds the engine's max_model_len {self.max_model_len} "
+                "(the +1 runs the last token through the model so that records cover it)"
+            )
         RolloutCapture.of(guidance, frozenset(diagnostics), self.n_layers)  # validates the layers here
         self.llm.collective_rpc(
             "tracefp4_begin",
@@ -248,8 +255,8 @@ class VLLMEngine:
             toks = list(comp.token_ids)[: sampling.max_new_tokens]
             lps = [comp.logprobs[i][t].logprob for i, t in enumerate(toks)]
             stopped = bool(toks) and toks[-1] in stops
-            if stopped and len(toks) == len(comp.token_ids):
-                need_flush.append(b)  # vLLM ended on the stop token: its row was never computed
+            if len(toks) == len(comp.token_ids):
+                need_flush.append(b)  # no extra token (stop token): the last token's row was never computed
             token_ids.append(torch.cat([p, torch.tensor(toks, dtype=torch.long)]))
             logprobs.append(torch.tensor(lps, dtype=torch.float32))
             finish.append("stop" if stopped else "length")

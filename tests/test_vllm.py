@@ -228,6 +228,33 @@ def test_plugin_experts_equal_ours_bit_for_bit(engine, hf: torch.nn.Module, plan
                 assert torch.equal(getattr(q, f), getattr(r, f)), (name, f)
 
 
+@pytest.mark.parametrize("plan", [PrecisionPlan(), PrecisionPlan.mxfp4()], ids=["nvfp4", "mxfp4"])
+def test_plugin_kv_equals_our_fp4_cache_bit_for_bit(engine, hf: torch.nn.Module, plan: PrecisionPlan) -> None:
+    """The same keys/values through the plugin's K/V site (vLLM layout ``[tokens, kv_heads, D]``)
+    and through our FP4 KV cache's (``[B, kv_heads, S, D]``): the same values and records."""
+    from tracefp4.engines.model import quantize_kv
+    from tracefp4.engines.vllm.plugin import kv_site
+    from tracefp4.engines.vllm.runtime import RUNTIME
+
+    g = torch.Generator().manual_seed(1)
+    k, v = ((torch.randn(7, 2, 32, generator=g) * 3).to(torch.bfloat16) for _ in range(2))
+    capture = RolloutCapture(GuidedMode.parse("full").mode, ALL, ALL)
+    RUNTIME.begin(plan, capture)
+    try:
+        k2, v2 = kv_site("model.layers.3.self_attn.attn", k, v)
+    finally:
+        RUNTIME.end()
+    ours = RolloutCapture(GuidedMode.parse("full").mode, ALL, ALL)
+    with torch.no_grad(), forward_state(hf, plan, ours) as st:
+        k3 = quantize_kv(st, 3, Site.K, k.transpose(0, 1)[None])[0].transpose(0, 1)
+        v3 = quantize_kv(st, 3, Site.V, v.transpose(0, 1)[None])[0].transpose(0, 1)
+    assert torch.equal(k2, k3) and torch.equal(v2, v3) and not torch.equal(k2, k)
+    a, b = capture.take().guidance, ours.take().guidance
+    assert sorted(a) == sorted(b) == [record_prefix(3, Site.K), record_prefix(3, Site.V)]
+    for name in a:
+        assert torch.equal(a[name].codes, b[name].codes) and torch.equal(a[name].scales.float(), b[name].scales.float())
+
+
 # --- (c) records cover exactly each request's positions ---------------------------------------
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["register", "prepare_process", "install_numba_shim", "install_kv_wrapper"]
+__all__ = ["register", "prepare_process", "install_numba_shim", "install_kv_wrapper", "kv_site"]
 
 _registered = False
 
@@ -49,24 +49,32 @@ def install_numba_shim() -> bool:
     return True
 
 
+def kv_site(layer_name: str, key, value):
+    """K and V ``[tokens, kv_heads, head_dim]`` of attention layer ``layer_name``
+    (``model.layers.N.self_attn.attn``) as the cache must store them under the forward's plan:
+    quantized per token and KV head (rows ``token x head``) by ``plan.quantizer("k"/"v")`` through
+    :func:`tracefp4.engines.model.quantize_site`, and recorded by the forward's capture."""
+    from tracefp4.engines.model import quantize_site
+    from tracefp4.engines.vllm.runtime import RUNTIME, layer_index
+    from tracefp4.guidance.names import Site
+
+    state = RUNTIME.state()
+    if state.plan is None:
+        return key, value
+    i = layer_index(layer_name)
+    return quantize_site(state, i, Site.K, key), quantize_site(state, i, Site.V, value)
+
+
 def install_kv_wrapper() -> None:
     """Quantize K/V (and record them) where vLLM's CPU attention writes its cache; idempotent."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     if getattr(CPUAttentionBackendImpl, "_tracefp4_kv", False):
         return
-    from tracefp4.engines.model import quantize_site
-    from tracefp4.engines.vllm.runtime import RUNTIME, layer_index
-    from tracefp4.guidance.names import Site
-
     orig = CPUAttentionBackendImpl.do_kv_cache_update
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        state = RUNTIME.state()
-        if state.plan is not None:
-            i = layer_index(layer.layer_name)  # "model.layers.N.self_attn.attn"
-            key = quantize_site(state, i, Site.K, key)  # [tokens, kv_heads, head_dim]: rows token x head
-            value = quantize_site(state, i, Site.V, value)
+        key, value = kv_site(layer.layer_name, key, value)
         return orig(self, layer, key, value, kv_cache, slot_mapping)
 
     CPUAttentionBackendImpl.do_kv_cache_update = do_kv_cache_update

@@ -100,8 +100,8 @@ class VLLMEngine:
         self.in_process = engine_env()
         from tracefp4.engines.vllm.plugin import register
 
-        # In-process (and in a forked engine core) this registers the plugin without the entry point;
-        # a spawned engine core needs the package installed (entry point ``vllm.general_plugins``).
+        # Registers the plugin in this process without the entry point; a spawned worker registers it
+        # when it imports the worker extension or unpickles the quant config (see :mod:`.worker`).
         register()
         from vllm import LLM
 

@@ -10,8 +10,8 @@ process-global :data:`RUNTIME` at run time:
 * ``steps``: while recording, one :class:`StepRecord` per model forward: the batch's rows mapped to
   (internal request id, position) plus that forward's :class:`~tracefp4.engines.capture.ForwardRecord`.
 
-This module does not import vLLM. The runtime is per process: :class:`VLLMEngine` runs the engine
-in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where the engine and the worker share it.
+This module does not import vLLM. The runtime is per process, the worker's: the engine reaches it
+through the worker extension's RPC methods (:mod:`.worker`), in-process or across processes alike.
 """
 
 from __future__ import annotations

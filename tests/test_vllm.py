@@ -441,6 +441,18 @@ def test_load_weights_changes_the_generation_and_back(engine, hf: torch.nn.Modul
     assert torch.equal(w13_raw, moved["model.layers.0.mlp.experts.gate_up_proj"])
     q = FP4.weight_quantizer
     assert torch.equal(w13, q.dequantize(q.quantize(w13_raw)).to(w13_raw.dtype))
+    # every pushed tensor (attention, norms, router, embeddings too) is what vLLM now computes with:
+    # our trainer on the same weights reproduces every code of a full-record rollout
+    import copy
+
+    moved_hf = copy.deepcopy(hf)
+    moved_hf.load_state_dict(moved)
+    roll = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=4), plan=FP4,
+                           guidance=GuidedMode.parse("full@all"), diagnostics=ALL)
+    tr = forward_rollout(moved_hf, roll, mode="trace", capture_codes=ALL)
+    stats = code_mismatch(tr.codes, roll.diagnostics).values()
+    assert sum(x.mismatched for x in stats) == 0
+    assert max(float((a.detach() - b).abs().max()) for a, b in zip(tr.logprobs, roll.logprobs)) < 0.05
     engine.load_weights(state, version=2)
     again = engine.generate(PROMPTS, s, plan=FP4, guidance=None)
     assert all(torch.equal(a, b) for a, b in zip(before.token_ids, again.token_ids))

@@ -186,6 +186,9 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
             raise NotImplementedError("tracefp4: expert parallelism (expert_map) is not supported")
         if getattr(layer, "apply_router_weight_on_input", False):
             raise NotImplementedError("tracefp4: apply_router_weight_on_input is not supported")
+        act = getattr(layer, "activation", None)
+        if getattr(act, "value", act) != "silu":
+            raise NotImplementedError(f"tracefp4: routed experts with activation {act} (SiLU-gated only)")
         state = RUNTIME.state()
         w13, w2 = self.weights(layer, state.plan)
         return expert_forward(state, self.layer_index, x, w13, w2, topk_weights, topk_ids)

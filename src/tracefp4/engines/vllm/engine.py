@@ -242,6 +242,7 @@ class VLLMEngine:
                 top_p=sampling.top_p,
                 seed=sampling.seed + b,
                 stop_token_ids=list(sampling.stop_token_ids),
+                ignore_eos=True,  # stop on our stop tokens only, not on the checkpoint's generation-config EOS
                 logprobs=0,
                 detokenize=False,
             )
@@ -266,7 +267,7 @@ class VLLMEngine:
     def _flush(self, seqs: list[torch.Tensor]) -> list[str]:
         from vllm import SamplingParams as VSP
 
-        params = VSP(n=1, max_tokens=1, temperature=0.0, detokenize=False)
+        params = VSP(n=1, max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
         return [o.request_id for o in self._run([s.tolist() for s in seqs], [params] * len(seqs))]
 
 

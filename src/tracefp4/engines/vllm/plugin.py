@@ -13,8 +13,8 @@ several times; it is idempotent. It
    function wrapper, which crashes that scan;
 3. registers the ``tracefp4`` quantization config (:mod:`.quant`);
 4. wraps ``CPUAttentionBackendImpl.do_kv_cache_update`` so K and V are quantized per token and KV
-   head (``plan.quantizer("k"/"v")``) before they enter the cache, stored as exact FP4 values in the
-   cache's dtype, and recorded. The CPU attention reads K/V only from the cache (prefill too), so
+   head (``plan.quantizer("k"/"v")``) before they enter the cache, stored as the dequantized FP4
+   values in the cache's dtype (as our ``FP4KVCache`` stores them), and recorded. The CPU attention reads K/V only from the cache (prefill too), so
    every position attends to FP4 K/V, as in our transformers path.
 """
 

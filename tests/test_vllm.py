@@ -307,8 +307,15 @@ def test_stop_tokens_and_scoring_mode_cover_the_last_row(engine) -> None:
         assert all(t.shape[0] == len(PROMPTS[b]) for t in rec.values())
 
 
-@pytest.mark.parametrize("plan", [PrecisionPlan.w4a8(), PrecisionPlan.mxfp4()], ids=["w4a8", "mxfp4"])
-def test_other_plans_run_through_the_quantizers(engine, plan: PrecisionPlan) -> None:
+_OTHER_PLANS = {"w4a8": PrecisionPlan.w4a8(), "mxfp4": PrecisionPlan.mxfp4()}
+if hasattr(PrecisionPlan, "four_over_six"):  # NVFP4 "Four over Six" block scales, where the plan has them
+    _OTHER_PLANS["4over6"] = PrecisionPlan.four_over_six()
+
+
+@pytest.mark.parametrize("plan", list(_OTHER_PLANS.values()), ids=list(_OTHER_PLANS))
+def test_other_plans_run_through_the_quantizers(engine, hf: torch.nn.Module, plan: PrecisionPlan) -> None:
+    """Any plan runs through the plan's quantizers (no format branch in the plugin), and with full
+    records our trainer reproduces every vLLM code under it."""
     out = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, seed=2), plan=plan,
                           guidance=GuidedMode.parse("full@all"))
     names = {parse_name(k) for k in out.records[0]}
@@ -316,6 +323,11 @@ def test_other_plans_run_through_the_quantizers(engine, plan: PrecisionPlan) -> 
     assert sites == {s.value for s in Site if plan.guidable(s)}
     base = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, seed=2), plan=FP4, guidance=None)
     assert any(not torch.equal(a, b) for a, b in zip(out.logprobs, base.logprobs))
+    full = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, seed=2), plan=plan,
+                           guidance=GuidedMode.parse("full@all"), diagnostics=ALL)
+    tr = forward_rollout(hf, full, mode="trace", capture_codes=ALL)
+    stats = code_mismatch(tr.codes, full.diagnostics).values()
+    assert sum(x.mismatched for x in stats) == 0 and sum(x.total for x in stats) > 0
 
 
 # --- (d) the guided trainer reproduces vLLM's codes -------------------------------------------

@@ -394,6 +394,23 @@ def test_mismatch_report_with_the_vllm_rollout(engine, hf: torch.nn.Module, tmp_
     assert "rollout engine: VLLMEngine" in format_report(rep)
 
 
+def test_mismatch_cli_engine_vllm(tmp_path) -> None:
+    """``tracefp4 mismatch --engine vllm``: the command line end to end (and its error for a
+    head_dim vLLM's CPU attention lacks)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "tracefp4", "mismatch", "--engine", "vllm", "--batch", "2", "--new-tokens", "4",
+           "--prompt-len", "6", "--quiet"]
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "head_dim" in bad.stderr, bad.stderr[-2000:]
+    out = subprocess.run(cmd + ["--head-dim", "32", "--json", str(tmp_path / "rep.json")], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rep = json.loads((tmp_path / "rep.json").read_text())
+    assert rep["config"]["engine"] == "VLLMEngine" and rep["mismatch_rate"]["trace_full"] == 0.0
+
+
 _MULTIPROCESS_SCRIPT = """
 import sys, torch
 from tracefp4.engines.vllm import VLLMEngine

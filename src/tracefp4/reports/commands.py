@@ -82,7 +82,10 @@ def run_mismatch(args: argparse.Namespace) -> int:
         from tracefp4.engines.vllm.engine import engine_for
 
         say("starting vLLM (tracefp4 plugin)")
-        engine = engine_for(model, args.checkpoint, max_len=args.prompt_len + args.new_tokens + 2)
+        try:
+            engine = engine_for(model, args.checkpoint, max_len=args.prompt_len + args.new_tokens + 2)
+        except ValueError as e:
+            raise SystemExit(f"tracefp4 mismatch: {e}") from None
         return mismatch.run_cli(args, model, prompts, sampling, say, engine=engine)
     run = sweep.run_cli if args.sweep else mismatch.run_cli
     return run(args, model, prompts, sampling, say)

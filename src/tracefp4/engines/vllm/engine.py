@@ -277,6 +277,16 @@ def engine_for(model, checkpoint: str | os.PathLike[str] | None, *, max_len: int
     import tempfile
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
+    from vllm.platforms import current_platform
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head_dim not in sizes:
+            raise ValueError(f"vLLM's CPU attention supports head_dim in {sizes}, the model has {head_dim} (--head-dim 32)")
     tmp = None
     if checkpoint is None:
         tmp = tempfile.TemporaryDirectory(prefix="tracefp4-vllm-")

@@ -76,5 +76,16 @@ def run_mismatch(args: argparse.Namespace) -> int:
     dims = _check_args(args)
     say = _progress(args.quiet)
     model, prompts, sampling = _inputs(args, dims, say)
+    if getattr(args, "engine", "home") == "vllm":
+        if args.sweep:
+            raise SystemExit("tracefp4 mismatch: --engine vllm goes without --sweep")
+        from tracefp4.engines.vllm.engine import engine_for
+
+        say("starting vLLM (tracefp4 plugin)")
+        try:
+            engine = engine_for(model, args.checkpoint, max_len=args.prompt_len + args.new_tokens + 2)
+        except ValueError as e:
+            raise SystemExit(f"tracefp4 mismatch: {e}") from None
+        return mismatch.run_cli(args, model, prompts, sampling, say, engine=engine)
     run = sweep.run_cli if args.sweep else mismatch.run_cli
     return run(args, model, prompts, sampling, say)

@@ -235,9 +235,11 @@ class _Stored:
 
 
 def _rollouts(
-    model, prompts, sampling: SamplingParams, compact_layers, all_layers, phase: _Phases
+    model, prompts, sampling: SamplingParams, compact_layers, all_layers, phase: _Phases, engine=None
 ) -> dict[str, RolloutOutput]:
-    """One rollout per arm: bf16, plain fp4, fp4 recording lsb hints (deeper half) and full hints (all layers)."""
+    """One rollout per arm: bf16, plain fp4, fp4 recording lsb hints (deeper half) and full hints (all layers).
+    ``engine``: another :class:`~tracefp4.engines.protocol.RolloutEngine` over the same weights (vLLM);
+    None: our engine on ``model``."""
     rollouts: dict[str, RolloutOutput] = {}
     plan = PrecisionPlan()
     for arm, kwargs in (
@@ -247,7 +249,12 @@ def _rollouts(
         ("trace_full", dict(plan=plan, guidance=GuidedMode.parse("full"))),
     ):
         with phase(f"rollout {arm} ({ARMS[arm][0]})"):
-            rollouts[arm] = generate(model, prompts, sampling, **kwargs)
+            if engine is not None:
+                rollouts[arm] = engine.generate(
+                    prompts, sampling, plan=kwargs["plan"], guidance=kwargs.get("guidance")
+                )
+            else:
+                rollouts[arm] = generate(model, prompts, sampling, **kwargs)
     return rollouts
 
 
@@ -419,13 +426,15 @@ def mismatch_report(
     *,
     store_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
+    engine=None,
 ) -> dict[str, Any]:
-    """Run the four rollouts and their trainers; return the report as a JSON-ready dict."""
+    """Run the four rollouts and their trainers; return the report as a JSON-ready dict.
+    ``engine``: the rollout engine (None: ours on ``model``; e.g. a ``VLLMEngine`` over the same weights)."""
     t_start = time.perf_counter()
     phase = _Phases(progress)
     n_layers, _ = model_layers(model)
     compact_layers = deeper_half(n_layers)
-    rollouts = _rollouts(model, prompts, sampling, compact_layers, frozenset(range(n_layers)), phase)
+    rollouts = _rollouts(model, prompts, sampling, compact_layers, frozenset(range(n_layers)), phase, engine)
     fp4_identical = _fp4_rollouts_identical(rollouts)
     signature = config_signature("mismatch", model.config)
     with store_root(store_dir, "tracefp4-mismatch-") as root, phase("store: write, seal, read back"):
@@ -437,7 +446,10 @@ def mismatch_report(
     agg = _aggregates(stats, compact_layers)
     roll_full = rollouts["trace_full"]
     return {
-        "config": _config_section(model, prompts, sampling, roll_full.plan, compact_layers),
+        "config": {
+            **_config_section(model, prompts, sampling, roll_full.plan, compact_layers),
+            "engine": "HomeEngine" if engine is None else type(engine).__name__,
+        },
         "tokens": {
             "positions": sum(t.numel() for t in roll_full.token_ids),
             "generated": stored.bytes_full["generated_tokens"],
@@ -476,6 +488,7 @@ def _header_lines(rep: dict[str, Any]) -> list[str]:
         f"  batch {c['batch']} ragged prompts ({min(c['prompt_lens'])}-{max(c['prompt_lens'])} tokens), "
         f"{c['new_tokens']} new tokens, seed {c['seed']}: {tok['generated']} generated tokens, "
         f"{tok['positions']} positions; FP4 rollouts identical across modes: {rep['fp4_rollouts_identical']}",
+        f"  rollout engine: {c.get('engine', 'HomeEngine')}",
         "",
     ]
 
@@ -575,6 +588,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-dir", metavar="DIR", help="keep the guidance store here (default: a temp dir, removed)")
     p.add_argument("--json", metavar="PATH", help="also write the report (or the sweep) as JSON (atomically)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--engine", choices=("home", "vllm"), default="home",
+                   help="rollout engine: ours, or vLLM with the tracefp4 plugin (needs vLLM; head_dim >= 32 on CPU)")  # fmt: skip
 
 
 def run_cli(
@@ -583,9 +598,10 @@ def run_cli(
     prompts: Sequence[torch.Tensor],
     sampling: SamplingParams,
     say: Callable[[str], None],
+    engine=None,
 ) -> int:
     """Run the report on prepared inputs; print it, and write it as JSON with ``--json``."""
-    rep = mismatch_report(model, prompts, sampling, store_dir=args.store_dir, progress=say)
+    rep = mismatch_report(model, prompts, sampling, store_dir=args.store_dir, progress=say, engine=engine)
     print(format_report(rep))
     if args.json:
         atomic_write_json(args.json, rep, sort_keys=False)

@@ -1,0 +1,298 @@
+""":class:`VLLMEngine`: a :class:`~tracefp4.engines.protocol.RolloutEngine` on vLLM's offline ``LLM``.
+
+vLLM samples; the plugin (:mod:`.plugin`, :mod:`.quant`) computes the routed experts and the KV cache
+with our precision plan and records, per model forward, what our own engine records (same
+:class:`~tracefp4.engines.capture.RolloutCapture`, same site function). This module maps the rows of
+every forward to (trajectory, position) and assembles the records with our engine's
+:func:`~tracefp4.engines.rollout.assemble_records`, so names, dtypes and layouts are exactly ours.
+
+Decisions
+    * **Eager, no prefix caching.** ``enforce_eager=True`` (compiled mode changes the bf16 numerics of
+      the non-MoE parts and so the FP4 codes), ``enable_prefix_caching=False`` (a cached block is not
+      recomputed: its rows would never be recorded, and stale blocks would survive a weight push).
+    * **In-process or multiprocess.** Everything worker-side goes through the worker extension
+      (:mod:`.worker`) by RPC name with plain arguments; records come back as safetensors bytes and
+      are assembled in the worker. In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default set
+      here) weights are handed over as tensors; across processes as safetensors bytes.
+    * **Records cover every position, the last token included.** vLLM never runs the last sampled
+      token through the model. Each request therefore asks vLLM for ``max_new_tokens + 1`` tokens and
+      the extra one is dropped (its forward is the last token's row; it is sampled from the request's
+      own seeded generator, so the kept tokens are unchanged). A request that stops on a stop token
+      earlier gets its last row from one extra prefill of the whole trajectory (``max_tokens=1``),
+      of which only the last position's row is kept; that row's values come from a prefill instead
+      of a decode (bf16-level differences), and it feeds no log-prob (row ``T-1`` predicts nothing).
+      Every trajectory's recorded positions must be exactly ``0..T-1`` with the right input tokens,
+      otherwise :class:`RuntimeError`: the trainer can never be handed misaligned records.
+    * **Sampling.** One vLLM request per prompt, seeded with ``sampling.seed + b`` (vLLM's per-request
+      generator: the tokens do not depend on the batch). Log-probs are vLLM's ``processed_logprobs``:
+      ``log_softmax(logits / temperature)`` at the sampled token (temperature 0: greedy, log-probs at
+      temperature 1), our definition; with ``top_p < 1`` vLLM computes them *after* the top-p
+      truncation, unlike our engine (documented difference).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from tracefp4.engines.capture import RolloutCapture
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import RolloutOutput, SamplingParams
+from tracefp4.guidance.compact import GuidedMode
+
+__all__ = ["VLLMEngine", "checkpoint_names", "engine_env", "engine_for"]
+
+_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "0",
+    "NUMBA_THREADING_LAYER": "workqueue",
+}
+
+EXTENSION = "tracefp4.engines.vllm.worker.TraceWorkerExtension"
+
+
+def engine_env() -> bool:
+    """The environment the engine needs (set where unset); True when vLLM runs in-process."""
+    for k, v in _ENV.items():
+        os.environ.setdefault(k, v)
+    return os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def checkpoint_names(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A transformers state dict (fused ``experts.gate_up_proj [E, 2I, H]``/``down_proj [E, H, I]``)
+    under the per-expert checkpoint names vLLM's loader expects."""
+    for k, v in state.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            base, inter = k[: -len("gate_up_proj")], v.shape[1] // 2
+            for e in range(v.shape[0]):
+                yield f"{base}{e}.gate_proj.weight", v[e, :inter]
+                yield f"{base}{e}.up_proj.weight", v[e, inter:]
+        elif k.endswith("mlp.experts.down_proj"):
+            base = k[: -len("down_proj")]
+            for e in range(v.shape[0]):
+                yield f"{base}{e}.down_proj.weight", v[e]
+        else:
+            yield k, v
+
+
+class VLLMEngine:
+    """vLLM's offline engine with tracefp4's precision plan and records (see the module docstring).
+
+    ``model``: a local checkpoint folder (transformers format, Qwen3-MoE). ``plan``: the plan the
+    engine is built with (the quantization config's; ``generate`` may run another one or BF16 per
+    call). ``llm_kwargs`` go to ``vllm.LLM`` (the fixed ones above cannot be overridden).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        plan: PrecisionPlan | None = PrecisionPlan(),
+        dtype: str = "bfloat16",
+        max_model_len: int = 512,
+        max_num_seqs: int = 16,
+        seed: int = 0,
+        **llm_kwargs,
+    ) -> None:
+        self.in_process = engine_env()
+        from tracefp4.engines.vllm.plugin import register
+
+        # Registers the plugin in this process without the entry point; a spawned worker registers it
+        # when it imports the worker extension or unpickles the quant config (see :mod:`.worker`).
+        register()
+        from vllm import LLM
+
+        fixed = dict(
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            logprobs_mode="processed_logprobs",
+            skip_tokenizer_init=True,
+            quantization="tracefp4",
+            worker_extension_cls=EXTENSION,
+        )
+        clash = sorted(set(fixed) & set(llm_kwargs))
+        if clash:
+            raise ValueError(f"VLLMEngine fixes {clash}; do not pass them")
+        overrides = dict(llm_kwargs.pop("hf_overrides", None) or {})
+        overrides["quantization_config"] = {"quant_method": "tracefp4", "plan": None if plan is None else plan.to_dict()}
+        # Seeded sampling + chunked prefill crashes vLLM 0.32 on CPU (generator offset rewind):
+        # whole prompts per step unless the caller decides otherwise.
+        llm_kwargs.setdefault("enable_chunked_prefill", False)
+        llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 2048))
+        self.llm = LLM(
+            model=os.fspath(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            seed=seed, hf_overrides=overrides, **fixed, **llm_kwargs,
+        )
+        self.plan = plan
+        self.max_model_len = max_model_len
+        self.version = 0
+        self.llm.collective_rpc("tracefp4_install")
+        cfg = self.llm.llm_engine.model_config.hf_config
+        self.n_layers = int(cfg.num_hidden_layers)
+        self.n_experts = int(cfg.num_experts)
+        self.vocab = int(cfg.vocab_size)
+
+    # --- RolloutEngine --------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        plan: PrecisionPlan | None,
+        guidance: GuidedMode | None,
+        diagnostics: frozenset[int] = frozenset(),
+    ) -> RolloutOutput:
+        from tracefp4.engines.vllm.worker import unpack_records
+
+        if plan is None and (guidance is not None or diagnostics):
+            raise ValueError("a BF16 rollout (plan=None) has no FP4 codes: no guidance or diagnostics")
+        if guidance is not None and not isinstance(guidance, GuidedMode):
+            raise ValueError(f"guidance must be a GuidedMode (GuidedMode.parse(name)), got {type(guidance).__name__}")
+        prompt_ids = []
+        for b, p in enumerate(prompts):
+            t = torch.as_tensor(p, dtype=torch.long).reshape(-1)
+            if t.numel() == 0:
+                raise ValueError(f"prompt {b} is empty")
+            if int(t.min()) < 0 or int(t.max()) >= self.vocab:
+                raise ValueError(f"prompt {b}: token ids outside [0, {self.vocab})")
+            prompt_ids.append(t)
+        if not prompt_ids:
+            raise ValueError("no prompts given")
+        longest = max(p.numel() for p in prompt_ids) + sampling.max_new_tokens + 1
+        if longest > self.max_model_len:
+            raise ValueError(
+                f"prompt + max_new_tokens + 1 = {longest} exceeds the engine's max_model_len {self.max_model_len} "
+                "(the +1 runs the last token through the model so that records cover it)"
+            )
+        RolloutCapture.of(guidance, frozenset(diagnostics), self.n_layers)  # validates the layers here
+        self.llm.collective_rpc(
+            "tracefp4_begin",
+            args=(None if plan is None else plan.to_dict(), None if guidance is None else guidance.name,
+                  sorted(int(i) for i in diagnostics), self.n_layers),
+        )  # fmt: skip
+        try:
+            t0 = time.perf_counter()
+            token_ids, logprobs, finish, need_flush, main_ids = self._sample(prompt_ids, sampling)
+            t1 = time.perf_counter()
+            flush_ids = self._flush([token_ids[b] for b in need_flush]) if need_flush else []
+        except BaseException:
+            self.llm.collective_rpc("tracefp4_abort")
+            raise
+        t2 = time.perf_counter()
+        owners = {rid: [b, "main"] for b, rid in enumerate(main_ids)}
+        owners.update({rid: [b, "flush"] for b, rid in zip(need_flush, flush_ids)})
+        blob = self.llm.collective_rpc(
+            "tracefp4_finish", args=(owners, [t.tolist() for t in token_ids], self.n_experts)
+        )[0]
+        records, diag = unpack_records(blob)
+        t3 = time.perf_counter()
+        return RolloutOutput(
+            token_ids=token_ids,
+            prompt_lens=[int(p.numel()) for p in prompt_ids],
+            logprobs=logprobs,
+            finish_reasons=finish,
+            records=records,
+            diagnostics=diag,
+            plan=plan,
+            guidance=guidance,
+            timings={"generate_s": t1 - t0, "flush_s": t2 - t1, "records_s": t3 - t2},
+        )
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Push a transformers state dict into the running engine, without disk: vLLM's in-place
+        ``reload_weights`` (which re-runs ``process_weights_after_loading``: the FP4 expert weights
+        are re-quantized once), then ``reset_prefix_cache``."""
+        named = list(checkpoint_names(state))
+        if self.in_process:  # the worker shares this process: hand it the tensors themselves
+
+            def push(worker) -> int:
+                worker.model_runner.reload_weights(weights_iterator=iter(named))
+                return len(named)
+
+            self.llm.collective_rpc(push)
+        else:  # across processes: safetensors bytes (a list of tensors does not pass vLLM's RPC)
+            from safetensors.torch import save
+
+            blob = save({k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format) for k, v in named})
+            self.llm.collective_rpc("tracefp4_reload", args=(blob,))
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _run(self, prompt_ids: list[list[int]], params: list) -> list:
+        from vllm.inputs import TokensPrompt
+
+        return self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False
+        )
+
+    def _sample(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams):
+        from vllm import SamplingParams as VSP
+
+        params = [
+            VSP(
+                n=1,
+                max_tokens=sampling.max_new_tokens + 1,  # +1: the last kept token's row (see the docstring)
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                seed=sampling.seed + b,
+                stop_token_ids=list(sampling.stop_token_ids),
+                ignore_eos=True,  # stop on our stop tokens only, not on the checkpoint's generation-config EOS
+                logprobs=0,
+                detokenize=False,
+            )
+            for b in range(len(prompt_ids))
+        ]
+        outs = self._run([p.tolist() for p in prompt_ids], params)
+        stops = set(sampling.stop_token_ids)
+        token_ids, logprobs, finish, need_flush, ids = [], [], [], [], []
+        for b, (p, out) in enumerate(zip(prompt_ids, outs)):
+            comp = out.outputs[0]
+            toks = list(comp.token_ids)[: sampling.max_new_tokens]
+            lps = [comp.logprobs[i][t].logprob for i, t in enumerate(toks)]
+            stopped = bool(toks) and toks[-1] in stops
+            if len(toks) == len(comp.token_ids):
+                need_flush.append(b)  # no extra token (stop token): the last token's row was never computed
+            token_ids.append(torch.cat([p, torch.tensor(toks, dtype=torch.long)]))
+            logprobs.append(torch.tensor(lps, dtype=torch.float32))
+            finish.append("stop" if stopped else "length")
+            ids.append(out.request_id)
+        return token_ids, logprobs, finish, need_flush, ids
+
+    def _flush(self, seqs: list[torch.Tensor]) -> list[str]:
+        from vllm import SamplingParams as VSP
+
+        params = VSP(n=1, max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+        return [o.request_id for o in self._run([s.tolist() for s in seqs], [params] * len(seqs))]
+
+
+def engine_for(model, checkpoint: str | os.PathLike[str] | None, *, max_len: int, **kwargs) -> VLLMEngine:
+    """A :class:`VLLMEngine` over ``model``'s weights: its checkpoint folder, or (a model built in
+    memory) the model written to a temporary folder that lives as long as the engine."""
+    import tempfile
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
+    from vllm.platforms import current_platform
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head_dim not in sizes:
+            raise ValueError(f"vLLM's CPU attention supports head_dim in {sizes}, the model has {head_dim} (--head-dim 32)")
+    tmp = None
+    if checkpoint is None:
+        tmp = tempfile.TemporaryDirectory(prefix="tracefp4-vllm-")
+        model.save_pretrained(tmp.name)
+        checkpoint = tmp.name
+    max_model_len = max(64, -(-max_len // 16) * 16)
+    engine = VLLMEngine(checkpoint, max_model_len=max_model_len, **kwargs)
+    engine._tmp = tmp
+    return engine

@@ -1,0 +1,100 @@
+"""The vLLM plugin: ``register()`` is the ``vllm.general_plugins`` entry point ``tracefp4``.
+
+vLLM calls it in every process that builds an engine or a worker (``load_general_plugins``), possibly
+several times; it is idempotent. It
+
+1. selects numba's ``workqueue`` threading layer unless the user chose one: numba's default ``omp``
+   layer shares the OpenMP runtime with vLLM's CPU kernels, and a numba thread-count change then
+   breaks vLLM's CPU attention (``thread_num`` check). :mod:`tracefp4.formats.kernels` makes the same
+   choice;
+2. installs :func:`install_numba_shim` before anything imports numba: vLLM's worker start-up scans
+   every module namespace with ``vars(obj).get("kernel")`` (``triton_utils/dispatcher.py`` on a
+   platform without a Triton backend), and ``llvmlite.binding.ffi.lib`` answers ``__dict__`` with a
+   function wrapper, which crashes that scan;
+3. registers the ``tracefp4`` quantization config (:mod:`.quant`);
+4. wraps ``CPUAttentionBackendImpl.do_kv_cache_update`` so K and V are quantized per token and KV
+   head (``plan.quantizer("k"/"v")``) before they enter the cache, stored as the dequantized FP4
+   values in the cache's dtype (as our ``FP4KVCache`` stores them), and recorded. The CPU attention reads K/V only from the cache (prefill too), so
+   every position attends to FP4 K/V, as in our transformers path.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["register", "prepare_process", "install_numba_shim", "install_kv_wrapper", "kv_site"]
+
+_registered = False
+
+
+def install_numba_shim() -> bool:
+    """Make ``llvmlite.binding.ffi.lib`` refuse dunder attributes (so ``vars(lib)`` raises
+    ``TypeError`` instead of returning a wrapper). Returns False without llvmlite; idempotent."""
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:
+        return False
+    cls = ffi._lib_wrapper
+    if getattr(cls, "_tracefp4_shim", False):
+        return True
+    orig = cls.__getattr__
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return orig(self, name)
+
+    cls.__getattr__ = __getattr__
+    cls._tracefp4_shim = True
+    return True
+
+
+def kv_site(layer_name: str, key, value):
+    """K and V ``[tokens, kv_heads, head_dim]`` of attention layer ``layer_name``
+    (``model.layers.N.self_attn.attn``) as the cache must store them under the forward's plan:
+    quantized per token and KV head (rows ``token x head``) by ``plan.quantizer("k"/"v")`` through
+    :func:`tracefp4.engines.model.quantize_site`, and recorded by the forward's capture."""
+    from tracefp4.engines.model import quantize_site
+    from tracefp4.engines.vllm.runtime import RUNTIME, layer_index
+    from tracefp4.guidance.names import Site
+
+    state = RUNTIME.state()
+    if state.plan is None:
+        return key, value
+    i = layer_index(layer_name)
+    return quantize_site(state, i, Site.K, key), quantize_site(state, i, Site.V, value)
+
+
+def install_kv_wrapper() -> None:
+    """Quantize K/V (and record them) where vLLM's CPU attention writes its cache; idempotent."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    if getattr(CPUAttentionBackendImpl, "_tracefp4_kv", False):
+        return
+    orig = CPUAttentionBackendImpl.do_kv_cache_update
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        key, value = kv_site(layer.layer_name, key, value)
+        return orig(self, layer, key, value, kv_cache, slot_mapping)
+
+    CPUAttentionBackendImpl.do_kv_cache_update = do_kv_cache_update
+    CPUAttentionBackendImpl._tracefp4_kv = True
+
+
+def prepare_process() -> None:
+    """Steps 1-2 of ``register()``: safe to import numba (and tracefp4's kernels) in this process.
+    Every module of this package that leads to numba calls it first: a spawned vLLM worker can import
+    them (unpickling the quant config, the worker extension) before its start-up scan."""
+    os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
+    install_numba_shim()
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    prepare_process()
+    import tracefp4.engines.vllm.quant  # noqa: F401  (registers the "tracefp4" quantization config)
+
+    install_kv_wrapper()
+    _registered = True

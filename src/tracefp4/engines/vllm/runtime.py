@@ -1,0 +1,112 @@
+"""The worker-side state of the plugin: what the forward in progress computes and records.
+
+vLLM runs the model inside its worker; the quant method's ``apply`` and the K/V wrapper read the
+process-global :data:`RUNTIME` at run time:
+
+* ``plan``: the precision plan of the forward (``None``: BF16). Outside a :class:`VLLMEngine`
+  call it is the quantization config's plan (vLLM's warm-up forwards, a plain ``LLM.generate``).
+* ``capture``: a :class:`~tracefp4.engines.capture.RolloutCapture`: the same object our own engine
+  hands its seams, so the recorded tensors are exactly what our engine records.
+* ``steps``: while recording, one :class:`StepRecord` per model forward: the batch's rows mapped to
+  (internal request id, position) plus that forward's :class:`~tracefp4.engines.capture.ForwardRecord`.
+
+This module does not import vLLM. The runtime is per process, the worker's: the engine reaches it
+through the worker extension's RPC methods (:mod:`.worker`), in-process or across processes alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+from tracefp4.engines.capture import ForwardRecord, RolloutCapture
+from tracefp4.engines.model import ForwardState
+from tracefp4.engines.plan import PrecisionPlan
+
+__all__ = ["StepRecord", "WorkerRuntime", "RUNTIME", "layer_index", "install_step_recorder"]
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int:
+    """``model.layers.7.mlp.experts`` -> 7 (vLLM's module prefixes and attention layer names)."""
+    m = _LAYER.search(name)
+    if m is None:
+        raise ValueError(f"cannot find a decoder layer index in {name!r}")
+    return int(m.group(1))
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One model forward: row ``i`` belongs to ``req_ids[j]`` for ``qsl[j] <= i < qsl[j+1]`` and sits
+    at ``positions[i]``; ``record`` holds what the seams recorded over those rows."""
+
+    req_ids: list[str]
+    query_start_loc: list[int]
+    positions: torch.Tensor
+    input_ids: torch.Tensor | None
+    record: ForwardRecord
+
+
+class WorkerRuntime:
+    def __init__(self) -> None:
+        self.config_plan: PrecisionPlan | None = PrecisionPlan()
+        self.call_plan: PrecisionPlan | None = None
+        self.in_call = False  # a VLLMEngine.generate is in progress (call_plan applies)
+        self.capture = RolloutCapture()
+        self.recording = False
+        self.steps: list[StepRecord] = []
+
+    @property
+    def plan(self) -> PrecisionPlan | None:
+        return self.call_plan if self.in_call else self.config_plan
+
+    def state(self) -> ForwardState:
+        """What the seams of the forward in progress compute with and record into."""
+        return ForwardState(self.plan, self.capture)
+
+    def begin(self, plan: PrecisionPlan | None, capture: RolloutCapture) -> None:
+        self.call_plan, self.capture, self.in_call, self.recording = plan, capture, True, True
+        self.steps = []
+
+    def end(self) -> list[StepRecord]:
+        steps, self.steps = self.steps, []
+        self.in_call, self.recording, self.call_plan = False, False, None
+        self.capture = RolloutCapture()
+        return steps
+
+
+RUNTIME = WorkerRuntime()
+
+
+def install_step_recorder(worker) -> str:
+    """Wrap ``worker.model_runner._model_forward`` so every forward becomes one :class:`StepRecord`
+    (or, when not recording, leaves nothing behind). ``collective_rpc`` target; idempotent."""
+    runner = worker.model_runner
+    if getattr(runner, "_tracefp4_recorder", False):
+        return "already"
+    orig = runner._model_forward
+
+    def _model_forward(input_ids=None, positions=None, *args, **kwargs):
+        RUNTIME.capture.take()  # start empty whatever a previous forward left
+        try:
+            return orig(input_ids, positions, *args, **kwargs)
+        finally:
+            record = RUNTIME.capture.take()
+            if RUNTIME.recording:
+                n = runner.input_batch.num_reqs
+                RUNTIME.steps.append(
+                    StepRecord(
+                        req_ids=list(runner.input_batch.req_ids[:n]),
+                        query_start_loc=runner.query_start_loc.cpu[: n + 1].tolist(),
+                        positions=positions.detach().cpu().clone(),
+                        input_ids=None if input_ids is None else input_ids.detach().cpu().clone(),
+                        record=record,
+                    )
+                )
+
+    runner._model_forward = _model_forward
+    runner._tracefp4_recorder = True
+    return "installed"

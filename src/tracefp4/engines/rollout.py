@@ -83,7 +83,7 @@ def sample(
 
 
 @dataclasses.dataclass
-class _Step:
+class ForwardStep:
     """Records of one forward, restricted to the rows that belong to trajectories."""
 
     rows: torch.Tensor  # which flattened rows of the forward are real tokens
@@ -105,7 +105,7 @@ class _Decode:
     completions: list[list[int]]
     logprobs: list[list[float]]
     finish: list[str]
-    steps: list[_Step] = dataclasses.field(default_factory=list)
+    steps: list[ForwardStep] = dataclasses.field(default_factory=list)
 
 
 def _check_prompts(prompts: Sequence[Sequence[int] | torch.Tensor], vocab: int) -> list[torch.Tensor]:
@@ -135,7 +135,7 @@ def _forward(
             use_cache=True,
             logits_to_keep=1,
         )
-    st.steps.append(_Step(rows, traj, st.capture.take()))
+    st.steps.append(ForwardStep(rows, traj, st.capture.take()))
     return out.logits[:, -1, :].to(torch.float32)
 
 
@@ -217,7 +217,7 @@ def _split(tensors: Mapping[str, torch.Tensor], counts: list[int], out: list[dic
 
 
 def _raw_records(
-    steps: list[_Step], field: str, order: torch.Tensor, counts: list[int], mode: HintMode
+    steps: list[ForwardStep], field: str, order: torch.Tensor, counts: list[int], mode: HintMode
 ) -> list[dict[str, torch.Tensor]]:
     """Raw quantized values (``field`` of each step's record) encoded once for the whole rollout."""
     out: list[dict[str, torch.Tensor]] = [{} for _ in counts]
@@ -227,7 +227,7 @@ def _raw_records(
     return out
 
 
-def _compact_records(steps: list[_Step], order: torch.Tensor, counts: list[int]) -> list[dict[str, torch.Tensor]]:
+def _compact_records(steps: list[ForwardStep], order: torch.Tensor, counts: list[int]) -> list[dict[str, torch.Tensor]]:
     out: list[dict[str, torch.Tensor]] = [{} for _ in counts]
     for name in steps[0].record.guidance:
         record = record_cat([s.record.guidance[name].select(s.rows.cpu()) for s in steps]).select(order)
@@ -239,7 +239,7 @@ def _compact_records(steps: list[_Step], order: torch.Tensor, counts: list[int])
 
 
 def _routing_records(
-    steps: list[_Step], order: torch.Tensor, counts: list[int], n_experts: int
+    steps: list[ForwardStep], order: torch.Tensor, counts: list[int], n_experts: int
 ) -> list[dict[str, torch.Tensor]]:
     out: list[dict[str, torch.Tensor]] = [{} for _ in counts]
     dtype = torch.uint8 if n_experts <= 256 else torch.int32
@@ -250,7 +250,7 @@ def _routing_records(
 
 
 def assemble_records(
-    steps: list[_Step], lengths: list[int], n_experts: int, capture: RolloutCapture
+    steps: list[ForwardStep], lengths: list[int], n_experts: int, capture: RolloutCapture
 ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
     """(records, diagnostics) per trajectory, rows in position order (steps are chronological,
     prefill rows in order)."""

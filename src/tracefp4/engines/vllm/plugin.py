@@ -20,33 +20,11 @@ several times; it is idempotent. It
 
 from __future__ import annotations
 
-import os
+from tracefp4.engines.vllm.process import prepare_process
 
-__all__ = ["register", "prepare_process", "install_numba_shim", "install_kv_wrapper", "kv_site"]
+__all__ = ["register", "install_kv_wrapper", "kv_site"]
 
 _registered = False
-
-
-def install_numba_shim() -> bool:
-    """Make ``llvmlite.binding.ffi.lib`` refuse dunder attributes (so ``vars(lib)`` raises
-    ``TypeError`` instead of returning a wrapper). Returns False without llvmlite; idempotent."""
-    try:
-        from llvmlite.binding import ffi
-    except ImportError:
-        return False
-    cls = ffi._lib_wrapper
-    if getattr(cls, "_tracefp4_shim", False):
-        return True
-    orig = cls.__getattr__
-
-    def __getattr__(self, name):
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return orig(self, name)
-
-    cls.__getattr__ = __getattr__
-    cls._tracefp4_shim = True
-    return True
 
 
 def kv_site(layer_name: str, key, value):
@@ -79,14 +57,6 @@ def install_kv_wrapper() -> None:
 
     CPUAttentionBackendImpl.do_kv_cache_update = do_kv_cache_update
     CPUAttentionBackendImpl._tracefp4_kv = True
-
-
-def prepare_process() -> None:
-    """Steps 1-2 of ``register()``: safe to import numba (and tracefp4's kernels) in this process.
-    Every module of this package that leads to numba calls it first: a spawned vLLM worker can import
-    them (unpickling the quant config, the worker extension) before its start-up scan."""
-    os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
-    install_numba_shim()
 
 
 def register() -> None:

@@ -19,7 +19,7 @@ a :class:`~tracefp4.engines.vllm.engine.VLLMEngine` call may run another plan (o
 
 from __future__ import annotations
 
-from tracefp4.engines.vllm.plugin import prepare_process
+from tracefp4.engines.vllm.process import prepare_process
 
 prepare_process()  # before numba: a spawned worker unpickles this config before its start-up scan
 
@@ -37,7 +37,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.utils import set_weight_attrs  # noqa: E402
 
 from tracefp4.engines.capture import RolloutCapture  # noqa: E402
-from tracefp4.engines.model import ForwardState, _grouped_linear, quantize_site  # noqa: E402
+from tracefp4.engines.model import ForwardState, grouped_linear, quantize_site  # noqa: E402
 from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
 from tracefp4.engines.vllm.runtime import RUNTIME, layer_index  # noqa: E402
 from tracefp4.guidance.names import Site, layer_tag  # noqa: E402
@@ -119,9 +119,9 @@ def expert_forward(
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     counts = torch.bincount(flat, minlength=n_experts).tolist()
-    mid_sorted = _gate(_grouped_linear(xq[order // k], w13, counts))
+    mid_sorted = _gate(grouped_linear(xq[order // k], w13, counts))
     mid = quantize_site(state, layer, Site.EXPERT_MID, mid_sorted[inverse].reshape(n, k, -1))
-    down_sorted = _grouped_linear(mid.reshape(n * k, -1)[order], w2, counts)
+    down_sorted = grouped_linear(mid.reshape(n * k, -1)[order], w2, counts)
     down = down_sorted[inverse].reshape(n, k, -1)
     out = (down.to(torch.float32) * topk_weights.to(torch.float32).unsqueeze(-1)).sum(dim=1)
     return out.to(x.dtype)

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from tracefp4.engines.capture import RolloutCapture  # noqa: E402
 from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
-from tracefp4.engines.rollout import _Step, assemble_records  # noqa: E402
+from tracefp4.engines.rollout import ForwardStep, assemble_records  # noqa: E402
 from tracefp4.engines.vllm.runtime import RUNTIME, StepRecord, install_step_recorder  # noqa: E402
 from tracefp4.guidance.compact import GuidedMode  # noqa: E402
 
@@ -59,10 +59,10 @@ def unpack_records(blob: bytes) -> tuple[list[dict[str, torch.Tensor]], list[dic
     return out["r"], out["d"]
 
 
-def map_steps(steps: list[StepRecord], owners: dict[str, tuple[int, str]], token_ids: list[torch.Tensor]) -> list[_Step]:
+def map_steps(steps: list[StepRecord], owners: dict[str, tuple[int, str]], token_ids: list[torch.Tensor]) -> list[ForwardStep]:
     """Each forward's rows that belong to a trajectory, in chronological order; checks that every
     trajectory gets exactly positions ``0..T-1`` with its own tokens."""
-    out: list[_Step] = []
+    out: list[ForwardStep] = []
     seen: list[list[torch.Tensor]] = [[] for _ in token_ids]
     for st in steps:
         rows, traj = [], []
@@ -83,7 +83,7 @@ def map_steps(steps: list[StepRecord], owners: dict[str, tuple[int, str]], token
             traj.append(torch.full((r.numel(),), b, dtype=torch.long))
             seen[b].append(pos)
         if rows and sum(r.numel() for r in rows):
-            out.append(_Step(torch.cat(rows), torch.cat(traj), st.record))
+            out.append(ForwardStep(torch.cat(rows), torch.cat(traj), st.record))
     for b, parts in enumerate(seen):
         pos = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
         if not torch.equal(pos, torch.arange(token_ids[b].numel())):

@@ -119,3 +119,38 @@ def test_two_ranks_equal_one_process(tmp_path, monkeypatch):
         assert torch.equal(p2, m2.to(torch.bfloat16))  # the driver's model = bf16(masters)
     print(f"weights after 2 steps: mean |N=2 - N=1| / mean |moved| = {diff / moved:.2e}")
     assert diff < 0.02 * moved
+
+
+def _rows(run_dir, arm):
+    return [json.loads(x) for x in (run_dir / "metrics" / f"{arm}.jsonl").read_text().splitlines()]
+
+
+def test_grpo_run_on_two_trainer_processes_and_resume(tmp_path):
+    """Two arms with trainer_world_size = 2 against 1: the first step's grad norm agrees within 1% per
+    arm; config.json records the world size; a run stopped after one step resumes on two processes,
+    from checkpoints in the format one process writes."""
+    from safetensors.torch import load_file
+
+    from tracefp4.rl.loop import run
+
+    common = dict(TINY, lr=1e-4, arms=("qat", "trace"), out=str(tmp_path), warm_start_steps=15)
+    one = run(RLConfig(**{**common, "run_name": "one"}))
+    two = run(RLConfig(**{**common, "run_name": "two", "steps": 1, "trainer_world_size": 2}))  # stopped after 1
+    assert json.loads((two / "config.json").read_text())["trainer_world_size"] == 2
+    assert json.loads((one / "config.json").read_text())["trainer_world_size"] == 1
+    run(RLConfig(**{**common, "resume": str(two), "trainer_world_size": 2}))  # resumed to step 2
+    for arm in ("qat", "trace"):
+        a = [r for r in _rows(one, arm) if r["kind"] == "train"]
+        b = [r for r in _rows(two, arm) if r["kind"] == "train"]
+        assert [r["step"] for r in b] == [0, 1]
+        print(f"{arm}: first-step grad norm N=1 {a[0]['grad_norm']:.6f}  N=2 {b[0]['grad_norm']:.6f}")
+        assert b[0]["grad_norm"] == pytest.approx(a[0]["grad_norm"], rel=1e-2)
+        assert b[0]["reward_mean"] == a[0]["reward_mean"]  # the rollout is the driver's, as with N = 1
+        assert 0 < b[1]["store/bytes_read_rank0"] < b[1]["store/bytes_step"]
+        ck_a, ck_b = (d / "checkpoints" / arm / "step-00000002" for d in (one, two))
+        ta, tb = load_file(ck_a / "optimizer.safetensors"), load_file(ck_b / "optimizer.safetensors")
+        assert set(ta) == set(tb)
+        for k in ta:
+            if k.startswith("master/"):  # two steps of lr 1e-4 (see the module docstring)
+                assert (ta[k] - tb[k]).abs().max() <= 4 * 1e-4 * 1.01, k
+        assert json.loads((ck_b / "trainer_state.json").read_text())["state"]["policy_version"] == 2

@@ -73,6 +73,9 @@ class ArmRunner:
         self.version = 0  # policy version: optimizer steps taken so far, in whole GRPO steps
         self.step = 0
         self.log = runlog.MetricsLog(run_dir, name, resume_step=resume_step)
+        # trainer_world_size > 1: the update runs on that many processes (tracefp4.rl.distributed),
+        # started at the first step from this model and self.opt (which a resume has loaded by then)
+        self.group = None
 
     @property
     def name(self) -> str:
@@ -90,7 +93,11 @@ class ArmRunner:
         """One GRPO step: collect, update; returns the step's metrics record."""
         batch = collect(self.setup, self.step, self.version)
         t0 = time.perf_counter()
-        stats = update(self.model, self.opt, self.arm, self.cfg, batch)
+        if self.cfg.trainer_world_size > 1:
+            stats = self._trainer_group().update(batch, self.setup.store_root, self.setup.signature, self.version,
+                                                 self.model)  # the new weights are in self.model on return
+        else:
+            stats = update(self.model, self.opt, self.arm, self.cfg, batch)
         crash_point("updated")  # the weights moved in memory only
         self.version += 1
         rec = {
@@ -102,6 +109,21 @@ class ArmRunner:
         self.step += 1
         return rec
 
+    def _trainer_group(self):
+        if self.group is None:
+            from tracefp4.rl.distributed import TrainerGroup
+
+            self.group = TrainerGroup(self.cfg.trainer_world_size, self.model, self.cfg, self.arm,
+                                      self.opt.state_tensors())
+        return self.group
+
+    def close(self) -> None:
+        """Stop the trainer processes (if any) and close the metrics log."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self.log.close()
+
     def evaluate(self) -> dict[str, float]:
         s = self.setup
         return evaluate(s.model, s.arm, s.task, s.tok, s.cfg)
@@ -109,7 +131,9 @@ class ArmRunner:
     # The runner's whole state, saved and restored here only (model, optimizer, step, policy version).
 
     def save(self, arm_dir: Path) -> None:
-        save_checkpoint(arm_dir, self.step, model=self.model, optimizer_tensors=self.opt.state_tensors(), state={
+        # with trainer processes: their FP32 masters and Adam state, gathered in full (same names, same format)
+        tensors = self.group.optimizer_tensors() if self.group is not None else self.opt.state_tensors()
+        save_checkpoint(arm_dir, self.step, model=self.model, optimizer_tensors=tensors, state={
             "arm": self.name, "step": self.step, "policy_version": self.version, "signature": self.setup.signature,
         })
 
@@ -193,19 +217,22 @@ def run_arm(name: str, base: PreTrainedModel, task: Task, tok: Tokenizer, cfg: R
     if found is not None:
         runner.load(found)
     runner.discard_unconsumed_steps()
-    if runner.step == 0:
-        runner.log.log({"kind": "eval", "step": 0, **runner.evaluate()})
-    with _progress(cfg.steps, f"GRPO {name:>10}") as bar:
-        bar.update(runner.step)
-        while runner.step < cfg.steps:
-            rec = runner.train_step()
-            runner.log.log(rec)
-            bar.update(1)
-            bar.set_postfix(reward=f"{rec['reward_mean']:.2f}", dlogp=f"{rec['train_rollout_logprob_abs_diff']:.4f}")
-            if runner.step % cfg.eval_every == 0 or runner.step == cfg.steps:
-                runner.log.log({"kind": "eval", "step": runner.step, **runner.evaluate()})
-                runner.save(ckpt)
-    runner.log.close()
+    try:
+        if runner.step == 0:
+            runner.log.log({"kind": "eval", "step": 0, **runner.evaluate()})
+        with _progress(cfg.steps, f"GRPO {name:>10}") as bar:
+            bar.update(runner.step)
+            while runner.step < cfg.steps:
+                rec = runner.train_step()
+                runner.log.log(rec)
+                bar.update(1)
+                bar.set_postfix(reward=f"{rec['reward_mean']:.2f}",
+                                dlogp=f"{rec['train_rollout_logprob_abs_diff']:.4f}")
+                if runner.step % cfg.eval_every == 0 or runner.step == cfg.steps:
+                    runner.log.log({"kind": "eval", "step": runner.step, **runner.evaluate()})
+                    runner.save(ckpt)
+    finally:
+        runner.close()
 
 
 def _progress(total: int, desc: str):

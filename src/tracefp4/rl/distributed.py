@@ -31,8 +31,9 @@ What is sharded, and how
 
 Processes
     :class:`TrainerGroup` (the driver's handle) starts N processes with ``torch.multiprocessing``'s
-    spawn context and a ``file://`` rendezvous on local disk, or ``env://`` when ``RANK``,
-    ``WORLD_SIZE`` and ``MASTER_ADDR`` are set (torchrun's variables; :func:`init_distributed`). Backend:
+    spawn context and a ``file://`` rendezvous on local disk. The building blocks
+    (:func:`init_distributed`, :func:`shard_model`, :func:`sharded_update`) also run under torchrun
+    (``init_distributed()`` reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``). Backend:
     NCCL when CUDA is available (one GPU per rank), else gloo on CPU; one code path. The rollout and the
     scoring (old log-probs, metrics) stay on the driver, as with ``trainer_world_size = 1`` or Ray
     rollout workers; after each step rank 0 gathers the full weights and the driver copies them into its
@@ -81,17 +82,22 @@ def device_and_backend() -> tuple[torch.device, str]:
 
 
 def init_distributed(rank: int | None = None, world_size: int | None = None, init_file: str | None = None) -> None:
-    """Join the process group: torchrun's ``env://`` when RANK, WORLD_SIZE and MASTER_ADDR are set,
-    else a ``file://`` rendezvous at ``init_file`` with the given rank and world size."""
-    env = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank or 0)) % torch.cuda.device_count())
+    """Join the process group: a ``file://`` rendezvous at ``init_file`` with the given rank and
+    world size (what :class:`TrainerGroup` spawns), or, without ``init_file``, torchrun's ``env://``
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). Backend: NCCL on CUDA, else gloo."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if env:
+    if init_file is None:
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise ValueError(f"init_distributed without init_file needs torchrun's environment; missing {missing}")
+        rank = int(os.environ["RANK"])
+    elif rank is None or world_size is None:
+        raise ValueError("init_distributed with init_file needs rank and world_size")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    if init_file is None:
         dist.init_process_group(backend, init_method="env://")
     else:
-        if rank is None or world_size is None or init_file is None:
-            raise ValueError("init_distributed needs rank, world_size and init_file (or torchrun's environment)")
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
 
 

@@ -46,6 +46,17 @@ def _setup(tmp_path, arm: str) -> ArmSetup:
     return ArmSetup(arm, a, model, task, tok, cfg, tmp_path / "store", model_signature(model, a.plan), None)
 
 
+@pytest.mark.parametrize("kw, expected", [
+    (dict(trainer_world_size=0), "trainer_world_size = 0: expected a value >= 1"),
+    (dict(trainer_world_size=5, prompts_per_step=2, group_size=4, updates_per_step=2),
+     "trainer_world_size = 5: expected at most the minibatch size"),
+])
+def test_trainer_world_size_is_validated(kw, expected):
+    with pytest.raises(ValueError, match=expected.replace("(", r"\(")):
+        RLConfig(**kw).validate()
+    assert RLConfig().trainer_world_size == 1  # default: the update in this process, as before
+
+
 def test_rank_share_is_a_partition():
     idx = [5, 2, 7, 0, 3]
     shares = [rank_share(idx, r, 2) for r in range(2)]

@@ -282,8 +282,14 @@ def _worker(rank: int, world: int, init_file: str, threads: int, setup: dict[str
         load_adam_state(model, opt, opt_t)
         del setup
         outbox.put(("ready", rank))
+        parent = os.getppid()
         while True:
-            cmd, arg = inbox.get()
+            try:
+                cmd, arg = inbox.get(timeout=5.0)
+            except queue.Empty:
+                if os.getppid() != parent:  # the driver died (killed): nothing of ours is on disk, exit
+                    break
+                continue
             if cmd == "stop":
                 break
             if cmd == "update":

@@ -266,23 +266,28 @@ def _build_model(config_json: str, weights: dict[str, torch.Tensor]) -> PreTrain
     return model
 
 
-def _worker(rank: int, world: int, init_file: str, threads: int, setup: dict[str, Any], inbox, outbox) -> None:
+def _setup_cmd(setup: dict[str, Any]) -> tuple[PreTrainedModel, torch.optim.Optimizer, Arm, RLConfig]:
+    """A fresh sharded model and optimizer on this rank (one arm), from the driver's weights and state."""
+    cfg = RLConfig.from_dict(setup["cfg"])
+    arm = Arm.from_dict(setup["arm"])
+    opt_t = setup["optimizer_tensors"]
+    model = _build_model(setup["config_json"], setup["weights"])
+    masters = {k[len("master/"):]: v for k, v in opt_t.items() if k.startswith("master/")}
+    shard_model(model, masters or None)
+    model.eval()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+    load_adam_state(model, opt, opt_t)
+    return model, opt, arm, cfg
+
+
+def _worker(rank: int, world: int, init_file: str, threads: int, inbox, outbox) -> None:
     torch.set_num_threads(threads)
     try:
         init_distributed(rank, world, init_file)
-        cfg = RLConfig.from_dict(setup["cfg"])
-        arm = Arm.from_dict(setup["arm"])
-        opt_t = setup["optimizer_tensors"]
-        model = _build_model(setup["config_json"], setup["weights"])
-        masters = {k[len("master/"):]: v for k, v in opt_t.items() if k.startswith("master/")}
-        shard_model(model, masters or None)
-        model.eval()
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
-        load_adam_state(model, opt, opt_t)
-        del setup
         outbox.put(("ready", rank))
         parent = os.getppid()
+        model = opt = arm = cfg = None
         while True:
             try:
                 cmd, arg = inbox.get(timeout=5.0)
@@ -292,7 +297,14 @@ def _worker(rank: int, world: int, init_file: str, threads: int, setup: dict[str
                 continue
             if cmd == "stop":
                 break
-            if cmd == "update":
+            if cmd == "setup":
+                model = opt = None  # the previous arm's
+                model, opt, arm, cfg = _setup_cmd(arg)
+                del arg
+                outbox.put(("setup", rank))
+            elif model is None:
+                raise ValueError(f"command {cmd!r} before setup")
+            elif cmd == "update":
                 out = _update_cmd(model, opt, arm, cfg, arg)
                 weights = gather_weights(model)
                 outbox.put(("update", {**out, "rank": rank, "weights": weights if rank == 0 else None}))
@@ -326,15 +338,17 @@ def _update_cmd(model, opt, arm: Arm, cfg: RLConfig, job: dict[str, Any]) -> dic
 
 
 class TrainerGroup:
-    """N trainer processes holding one arm's sharded model and optimizer (the driver's handle).
+    """N trainer processes in one process group (the driver's handle); :meth:`setup` gives them an
+    arm's sharded model and optimizer (again for the next arm: the processes are started once per run).
 
     ``model`` is the driver's BF16 model (its weights and config start the ranks);
     ``optimizer_tensors`` are :meth:`MasterWeightAdamW.state_tensors` (FP32 masters, and Adam state
     after a resume). After :meth:`update` the driver's model holds the new weights.
     """
 
-    def __init__(self, world_size: int, model: PreTrainedModel, cfg: RLConfig, arm: Arm,
-                 optimizer_tensors: dict[str, torch.Tensor], *, timeout_s: float = 3600.0):
+    def __init__(self, world_size: int, model: PreTrainedModel | None = None, cfg: RLConfig | None = None,
+                 arm: Arm | None = None, optimizer_tensors: dict[str, torch.Tensor] | None = None, *,
+                 timeout_s: float = 3600.0):
         import torch.multiprocessing as mp
 
         if world_size < 2:
@@ -343,24 +357,30 @@ class TrainerGroup:
         self._tmp = tempfile.TemporaryDirectory(prefix="tracefp4-rdzv-")
         init_file = os.path.join(self._tmp.name, "rendezvous")
         threads = max(1, torch.get_num_threads() // world_size)
-        setup = {
-            "cfg": _plain_config(cfg), "arm": arm.to_dict(),
-            "config_json": json.dumps(model.config.to_dict(), default=str),
-            "weights": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
-            "optimizer_tensors": {k: v.detach().cpu().clone() for k, v in optimizer_tensors.items()},
-        }
         ctx = mp.get_context("spawn")
         self._out = ctx.Queue()
         self._in = [ctx.Queue() for _ in range(world_size)]
-        self._procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, threads, setup, self._in[r], self._out),
+        self._procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, threads, self._in[r], self._out),
                                    daemon=True) for r in range(world_size)]
         for p in self._procs:
             p.start()
         try:
             self._collect("ready")
+            if model is not None:
+                self.setup(model, cfg, arm, optimizer_tensors)
         except BaseException:
             self.close()
             raise
+
+    def setup(self, model: PreTrainedModel, cfg: RLConfig, arm: Arm, optimizer_tensors: dict[str, torch.Tensor]) -> None:
+        """Give the ranks an arm: the driver's model (weights, config) and optimizer state."""
+        self._send("setup", {
+            "cfg": _plain_config(cfg), "arm": arm.to_dict(),
+            "config_json": json.dumps(model.config.to_dict(), default=str),
+            "weights": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
+            "optimizer_tensors": {k: v.detach().cpu().clone() for k, v in optimizer_tensors.items()},
+        })
+        self._collect("setup")
 
     def _collect(self, kind: str) -> list[Any]:
         """One reply of ``kind`` from every rank (in rank order for rank-indexed replies)."""

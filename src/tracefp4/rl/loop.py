@@ -62,7 +62,7 @@ class ArmRunner:
     """Runs GRPO for one arm; all state needed to resume lives in its checkpoint folder."""
 
     def __init__(self, name: str, model: PreTrainedModel, task: Task, tok: Tokenizer, cfg: RLConfig,
-                 run_dir: Path, plan: PrecisionPlan | None = None, pool=None, resume_step: int = 0):
+                 run_dir: Path, plan: PrecisionPlan | None = None, pool=None, resume_step: int = 0, group=None):
         self.plan = plan or PrecisionPlan()
         self.cfg = cfg
         self.run_dir = run_dir
@@ -73,9 +73,10 @@ class ArmRunner:
         self.version = 0  # policy version: optimizer steps taken so far, in whole GRPO steps
         self.step = 0
         self.log = runlog.MetricsLog(run_dir, name, resume_step=resume_step)
-        # trainer_world_size > 1: the update runs on that many processes (tracefp4.rl.distributed),
-        # started at the first step from this model and self.opt (which a resume has loaded by then)
-        self.group = None
+        # trainer_world_size > 1: the update runs on the processes of ``group`` (tracefp4.rl.distributed),
+        # given this arm at the first step from this model and self.opt (which a resume has loaded by then)
+        self.group = group
+        self.group_ready = False
 
     @property
     def name(self) -> str:
@@ -93,7 +94,7 @@ class ArmRunner:
         """One GRPO step: collect, update; returns the step's metrics record."""
         batch = collect(self.setup, self.step, self.version)
         t0 = time.perf_counter()
-        if self.cfg.trainer_world_size > 1:
+        if self.group is not None:
             stats = self._trainer_group().update(batch, self.setup.store_root, self.setup.signature, self.version,
                                                  self.model)  # the new weights are in self.model on return
         else:
@@ -110,18 +111,12 @@ class ArmRunner:
         return rec
 
     def _trainer_group(self):
-        if self.group is None:
-            from tracefp4.rl.distributed import TrainerGroup
-
-            self.group = TrainerGroup(self.cfg.trainer_world_size, self.model, self.cfg, self.arm,
-                                      self.opt.state_tensors())
+        if not self.group_ready:
+            self.group.setup(self.model, self.cfg, self.arm, self.opt.state_tensors())
+            self.group_ready = True
         return self.group
 
     def close(self) -> None:
-        """Stop the trainer processes (if any) and close the metrics log."""
-        if self.group is not None:
-            self.group.close()
-            self.group = None
         self.log.close()
 
     def evaluate(self) -> dict[str, float]:
@@ -132,7 +127,7 @@ class ArmRunner:
 
     def save(self, arm_dir: Path) -> None:
         # with trainer processes: their FP32 masters and Adam state, gathered in full (same names, same format)
-        tensors = self.group.optimizer_tensors() if self.group is not None else self.opt.state_tensors()
+        tensors = self.group.optimizer_tensors() if self.group_ready else self.opt.state_tensors()
         save_checkpoint(arm_dir, self.step, model=self.model, optimizer_tensors=tensors, state={
             "arm": self.name, "step": self.step, "policy_version": self.version, "signature": self.setup.signature,
         })
@@ -171,19 +166,25 @@ def run(cfg: RLConfig) -> Path:
 def _run_arms(cfg: RLConfig, task: Task, tok: Tokenizer, run_dir: Path) -> None:
     base = warm_start_model(cfg, task, tok, run_dir / "checkpoints" / "warm_start")
 
-    pool = None
-    if cfg.rollout_workers > 0:
-        from tracefp4.rl.workers import RolloutPool
-
-        pool = RolloutPool(base, cfg.rollout_workers)
+    pool = group = None
     try:
+        if cfg.rollout_workers > 0:
+            from tracefp4.rl.workers import RolloutPool
+
+            pool = RolloutPool(base, cfg.rollout_workers)
+        if cfg.trainer_world_size > 1:  # the update on N processes, started once, given each arm in turn
+            from tracefp4.rl.distributed import TrainerGroup
+
+            group = TrainerGroup(cfg.trainer_world_size)
         for name in cfg.arms:
             if pool is not None:
                 pool.version = None  # every arm starts from the warm-start weights: resync
-            run_arm(name, base, task, tok, cfg, run_dir, pool)
+            run_arm(name, base, task, tok, cfg, run_dir, pool, group)
     finally:
         if pool is not None:
             pool.shutdown()
+        if group is not None:
+            group.close()
     write_report(run_dir)
 
 
@@ -208,12 +209,13 @@ def warm_start_model(cfg: RLConfig, task: Task, tok: Tokenizer, base_dir: Path) 
 
 
 def run_arm(name: str, base: PreTrainedModel, task: Task, tok: Tokenizer, cfg: RLConfig, run_dir: Path,
-            pool=None) -> None:
+            pool=None, group=None) -> None:
     """GRPO for one arm from the warm-start weights (or its own checkpoint, when resuming)."""
     ckpt = run_dir / "checkpoints" / name
     found = latest_checkpoint(ckpt)  # the newest that verifies; a damaged one falls back, with a warning
     model = load_model(found.model_path) if found is not None else copy.deepcopy(base)
-    runner = ArmRunner(name, model, task, tok, cfg, run_dir, pool=pool, resume_step=found.step if found else 0)
+    runner = ArmRunner(name, model, task, tok, cfg, run_dir, pool=pool, resume_step=found.step if found else 0,
+                       group=group)
     if found is not None:
         runner.load(found)
     runner.discard_unconsumed_steps()

@@ -30,8 +30,10 @@ What is sharded, and how
       r read) is reported beside ``store/bytes_step`` (the step's shard bytes).
 
 Processes
-    :class:`TrainerGroup` (the driver's handle) starts N processes with ``torch.multiprocessing``'s
-    spawn context and a ``file://`` rendezvous on local disk. The building blocks
+    :class:`TrainerGroup` (the driver's handle) starts N processes once per run with
+    ``torch.multiprocessing``'s spawn context and a ``file://`` rendezvous on local disk, and gives
+    them each arm in turn (:meth:`TrainerGroup.setup`); they exit when the driver dies. Nothing crosses
+    to them but tensors, lists and the config as plain values (no pickled objects of ours). The building blocks
     (:func:`init_distributed`, :func:`shard_model`, :func:`sharded_update`) also run under torchrun
     (``init_distributed()`` reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``). Backend:
     NCCL when CUDA is available (one GPU per rank), else gloo on CPU; one code path. The rollout and the
@@ -41,6 +43,10 @@ Processes
     FP32 masters and Adam state on rank 0 and keep :mod:`tracefp4.rl.checkpoint`'s format (the
     driver writes them, in :class:`~tracefp4.rl.optim.MasterWeightAdamW`'s tensor names), so a run
     resumes with any world size's checkpoint files.
+
+Pitfall found on the way (torch 2.13): FSDP2 leaves the root's parameters gathered after a forward;
+a forward without gradient followed by a forward-backward then gives wrong gradients for them (a 45%
+lower norm here). :func:`reshard` puts them back; every update starts with it.
 """
 
 from __future__ import annotations
@@ -104,7 +110,8 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, ini
 def shard_model(model: PreTrainedModel, masters: dict[str, torch.Tensor] | None = None) -> PreTrainedModel:
     """Make ``model``'s parameters FP32 masters (the BF16 weights widened, or ``masters[name]``) and
     shard them with FSDP2: each decoder layer, then the root; BF16 compute, FP32 gradient reduction
-    as a sum. Call on every rank, in an initialised process group."""
+    (averaged over ranks: :func:`sharded_update` scales the losses by N). Call on every rank, in an
+    initialised process group."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -117,12 +124,13 @@ def shard_model(model: PreTrainedModel, masters: dict[str, torch.Tensor] | None 
                 continue
             if id(p) not in widened:
                 src = masters[names[id(p)]] if masters is not None and names[id(p)] in masters else p.detach()
-                widened[id(p)] = torch.nn.Parameter(src.to(device, torch.float32).clone(), requires_grad=p.requires_grad)
+                widened[id(p)] = torch.nn.Parameter(src.to(device, torch.float32).clone(),
+                                                    requires_grad=p.requires_grad)
             module._parameters[key] = widened[id(p)]
     model.to(device)
     for module in model.modules():
-        if "_tracefp4_binding" in module.__dict__:  # the experts: quantize a copy of the gathered weights
-            module.__dict__["_tracefp4_gathered"] = True
+        if "_tracefp4_binding" in module.__dict__ and hasattr(module, "gate_up_proj"):
+            module.__dict__["_tracefp4_gathered"] = True  # the experts: quantize a copy of the gathered weights
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -372,7 +380,8 @@ class TrainerGroup:
             self.close()
             raise
 
-    def setup(self, model: PreTrainedModel, cfg: RLConfig, arm: Arm, optimizer_tensors: dict[str, torch.Tensor]) -> None:
+    def setup(self, model: PreTrainedModel, cfg: RLConfig, arm: Arm,
+              optimizer_tensors: dict[str, torch.Tensor]) -> None:
         """Give the ranks an arm: the driver's model (weights, config) and optimizer state."""
         self._send("setup", {
             "cfg": _plain_config(cfg), "arm": arm.to_dict(),
@@ -406,7 +415,8 @@ class TrainerGroup:
         for q in self._in:
             q.put((cmd, arg))
 
-    def update(self, batch, store_root, signature: str, policy_version: int, model: PreTrainedModel) -> dict[str, float]:
+    def update(self, batch, store_root, signature: str, policy_version: int,
+               model: PreTrainedModel) -> dict[str, float]:
         """One step's updates on the ranks, each reading its own records from the store; copies the
         new weights into ``model`` (the driver's) and returns the statistics with the store bytes."""
         job = {

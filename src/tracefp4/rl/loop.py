@@ -15,6 +15,10 @@ and one metrics row per step. Every step is a function of the weights and the st
 same sampling seeds) and what each records are in :mod:`tracefp4.rl.arms`; every field of the run
 config in :mod:`tracefp4.rl.config`.
 
+With ``trainer_world_size = N > 1`` the update runs on N FSDP2 processes (:mod:`tracefp4.rl.distributed`,
+started once per run, given each arm in turn); rollout, scoring, evaluation and checkpoints stay here,
+and the new weights come back to this process's model after every step.
+
 :func:`run` is a library function: it leaves process-wide settings (torch's thread count) to its
 caller; the ``tracefp4`` command sets them from the config.
 """

@@ -16,6 +16,7 @@ difference at 2% of the mean distance the weights moved.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -136,20 +137,35 @@ def _rows(run_dir, arm):
     return [json.loads(x) for x in (run_dir / "metrics" / f"{arm}.jsonl").read_text().splitlines()]
 
 
-def test_grpo_run_on_two_trainer_processes_and_resume(tmp_path):
+def test_grpo_run_on_two_trainer_processes_killed_and_resumed(tmp_path):
     """Two arms with trainer_world_size = 2 against 1: the first step's grad norm agrees within 1% per
-    arm; config.json records the world size; a run stopped after one step resumes on two processes,
-    from checkpoints in the format one process writes."""
+    arm; config.json records the world size; a run killed (SIGKILL, mid-run after its second update)
+    resumes on two processes, from checkpoints in the format one process writes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
     from safetensors.torch import load_file
 
     from tracefp4.rl.loop import run
 
     common = dict(TINY, lr=1e-4, arms=("qat", "trace"), out=str(tmp_path), warm_start_steps=15)
     one = run(RLConfig(**{**common, "run_name": "one"}))
-    two = run(RLConfig(**{**common, "run_name": "two", "steps": 1, "trainer_world_size": 2}))  # stopped after 1
+    two = tmp_path / "two"
+    config = tmp_path / "two.json"
+    plain = {**common, "model": dataclasses.asdict(MODEL), "arms": list(common["arms"]), "run_name": "two",
+             "trainer_world_size": 2}
+    config.write_text(json.dumps(plain))
+    env = {k: v for k, v in os.environ.items() if k not in ("TRACEFP4_CRASH_AT", "TRACEFP4_DEBUG")}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env.update(PYTHONPATH=src, NUMBA_NUM_THREADS="1", TRACEFP4_CRASH_AT="updated:2")  # qat's step 1
+    killed = subprocess.run([sys.executable, "-m", "tracefp4", "train", "--config", str(config)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-2000:]
     assert json.loads((two / "config.json").read_text())["trainer_world_size"] == 2
     assert json.loads((one / "config.json").read_text())["trainer_world_size"] == 1
-    run(RLConfig(**{**common, "resume": str(two), "trainer_world_size": 2}))  # resumed to step 2
+    run(RLConfig(**{**common, "resume": str(two), "trainer_world_size": 2}))  # in this process, to step 2
     for arm in ("qat", "trace"):
         a = [r for r in _rows(one, arm) if r["kind"] == "train"]
         b = [r for r in _rows(two, arm) if r["kind"] == "train"]

@@ -152,8 +152,11 @@ def expert_weight(state: ForwardState, experts: nn.Module, name: str) -> torch.T
     quantizer = state.plan.weight_quantizer
 
     def fake_quant() -> torch.Tensor:
+        # An FSDP-gathered weight is a view of storage FSDP frees after the layer (resize to 0); the
+        # CPU kernels view their input as a numpy array, which pins a storage's size: give them a copy.
+        src = w.detach().clone() if experts.__dict__.get("_tracefp4_gathered") else w.detach()
         try:
-            return quantizer.dequantize(quantizer.quantize(w.detach()))
+            return quantizer.dequantize(quantizer.quantize(src))
         except ValueError as e:
             raise ValueError(f"expert weight {name}: {e}") from e
 

@@ -65,6 +65,7 @@ class Batch:
     metrics: dict[str, float]  # reward, mismatch, guidance bytes, code mismatch, ...
     timings: dict[str, float]  # time/rollout_s, time/store_write_s, time/store_read_s
     score_s: float  # seconds spent scoring (rewards and old log-probs): part of time/train_s
+    traj_ids: list[str] = dataclasses.field(default_factory=list)  # the store's names of the trajectories
 
     @property
     def width(self) -> int:
@@ -86,7 +87,7 @@ def collect(s: ArmSetup, step: int, version: int) -> Batch:
         diagnostics = records  # from worker processes: the full codes that reached the store
     t0 = time.perf_counter()
     batch = _score(s, step, group, roll, records, diagnostics)
-    batch.timings, batch.score_s = timings, time.perf_counter() - t0
+    batch.timings, batch.score_s, batch.traj_ids = timings, time.perf_counter() - t0, ids
     return batch
 
 

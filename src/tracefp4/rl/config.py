@@ -179,6 +179,9 @@ class RLConfig:
     threads: int = _field(2, help="torch intra-op threads; used by the tracefp4 command (the process owner), "
                           "not by rl.loop.run", ge=1)
     rollout_workers: int = _field(0, help="> 0: that many Ray rollout worker processes (needs ray)", ge=0)
+    trainer_world_size: int = _field(1, help="processes the update step runs on (FSDP2, data parallel; "
+                                     "tracefp4.rl.distributed); 1: in this process. At most the minibatch "
+                                     "size prompts_per_step * group_size / updates_per_step", ge=1)
 
     @classmethod
     def from_dict(cls, d: dict) -> RLConfig:
@@ -242,6 +245,10 @@ class RLConfig:
         if self.prompts_per_step * self.group_size % self.updates_per_step:
             _fail("updates_per_step", self.updates_per_step,
                   f"a divisor of prompts_per_step * group_size = {self.prompts_per_step * self.group_size}")
+        minibatch = self.prompts_per_step * self.group_size // self.updates_per_step
+        if self.trainer_world_size > minibatch:
+            _fail("trainer_world_size", self.trainer_world_size,
+                  f"at most the minibatch size prompts_per_step * group_size / updates_per_step = {minibatch}")
 
 
 def read_table(path: str) -> dict:

@@ -15,6 +15,10 @@ and one metrics row per step. Every step is a function of the weights and the st
 same sampling seeds) and what each records are in :mod:`tracefp4.rl.arms`; every field of the run
 config in :mod:`tracefp4.rl.config`.
 
+With ``trainer_world_size = N > 1`` the update runs on N FSDP2 processes (:mod:`tracefp4.rl.distributed`,
+started once per run, given each arm in turn); rollout, scoring, evaluation and checkpoints stay here,
+and the new weights come back to this process's model after every step.
+
 :func:`run` is a library function: it leaves process-wide settings (torch's thread count) to its
 caller; the ``tracefp4`` command sets them from the config.
 """
@@ -62,7 +66,7 @@ class ArmRunner:
     """Runs GRPO for one arm; all state needed to resume lives in its checkpoint folder."""
 
     def __init__(self, name: str, model: PreTrainedModel, task: Task, tok: Tokenizer, cfg: RLConfig,
-                 run_dir: Path, plan: PrecisionPlan | None = None, pool=None, resume_step: int = 0):
+                 run_dir: Path, plan: PrecisionPlan | None = None, pool=None, resume_step: int = 0, group=None):
         self.cfg = cfg
         self.run_dir = run_dir
         self.opt = MasterWeightAdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
@@ -73,6 +77,10 @@ class ArmRunner:
         self.version = 0  # policy version: optimizer steps taken so far, in whole GRPO steps
         self.step = 0
         self.log = runlog.MetricsLog(run_dir, name, resume_step=resume_step)
+        # trainer_world_size > 1: the update runs on the processes of ``group`` (tracefp4.rl.distributed),
+        # given this arm at the first step from this model and self.opt (which a resume has loaded by then)
+        self.group = group
+        self.group_ready = False
 
     @property
     def name(self) -> str:
@@ -90,7 +98,11 @@ class ArmRunner:
         """One GRPO step: collect, update; returns the step's metrics record."""
         batch = collect(self.setup, self.step, self.version)
         t0 = time.perf_counter()
-        stats = update(self.model, self.opt, self.arm, self.cfg, batch)
+        if self.group is not None:
+            stats = self._trainer_group().update(batch, self.setup.store_root, self.setup.signature, self.version,
+                                                 self.model)  # the new weights are in self.model on return
+        else:
+            stats = update(self.model, self.opt, self.arm, self.cfg, batch)
         crash_point("updated")  # the weights moved in memory only
         self.version += 1
         rec = {
@@ -102,6 +114,15 @@ class ArmRunner:
         self.step += 1
         return rec
 
+    def _trainer_group(self):
+        if not self.group_ready:
+            self.group.setup(self.model, self.cfg, self.arm, self.opt.state_tensors())
+            self.group_ready = True
+        return self.group
+
+    def close(self) -> None:
+        self.log.close()
+
     def evaluate(self) -> dict[str, float]:
         s = self.setup
         return evaluate(s.model, s.arm, s.task, s.tok, s.cfg)
@@ -109,7 +130,9 @@ class ArmRunner:
     # The runner's whole state, saved and restored here only (model, optimizer, step, policy version).
 
     def save(self, arm_dir: Path) -> None:
-        save_checkpoint(arm_dir, self.step, model=self.model, optimizer_tensors=self.opt.state_tensors(), state={
+        # with trainer processes: their FP32 masters and Adam state, gathered in full (same names, same format)
+        tensors = self.group.optimizer_tensors() if self.group_ready else self.opt.state_tensors()
+        save_checkpoint(arm_dir, self.step, model=self.model, optimizer_tensors=tensors, state={
             "arm": self.name, "step": self.step, "policy_version": self.version, "signature": self.setup.signature,
         })
 
@@ -147,19 +170,25 @@ def run(cfg: RLConfig) -> Path:
 def _run_arms(cfg: RLConfig, task: Task, tok: Tokenizer, run_dir: Path) -> None:
     base = warm_start_model(cfg, task, tok, run_dir / "checkpoints" / "warm_start")
 
-    pool = None
-    if cfg.rollout_workers > 0:
-        from tracefp4.rl.workers import RolloutPool
-
-        pool = RolloutPool(base, cfg.rollout_workers)
+    pool = group = None
     try:
+        if cfg.rollout_workers > 0:
+            from tracefp4.rl.workers import RolloutPool
+
+            pool = RolloutPool(base, cfg.rollout_workers)
+        if cfg.trainer_world_size > 1:  # the update on N processes, started once, given each arm in turn
+            from tracefp4.rl.distributed import TrainerGroup
+
+            group = TrainerGroup(cfg.trainer_world_size)
         for name in cfg.arms:
             if pool is not None:
                 pool.version = None  # every arm starts from the warm-start weights: resync
-            run_arm(name, base, task, tok, cfg, run_dir, pool)
+            run_arm(name, base, task, tok, cfg, run_dir, pool, group)
     finally:
         if pool is not None:
             pool.shutdown()
+        if group is not None:
+            group.close()
     write_report(run_dir)
 
 
@@ -184,28 +213,32 @@ def warm_start_model(cfg: RLConfig, task: Task, tok: Tokenizer, base_dir: Path) 
 
 
 def run_arm(name: str, base: PreTrainedModel, task: Task, tok: Tokenizer, cfg: RLConfig, run_dir: Path,
-            pool=None) -> None:
+            pool=None, group=None) -> None:
     """GRPO for one arm from the warm-start weights (or its own checkpoint, when resuming)."""
     ckpt = run_dir / "checkpoints" / name
     found = latest_checkpoint(ckpt)  # the newest that verifies; a damaged one falls back, with a warning
     model = load_model(found.model_path) if found is not None else copy.deepcopy(base)
-    runner = ArmRunner(name, model, task, tok, cfg, run_dir, pool=pool, resume_step=found.step if found else 0)
+    runner = ArmRunner(name, model, task, tok, cfg, run_dir, pool=pool, resume_step=found.step if found else 0,
+                       group=group)
     if found is not None:
         runner.load(found)
     runner.discard_unconsumed_steps()
-    if runner.step == 0:
-        runner.log.log({"kind": "eval", "step": 0, **runner.evaluate()})
-    with _progress(cfg.steps, f"GRPO {name:>10}") as bar:
-        bar.update(runner.step)
-        while runner.step < cfg.steps:
-            rec = runner.train_step()
-            runner.log.log(rec)
-            bar.update(1)
-            bar.set_postfix(reward=f"{rec['reward_mean']:.2f}", dlogp=f"{rec['train_rollout_logprob_abs_diff']:.4f}")
-            if runner.step % cfg.eval_every == 0 or runner.step == cfg.steps:
-                runner.log.log({"kind": "eval", "step": runner.step, **runner.evaluate()})
-                runner.save(ckpt)
-    runner.log.close()
+    try:
+        if runner.step == 0:
+            runner.log.log({"kind": "eval", "step": 0, **runner.evaluate()})
+        with _progress(cfg.steps, f"GRPO {name:>10}") as bar:
+            bar.update(runner.step)
+            while runner.step < cfg.steps:
+                rec = runner.train_step()
+                runner.log.log(rec)
+                bar.update(1)
+                bar.set_postfix(reward=f"{rec['reward_mean']:.2f}",
+                                dlogp=f"{rec['train_rollout_logprob_abs_diff']:.4f}")
+                if runner.step % cfg.eval_every == 0 or runner.step == cfg.steps:
+                    runner.log.log({"kind": "eval", "step": runner.step, **runner.evaluate()})
+                    runner.save(ckpt)
+    finally:
+        runner.close()
 
 
 def _progress(total: int, desc: str):

@@ -69,6 +69,8 @@ CONFIG_NAME = "config.json"
 LOCK_NAME = ".lock"
 RESUME_NEUTRAL_KEYS = frozenset({"out", "run_name", "resume", "arms"})
 GROWABLE_KEYS = frozenset({"steps"})
+#: Keys added after run folders existed: absent from an older saved config means this default.
+LATER_KEYS_DEFAULTS = {"trainer_world_size": 1}
 _MISSING = object()
 
 
@@ -158,7 +160,7 @@ def config_differences(old: Mapping[str, Any], new: Mapping[str, Any], *, allow:
     a, b = _flatten(_json_normal(old)), _flatten(_json_normal(new))
     diffs = []
     for key in sorted(set(a) | set(b)):
-        va, vb = a.get(key, _MISSING), b.get(key, _MISSING)
+        va, vb = a.get(key, LATER_KEYS_DEFAULTS.get(key, _MISSING)), b.get(key, LATER_KEYS_DEFAULTS.get(key, _MISSING))
         if key in allowed or key.split(".")[0] in allowed or va == vb:
             continue
         if key in GROWABLE_KEYS and isinstance(va, int) and isinstance(vb, int) and vb >= va:

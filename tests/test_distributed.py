@@ -1,0 +1,183 @@
+"""The trainer on N processes (FSDP2, gloo on CPU) against the trainer in one process.
+
+Tolerances, and why. Both paths compute the same function from the same BF16 weights; what differs is
+where BF16 rounding happens. (1) The sharded forward of the same inputs is bit-identical (FSDP2 gathers
+the FP32 masters and casts them to BF16, the very weights the single process holds). (2) On different
+inputs it is not: each rank packs only its half of a minibatch, and a trajectory's BF16 log-probs
+depend slightly on what it is packed with (matmul blocking over the packed row count), ~1e-4 per token;
+the loss (a token mean, ~0.25 here) agrees to 1e-3 relative. (3) Gradients: in one process the
+gradient of a parameter is one BF16 tensor over the minibatch; on two ranks each rank's BF16 partial is
+summed in FP32 (BF16 rounds at 2^-9 relative): the grad norm agrees within 1%. (4) Weights after two
+steps: AdamW normalises each coordinate, so a near-zero gradient whose sign differs between the paths
+moves one weight up to 2 lr per step the other way; we bound every weight by that (4 lr) and the mean
+difference at 2% of the mean distance the weights moved.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from tracefp4.engines.model import from_config
+from tracefp4.guidance.store import StoreReader, step_bytes
+from tracefp4.rl import update as update_mod
+from tracefp4.rl.arms import make_arm
+from tracefp4.rl.collect import ArmSetup, collect
+from tracefp4.rl.config import ModelSpec, RLConfig
+from tracefp4.rl.distributed import TrainerGroup, rank_share
+from tracefp4.rl.loop import model_signature
+from tracefp4.rl.optim import MasterWeightAdamW
+from tracefp4.rl.tasks import Reverse
+
+MODEL = ModelSpec(hidden=32, layers=2, experts=4, top_k=2, moe_intermediate=32, heads=2, kv_heads=1)
+TINY = dict(steps=2, warm_start_steps=3, prompts_per_step=2, group_size=4, max_new_tokens=4, eval_every=1,
+            eval_size=4, updates_per_step=2, threads=2, lr=1e-3, model=MODEL)
+
+
+def _setup(tmp_path, arm: str) -> ArmSetup:
+    cfg = RLConfig(**TINY)
+    task = Reverse()
+    tok = task.make_tokenizer()
+    model = from_config(cfg.model.hf_config(tok), seed=0)
+    a = make_arm(arm, guidance=cfg.guidance, n_layers=cfg.model.layers)
+    return ArmSetup(arm, a, model, task, tok, cfg, tmp_path / "store", model_signature(model, a.plan), None)
+
+
+@pytest.mark.parametrize("kw, expected", [
+    (dict(trainer_world_size=0), "trainer_world_size = 0: expected a value >= 1"),
+    (dict(trainer_world_size=5, prompts_per_step=2, group_size=4, updates_per_step=2),
+     "trainer_world_size = 5: expected at most the minibatch size"),
+])
+def test_trainer_world_size_is_validated(kw, expected):
+    with pytest.raises(ValueError, match=expected.replace("(", r"\(")):
+        RLConfig(**kw).validate()
+    assert RLConfig().trainer_world_size == 1  # default: the update in this process, as before
+
+
+def test_rank_share_is_a_partition():
+    idx = [5, 2, 7, 0, 3]
+    shares = [rank_share(idx, r, 2) for r in range(2)]
+    assert shares == [[5, 7, 3], [2, 0]]
+    assert sorted(sum(shares, [])) == sorted(idx)
+
+
+def test_two_ranks_equal_one_process(tmp_path, monkeypatch):
+    """Sharded forward == unsharded forward; same batch on N=2 and N=1: loss, grad norm, and the
+    weights after two steps; each rank reads only its own records from the store."""
+    s = _setup(tmp_path, "trace-full")  # guided fake quant on every layer, routing replay
+    batches = [collect(s, step=0, version=0)]
+    n = len(batches[0].token_ids)
+    # an untrained policy's rewards tie: give it signal (not mean zero, so the loss is not ~0 either)
+    adv = torch.tensor([1.0, -0.5] * (n // 2))
+    for b in batches:
+        b.advantages = adv
+    base = copy.deepcopy(s.model)
+    opt1 = MasterWeightAdamW(s.model, lr=s.cfg.lr, weight_decay=0.0, grad_clip=s.cfg.grad_clip)
+    ref_t0 = {k: v.clone() for k, v in opt1.state_tensors().items()}
+
+    with TrainerGroup(2, base, s.cfg, s.arm, opt1.state_tensors()) as group:
+        # 1. the sharded forward sees the gathered [E, N, K] expert weights: identical log-probs
+        ref = [lp.detach() for lp in update_mod.engine.trainer_logprobs(
+            s.model, batches[0].token_ids, batches[0].prompt_lens, batches[0].records, s.arm, temperature=1.0).logprobs]
+        for per_rank in group.logprobs(batches[0].token_ids, batches[0].prompt_lens, batches[0].records):
+            assert all(torch.equal(a, b) for a, b in zip(per_rank, ref))
+
+        # 2. two steps on the same batches, one process vs two ranks
+        losses = []
+        real_loss = update_mod.grpo_loss
+
+        def spy(*a, **k):
+            loss, st = real_loss(*a, **k)
+            losses.append(float(loss))
+            return loss, st
+
+        monkeypatch.setattr(update_mod, "grpo_loss", spy)
+        one, two = [], []
+        for step in range(2):
+            b = batches[0] if step == 0 else collect(s, step=1, version=1)
+            if step:
+                b.advantages = adv
+            one.append(update_mod.update(s.model, opt1, s.arm, s.cfg, b))
+            one[-1]["loss"] = sum(losses[-s.cfg.updates_per_step:]) / s.cfg.updates_per_step
+            two.append(group.update(b, s.store_root, s.signature, step, base))
+            # 3. rank-local records: each rank read less than the step holds; together about the step
+            with StoreReader(s.store_root, b.step, model_signature=s.signature, policy_version=step) as r:
+                total = step_bytes(r)
+            assert two[-1]["store/bytes_step"] == total
+            per_rank = [two[-1][f"store/bytes_read_rank{r}"] for r in range(2)]
+            assert all(0 < x < total for x in per_rank), (per_rank, total)
+            assert two[-1]["store/bytes_read_rank"] == max(per_rank)
+        tensors = group.optimizer_tensors()
+
+    for a, b in zip(one, two):
+        print(f"loss {a['loss']:.8f} vs {b['loss']:.8f}; grad norm {a['grad_norm']:.6f} vs {b['grad_norm']:.6f}")
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-2)
+        assert b["clip_frac"] == pytest.approx(a["clip_frac"], abs=1e-9)
+    ref_t = opt1.state_tensors()
+    assert set(tensors) == set(ref_t)  # the checkpoint's tensor names: a run resumes from either
+    diff = moved = 0.0
+    for name, p2 in base.named_parameters():
+        m1, m2 = ref_t[f"master/{name}"], tensors[f"master/{name}"]
+        # AdamW moves a weight by at most ~lr per step: a near-zero gradient of opposite sign on the two
+        # paths can put single weights up to 2 lr per step apart, never more
+        assert (m1 - m2).abs().max() <= 4 * s.cfg.lr * 1.01, name
+        diff += float((m1 - m2).abs().sum())
+        moved += float((m1 - ref_t0[f"master/{name}"]).abs().sum())
+        assert torch.equal(p2, m2.to(torch.bfloat16))  # the driver's model = bf16(masters)
+    print(f"weights after 2 steps: mean |N=2 - N=1| / mean |moved| = {diff / moved:.2e}")
+    assert diff < 0.02 * moved
+
+
+def _rows(run_dir, arm):
+    return [json.loads(x) for x in (run_dir / "metrics" / f"{arm}.jsonl").read_text().splitlines()]
+
+
+def test_grpo_run_on_two_trainer_processes_killed_and_resumed(tmp_path):
+    """Two arms with trainer_world_size = 2 against 1: the first step's grad norm agrees within 1% per
+    arm; config.json records the world size; a run killed (SIGKILL, mid-run after its second update)
+    resumes on two processes, from checkpoints in the format one process writes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from tracefp4.rl.loop import run
+
+    common = dict(TINY, lr=1e-4, arms=("qat", "trace"), out=str(tmp_path), warm_start_steps=15)
+    one = run(RLConfig(**{**common, "run_name": "one"}))
+    two = tmp_path / "two"
+    config = tmp_path / "two.json"
+    plain = {**common, "model": dataclasses.asdict(MODEL), "arms": list(common["arms"]), "run_name": "two",
+             "trainer_world_size": 2}
+    config.write_text(json.dumps(plain))
+    env = {k: v for k, v in os.environ.items() if k not in ("TRACEFP4_CRASH_AT", "TRACEFP4_DEBUG")}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env.update(PYTHONPATH=src, NUMBA_NUM_THREADS="1", TRACEFP4_CRASH_AT="updated:2")  # qat's step 1
+    killed = subprocess.run([sys.executable, "-m", "tracefp4", "train", "--config", str(config)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert json.loads((two / "config.json").read_text())["trainer_world_size"] == 2
+    assert json.loads((one / "config.json").read_text())["trainer_world_size"] == 1
+    run(RLConfig(**{**common, "resume": str(two), "trainer_world_size": 2}))  # in this process, to step 2
+    for arm in ("qat", "trace"):
+        a = [r for r in _rows(one, arm) if r["kind"] == "train"]
+        b = [r for r in _rows(two, arm) if r["kind"] == "train"]
+        assert [r["step"] for r in b] == [0, 1]
+        print(f"{arm}: first-step grad norm N=1 {a[0]['grad_norm']:.6f}  N=2 {b[0]['grad_norm']:.6f}")
+        assert b[0]["grad_norm"] == pytest.approx(a[0]["grad_norm"], rel=1e-2)
+        assert b[0]["reward_mean"] == a[0]["reward_mean"]  # the rollout is the driver's, as with N = 1
+        assert 0 < b[1]["store/bytes_read_rank0"] < b[1]["store/bytes_step"]
+        ck_a, ck_b = (d / "checkpoints" / arm / "step-00000002" for d in (one, two))
+        ta, tb = load_file(ck_a / "optimizer.safetensors"), load_file(ck_b / "optimizer.safetensors")
+        assert set(ta) == set(tb)
+        for k in ta:
+            if k.startswith("master/"):  # two steps of lr 1e-4 (see the module docstring)
+                assert (ta[k] - tb[k]).abs().max() <= 4 * 1e-4 * 1.01, k
+        assert json.loads((ck_b / "trainer_state.json").read_text())["state"]["policy_version"] == 2

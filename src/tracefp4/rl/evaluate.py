@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from transformers import PreTrainedModel
-
 from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import RolloutEngine
 from tracefp4.rl import engine
 from tracefp4.rl.arms import Arm
 from tracefp4.rl.config import RLConfig
@@ -21,21 +20,21 @@ from tracefp4.rl.tasks import Task, Tokenizer
 POST_HOC_FP4 = {"fp4": PrecisionPlan(), "fp4_4over6": PrecisionPlan.four_over_six()}
 
 
-def evaluate(model: PreTrainedModel, arm: Arm, task: Task, tok: Tokenizer, cfg: RLConfig) -> dict[str, float]:
+def evaluate(serving: RolloutEngine, arm: Arm, task: Task, tok: Tokenizer, cfg: RLConfig) -> dict[str, float]:
     """Accuracy (reward 1) and mean reward over the task's first ``cfg.eval_size`` held-out examples;
     for a BF16-rollout arm also ``eval_accuracy_<suffix>`` under each :data:`POST_HOC_FP4` plan."""
-    acc, reward = _greedy_scores(model, arm, task, tok, cfg)
+    acc, reward = _greedy_scores(serving, arm, task, tok, cfg)
     out = {"eval_accuracy": acc, "eval_reward": reward}
     if arm.plan is None:
         for suffix, plan in POST_HOC_FP4.items():
-            out[f"eval_accuracy_{suffix}"] = _greedy_scores(model, dataclasses.replace(arm, plan=plan), task, tok, cfg)[0]
+            out[f"eval_accuracy_{suffix}"] = _greedy_scores(serving, dataclasses.replace(arm, plan=plan), task, tok, cfg)[0]
     return out
 
 
-def _greedy_scores(model: PreTrainedModel, arm: Arm, task: Task, tok: Tokenizer, cfg: RLConfig
+def _greedy_scores(serving: RolloutEngine, arm: Arm, task: Task, tok: Tokenizer, cfg: RLConfig
                    ) -> tuple[float, float]:
     examples = task.eval_set(cfg.eval_size)
-    out = engine.greedy(model, [tok.encode(e.prompt) for e in examples], arm, max_new_tokens=cfg.max_new_tokens,
+    out = engine.greedy(serving, [tok.encode(e.prompt) for e in examples], arm, max_new_tokens=cfg.max_new_tokens,
                         stop_token_ids=(tok.EOS,))
     rewards = [task.reward(e, tok.decode(out.completion(b).tolist())) for b, e in enumerate(examples)]
     return sum(r == 1.0 for r in rewards) / len(rewards), sum(rewards) / len(rewards)

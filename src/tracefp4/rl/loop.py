@@ -29,6 +29,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -41,7 +42,7 @@ from tracefp4.engines.model import from_config, load_model, model_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.faults import crash_point
 from tracefp4.guidance.store import discard_step
-from tracefp4.rl import runfolder, runlog
+from tracefp4.rl import engine, runfolder, runlog
 from tracefp4.rl.arms import Arm, make_arm
 from tracefp4.rl.checkpoint import Checkpoint, latest_checkpoint, save_checkpoint
 from tracefp4.rl.collect import ArmSetup, collect
@@ -66,14 +67,15 @@ class ArmRunner:
     """Runs GRPO for one arm; all state needed to resume lives in its checkpoint folder."""
 
     def __init__(self, name: str, model: PreTrainedModel, task: Task, tok: Tokenizer, cfg: RLConfig,
-                 run_dir: Path, plan: PrecisionPlan | None = None, pool=None, resume_step: int = 0, group=None):
+                 run_dir: Path, plan: PrecisionPlan | None = None, pool=None, resume_step: int = 0, group=None,
+                 serving=None):
         self.cfg = cfg
         self.run_dir = run_dir
         self.opt = MasterWeightAdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
         arm = make_arm(name, guidance=cfg.guidance, n_layers=model_layers(model)[0], plan=plan or PrecisionPlan())
         self.plan = arm.plan or PrecisionPlan()  # the arm's own (a format variant's preset, or the run's)
         self.setup = ArmSetup(name, arm, model, task, tok, cfg, run_dir / "store" / name,
-                              model_signature(model, self.plan), pool)
+                              model_signature(model, self.plan), pool, serving)
         self.version = 0  # policy version: optimizer steps taken so far, in whole GRPO steps
         self.step = 0
         self.log = runlog.MetricsLog(run_dir, name, resume_step=resume_step)
@@ -125,7 +127,8 @@ class ArmRunner:
 
     def evaluate(self) -> dict[str, float]:
         s = self.setup
-        return evaluate(s.model, s.arm, s.task, s.tok, s.cfg)
+        engine.sync(s.serving, s.model, (s.name, self.version))
+        return evaluate(s.serving, s.arm, s.task, s.tok, s.cfg)
 
     # The runner's whole state, saved and restored here only (model, optimizer, step, policy version).
 
@@ -170,8 +173,10 @@ def run(cfg: RLConfig) -> Path:
 def _run_arms(cfg: RLConfig, task: Task, tok: Tokenizer, run_dir: Path) -> None:
     base = warm_start_model(cfg, task, tok, run_dir / "checkpoints" / "warm_start")
 
-    pool = group = None
+    pool = group = serving = None
     try:
+        if cfg.engine != "home":  # one engine for the run, given each arm's weights in turn
+            serving = engine.serving_engine(cfg.engine, base, max_len=_max_len(cfg, task, tok))
         if cfg.rollout_workers > 0:
             from tracefp4.rl.workers import RolloutPool
 
@@ -183,7 +188,7 @@ def _run_arms(cfg: RLConfig, task: Task, tok: Tokenizer, run_dir: Path) -> None:
         for name in cfg.arms:
             if pool is not None:
                 pool.version = None  # every arm starts from the warm-start weights: resync
-            run_arm(name, base, task, tok, cfg, run_dir, pool, group)
+            run_arm(name, base, task, tok, cfg, run_dir, pool, group, serving)
     finally:
         if pool is not None:
             pool.shutdown()
@@ -212,14 +217,20 @@ def warm_start_model(cfg: RLConfig, task: Task, tok: Tokenizer, base_dir: Path) 
     return base
 
 
+def _max_len(cfg: RLConfig, task: Task, tok: Tokenizer) -> int:
+    """The longest trajectory a run can make: a prompt (sampled or held out) plus the completion."""
+    prompts = task.sample(random.Random(0), 256) + task.eval_set(cfg.eval_size)
+    return max(len(tok.encode(e.prompt)) for e in prompts) + cfg.max_new_tokens + 8
+
+
 def run_arm(name: str, base: PreTrainedModel, task: Task, tok: Tokenizer, cfg: RLConfig, run_dir: Path,
-            pool=None, group=None) -> None:
+            pool=None, group=None, serving=None) -> None:
     """GRPO for one arm from the warm-start weights (or its own checkpoint, when resuming)."""
     ckpt = run_dir / "checkpoints" / name
     found = latest_checkpoint(ckpt)  # the newest that verifies; a damaged one falls back, with a warning
     model = load_model(found.model_path) if found is not None else copy.deepcopy(base)
     runner = ArmRunner(name, model, task, tok, cfg, run_dir, pool=pool, resume_step=found.step if found else 0,
-                       group=group)
+                       group=group, serving=serving)
     if found is not None:
         runner.load(found)
     runner.discard_unconsumed_steps()

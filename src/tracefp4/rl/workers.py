@@ -22,6 +22,7 @@ from safetensors.torch import save as save_safetensors
 from transformers import AutoConfig, PreTrainedModel
 
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
+from tracefp4.engines.rollout import HomeEngine
 from tracefp4.rl import engine
 from tracefp4.rl.arms import Arm
 
@@ -64,7 +65,7 @@ class _Worker:
         # diagnostics stay in the driver's process (they never cross it): none are kept here
         arm = dataclasses.replace(Arm.from_dict(job["arm"]), diagnostics=frozenset())
         t0 = time.perf_counter()
-        out, _ = engine.rollout(self.model, job["prompts"], SamplingParams(**job["sampling"]), arm)
+        out, _ = engine.rollout(HomeEngine(self.model), job["prompts"], SamplingParams(**job["sampling"]), arm)
         t_gen = time.perf_counter() - t0
         t0 = time.perf_counter()
         with StoreWriter(job["store_root"], job["step"], job["writer_id"], model_signature=job["signature"],

@@ -491,3 +491,24 @@ def test_load_weights_changes_the_generation_and_back(engine, hf: torch.nn.Modul
     assert all(torch.equal(a, b) for a, b in zip(before.token_ids, again.token_ids))
     assert all(torch.equal(a, b) for a, b in zip(before.logprobs, again.logprobs))
     del ex
+
+
+def test_grpo_loop_on_the_vllm_engine(tmp_path) -> None:
+    """``engine = "vllm"``: the GRPO loop rolls out on vLLM (weights pushed every step), the records go
+    through the store, and with full records on every layer the trainer reproduces every vLLM code."""
+    from tracefp4.rl.config import ModelSpec, RLConfig
+    from tracefp4.rl.loop import run
+
+    cfg = RLConfig(
+        out=str(tmp_path), run_name="v", engine="vllm", arms=("qat", "trace-full"), steps=2, prompts_per_step=2,
+        group_size=2, max_new_tokens=4, warm_start_steps=2, warm_start_batch=8, eval_every=2, eval_size=4,
+        model=ModelSpec(hidden=64, layers=2, moe_intermediate=32, head_dim=32),
+    )
+    run_dir = run(cfg)
+    rows = {a: [json.loads(x) for x in (run_dir / "metrics" / f"{a}.jsonl").read_text().splitlines()]
+            for a in ("qat", "trace-full")}
+    train = {a: [r for r in rs if r["kind"] == "train"] for a, rs in rows.items()}
+    assert [r["step"] for r in train["trace-full"]] == [0, 1]
+    assert all(r["code_mismatch_rate"] == 0.0 for r in train["trace-full"])  # every vLLM code reproduced
+    assert train["qat"][0]["guidance_bytes_per_token"] == 0 < train["trace-full"][0]["guidance_bytes_per_token"]
+    assert json.loads((run_dir / "config.json").read_text())["engine"] == "vllm"

@@ -18,7 +18,7 @@ from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import ROUTING, parse_name
 
-__all__ = ["SamplingParams", "RolloutOutput", "RolloutEngine"]
+__all__ = ["SamplingParams", "RolloutOutput", "RolloutEngine", "check_prompts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,3 +93,19 @@ class RolloutEngine(Protocol):
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Take the policy's weights (pushed after every optimizer step)."""
         ...
+
+
+def check_prompts(prompts: Sequence[Sequence[int] | torch.Tensor], vocab: int) -> list[torch.Tensor]:
+    """Prompts as int64 tensors; an empty prompt, an id outside ``[0, vocab)`` or no prompt at all is a
+    ValueError naming the prompt (every engine checks its input the same way)."""
+    out = []
+    for b, p in enumerate(prompts):
+        t = torch.as_tensor(p, dtype=torch.long).reshape(-1)
+        if t.numel() == 0:
+            raise ValueError(f"prompt {b} is empty")
+        if int(t.min()) < 0 or int(t.max()) >= vocab:
+            raise ValueError(f"prompt {b}: token ids outside [0, {vocab})")
+        out.append(t)
+    if not out:
+        raise ValueError("no prompts given")
+    return out

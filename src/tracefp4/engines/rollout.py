@@ -46,7 +46,7 @@ from transformers import PreTrainedModel
 from tracefp4.engines.capture import ForwardRecord, RolloutCapture
 from tracefp4.engines.model import CACHE_KWARG, FP4KVCache, forward_state, model_layers, moe_layers
 from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.engines.protocol import RolloutOutput, SamplingParams
+from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts
 from tracefp4.formats.constants import HintMode
 from tracefp4.formats.numerics import MXFP4, NVFP4
 from tracefp4.guidance.compact import GuidedMode, record_cat
@@ -106,20 +106,6 @@ class _Decode:
     logprobs: list[list[float]]
     finish: list[str]
     steps: list[ForwardStep] = dataclasses.field(default_factory=list)
-
-
-def _check_prompts(prompts: Sequence[Sequence[int] | torch.Tensor], vocab: int) -> list[torch.Tensor]:
-    out = []
-    for b, p in enumerate(prompts):
-        t = torch.as_tensor(p, dtype=torch.long).reshape(-1)
-        if t.numel() == 0:
-            raise ValueError(f"prompt {b} is empty")
-        if int(t.min()) < 0 or int(t.max()) >= vocab:
-            raise ValueError(f"prompt {b}: token ids outside [0, {vocab})")
-        out.append(t)
-    if not out:
-        raise ValueError("no prompts given")
-    return out
 
 
 def _forward(
@@ -317,7 +303,7 @@ def _generate(
     capture: RolloutCapture,
     pad_token_id: int | None,
 ) -> RolloutOutput:
-    prompt_ids = _check_prompts(prompts, model.config.vocab_size)
+    prompt_ids = check_prompts(prompts, model.config.vocab_size)
     pad = pad_token_id if pad_token_id is not None else (model.config.pad_token_id or 0)
     generator = torch.Generator(device=model.device).manual_seed(sampling.seed)
     t0 = time.perf_counter()

@@ -40,7 +40,7 @@ import torch
 
 from tracefp4.engines.capture import RolloutCapture
 from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.engines.protocol import RolloutOutput, SamplingParams
+from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts
 from tracefp4.guidance.compact import GuidedMode
 
 __all__ = ["VLLMEngine", "checkpoint_names", "engine_env", "engine_for"]
@@ -152,16 +152,7 @@ class VLLMEngine:
             raise ValueError("a BF16 rollout (plan=None) has no FP4 codes: no guidance or diagnostics")
         if guidance is not None and not isinstance(guidance, GuidedMode):
             raise ValueError(f"guidance must be a GuidedMode (GuidedMode.parse(name)), got {type(guidance).__name__}")
-        prompt_ids = []
-        for b, p in enumerate(prompts):
-            t = torch.as_tensor(p, dtype=torch.long).reshape(-1)
-            if t.numel() == 0:
-                raise ValueError(f"prompt {b} is empty")
-            if int(t.min()) < 0 or int(t.max()) >= self.vocab:
-                raise ValueError(f"prompt {b}: token ids outside [0, {self.vocab})")
-            prompt_ids.append(t)
-        if not prompt_ids:
-            raise ValueError("no prompts given")
+        prompt_ids = check_prompts(prompts, self.vocab)
         longest = max(p.numel() for p in prompt_ids) + sampling.max_new_tokens + 1
         if longest > self.max_model_len:
             raise ValueError(

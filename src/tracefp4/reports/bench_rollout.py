@@ -22,8 +22,8 @@ import torch
 from tracefp4.engines.model import TinyMoESpec, from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutEngine, SamplingParams
-from tracefp4.engines.rollout import HomeEngine
 from tracefp4.guidance.compact import GuidedMode
+from tracefp4.rl.engine import serving_engine
 
 __all__ = ["MID_MOE", "MODES", "bench_rollout", "format_rollout", "add_rollout_command"]
 
@@ -40,16 +40,6 @@ MODES: dict[str, tuple[bool, str | None]] = {
 }
 
 
-def _engine(name: str, model, max_len: int) -> RolloutEngine:
-    if name == "home":
-        return HomeEngine(model)
-    if name == "vllm":
-        from tracefp4.engines.vllm.engine import engine_for
-
-        return engine_for(model, None, max_len=max_len, max_num_seqs=256)
-    raise ValueError(f"unknown engine {name!r}: home or vllm")
-
-
 def bench_rollout(engines: Sequence[str] = ("home", "vllm"), *, batch: int = 64, new_tokens: int = 128,
                   prompt_len: int = 16, repeats: int = 1, seed: int = 0, spec: TinyMoESpec = MID_MOE,
                   progress: Callable[[str], None] | None = None) -> dict:
@@ -61,7 +51,8 @@ def bench_rollout(engines: Sequence[str] = ("home", "vllm"), *, batch: int = 64,
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=seed)
     warm = SamplingParams(max_new_tokens=4, temperature=1.0, seed=seed)
     plan = PrecisionPlan()
-    built = {name: _engine(name, model, prompt_len + new_tokens + 1) for name in engines}
+    built = {name: serving_engine(name, model, max_len=prompt_len + new_tokens + 1, max_num_seqs=batch)
+             for name in engines}
 
     def call(engine: RolloutEngine, mode: str, s: SamplingParams, ps) -> float:
         fp4, guidance = MODES[mode]

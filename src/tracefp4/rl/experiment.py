@@ -33,7 +33,7 @@ from typing import Any
 
 from tracefp4.files import atomic_write_json
 from tracefp4.rl.config import RLConfig, read_table
-from tracefp4.rl.runlog import ARM_STYLE, read_metrics
+from tracefp4.rl.runlog import ARM_STYLE, read_metrics, rows_of_kind
 
 __all__ = [
     "ExperimentConfig",
@@ -129,16 +129,8 @@ def run_experiment(cfg: ExperimentConfig, results_dir: str | Path = "docs/result
     return summary
 
 
-def _train(rows: Sequence[Mapping]) -> list[Mapping]:
-    return [r for r in rows if r.get("kind", "train") == "train"]
-
-
-def _evals(rows: Sequence[Mapping]) -> list[Mapping]:
-    return [r for r in rows if r.get("kind") == "eval"]
-
-
 def _seed_figures(rows: Sequence[Mapping]) -> dict[str, float | None]:
-    train, evals = _train(rows), _evals(rows)
+    train, evals = rows_of_kind(rows, "train"), rows_of_kind(rows, "eval")
     gaps = [r["train_rollout_logprob_abs_diff"] for r in train]
     codes = [r["code_mismatch_rate"] for r in train if r.get("code_mismatch_rate") is not None]
     return {
@@ -153,8 +145,7 @@ def _seed_figures(rows: Sequence[Mapping]) -> dict[str, float | None]:
 
 def _curve(per_seed: Sequence[Sequence[Mapping]], key: str, kind: str) -> dict[str, list[float]]:
     """Mean and 95% band over seeds at each step all seeds logged."""
-    pick = _evals if kind == "eval" else _train
-    series = [{r["step"]: r[key] for r in pick(rows) if r.get(key) is not None} for rows in per_seed]
+    series = [{r["step"]: r[key] for r in rows_of_kind(rows, kind) if r.get(key) is not None} for rows in per_seed]
     steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
     out: dict[str, list[float]] = {"step": [], "mean": [], "lo": [], "hi": []}
     for step in steps:

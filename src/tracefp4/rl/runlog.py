@@ -199,13 +199,17 @@ def plot_metric(metrics: dict[str, list[dict]], key: str, path: Path, *, title: 
     return path
 
 
+def rows_of_kind(rows: Iterable[Mapping], kind: str) -> list[Mapping]:
+    """The rows of one kind, ``train`` (a row without a kind is a train row) or ``eval``."""
+    return [r for r in rows if r.get("kind", "train") == kind]
+
+
 def summary_rows(metrics: dict[str, list[dict]], keys: list[tuple[str, str]], tail: int = 5) -> list[dict]:
     """Per arm: the mean of each key over the last ``tail`` train steps, and the last evaluation."""
     rows = []
     for arm in _arm_order(metrics):
         recs = metrics[arm]
-        train = [r for r in recs if r.get("kind", "train") == "train"]
-        evals = [r for r in recs if r.get("kind") == "eval"]
+        train, evals = rows_of_kind(recs, "train"), rows_of_kind(recs, "eval")
         row = {"arm": arm, "steps": len(train)}
         for key, _ in keys:
             vals = [r[key] for r in train[-tail:] if r.get(key) is not None]

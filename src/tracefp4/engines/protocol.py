@@ -15,10 +15,11 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.sink import StoreTarget
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import ROUTING, parse_name
 
-__all__ = ["SamplingParams", "RolloutOutput", "RolloutEngine", "check_prompts"]
+__all__ = ["SamplingParams", "RolloutOutput", "RolloutEngine", "StoreTarget", "check_prompts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +50,13 @@ class RolloutOutput:
         temperature-scaled distribution, before top-p truncation.
     finish_reasons[b]: ``"stop"`` (sampled a stop token, which is kept) or ``"length"``.
     records[b]: store-ready, ``{name: Tensor [T_b, ...]}``: ``L{ll}.routing`` for every MoE layer and,
-        with a guidance mode, that mode's tensors ``L{ll}.{site}.{field}`` at its layers.
+        with a guidance mode, that mode's tensors ``L{ll}.{site}.{field}`` at its layers. Empty when
+        the engine wrote them into the store itself (``stored``).
     diagnostics[b]: full-code records ``L{ll}.{site}.codes/.scales/.global_amax`` at the diagnostic
         layers (``{}`` without any), in memory only.
     plan: the precision plan (None: BF16); guidance: the recorded mode (None: routing only).
-    timings: seconds per phase (``prefill_s``, ``decode_s``, ``records_s``).
+    timings: seconds per phase (``prefill_s``, ``decode_s``, ``records_s``, ``store_write_s``).
+    stored: the store writer the records went to (``generate(..., store=target)``), else None.
     """
 
     token_ids: list[torch.Tensor]
@@ -65,6 +68,7 @@ class RolloutOutput:
     plan: PrecisionPlan | None
     guidance: GuidedMode | None
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    stored: StoreTarget | None = None
 
     def completion(self, b: int) -> torch.Tensor:
         return self.token_ids[b][self.prompt_lens[b] :]
@@ -86,8 +90,11 @@ class RolloutEngine(Protocol):
         plan: PrecisionPlan | None,
         guidance: GuidedMode | None,
         diagnostics: frozenset[int] = frozenset(),
+        store: StoreTarget | None = None,
     ) -> RolloutOutput:
-        """Sample; ``plan`` None is a BF16 rollout, ``guidance`` None records routing only."""
+        """Sample; ``plan`` None is a BF16 rollout, ``guidance`` None records routing only. With
+        ``store``, the engine writes the records into the store under that writer itself and returns
+        none (:mod:`tracefp4.engines.sink`)."""
         ...
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:

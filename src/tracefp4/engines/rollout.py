@@ -47,6 +47,7 @@ from tracefp4.engines.capture import ForwardRecord, RolloutCapture
 from tracefp4.engines.model import CACHE_KWARG, FP4KVCache, forward_state, model_layers, moe_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts
+from tracefp4.engines.sink import StoreTarget, write_records
 from tracefp4.formats.constants import HintMode
 from tracefp4.formats.numerics import MXFP4, NVFP4
 from tracefp4.guidance.compact import GuidedMode, record_cat
@@ -344,11 +345,18 @@ class HomeEngine:
         plan: PrecisionPlan | None,
         guidance: GuidedMode | None,
         diagnostics: frozenset[int] = frozenset(),
+        store: StoreTarget | None = None,
     ) -> RolloutOutput:
-        return generate(
+        out = generate(
             self.model, prompts, sampling, plan=plan, guidance=guidance, diagnostics=diagnostics,
             pad_token_id=self.pad_token_id,
         )
+        if store is None:
+            return out
+        t0 = time.perf_counter()
+        write_records(store, out.records, out.prompt_lens)
+        timings = {**out.timings, "store_write_s": time.perf_counter() - t0}
+        return dataclasses.replace(out, records=[], stored=store, timings=timings)
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy ``state`` into the model in place (bumping the version counters the quantized-weight

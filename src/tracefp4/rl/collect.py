@@ -1,8 +1,9 @@
 """One step's experience: rollout -> store -> read back -> rewards, advantages, old log-probs.
 
 The records cross from the rollout to the trainer through the guidance store, as they would between
-processes: written (by this process or by the rollout workers, one writer each), sealed, and read
-back with the policy version and model signature checked. What the trainer then reads is only what
+processes: written by the engine that recorded them (this process's engine, a vLLM worker, or each
+rollout worker: one writer each), sealed by the driver, and read back with the policy version and
+model signature checked. What the trainer then reads is only what
 reached the store.
 """
 
@@ -17,11 +18,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from tracefp4.engines.protocol import RolloutOutput, SamplingParams
+from tracefp4.engines.protocol import RolloutOutput, SamplingParams, StoreTarget
 from tracefp4.engines.rollout import HomeEngine
 from tracefp4.formats.constants import HintMode
 from tracefp4.faults import crash_point
-from tracefp4.guidance.store import StoreReader, StoreWriter, discard_step, seal_step
+from tracefp4.guidance.store import StoreReader, discard_step, seal_step
 from tracefp4.rl import engine
 from tracefp4.rl.arms import Arm
 from tracefp4.rl.config import RLConfig
@@ -114,17 +115,14 @@ def _rollout_to_store(s: ArmSetup, step: int, version: int, prompts: list[list[i
     engine.sync(s.serving, s.model, (s.name, version))
     timings["time/weight_sync_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    roll, diagnostics = engine.rollout(s.serving, prompts, sampling, s.arm)
-    crash_point("rollout")  # sampled, nothing written
-    timings["time/rollout_s"] = time.perf_counter() - t0
+    target = StoreTarget(str(s.store_root), step, "w0", tuple(ids), s.signature, version)
+    roll, diagnostics = engine.rollout(s.serving, prompts, sampling, s.arm, store=target)  # the engine writes
+    timings["time/store_write_s"] = roll.timings.get("store_write_s", 0.0)
+    timings["time/rollout_s"] = time.perf_counter() - t0 - timings["time/store_write_s"]
     t0 = time.perf_counter()
-    with StoreWriter(s.store_root, step, "w0", model_signature=s.signature, policy_version=version) as w:
-        for tid, rec, p in zip(ids, roll.records, roll.prompt_lens):
-            w.add(tid, rec, prompt_len=p)
-            crash_point("store-write")  # a writer with part of its records (and maybe shards) on disk
-    seal_step(s.store_root, step, ["w0"])
+    seal_step(s.store_root, step, [target.writer_id])
     crash_point("sealed")  # the step is sealed, not yet consumed
-    timings["time/store_write_s"] = time.perf_counter() - t0
+    timings["time/store_write_s"] += time.perf_counter() - t0
     return roll, diagnostics, timings
 
 

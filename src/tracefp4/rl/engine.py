@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from tracefp4.engines.protocol import RolloutEngine, RolloutOutput, SamplingParams
+from tracefp4.engines.protocol import RolloutEngine, RolloutOutput, SamplingParams, StoreTarget
 from tracefp4.engines.rollout import HomeEngine
 from tracefp4.engines.trainer import TrainerOutput, code_mismatch, forward_logprobs
 from tracefp4.rl.arms import Arm
@@ -43,13 +43,15 @@ def sync(serving: RolloutEngine, model: PreTrainedModel, key: object) -> None:
     serving.synced = key
 
 
-def rollout(serving: RolloutEngine, prompts: Sequence[Sequence[int]], sampling: SamplingParams, arm: Arm
-            ) -> tuple[RolloutOutput, Records | None]:
-    """Sample completions on the arm's serving path. Returns the rollout, whose ``records`` hold the
-    routing of every MoE layer plus the arm's guidance at its guided layers (nothing else: what an
-    arm does not use is never recorded), and the full-code diagnostics of each trajectory at the
-    arm's diagnostics layers (in memory only; None where there are none)."""
-    roll = serving.generate(prompts, sampling, plan=arm.plan, guidance=arm.guidance, diagnostics=arm.diagnostics)
+def rollout(serving: RolloutEngine, prompts: Sequence[Sequence[int]], sampling: SamplingParams, arm: Arm,
+            *, store: StoreTarget | None = None) -> tuple[RolloutOutput, Records | None]:
+    """Sample completions on the arm's serving path. The records hold the routing of every MoE layer
+    plus the arm's guidance at its guided layers (nothing else: what an arm does not use is never
+    recorded); with ``store`` the engine writes them into the store itself and the rollout comes back
+    without them. Returns the rollout and the full-code diagnostics of each trajectory at the arm's
+    diagnostics layers (in memory only; None where there are none)."""
+    roll = serving.generate(prompts, sampling, plan=arm.plan, guidance=arm.guidance, diagnostics=arm.diagnostics,
+                            store=store)
     return roll, (roll.diagnostics if arm.diagnostics else None)
 
 

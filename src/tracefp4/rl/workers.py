@@ -21,7 +21,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from transformers import AutoConfig, PreTrainedModel
 
-from tracefp4.engines.protocol import RolloutOutput, SamplingParams
+from tracefp4.engines.protocol import RolloutOutput, SamplingParams, StoreTarget
 from tracefp4.engines.rollout import HomeEngine
 from tracefp4.rl import engine
 from tracefp4.rl.arms import Arm
@@ -57,28 +57,25 @@ class _Worker:
         return version
 
     def rollout(self, job_json: str) -> str:
-        from tracefp4.guidance.store import StoreWriter
-
         job = json.loads(job_json)
         if job["policy_version"] != self.version:
             raise ValueError(f"worker holds policy version {self.version}, job wants {job['policy_version']}")
         # diagnostics stay in the driver's process (they never cross it): none are kept here
         arm = dataclasses.replace(Arm.from_dict(job["arm"]), diagnostics=frozenset())
+        target = StoreTarget(job["store_root"], job["step"], job["writer_id"], tuple(job["traj_ids"]),
+                             job["signature"], job["policy_version"])
         t0 = time.perf_counter()
-        out, _ = engine.rollout(HomeEngine(self.model), job["prompts"], SamplingParams(**job["sampling"]), arm)
-        t_gen = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        with StoreWriter(job["store_root"], job["step"], job["writer_id"], model_signature=job["signature"],
-                         policy_version=job["policy_version"]) as w:
-            for tid, rec, p in zip(job["traj_ids"], out.records, out.prompt_lens):
-                w.add(tid, rec, prompt_len=p)
+        out, _ = engine.rollout(HomeEngine(self.model), job["prompts"], SamplingParams(**job["sampling"]), arm,
+                                store=target)  # this worker's writer: the records never reach the driver
+        t_write = out.timings.get("store_write_s", 0.0)
+        t_gen = time.perf_counter() - t0 - t_write
         return json.dumps({
             "token_ids": [t.tolist() for t in out.token_ids],
             "prompt_lens": out.prompt_lens,
             "logprobs": [lp.tolist() for lp in out.logprobs],
             "finish_reasons": out.finish_reasons,
             "time_generate_s": t_gen,
-            "time_store_write_s": time.perf_counter() - t0,
+            "time_store_write_s": t_write,
         })
 
 

@@ -7,9 +7,16 @@ every forward to (trajectory, position) and assembles the records with our engin
 :func:`~tracefp4.engines.rollout.assemble_records`, so names, dtypes and layouts are exactly ours.
 
 Decisions
-    * **Eager, no prefix caching.** ``enforce_eager=True`` (compiled mode changes the bf16 numerics of
-      the non-MoE parts and so the FP4 codes), ``enable_prefix_caching=False`` (a cached block is not
-      recomputed: its rows would never be recorded, and stale blocks would survive a weight push).
+    * **Eager by default, no prefix caching.** ``compilation`` picks how vLLM runs the model:
+      ``"none"`` (default, ``enforce_eager=True``); ``"dynamo"``: the model is captured by Dynamo and
+      run by the eager backend with vLLM's own CPU kernels (``custom_ops=["all"]``): the records are
+      bit for bit those of ``"none"`` (tested); ``"inductor"``: vLLM's CPU default (Dynamo traced once,
+      inductor, native ops), which fuses the non-MoE parts (norms, rope, residual adds) and changes
+      their bf16 numerics, hence the FP4 codes: a trainer in eager PyTorch is further from it.
+      Recording works the same in all three: the routed experts run inside vLLM's ``moe_forward``
+      custom op and K/V inside its cache-update op, both opaque to the compiler (:mod:`.plugin`).
+      ``enable_prefix_caching=False`` (a cached block is not recomputed: its rows would never be
+      recorded, and stale blocks would survive a weight push).
     * **In-process or multiprocess.** Everything worker-side goes through the worker extension
       (:mod:`.worker`) by RPC name with plain arguments; records come back as safetensors bytes and
       are assembled in the worker. In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default set
@@ -41,6 +48,7 @@ import torch
 from tracefp4.engines.capture import RolloutCapture
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts
+from tracefp4.engines.sink import StoreTarget
 from tracefp4.guidance.compact import GuidedMode
 
 __all__ = ["VLLMEngine", "checkpoint_names", "engine_env", "engine_for"]
@@ -52,6 +60,15 @@ _ENV = {
 }
 
 EXTENSION = "tracefp4.engines.vllm.worker.TraceWorkerExtension"
+
+# How VLLMEngine(compilation=...) runs the model. "dynamo": traced once by Dynamo (CompilationMode
+# DYNAMO_TRACE_ONCE = 2), eager backend, vLLM's CPU kernels for norms and rope as in eager mode, and
+# no IR torch wrap (with it the CPU warm-up forward produced NaN hidden states in vLLM 0.32).
+COMPILE_MODES: dict[str, dict] = {
+    "none": {},
+    "dynamo": {"mode": 2, "backend": "eager", "custom_ops": ["all"], "ir_enable_torch_wrap": False},
+    "inductor": {},
+}
 
 
 def engine_env() -> bool:
@@ -83,7 +100,8 @@ class VLLMEngine:
 
     ``model``: a local checkpoint folder (transformers format, Qwen3-MoE). ``plan``: the plan the
     engine is built with (the quantization config's; ``generate`` may run another one or BF16 per
-    call). ``llm_kwargs`` go to ``vllm.LLM`` (the fixed ones above cannot be overridden).
+    call). ``compilation``: ``"none"``, ``"dynamo"`` or ``"inductor"`` (see the module docstring).
+    ``llm_kwargs`` go to ``vllm.LLM`` (the fixed ones above cannot be overridden).
     """
 
     def __init__(
@@ -95,6 +113,7 @@ class VLLMEngine:
         max_model_len: int = 512,
         max_num_seqs: int = 16,
         seed: int = 0,
+        compilation: str = "none",
         **llm_kwargs,
     ) -> None:
         self.in_process = engine_env()
@@ -105,8 +124,12 @@ class VLLMEngine:
         register()
         from vllm import LLM
 
+        if compilation not in COMPILE_MODES:
+            raise ValueError(f"compilation = {compilation!r}: expected one of {sorted(COMPILE_MODES)}")
+        if compilation == "dynamo":
+            llm_kwargs["compilation_config"] = {**COMPILE_MODES["dynamo"], **(llm_kwargs.get("compilation_config") or {})}
         fixed = dict(
-            enforce_eager=True,
+            enforce_eager=compilation == "none",
             enable_prefix_caching=False,
             logprobs_mode="processed_logprobs",
             skip_tokenizer_init=True,
@@ -145,7 +168,11 @@ class VLLMEngine:
         plan: PrecisionPlan | None,
         guidance: GuidedMode | None,
         diagnostics: frozenset[int] = frozenset(),
+        store: StoreTarget | None = None,
     ) -> RolloutOutput:
+        """See :class:`~tracefp4.engines.protocol.RolloutEngine`. With ``store`` the records are
+        written by the worker that recorded them, straight into the store; only the diagnostics (when
+        asked for) come back with the tokens and log-probs."""
         from tracefp4.engines.vllm.worker import unpack_records
 
         if plan is None and (guidance is not None or diagnostics):
@@ -153,6 +180,8 @@ class VLLMEngine:
         if guidance is not None and not isinstance(guidance, GuidedMode):
             raise ValueError(f"guidance must be a GuidedMode (GuidedMode.parse(name)), got {type(guidance).__name__}")
         prompt_ids = check_prompts(prompts, self.vocab)
+        if store is not None and len(store.traj_ids) != len(prompt_ids):
+            raise ValueError(f"store target names {len(store.traj_ids)} trajectories for {len(prompt_ids)} prompts")
         longest = max(p.numel() for p in prompt_ids) + sampling.max_new_tokens + 1
         if longest > self.max_model_len:
             raise ValueError(
@@ -176,21 +205,25 @@ class VLLMEngine:
         t2 = time.perf_counter()
         owners = {rid: [b, "main"] for b, rid in enumerate(main_ids)}
         owners.update({rid: [b, "flush"] for b, rid in zip(need_flush, flush_ids)})
+        prompt_lens = [int(p.numel()) for p in prompt_ids]
         blob = self.llm.collective_rpc(
-            "tracefp4_finish", args=(owners, [t.tolist() for t in token_ids], self.n_experts)
+            "tracefp4_finish",
+            args=(owners, [t.tolist() for t in token_ids], self.n_experts,
+                  None if store is None else {**store.to_dict(), "prompt_lens": prompt_lens}),
         )[0]
         records, diag = unpack_records(blob)
         t3 = time.perf_counter()
         return RolloutOutput(
             token_ids=token_ids,
-            prompt_lens=[int(p.numel()) for p in prompt_ids],
+            prompt_lens=prompt_lens,
             logprobs=logprobs,
             finish_reasons=finish,
-            records=records,
+            records=[] if store is not None else records,
             diagnostics=diag,
             plan=plan,
             guidance=guidance,
             timings={"generate_s": t1 - t0, "flush_s": t2 - t1, "records_s": t3 - t2},
+            stored=store,
         )
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:

@@ -15,14 +15,23 @@ several times; it is idempotent. It
 4. wraps ``CPUAttentionBackendImpl.do_kv_cache_update`` so K and V are quantized per token and KV
    head (``plan.quantizer("k"/"v")``) before they enter the cache, stored as the dequantized FP4
    values in the cache's dtype (as our ``FP4KVCache`` stores them), and recorded. The CPU attention reads K/V only from the cache (prefill too), so
-   every position attends to FP4 K/V, as in our transformers path.
+   every position attends to FP4 K/V, as in our transformers path. vLLM calls that method from its
+   ``unified_kv_cache_update`` custom op, so it runs eagerly in compiled mode too;
+5. makes the MoE layers whose routed experts use our method call vLLM's ``moe_forward`` custom op
+   (:func:`install_moe_custom_op`), as vLLM does on GPU: on CPU vLLM calls the plain Python MoE
+   forward, which ``torch.compile`` traces into, and our method (numba kernels, recording into Python
+   objects, data-dependent expert counts) cannot be traced. Inside the opaque op it runs eagerly,
+   in eager and in compiled mode alike, so both record through the same code;
+6. marks vLLM's dummy forwards (memory profiling and compile warm-up run on uninitialised buffers,
+   whose NaNs our quantizers refuse): there the sites zero non-finite inputs
+   (:func:`install_dummy_run_guard`); every real forward is checked as everywhere else.
 """
 
 from __future__ import annotations
 
 from tracefp4.engines.vllm.process import prepare_process
 
-__all__ = ["register", "install_kv_wrapper", "kv_site"]
+__all__ = ["register", "install_kv_wrapper", "install_moe_custom_op", "install_dummy_run_guard", "kv_site"]
 
 _registered = False
 
@@ -40,6 +49,7 @@ def kv_site(layer_name: str, key, value):
     if state.plan is None:
         return key, value
     i = layer_index(layer_name)
+    key, value = RUNTIME.site_input(key), RUNTIME.site_input(value)
     return quantize_site(state, i, Site.K, key), quantize_site(state, i, Site.V, value)
 
 
@@ -59,6 +69,38 @@ def install_kv_wrapper() -> None:
     CPUAttentionBackendImpl._tracefp4_kv = True
 
 
+def install_moe_custom_op() -> None:
+    """Route MoE layers with :class:`~.quant.TraceFP4MoEMethod` experts through vLLM's registered
+    ``moe_forward`` custom op (opaque to ``torch.compile``); idempotent."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    from tracefp4.engines.vllm.quant import TraceFP4MoEMethod
+
+    if getattr(MoERunner, "_tracefp4_op", False):
+        return
+    orig = MoERunner._select_forward
+
+    def _select_forward(self):
+        if isinstance(getattr(self.routed_experts, "quant_method", None), TraceFP4MoEMethod):
+            return torch.ops.vllm.moe_forward if self._shared_experts is None else torch.ops.vllm.moe_forward_shared
+        return orig(self)
+
+    MoERunner._select_forward = _select_forward
+    MoERunner._tracefp4_op = True
+
+
+def install_dummy_run_guard() -> None:
+    """Mark vLLM's dummy forwards (memory profiling, compile warm-up: garbage inputs, discarded
+    outputs) so the sites zero non-finite inputs there instead of refusing them; idempotent."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from tracefp4.engines.vllm.runtime import dummy_forward
+
+    if not getattr(GPUModelRunner._dummy_run, "_tracefp4_dummy", False):
+        GPUModelRunner._dummy_run = dummy_forward(GPUModelRunner._dummy_run)
+
+
 def register() -> None:
     global _registered
     if _registered:
@@ -67,4 +109,6 @@ def register() -> None:
     import tracefp4.engines.vllm.quant  # noqa: F401  (registers the "tracefp4" quantization config)
 
     install_kv_wrapper()
+    install_moe_custom_op()
+    install_dummy_run_guard()
     _registered = True

@@ -191,4 +191,4 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
             raise NotImplementedError(f"tracefp4: routed experts with activation {act} (SiLU-gated only)")
         state = RUNTIME.state()
         w13, w2 = self.weights(layer, state.plan)
-        return expert_forward(state, self.layer_index, x, w13, w2, topk_weights, topk_ids)
+        return expert_forward(state, self.layer_index, RUNTIME.site_input(x), w13, w2, topk_weights, topk_ids)

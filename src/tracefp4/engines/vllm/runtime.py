@@ -25,7 +25,7 @@ from tracefp4.engines.capture import ForwardRecord, RolloutCapture
 from tracefp4.engines.model import ForwardState
 from tracefp4.engines.plan import PrecisionPlan
 
-__all__ = ["StepRecord", "WorkerRuntime", "RUNTIME", "layer_index", "install_step_recorder"]
+__all__ = ["StepRecord", "WorkerRuntime", "RUNTIME", "layer_index", "install_step_recorder", "dummy_forward"]
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -58,10 +58,18 @@ class WorkerRuntime:
         self.capture = RolloutCapture()
         self.recording = False
         self.steps: list[StepRecord] = []
+        # vLLM's dummy forwards (memory profiling, compile warm-up) run on whatever the buffers hold:
+        # their inputs may be NaN, which the quantizers rightly refuse, and their outputs are thrown away
+        self.dummy = False
 
     @property
     def plan(self) -> PrecisionPlan | None:
         return self.call_plan if self.in_call else self.config_plan
+
+    def site_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as a site quantizes it: unchanged, except in a dummy forward, where non-finite
+        values (garbage buffers) become 0 so that the forward still does all its work."""
+        return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) if self.dummy else x
 
     def state(self) -> ForwardState:
         """What the seams of the forward in progress compute with and record into."""
@@ -110,3 +118,17 @@ def install_step_recorder(worker) -> str:
     runner._model_forward = _model_forward
     runner._tracefp4_recorder = True
     return "installed"
+
+
+def dummy_forward(fn):
+    """Wrap vLLM's ``_dummy_run`` so :attr:`WorkerRuntime.dummy` is set while it runs."""
+
+    def wrapped(*args, **kwargs):
+        RUNTIME.dummy = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            RUNTIME.dummy = False
+
+    wrapped._tracefp4_dummy = True
+    return wrapped

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from tracefp4.engines.capture import RolloutCapture  # noqa: E402
 from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
 from tracefp4.engines.rollout import ForwardStep, assemble_records  # noqa: E402
+from tracefp4.engines.sink import StoreTarget, write_records  # noqa: E402
 from tracefp4.engines.vllm.runtime import RUNTIME, StepRecord, install_step_recorder  # noqa: E402
 from tracefp4.guidance.compact import GuidedMode  # noqa: E402
 
@@ -116,14 +117,22 @@ class TraceWorkerExtension:
         capture = RolloutCapture.of(mode, frozenset(int(i) for i in diagnostics), int(n_layers))
         RUNTIME.begin(None if plan is None else PrecisionPlan(**plan), capture)
 
-    def tracefp4_finish(self, owners: dict[str, list], token_ids: list[list[int]], n_experts: int) -> bytes:
+    def tracefp4_finish(self, owners: dict[str, list], token_ids: list[list[int]], n_experts: int,
+                        store: dict | None = None) -> bytes:
         """Stop recording; the records (and diagnostics) of the trajectories, as safetensors bytes.
-        ``owners``: external request id -> (trajectory, "main" | "flush")."""
+        ``owners``: external request id -> (trajectory, "main" | "flush"). With ``store``
+        (``StoreTarget.to_dict()`` plus ``prompt_lens``) the records are written into the guidance
+        store from here, under that writer, and only the diagnostics come back."""
         capture = RUNTIME.capture
         steps = RUNTIME.end()
         ids = [torch.tensor(t, dtype=torch.long) for t in token_ids]
         mapped = map_steps(steps, {k: (int(v[0]), str(v[1])) for k, v in owners.items()}, ids)
         records, diagnostics = assemble_records(mapped, [t.numel() for t in ids], int(n_experts), capture)
+        if store is not None:
+            store = dict(store)
+            prompt_lens = store.pop("prompt_lens")
+            write_records(StoreTarget.from_dict(store), records, prompt_lens)
+            records = [{} for _ in records]
         return pack_records(records, diagnostics)
 
     def tracefp4_abort(self) -> None:

@@ -1,0 +1,77 @@
+"""The cache tier as an engine sees it: where a rollout's records go when the engine writes them itself.
+
+A trainer that reads records from the guidance store does not need them to pass through the process
+that drives the rollout. An engine given a :class:`StoreTarget` writes every trajectory's records
+into the store under the target's writer (one writer per engine, keyed by trajectory id) and hands
+back only token ids, log-probs and finish reasons; the driver seals the step once every engine has
+returned (:func:`tracefp4.guidance.store.seal_step`). The target is plain data (JSON), so it crosses
+into a vLLM worker or a Ray actor without pickling anything of ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from tracefp4.faults import crash_point
+from tracefp4.guidance.store import StoreWriter
+
+__all__ = ["StoreTarget", "write_records"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreTarget:
+    """One writer of one step of a guidance store.
+
+    root: the store's folder (shared by every engine and trainer rank: a local or shared filesystem).
+    step: the step the records belong to. writer_id: this engine's writer (``w0``, ``w1``, ...; unique
+    per step). traj_ids: the store's name of each trajectory, in prompt order. model_signature and
+    policy_version: what every reader checks before it hands a record to a trainer.
+    """
+
+    root: str
+    step: int
+    writer_id: str
+    traj_ids: tuple[str, ...]
+    model_signature: str
+    policy_version: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", str(self.root))
+        object.__setattr__(self, "traj_ids", tuple(str(t) for t in self.traj_ids))
+        if len(set(self.traj_ids)) != len(self.traj_ids):
+            raise ValueError(f"store target {self.writer_id!r}: trajectory ids repeat")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "traj_ids": list(self.traj_ids)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StoreTarget:
+        return cls(**d)
+
+    def slice(self, lo: int, hi: int, writer_id: str) -> StoreTarget:
+        """The target of trajectories ``lo:hi`` under another writer (one engine of several)."""
+        return dataclasses.replace(self, writer_id=writer_id, traj_ids=self.traj_ids[lo:hi])
+
+
+def write_records(target: StoreTarget, records: Sequence[Mapping[str, torch.Tensor]], prompt_lens: Sequence[int]) -> int:
+    """Write one rollout's records under ``target``'s writer; returns the bytes of tensors written.
+    The writer's manifest is committed only when every trajectory is in (a crash leaves nothing a
+    reader would take for complete)."""
+    if len(records) != len(target.traj_ids) or len(prompt_lens) != len(target.traj_ids):
+        raise ValueError(
+            f"store target {target.writer_id!r} names {len(target.traj_ids)} trajectories, the rollout has "
+            f"{len(records)} records and {len(prompt_lens)} prompts"
+        )
+    crash_point("rollout")  # sampled, nothing written
+    total = 0
+    with StoreWriter(target.root, target.step, target.writer_id, model_signature=target.model_signature,
+                     policy_version=target.policy_version) as w:
+        for tid, rec, p in zip(target.traj_ids, records, prompt_lens):
+            w.add(tid, rec, prompt_len=int(p))
+            total += sum(t.nbytes for t in rec.values())
+            crash_point("store-write")  # a writer with part of its records (and maybe shards) on disk
+    return total

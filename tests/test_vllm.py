@@ -586,3 +586,25 @@ def test_grpo_loop_on_the_vllm_engine(tmp_path) -> None:
     assert all(r["code_mismatch_rate"] == 0.0 for r in train["trace-full"])  # every vLLM code reproduced
     assert train["qat"][0]["guidance_bytes_per_token"] == 0 < train["trace-full"][0]["guidance_bytes_per_token"]
     assert json.loads((run_dir / "config.json").read_text())["engine"] == "vllm"
+
+
+def test_grpo_loop_on_vllm_engine_actors(tmp_path) -> None:
+    """``engine = "vllm"`` with ``rollout_workers = 1``: vLLM runs inside a Ray actor, gets the weights
+    as bytes every step and writes its records into the store under its own writer; the driver seals
+    and the trainer reads them (full records: every vLLM code reproduced)."""
+    pytest.importorskip("ray", reason="ray not installed")
+    from tracefp4.rl.config import ModelSpec, RLConfig
+    from tracefp4.rl.loop import run
+
+    cfg = RLConfig(
+        out=str(tmp_path), run_name="va", engine="vllm", rollout_workers=1, arms=("trace-full",), steps=2,
+        prompts_per_step=2, group_size=2, max_new_tokens=4, warm_start_steps=2, warm_start_batch=8, eval_every=2,
+        eval_size=4, model=ModelSpec(hidden=64, layers=2, moe_intermediate=32, head_dim=32),
+    )
+    run_dir = run(cfg)
+    rows = [json.loads(x) for x in (run_dir / "metrics" / "trace-full.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [0, 1]
+    assert all(r["code_mismatch_rate"] == 0.0 and r["guidance_bytes_per_token"] > 0 for r in train)
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["engine"] == "vllm" and saved["rollout_workers"] == 1

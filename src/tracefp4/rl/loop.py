@@ -177,10 +177,10 @@ def _run_arms(cfg: RLConfig, task: Task, tok: Tokenizer, run_dir: Path) -> None:
     try:
         if cfg.engine != "home":  # one engine for the run, given each arm's weights in turn
             serving = engine.serving_engine(cfg.engine, base, max_len=_max_len(cfg, task, tok))
-        if cfg.rollout_workers > 0:
+        if cfg.rollout_workers > 0:  # the rollouts on engine actors (evaluation stays on this process's engine)
             from tracefp4.rl.workers import RolloutPool
 
-            pool = RolloutPool(base, cfg.rollout_workers)
+            pool = RolloutPool(base, cfg.rollout_workers, engine=cfg.engine, max_len=_max_len(cfg, task, tok))
         if cfg.trainer_world_size > 1:  # the update on N processes, started once, given each arm in turn
             from tracefp4.rl.distributed import TrainerGroup
 

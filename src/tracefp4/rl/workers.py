@@ -1,10 +1,16 @@
-"""Rollout workers in separate processes, with Ray.
+"""Rollout engines in separate processes, as Ray actors.
 
-Each worker is a Ray actor holding its own copy of the prepared model. Nothing crosses the process
-boundary as a pickled Python object of ours: weights travel as safetensors bytes, the model config
-as JSON, the sampled trajectories come back as a JSON string, and the records go through the
-guidance store, each worker writing its own shards and manifest (writer ``w{i}``) without
-coordinating with the others. The driver seals the step once every worker has returned.
+Each worker is a Ray actor holding its own copy of the model and its own rollout engine: ours
+(``engine = "home"``) or vLLM with the tracefp4 plugin (``engine = "vllm"``). Nothing crosses the
+process boundary as a pickled Python object of ours: weights travel as safetensors bytes (pushed
+into the engine with ``load_weights`` every step), the model config as JSON, the sampled
+trajectories come back as a JSON string, and the records go through the guidance store, each
+engine writing its own shards and manifest (writer ``w{i}``, :class:`~tracefp4.engines.sink.StoreTarget`)
+without coordinating with the others. The driver seals the step once every worker has returned.
+
+Placement is Ray's: each actor asks for ``threads_per_worker`` CPUs and, where the cluster has GPUs,
+one GPU; Ray puts it on a node that has them. With ``RAY_ADDRESS`` set (a cluster started with
+``ray start``) the pool joins that cluster, otherwise it starts a local one.
 
 Ray is optional (``pip install ray``); everything else in tracefp4 runs in-process without it.
 """
@@ -22,7 +28,6 @@ from safetensors.torch import save as save_safetensors
 from transformers import AutoConfig, PreTrainedModel
 
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, StoreTarget
-from tracefp4.engines.rollout import HomeEngine
 from tracefp4.rl import engine
 from tracefp4.rl.arms import Arm
 
@@ -35,24 +40,37 @@ def _require_ray():
     return ray
 
 
+def init_ray(cpus: int):
+    """Ray, initialised: joins the cluster named by ``RAY_ADDRESS`` (``ray start`` on each node), else
+    starts a local one with ``cpus`` CPUs."""
+    import os
+
+    ray = _require_ray()
+    if not ray.is_initialized():
+        quiet = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(**quiet)
+        else:
+            ray.init(num_cpus=max(cpus, 1), **quiet)
+    return ray
+
+
 class _Worker:
     """The actor body (wrapped with ``ray.remote`` at pool construction, so importing this module
     does not need Ray)."""
 
-    def __init__(self, config_json: str, threads: int):
+    def __init__(self, config_json: str, threads: int, engine_name: str = "home", max_len: int = 0):
         from tracefp4.engines.model import from_config
 
         torch.set_num_threads(threads)
         cfg = json.loads(config_json)
         config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
         self.model = from_config(config, dtype=torch.bfloat16)
+        self.serving = engine.serving_engine(engine_name, self.model, max_len=max_len)
         self.version = -1
 
     def load_weights(self, blob: bytes, version: int) -> int:
-        state = load_safetensors(blob)
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"weights do not fit the worker's model: missing {missing}, unexpected {unexpected}")
+        self.serving.load_weights(load_safetensors(blob), version)  # checks that every tensor fits
         self.version = version
         return version
 
@@ -65,8 +83,7 @@ class _Worker:
         target = StoreTarget(job["store_root"], job["step"], job["writer_id"], tuple(job["traj_ids"]),
                              job["signature"], job["policy_version"])
         t0 = time.perf_counter()
-        out, _ = engine.rollout(HomeEngine(self.model), job["prompts"], SamplingParams(**job["sampling"]), arm,
-                                store=target)  # this worker's writer: the records never reach the driver
+        out, _ = engine.rollout(self.serving, job["prompts"], SamplingParams(**job["sampling"]), arm, store=target)  # this worker's writer: the records never reach the driver
         t_write = out.timings.get("store_write_s", 0.0)
         t_gen = time.perf_counter() - t0 - t_write
         return json.dumps({
@@ -83,16 +100,16 @@ class RolloutPool:
     """``n`` Ray rollout workers with a copy of ``model`` each; :meth:`generate` splits a batch across
     them (whole groups per worker) and returns the trajectories (records go to the store)."""
 
-    def __init__(self, model: PreTrainedModel, n: int, *, threads_per_worker: int = 1):
-        ray = _require_ray()
-        if not ray.is_initialized():
-            ray.init(num_cpus=max(n * threads_per_worker, 1), include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+    def __init__(self, model: PreTrainedModel, n: int, *, threads_per_worker: int = 1, engine: str = "home",
+                 max_len: int = 0):
+        ray = init_ray(n * threads_per_worker)
         cfg = model.config.to_dict()
         cfg.pop("_experts_implementation", None)
-        actor = ray.remote(num_cpus=threads_per_worker)(_Worker)
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0  # one GPU per engine where there are GPUs
+        actor = ray.remote(num_cpus=threads_per_worker, num_gpus=gpus)(_Worker)
         self._ray = ray
-        self.workers = [actor.remote(json.dumps(cfg, default=str), threads_per_worker) for _ in range(n)]
+        self.workers = [actor.remote(json.dumps(cfg, default=str), threads_per_worker, engine, max_len)
+                        for _ in range(n)]
         self.version: int | None = None
 
     def sync_weights(self, model: PreTrainedModel, version: int) -> None:

@@ -30,10 +30,12 @@ What is sharded, and how
       r read) is reported beside ``store/bytes_step`` (the step's shard bytes).
 
 Processes
-    :class:`TrainerGroup` (the driver's handle) starts N processes once per run with
-    ``torch.multiprocessing``'s spawn context and a ``file://`` rendezvous on local disk, and gives
-    them each arm in turn (:meth:`TrainerGroup.setup`); they exit when the driver dies. Nothing crosses
-    to them but tensors, lists and the config as plain values (no pickled objects of ours). The building blocks
+    :class:`TrainerGroup` (the driver's handle) starts N ranks once per run as Ray actors
+    (:class:`TrainerRank`), placed by Ray's resources (CPUs each, a GPU each where the cluster has
+    them; any node of the cluster ``RAY_ADDRESS`` names, else a local Ray), with a TCP rendezvous on
+    rank 0's node, and gives them each arm in turn (:meth:`TrainerGroup.setup`); they die with the
+    driver. Nothing crosses to them but JSON strings and safetensors bytes (no pickled objects of
+    ours), and each rank reads its records from the store itself. The building blocks
     (:func:`init_distributed`, :func:`shard_model`, :func:`sharded_update`) also run under torchrun
     (``init_distributed()`` reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``). Backend:
     NCCL when CUDA is available (one GPU per rank), else gloo on CPU; one code path. The rollout and the
@@ -53,9 +55,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import tempfile
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,7 +67,7 @@ from tracefp4.rl.arms import Arm
 from tracefp4.rl.config import RLConfig
 from tracefp4.rl.grpo import LossAgg, grpo_loss, pad_right
 
-__all__ = ["TrainerGroup", "init_distributed", "rank_share", "shard_model", "sharded_update"]
+__all__ = ["TrainerGroup", "TrainerRank", "init_distributed", "rank_share", "shard_model", "sharded_update"]
 
 _STAT_KEYS = ("clip_frac", "is_weight_mean", "is_truncated_frac")
 
@@ -87,24 +86,25 @@ def device_and_backend() -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def init_distributed(rank: int | None = None, world_size: int | None = None, init_file: str | None = None) -> None:
-    """Join the process group: a ``file://`` rendezvous at ``init_file`` with the given rank and
-    world size (what :class:`TrainerGroup` spawns), or, without ``init_file``, torchrun's ``env://``
-    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). Backend: NCCL on CUDA, else gloo."""
+def init_distributed(rank: int | None = None, world_size: int | None = None, init_method: str | None = None) -> None:
+    """Join the process group: a rendezvous at ``init_method`` (``tcp://host:port`` or ``file://path``)
+    with the given rank and world size (what :class:`TrainerGroup`'s actors do), or, without it,
+    torchrun's ``env://`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). Backend: NCCL on
+    CUDA, else gloo."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if init_file is None:
+    if init_method is None:
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
-            raise ValueError(f"init_distributed without init_file needs torchrun's environment; missing {missing}")
+            raise ValueError(f"init_distributed without init_method needs torchrun's environment; missing {missing}")
         rank = int(os.environ["RANK"])
     elif rank is None or world_size is None:
-        raise ValueError("init_distributed with init_file needs rank and world_size")
+        raise ValueError("init_distributed with init_method needs rank and world_size")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    if init_file is None:
+    if init_method is None:
         dist.init_process_group(backend, init_method="env://")
     else:
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
 
 
 def shard_model(model: PreTrainedModel, masters: dict[str, torch.Tensor] | None = None) -> PreTrainedModel:
@@ -274,66 +274,6 @@ def _build_model(config_json: str, weights: dict[str, torch.Tensor]) -> PreTrain
     return model
 
 
-def _setup_cmd(setup: dict[str, Any]) -> tuple[PreTrainedModel, torch.optim.Optimizer, Arm, RLConfig]:
-    """A fresh sharded model and optimizer on this rank (one arm), from the driver's weights and state."""
-    cfg = RLConfig.from_dict(setup["cfg"])
-    arm = Arm.from_dict(setup["arm"])
-    opt_t = setup["optimizer_tensors"]
-    model = _build_model(setup["config_json"], setup["weights"])
-    masters = {k[len("master/"):]: v for k, v in opt_t.items() if k.startswith("master/")}
-    shard_model(model, masters or None)
-    model.eval()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                            weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
-    load_adam_state(model, opt, opt_t)
-    return model, opt, arm, cfg
-
-
-def _worker(rank: int, world: int, init_file: str, threads: int, inbox, outbox) -> None:
-    torch.set_num_threads(threads)
-    try:
-        init_distributed(rank, world, init_file)
-        outbox.put(("ready", rank))
-        parent = os.getppid()
-        model = opt = arm = cfg = None
-        while True:
-            try:
-                cmd, arg = inbox.get(timeout=5.0)
-            except queue.Empty:
-                if os.getppid() != parent:  # the driver died (killed): nothing of ours is on disk, exit
-                    break
-                continue
-            if cmd == "stop":
-                break
-            if cmd == "setup":
-                model = opt = None  # the previous arm's
-                model, opt, arm, cfg = _setup_cmd(arg)
-                del arg
-                outbox.put(("setup", rank))
-            elif model is None:
-                raise ValueError(f"command {cmd!r} before setup")
-            elif cmd == "update":
-                out = _update_cmd(model, opt, arm, cfg, arg)
-                weights = gather_weights(model)
-                outbox.put(("update", {**out, "rank": rank, "weights": weights if rank == 0 else None}))
-            elif cmd == "optimizer":
-                t = gather_optimizer_tensors(model, opt)
-                outbox.put(("optimizer", t if rank == 0 else None))
-            elif cmd == "logprobs":  # the sharded forward over given trajectories (no gradient): checks
-                with torch.no_grad():
-                    new = engine.trainer_logprobs(model, arg["token_ids"], arg["prompt_lens"], arg["records"], arm,
-                                                  temperature=cfg.temperature)
-                reshard(model)
-                outbox.put(("logprobs", [lp.detach().cpu() for lp in new.logprobs]))
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
-    except BaseException:
-        outbox.put(("error", f"trainer rank {rank}: {traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _update_cmd(model, opt, arm: Arm, cfg: RLConfig, job: dict[str, Any]) -> dict[str, Any]:
     from tracefp4.guidance.store import StoreReader, step_bytes
 
@@ -345,9 +285,118 @@ def _update_cmd(model, opt, arm: Arm, cfg: RLConfig, job: dict[str, Any]) -> dic
         return {"stats": stats, "bytes_read": reader.bytes_read, "bytes_step": step_bytes(reader)}
 
 
+def pack(tensors: dict[str, torch.Tensor]) -> bytes:
+    """Tensors as safetensors bytes (what crosses to and from the ranks: no pickled objects)."""
+    from safetensors.torch import save
+
+    return save({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()})
+
+
+def unpack(blob: bytes) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(blob) if blob else {}
+
+
+def _seq(d: dict[str, torch.Tensor], prefix: str) -> list[torch.Tensor]:
+    """``{prefix/0, prefix/1, ...}`` back into a list, in order."""
+    n = sum(1 for k in d if k.startswith(prefix + "/"))
+    return [d[f"{prefix}/{b}"] for b in range(n)]
+
+
+def _records(recs: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {f"records/{b}/{k}": v for b, r in enumerate(recs) for k, v in r.items()}
+
+
+def _unrecords(d: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+    for k, v in d.items():
+        if k.startswith("records/"):
+            _, b, name = k.split("/", 2)
+            out[int(b)][name] = v
+    return out
+
+
+class TrainerRank:
+    """One trainer process (a Ray actor: :class:`TrainerGroup` wraps it with ``ray.remote``). Its calls
+    take and return JSON strings and safetensors bytes only."""
+
+    def __init__(self, rank: int, world_size: int, threads: int) -> None:
+        torch.set_num_threads(threads)
+        self.rank, self.world_size = rank, world_size
+        self.model = self.opt = self.arm = self.cfg = None
+
+    def address(self) -> str:
+        """A ``tcp://`` rendezvous on this rank's node (called on rank 0)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def join(self, init_method: str) -> int:
+        init_distributed(self.rank, self.world_size, init_method)
+        return self.rank
+
+    def setup(self, setup_json: str, weights: bytes, optimizer: bytes) -> int:
+        """A fresh sharded model and optimizer (one arm), from the driver's weights and state."""
+        self.model = self.opt = None  # the previous arm's
+        setup = json.loads(setup_json)
+        self.cfg, self.arm = RLConfig.from_dict(setup["cfg"]), Arm.from_dict(setup["arm"])
+        opt_t = unpack(optimizer)
+        self.model = _build_model(setup["config_json"], unpack(weights))
+        masters = {k[len("master/"):]: v for k, v in opt_t.items() if k.startswith("master/")}
+        shard_model(self.model, masters or None)
+        self.model.eval()
+        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.cfg.lr,
+                                     weight_decay=self.cfg.weight_decay, betas=(0.9, 0.99))
+        load_adam_state(self.model, self.opt, opt_t)
+        return self.rank
+
+    def _ready(self) -> None:
+        if self.model is None:
+            raise ValueError(f"trainer rank {self.rank}: called before setup")
+
+    def update(self, job_json: str, tensors: bytes) -> tuple[str, bytes]:
+        """One step's updates; rank 0 also returns the full new weights."""
+        self._ready()
+        t = unpack(tensors)
+        job = {**json.loads(job_json), "token_ids": _seq(t, "token_ids"),
+               **{k: t[k] for k in ("advantages", "logp_old", "logp_rollout", "mask")}}
+        out = _update_cmd(self.model, self.opt, self.arm, self.cfg, job)
+        weights = gather_weights(self.model)
+        return json.dumps({**out, "rank": self.rank}), pack(weights) if self.rank == 0 else b""
+
+    def optimizer(self) -> bytes:
+        self._ready()
+        t = gather_optimizer_tensors(self.model, self.opt)
+        return pack(t) if self.rank == 0 else b""
+
+    def logprobs(self, job_json: str, tensors: bytes) -> bytes:
+        """The sharded forward over given trajectories (no gradient): a check that sharding keeps the numerics."""
+        self._ready()
+        t, prompt_lens = unpack(tensors), json.loads(job_json)["prompt_lens"]
+        token_ids = _seq(t, "token_ids")
+        with torch.no_grad():
+            new = engine.trainer_logprobs(self.model, token_ids, prompt_lens, _unrecords(t, len(token_ids)),
+                                          self.arm, temperature=self.cfg.temperature)
+        reshard(self.model)
+        return pack({f"logprobs/{b}": lp for b, lp in enumerate(new.logprobs)})
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 class TrainerGroup:
-    """N trainer processes in one process group (the driver's handle); :meth:`setup` gives them an
-    arm's sharded model and optimizer (again for the next arm: the processes are started once per run).
+    """N trainer ranks in one process group (the driver's handle), each a Ray actor placed by Ray's
+    resources (``threads`` CPUs each and, where the cluster has GPUs, one GPU); :meth:`setup` gives
+    them an arm's sharded model and optimizer (again for the next arm: the ranks start once per run).
+    The rendezvous is TCP on rank 0's node, so the ranks may sit on any nodes of the cluster
+    (``RAY_ADDRESS``); without one, a local Ray is started.
 
     ``model`` is the driver's BF16 model (its weights and config start the ranks);
     ``optimizer_tensors`` are :meth:`MasterWeightAdamW.state_tensors` (FP32 masters, and Adam state
@@ -356,111 +405,83 @@ class TrainerGroup:
 
     def __init__(self, world_size: int, model: PreTrainedModel | None = None, cfg: RLConfig | None = None,
                  arm: Arm | None = None, optimizer_tensors: dict[str, torch.Tensor] | None = None, *,
-                 timeout_s: float = 3600.0):
-        import torch.multiprocessing as mp
+                 threads: int | None = None):
+        from tracefp4.rl.workers import init_ray
 
         if world_size < 2:
             raise ValueError(f"TrainerGroup needs world_size >= 2, got {world_size}")
-        self.world_size, self.timeout_s = world_size, timeout_s
-        self._tmp = tempfile.TemporaryDirectory(prefix="tracefp4-rdzv-")
-        init_file = os.path.join(self._tmp.name, "rendezvous")
-        threads = max(1, torch.get_num_threads() // world_size)
-        ctx = mp.get_context("spawn")
-        self._out = ctx.Queue()
-        self._in = [ctx.Queue() for _ in range(world_size)]
-        self._procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, threads, self._in[r], self._out),
-                                   daemon=True) for r in range(world_size)]
-        for p in self._procs:
-            p.start()
+        threads = threads or max(1, torch.get_num_threads() // world_size)
+        ray = self._ray = init_ray(world_size * threads)
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+        actor = ray.remote(num_cpus=threads, num_gpus=gpus, max_restarts=0)(TrainerRank)
+        self.world_size = world_size
+        self.ranks = [actor.remote(r, world_size, threads) for r in range(world_size)]
         try:
-            self._collect("ready")
+            init_method = self._get([self.ranks[0].address.remote()])[0]
+            self._get([r.join.remote(init_method) for r in self.ranks])
             if model is not None:
                 self.setup(model, cfg, arm, optimizer_tensors)
         except BaseException:
             self.close()
             raise
 
+    def _get(self, futures: list) -> list:
+        """The ranks' answers; a rank's exception (or death) surfaces here, naming the rank's error."""
+        try:
+            return self._ray.get(futures)
+        except self._ray.exceptions.RayError as e:
+            raise RuntimeError(f"trainer rank failed: {e}") from None
+
     def setup(self, model: PreTrainedModel, cfg: RLConfig, arm: Arm,
               optimizer_tensors: dict[str, torch.Tensor]) -> None:
         """Give the ranks an arm: the driver's model (weights, config) and optimizer state."""
-        self._send("setup", {
-            "cfg": _plain_config(cfg), "arm": arm.to_dict(),
-            "config_json": json.dumps(model.config.to_dict(), default=str),
-            "weights": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
-            "optimizer_tensors": {k: v.detach().cpu().clone() for k, v in optimizer_tensors.items()},
-        })
-        self._collect("setup")
-
-    def _collect(self, kind: str) -> list[Any]:
-        """One reply of ``kind`` from every rank (in rank order for rank-indexed replies)."""
-        got: list[Any] = []
-        waited = 0.0
-        while len(got) < self.world_size:
-            try:
-                k, v = self._out.get(timeout=5.0)
-            except queue.Empty:
-                waited += 5.0
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                if dead or waited > self.timeout_s:
-                    raise RuntimeError(f"trainer ranks {dead} exited" if dead else "trainer ranks timed out") from None
-                continue
-            if k == "error":
-                raise RuntimeError(v)
-            if k != kind:
-                raise RuntimeError(f"trainer rank answered {k!r}, expected {kind!r}")
-            got.append(v)
-        return got
-
-    def _send(self, cmd: str, arg: Any = None) -> None:
-        for q in self._in:
-            q.put((cmd, arg))
+        setup = json.dumps({"cfg": _plain_config(cfg), "arm": arm.to_dict(),
+                            "config_json": json.dumps(model.config.to_dict(), default=str)})
+        weights = self._ray.put(pack(dict(model.named_parameters())))
+        opt = self._ray.put(pack(optimizer_tensors))
+        self._get([r.setup.remote(setup, weights, opt) for r in self.ranks])
 
     def update(self, batch, store_root, signature: str, policy_version: int,
                model: PreTrainedModel) -> dict[str, float]:
         """One step's updates on the ranks, each reading its own records from the store; copies the
         new weights into ``model`` (the driver's) and returns the statistics with the store bytes."""
-        job = {
-            "step": batch.step, "token_ids": batch.token_ids, "prompt_lens": batch.prompt_lens,
-            "traj_ids": batch.traj_ids, "advantages": batch.advantages, "logp_old": batch.logp_old,
-            "logp_rollout": batch.logp_rollout, "mask": batch.mask, "store_root": str(store_root),
-            "signature": signature, "policy_version": policy_version,
-        }
-        self._send("update", job)
-        replies = self._collect("update")
-        stats = next(r["stats"] for r in replies if r["weights"] is not None)
-        weights = next(r["weights"] for r in replies if r["weights"] is not None)
+        job = json.dumps({"step": batch.step, "prompt_lens": list(batch.prompt_lens), "traj_ids": list(batch.traj_ids),
+                          "store_root": str(store_root), "signature": signature, "policy_version": policy_version})
+        tensors = self._ray.put(pack({
+            **{f"token_ids/{b}": t for b, t in enumerate(batch.token_ids)}, "advantages": batch.advantages,
+            "logp_old": batch.logp_old, "logp_rollout": batch.logp_rollout, "mask": batch.mask,
+        }))
+        replies = [(json.loads(j), blob) for j, blob in self._get([r.update.remote(job, tensors) for r in self.ranks])]
+        stats = replies[0][0]["stats"]
+        weights = unpack(replies[0][1])
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(weights[n])  # in place: bumps the version the rollout's weight cache keys on
         out = dict(stats)
-        for r in sorted(replies, key=lambda r: r["rank"]):
+        for r, _ in replies:
             out[f"store/bytes_read_rank{r['rank']}"] = float(r["bytes_read"])
-        out["store/bytes_read_rank"] = max(float(r["bytes_read"]) for r in replies)  # the busiest rank
-        out["store/bytes_step"] = float(replies[0]["bytes_step"])
+        out["store/bytes_read_rank"] = max(float(r["bytes_read"]) for r, _ in replies)  # the busiest rank
+        out["store/bytes_step"] = float(replies[0][0]["bytes_step"])
         return out
 
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:
         """The full FP32 masters and Adam state (gathered on rank 0), in the checkpoint's names."""
-        self._send("optimizer")
-        return next(t for t in self._collect("optimizer") if t is not None)
+        return unpack(self._get([r.optimizer.remote() for r in self.ranks])[0])
 
     def logprobs(self, token_ids, prompt_lens, records) -> list[list[torch.Tensor]]:
-        """Every rank's sharded forward over the same trajectories (no gradient): one list per reply."""
-        self._send("logprobs", {"token_ids": token_ids, "prompt_lens": prompt_lens, "records": records})
-        return self._collect("logprobs")
+        """Every rank's sharded forward over the same trajectories (no gradient): one list per rank."""
+        job = json.dumps({"prompt_lens": list(prompt_lens)})
+        tensors = pack({**{f"token_ids/{b}": t for b, t in enumerate(token_ids)}, **_records(records)})
+        return [_seq(unpack(blob), "logprobs") for blob in self._get([r.logprobs.remote(job, tensors) for r in self.ranks])]
 
     def close(self) -> None:
-        for q in self._in:
+        for r in getattr(self, "ranks", []):
             try:
-                q.put(("stop", None))
-            except (ValueError, OSError):
+                self._ray.get(r.close.remote(), timeout=30)
+            except Exception:  # a dead rank: nothing to close
                 pass
-        for p in self._procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        self._tmp.cleanup()
+            self._ray.kill(r)
+        self.ranks = []
 
     def __enter__(self) -> TrainerGroup:
         return self

@@ -387,7 +387,7 @@ def test_mismatch_report_with_the_vllm_rollout(engine, hf: torch.nn.Module, tmp_
 
     prompts = make_prompts(3, 256, 8, seed=0)
     rep = mismatch_report(hf, prompts, SamplingParams(max_new_tokens=6, seed=0), store_dir=tmp_path, engine=engine)
-    assert rep["config"]["engine"] == "VLLMEngine" and rep["fp4_rollouts_identical"] is True
+    assert rep["engine"] == "vllm" and rep["fp4_rollouts_identical"] is True
     rates = rep["mismatch_rate"]
     assert rates["trace_full"] == 0.0 < rates["qat"], rates
     assert "rollout engine: VLLMEngine" in format_report(rep)
@@ -401,13 +401,14 @@ def test_mismatch_cli_engine_vllm(tmp_path) -> None:
 
     cmd = [sys.executable, "-m", "tracefp4", "mismatch", "--engine", "vllm", "--batch", "2", "--new-tokens", "4",
            "--prompt-len", "6", "--quiet"]
-    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(cmd + ["--head-dim", "16"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "head_dim" in bad.stderr, bad.stderr[-2000:]
-    out = subprocess.run(cmd + ["--head-dim", "32", "--json", str(tmp_path / "rep.json")], capture_output=True,
-                         text=True, timeout=600)
+    # without --head-dim the tiny model gets one vLLM's CPU attention has (32)
+    out = subprocess.run(cmd + ["--json", str(tmp_path / "rep.json")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rep = json.loads((tmp_path / "rep.json").read_text())
-    assert rep["config"]["engine"] == "VLLMEngine" and rep["mismatch_rate"]["trace_full"] == 0.0
+    assert rep["engine"] == "vllm" and rep["mismatch_rate"]["trace_full"] == 0.0
+    assert rep["config"]["head_dim"] == 32
 
 
 _MULTIPROCESS_SCRIPT = """

@@ -82,6 +82,8 @@ class RolloutOutput:
 class RolloutEngine(Protocol):
     """A rollout engine: ours (:class:`tracefp4.engines.rollout.HomeEngine`) or an adapter of another."""
 
+    name: str  # "home", "vllm", ...: what reports and run configs call it
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],

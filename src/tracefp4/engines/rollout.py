@@ -332,6 +332,8 @@ def _generate(
 class HomeEngine:
     """Our :class:`~tracefp4.engines.protocol.RolloutEngine` over a prepared transformers model."""
 
+    name = "home"
+
     def __init__(self, model: PreTrainedModel, *, pad_token_id: int | None = None) -> None:
         self.model = model
         self.pad_token_id = pad_token_id

@@ -72,9 +72,17 @@ def _inputs(
     return model, prompts, sampling
 
 
+#: head_dim of the tiny model when vLLM runs it: vLLM's CPU attention supports 32, 64, 80, ... (not
+#: the tiny default's 16); a --head-dim given on the command line is kept (and checked by vLLM).
+VLLM_TINY_HEAD_DIM = 32
+
+
 def run_mismatch(args: argparse.Namespace) -> int:
     dims = _check_args(args)
     say = _progress(args.quiet)
+    if getattr(args, "engine", "home") == "vllm" and args.checkpoint is None and "head_dim" not in dims:
+        dims["head_dim"] = VLLM_TINY_HEAD_DIM
+        say(f"--engine vllm: head_dim {VLLM_TINY_HEAD_DIM} (vLLM's CPU attention has no kernel for the default 16)")
     model, prompts, sampling = _inputs(args, dims, say)
     if getattr(args, "engine", "home") == "vllm":
         if args.sweep:

@@ -446,10 +446,8 @@ def mismatch_report(
     agg = _aggregates(stats, compact_layers)
     roll_full = rollouts["trace_full"]
     return {
-        "config": {
-            **_config_section(model, prompts, sampling, roll_full.plan, compact_layers),
-            "engine": "HomeEngine" if engine is None else type(engine).__name__,
-        },
+        "engine": "home" if engine is None else engine.name,
+        "config": _config_section(model, prompts, sampling, roll_full.plan, compact_layers),
         "tokens": {
             "positions": sum(t.numel() for t in roll_full.token_ids),
             "generated": stored.bytes_full["generated_tokens"],
@@ -488,7 +486,7 @@ def _header_lines(rep: dict[str, Any]) -> list[str]:
         f"  batch {c['batch']} ragged prompts ({min(c['prompt_lens'])}-{max(c['prompt_lens'])} tokens), "
         f"{c['new_tokens']} new tokens, seed {c['seed']}: {tok['generated']} generated tokens, "
         f"{tok['positions']} positions; FP4 rollouts identical across modes: {rep['fp4_rollouts_identical']}",
-        f"  rollout engine: {c.get('engine', 'HomeEngine')}",
+        f"  rollout engine: {rep['engine']}",
         "",
     ]
 

@@ -166,7 +166,7 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
         "task": run_cfg.task,
         "model": dataclasses.asdict(run_cfg.model) if not run_cfg.checkpoint else {"checkpoint": run_cfg.checkpoint},
         "steps": run_cfg.steps,
-        "engine": "home",
+        "engine": run_cfg.engine,
         "guidance": run_cfg.guidance,
         "arms": {},
     }

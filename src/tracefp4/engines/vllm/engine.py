@@ -104,6 +104,8 @@ class VLLMEngine:
     ``llm_kwargs`` go to ``vllm.LLM`` (the fixed ones above cannot be overridden).
     """
 
+    name = "vllm"
+
     def __init__(
         self,
         model: str | os.PathLike[str],

@@ -16,6 +16,12 @@ Bandwidth: each operation's time next to ``x.clone()`` of the same input, as ``c
 as fast as copying the input once), and as a fraction of the clone's bandwidth counting the bytes the
 operation must move (input reads, code and scale writes).
 
+vLLM (``--vllm``, where a CUDA build of vLLM is installed): the tracefp4 plugin on the GPU. A tiny
+Qwen3-MoE checkpoint, a ``VLLMEngine`` (eager) rolling out W4A4 NVFP4 with full records on every layer;
+checks that every trajectory's records cover its positions, that our trainer on CUDA, guided by those
+records, reproduces every vLLM code (expert_in, expert_mid, K, V), that records written by the worker
+into the store equal the returned ones, and times fp4 / trace_lsb / trace_full rollouts side by side.
+
 Prints a table and writes JSON (``--json``). Exit status: 0 all bit-exact, 1 a mismatch, 2 nothing
 could be checked (no CUDA device, or Triton missing).
 """
@@ -220,6 +226,61 @@ def format_report(correct: list[dict], bw: dict | None) -> str:
     return "\n".join(lines)
 
 
+def check_vllm(workdir: str, batch: int = 16, new_tokens: int = 32, device: str = "cuda") -> dict:
+    """The plugin on CUDA (see the module docstring); ``{"ok": bool, ...figures}``."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from tracefp4.engines.model import load_model, tiny_config
+    from tracefp4.engines.plan import PrecisionPlan
+    from tracefp4.engines.protocol import SamplingParams
+    from tracefp4.engines.sink import StoreTarget
+    from tracefp4.engines.trainer import code_mismatch, forward_rollout
+    from tracefp4.engines.vllm import VLLMEngine
+    from tracefp4.guidance.compact import GuidedMode
+    from tracefp4.guidance.store import StoreReader, seal_step
+
+    ckpt = os.path.join(workdir, "ckpt")
+    torch.manual_seed(0)
+    cfg = tiny_config(layers=4, experts=8, top_k=2, hidden=256, moe_intermediate=128, heads=4, kv_heads=2, head_dim=64,
+                      vocab=512, init_std=0.05, max_positions=512)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(ckpt)
+    plan, layers = PrecisionPlan(), frozenset(range(4))
+    extra = {"gpu_memory_utilization": 0.3} if device == "cuda" else {}
+    engine = VLLMEngine(ckpt, plan=plan, max_model_len=256, max_num_seqs=batch, **extra)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in torch.randint(8, 24, (batch,), generator=g)]
+    sampling = SamplingParams(max_new_tokens=new_tokens, seed=3)
+    out = engine.generate(prompts, sampling, plan=plan, guidance=GuidedMode.parse("full@all"), diagnostics=layers)
+    covered = all(t.shape[0] == out.token_ids[b].numel() for b, r in enumerate(out.records) for t in r.values())
+    trainer = load_model(ckpt).to(device)
+    with torch.no_grad():
+        tr = forward_rollout(trainer, out, mode="trace", capture_codes=layers)
+        qat = forward_rollout(trainer, out, mode="qat", capture_codes=layers)
+    stats, qstats = code_mismatch(tr.codes, out.diagnostics), code_mismatch(qat.codes, out.diagnostics)
+    total = sum(x.total for x in stats.values())
+    mism, qmism = sum(x.mismatched for x in stats.values()), sum(x.mismatched for x in qstats.values())
+    with tempfile.TemporaryDirectory(dir=workdir) as root:
+        ids = tuple(f"t{b}" for b in range(batch))
+        engine.generate(prompts, sampling, plan=plan, guidance=GuidedMode.parse("full@all"),
+                        store=StoreTarget(root, 0, "w0", ids, "sig", 0))
+        seal_step(root, 0, ["w0"])
+        with StoreReader(root, 0, model_signature="sig", policy_version=0) as r:
+            back = r.batch(list(ids), [t.numel() for t in out.token_ids])
+        stored_equal = all(sorted(a) == sorted(b) and all(torch.equal(a[k], b[k].cpu()) for k in b)
+                           for a, b in zip(back, out.records))
+    speeds = {}
+    for mode, guidance in (("fp4", None), ("trace_lsb", GuidedMode.parse("lsb")), ("trace_full", GuidedMode.parse("full"))):
+        t0 = time.perf_counter()
+        o = engine.generate(prompts, sampling, plan=plan, guidance=guidance)
+        speeds[mode] = sum(lp.numel() for lp in o.logprobs) / (time.perf_counter() - t0)
+    ok = covered and total > 0 and mism == 0 and stored_equal
+    return {"ok": ok, "records_cover_positions": covered, "codes_checked": total, "trace_full_mismatched": mism,
+            "qat_mismatched": qmism, "store_equal": stored_equal, "tokens_per_s": speeds,
+            "lsb_over_fp4": speeds["trace_lsb"] / speeds["fp4"], "full_over_fp4": speeds["trace_full"] / speeds["fp4"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="exit status: 0 ok, 1 mismatch, 2 no device")
     p.add_argument("--rows", type=int, default=8192, help="rows of the bandwidth tensor")
@@ -229,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-bandwidth", action="store_true")
     p.add_argument("--big-rows", type=int, default=4096, help="rows of the largest correctness shape")
     p.add_argument("--big-cols", type=int, default=4096, help="columns of the largest correctness shape")
+    p.add_argument("--vllm", action="store_true", help="also check the tracefp4 vLLM plugin (needs vLLM's CUDA build)")
     args = p.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -247,7 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     bw = None if args.skip_bandwidth else measure_bandwidth(tf, args.rows, args.cols, args.repeats)
     print(format_report(correct, bw))
     ok = all(r["ok"] for r in correct)
-    payload = {"bit_exact": ok, "cases": correct, "bandwidth": bw, "seconds": time.perf_counter() - t0,
+    vllm = None
+    if args.vllm:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="gpu-check-vllm-") as workdir:
+            vllm = check_vllm(workdir)
+        print(f"vLLM plugin on CUDA: {'ok' if vllm['ok'] else 'FAILED'}; " + json.dumps(vllm))
+        ok = ok and vllm["ok"]
+    payload = {"bit_exact": ok, "cases": correct, "bandwidth": bw, "vllm": vllm, "seconds": time.perf_counter() - t0,
                "torch": torch.__version__}
     tmp = f"{args.json}.tmp"
     with open(tmp, "w") as f:

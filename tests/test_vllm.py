@@ -390,7 +390,7 @@ def test_mismatch_report_with_the_vllm_rollout(engine, hf: torch.nn.Module, tmp_
     assert rep["engine"] == "vllm" and rep["fp4_rollouts_identical"] is True
     rates = rep["mismatch_rate"]
     assert rates["trace_full"] == 0.0 < rates["qat"], rates
-    assert "rollout engine: VLLMEngine" in format_report(rep)
+    assert "rollout engine: vllm" in format_report(rep)
 
 
 def test_mismatch_cli_engine_vllm(tmp_path) -> None:

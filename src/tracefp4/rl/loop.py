@@ -194,6 +194,8 @@ def _run_arms(cfg: RLConfig, task: Task, tok: Tokenizer, run_dir: Path) -> None:
             pool.shutdown()
         if group is not None:
             group.close()
+        if serving is not None and hasattr(serving, "close"):
+            serving.close()  # deterministically: vLLM's shutdown resets process-wide state
     write_report(run_dir)
 
 

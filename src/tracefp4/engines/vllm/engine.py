@@ -147,6 +147,7 @@ class VLLMEngine:
         # whole prompts per step unless the caller decides otherwise.
         llm_kwargs.setdefault("enable_chunked_prefill", False)
         llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 2048))
+        self._tmp = None  # engine_for's temporary checkpoint folder, removed by close()
         self.llm = LLM(
             model=os.fspath(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             seed=seed, hf_overrides=overrides, **fixed, **llm_kwargs,
@@ -247,6 +248,24 @@ class VLLMEngine:
             self.llm.collective_rpc("tracefp4_reload", args=(blob,))
         self.llm.reset_prefix_cache()
         self.version = version
+
+    def close(self) -> None:
+        """Shut the engine down now (idempotent). vLLM's shutdown tears down process-wide state (its
+        model-parallel groups), so an in-process engine must be closed before another is built in
+        the same process, not left to the garbage collector, which may run it while the next one is
+        in use."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        tmp, self._tmp = getattr(self, "_tmp", None), None
+        if tmp is not None:
+            tmp.cleanup()
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # --- internals ------------------------------------------------------------------------------
 

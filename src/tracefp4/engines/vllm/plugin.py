@@ -12,7 +12,8 @@ several times; it is idempotent. It
    platform without a Triton backend), and ``llvmlite.binding.ffi.lib`` answers ``__dict__`` with a
    function wrapper, which crashes that scan;
 3. registers the ``tracefp4`` quantization config (:mod:`.quant`);
-4. wraps ``CPUAttentionBackendImpl.do_kv_cache_update`` so K and V are quantized per token and KV
+4. wraps the attention backend's ``do_kv_cache_update`` (the CPU backend's here, any other backend's
+   when the worker finds it: :func:`install_kv_wrapper`) so K and V are quantized per token and KV
    head (``plan.quantizer("k"/"v")``) before they enter the cache, stored as the dequantized FP4
    values in the cache's dtype (as our ``FP4KVCache`` stores them), and recorded. The CPU attention reads K/V only from the cache (prefill too), so
    every position attends to FP4 K/V, as in our transformers path. vLLM calls that method from its
@@ -53,20 +54,32 @@ def kv_site(layer_name: str, key, value):
     return quantize_site(state, i, Site.K, key), quantize_site(state, i, Site.V, value)
 
 
-def install_kv_wrapper() -> None:
-    """Quantize K/V (and record them) where vLLM's CPU attention writes its cache; idempotent."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+def install_kv_wrapper(impl_cls=None) -> None:
+    """Quantize K/V (and record them) where an attention backend writes its cache: every vLLM V1
+    backend of standard attention implements ``do_kv_cache_update(layer, key, value, kv_cache,
+    slot_mapping)`` and vLLM calls it from its ``unified_kv_cache_update`` custom op. Without
+    ``impl_cls``: the CPU backend's class (wrapped at registration, before the warm-up forwards);
+    the worker wraps the class of whatever backend its attention layers use. Idempotent."""
+    import inspect
 
-    if getattr(CPUAttentionBackendImpl, "_tracefp4_kv", False):
+    if impl_cls is None:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as impl_cls
+    if getattr(impl_cls, "_tracefp4_kv", False):
         return
-    orig = CPUAttentionBackendImpl.do_kv_cache_update
+    orig = getattr(impl_cls, "do_kv_cache_update", None)
+    params = list(inspect.signature(orig).parameters)[1:] if orig is not None else []
+    if params[:5] != ["layer", "key", "value", "kv_cache", "slot_mapping"]:
+        raise NotImplementedError(
+            f"tracefp4: attention backend {impl_cls.__name__} has no do_kv_cache_update(layer, key, value, kv_cache, "
+            f"slot_mapping) to quantize K/V in (found {params or 'none'}; MLA and other layouts are not supported)"
+        )
 
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
         key, value = kv_site(layer.layer_name, key, value)
-        return orig(self, layer, key, value, kv_cache, slot_mapping)
+        return orig(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
 
-    CPUAttentionBackendImpl.do_kv_cache_update = do_kv_cache_update
-    CPUAttentionBackendImpl._tracefp4_kv = True
+    impl_cls.do_kv_cache_update = do_kv_cache_update
+    impl_cls._tracefp4_kv = True
 
 
 def install_moe_custom_op() -> None:
@@ -108,7 +121,10 @@ def register() -> None:
     prepare_process()
     import tracefp4.engines.vllm.quant  # noqa: F401  (registers the "tracefp4" quantization config)
 
-    install_kv_wrapper()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        install_kv_wrapper()
     install_moe_custom_op()
     install_dummy_run_guard()
     _registered = True

@@ -99,15 +99,16 @@ class TraceWorkerExtension:
     """Methods mixed into vLLM's worker (``self`` is the worker); see the module docstring."""
 
     def tracefp4_install(self) -> str:
-        """Install the step recorder; refuse attention backends whose cache write is not wrapped
-        (their K/V would silently stay unquantized and unrecorded)."""
+        """Wrap the cache write of every attention backend the model uses (an unwrapped one would
+        leave K/V silently unquantized and unrecorded: refused) and install the step recorder."""
+        from tracefp4.engines.vllm.plugin import install_kv_wrapper
+
         model = self.model_runner.get_model()
         attn = [m for m in model.modules() if hasattr(m, "impl") and hasattr(m, "layer_name")]
-        bad = sorted({type(m.impl).__name__ for m in attn if not getattr(type(m.impl), "_tracefp4_kv", False)})
-        if not attn or bad:
-            raise NotImplementedError(
-                f"tracefp4: FP4 K/V is wired into vLLM's CPU attention backend only; found {bad or 'no attention layer'}"
-            )
+        if not attn:
+            raise NotImplementedError("tracefp4: the model has no attention layer with a vLLM backend impl")
+        for cls in {type(m.impl) for m in attn}:
+            install_kv_wrapper(cls)
         return install_step_recorder(self)
 
     def tracefp4_begin(self, plan: dict | None, guidance: str | None, diagnostics: list[int], n_layers: int) -> None:

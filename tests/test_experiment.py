@@ -63,6 +63,11 @@ def test_experiment_runs_seeds_and_resumes(tmp_path):
         for key in ("logprob_gap_mean", "logprob_gap_max", "guidance_bytes_per_token"):
             assert e[key] is not None
     assert res["arms"]["bf16"]["guidance_bytes_per_token"] == 0 < res["arms"]["trace"]["guidance_bytes_per_token"]
+    # post-hoc FP4 inference of the BF16-trained policy: from the bf16 arm's evaluations only
+    for key in ("final_eval_accuracy_fp4", "final_eval_accuracy_fp4_4over6"):
+        post = res["arms"]["bf16"][key]
+        assert post["n"] == 2 and post["ci95"][0] <= post["mean"] <= post["ci95"][1]
+        assert key not in res["arms"]["trace"]
     assert (tmp_path / "img" / "tiny_eval_accuracy.png").exists()
     # a second invocation resumes the finished seeds (nothing is run again) and gives the same summary
     before = (tmp_path / "runs" / "tiny" / "seed-0" / "metrics" / "trace.jsonl").read_text()

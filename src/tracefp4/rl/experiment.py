@@ -17,7 +17,8 @@ finished one is only read. The summary (:func:`summarise`) is a pure function of
 Per arm, over seeds: the final held-out accuracy (the last evaluation of each seed) with its mean and a
 95% confidence interval from Student's t (``mean ± t_{0.975, n-1} * sd / sqrt(n)``; with one seed the
 interval is the point), and the means over seeds of each seed's mean and max |Δlogp| over all steps,
-its code mismatch and its guidance bytes per token. Curves (eval accuracy and the per-step max gap
+its code mismatch and its guidance bytes per token; for the bf16 arm also the final accuracy of its
+policy under post-hoc FP4 inference (``final_eval_accuracy_fp4``, ``..._fp4_4over6``). Curves (eval accuracy and the per-step max gap
 against steps) are drawn with the mean over seeds and a band of ±t·sd/sqrt(n).
 """
 
@@ -129,12 +130,19 @@ def run_experiment(cfg: ExperimentConfig, results_dir: str | Path = "docs/result
     return summary
 
 
+#: Evaluations of the policy under post-hoc FP4 inference (vanilla NVFP4, Four over Six), reported
+#: by the bf16 arm's evaluations.
+POST_HOC = ("eval_accuracy_fp4", "eval_accuracy_fp4_4over6")
+
+
 def _seed_figures(rows: Sequence[Mapping]) -> dict[str, float | None]:
     train, evals = rows_of_kind(rows, "train"), rows_of_kind(rows, "eval")
     gaps = [r["train_rollout_logprob_abs_diff"] for r in train]
     codes = [r["code_mismatch_rate"] for r in train if r.get("code_mismatch_rate") is not None]
     return {
         "final_eval_accuracy": evals[-1]["eval_accuracy"] if evals else None,
+        # post-hoc FP4 inference of the policy (the bf16 arm's evaluations carry them)
+        **{f"final_{k}": evals[-1].get(k) if evals else None for k in POST_HOC},
         "logprob_gap_mean": statistics.fmean(gaps) if gaps else None,
         "logprob_gap_max": max(r["train_rollout_logprob_abs_diff_max"] for r in train) if train else None,
         "code_mismatch": statistics.fmean(codes) if codes else None,
@@ -176,6 +184,10 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
         acc = [f["final_eval_accuracy"] for f in figs if f["final_eval_accuracy"] is not None]
         entry["final_eval_accuracy"] = mean_ci95(acc) if acc else None
         entry["final_eval_accuracy_per_seed"] = acc
+        for key in POST_HOC:
+            post = [f[f"final_{key}"] for f in figs if f[f"final_{key}"] is not None]
+            if post:
+                entry[f"final_{key}"] = mean_ci95(post)
         for key in ("logprob_gap_mean", "logprob_gap_max", "code_mismatch", "guidance_bytes_per_token"):
             vals = [f[key] for f in figs if f[key] is not None]
             entry[key] = statistics.fmean(vals) if vals else None

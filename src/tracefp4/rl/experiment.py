@@ -252,4 +252,9 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             f"{num(e['logprob_gap_mean'], '.5f'):>13}{num(e['logprob_gap_max'], '.3f'):>12}"
             f"{num(e['code_mismatch'], '.2e'):>12}{num(e['guidance_bytes_per_token'], '.1f'):>9}"
         )
+        for key, label in (("final_eval_accuracy_fp4", "post-hoc NVFP4"), ("final_eval_accuracy_fp4_4over6", "post-hoc 4/6")):
+            post = e.get(key)
+            if post:
+                ci = f"[{post['ci95'][0]:.3f}, {post['ci95'][1]:.3f}]"
+                lines.append(f"{'  ' + label:<14}{len(e['seeds']):>6}{post['mean']:>11.3f}{ci:>18}   (the {arm} policy, FP4 inference)")
     return "\n".join(lines)

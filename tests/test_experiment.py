@@ -68,6 +68,11 @@ def test_experiment_runs_seeds_and_resumes(tmp_path):
         post = res["arms"]["bf16"][key]
         assert post["n"] == 2 and post["ci95"][0] <= post["mean"] <= post["ci95"][1]
         assert key not in res["arms"]["trace"]
+    # the trace arm against bf16, seed by seed
+    paired = res["arms"]["trace"]["final_eval_accuracy_minus_bf16"]
+    b, t = res["arms"]["bf16"]["final_eval_accuracy_per_seed"], res["arms"]["trace"]["final_eval_accuracy_per_seed"]
+    assert paired["n"] == 2 and paired["mean"] == pytest.approx(sum(x - y for x, y in zip(t, b)) / 2, abs=1e-12)
+    assert "final_eval_accuracy_minus_bf16" not in res["arms"]["bf16"]
     assert (tmp_path / "img" / "tiny_eval_accuracy.png").exists()
     # a second invocation resumes the finished seeds (nothing is run again) and gives the same summary
     before = (tmp_path / "runs" / "tiny" / "seed-0" / "metrics" / "trace.jsonl").read_text()

@@ -18,7 +18,9 @@ Per arm, over seeds: the final held-out accuracy (the last evaluation of each se
 95% confidence interval from Student's t (``mean ± t_{0.975, n-1} * sd / sqrt(n)``; with one seed the
 interval is the point), and the means over seeds of each seed's mean and max |Δlogp| over all steps,
 its code mismatch and its guidance bytes per token; for the bf16 arm also the final accuracy of its
-policy under post-hoc FP4 inference (``final_eval_accuracy_fp4``, ``..._fp4_4over6``). Curves (eval accuracy and the per-step max gap
+policy under post-hoc FP4 inference (``final_eval_accuracy_fp4``, ``..._fp4_4over6``), and for every
+other arm its final accuracy minus the bf16 arm's, paired by seed (``final_eval_accuracy_minus_bf16``,
+mean and 95% interval over seeds). Curves (eval accuracy and the per-step max gap
 against steps) are drawn with the mean over seeds and a band of ±t·sd/sqrt(n).
 """
 
@@ -197,7 +199,24 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
             "logprob_gap_max": _curve(rows, "train_rollout_logprob_abs_diff_max", "train"),
         }
         out["arms"][arm] = entry
+    _paired_differences(out["arms"], reference="bf16")
     return out
+
+
+def _paired_differences(arms: dict[str, dict[str, Any]], reference: str) -> None:
+    """Each arm's final accuracy minus ``reference``'s, seed by seed (same warm start, same prompts),
+    with a Student-t interval over seeds: the seed-to-seed spread of the warm start, which dominates
+    the plain intervals, cancels in the difference."""
+    ref = arms.get(reference)
+    if ref is None or ref["final_eval_accuracy"] is None:
+        return
+    ref_acc = dict(zip(ref["seeds"], ref["final_eval_accuracy_per_seed"]))
+    for arm, entry in arms.items():
+        if arm == reference or len(entry["final_eval_accuracy_per_seed"]) != len(entry["seeds"]):
+            continue
+        diffs = [a - ref_acc[s] for s, a in zip(entry["seeds"], entry["final_eval_accuracy_per_seed"]) if s in ref_acc]
+        if diffs:
+            entry[f"final_eval_accuracy_minus_{reference}"] = mean_ci95(diffs)
 
 
 def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:
@@ -233,12 +252,16 @@ def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:
     return paths
 
 
+def _paired(d: Mapping[str, Any] | None) -> str:
+    return f"{d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]" if d else "-"
+
+
 def format_summary(summary: Mapping[str, Any]) -> str:
     """The paper-shaped table: arm, final accuracy ± CI, gap, code mismatch, guidance bytes."""
     lines = [
         f"{summary['name']}: task {summary['task']}, {summary['steps']} steps, engine {summary['engine']}",
         f"{'arm':<14}{'seeds':>6}{'final acc':>11}{'95% CI':>18}{'mean|dlogp|':>13}{'max|dlogp|':>12}"
-        f"{'code mism.':>12}{'B/token':>9}",
+        f"{'code mism.':>12}{'B/token':>9}{'minus bf16, paired':>26}",
     ]
 
     def num(v, fmt):
@@ -251,6 +274,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             f"{arm:<14}{len(e['seeds']):>6}{num(acc and acc['mean'], '.3f'):>11}{ci:>18}"
             f"{num(e['logprob_gap_mean'], '.5f'):>13}{num(e['logprob_gap_max'], '.3f'):>12}"
             f"{num(e['code_mismatch'], '.2e'):>12}{num(e['guidance_bytes_per_token'], '.1f'):>9}"
+            f"{_paired(e.get('final_eval_accuracy_minus_bf16')):>26}"
         )
         for key, label in (("final_eval_accuracy_fp4", "post-hoc NVFP4"), ("final_eval_accuracy_fp4_4over6", "post-hoc 4/6")):
             post = e.get(key)

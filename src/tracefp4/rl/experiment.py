@@ -198,6 +198,8 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
             "eval_accuracy": _curve(rows, "eval_accuracy", "eval"),
             "logprob_gap_max": _curve(rows, "train_rollout_logprob_abs_diff_max", "train"),
         }
+        if arm != "bf16" and all("bf16" in metrics[s] for s in seeds):
+            entry["curves"]["eval_accuracy_minus_bf16"] = _paired_curve(rows, [metrics[s]["bf16"] for s in seeds])
         out["arms"][arm] = entry
     _paired_differences(out["arms"], reference="bf16")
     return out
@@ -219,6 +221,16 @@ def _paired_differences(arms: dict[str, dict[str, Any]], reference: str) -> None
             entry[f"final_eval_accuracy_minus_{reference}"] = mean_ci95(diffs)
 
 
+def _paired_curve(per_seed: Sequence[Sequence[Mapping]], ref_seed: Sequence[Sequence[Mapping]]) -> dict[str, list[float]]:
+    """Eval accuracy minus the reference arm's, seed by seed, at every step both logged."""
+    diffs = []
+    for rows, ref in zip(per_seed, ref_seed):
+        a = {r["step"]: r["eval_accuracy"] for r in rows_of_kind(rows, "eval")}
+        b = {r["step"]: r["eval_accuracy"] for r in rows_of_kind(ref, "eval")}
+        diffs.append([{"step": k, "eval_accuracy": a[k] - b[k]} for k in sorted(set(a) & set(b))])
+    return _curve([[{**d, "kind": "eval"} for d in seed] for seed in diffs], "eval_accuracy", "eval")
+
+
 def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:
     """``<name>_eval_accuracy.png`` and ``<name>_logprob_gap_max.png``: mean over seeds with a 95% band."""
     import matplotlib
@@ -229,16 +241,19 @@ def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:
     plots_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for key, title, logy in (("eval_accuracy", "held-out greedy accuracy", False),
+                             ("eval_accuracy_minus_bf16", "held-out accuracy minus bf16's, paired by seed", False),
                              ("logprob_gap_max", "max |Δlogp| per step (trainer vs rollout)", True)):
         fig, ax = plt.subplots(figsize=(7, 4))
         for arm, entry in summary["arms"].items():
-            c = entry["curves"][key]
-            if not c["step"]:
+            c = entry["curves"].get(key)
+            if not c or not c["step"]:
                 continue
             style = ARM_STYLE.get(arm, {})
             ax.plot(c["step"], c["mean"], label=f"{arm} (n={len(entry['seeds'])})", linewidth=1.6, **style)
-            ax.fill_between(c["step"], c["lo"], c["hi"], alpha=0.15, color=style.get("color"))
-        ax.set_title(f"{summary['name']}: {title}, mean over seeds, 95% band")
+            # a t-interval of a positive quantity can reach below 0: on the log axis it is drawn from mean/10
+            lo = [max(lo, m / 10) for lo, m in zip(c["lo"], c["mean"])] if logy else c["lo"]
+            ax.fill_between(c["step"], lo, c["hi"], alpha=0.12, color=style.get("color"))
+        ax.set_title(f"{summary['name']}: {title}\nmean over seeds, 95% band", fontsize=10)
         ax.set_xlabel("GRPO step")
         if logy:
             ax.set_yscale("log")

@@ -19,7 +19,7 @@ import torch
 from tracefp4.faults import crash_point
 from tracefp4.guidance.store import StoreWriter
 
-__all__ = ["StoreTarget", "write_records"]
+__all__ = ["StoreTarget", "write_records", "pack_records", "unpack_records"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,3 +75,33 @@ def write_records(target: StoreTarget, records: Sequence[Mapping[str, torch.Tens
             total += sum(t.nbytes for t in rec.values())
             crash_point("store-write")  # a writer with part of its records (and maybe shards) on disk
     return total
+
+
+def pack_records(records: list[dict[str, torch.Tensor]], diagnostics: list[dict[str, torch.Tensor]]) -> bytes:
+    """Records and diagnostics of a batch of trajectories as safetensors bytes, for a process boundary
+    the store is not on (a vLLM worker's RPC reply, a trainer rank's job): no pickled objects."""
+    from safetensors.torch import save
+
+    flat = {}
+    for kind, per_traj in (("r", records), ("d", diagnostics)):
+        for b, rec in enumerate(per_traj):
+            for name, t in rec.items():
+                flat[f"{kind}/{b}/{name}"] = t.clone(memory_format=torch.contiguous_format)  # no shared storage
+    return save(flat, metadata={"trajectories": str(len(records))})
+
+
+def unpack_records(blob: bytes) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    import json
+    import struct
+
+    from safetensors.torch import load
+
+    flat = load(blob)
+    # the count is in the header's metadata: a batch may carry no tensor at all
+    header_len = struct.unpack("<Q", blob[:8])[0]
+    n = int(json.loads(blob[8 : 8 + header_len])["__metadata__"]["trajectories"])
+    out: dict[str, list[dict[str, torch.Tensor]]] = {"r": [{} for _ in range(n)], "d": [{} for _ in range(n)]}
+    for key, t in flat.items():
+        kind, b, name = key.split("/", 2)
+        out[kind][int(b)][name] = t
+    return out["r"], out["d"]

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from tracefp4.engines.protocol import RolloutOutput
+from tracefp4.engines.sink import StoreTarget, write_records
 from tracefp4.engines.trainer import SiteMismatch, TrainerOutput
 from tracefp4.guidance.names import layer_tag
-from tracefp4.guidance.store import StoreReader, StoreWriter, bytes_per_token, parse_name, seal_step
+from tracefp4.guidance.store import StoreReader, bytes_per_token, parse_name, seal_step
 from tracefp4.rl.grpo import mismatch_metrics
 
 __all__ = [
@@ -123,9 +124,8 @@ def same_rollout(a: RolloutOutput, b: RolloutOutput) -> bool:
 def store_records(root: Path, step: int, rollout: RolloutOutput, signature: str) -> list[dict[str, torch.Tensor]]:
     """Write the rollout's records as one sealed store step, read them back (verified)."""
     ids = [f"traj-{b:05d}" for b in range(len(rollout.token_ids))]
-    with StoreWriter(root, step, WRITER, model_signature=signature, policy_version=POLICY_VERSION) as w:
-        for tid, rec, p in zip(ids, rollout.records, rollout.prompt_lens):
-            w.add(tid, rec, prompt_len=p)
+    write_records(StoreTarget(str(root), step, WRITER, tuple(ids), signature, POLICY_VERSION), rollout.records,
+                  rollout.prompt_lens)
     seal_step(root, step, [WRITER])
     with StoreReader(root, step, model_signature=signature, policy_version=POLICY_VERSION) as r:
         r.verify()

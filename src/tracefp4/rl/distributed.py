@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
+from tracefp4.engines.sink import pack_records, unpack_records
 from tracefp4.rl import engine
 from tracefp4.rl.arms import Arm
 from tracefp4.rl.config import RLConfig
@@ -304,19 +305,6 @@ def _seq(d: dict[str, torch.Tensor], prefix: str) -> list[torch.Tensor]:
     return [d[f"{prefix}/{b}"] for b in range(n)]
 
 
-def _records(recs: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {f"records/{b}/{k}": v for b, r in enumerate(recs) for k, v in r.items()}
-
-
-def _unrecords(d: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
-    out: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
-    for k, v in d.items():
-        if k.startswith("records/"):
-            _, b, name = k.split("/", 2)
-            out[int(b)][name] = v
-    return out
-
-
 class TrainerRank:
     """One trainer process (a Ray actor: :class:`TrainerGroup` wraps it with ``ray.remote``). Its calls
     take and return JSON strings and safetensors bytes only."""
@@ -375,13 +363,12 @@ class TrainerRank:
         t = gather_optimizer_tensors(self.model, self.opt)
         return pack(t) if self.rank == 0 else b""
 
-    def logprobs(self, job_json: str, tensors: bytes) -> bytes:
+    def logprobs(self, job_json: str, tensors: bytes, records: bytes) -> bytes:
         """The sharded forward over given trajectories (no gradient): a check that sharding keeps the numerics."""
         self._ready()
-        t, prompt_lens = unpack(tensors), json.loads(job_json)["prompt_lens"]
-        token_ids = _seq(t, "token_ids")
+        token_ids, prompt_lens = _seq(unpack(tensors), "token_ids"), json.loads(job_json)["prompt_lens"]
         with torch.no_grad():
-            new = engine.trainer_logprobs(self.model, token_ids, prompt_lens, _unrecords(t, len(token_ids)),
+            new = engine.trainer_logprobs(self.model, token_ids, prompt_lens, unpack_records(records)[0],
                                           self.arm, temperature=self.cfg.temperature)
         reshard(self.model)
         return pack({f"logprobs/{b}": lp for b, lp in enumerate(new.logprobs)})
@@ -406,14 +393,13 @@ class TrainerGroup:
     def __init__(self, world_size: int, model: PreTrainedModel | None = None, cfg: RLConfig | None = None,
                  arm: Arm | None = None, optimizer_tensors: dict[str, torch.Tensor] | None = None, *,
                  threads: int | None = None):
-        from tracefp4.rl.workers import init_ray
+        from tracefp4.rl.workers import gpus_per_actor, init_ray
 
         if world_size < 2:
             raise ValueError(f"TrainerGroup needs world_size >= 2, got {world_size}")
         threads = threads or max(1, torch.get_num_threads() // world_size)
         ray = self._ray = init_ray(world_size * threads)
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-        actor = ray.remote(num_cpus=threads, num_gpus=gpus, max_restarts=0)(TrainerRank)
+        actor = ray.remote(num_cpus=threads, num_gpus=gpus_per_actor(ray), max_restarts=0)(TrainerRank)
         self.world_size = world_size
         self.ranks = [actor.remote(r, world_size, threads) for r in range(world_size)]
         try:
@@ -471,8 +457,10 @@ class TrainerGroup:
     def logprobs(self, token_ids, prompt_lens, records) -> list[list[torch.Tensor]]:
         """Every rank's sharded forward over the same trajectories (no gradient): one list per rank."""
         job = json.dumps({"prompt_lens": list(prompt_lens)})
-        tensors = pack({**{f"token_ids/{b}": t for b, t in enumerate(token_ids)}, **_records(records)})
-        return [_seq(unpack(blob), "logprobs") for blob in self._get([r.logprobs.remote(job, tensors) for r in self.ranks])]
+        tensors = pack({f"token_ids/{b}": t for b, t in enumerate(token_ids)})
+        recs = pack_records(list(records), [])
+        return [_seq(unpack(blob), "logprobs")
+                for blob in self._get([r.logprobs.remote(job, tensors, recs) for r in self.ranks])]
 
     def close(self) -> None:
         for r in getattr(self, "ranks", []):

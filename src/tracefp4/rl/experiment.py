@@ -155,7 +155,11 @@ def _seed_figures(rows: Sequence[Mapping]) -> dict[str, float | None]:
 
 def _curve(per_seed: Sequence[Sequence[Mapping]], key: str, kind: str) -> dict[str, list[float]]:
     """Mean and 95% band over seeds at each step all seeds logged."""
-    series = [{r["step"]: r[key] for r in rows_of_kind(rows, kind) if r.get(key) is not None} for rows in per_seed]
+    return _band([{r["step"]: r[key] for r in rows_of_kind(rows, kind) if r.get(key) is not None} for rows in per_seed])
+
+
+def _band(series: Sequence[Mapping[int, float]]) -> dict[str, list[float]]:
+    """``{step: value}`` per seed -> mean and 95% band at the steps every seed has."""
     steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
     out: dict[str, list[float]] = {"step": [], "mean": [], "lo": [], "hi": []}
     for step in steps:
@@ -227,8 +231,8 @@ def _paired_curve(per_seed: Sequence[Sequence[Mapping]], ref_seed: Sequence[Sequ
     for rows, ref in zip(per_seed, ref_seed):
         a = {r["step"]: r["eval_accuracy"] for r in rows_of_kind(rows, "eval")}
         b = {r["step"]: r["eval_accuracy"] for r in rows_of_kind(ref, "eval")}
-        diffs.append([{"step": k, "eval_accuracy": a[k] - b[k]} for k in sorted(set(a) & set(b))])
-    return _curve([[{**d, "kind": "eval"} for d in seed] for seed in diffs], "eval_accuracy", "eval")
+        diffs.append({k: a[k] - b[k] for k in set(a) & set(b)})
+    return _band(diffs)
 
 
 def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:

@@ -55,6 +55,11 @@ def init_ray(cpus: int):
     return ray
 
 
+def gpus_per_actor(ray) -> int:
+    """One GPU for each engine or trainer actor where the cluster has GPUs, none elsewhere."""
+    return 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+
+
 class _Worker:
     """The actor body (wrapped with ``ray.remote`` at pool construction, so importing this module
     does not need Ray)."""
@@ -83,7 +88,8 @@ class _Worker:
         target = StoreTarget(job["store_root"], job["step"], job["writer_id"], tuple(job["traj_ids"]),
                              job["signature"], job["policy_version"])
         t0 = time.perf_counter()
-        out, _ = engine.rollout(self.serving, job["prompts"], SamplingParams(**job["sampling"]), arm, store=target)  # this worker's writer: the records never reach the driver
+        # this worker's writer: the records never reach the driver
+        out, _ = engine.rollout(self.serving, job["prompts"], SamplingParams(**job["sampling"]), arm, store=target)
         t_write = out.timings.get("store_write_s", 0.0)
         t_gen = time.perf_counter() - t0 - t_write
         return json.dumps({
@@ -105,8 +111,7 @@ class RolloutPool:
         ray = init_ray(n * threads_per_worker)
         cfg = model.config.to_dict()
         cfg.pop("_experts_implementation", None)
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0  # one GPU per engine where there are GPUs
-        actor = ray.remote(num_cpus=threads_per_worker, num_gpus=gpus)(_Worker)
+        actor = ray.remote(num_cpus=threads_per_worker, num_gpus=gpus_per_actor(ray))(_Worker)
         self._ray = ray
         self.workers = [actor.remote(json.dumps(cfg, default=str), threads_per_worker, engine, max_len)
                         for _ in range(n)]

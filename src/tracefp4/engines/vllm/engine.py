@@ -48,7 +48,7 @@ import torch
 from tracefp4.engines.capture import RolloutCapture
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts
-from tracefp4.engines.sink import StoreTarget
+from tracefp4.engines.sink import StoreTarget, unpack_records
 from tracefp4.guidance.compact import GuidedMode
 
 __all__ = ["VLLMEngine", "checkpoint_names", "engine_env", "engine_for"]
@@ -176,8 +176,6 @@ class VLLMEngine:
         """See :class:`~tracefp4.engines.protocol.RolloutEngine`. With ``store`` the records are
         written by the worker that recorded them, straight into the store; only the diagnostics (when
         asked for) come back with the tokens and log-probs."""
-        from tracefp4.engines.vllm.worker import unpack_records
-
         if plan is None and (guidance is not None or diagnostics):
             raise ValueError("a BF16 rollout (plan=None) has no FP4 codes: no guidance or diagnostics")
         if guidance is not None and not isinstance(guidance, GuidedMode):

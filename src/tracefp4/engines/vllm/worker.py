@@ -25,39 +25,11 @@ import torch  # noqa: E402
 from tracefp4.engines.capture import RolloutCapture  # noqa: E402
 from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
 from tracefp4.engines.rollout import ForwardStep, assemble_records  # noqa: E402
-from tracefp4.engines.sink import StoreTarget, write_records  # noqa: E402
+from tracefp4.engines.sink import StoreTarget, pack_records, write_records  # noqa: E402
 from tracefp4.engines.vllm.runtime import RUNTIME, StepRecord, install_step_recorder  # noqa: E402
 from tracefp4.guidance.compact import GuidedMode  # noqa: E402
 
-__all__ = ["TraceWorkerExtension", "pack_records", "unpack_records", "map_steps"]
-
-
-def pack_records(records: list[dict[str, torch.Tensor]], diagnostics: list[dict[str, torch.Tensor]]) -> bytes:
-    from safetensors.torch import save
-
-    flat = {}
-    for kind, per_traj in (("r", records), ("d", diagnostics)):
-        for b, rec in enumerate(per_traj):
-            for name, t in rec.items():
-                flat[f"{kind}/{b}/{name}"] = t.clone(memory_format=torch.contiguous_format)  # no shared storage
-    return save(flat, metadata={"trajectories": str(len(records))})
-
-
-def unpack_records(blob: bytes) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
-    import json
-    import struct
-
-    from safetensors.torch import load
-
-    flat = load(blob)
-    # the count is in the header's metadata: a batch may carry no tensor at all
-    header_len = struct.unpack("<Q", blob[:8])[0]
-    n = int(json.loads(blob[8 : 8 + header_len])["__metadata__"]["trajectories"])
-    out: dict[str, list[dict[str, torch.Tensor]]] = {"r": [{} for _ in range(n)], "d": [{} for _ in range(n)]}
-    for key, t in flat.items():
-        kind, b, name = key.split("/", 2)
-        out[kind][int(b)][name] = t
-    return out["r"], out["d"]
+__all__ = ["TraceWorkerExtension", "map_steps"]
 
 
 def map_steps(steps: list[StepRecord], owners: dict[str, tuple[int, str]], token_ids: list[torch.Tensor]) -> list[ForwardStep]:

@@ -325,5 +325,53 @@ def test_library_never_changes_numba_thread_count(monkeypatch):
     # the work is sized by the chunks a kernel is given instead
     assert kernels.row_chunks(1, 1 << 40) == 1
     assert kernels.row_chunks(1000, 0) == 1
-    assert kernels.row_chunks(1000, 100 * kernels.GRAIN_BYTES) == min(numba.get_num_threads(), 100)
-    assert kernels.row_chunks(3, 100 * kernels.GRAIN_BYTES) == min(numba.get_num_threads(), 3)
+    threads = min(numba.get_num_threads(), torch.get_num_threads())
+    assert kernels.row_chunks(1000, 100 * kernels.GRAIN_BYTES) == min(threads, 100)
+    assert kernels.row_chunks(3, 100 * kernels.GRAIN_BYTES) == min(threads, 3)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernels_leave_torch_thread_count_alone(threads):
+    """numba's OpenMP layer may share PyTorch's runtime; whatever it does, every op leaves torch's
+    intra-op thread count as the caller set it, and sizes its work to it (one chunk per thread)."""
+    import numba
+
+    from tracefp4.formats import kernels
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(2048, 1024)
+        q = tf.quantize_nvfp4(x)
+        assert torch.get_num_threads() == threads
+        tf.quantize_nvfp4(x, per_row=True)
+        tf.dequantize(q)
+        tf.guided_quantize(x, tf.encode_hint(q, "lsb"))
+        tf.quantize_mxfp4(x)
+        assert torch.get_num_threads() == threads
+        assert kernels.row_chunks(1000, 100 * kernels.GRAIN_BYTES) == min(threads, numba.get_num_threads())
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_default_threading_layer_is_openmp_where_available():
+    """Unless the user chose one, numba runs our kernels on its OpenMP layer (faster launches than
+    workqueue), falling back to workqueue; vLLM processes pick workqueue themselves."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, numba, tracefp4 as tf; tf.quantize_nvfp4(torch.randn(64, 64));"
+            "print(numba.threading_layer())")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    try:
+        import numba.np.ufunc.omppool  # noqa: F401 - numba's OpenMP layer, where its wheel has one
+        expected = "omp"
+    except ImportError:
+        expected = "workqueue"
+    assert out.stdout.split()[-1] == expected
+    chosen = subprocess.run([sys.executable, "-c", code], env={**env, "NUMBA_THREADING_LAYER": "workqueue"},
+                            capture_output=True, text=True, timeout=300)
+    assert chosen.stdout.split()[-1] == "workqueue"

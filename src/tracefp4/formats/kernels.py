@@ -30,12 +30,14 @@ state the rule and are the yardstick the bit forms are checked against, exhausti
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
 
 import numba
 import numpy as np
+import torch
 from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic, overload
@@ -71,11 +73,15 @@ __all__ = [
     "count_masked",
 ]
 
-# numba's OpenMP threading layer shares libgomp with PyTorch and sets its thread count on every
-# parallel launch, so quantizing would silently change torch.get_num_threads() for the whole process.
-# The workqueue layer keeps numba's threads to itself; a user who chose a layer keeps theirs.
+# Threading layer: OpenMP where numba has it (1.2-1.5x faster launches than the workqueue layer,
+# whose main thread only waits), workqueue otherwise (TBB last). A user who chose a layer
+# (NUMBA_THREADING_LAYER) keeps theirs, and so do vLLM's processes (tracefp4.engines.vllm.process picks
+# workqueue there: vLLM's CPU kernels check the OpenMP thread count they set). An OpenMP launch may
+# share a runtime with PyTorch's and change torch.get_num_threads(); every parallel kernel below is
+# launched through :func:`_launch`, which puts torch's count back.
 if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER = "workqueue"
+    numba.config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]  # tbb: only if both fail
+    numba.config.THREADING_LAYER = "default"
 
 if sys.byteorder != "little":  # the word view and the packed layouts assume it
     raise ImportError("tracefp4.formats.kernels needs a little-endian machine")
@@ -96,6 +102,25 @@ _F16_RESCALE = F32(2.0**112)  # float16 bits shifted into a float32's place are 
 
 _PAR = dict(nogil=True, cache=True, parallel=True)
 _INL = dict(nogil=True, cache=True, inline="always")
+
+
+def _parallel(fn):
+    """``fn`` compiled as a parallel kernel, launched by a wrapper that leaves torch's thread count as
+    the caller set it (an OpenMP launch may share PyTorch's runtime; see the threading-layer note).
+    The compiled dispatcher is ``.kernel``."""
+    kernel = numba.njit(**_PAR)(fn)
+
+    @functools.wraps(fn)
+    def launch(*args):
+        threads = torch.get_num_threads()
+        try:
+            return kernel(*args)
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+
+    launch.kernel = kernel
+    return launch
 
 
 # --- bit casts -----------------------------------------------------------------------------------
@@ -370,12 +395,14 @@ GRAIN_BYTES = 4 << 20
 def row_chunks(rows: int, nbytes: int, grain: int = GRAIN_BYTES) -> int:
     """How many contiguous row ranges a kernel splits ``rows`` rows (``nbytes`` bytes) into.
 
-    At most one per numba thread, one per row, and one per ``grain`` bytes, and at least one. The
+    At most one per thread the caller allows (torch's intra-op thread count, which is what a user
+    sets, capped by numba's pool), one per row, and one per ``grain`` bytes, and at least one. The
     kernels prange over these chunks, so fewer chunks means fewer busy threads: the work is sized to
-    the data without touching numba's process-wide thread count. Passed in rather than asked for
-    inside a kernel: ``numba.get_num_threads()`` there would keep the kernel out of numba's cache.
+    the data and to the caller's thread count without touching numba's process-wide count. Passed in
+    rather than asked for inside a kernel: ``numba.get_num_threads()`` there would keep the kernel out
+    of numba's cache.
     """
-    return max(1, min(numba.get_num_threads(), rows, nbytes // grain))
+    return max(1, min(numba.get_num_threads(), torch.get_num_threads(), rows, nbytes // grain))
 
 
 @numba.njit(**_INL)
@@ -433,7 +460,7 @@ def _rtn_row(w, row, enc_b, words_per_block, cr):
         cr[j] = _rtn_byte(w[j], enc_b[enc_b.shape[0] - 1], row)
 
 
-@numba.njit(**_PAR)
+@_parallel
 def nvfp4_block_amax(x, block_max, amax, bad, nchunks):
     """First pass of a per-tensor NVFP4 quantize: block amax patterns u32 [R, K/16], row amax, flags.
 
@@ -451,7 +478,7 @@ def nvfp4_block_amax(x, block_max, amax, bad, nchunks):
             bad[r] = top > limit
 
 
-@numba.njit(**_PAR)
+@_parallel
 def nvfp4_quantize(x, amax, own_amax, block_max, codes, scales, bad, nchunks):
     """Rows -> codes u8 [R, K/2], scales u8 (E4M3 bit patterns) [R, K/16].
 
@@ -504,7 +531,7 @@ def _mx_exponent(amax, rceil):
     return min(max(e, E8M0_MIN_EXP), E8M0_MAX_EXP)
 
 
-@numba.njit(**_PAR)
+@_parallel
 def mxfp4_quantize(x, rceil, codes, scales, bad, nchunks):
     """Rows -> codes u8 [R, K/2], biased E8M0 exponents u8 [R, K/32]."""
     rows, nwords = codes.shape
@@ -543,7 +570,7 @@ def _dequant_pair(byte, mult, div):
     return U64(bits_from_f32(v0)) | (U64(bits_from_f32(v1)) << U64(32))
 
 
-@numba.njit(**_PAR)
+@_parallel
 def dequantize(codes, scales, scale_values, row_div, block, out, nchunks):
     """``(value(code) * scale) / row_div[row]`` in float32 into ``out`` f32 [R, K].
 
@@ -592,7 +619,7 @@ def _guided_lsb_byte(word, enc, hint, row):
     return U8(c0 | (c1 << U32(4)) | _sign_nibbles(word, row))
 
 
-@numba.njit(**_PAR)
+@_parallel
 def guided_lsb(x, scales, scale_values, s_dec, bits, block, codes, bad, nchunks):
     """Guided codes u8 [R, K/2] from low-bit hints ``bits`` u8 [R, K/8] (element 8j+i in bit i)."""
     rows, nwords = codes.shape
@@ -633,7 +660,7 @@ def _guided_full_byte(word, enc, rollout_byte, row):
     return U8(c0 | (c1 << U32(4)) | signs)
 
 
-@numba.njit(**_PAR)
+@_parallel
 def guided_full(x, scales, scale_values, s_dec, rollout, block, codes, bad, nchunks):
     """Guided codes u8 [R, K/2] from the rollout's packed codes ``rollout`` u8 [R, K/2]."""
     rows, nwords = codes.shape
@@ -658,7 +685,7 @@ def guided_full(x, scales, scale_values, s_dec, rollout, block, codes, bad, nchu
             bad[r] = _row_abs_max(w, row) > _finite_limit(row)
 
 
-@numba.njit(**_PAR)
+@_parallel
 def pack_lsb(codes, bits, nchunks):
     """Low magnitude bit of packed codes u8 [R, K/2] -> bit-packed u8 [R, K/8]."""
     rows, nbytes = bits.shape

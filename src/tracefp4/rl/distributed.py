@@ -67,6 +67,7 @@ from tracefp4.rl import engine
 from tracefp4.rl.arms import Arm
 from tracefp4.rl.config import RLConfig
 from tracefp4.rl.grpo import LossAgg, grpo_loss, pad_right
+from tracefp4.rl.optim import BETAS
 
 __all__ = ["TrainerGroup", "TrainerRank", "init_distributed", "rank_share", "shard_model", "sharded_update"]
 
@@ -340,7 +341,7 @@ class TrainerRank:
         shard_model(self.model, masters or None)
         self.model.eval()
         self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.cfg.lr,
-                                     weight_decay=self.cfg.weight_decay, betas=(0.9, 0.99))
+                                     weight_decay=self.cfg.weight_decay, betas=BETAS)
         load_adam_state(self.model, self.opt, opt_t)
         return self.rank
 

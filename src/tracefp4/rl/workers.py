@@ -41,17 +41,35 @@ def _require_ray():
 
 
 def init_ray(cpus: int):
-    """Ray, initialised: joins the cluster named by ``RAY_ADDRESS`` (``ray start`` on each node), else
-    starts a local one with ``cpus`` CPUs."""
+    """Ray, initialised, with ``cpus`` CPUs free for the caller's actors: joins the cluster named by
+    ``RAY_ADDRESS`` (``ray start`` on each node), else starts a local one with at least ``cpus`` CPUs
+    and at least as many as the machine has.
+
+    A local Ray is started once per process and keeps its CPU count, so a later caller asking for
+    more than is free would wait forever for its actors: that is refused here with an error instead
+    (a cluster given by ``RAY_ADDRESS`` may autoscale, so there the request is left to Ray).
+    """
     import os
 
     ray = _require_ray()
+    local = not os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
         quiet = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(**quiet)
+        if local:
+            ray.init(num_cpus=max(cpus, os.cpu_count() or 1, 1), **quiet)
         else:
-            ray.init(num_cpus=max(cpus, 1), **quiet)
+            ray.init(**quiet)
+    if local:
+        import time
+
+        deadline = time.monotonic() + 30.0  # actors killed a moment ago release their CPUs asynchronously
+        while (free := ray.available_resources().get("CPU", 0.0)) < cpus and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if free < cpus:
+            raise RuntimeError(
+                f"the local Ray of this process has {free:g} of {ray.cluster_resources().get('CPU', 0.0):g} CPUs "
+                f"free and {cpus} are needed: its actors would never start (ray.shutdown() first, or ask for fewer)"
+            )
     return ray
 
 

@@ -79,3 +79,37 @@ def test_experiment_runs_seeds_and_resumes(tmp_path):
     assert main(argv) == 0
     assert (tmp_path / "runs" / "tiny" / "seed-0" / "metrics" / "trace.jsonl").read_text() == before
     assert json.loads((tmp_path / "res" / "tiny.json").read_text()) == res
+
+
+def test_warm_start_from_another_experiment_reproduces_it(tmp_path):
+    """``warm_start`` starts each seed from saved weights: a matrix re-run from the first one's
+    warm-start checkpoints starts from the very same weights (same digest, no SFT) and, on the same
+    machine and thread count, reproduces every metric row; each seed's environment is recorded."""
+    first = tmp_path / "a.toml"
+    first.write_text(f'name = "a"\nseeds = [0]\nout = "{tmp_path / "runs"}"\n' + RUN)
+    warm = tmp_path / "runs" / "a" / "seed-{seed}" / "checkpoints" / "warm_start" / "step-00000000"
+    again = tmp_path / "b.toml"
+    again.write_text(f'name = "b"\nseeds = [0]\nout = "{tmp_path / "runs"}"\nwarm_start = "{warm}"\n' + RUN)
+    for cfg in (first, again):
+        assert main(["experiment", "--config", str(cfg), "--results", str(tmp_path / "res"),
+                     "--plots", str(tmp_path / "img")]) == 0
+    a, b = (json.loads((tmp_path / "res" / f"{n}.json").read_text())["provenance"] for n in "ab")
+    assert a["warm_starts"][0]["weights_sha256"] == b["warm_starts"][0]["weights_sha256"]
+    assert b["per_seed"]["0"]["warm_start"]["warm_start_steps"] == 0
+    assert b["per_seed"]["0"]["warm_start"]["source"] == str(warm).replace("{seed}", "0")
+    env = b["per_seed"]["0"]["environment"]
+    assert env["cpu_capability"] and env["torch_threads"] >= 1 and "torch" in env["packages"]
+    assert b["per_seed"]["0"]["resumed_elsewhere"] == []
+    for arm in ("bf16", "trace"):
+        rows = [(tmp_path / "runs" / n / "seed-0" / "metrics" / f"{arm}.jsonl").read_text().splitlines() for n in "ab"]
+        strip = [[{k: v for k, v in json.loads(r).items() if not k.startswith("time/")} for r in rs] for rs in rows]
+        assert strip[0] == strip[1], arm
+
+
+def test_bad_warm_start_config(tmp_path):
+    (tmp_path / "x.toml").write_text('name = "x"\nseeds = [0]\nwarm_start = 3\n' + RUN)
+    with pytest.raises(ValueError, match="warm_start = 3: expected a folder path"):
+        ExperimentConfig.from_file(str(tmp_path / "x.toml"))
+    (tmp_path / "y.toml").write_text('name = "y"\nseeds = [0]\nwarm_start = "w"\n' + RUN.replace("[run]\n", '[run]\ncheckpoint = "c"\n'))
+    with pytest.raises(ValueError, match="give one"):
+        ExperimentConfig.from_file(str(tmp_path / "y.toml"))

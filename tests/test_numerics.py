@@ -361,9 +361,10 @@ def test_default_threading_layer_is_openmp_where_available():
     import subprocess
     import sys
 
-    code = ("import torch, numba, tracefp4 as tf; tf.quantize_nvfp4(torch.randn(64, 64));"
-            "print(numba.threading_layer())")
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    # torch at 1 thread, numba's pool at 2: starting numba's threads must not change torch's count
+    code = ("import torch, numba, tracefp4 as tf; torch.set_num_threads(1); tf.quantize_nvfp4(torch.randn(64, 64));"
+            "assert torch.get_num_threads() == 1, torch.get_num_threads(); print(numba.threading_layer())")
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_THREADING_LAYER", "NUMBA_NUM_THREADS")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     try:

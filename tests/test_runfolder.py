@@ -239,3 +239,24 @@ def test_a_create_killed_before_config_json_does_not_block_the_folder(tmp_path):
     (tmp_path / "a" / ".config.json.123.abcdef.tmp").write_text('{"lr": ')
     path = create_run_folder(tmp_path, "a", CONFIG)
     assert sorted(os.listdir(path)) == ["config.json", "metrics", "plots"]
+
+
+def test_environment_recorded_and_resume_elsewhere_named(tmp_path):
+    """environment.json keeps the environment a run was created in; a resume in another one (another
+    CPU capability, thread count or library version) is recorded and named, key by key."""
+    from tracefp4.provenance import environment
+    from tracefp4.rl.runfolder import ENVIRONMENT_NAME, RunFolderError, record_environment
+
+    env = environment()
+    assert record_environment(tmp_path, env) == []
+    assert record_environment(tmp_path, env) == []  # the same environment: nothing differs
+    other = {**env, "cpu_capability": "AVX2", "torch_threads": env["torch_threads"] + 1,
+             "packages": {**env["packages"], "torch": "0.0"}}
+    differs = record_environment(tmp_path, other)
+    assert f"cpu_capability: {env['cpu_capability']} -> AVX2" in differs
+    assert f"torch: {env['packages']['torch']} -> 0.0" in differs and len(differs) == 3
+    saved = json.loads((tmp_path / ENVIRONMENT_NAME).read_text())
+    assert saved["created"] == json.loads(json.dumps(env)) and len(saved["resumes"]) == 2
+    (tmp_path / ENVIRONMENT_NAME).write_text("[1]")
+    with pytest.raises(RunFolderError, match="not a JSON object"):
+        record_environment(tmp_path, env)

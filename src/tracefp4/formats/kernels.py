@@ -62,6 +62,7 @@ __all__ = [
     "E4M3_VALUES",
     "E8M0_VALUES",
     "GRAIN_BYTES",
+    "numba_threads",
     "row_chunks",
     "nvfp4_block_amax",
     "nvfp4_quantize",
@@ -104,20 +105,25 @@ _PAR = dict(nogil=True, cache=True, parallel=True)
 _INL = dict(nogil=True, cache=True, inline="always")
 
 
+def _keeping_torch_threads(call, *args):
+    """``call(*args)``, leaving torch's thread count as it was: numba's OpenMP layer may share
+    PyTorch's runtime and set its count when it starts its threads or launches a kernel."""
+    threads = torch.get_num_threads()
+    try:
+        return call(*args)
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
 def _parallel(fn):
-    """``fn`` compiled as a parallel kernel, launched by a wrapper that leaves torch's thread count as
-    the caller set it (an OpenMP launch may share PyTorch's runtime; see the threading-layer note).
-    The compiled dispatcher is ``.kernel``."""
+    """``fn`` compiled as a parallel kernel, launched through :func:`_keeping_torch_threads`. The
+    compiled dispatcher is ``.kernel``."""
     kernel = numba.njit(**_PAR)(fn)
 
     @functools.wraps(fn)
     def launch(*args):
-        threads = torch.get_num_threads()
-        try:
-            return kernel(*args)
-        finally:
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
+        return _keeping_torch_threads(kernel, *args)
 
     launch.kernel = kernel
     return launch
@@ -392,6 +398,11 @@ def _guided_full(m, rollout_code, same_sign):
 GRAIN_BYTES = 4 << 20
 
 
+def numba_threads() -> int:
+    """numba's thread count, its threads started if they were not (torch's count left alone)."""
+    return _keeping_torch_threads(numba.get_num_threads)
+
+
 def row_chunks(rows: int, nbytes: int, grain: int = GRAIN_BYTES) -> int:
     """How many contiguous row ranges a kernel splits ``rows`` rows (``nbytes`` bytes) into.
 
@@ -402,7 +413,7 @@ def row_chunks(rows: int, nbytes: int, grain: int = GRAIN_BYTES) -> int:
     rather than asked for inside a kernel: ``numba.get_num_threads()`` there would keep the kernel out
     of numba's cache.
     """
-    return max(1, min(numba.get_num_threads(), torch.get_num_threads(), rows, nbytes // grain))
+    return max(1, min(numba_threads(), torch.get_num_threads(), rows, nbytes // grain))
 
 
 @numba.njit(**_INL)

@@ -54,9 +54,9 @@ def torchao_nvfp4():
 
 
 def _numba_threads() -> int:
-    import numba
+    from tracefp4.formats.kernels import numba_threads
 
-    return numba.get_num_threads()
+    return numba_threads()
 
 
 # --- numerics section ----------------------------------------------------------------------------

@@ -5,6 +5,7 @@
     name = "addition-4l"            # the results file is <results>/<name>.json
     seeds = [0, 1, 2]
     out = "runs/experiments"        # run folders: <out>/<name>/seed-<s>/ (default runs/experiments)
+    warm_start = "elsewhere/seed-{seed}/checkpoints/warm_start/step-00000000"   # optional, see below
     [run]                           # any RLConfig field (tracefp4.rl.config), the same for every seed
     task = "addition"
     arms = ["bf16", "qat", "trace", "trace-full"]
@@ -13,6 +14,15 @@
 Each seed is one ordinary run folder (all arms of that seed, the same warm start), so the matrix is
 resumable the way a run is: a seed whose folder exists is resumed (the saved config must agree), a
 finished one is only read. The summary (:func:`summarise`) is a pure function of the run folders.
+
+Reproducibility: a seed's numbers are bit-identical when it is re-run on the same machine type,
+library set and thread count, not across CPUs (:mod:`tracefp4.provenance`): a seed's outcome can
+swing with the machine's matmul kernels, and its warm start most of all. ``warm_start`` (a folder
+path, ``{seed}`` replaced by the seed) starts each seed from a saved warm-start checkpoint (any
+Hugging Face model folder, e.g. another machine's ``checkpoints/warm_start/step-00000000``) instead
+of building and fine-tuning a model: a matrix re-run elsewhere then starts from the very same
+weights. The summary records each seed's environment and the digest of its warm-start weights, and
+groups the seeds by it (``warm_starts``): seeds in one group started from identical weights.
 
 Per arm, over seeds: the final held-out accuracy (the last evaluation of each seed) with its mean and a
 95% confidence interval from Student's t (``mean ± t_{0.975, n-1} * sd / sqrt(n)``; with one seed the
@@ -27,6 +37,7 @@ against steps) are drawn with the mean over seeds and a band of ±t·sd/sqrt(n).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
 import sys
@@ -80,13 +91,14 @@ class ExperimentConfig:
     seeds: list[int]
     run: dict[str, Any]
     out: str = "runs/experiments"
+    warm_start: str | None = None  # a model folder per seed ({seed} in the path): skip building and SFT
 
     @classmethod
     def from_file(cls, path: str) -> ExperimentConfig:
         data = read_table(path)
-        unknown = sorted(set(data) - {"name", "seeds", "run", "out"})
+        unknown = sorted(set(data) - {"name", "seeds", "run", "out", "warm_start"})
         if unknown:
-            raise ValueError(f"{path}: unknown keys {unknown}; known: name, seeds, out, run")
+            raise ValueError(f"{path}: unknown keys {unknown}; known: name, seeds, out, warm_start, run")
         for key in ("name", "seeds", "run"):
             if key not in data:
                 raise ValueError(f"{path}: missing {key!r}")
@@ -98,7 +110,12 @@ class ExperimentConfig:
             raise ValueError(f"{path}: seeds = {seeds!r}: expected a list of distinct integers")
         if not isinstance(data["run"], dict) or {"seed", "out", "run_name", "resume"} & set(data["run"]):
             raise ValueError(f"{path}: [run] must be a table of RLConfig fields without seed/out/run_name/resume")
-        cfg = cls(name, list(seeds), dict(data["run"]), str(data.get("out", "runs/experiments")))
+        warm = data.get("warm_start")
+        if warm is not None and (not isinstance(warm, str) or not warm):
+            raise ValueError(f"{path}: warm_start = {warm!r}: expected a folder path (with {{seed}} for the seed)")
+        if warm is not None and "checkpoint" in data["run"]:
+            raise ValueError(f"{path}: warm_start and [run] checkpoint both name the starting weights: give one")
+        cfg = cls(name, list(seeds), dict(data["run"]), str(data.get("out", "runs/experiments")), warm)
         for s in cfg.seeds:  # every value checked before any work
             try:
                 cfg.run_config(s).validate()
@@ -112,6 +129,8 @@ class ExperimentConfig:
     def run_config(self, seed: int) -> RLConfig:
         run_dir = self.run_dir(seed)
         fields = {**self.run, "seed": seed, "out": str(run_dir.parent), "run_name": run_dir.name}
+        if self.warm_start is not None:  # the saved weights are the warm start: no build, no SFT
+            fields.update(checkpoint=self.warm_start.replace("{seed}", str(seed)), warm_start_steps=0)
         if (run_dir / "config.json").exists():
             fields["resume"] = str(run_dir)
         return RLConfig.from_dict(fields)
@@ -125,7 +144,8 @@ def run_experiment(cfg: ExperimentConfig, results_dir: str | Path = "docs/result
     for i, seed in enumerate(cfg.seeds):
         print(f"experiment {cfg.name}: seed {seed} ({i + 1}/{len(cfg.seeds)})", file=sys.stderr, flush=True)
         run(cfg.run_config(seed))
-    summary = summarise(cfg.name, {s: read_metrics(cfg.run_dir(s)) for s in cfg.seeds}, cfg.run_config(cfg.seeds[0]))
+    summary = summarise(cfg.name, {s: read_metrics(cfg.run_dir(s)) for s in cfg.seeds}, cfg.run_config(cfg.seeds[0]),
+                        {s: seed_provenance(cfg.run_dir(s)) for s in cfg.seeds})
     Path(results_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_json(Path(results_dir) / f"{cfg.name}.json", summary, sort_keys=False)
     plot_experiment(summary, Path(plots_dir))
@@ -171,8 +191,46 @@ def _band(series: Sequence[Mapping[int, float]]) -> dict[str, list[float]]:
     return out
 
 
-def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]], run_cfg: RLConfig) -> dict[str, Any]:
-    """The results file's content from each seed's metrics (``{seed: {arm: rows}}``)."""
+def seed_provenance(run_dir: Path) -> dict[str, Any]:
+    """What a seed's run folder says determined its numbers: the environment it was created in, what
+    differed in the environments it was resumed in (if anything), and the digest and source of its
+    warm-start weights."""
+    from tracefp4.provenance import weights_digest
+    from tracefp4.rl.checkpoint import latest_checkpoint
+
+    env_file = run_dir / "environment.json"
+    env = json.loads(env_file.read_text()) if env_file.is_file() else {"created": None, "resumes": []}
+    warm: dict[str, Any] = {"weights_sha256": None, "source": None}
+    ck = latest_checkpoint(run_dir / "checkpoints" / "warm_start")
+    if ck is not None:
+        warm = {"weights_sha256": ck.state.get("weights_sha256"), "source": ck.state.get("source", "built"),
+                "warm_start_steps": ck.state.get("warm_start_steps")}
+        if warm["weights_sha256"] is None:  # a run folder from before the digest was recorded
+            from safetensors.torch import load_file
+
+            warm["weights_sha256"] = weights_digest(load_file(str(ck.model_path / "model.safetensors")))
+    from tracefp4.provenance import environment_differences
+
+    created = env["created"]
+    elsewhere = sorted({"; ".join(d) for r in env["resumes"] if created and (d := environment_differences(created, r))})
+    return {"environment": created, "resumed_elsewhere": elsewhere, "warm_start": warm}
+
+
+def _provenance_summary(provenance: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    groups: dict[str, list[int]] = {}
+    for seed, p in sorted(provenance.items()):
+        groups.setdefault(str(p["warm_start"]["weights_sha256"]), []).append(seed)
+    return {
+        "per_seed": {str(s): p for s, p in sorted(provenance.items())},
+        "warm_starts": [{"weights_sha256": k, "seeds": v} for k, v in groups.items()],
+        "scope": "bit-identical on the same machine type, library set and thread count; not across CPUs",
+    }
+
+
+def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]], run_cfg: RLConfig,
+              provenance: Mapping[int, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The results file's content from each seed's metrics (``{seed: {arm: rows}}``) and, when given,
+    each seed's :func:`seed_provenance`."""
     seeds = sorted(metrics)
     arms = [a for a in run_cfg.arms if all(a in metrics[s] for s in seeds)]
     out: dict[str, Any] = {
@@ -206,6 +264,8 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
             entry["curves"]["eval_accuracy_minus_bf16"] = _paired_curve(rows, [metrics[s]["bf16"] for s in seeds])
         out["arms"][arm] = entry
     _paired_differences(out["arms"], reference="bf16")
+    if provenance is not None:
+        out["provenance"] = _provenance_summary(provenance)
     return out
 
 
@@ -300,4 +360,11 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             if post:
                 ci = f"[{post['ci95'][0]:.3f}, {post['ci95'][1]:.3f}]"
                 lines.append(f"{'  ' + label:<14}{len(e['seeds']):>6}{post['mean']:>11.3f}{ci:>18}   (the {arm} policy, FP4 inference)")
+    prov = summary.get("provenance")
+    if prov:
+        groups = "; ".join(f"seeds {', '.join(map(str, g['seeds']))}: {g['weights_sha256']}" for g in prov["warm_starts"])
+        envs = {json.dumps({k: (p["environment"] or {}).get(k) for k in ("cpu_model", "cpu_capability", "torch_threads")},
+                           sort_keys=True) for p in prov["per_seed"].values()}
+        lines.append(f"warm starts (seeds in one group started from identical weights): {groups}")
+        lines.append(f"environments: {len(envs)} distinct ({prov['scope']})")
     return "\n".join(lines)

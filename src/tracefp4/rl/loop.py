@@ -42,6 +42,7 @@ from tracefp4.engines.model import from_config, load_model, model_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.faults import crash_point
 from tracefp4.guidance.store import discard_step
+from tracefp4.provenance import environment, weights_digest
 from tracefp4.rl import engine, runfolder, runlog
 from tracefp4.rl.arms import Arm, make_arm
 from tracefp4.rl.checkpoint import Checkpoint, latest_checkpoint, save_checkpoint
@@ -166,6 +167,10 @@ def run(cfg: RLConfig) -> Path:
     else:
         run_dir = runfolder.create_run_folder(cfg.out, cfg.run_name, config)
     with runfolder.lock_run_folder(run_dir):
+        differs = runfolder.record_environment(run_dir, environment())
+        if differs:
+            print(f"{run_dir}: resumed in another environment than it was created in ({'; '.join(differs)}); "
+                  "the steps from here are not the ones an uninterrupted run would have taken", file=sys.stderr)
         _run_arms(cfg, task, tok, run_dir)
     return run_dir
 
@@ -215,7 +220,11 @@ def warm_start_model(cfg: RLConfig, task: Task, tok: Tokenizer, base_dir: Path) 
     if cfg.warm_start_steps > 0:
         with _progress(cfg.warm_start_steps, "warm start (SFT)") as bar:
             warm_start(base, task, tok, cfg, bar)
-    save_checkpoint(base_dir, 0, model=base, optimizer_tensors={}, state={"warm_start_steps": cfg.warm_start_steps})
+    # the digest names these weights wherever they came from: the experiment summary groups seeds by it
+    save_checkpoint(base_dir, 0, model=base, optimizer_tensors={}, state={
+        "warm_start_steps": cfg.warm_start_steps, "source": cfg.checkpoint or "built",
+        "weights_sha256": weights_digest(base.state_dict()),
+    })
     return base
 
 

@@ -33,6 +33,12 @@ Which configuration keys may differ on resume (and why)
     Nested tables (``model``, ``task_kwargs``) are compared key by key and named with dots
     (``model.hidden``). Values are compared as JSON (tuples and lists are the same).
 
+What else determines a run's numbers (CPU kernels, threads, library versions,
+:mod:`tracefp4.provenance`) is recorded in ``environment.json`` when the folder is created;
+:func:`record_environment` adds each resume's environment and names what differs (a resume on
+another machine or library set continues the run, but its remaining steps are not the steps an
+uninterrupted run would have taken there).
+
 A run folder is used by one process at a time: :func:`lock_run_folder` takes an advisory
 ``flock`` on ``.lock`` in the folder (released by the kernel when the process dies, so a killed run
 never leaves a stale lock behind).
@@ -52,6 +58,7 @@ from tracefp4.files import atomic_write_json, fsync_dir
 
 __all__ = [
     "CONFIG_NAME",
+    "ENVIRONMENT_NAME",
     "GROWABLE_KEYS",
     "LOCK_NAME",
     "RESUME_NEUTRAL_KEYS",
@@ -63,9 +70,11 @@ __all__ = [
     "create_run_folder",
     "lock_run_folder",
     "open_for_resume",
+    "record_environment",
 ]
 
 CONFIG_NAME = "config.json"
+ENVIRONMENT_NAME = "environment.json"
 LOCK_NAME = ".lock"
 RESUME_NEUTRAL_KEYS = frozenset({"out", "run_name", "resume", "arms"})
 GROWABLE_KEYS = frozenset({"steps"})
@@ -171,15 +180,20 @@ def config_differences(old: Mapping[str, Any], new: Mapping[str, Any], *, allow:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    file = path / CONFIG_NAME
-    try:
-        saved = json.loads(file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not (path / CONFIG_NAME).is_file():
         raise RunFolderError(
             f"{path} has no {CONFIG_NAME}: not a run folder (or its creation was interrupted); cannot resume it"
-        ) from None
+        )
+    return _read_json(path / CONFIG_NAME)
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        saved = json.loads(file.read_text(encoding="utf-8"))
     except (ValueError, RecursionError) as e:
         raise RunFolderError(f"{file}: malformed JSON ({e})") from None
+    except OSError as e:
+        raise RunFolderError(f"{file}: cannot be read ({e.strerror})") from None
     if not isinstance(saved, dict):
         raise RunFolderError(f"{file}: not a JSON object")
     return saved
@@ -209,6 +223,24 @@ def open_for_resume(path: str | os.PathLike[str], config: Mapping[str, Any], *, 
     if new != saved:
         atomic_write_json(path / CONFIG_NAME, new)
     return path
+
+
+def record_environment(path: str | os.PathLike[str], env: Mapping[str, Any]) -> list[str]:
+    """Record the environment this process runs the folder's run in: as the run's own on the first
+    call, as a resume after that (``{"created": ..., "resumes": [...]}``, rewritten atomically).
+    Returns what differs from the environment the run was created in (empty: same numerics)."""
+    from tracefp4.provenance import environment_differences
+
+    file = Path(path) / ENVIRONMENT_NAME
+    if not file.exists():
+        atomic_write_json(file, {"created": dict(env), "resumes": []})
+        return []
+    saved = _read_json(file)
+    created = saved.get("created")
+    if not isinstance(created, dict) or not isinstance(saved.get("resumes"), list):
+        raise RunFolderError(f"{file}: expected {{'created': {{...}}, 'resumes': [...]}}")
+    atomic_write_json(file, {"created": created, "resumes": [*saved["resumes"], dict(env)]})
+    return environment_differences(created, env)
 
 
 def check_run_folder(path: str | os.PathLike[str]) -> Path:

@@ -96,3 +96,17 @@ def test_train_rejects_a_bad_config_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="steps = 'ten': expected an integer"):
         args.func(args)
     assert not (tmp_path / "runs").exists()
+
+
+def test_bench_system_pairs_ratios_within_rounds():
+    """The guidance-cost section times each pair in the same rounds and reports per-round ratios
+    (median inside its spread); checked on the demo model so it stays quick."""
+    from tracefp4.engines.model import TinyMoESpec
+    from tracefp4.reports.bench_system import bench_system, format_system
+
+    res = bench_system(batch=2, new_tokens=2, repeats=2, spec=TinyMoESpec())
+    for key in ("rollout_record_over_plain", "train_step_trace_over_qat"):
+        lo, hi = res[f"{key}_spread"]
+        assert 0 < lo <= res[key] <= hi
+    text = format_system(res)
+    assert "ratios per round" in text and "target <= 1.05" in text and "target <= 1.1" in text

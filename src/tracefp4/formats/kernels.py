@@ -74,15 +74,16 @@ __all__ = [
     "count_masked",
 ]
 
-# Threading layer: OpenMP where numba has it (1.2-1.5x faster launches than the workqueue layer,
-# whose main thread only waits), workqueue otherwise (TBB last). A user who chose a layer
-# (NUMBA_THREADING_LAYER) keeps theirs, and so do vLLM's processes (tracefp4.engines.vllm.process picks
-# workqueue there: vLLM's CPU kernels check the OpenMP thread count they set). An OpenMP launch may
-# share a runtime with PyTorch's and change torch.get_num_threads(); every parallel kernel below is
-# launched through :func:`_launch`, which puts torch's count back.
+# Threading layer: workqueue, unless the user chose one (NUMBA_THREADING_LAYER). numba's OpenMP layer
+# loads a second OpenMP runtime beside PyTorch's, whose idle threads spin after every launch: on a
+# 2-core machine they starve PyTorch's own parallel ops, and a rollout that interleaves both slowed
+# down 10x (48 decode steps of a 4-layer MoE, batch 64: 0.84 s under workqueue, 8.0 s under omp,
+# 2.2 s under omp with OMP_WAIT_POLICY=passive), for a 5% faster quantize in isolation. Whatever the
+# layer, every parallel kernel below is launched through :func:`_keeping_torch_threads` (an OpenMP
+# layer may share PyTorch's runtime and reset its thread count) and sizes its work to torch's thread
+# count (:func:`row_chunks`).
 if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]  # tbb: only if both fail
-    numba.config.THREADING_LAYER = "default"
+    numba.config.THREADING_LAYER = "workqueue"
 
 if sys.byteorder != "little":  # the word view and the packed layouts assume it
     raise ImportError("tracefp4.formats.kernels needs a little-endian machine")

@@ -47,7 +47,7 @@ from tracefp4.rl import engine, runfolder, runlog
 from tracefp4.rl.arms import Arm, make_arm
 from tracefp4.rl.checkpoint import Checkpoint, latest_checkpoint, save_checkpoint
 from tracefp4.rl.collect import ArmSetup, collect
-from tracefp4.rl.config import ModelSpec, RLConfig  # ModelSpec: reports.bench_system imports it from here
+from tracefp4.rl.config import ModelSpec, RLConfig
 from tracefp4.rl.evaluate import evaluate
 from tracefp4.rl.optim import MasterWeightAdamW
 from tracefp4.rl.report import write_report

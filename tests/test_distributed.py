@@ -8,8 +8,9 @@ depend slightly on what it is packed with (matmul blocking over the packed row c
 drift delta that depends on the machine's kernels. The test measures delta on both paths' actual
 inputs and bounds the loss by what delta can do to it (see the test's docstring). (3) Gradients: in one process the
 gradient of a parameter is one BF16 tensor over the minibatch; on two ranks each rank's BF16 partial is
-summed in FP32 (BF16 rounds at 2^-9 relative, a gradient element at most twice, 2^-8 = 0.4%, plus the
-log-prob drift of (2)): the grad norm agrees within 1%. (4) Weights after two GRPO steps, i.e.
+summed in FP32 (a BF16 rounding is off by at most 2^-8 relative, a gradient element is rounded at most
+twice on either path, so the two differ by at most ~2^-7 = 0.8%, plus the log-prob drift of (2)): the
+grad norm agrees within 1%. (4) Weights after two GRPO steps, i.e.
 ``2 * updates_per_step`` Adam updates (4 in the killed-and-resumed run): Adam normalises each coordinate, so a near-zero gradient
 whose sign differs between the paths can move one weight the other way by the most an Adam step can
 move it. That is ``adam_step_bound(t) * lr`` at update t (Cauchy-Schwarz, whatever the gradients;
@@ -112,8 +113,8 @@ def test_two_ranks_equal_one_process(tmp_path, monkeypatch):
     the losses differ by at most ``max(w |A| r) e^delta expm1(delta)`` (plus FP32 summation, 1e-6
     relative). A token's clipped/unclipped state can only differ where its log-ratio lies within
     delta of a clip edge. The grad norm is a model rather than a proof (module docstring (3)): each
-    gradient element's BF16 rounding (2^-8 per path, 2^-7 between the two) plus expm1(delta) from
-    the per-token weights, under 1% with delta ~1e-3.
+    gradient element's BF16 roundings (2^-8 relative each, ~2^-7 between the two paths) plus
+    expm1(delta) from the per-token weights, under 1% with delta ~1e-3.
     """
     s = _setup(tmp_path, "trace-full", updates_per_step=1)  # guided fake quant on every layer, routing replay
     batches = [collect(s, step=0, version=0)]

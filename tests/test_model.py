@@ -23,7 +23,7 @@ from tracefp4.engines.model import (
     FP4KVCache,
     ForwardState,
     TinyMoESpec,
-    expert_weight,
+    expert_weights,
     forward_state,
     from_config,
     load_model,
@@ -31,6 +31,7 @@ from tracefp4.engines.model import (
     prepare_model,
     quantize_site,
 )
+from tracefp4.engines.experts import Groups, choose_gemm, gemm_named
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import SamplingParams
 from tracefp4.engines.rollout import generate
@@ -191,14 +192,28 @@ def test_activation_codes_do_not_depend_on_the_batch() -> None:
 
 
 def test_expert_weights_per_expert_scale_with_straight_through_gradient(model: torch.nn.Module) -> None:
+    """The trainer's expert weights: each expert's exact block values on its own global scale (the
+    packed kernels' convention, ``dequantize == blocks / divisor`` in float32), and a GEMM through them
+    passes the weight the gradient of ``x @ w.T``."""
+    from tracefp4.formats.numerics import dequantize_blocks
+
     experts = moe_layers(model)[0].experts
-    w_hat = expert_weight(ForwardState(PrecisionPlan(), TrainerGuidance()), experts, "down_proj")
+    dense = gemm_named("dense")
+    w_hat = expert_weights(ForwardState(PrecisionPlan(), TrainerGuidance()), experts, "down_proj", dense)
     w = experts.down_proj.detach()
     for e in (0, 5):  # each expert on its own global scale
-        expect = dequantize(quantize_nvfp4(w[e], global_amax=w[e].abs().amax().float()))
-        assert torch.equal(w_hat[e], expect.to(w.dtype))
-    w_hat.float().sum().backward()
-    assert torch.equal(experts.down_proj.grad, torch.ones_like(w))
+        q = quantize_nvfp4(w[e], global_amax=w[e].abs().amax().float())
+        assert torch.equal(w_hat.values[e].detach(), dequantize_blocks(q))
+        assert torch.equal(w_hat.values[e].detach() / w_hat.divisor[e], dequantize(q))
+    x = torch.randn(5, w.shape[2], dtype=torch.bfloat16)
+    groups = Groups(torch.tensor([0, 1, 5] + [5] * (w.shape[0] - 2)))  # row 0: expert 0; rows 1-4: expert 1
+    dense.matmul(x, w_hat, groups).float().sum().backward()
+    want = torch.zeros_like(w, dtype=torch.float32)
+    want[0] = x[:1].float().sum(0).expand(w.shape[1], -1)
+    want[1] = x[1:].float().sum(0).expand(w.shape[1], -1)
+    # the gradient goes through (g / divisor) * divisor in float32 (two roundings of 2^-24) and is stored
+    # in the bf16 parameter's dtype (one rounding, 2^-8 relative): within 2^-7 relative of x's column sums
+    torch.testing.assert_close(experts.down_proj.grad.float(), want, rtol=2**-7, atol=0)
     experts.down_proj.grad = None
 
 
@@ -206,14 +221,16 @@ def test_rollout_weight_cache_follows_in_place_updates() -> None:
     model = from_config(qwen3_config(), seed=0)
     experts = moe_layers(model)[1].experts
     rollout = ForwardState(PrecisionPlan(), RolloutCapture())
-    first = expert_weight(rollout, experts, "gate_up_proj")
-    assert expert_weight(rollout, experts, "gate_up_proj") is first  # cached
+    gemm = choose_gemm(PrecisionPlan(), "cpu", torch.bfloat16, gradients=False)
+    first = expert_weights(rollout, experts, "gate_up_proj", gemm)
+    assert expert_weights(rollout, experts, "gate_up_proj", gemm) is first  # cached
     trainer = ForwardState(PrecisionPlan(), TrainerGuidance())
-    assert expert_weight(trainer, experts, "gate_up_proj") is not first  # re-quantized, same values
+    assert expert_weights(trainer, experts, "gate_up_proj", gemm_named("dense")) is not first  # prepared anew
     with torch.no_grad():
         experts.gate_up_proj.mul_(1.5)  # what an optimizer step does
-    again = expert_weight(rollout, experts, "gate_up_proj")
-    assert again is not first and not torch.equal(again, first)
+    again = expert_weights(rollout, experts, "gate_up_proj", gemm)
+    # a scaled weight has the same codes (one amax per expert scales along) but another global scale
+    assert again is not first and not torch.equal(again.divisor, first.divisor)
 
 
 def test_non_finite_input_names_the_site() -> None:

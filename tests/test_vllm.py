@@ -28,15 +28,17 @@ for _k, _v in {
 import torch  # noqa: E402
 
 from tracefp4.engines.capture import RolloutCapture  # noqa: E402
+from tracefp4.engines.experts import choose_gemm  # noqa: E402
 from tracefp4.engines.model import (  # noqa: E402
     ForwardState,
-    expert_weight,
+    expert_weights,
     forward_state,
     load_model,
     moe_layers,
     tiny_config,
     tracefp4_experts_forward,
 )
+
 from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
 from tracefp4.engines.protocol import RolloutEngine, SamplingParams  # noqa: E402
 from tracefp4.engines.rollout import generate  # noqa: E402
@@ -72,9 +74,11 @@ def ckpt(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def engine(ckpt: str):
+    """One engine for every plan and BF16 (keep_bf16): the RL loop's kind of serving engine."""
     from tracefp4.engines.vllm import VLLMEngine
 
-    return VLLMEngine(ckpt, plan=FP4, max_model_len=128, max_num_seqs=4)
+    with VLLMEngine(ckpt, plan=FP4, keep_bf16=True, max_model_len=128, max_num_seqs=4) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +103,8 @@ def _vllm_layer_weights(engine, layer: int):
         model = worker.model_runner.get_model()
         [experts] = [m for n, m in model.named_modules() if n.startswith(f"model.layers.{layer}.")
                      and isinstance(getattr(m, "quant_method", None), TraceFP4MoEMethod)]
-        w13, w2 = experts.quant_method.weights(experts, FP4)
-        return experts.w13_weight.detach().clone(), experts.w2_weight.detach().clone(), w13.clone(), w2.clone()
+        gemm, (w13, w2) = experts.quant_method.weights(experts, FP4)
+        return experts.w13_weight.detach().clone(), experts.w2_weight.detach().clone(), gemm.name, w13, w2
 
     return engine.llm.collective_rpc(get)[0]
 
@@ -201,27 +205,33 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine) -> None:
 
 @pytest.mark.parametrize("plan", [PrecisionPlan(), PrecisionPlan.w4a8(), PrecisionPlan.mxfp4()], ids=["w4a4", "w4a8", "mxfp4"])
 def test_plugin_experts_equal_ours_bit_for_bit(engine, hf: torch.nn.Module, plan: PrecisionPlan) -> None:
-    """The same hidden states and routing through the plugin's expert function (with the weights as
-    the running vLLM engine quantized them) and through our transformers experts: the same FP4
-    codes, scales and amax at every site and the same output, bit for bit."""
-    from tracefp4.engines.vllm.quant import expert_forward
+    """The same hidden states and routing through the plugin's MoE method (with the weights as the
+    running vLLM engine prepared them) and through our transformers experts: the same FP4 codes,
+    scales and amax at every site and the same output, bit for bit."""
+    from tracefp4.engines.experts import routed_experts
+    from tracefp4.engines.vllm.quant import silu_gate
 
     layer = 2
     experts = moe_layers(hf)[layer].experts
-    w13_raw, w2_raw, w13, w2 = _vllm_layer_weights(engine, layer)
+    w13_raw, w2_raw, gemm_name, w13, w2 = _vllm_layer_weights(engine, layer)
     # the engine holds exactly the checkpoint's weights in the HF layout
     assert torch.equal(w13_raw, experts.gate_up_proj.detach()) and torch.equal(w2_raw, experts.down_proj.detach())
-    # ... and quantized them exactly as our rollout does (checked for the engine's plan)
+    gemm = choose_gemm(plan, "cpu", torch.bfloat16, gradients=False)
+    assert gemm_name == choose_gemm(FP4, "cpu", torch.bfloat16, gradients=False).name
+    # ... and prepared them exactly as our rollout does (checked for the engine's plan)
     with forward_state(hf, FP4, RolloutCapture()) as st:
-        assert torch.equal(w13, expert_weight(st, experts, "gate_up_proj"))
-        assert torch.equal(w2, expert_weight(st, experts, "down_proj"))
+        for got, name in ((w13, "gate_up_proj"), (w2, "down_proj")):
+            want = expert_weights(st, experts, name, choose_gemm(FP4, "cpu", torch.bfloat16, gradients=False))
+            assert all(torch.equal(getattr(got, f), getattr(want, f)) for f in ("codes", "scales", "divisor", "values")
+                       if hasattr(want, f))
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(9, 128, generator=g) * 0.7).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(9)])
     w = torch.softmax(torch.randn(9, 2, generator=g), -1).to(torch.bfloat16)
     mine = RolloutCapture(GuidedMode.parse("full").mode, ALL, ALL)
-    wq = [plan.weight_quantizer.dequantize(plan.weight_quantizer.quantize(t)).to(t.dtype) for t in (w13_raw, w2_raw)]
-    got = expert_forward(ForwardState(plan, mine), layer, x, wq[0], wq[1], w, ids)
+    wq = [gemm.prepare(t, plan.weight_quantizer) for t in (w13_raw, w2_raw)]
+    mine.record_routing(layer, ids)  # the plugin's apply records vLLM's top-k, then runs routed_experts
+    got = routed_experts(ForwardState(plan, mine), layer, x, ids, w, wq[0], wq[1], gemm, silu_gate)
     ours = RolloutCapture(GuidedMode.parse("full").mode, ALL, ALL)
     with torch.no_grad(), forward_state(hf, plan, ours):
         want = tracefp4_experts_forward(experts, x, ids, w)
@@ -556,10 +566,11 @@ def test_load_weights_changes_the_generation_and_back(engine, hf: torch.nn.Modul
     assert any(not torch.equal(a, b) for a, b in zip(before.token_ids, after.token_ids))
     # the FP4 expert weights were re-quantized from the pushed ones
     ex = moe_layers(hf)[0].experts
-    w13_raw, _, w13, _ = _vllm_layer_weights(engine, 0)
+    w13_raw, _, name, w13, _ = _vllm_layer_weights(engine, 0)
     assert torch.equal(w13_raw, moved["model.layers.0.mlp.experts.gate_up_proj"])
-    q = FP4.weight_quantizer
-    assert torch.equal(w13, q.dequantize(q.quantize(w13_raw)).to(w13_raw.dtype))
+    want = choose_gemm(FP4, "cpu", torch.bfloat16, gradients=False).prepare(w13_raw, FP4.weight_quantizer)
+    assert all(torch.equal(getattr(w13, f), getattr(want, f)) for f in ("codes", "scales", "divisor", "values")
+               if hasattr(want, f))
     # every pushed tensor (attention, norms, router, embeddings too) is what vLLM now computes with:
     # our trainer on the same weights reproduces every code of a full-record rollout
     import copy

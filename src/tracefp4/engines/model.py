@@ -37,7 +37,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
@@ -45,10 +44,11 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterfac
 from transformers.masking_utils import create_causal_mask
 
 from tracefp4.engines.capture import RolloutCapture
-from tracefp4.engines.guidance import TrainerGuidance, guided
+from tracefp4.engines.experts import ExpertGEMM, PreparedCache, PreparedWeight, choose_gemm, routed_experts
+from tracefp4.engines.guidance import TrainerGuidance
 from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.formats.numerics import straight_through
-from tracefp4.guidance.names import Site, layer_tag, record_prefix
+from tracefp4.engines.sites import BF16, ForwardState, quantize_kv, quantize_site
+from tracefp4.guidance.names import Site, layer_tag
 
 #: The keyword under which transformers' model forward and ``create_causal_mask`` take the KV cache:
 #: ``cache`` from transformers 5.24 on (``past_key_values`` deprecated there), ``past_key_values`` up to
@@ -71,7 +71,7 @@ __all__ = [
     "forward_state",
     "quantize_site",
     "quantize_kv",
-    "expert_weight",
+    "expert_weights",
     "tiny_config",
 ]
 
@@ -91,98 +91,40 @@ _EXPECTED_EXPERTS_LAYOUT = {
 _ALWAYS_RENORMALISES = ("MixtralTopKRouter",)
 
 
-# --- per-forward state --------------------------------------------------------------------------
+# --- per-forward state: tracefp4.engines.sites (re-exported here) ------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class ForwardState:
-    """How the forward in progress computes: ``plan`` (None: BF16, the model's own numerics) and the
-    path it runs for (a rollout's capture, the trainer's guidance, or neither)."""
+def expert_weights(state: ForwardState, experts: nn.Module, name: str, gemm: ExpertGEMM) -> PreparedWeight:
+    """Routed-expert weight ``name`` (``[E, N, K]``) of ``experts`` as this forward's GEMM takes it.
 
-    plan: PrecisionPlan | None = None
-    path: RolloutCapture | TrainerGuidance | None = None
-
-
-_BF16 = ForwardState()
-
-
-def quantize_site(state: ForwardState, layer: int, site: Site, x: torch.Tensor) -> torch.Tensor:
-    """The value the next op sees at ``site``: ``x`` quantized per row (last dim) by the plan's
-    quantizer, rounded toward the rollout's codeword where the trainer has a hint, in x's dtype with a
-    straight-through gradient."""
-    if state.plan is None:
-        return x
-    quantizer = state.plan.quantizer(site)
-    name = record_prefix(layer, site)
-    path = state.path
-    try:
-        if not quantizer.guidable:  # FP8: no codewords, nothing recorded or guided
-            return straight_through(x, quantizer.dequantize(quantizer.quantize(x.detach())))
-        hint = path.hint(name, x) if isinstance(path, TrainerGuidance) else None
-        q = quantizer.quantize(x.detach()) if hint is None else guided(quantizer, x.detach(), hint)
-    except ValueError as e:
-        raise ValueError(f"site {name}: {e}") from e
-    if isinstance(path, RolloutCapture):
-        path.record_site(layer, name, x, q)
-    elif isinstance(path, TrainerGuidance):
-        path.capture_site(layer, name, q, quantizer.grid(q))
-    return straight_through(x, quantizer.dequantize(q))
-
-
-def quantize_kv(state: ForwardState, layer: int, site: Site, states: torch.Tensor) -> torch.Tensor:
-    """``states [B, n_kv, S, D]`` as the cache stores them; rows are (token, KV head)."""
-    if state.plan is None:
-        return states
-    b, h, s, d = states.shape
-    rows = states.transpose(1, 2).reshape(b * s, h, d)
-    out = quantize_site(state, layer, site, rows)
-    return out.reshape(b, s, h, d).transpose(1, 2)
-
-
-def expert_weight(state: ForwardState, experts: nn.Module, name: str) -> torch.Tensor:
-    """Routed-expert weight ``[E, N, K]`` as this path's GEMM sees it.
-
-    The rollout keeps quantized weights across forwards, keyed on the parameter's storage and
-    version counter (an optimizer step bumps it); the trainer re-quantizes every forward so the
-    master weights get straight-through gradients.
+    The rollout keeps prepared (e.g. packed FP4) weights across forwards in the model's
+    :class:`~tracefp4.engines.experts.PreparedCache`, keyed on the parameter's storage and version
+    counter (an optimizer step bumps it); the trainer prepares them every forward so that the master
+    weights get straight-through gradients.
     """
     w: torch.Tensor = getattr(experts, name)
-    if state.plan is None:
-        return w
-    quantizer = state.plan.weight_quantizer
-
-    def fake_quant() -> torch.Tensor:
-        # An FSDP-gathered weight is a view of storage FSDP frees after the layer (resize to 0); the
-        # CPU kernels view their input as a numpy array, which pins a storage's size: give them a copy.
-        src = w.detach().clone() if experts.__dict__.get("_tracefp4_gathered") else w.detach()
-        try:
-            return quantizer.dequantize(quantizer.quantize(src))
-        except ValueError as e:
-            raise ValueError(f"expert weight {name}: {e}") from e
-
-    if not isinstance(state.path, RolloutCapture):
-        return straight_through(w, fake_quant())
-    # data_ptr and _version change when the weight is replaced or updated in place.
-    key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, quantizer)
-    cache: dict[str, tuple[Any, torch.Tensor]] = experts.__dict__.setdefault("_tracefp4_weight_cache", {})
-    hit = cache.get(name)
-    if hit is None or hit[0] != key:
-        with torch.no_grad():
-            hit = (key, fake_quant().to(device=w.device, dtype=w.dtype))
-        cache[name] = hit
-    return hit[1]
+    quantizer = None if state.plan is None else state.plan.weight_quantizer
+    if quantizer is None or not state.rollout:
+        return gemm.prepare(w, quantizer, gradients=True, copy=bool(experts.__dict__.get("_tracefp4_gathered")))
+    runtime, layer = experts.__dict__["_tracefp4_binding"]
+    try:
+        return runtime.weights.get(layer, name, w, quantizer, gemm)
+    except ValueError as e:
+        raise ValueError(f"{layer_tag(layer)} experts.{name}: {e}") from e
 
 
 # --- the model's runtime state -------------------------------------------------------------------
 
 
 class _Runtime:
-    """Shared by every patched module of one model: the state of the forward in progress."""
+    """Shared by every patched module of one model: the state of the forward in progress and the
+    rollout's prepared expert weights."""
 
     def __init__(self, n_layers: int, moe: tuple[int, ...]) -> None:
         self.state: ForwardState | None = None
         self.n_layers = n_layers
         self.moe_layers = moe
+        self.weights = PreparedCache()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +138,7 @@ class MoELayer:
 
 
 def _state(runtime: _Runtime) -> ForwardState:
-    return runtime.state if runtime.state is not None else _BF16
+    return runtime.state if runtime.state is not None else BF16
 
 
 def _runtime(model: PreTrainedModel) -> _Runtime:
@@ -209,52 +151,19 @@ def _runtime(model: PreTrainedModel) -> _Runtime:
 # --- seam 1: the experts forward -----------------------------------------------------------------
 
 
-def grouped_linear(x_sorted: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Rows of ``x_sorted`` grouped by expert (``counts[e]`` rows each) times ``weight[e].T``."""
-    outs = [
-        F.linear(chunk, weight[e])
-        for e, chunk in enumerate(torch.split(x_sorted, counts, dim=0))
-        if counts[e] > 0
-    ]
-    if not outs:
-        return x_sorted.new_zeros(0, weight.shape[1])
-    return torch.cat(outs, dim=0)
-
-
 def tracefp4_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """Routed experts with FP4 weights and FP4 GEMM inputs, as both paths compute them.
-
-    ``hidden_states [N, H]`` (flattened tokens), ``top_k_index``/``top_k_weights [N, top_k]``. The
-    ``expert_mid`` site is quantized as one ``[N, top_k, I]`` tensor (rows: token x selected expert),
-    so its record is addressed by token position like every other site. The top-k outputs are summed
-    in float32, like transformers' grouped_mm path.
-    """
-    binding: tuple[_Runtime, int] = self.__dict__["_tracefp4_binding"]
-    runtime, layer = binding
+    """Routed experts with FP4 weights and FP4 GEMM inputs, as both paths compute them:
+    :func:`tracefp4.engines.experts.routed_experts` on this forward's backend (``hidden_states [N, H]``
+    flattened tokens, ``top_k_index``/``top_k_weights [N, top_k]``)."""
+    runtime, layer = self.__dict__["_tracefp4_binding"]
     state = _state(runtime)
-    n, k = top_k_index.shape
-    n_experts = self.gate_up_proj.shape[0]
-    if n and int(top_k_index.max()) >= n_experts:
-        raise ValueError(f"{layer_tag(layer)}: expert index {int(top_k_index.max())} out of range [0, {n_experts})")
-
-    x = quantize_site(state, layer, Site.EXPERT_IN, hidden_states)
-    w_gate_up = expert_weight(state, self, "gate_up_proj")
-    w_down = expert_weight(state, self, "down_proj")
-
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    counts = torch.bincount(flat, minlength=n_experts).tolist()
-
-    mid_sorted = self._apply_gate(grouped_linear(x[order // k], w_gate_up, counts))
-    mid = quantize_site(state, layer, Site.EXPERT_MID, mid_sorted[inverse].reshape(n, k, -1))
-    down_sorted = grouped_linear(mid.reshape(n * k, -1)[order], w_down, counts)
-    down = down_sorted[inverse].reshape(n, k, -1)
-    out = (down.to(torch.float32) * top_k_weights.to(torch.float32).unsqueeze(-1)).sum(dim=1)
-    return out.to(hidden_states.dtype)
+    gemm = choose_gemm(state.plan, hidden_states.device, hidden_states.dtype, gradients=not state.rollout)
+    w_gate_up = expert_weights(state, self, "gate_up_proj", gemm)
+    w_down = expert_weights(state, self, "down_proj", gemm)
+    return routed_experts(state, layer, hidden_states, top_k_index, top_k_weights, w_gate_up, w_down, gemm,
+                          self._apply_gate)
 
 
 def _register_experts_implementation() -> None:

@@ -575,6 +575,30 @@ def dequantize_nvfp4(q: NVFP4) -> torch.Tensor:
     return _dequantize(q.codes, q.scales, Format.NVFP4, s_enc)
 
 
+def dequantize_blocks(q: NVFP4 | MXFP4) -> torch.Tensor:
+    """float32 ``value(code) * block scale``, without NVFP4's global scale: the operand a packed FP4
+    GEMM multiplies (exact, and exact in bf16: an E2M1 value has 2 significant bits, an E4M3 scale 4,
+    an E8M0 one 1). ``dequantize(q)`` is exactly ``dequantize_blocks(q) / global_divisor(q)`` in float32."""
+    if isinstance(q, NVFP4):
+        q.check()
+        fmt = Format.NVFP4
+    elif isinstance(q, MXFP4):
+        q.check()
+        fmt = Format.MXFP4
+    else:
+        raise ValueError(f"dequantize_blocks: expected an NVFP4 or MXFP4 tensor, got {type(q).__name__}")
+    ones = torch.ones(row_count(q.codes.shape), dtype=torch.float32, device=q.codes.device)
+    return _dequantize(q.codes, q.scales, fmt, ones)
+
+
+def global_divisor(q: NVFP4 | MXFP4) -> torch.Tensor:
+    """float32 ``[..., 1]``: what :func:`dequantize_blocks` is divided by per row (S_enc; 1 for MXFP4)."""
+    lead = (*q.codes.shape[:-1], 1)
+    if isinstance(q, NVFP4):
+        return per_row_values(nvfp4_global_encode_scale(q.global_amax), q.shape).reshape(lead)
+    return torch.ones(lead, dtype=torch.float32, device=q.codes.device)
+
+
 def _expect(q, cls):
     if not isinstance(q, cls):
         raise ValueError(f"expected an {cls.__name__} tensor, got {type(q).__name__}")

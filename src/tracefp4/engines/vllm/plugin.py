@@ -42,7 +42,7 @@ def kv_site(layer_name: str, key, value):
     (``model.layers.N.self_attn.attn``) as the cache must store them under the forward's plan:
     quantized per token and KV head (rows ``token x head``) by ``plan.quantizer("k"/"v")`` through
     :func:`tracefp4.engines.model.quantize_site`, and recorded by the forward's capture."""
-    from tracefp4.engines.model import quantize_site
+    from tracefp4.engines.sites import quantize_site
     from tracefp4.engines.vllm.runtime import RUNTIME, layer_index
     from tracefp4.guidance.names import Site
 

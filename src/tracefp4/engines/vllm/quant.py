@@ -1,20 +1,26 @@
 """The ``tracefp4`` quantization config and its routed-experts method: our numerics inside vLLM.
 
-* Routed experts (``RoutedExperts`` layers): :class:`TraceFP4MoEMethod`. Weights keep vLLM's plain
-  layout (``w13_weight [E, 2I, H]`` = HF ``gate_up_proj``, ``w2_weight [E, H, I]`` = ``down_proj``);
-  after every weight load (``process_weights_after_loading``, which ``reload_weights`` runs too) they
-  are quantized once with ``plan.weight_quantizer`` (NVFP4: one global amax per expert) and the
-  dequantized values are kept for the GEMMs, as our transformers path does. ``apply`` quantizes
-  ``expert_in`` and ``expert_mid`` per row with ``plan.quantizer(site)`` through
-  :func:`tracefp4.engines.model.quantize_site`, the very function our engine calls, records the
-  routing (``topk_ids``) and sums the top-k outputs in float32 like our path.
+* Routed experts (``RoutedExperts`` layers): :class:`TraceFP4MoEMethod`. vLLM loads the weights in
+  its plain layout (``w13_weight [E, 2I, H]`` = HF ``gate_up_proj``, ``w2_weight [E, H, I]`` =
+  ``down_proj``); after every weight load (``process_weights_after_loading``, which vLLM's in-place
+  ``reload_weights`` runs too, layer by layer) they are quantized with ``plan.weight_quantizer``
+  and prepared for the expert-GEMM backend of the config's plan (:mod:`tracefp4.engines.experts`):
+  on the CPU packed FP4 (codes two per byte in ``w13_weight``/``w2_weight``, scale bytes in
+  ``*_weight_scale``, one FP32 divisor per expert in ``*_divisor``; 0.5625 bytes per parameter for
+  NVFP4), which replace the BF16 parameters, so no BF16 or dequantized copy stays resident. With
+  ``keep_bf16`` (an engine that must also serve BF16 or other weight formats, e.g. one engine for
+  every arm of a run) the BF16 parameters stay and the prepared weights are kept beside them, one
+  set per weight quantizer. ``apply`` runs :func:`tracefp4.engines.experts.routed_experts`, the very
+  function our engine calls: ``expert_in`` and ``expert_mid`` quantized per row with
+  ``plan.quantizer(site)``, the routing recorded, the top-k outputs summed in float32.
 * Every other linear layer (attention projections, router, shared experts, lm_head) stays
   unquantized; attention gets no quant method (the cache stays in the model dtype, K/V are FP4
   values written by :mod:`.plugin`'s wrapper).
 
-The plan comes from the config's ``plan`` entry (``PrecisionPlan.to_dict()``), e.g.
-``hf_overrides={"quantization_config": {"quant_method": "tracefp4", "plan": plan.to_dict()}}``;
-a :class:`~tracefp4.engines.vllm.engine.VLLMEngine` call may run another plan (or BF16) per call.
+The config: ``{"quant_method": "tracefp4", "plan": PrecisionPlan.to_dict() | null, "keep_bf16": bool}``
+(no plan entry: the default W4A4 NVFP4 plan; ``null``: BF16 unless a call says otherwise), e.g.
+``hf_overrides={"quantization_config": {...}}``; a :class:`~tracefp4.engines.vllm.engine.VLLMEngine`
+call may run another plan (or BF16) per call where the weights it needs are held.
 """
 
 from __future__ import annotations
@@ -37,26 +43,30 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.utils import set_weight_attrs  # noqa: E402
 
 from tracefp4.engines.capture import RolloutCapture  # noqa: E402
-from tracefp4.engines.model import ForwardState, grouped_linear, quantize_site  # noqa: E402
+from tracefp4.engines.experts import ExpertGEMM, PreparedWeight, choose_gemm, routed_experts  # noqa: E402
+from tracefp4.engines.experts.cpu_fp4 import PackedWeight  # noqa: E402
+from tracefp4.engines.experts.dense import DenseWeight  # noqa: E402
 from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
 from tracefp4.engines.vllm.runtime import RUNTIME, layer_index  # noqa: E402
-from tracefp4.guidance.names import Site, layer_tag  # noqa: E402
+from tracefp4.formats.constants import Format  # noqa: E402
 
-__all__ = ["QUANT_METHOD", "TraceFP4Config", "TraceFP4MoEMethod", "expert_forward"]
+__all__ = ["QUANT_METHOD", "TraceFP4Config", "TraceFP4MoEMethod", "silu_gate"]
 
 QUANT_METHOD = "tracefp4"
 
 
 @register_quantization_config(QUANT_METHOD)
 class TraceFP4Config(QuantizationConfig):
-    """``{"quant_method": "tracefp4", "plan": {...PrecisionPlan.to_dict()...} | null}`` (no plan
-    entry: the default W4A4 NVFP4 plan; ``null``: BF16 unless a call says otherwise)."""
+    """``{"quant_method": "tracefp4", "plan": {...PrecisionPlan.to_dict()...} | null, "keep_bf16": bool}``
+    (no plan entry: the default W4A4 NVFP4 plan; ``null``: BF16 unless a call says otherwise;
+    ``keep_bf16``: keep the BF16 expert weights beside the prepared ones, see the module docstring)."""
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.config = dict(config or {})
         plan = self.config.get("plan", PrecisionPlan().to_dict())
         self.plan = None if plan is None else PrecisionPlan(**plan)
+        self.keep_bf16 = bool(self.config.get("keep_bf16", False))
         RUNTIME.config_plan = self.plan
 
     def get_name(self) -> str:
@@ -82,61 +92,33 @@ class TraceFP4Config(QuantizationConfig):
         # called there while the model is built.
         RUNTIME.config_plan = self.plan
         if isinstance(layer, RoutedExperts):
-            return TraceFP4MoEMethod(layer.moe_config, prefix, self.plan)
+            return TraceFP4MoEMethod(layer.moe_config, prefix, self.plan, keep_bf16=self.keep_bf16)
         if isinstance(layer, LinearBase):
             return UnquantizedLinearMethod()
         return None
 
 
-def _gate(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU-gated ``[gate; up]`` (Qwen3-MoE's experts, transformers' ``_apply_gate``)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def expert_forward(
-    state: ForwardState,
-    layer: int,
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
-    """Routed experts on ``x [N, H]`` with GEMM weights ``w13 [E, 2I, H]``/``w2 [E, H, I]`` (already
-    quantized as the plan says), the sites quantized and recorded exactly as
-    :func:`tracefp4.engines.model.tracefp4_experts_forward` does."""
-    n, k = topk_ids.shape
-    n_experts = w13.shape[0]
-    topk_ids = topk_ids.to(torch.long)
-    if n and int(topk_ids.max()) >= n_experts:
-        raise ValueError(f"{layer_tag(layer)}: expert index {int(topk_ids.max())} out of range [0, {n_experts})")
-    if isinstance(state.path, RolloutCapture):
-        state.path.record_routing(layer, topk_ids)
-    xq = quantize_site(state, layer, Site.EXPERT_IN, x)
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    counts = torch.bincount(flat, minlength=n_experts).tolist()
-    mid_sorted = _gate(grouped_linear(xq[order // k], w13, counts))
-    mid = quantize_site(state, layer, Site.EXPERT_MID, mid_sorted[inverse].reshape(n, k, -1))
-    down_sorted = grouped_linear(mid.reshape(n * k, -1)[order], w2, counts)
-    down = down_sorted[inverse].reshape(n, k, -1)
-    out = (down.to(torch.float32) * topk_weights.to(torch.float32).unsqueeze(-1)).sum(dim=1)
-    return out.to(x.dtype)
+_PARTS = ("w13", "w2")
 
 
 class TraceFP4MoEMethod(FusedMoEMethodBase):
     """Routed experts computed with tracefp4's numerics (see the module docstring)."""
 
-    def __init__(self, moe, prefix: str, plan: PrecisionPlan | None = PrecisionPlan()) -> None:
+    def __init__(self, moe, prefix: str, plan: PrecisionPlan | None = PrecisionPlan(), *, keep_bf16: bool = False) -> None:
         super().__init__(moe)
         self.prefix = prefix
         self.config_plan = plan
+        self.keep_bf16 = keep_bf16 or plan is None
         self.layer_index = layer_index(prefix)
-        # plan's weight quantizer -> (w13, w2) dequantized; emptied on every weight load
-        self._weights: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+        # keep_bf16: weight quantizer -> (backend, (w13, w2) prepared); emptied on every weight load
+        self._prepared: dict[Any, tuple[ExpertGEMM, tuple[PreparedWeight, PreparedWeight]]] = {}
+        self._in_layer: tuple[ExpertGEMM, Any] | None = None  # packed in the layer's parameters: (backend, quantizer)
 
     def create_weights(
         self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra_weight_attrs
@@ -158,28 +140,63 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         return FusedMoEQuantConfig.make()
 
     def process_weights_after_loading(self, layer) -> None:
-        """Keep the plain layout (no CPU prepack: it would not survive ``reload_weights``); quantize
-        the new weights once for the config's plan."""
-        self._weights.clear()
-        if self.config_plan is not None:
-            self.weights(layer, self.config_plan)
-
-    def weights(self, layer, plan: PrecisionPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) as the plan's GEMMs see them: dequantized FP4 in the parameters' dtype."""
+        """After every load: prepare the new BF16 weights for the config's plan (no CPU prepack of
+        vLLM's: it would not survive ``reload_weights``). Without ``keep_bf16`` the prepared weights
+        replace the BF16 parameters, under names vLLM's layer-wise reload copies back by."""
+        self._prepared.clear()
+        plan = self.config_plan
         if plan is None:
-            return layer.w13_weight, layer.w2_weight
+            return
         quantizer = plan.weight_quantizer
-        hit = self._weights.get(quantizer)
+        w13 = layer.w13_weight
+        gemm = choose_gemm(plan, w13.device, w13.dtype, gradients=False)
+        prepared = self._prepare(layer, gemm, quantizer)
+        if self.keep_bf16:
+            self._prepared[quantizer] = (gemm, prepared)
+            return
+        for part, p in zip(_PARTS, prepared):
+            tensors = ({"weight": p.codes, "weight_scale": p.scales, "divisor": p.divisor} if isinstance(p, PackedWeight)
+                       else {"weight": p.values, "divisor": p.divisor})
+            for field, t in tensors.items():
+                name = f"{part}_{field}"
+                if name in layer._parameters:
+                    del layer._parameters[name]
+                layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+        self._in_layer = (gemm, quantizer)
+
+    def _prepare(self, layer, gemm: ExpertGEMM, quantizer) -> tuple[PreparedWeight, PreparedWeight]:
+        out = []
+        for part in _PARTS:
+            try:
+                out.append(gemm.prepare(getattr(layer, f"{part}_weight"), quantizer))
+            except ValueError as e:
+                raise ValueError(f"{self.prefix}.{part}_weight: {e}") from e
+        return out[0], out[1]
+
+    def weights(self, layer, plan: PrecisionPlan | None) -> tuple[ExpertGEMM, tuple[PreparedWeight, PreparedWeight]]:
+        """The backend and (w13, w2) as the plan's GEMMs take them."""
+        if self._in_layer is not None:
+            gemm, quantizer = self._in_layer
+            if plan is None or plan.weight_quantizer != quantizer:
+                want = "BF16" if plan is None else f"weights quantized by {plan.weight_quantizer}"
+                raise ValueError(f"{self.prefix}: this engine holds only its plan's prepared expert weights ({quantizer}); "
+                                 f"a call asking for {want} needs an engine built with keep_bf16=True")
+            return gemm, tuple(self._from_layer(layer, part, gemm) for part in _PARTS)
+        if plan is None:
+            gemm = choose_gemm(None, layer.w13_weight.device, layer.w13_weight.dtype, gradients=False)
+            return gemm, (gemm.prepare(layer.w13_weight, None), gemm.prepare(layer.w2_weight, None))
+        quantizer = plan.weight_quantizer
+        hit = self._prepared.get(quantizer)
         if hit is None:
-            out = []
-            for name in ("w13_weight", "w2_weight"):
-                w = getattr(layer, name)
-                try:
-                    out.append(quantizer.dequantize(quantizer.quantize(w.detach())).to(w.dtype))
-                except ValueError as e:
-                    raise ValueError(f"{self.prefix}.{name}: {e}") from e
-            hit = self._weights[quantizer] = (out[0], out[1])
+            gemm = choose_gemm(plan, layer.w13_weight.device, layer.w13_weight.dtype, gradients=False)
+            hit = self._prepared[quantizer] = (gemm, self._prepare(layer, gemm, quantizer))
         return hit
+
+    def _from_layer(self, layer, part: str, gemm: ExpertGEMM) -> PreparedWeight:
+        codes, divisor = getattr(layer, f"{part}_weight"), getattr(layer, f"{part}_divisor")
+        if gemm.name == "dense":
+            return DenseWeight(codes, divisor)
+        return PackedWeight(codes, getattr(layer, f"{part}_weight_scale"), divisor, Format(self._in_layer[1].fmt))
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         if getattr(layer, "expert_map", None) is not None:
@@ -190,5 +207,8 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         if getattr(act, "value", act) != "silu":
             raise NotImplementedError(f"tracefp4: routed experts with activation {act} (SiLU-gated only)")
         state = RUNTIME.state()
-        w13, w2 = self.weights(layer, state.plan)
-        return expert_forward(state, self.layer_index, RUNTIME.site_input(x), w13, w2, topk_weights, topk_ids)
+        gemm, (w13, w2) = self.weights(layer, state.plan)
+        if isinstance(state.path, RolloutCapture):
+            state.path.record_routing(self.layer_index, topk_ids.to(torch.long))
+        return routed_experts(state, self.layer_index, RUNTIME.site_input(x), topk_ids, topk_weights, w13, w2, gemm,
+                              silu_gate)

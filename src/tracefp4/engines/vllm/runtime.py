@@ -22,7 +22,7 @@ import re
 import torch
 
 from tracefp4.engines.capture import ForwardRecord, RolloutCapture
-from tracefp4.engines.model import ForwardState
+from tracefp4.engines.sites import ForwardState
 from tracefp4.engines.plan import PrecisionPlan
 
 __all__ = ["StepRecord", "WorkerRuntime", "RUNTIME", "layer_index", "install_step_recorder", "dummy_forward"]

@@ -1,0 +1,34 @@
+"""Routed experts: one forward for every engine and the trainer, the GEMM behind a backend seam.
+
+* :func:`routed.routed_experts` is the routed-experts computation both seams call (our transformers
+  experts implementation and the vLLM plugin's MoE method): the ``expert_in`` site, rows sorted by
+  expert, the gate-up GEMM, the gate, the ``expert_mid`` site, the down GEMM, the top-k sum in float32.
+* A backend (:class:`~tracefp4.engines.experts.base.ExpertGEMM`) prepares one GEMM's weights for a
+  format and device (``prepare``) and multiplies rows grouped by expert with them (``matmul``), one
+  call per GEMM per layer. One file per backend: :mod:`.dense` (dequantized weights, torch matmuls:
+  BF16, the trainer's QAT path with straight-through gradients, and the fallback), :mod:`.cpu_fp4`
+  (packed FP4 weights, our AVX-512 BF16 C kernel), :mod:`.triton_fp4` (packed FP4 weights, a Triton
+  kernel for CUDA).
+* :mod:`.oracle` picks the backend once per precision plan, device and dtype.
+
+The weight convention every backend shares (and the trainer adopts): an FP4 weight is
+``bf16(value(code) * block scale)`` (exact) and the expert's FP32 global scale divides the GEMM's
+float32 result, ``out = bf16(fl32(x @ w_blocks.T) / S_enc)``; backends differ only in the order of
+the float32 additions.
+"""
+
+from tracefp4.engines.experts.base import ExpertGEMM, Groups, PreparedWeight
+from tracefp4.engines.experts.cache import PreparedCache
+from tracefp4.engines.experts.oracle import choose_gemm, gemm_named
+from tracefp4.engines.experts.routed import check_expert_ids, routed_experts
+
+__all__ = [
+    "ExpertGEMM",
+    "Groups",
+    "PreparedCache",
+    "PreparedWeight",
+    "check_expert_ids",
+    "choose_gemm",
+    "gemm_named",
+    "routed_experts",
+]

@@ -1,0 +1,39 @@
+"""Prepared weights kept across a rollout's forwards, refreshed when the source weights change."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tracefp4.engines.experts.base import ExpertGEMM, PreparedWeight
+from tracefp4.formats.quantizers import Quantizer
+
+__all__ = ["PreparedCache"]
+
+
+class PreparedCache:
+    """``(owner, name) -> prepared weight``, keyed on the source tensor's storage and version counter
+    (an optimizer step or a weight load bumps it), shape, dtype, the quantizer and the backend, so a
+    stale entry is never used. One entry per weight: a new key replaces the old one."""
+
+    def __init__(self) -> None:
+        self._entries: dict[Any, tuple[tuple, PreparedWeight]] = {}
+
+    def get(self, owner: Any, name: str, weight: torch.Tensor, quantizer: Quantizer | None, gemm: ExpertGEMM
+            ) -> PreparedWeight:
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, quantizer, gemm.name)
+        hit = self._entries.get((owner, name))
+        if hit is None or hit[0] != key:
+            with torch.no_grad():
+                hit = (key, gemm.prepare(weight, quantizer))
+            self._entries[(owner, name)] = hit
+        return hit[1]
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the prepared weights (what an FP4 rollout keeps beside its source weights)."""
+        return sum(p.nbytes for _, p in self._entries.values())

@@ -1,0 +1,69 @@
+"""The packed-FP4 CPU backend: weights held as FP4 codes two per byte, a scale byte per block and a
+divisor per expert (0.5625 bytes per parameter for NVFP4), multiplied by our C kernel
+(:mod:`tracefp4.formats.cgemm`: AVX-512 BF16 where the CPU has it, portable C elsewhere), one call
+per GEMM per layer, parallel over (expert, output tile) on torch's thread count."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tracefp4.engines.experts.base import ExpertGEMM, Groups
+from tracefp4.engines.experts.dense import expert_divisor
+from tracefp4.formats import cgemm
+from tracefp4.formats.constants import Format
+from tracefp4.formats.quantizers import Quantizer
+
+__all__ = ["PackedCPUGEMM", "PackedWeight", "pack"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """``codes`` uint8 ``[E, N, K/2]``, ``scales`` uint8 ``[E, N, K/block]`` (E4M3 or E8M0 bytes),
+    ``divisor`` float32 ``[E]``, ``fmt``: what the packed kernels multiply."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    divisor: torch.Tensor
+    fmt: Format
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, half = self.codes.shape
+        return (e, n, 2 * half)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.divisor.nbytes
+
+
+def pack(weight: torch.Tensor, quantizer: Quantizer) -> PackedWeight:
+    """``weight [E, N, K]`` quantized by ``quantizer`` (the plan's weight quantizer: the codes are
+    the ones it produces) as a :class:`PackedWeight`."""
+    if not quantizer.guidable:
+        raise ValueError(f"packed experts need an FP4 weight quantizer, got {quantizer.fmt}")
+    if weight.dim() != 3 or weight.shape[1] % 4:
+        raise ValueError(f"packed experts: expected [E, N, K] weights with N a multiple of 4, got {tuple(weight.shape)}")
+    try:
+        q = quantizer.quantize(weight.detach())
+    except ValueError as e:
+        raise ValueError(f"expert weight: {e}") from e
+    scales = q.scales.view(torch.uint8) if q.scales.dtype == torch.float8_e4m3fn else q.scales
+    return PackedWeight(q.codes.contiguous(), scales.contiguous(), expert_divisor(q), Format(quantizer.fmt))
+
+
+class PackedCPUGEMM(ExpertGEMM):
+    name = "cpu_fp4"
+
+    def prepare(self, weight, quantizer: Quantizer | None, *, gradients: bool = False, copy: bool = False
+                ) -> PackedWeight:
+        if quantizer is None or gradients:
+            raise ValueError("the packed FP4 backend holds quantized weights without gradients (use 'dense')")
+        return pack(weight, quantizer)
+
+    def matmul(self, x: torch.Tensor, weight: PackedWeight, groups: Groups) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"the packed FP4 CPU kernel takes bf16 activations, got {x.dtype}")
+        return cgemm.grouped_gemm(x.contiguous(), groups.offsets, weight.codes, weight.scales, weight.divisor,
+                                  weight.fmt)

@@ -1,0 +1,80 @@
+"""The dense backend: weights as values in memory, one torch matmul per expert with rows.
+
+BF16 (no quantizer): the parameter itself, ``F.linear`` in the model's dtype. FP4: the exact block
+values ``value(code) * scale`` (:func:`~tracefp4.formats.numerics.dequantize_blocks`, exact in bf16)
+and the expert's global divisor, multiplied in float32 and divided after the sum, so the result is
+the packed kernels' up to the order of the float32 additions (see :mod:`tracefp4.engines.experts`).
+With ``gradients`` (the trainer's QAT forward) the block values are a straight-through stand-in for
+``weight * divisor``, so the gradient reaching the weight is that of ``x @ weight.T``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from tracefp4.engines.experts.base import ExpertGEMM, Groups
+from tracefp4.formats.numerics import dequantize_blocks, global_divisor, straight_through
+from tracefp4.formats.quantizers import Quantizer
+
+__all__ = ["DenseGEMM", "DenseWeight", "expert_divisor"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseWeight:
+    """``values [E, N, K]`` (the weight itself for BF16; FP4 block values, bf16 or with gradients
+    float32) and ``divisor [E]`` float32 (None: no global scale)."""
+
+    values: torch.Tensor
+    divisor: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.values.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + (0 if self.divisor is None else self.divisor.nbytes)
+
+
+def expert_divisor(q) -> torch.Tensor:
+    """float32 ``[E]``: the one global divisor of each expert of an ``[E, N, K]`` quantized weight
+    (NVFP4 with one amax per expert; 1 for MXFP4). A quantizer that scaled rows of one expert
+    differently is refused."""
+    rows = global_divisor(q)  # [E, N, 1]
+    per_expert = rows[:, :1, :]
+    if not bool((rows == per_expert).all()):
+        raise ValueError("expert weights: the quantizer gave rows of one expert different global scales "
+                         "(expected one global scale per expert: amax_scope 'expert')")
+    return per_expert.reshape(-1).contiguous()
+
+
+class DenseGEMM(ExpertGEMM):
+    name = "dense"
+
+    def prepare(self, weight, quantizer: Quantizer | None, *, gradients: bool = False, copy: bool = False
+                ) -> DenseWeight:
+        if quantizer is None:
+            return DenseWeight(weight if gradients else weight.detach())
+        try:
+            q = quantizer.quantize(weight.detach().clone() if copy else weight.detach())
+        except ValueError as e:
+            raise ValueError(f"expert weight: {e}") from e
+        blocks, divisor = dequantize_blocks(q), expert_divisor(q)
+        if gradients:
+            stand_in = weight.to(torch.float32) * divisor.to(weight.device)[:, None, None]
+            return DenseWeight(straight_through(stand_in, blocks), divisor.to(weight.device))
+        return DenseWeight(blocks.to(device=weight.device, dtype=torch.bfloat16), divisor.to(weight.device))
+
+    def matmul(self, x: torch.Tensor, weight: DenseWeight, groups: Groups) -> torch.Tensor:
+        counts = groups.counts()
+        chunks = torch.split(x, counts, dim=0)
+        w = weight.values
+        if weight.divisor is None:
+            outs = [F.linear(c, w[e]) for e, c in enumerate(chunks) if counts[e]]
+            return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
+        outs = [F.linear(c.to(torch.float32), w[e].to(torch.float32)) / weight.divisor[e]
+                for e, c in enumerate(chunks) if counts[e]]
+        return (torch.cat(outs) if outs else x.new_zeros(0, w.shape[1], dtype=torch.float32)).to(x.dtype)

@@ -1,0 +1,56 @@
+"""The routed-experts forward, as every engine and the trainer compute it (one function, both seams)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tracefp4.engines.experts.base import ExpertGEMM, Groups, PreparedWeight
+from tracefp4.engines.sites import ForwardState, quantize_site
+from tracefp4.guidance.names import Site, layer_tag
+
+__all__ = ["check_expert_ids", "routed_experts"]
+
+
+def check_expert_ids(layer: int, ids: torch.Tensor, n_experts: int) -> None:
+    """Refuse an expert index outside ``[0, n_experts)``. On the CPU the check is free; on CUDA it would
+    synchronise with the host, so there it is left to the device (an index out of range faults)."""
+    if ids.device.type == "cpu" and ids.numel() and int(ids.max()) >= n_experts:
+        raise ValueError(f"{layer_tag(layer)}: expert index {int(ids.max())} out of range [0, {n_experts})")
+
+
+def routed_experts(
+    state: ForwardState,
+    layer: int,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: PreparedWeight,
+    down: PreparedWeight,
+    gemm: ExpertGEMM,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Routed experts on ``x [N, H]`` (flattened tokens) with ``topk_ids``/``topk_weights [N, top_k]``.
+
+    ``gate_up`` (``[E, 2I, H]``) and ``down`` (``[E, H, I]``) are prepared by ``gemm``; ``act`` maps the
+    gate-up output ``[rows, 2I]`` to the down projection's input (SiLU-gated for Qwen3-MoE). The
+    ``expert_in`` site is quantized per token, ``expert_mid`` as one ``[N, top_k, I]`` tensor (rows:
+    token x selected expert, so its record is addressed by token position like every other site).
+    The top-k outputs are summed in float32, like transformers' grouped_mm path.
+    """
+    n, k = topk_ids.shape
+    n_experts = gate_up.shape[0]
+    topk_ids = topk_ids.to(torch.long)
+    check_expert_ids(layer, topk_ids, n_experts)
+    xq = quantize_site(state, layer, Site.EXPERT_IN, x)
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    groups = Groups.of(flat, n_experts)
+    mid_sorted = act(gemm.matmul(xq[order // k], gate_up, groups))
+    mid = quantize_site(state, layer, Site.EXPERT_MID, mid_sorted[inverse].reshape(n, k, -1))
+    down_sorted = gemm.matmul(mid.reshape(n * k, -1)[order], down, groups)
+    out = down_sorted[inverse].reshape(n, k, -1)
+    return (out.to(torch.float32) * topk_weights.to(torch.float32).unsqueeze(-1)).sum(dim=1).to(x.dtype)

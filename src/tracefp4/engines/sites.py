@@ -1,0 +1,73 @@
+"""The quantization sites of one forward: what the next op sees at each, given the forward's state.
+
+A :class:`ForwardState` names the precision plan of the forward in progress (None: BF16) and the path
+it runs for (a rollout's :class:`~tracefp4.engines.capture.RolloutCapture`, the trainer's
+:class:`~tracefp4.engines.guidance.TrainerGuidance`, or neither). :func:`quantize_site` is the one
+function every seam calls at an activation or KV site (our transformers seams and the vLLM plugin
+alike), so both engines quantize and record exactly the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tracefp4.engines.capture import RolloutCapture
+from tracefp4.engines.guidance import TrainerGuidance, guided
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.formats.numerics import straight_through
+from tracefp4.guidance.names import Site, record_prefix
+
+__all__ = ["BF16", "ForwardState", "quantize_kv", "quantize_site"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardState:
+    """How the forward in progress computes: ``plan`` (None: BF16, the model's own numerics) and the
+    path it runs for (a rollout's capture, the trainer's guidance, or neither)."""
+
+    plan: PrecisionPlan | None = None
+    path: RolloutCapture | TrainerGuidance | None = None
+
+    @property
+    def rollout(self) -> bool:
+        """A rollout forward (weights may be prepared once and kept; no gradients)."""
+        return isinstance(self.path, RolloutCapture)
+
+
+#: The state outside any tracefp4 forward: BF16, no path.
+BF16 = ForwardState()
+
+
+def quantize_site(state: ForwardState, layer: int, site: Site, x: torch.Tensor) -> torch.Tensor:
+    """The value the next op sees at ``site``: ``x`` quantized per row (last dim) by the plan's
+    quantizer, rounded toward the rollout's codeword where the trainer has a hint, in x's dtype with a
+    straight-through gradient."""
+    if state.plan is None:
+        return x
+    quantizer = state.plan.quantizer(site)
+    name = record_prefix(layer, site)
+    path = state.path
+    try:
+        if not quantizer.guidable:  # FP8: no codewords, nothing recorded or guided
+            return straight_through(x, quantizer.dequantize(quantizer.quantize(x.detach())))
+        hint = path.hint(name, x) if isinstance(path, TrainerGuidance) else None
+        q = quantizer.quantize(x.detach()) if hint is None else guided(quantizer, x.detach(), hint)
+    except ValueError as e:
+        raise ValueError(f"site {name}: {e}") from e
+    if isinstance(path, RolloutCapture):
+        path.record_site(layer, name, x, q)
+    elif isinstance(path, TrainerGuidance):
+        path.capture_site(layer, name, q, quantizer.grid(q))
+    return straight_through(x, quantizer.dequantize(q))
+
+
+def quantize_kv(state: ForwardState, layer: int, site: Site, states: torch.Tensor) -> torch.Tensor:
+    """``states [B, n_kv, S, D]`` as the cache stores them; rows are (token, KV head)."""
+    if state.plan is None:
+        return states
+    b, h, s, d = states.shape
+    rows = states.transpose(1, 2).reshape(b * s, h, d)
+    out = quantize_site(state, layer, site, rows)
+    return out.reshape(b, s, h, d).transpose(1, 2)

@@ -1,0 +1,231 @@
+"""The packed-FP4 grouped GEMM for the CPU: ``csrc/fp4_gemm.c``, built with the system C compiler.
+
+:func:`grouped_gemm` multiplies bf16 activation rows, grouped by expert, with packed FP4 expert
+weights (two codes per byte, one scale byte per block, one FP32 divisor per expert) in one call per
+GEMM, on the thread count the caller set (torch's), and returns bf16 rows with round-to-nearest-even:
+
+    out[r, n] = bf16( fl32( sum_k x[r, k] * value(code[e, n, k]) * scale[e, n, k // block] ) / divisor[e] )
+
+This is the GEMM of the exact dequantized operands up to the order of the float32 additions (see
+the C file for why every product is exact); :func:`tracefp4.formats.reference.grouped_gemm_reference`
+is the readable float64 oracle it is tested against, with the bound :func:`accumulation_bound`.
+
+Build: on first use (or ``python -m tracefp4.formats.cgemm build``, which ``make setup`` runs), the C
+file is compiled with ``$CC`` (default ``cc``) into a cache folder (``$TRACEFP4_CACHE_DIR``, else
+``$XDG_CACHE_HOME/tracefp4``, else ``~/.cache/tracefp4``) under a name derived from the source, the
+compiler and the machine; the library is written to a temporary name and renamed, so a half-written
+one is never loaded. Where there is no compiler (or ``TRACEFP4_CPU_KERNEL=0``), :func:`available`
+is False and says why once; callers then use the dense torch path. The AVX-512 BF16 code path is
+chosen at run time where the CPU has it (``avx512_bf16``), the portable C one elsewhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import uuid
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tracefp4.formats.constants import E4M3_VALUES, E8M0_VALUES, MXFP4_BLOCK, NVFP4_BLOCK, Format
+
+__all__ = [
+    "IMPLS",
+    "accumulation_bound",
+    "available",
+    "build",
+    "grouped_gemm",
+    "has_avx512_bf16",
+    "unavailable_reason",
+]
+
+SOURCE = Path(__file__).with_name("csrc") / "fp4_gemm.c"
+#: ``impl`` values of :func:`grouped_gemm`: the best the CPU runs, the portable C code, AVX-512 BF16.
+IMPLS = {"auto": 0, "portable": 1, "avx512_bf16": 2}
+_FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-D_POSIX_C_SOURCE=200809L", "-fno-strict-aliasing"]
+_ERRORS = {-1: "bad shapes (N a multiple of 4, K of the block) or an implementation this CPU lacks",
+           -2: "offsets not a non-decreasing 0..R partition", -3: "out of memory", -4: "thread start failed"}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_warned = False
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("TRACEFP4_CACHE_DIR"):
+        return Path(os.environ["TRACEFP4_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tracefp4"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC", "cc")
+    return shutil.which(cc) or (shutil.which("gcc") if cc == "cc" else None)
+
+
+def _library_path(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(_FLAGS).encode()
+                         + platform.machine().encode() + sys.platform.encode()).hexdigest()[:16]
+    return _cache_dir() / f"fp4_gemm-{key}.so"
+
+
+def build() -> Path:
+    """Compile the kernel (if its library is not cached yet); returns the library's path.
+    Raises RuntimeError with the compiler's message when that fails."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'cc')} not found on PATH)")
+    path = _library_path(cc)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        proc = subprocess.run([cc, *_FLAGS, "-o", str(tmp), str(SOURCE), "-lpthread"], capture_output=True,
+                              text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)  # whole or not at all: a reader never sees a half-written library
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _reason
+    with _lock:
+        if _lib is not None or _reason is not None:
+            return _lib
+        if os.environ.get("TRACEFP4_CPU_KERNEL", "1") == "0":
+            _reason = "disabled by TRACEFP4_CPU_KERNEL=0"
+            return None
+        try:
+            lib = ctypes.CDLL(str(build()))
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            _reason = str(e)
+            return None
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.tfp4_grouped_gemm.argtypes = [p, p, p, p, p, ctypes.c_int, p, p, i64, i64, i64, i64, ctypes.c_int,
+                                          ctypes.c_int]
+        lib.tfp4_grouped_gemm.restype = ctypes.c_int
+        lib.tfp4_has_avx512bf16.restype = ctypes.c_int
+        _lib = lib
+        return lib
+
+
+def available() -> bool:
+    """True when the kernel is built and loaded; otherwise warns once with the reason (callers fall
+    back to the dense torch path)."""
+    global _warned
+    ok = _load() is not None
+    if not ok and not _warned:
+        _warned = True
+        warnings.warn(f"tracefp4: packed FP4 CPU kernel unavailable ({_reason}); using the dense torch path",
+                      RuntimeWarning, stacklevel=2)
+    return ok
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False (None when it is True)."""
+    _load()
+    return _reason
+
+
+def has_avx512_bf16() -> bool:
+    """Whether the kernel runs its AVX-512 BF16 path on this CPU."""
+    lib = _load()
+    return bool(lib is not None and lib.tfp4_has_avx512bf16())
+
+
+_LUTS = {Format.NVFP4: np.ascontiguousarray(E4M3_VALUES, dtype=np.float32),
+         Format.MXFP4: np.ascontiguousarray(E8M0_VALUES, dtype=np.float32)}
+_BLOCKS = {Format.NVFP4: NVFP4_BLOCK, Format.MXFP4: MXFP4_BLOCK}
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape or t.device.type != "cpu":
+        got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"grouped_gemm {name}: expected a CPU {dtype} tensor of shape {shape}, got {got}")
+
+
+def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                 divisor: torch.Tensor, fmt: Format | str, *, threads: int | None = None,
+                 impl: str = "auto") -> torch.Tensor:
+    """``x`` bf16 ``[R, K]`` (rows of expert e at ``offsets[e]:offsets[e+1]``) times the packed
+    weights (``codes`` uint8 ``[E, N, K/2]``, ``scales`` uint8 ``[E, N, K/block]`` of the format's
+    scale bytes, ``divisor`` float32 ``[E]``) -> bf16 ``[R, N]`` (module docstring). ``threads``:
+    default torch's intra-op count. Raises RuntimeError when the kernel is unavailable."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"packed FP4 CPU kernel unavailable: {_reason}")
+    fmt = Format(fmt)
+    block = _BLOCKS[fmt]
+    if codes.dim() != 3:
+        raise ValueError(f"grouped_gemm codes: expected [E, N, K/2], got shape {tuple(codes.shape)}")
+    e, n, half = codes.shape
+    k = 2 * half
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"grouped_gemm x: expected [R, {k}] for codes {tuple(codes.shape)}, got {tuple(x.shape)}")
+    _check("x", x, torch.bfloat16, (x.shape[0], k))
+    _check("offsets", offsets, torch.int64, (e + 1,))
+    _check("codes", codes, torch.uint8, (e, n, half))
+    _check("scales", scales, torch.uint8, (e, n, k // block))
+    _check("divisor", divisor, torch.float32, (e,))
+    if impl not in IMPLS:
+        raise ValueError(f"grouped_gemm impl: expected one of {sorted(IMPLS)}, got {impl!r}")
+    x, offsets, codes, scales, divisor = (t.contiguous() for t in (x, offsets, codes, scales, divisor))
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    lut = _LUTS[fmt]
+    rc = lib.tfp4_grouped_gemm(
+        x.data_ptr(), offsets.data_ptr(), codes.data_ptr(), scales.data_ptr(), lut.ctypes.data, block,
+        divisor.data_ptr(), out.data_ptr(), x.shape[0], e, n, k, int(threads or torch.get_num_threads()), IMPLS[impl],
+    )
+    if rc != 0:
+        raise ValueError(f"grouped_gemm: {_ERRORS.get(rc, rc)} (x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
+                         f"offsets {offsets.tolist()[:4]}...)")
+    return out
+
+
+def accumulation_bound(x: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor, divisor: torch.Tensor
+                       ) -> torch.Tensor:
+    """The largest ``|fl32 sum - exact sum| / divisor`` any order of float32 additions can give, per
+    output: ``gamma_(K-1) * sum_k |x w| / divisor`` with ``gamma_n = n u / (1 - n u)``, u = 2^-24
+    (Higham, Accuracy and Stability, eq. 4.4); ``weights`` float64 ``[E, N, K]``."""
+    k = weights.shape[-1]
+    u = 2.0**-24
+    gamma = (k - 1) * u / (1 - (k - 1) * u)
+    xa = x.to(torch.float64).abs()
+    out = torch.empty(x.shape[0], weights.shape[1], dtype=torch.float64)
+    for e in range(weights.shape[0]):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        out[lo:hi] = gamma * (xa[lo:hi] @ weights[e].abs().T) / float(divisor[e])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tracefp4.formats.cgemm build``: compile (or find) the kernel and say which path runs."""
+    args = sys.argv[1:] if argv is None else argv
+    if args != ["build"]:
+        print("usage: python -m tracefp4.formats.cgemm build", file=sys.stderr)
+        return 2
+    if _load() is None:
+        print(f"tracefp4: packed FP4 CPU kernel not built ({_reason}); the dense torch path will be used")
+        return 0
+    path = _library_path(_compiler())
+    print(f"tracefp4: packed FP4 CPU kernel {path} ({'AVX-512 BF16' if has_avx512_bf16() else 'portable C'} path)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The packed-FP4 grouped GEMM (tracefp4.formats.cgemm) against the readable reference.
+
+Exactness: where every float32 partial sum is representable (small dyadic operands) any order of
+additions gives the exact sum, so the kernel must equal ``grouped_gemm_reference`` bit for bit
+(atol=0), on both of its code paths. Elsewhere the only difference is the order of the float32
+additions, bounded for any order by ``gamma_(K-1) sum |x w|`` (``cgemm.accumulation_bound``), plus the
+float32 division (2^-24 relative) and the final bf16 rounding (2^-8 relative: bf16 keeps 8 significant
+bits, so round-to-nearest is off by at most half of 2^-7): the bound below.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tracefp4.formats import cgemm
+from tracefp4.formats import reference as ref
+from tracefp4.formats.numerics import nvfp4_global_encode_scale
+from tracefp4.formats.quantizers import MXFP4Quantizer, NVFP4Quantizer
+
+pytestmark = pytest.mark.skipif(not cgemm.available(), reason=f"CPU kernel unavailable: {cgemm.unavailable_reason()}")
+
+IMPLS = ["portable"] + (["avx512_bf16"] if cgemm.available() and cgemm.has_avx512_bf16() else [])
+COUNTS = {"ragged": [3, 0, 5, 1, 0, 7, 2, 4], "one_row": [1, 1, 0, 1, 1, 0, 0, 1], "many_rows": [0, 19, 0, 0, 13, 0, 0, 2],
+          "all_empty_but_one": [0, 0, 0, 0, 0, 0, 6, 0]}
+
+
+def offsets_of(counts: list[int]) -> torch.Tensor:
+    return torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor(counts, dtype=torch.int64).cumsum(0)])
+
+
+def packed(w: torch.Tensor, fmt: str):
+    """(codes, scale bytes, divisor) of ``w [E, N, K]`` quantized as the plan's weight quantizer does."""
+    if fmt == "nvfp4":
+        q = NVFP4Quantizer("expert").quantize(w)
+        divisor = nvfp4_global_encode_scale(q.global_amax.reshape(w.shape[0], -1)[:, 0])
+        return q.codes, q.scales.view(torch.uint8), divisor.to(torch.float32)
+    q = MXFP4Quantizer().quantize(w)
+    return q.codes, q.scales, torch.ones(w.shape[0], dtype=torch.float32)
+
+
+def bound(exact: torch.Tensor, accumulation: torch.Tensor) -> torch.Tensor:
+    """|kernel - exact| for any addition order: the order's error E, then the float32 division and
+    the bf16 rounding of a value within E of the exact one (plus bf16's subnormal spacing)."""
+    return (2.0**-8 + 2.0**-24 + 2.0**-32) * (exact.abs() + accumulation) + accumulation + 2.0**-133
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("counts", sorted(COUNTS))
+@pytest.mark.parametrize("k", [64, 96, 2048])
+def test_exact_where_the_sums_are_exact(impl, fmt, counts, k):
+    """Dyadic operands: x in multiples of 1/4 up to 2, weights value(code) * {1/2, 1, 2}: every product
+    a multiple of 2^-4 below 24, every partial sum below 2^16: float32 adds them all exactly."""
+    if fmt == "mxfp4" and k % 32:
+        pytest.skip("MXFP4 blocks are 32 wide")
+    g = torch.Generator().manual_seed(k)
+    e, n = 8, 48
+    block = 16 if fmt == "nvfp4" else 32
+    codes = torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.int64).to(torch.uint8)
+    choice = torch.randint(0, 3, (e, n, k // block), generator=g)
+    if fmt == "nvfp4":  # E4M3 bytes of 0.5, 1, 2
+        scales = torch.tensor([0x30, 0x38, 0x40], dtype=torch.uint8)[choice]
+        divisor = torch.tensor([1.0, 2.0, 0.5, 4.0, 1.0, 8.0, 0.25, 1.0])  # powers of two: exact division
+    else:  # E8M0 exponents -1, 0, 1
+        scales = torch.tensor([126, 127, 128], dtype=torch.uint8)[choice]
+        divisor = torch.ones(e)
+    offs = offsets_of(COUNTS[counts])
+    rows = int(offs[-1])
+    x = (torch.randint(-8, 9, (rows, k), generator=g).to(torch.float32) / 4).to(torch.bfloat16)
+    out = cgemm.grouped_gemm(x, offs, codes, scales, divisor, fmt, impl=impl)
+    want = ref.grouped_gemm_reference(x, offs, codes, scales, divisor, fmt)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("counts", sorted(COUNTS))
+@pytest.mark.parametrize("shape", [(64, 96), (32, 2048), (1536, 512)])
+def test_within_the_accumulation_bound_on_real_weights(impl, fmt, counts, shape):
+    """Gaussian weights quantized by the plan's weight quantizer (real scales, real divisors) and
+    Gaussian bf16 rows: within the bound of the module docstring of the float64 exact result."""
+    n, k = shape
+    if fmt == "mxfp4" and k % 32:
+        pytest.skip("MXFP4 blocks are 32 wide")
+    g = torch.Generator().manual_seed(n + k)
+    e = 8
+    w = (torch.randn(e, n, k, generator=g) * torch.linspace(0.01, 3, e)[:, None, None]).to(torch.bfloat16)
+    codes, scales, divisor = packed(w, fmt)
+    offs = offsets_of(COUNTS[counts])
+    x = torch.randn(int(offs[-1]), k, generator=g).to(torch.bfloat16)
+    out = cgemm.grouped_gemm(x, offs, codes, scales, divisor, fmt, impl=impl)
+    exact = ref.grouped_gemm_exact(x, offs, codes, scales, divisor, fmt)
+    acc = cgemm.accumulation_bound(x, offs, ref.expert_weights(codes, scales, fmt), divisor)
+    assert bool(((out.to(torch.float64) - exact).abs() <= bound(exact, acc)).all())
+
+
+def test_subnormal_block_scales():
+    """E4M3 subnormal block scales (bytes 1..7, 2^-9 to 7 * 2^-9): value * scale is still exact in
+    bf16 (6 significant bits, >= 2^-10), so the bound holds there too."""
+    g = torch.Generator().manual_seed(1)
+    e, n, k = 2, 16, 64
+    codes = torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.int64).to(torch.uint8)
+    scales = torch.randint(1, 8, (e, n, k // 16), generator=g, dtype=torch.int64).to(torch.uint8)
+    divisor = torch.tensor([3.0, 0.75])
+    offs = offsets_of([5, 3])
+    x = torch.randn(8, k, generator=g).to(torch.bfloat16)
+    exact = ref.grouped_gemm_exact(x, offs, codes, scales, divisor, "nvfp4")
+    acc = cgemm.accumulation_bound(x, offs, ref.expert_weights(codes, scales, "nvfp4"), divisor)
+    for impl in IMPLS:
+        out = cgemm.grouped_gemm(x, offs, codes, scales, divisor, "nvfp4", impl=impl)
+        assert bool(((out.to(torch.float64) - exact).abs() <= bound(exact, acc)).all()), impl
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_result_does_not_depend_on_the_thread_count(impl):
+    """Each output is summed by one thread in a fixed order: 1, 2 and 5 threads give the same bits."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(8, 64, 256, generator=g).to(torch.bfloat16)
+    codes, scales, divisor = packed(w, "nvfp4")
+    offs = offsets_of(COUNTS["ragged"])
+    x = torch.randn(int(offs[-1]), 256, generator=g).to(torch.bfloat16)
+    outs = [cgemm.grouped_gemm(x, offs, codes, scales, divisor, "nvfp4", threads=t, impl=impl) for t in (1, 2, 5)]
+    assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs)
+
+
+def test_bad_input_is_named():
+    w = torch.randn(2, 16, 32).to(torch.bfloat16)
+    codes, scales, divisor = packed(w, "nvfp4")
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="offsets not a non-decreasing"):
+        cgemm.grouped_gemm(x, torch.tensor([0, 2, 1]), codes, scales, divisor, "nvfp4")
+    with pytest.raises(ValueError, match="offsets not a non-decreasing"):
+        cgemm.grouped_gemm(x, torch.tensor([0, 1, 2]), codes, scales, divisor, "nvfp4")  # 2 rows of 3
+    with pytest.raises(ValueError, match="grouped_gemm x: expected a CPU torch.bfloat16"):
+        cgemm.grouped_gemm(x.float(), torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4")
+    with pytest.raises(ValueError, match=r"grouped_gemm x: expected \[R, 32\]"):
+        cgemm.grouped_gemm(x[:, :16], torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4")
+    with pytest.raises(ValueError, match="grouped_gemm scales"):
+        cgemm.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales[..., :1], divisor, "nvfp4")
+    with pytest.raises(ValueError, match="grouped_gemm impl"):
+        cgemm.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4", impl="fast")
+
+
+def test_unavailable_kernel_is_reported_once_and_said_why(tmp_path):
+    """TRACEFP4_CPU_KERNEL=0 (as on a machine without a compiler): available() is False, warns once
+    with the reason, and the build command says the dense path is used."""
+    code = ("import warnings; warnings.simplefilter('always');"
+            "from tracefp4.formats import cgemm;"
+            "import sys\nwith warnings.catch_warnings(record=True) as w:\n"
+            "    a = cgemm.available(); b = cgemm.available()\n"
+            "print(a, b, len(w), cgemm.unavailable_reason())")
+    env = {**os.environ, "TRACEFP4_CPU_KERNEL": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[:3] == ["False", "False", "1"] and "TRACEFP4_CPU_KERNEL=0" in out.stdout
+    built = subprocess.run([sys.executable, "-m", "tracefp4.formats.cgemm", "build"], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert built.returncode == 0 and "dense torch path" in built.stdout
+
+
+def test_build_is_cached_and_published_whole(tmp_path):
+    """A fresh cache folder: the first build compiles and publishes the library under its final name
+    only when complete (no temporary left), the second finds it."""
+    env = {**os.environ, "TRACEFP4_CACHE_DIR": str(tmp_path)}
+    code = "from tracefp4.formats import cgemm; print(cgemm.build())"
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    path = first.stdout.strip()
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert second.stdout.strip() == path
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(path)]

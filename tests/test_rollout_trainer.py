@@ -257,22 +257,25 @@ def test_guidance_removes_code_mismatches_under_decode_drift(
             mode="trace", capture_codes=DEEPER,
         )  # fmt: skip
     m_qat, m_trace, m_lsb = (mismatches(o.codes, trace_full.diagnostics) for o in (qat, trace, lsb))
-    assert m_qat[0] > 0  # incremental decode and the packed forward round BF16 differently
-    assert m_trace[0] < 0.1 * m_qat[0] and m_lsb[0] < 0.1 * m_qat[0]
-    assert m_qat[1] > 0.5 * m_qat[0]  # most mismatches are one codeword apart
+    # (machine-specific: where incremental decode and the packed forward compute bit for bit alike,
+    # e.g. eager attention under ATEN_CPU_CAPABILITY=avx2, there is no drift and every count is 0)
+    assert m_trace[0] <= 0.1 * m_qat[0] and m_lsb[0] <= 0.1 * m_qat[0]
+    assert m_qat[1] >= 0.5 * m_qat[0]  # most mismatches are one codeword apart
 
     everywhere = generate(model, PROMPTS, SAMPLING, plan=FP4, guidance=GuidedMode.parse("full"), diagnostics=ALL)
     with torch.no_grad():
         qat_all = forward_rollout(model, everywhere, mode="qat", capture_codes=ALL)
         trace_all = forward_rollout(model, everywhere, mode="trace", capture_codes=ALL)
     assert mismatches(trace_all.codes, everywhere.diagnostics)[0] == 0
-    assert mismatches(qat_all.codes, everywhere.diagnostics)[0] > 0
     gap = {
         name: torch.cat([a - b for a, b in zip(o.logprobs, everywhere.logprobs)]).abs().max()
         for name, o in (("qat", qat_all), ("trace", trace_all))
     }
-    # with every code reproduced the gap is the BF16 pair's; QAT's carries every flipped codeword
-    assert gap["trace"] < 0.5 * gap["qat"], gap
+    if mismatches(qat_all.codes, everywhere.diagnostics)[0] > 0:
+        # with every code reproduced the gap is the BF16 pair's; QAT's carries every flipped codeword
+        assert gap["trace"] < 0.5 * gap["qat"], gap
+    else:  # no drift on this machine: both arms compute the rollout's codes, the same gap
+        assert gap["trace"] == gap["qat"], gap
 
 
 def test_packed_batch_equals_sequences_alone() -> None:
@@ -372,9 +375,10 @@ def test_qat_rollout_records_only_routing_and_capture_needs_no_guidance(model: t
         qat = forward_rollout(model, roll, mode="qat", capture_codes=DEEPER)
     assert set(qat.codes[0]) == {record_prefix(i, s) for i in DEEPER for s in Site}
     mism, one, total = mismatches(qat.codes, roll.diagnostics)
-    # two paths' BF16 drift flips some codes, never most of them (a flip needs a value within the
-    # drift of a rounding midpoint; half flipped would mean another function)
-    assert total > 0 and 0 < mism < 0.5 * total
+    # two paths' BF16 drift flips some codes (none where this machine computes both bit for bit alike),
+    # never most of them (a flip needs a value within the drift of a rounding midpoint; half flipped
+    # would mean another function)
+    assert total > 0 and 0 <= mism < 0.5 * total
     with pytest.raises(ValueError, match="diagnostics"):
         code_mismatch(forward_rollout(model, roll, mode="qat", capture_codes=ALL).codes, roll.diagnostics)
     with pytest.raises(ValueError, match="BF16"):
@@ -421,7 +425,7 @@ def test_compact_mode_end_to_end(model: torch.nn.Module) -> None:
     # decodes and its elements take the rollout's codes; a block that fails is rounded to nearest on
     # the rollout's grid (counted in decode_failures), i.e. mismatches at most like QAT's there. Unless
     # most blocks fail, guidance removes the bulk of QAT's mismatches (we require 90%).
-    assert m_trace[0] < 0.1 * m_qat[0], (m_trace, m_qat, trace.decode_failures)
+    assert m_trace[0] <= 0.1 * m_qat[0], (m_trace, m_qat, trace.decode_failures)
 
 
 def test_home_engine_is_a_rollout_engine(model: torch.nn.Module) -> None:

@@ -250,10 +250,11 @@ def test_environment_recorded_and_resume_elsewhere_named(tmp_path):
     env = environment()
     assert record_environment(tmp_path, env) == []
     assert record_environment(tmp_path, env) == []  # the same environment: nothing differs
-    other = {**env, "cpu_capability": "AVX2", "torch_threads": env["torch_threads"] + 1,
+    other_cap = "DEFAULT" if env["cpu_capability"] == "AVX2" else "AVX2"
+    other = {**env, "cpu_capability": other_cap, "torch_threads": env["torch_threads"] + 1,
              "packages": {**env["packages"], "torch": "0.0"}}
     differs = record_environment(tmp_path, other)
-    assert f"cpu_capability: {env['cpu_capability']} -> AVX2" in differs
+    assert f"cpu_capability: {env['cpu_capability']} -> {other_cap}" in differs
     assert f"torch: {env['packages']['torch']} -> 0.0" in differs and len(differs) == 3
     saved = json.loads((tmp_path / ENVIRONMENT_NAME).read_text())
     assert saved["created"] == json.loads(json.dumps(env)) and len(saved["resumes"]) == 2

@@ -58,7 +58,10 @@ def test_sweep_figures_obey_their_relations(sweep: tuple[dict, bytes]) -> None:
     assert by["qat"]["bytes_per_token"] == 0
     # full information on every layer reproduces every code; lsb on the deeper half its guided ones almost
     assert by["full"]["agreement"] == 1.0 and by["full"]["scale_agreement"] == 1.0
-    assert by["lsb"]["agreement"] > by["qat"]["agreement_deeper_half"]
+    # (strictly better where the two paths drift at all: machine-specific, see test_mismatch_rates)
+    assert by["lsb"]["agreement"] >= by["qat"]["agreement_deeper_half"]
+    if by["qat"]["agreement_deeper_half"] < 1.0:
+        assert by["lsb"]["agreement"] > by["qat"]["agreement_deeper_half"]
     # the exact knobs (parity scales, 3 amax bits) lose nothing against full information at this drift
     for name in ("lsb+parity+amax:lo3@all", "ldpc(1/4)+scales:ldpc(1/4)+amax:lo3@all"):
         assert by[name]["agreement"] == 1.0 and by[name]["amax_agreement"] == 1.0

@@ -31,8 +31,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -281,6 +283,22 @@ def moe_layers(model: PreTrainedModel) -> list[MoELayer]:
     return found
 
 
+@functools.lru_cache(maxsize=1)
+def bf16_sdpa_broken() -> bool:
+    """Whether PyTorch's CPU scaled-dot-product attention fails in bf16 on this machine: torch 2.13 on
+    a CPU with AMX, run with ``ATEN_CPU_CAPABILITY`` below AVX512 (``avx2``, ``default``), picks its
+    AMX flash-attention path for sequences of 64 or more and then refuses it ("pack_vnni2 is only
+    supported when avx512 is supported")."""
+    q = torch.zeros(1, 1, 64, 16, dtype=torch.bfloat16)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    except RuntimeError as e:
+        if "pack_vnni2" in str(e):
+            return True
+        raise
+    return False
+
+
 def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
     """Route the model's experts, routers and (via :class:`FP4KVCache`) KV cache through tracefp4.
 
@@ -311,6 +329,10 @@ def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     if config._experts_implementation != EXPERTS_IMPLEMENTATION:
         raise RuntimeError(f"transformers kept experts implementation {config._experts_implementation!r}")
+    if config._attn_implementation == "sdpa" and model.dtype == torch.bfloat16 and bf16_sdpa_broken():
+        warnings.warn("tracefp4: PyTorch's bf16 CPU attention fails on this CPU at this ATEN_CPU_CAPABILITY "
+                      "(AMX path below AVX512); using transformers' eager attention", RuntimeWarning, stacklevel=2)
+        model.set_attn_implementation("eager")
     model.__dict__["_tracefp4_runtime"] = runtime
     return model
 

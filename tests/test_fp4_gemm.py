@@ -34,13 +34,37 @@ def offsets_of(counts: list[int]) -> torch.Tensor:
 
 
 def packed(w: torch.Tensor, fmt: str):
-    """(codes, scale bytes, divisor) of ``w [E, N, K]`` quantized as the plan's weight quantizer does."""
+    """(standard codes, scale bytes, divisor) of ``w [E, N, K]`` quantized as the plan's weight
+    quantizer does."""
     if fmt == "nvfp4":
         q = NVFP4Quantizer("expert").quantize(w)
         divisor = nvfp4_global_encode_scale(q.global_amax.reshape(w.shape[0], -1)[:, 0])
         return q.codes, q.scales.view(torch.uint8), divisor.to(torch.float32)
     q = MXFP4Quantizer().quantize(w)
     return q.codes, q.scales, torch.ones(w.shape[0], dtype=torch.float32)
+
+
+def gemm(x, offs, codes, scales, divisor, fmt, **kw):
+    """The kernel on standard-layout codes (converted to its layout here)."""
+    block = 16 if fmt == "nvfp4" else 32
+    return cgemm.grouped_gemm(x, offs, cgemm.kernel_layout(codes, block), scales, divisor, fmt, **kw)
+
+
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("k", [64, 96, 256, 768, 2048, 4096 + 32])
+def test_kernel_layout_is_a_byte_permutation_and_inverts(block, k):
+    """The kernel layout holds every standard byte exactly once (plus zero padding up to whole
+    16-block super-groups) and standard_layout gives the codes back."""
+    if k % block:
+        pytest.skip("K must be a multiple of the block")
+    codes = torch.randint(0, 256, (3, 8, k // 2), generator=torch.Generator().manual_seed(k), dtype=torch.int64)
+    codes = codes.to(torch.uint8)
+    kc = cgemm.kernel_layout(codes, block)
+    assert kc.shape == (3, 2, 4 * cgemm.code_bytes(k, block)) and cgemm.code_bytes(k, block) >= k // 2
+    assert torch.equal(cgemm.standard_layout(kc, k, block), codes)
+    # the same bytes (a permutation) and zeros for the padding: sorted, the padding comes first
+    assert torch.equal(torch.sort(kc.reshape(-1)).values[kc.numel() - codes.numel():], torch.sort(codes.reshape(-1)).values)
+    assert int((kc != 0).sum()) == int((codes != 0).sum())
 
 
 def bound(exact: torch.Tensor, accumulation: torch.Tensor) -> torch.Tensor:
@@ -72,7 +96,7 @@ def test_exact_where_the_sums_are_exact(impl, fmt, counts, k):
     offs = offsets_of(COUNTS[counts])
     rows = int(offs[-1])
     x = (torch.randint(-8, 9, (rows, k), generator=g).to(torch.float32) / 4).to(torch.bfloat16)
-    out = cgemm.grouped_gemm(x, offs, codes, scales, divisor, fmt, impl=impl)
+    out = gemm(x, offs, codes, scales, divisor, fmt, impl=impl)
     want = ref.grouped_gemm_reference(x, offs, codes, scales, divisor, fmt)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
@@ -94,7 +118,7 @@ def test_within_the_accumulation_bound_on_real_weights(impl, fmt, counts, shape)
     codes, scales, divisor = packed(w, fmt)
     offs = offsets_of(COUNTS[counts])
     x = torch.randn(int(offs[-1]), k, generator=g).to(torch.bfloat16)
-    out = cgemm.grouped_gemm(x, offs, codes, scales, divisor, fmt, impl=impl)
+    out = gemm(x, offs, codes, scales, divisor, fmt, impl=impl)
     exact = ref.grouped_gemm_exact(x, offs, codes, scales, divisor, fmt)
     acc = cgemm.accumulation_bound(x, offs, ref.expert_weights(codes, scales, fmt), divisor)
     assert bool(((out.to(torch.float64) - exact).abs() <= bound(exact, acc)).all())
@@ -113,7 +137,7 @@ def test_subnormal_block_scales():
     exact = ref.grouped_gemm_exact(x, offs, codes, scales, divisor, "nvfp4")
     acc = cgemm.accumulation_bound(x, offs, ref.expert_weights(codes, scales, "nvfp4"), divisor)
     for impl in IMPLS:
-        out = cgemm.grouped_gemm(x, offs, codes, scales, divisor, "nvfp4", impl=impl)
+        out = gemm(x, offs, codes, scales, divisor, "nvfp4", impl=impl)
         assert bool(((out.to(torch.float64) - exact).abs() <= bound(exact, acc)).all()), impl
 
 
@@ -125,13 +149,14 @@ def test_result_does_not_depend_on_the_thread_count(impl):
     codes, scales, divisor = packed(w, "nvfp4")
     offs = offsets_of(COUNTS["ragged"])
     x = torch.randn(int(offs[-1]), 256, generator=g).to(torch.bfloat16)
-    outs = [cgemm.grouped_gemm(x, offs, codes, scales, divisor, "nvfp4", threads=t, impl=impl) for t in (1, 2, 5)]
+    outs = [gemm(x, offs, codes, scales, divisor, "nvfp4", threads=t, impl=impl) for t in (1, 2, 5)]
     assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs)
 
 
 def test_bad_input_is_named():
     w = torch.randn(2, 16, 32).to(torch.bfloat16)
     codes, scales, divisor = packed(w, "nvfp4")
+    codes = cgemm.kernel_layout(codes, 16)
     x = torch.randn(3, 32).to(torch.bfloat16)
     with pytest.raises(ValueError, match="offsets not a non-decreasing"):
         cgemm.grouped_gemm(x, torch.tensor([0, 2, 1]), codes, scales, divisor, "nvfp4")
@@ -139,8 +164,10 @@ def test_bad_input_is_named():
         cgemm.grouped_gemm(x, torch.tensor([0, 1, 2]), codes, scales, divisor, "nvfp4")  # 2 rows of 3
     with pytest.raises(ValueError, match="grouped_gemm x: expected a CPU torch.bfloat16"):
         cgemm.grouped_gemm(x.float(), torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4")
-    with pytest.raises(ValueError, match=r"grouped_gemm x: expected \[R, 32\]"):
-        cgemm.grouped_gemm(x[:, :16], torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4")
+    with pytest.raises(ValueError, match=r"grouped_gemm codes: expected a CPU torch.uint8 tensor of shape \(2, 4, 512\)"):
+        cgemm.grouped_gemm(x, torch.tensor([0, 1, 3]), codes[..., :64], scales, divisor, "nvfp4")
+    with pytest.raises(ValueError, match=r"grouped_gemm x: expected \[R, K\] with K a multiple of 16"):
+        cgemm.grouped_gemm(x[:, :8], torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4")
     with pytest.raises(ValueError, match="grouped_gemm scales"):
         cgemm.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales[..., :1], divisor, "nvfp4")
     with pytest.raises(ValueError, match="grouped_gemm impl"):

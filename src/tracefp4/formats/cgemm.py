@@ -10,6 +10,16 @@ This is the GEMM of the exact dequantized operands up to the order of the float3
 the C file for why every product is exact); :func:`tracefp4.formats.reference.grouped_gemm_reference`
 is the readable float64 oracle it is tested against, with the bound :func:`accumulation_bound`.
 
+The codes are taken in the kernel's layout (:func:`kernel_layout`): the same codes, two per byte,
+with the bytes permuted so that each vector lane sums one block's products (see the C file);
+:func:`standard_layout` inverts it.
+
+Threads: built with OpenMP where the compiler has it, the kernel runs on the process's OpenMP
+threads, which are PyTorch's own (torch is imported first and its ``libgomp.so.1`` answers the
+kernel's dependency): one set of threads for torch's ops and ours, none spinning while the other
+works (a second pool beside torch's, numba's OpenMP layer for one, starves torch on small machines).
+Without OpenMP it keeps a pool of its own, woken per call. The thread count is torch's.
+
 Build: on first use (or ``python -m tracefp4.formats.cgemm build``, which ``make setup`` runs), the C
 file is compiled with ``$CC`` (default ``cc``) into a cache folder (``$TRACEFP4_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/tracefp4``, else ``~/.cache/tracefp4``) under a name derived from the source, the
@@ -43,8 +53,11 @@ __all__ = [
     "accumulation_bound",
     "available",
     "build",
+    "code_bytes",
     "grouped_gemm",
     "has_avx512_bf16",
+    "kernel_layout",
+    "standard_layout",
     "unavailable_reason",
 ]
 
@@ -75,7 +88,7 @@ def _compiler() -> str | None:
 
 def _library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(_FLAGS).encode()
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(_FLAGS + ["-fopenmp?"]).encode()
                          + platform.machine().encode() + sys.platform.encode()).hexdigest()[:16]
     return _cache_dir() / f"fp4_gemm-{key}.so"
 
@@ -92,8 +105,12 @@ def build() -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        proc = subprocess.run([cc, *_FLAGS, "-o", str(tmp), str(SOURCE), "-lpthread"], capture_output=True,
-                              text=True, timeout=300)
+        # with OpenMP (the kernel then runs on the OpenMP threads PyTorch runs on), else a pool of its own
+        for extra in (["-fopenmp"], []):
+            proc = subprocess.run([cc, *_FLAGS, *extra, "-o", str(tmp), str(SOURCE), "-lpthread"], capture_output=True,
+                                  text=True, timeout=300)
+            if proc.returncode == 0:
+                break
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, path)  # whole or not at all: a reader never sees a half-written library
@@ -153,6 +170,52 @@ _LUTS = {Format.NVFP4: np.ascontiguousarray(E4M3_VALUES, dtype=np.float32),
 _BLOCKS = {Format.NVFP4: NVFP4_BLOCK, Format.MXFP4: MXFP4_BLOCK}
 
 
+def code_bytes(k: int, block: int) -> int:
+    """Bytes per weight row in the kernel layout: blocks 16 at a time, each 16-block super-group
+    ``block / 4`` groups of 32 bytes (the last super-group padded with zero codes)."""
+    return -(-(k // block) // 16) * (block // 4) * 32
+
+
+_LAYOUTS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _source_bytes(k: int, block: int) -> torch.Tensor:
+    """For each kernel-layout byte, the standard-layout byte it holds (-1: padding): byte 2l+i of
+    group p of super-group q holds standard byte (block/2)(16q+l) + 2p + i."""
+    key = (k, block)
+    if key not in _LAYOUTS:
+        nb, groups = k // block, block // 4
+        q, p, lane, i = torch.meshgrid(torch.arange(-(-nb // 16)), torch.arange(groups), torch.arange(16),
+                                       torch.arange(2), indexing="ij")
+        blk = 16 * q + lane
+        src = (block // 2) * blk + 2 * p + i
+        _LAYOUTS[key] = torch.where(blk < nb, src, torch.full_like(src, -1)).reshape(-1)
+    return _LAYOUTS[key]
+
+
+def kernel_layout(codes: torch.Tensor, block: int) -> torch.Tensor:
+    """Standard packed codes ``[E, N, K/2]`` (element 2i in the low nibble of byte i) -> the kernel's
+    ``[E, N/4, 4 * code_bytes(K, block)]``: each row's bytes permuted (see the C file) and the rows of
+    each tile of 4 output columns interleaved group by group (32 bytes each)."""
+    e, n, half = codes.shape
+    if n % 4:
+        raise ValueError(f"kernel_layout: N must be a multiple of 4, got codes of shape {tuple(codes.shape)}")
+    src = _source_bytes(2 * half, block).to(codes.device)
+    rows = torch.where(src >= 0, codes[..., src.clamp(min=0)], torch.zeros((), dtype=codes.dtype, device=codes.device))
+    groups = rows.shape[-1] // 32
+    return rows.reshape(e, n // 4, 4, groups, 32).transpose(2, 3).reshape(e, n // 4, -1).contiguous()
+
+
+def standard_layout(kcodes: torch.Tensor, k: int, block: int) -> torch.Tensor:
+    """The inverse of :func:`kernel_layout` for rows of ``k`` elements: ``[E, N, K/2]``."""
+    e, tiles, _ = kcodes.shape
+    src = _source_bytes(k, block).to(kcodes.device)
+    rows = kcodes.reshape(e, tiles, -1, 4, 32).transpose(2, 3).reshape(e, 4 * tiles, -1)
+    out = torch.empty(e, 4 * tiles, k // 2, dtype=kcodes.dtype, device=kcodes.device)
+    out[..., src[src >= 0]] = rows[..., src >= 0]
+    return out
+
+
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape or t.device.type != "cpu":
         got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -163,23 +226,24 @@ def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor, sc
                  divisor: torch.Tensor, fmt: Format | str, *, threads: int | None = None,
                  impl: str = "auto") -> torch.Tensor:
     """``x`` bf16 ``[R, K]`` (rows of expert e at ``offsets[e]:offsets[e+1]``) times the packed
-    weights (``codes`` uint8 ``[E, N, K/2]``, ``scales`` uint8 ``[E, N, K/block]`` of the format's
-    scale bytes, ``divisor`` float32 ``[E]``) -> bf16 ``[R, N]`` (module docstring). ``threads``:
-    default torch's intra-op count. Raises RuntimeError when the kernel is unavailable."""
+    weights (``codes`` uint8 ``[E, N/4, 4 * code_bytes(K, block)]`` in the kernel layout, ``scales`` uint8
+    ``[E, N, K/block]`` of the format's scale bytes, ``divisor`` float32 ``[E]``) -> bf16 ``[R, N]``
+    (module docstring). ``threads``: default torch's intra-op count. Raises RuntimeError when the
+    kernel is unavailable."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"packed FP4 CPU kernel unavailable: {_reason}")
     fmt = Format(fmt)
     block = _BLOCKS[fmt]
     if codes.dim() != 3:
-        raise ValueError(f"grouped_gemm codes: expected [E, N, K/2], got shape {tuple(codes.shape)}")
-    e, n, half = codes.shape
-    k = 2 * half
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"grouped_gemm x: expected [R, {k}] for codes {tuple(codes.shape)}, got {tuple(x.shape)}")
+        raise ValueError(f"grouped_gemm codes: expected [E, N, bytes], got shape {tuple(codes.shape)}")
+    if x.dim() != 2 or x.shape[1] % block:
+        raise ValueError(f"grouped_gemm x: expected [R, K] with K a multiple of {block}, got {tuple(x.shape)}")
+    e, tiles, _ = codes.shape
+    n, k = 4 * tiles, x.shape[1]
     _check("x", x, torch.bfloat16, (x.shape[0], k))
     _check("offsets", offsets, torch.int64, (e + 1,))
-    _check("codes", codes, torch.uint8, (e, n, half))
+    _check("codes", codes, torch.uint8, (e, tiles, 4 * code_bytes(k, block)))
     _check("scales", scales, torch.uint8, (e, n, k // block))
     _check("divisor", divisor, torch.float32, (e,))
     if impl not in IMPLS:

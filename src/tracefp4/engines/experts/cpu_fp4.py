@@ -20,8 +20,9 @@ __all__ = ["PackedCPUGEMM", "PackedWeight", "pack"]
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """``codes`` uint8 ``[E, N, K/2]``, ``scales`` uint8 ``[E, N, K/block]`` (E4M3 or E8M0 bytes),
-    ``divisor`` float32 ``[E]``, ``fmt``: what the packed kernels multiply."""
+    """``codes`` uint8 ``[E, N/4, 4 * code_bytes(K)]`` (the quantizer's codes in the kernel layout,
+    :func:`tracefp4.formats.cgemm.kernel_layout`), ``scales`` uint8 ``[E, N, K/block]`` (E4M3 or
+    E8M0 bytes), ``divisor`` float32 ``[E]``, ``fmt``: what the packed kernels multiply."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -30,8 +31,13 @@ class PackedWeight:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        e, n, half = self.codes.shape
-        return (e, n, 2 * half)
+        e, n, nb = self.scales.shape
+        return (e, n, nb * (16 if self.fmt is Format.NVFP4 else 32))
+
+    def standard_codes(self) -> torch.Tensor:
+        """The codes in the standard layout ``[E, N, K/2]`` (what the quantizer returned)."""
+        k = self.shape[2]
+        return cgemm.standard_layout(self.codes, k, k // self.scales.shape[2])
 
     @property
     def nbytes(self) -> int:
@@ -50,7 +56,8 @@ def pack(weight: torch.Tensor, quantizer: Quantizer) -> PackedWeight:
     except ValueError as e:
         raise ValueError(f"expert weight: {e}") from e
     scales = q.scales.view(torch.uint8) if q.scales.dtype == torch.float8_e4m3fn else q.scales
-    return PackedWeight(q.codes.contiguous(), scales.contiguous(), expert_divisor(q), Format(quantizer.fmt))
+    return PackedWeight(cgemm.kernel_layout(q.codes, quantizer.block), scales.contiguous(), expert_divisor(q),
+                        Format(quantizer.fmt))
 
 
 class PackedCPUGEMM(ExpertGEMM):

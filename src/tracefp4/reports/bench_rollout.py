@@ -1,19 +1,42 @@
-"""``tracefp4 bench rollout``: rollout throughput per engine and mode, measured side by side.
+"""``tracefp4 bench rollout``: rollout throughput and memory per engine and mode, measured side by side.
 
-A mid-size Qwen3-MoE (hidden 512, 8 layers, 16 experts top-4 by default), random weights, a batch of
-prompts sampled to a fixed number of new tokens (no stop token, so every mode generates the same
-number of tokens). Modes: ``bf16`` (no quantization), ``fp4`` (the precision plan, routing recorded
-only), ``trace_lsb`` (lsb guidance on the deeper half, the paper's compact cache), ``trace_full``
-(full codes on every layer). Every (engine, mode) pair runs once per round, rounds interleaved, after
-one short warm-up call each; the median generation time gives ``rollout_tokens_per_s.<engine>.<mode>``.
-Ratios are taken within one engine (recording cost) and between engines at ``fp4``.
+Presets (``--preset``): ``mid``, a mid-size Qwen3-MoE (hidden 512, 8 layers, 16 experts top-4, expert
+dim 256; 64 prompts x 128 new tokens), and ``bandwidth``, a decode-bound one at Qwen3-30B-A3B's layer
+shapes (hidden 2048, 64 experts top-8, expert dim 768, 4 layers; batches of 8 and 32, so 1-4 rows per
+expert per decode step, and expert weights of 2.4 GB in BF16, far beyond any cache). Random weights,
+prompts of 16 tokens, a fixed number of new tokens (no stop token, so every mode generates as many).
+
+Modes: ``bf16`` (no quantization), ``fp4`` (the default W4A4 plan, routing recorded only),
+``trace_lsb`` (lsb guidance on the deeper half, the paper's compact cache), ``trace_full`` (full codes
+on every layer). Engines and what each mode runs on:
+
+* ``home``: our engine (:class:`~tracefp4.engines.rollout.HomeEngine`) over one transformers model;
+  ``bf16`` is its BF16 forward (torch matmuls per expert), the FP4 modes the packed-FP4 experts
+  (:mod:`tracefp4.engines.experts`) kept beside the BF16 weights the trainer owns.
+* ``vllm``: ``bf16`` is vLLM's own unquantized engine (:class:`~tracefp4.engines.vllm.engine.PlainVLLMEngine`,
+  no tracefp4 config: what a user would run instead), the FP4 modes our plugin's engine holding
+  only packed FP4 experts (``keep_bf16=False``). They run in this process one after the other (see
+  :func:`_time_batch`), our engine's modes interleaved with each.
+
+Every (engine, mode) pair runs once per round, rounds interleaved, after a short warm-up call each;
+the median generation time gives ``rollout_tokens_per_s.<engine>.<mode>`` (at the preset's first
+batch; ``...@b<batch>`` for each batch). Memory (``resident_bytes_per_expert_param.<engine>.<precision>``)
+is measured in a fresh process per engine: its resident-set growth from building the engine and one
+generation, less the KV cache it allocated, over the number of routed-expert parameters (for
+``home``, ``bf16`` is the model alone and ``fp4`` the model plus its packed experts).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -23,15 +46,29 @@ from tracefp4.engines.model import TinyMoESpec, from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutEngine, SamplingParams
 from tracefp4.guidance.compact import GuidedMode
-from tracefp4.rl.engine import serving_engine
 
-__all__ = ["MID_MOE", "MODES", "bench_rollout", "format_rollout", "add_rollout_command"]
+__all__ = ["BANDWIDTH_MOE", "MID_MOE", "MODES", "PRESETS", "Preset", "bench_rollout", "format_rollout",
+           "add_rollout_command", "TARGETS"]
 
-#: The mid-size MoE the issue asks for (about hidden 512, 8 layers, 16 experts top-4).
+#: The mid-size MoE (about hidden 512, 8 layers, 16 experts top-4).
 MID_MOE = TinyMoESpec(hidden=512, layers=8, experts=16, top_k=4, moe_intermediate=256, heads=8, kv_heads=4,
                       head_dim=64, vocab=1024, init_std=0.02)
+#: Qwen3-30B-A3B's per-layer shapes (attention 32 x 128 query heads, 4 KV heads), 64 of its 128 experts.
+BANDWIDTH_MOE = TinyMoESpec(hidden=2048, layers=4, experts=64, top_k=8, moe_intermediate=768, heads=32, kv_heads=4,
+                            head_dim=128, vocab=1024, init_std=0.02)
 
-#: mode -> (plan or None, guidance mode name or None)
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    spec: TinyMoESpec
+    batches: tuple[int, ...]
+    new_tokens: int
+    prompt_len: int = 16
+
+
+PRESETS = {"mid": Preset(MID_MOE, (64,), 128), "bandwidth": Preset(BANDWIDTH_MOE, (8, 32), 32)}
+
+#: mode -> (FP4 plan?, guidance mode name or None)
 MODES: dict[str, tuple[bool, str | None]] = {
     "bf16": (False, None),
     "fp4": (True, None),
@@ -39,20 +76,160 @@ MODES: dict[str, tuple[bool, str | None]] = {
     "trace_full": (True, "full"),
 }
 
+#: Targets per preset, as (description, key, bound): a ratio of two throughputs must reach the bound,
+#: or (memory) a figure stay below it.
+TARGETS = {
+    "bandwidth": [
+        ("vllm fp4 / vllm bf16 at batch 8", ("vllm", "fp4", "vllm", "bf16", 8), 2.0),
+        ("home fp4 / home bf16 at batch 8", ("home", "fp4", "home", "bf16", 8), 2.0),
+        ("vllm fp4 / vllm bf16 at batch 32", ("vllm", "fp4", "vllm", "bf16", 32), 1.4),
+        ("home fp4 / home bf16 at batch 32", ("home", "fp4", "home", "bf16", 32), 1.4),
+        ("vllm trace_lsb / vllm fp4 at batch 8", ("vllm", "trace_lsb", "vllm", "fp4", 8), 0.926),
+    ],
+    "mid": [
+        ("home fp4 / home bf16", ("home", "fp4", "home", "bf16", 64), 1.0),
+        ("vllm fp4 / vllm bf16", ("vllm", "fp4", "vllm", "bf16", 64), 1.0),
+    ],
+}
+#: Resident bytes per routed-expert parameter of the FP4 vLLM engine, KV cache aside.
+MEMORY_TARGET = ("vllm", "fp4", 0.8)
 
-def bench_rollout(engines: Sequence[str] = ("home", "vllm"), *, batch: int = 64, new_tokens: int = 128,
-                  prompt_len: int = 16, repeats: int = 1, seed: int = 0, spec: TinyMoESpec = MID_MOE,
-                  progress: Callable[[str], None] | None = None) -> dict:
-    """Tokens per second per engine and mode, and the ratios (see the module docstring)."""
+
+def expert_params(spec: TinyMoESpec) -> int:
+    """Routed-expert parameters: layers x experts x (gate, up, down) x hidden x expert dim."""
+    return spec.layers * spec.experts * 3 * spec.hidden * spec.moe_intermediate
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def _release() -> None:
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _kv_bytes(engine) -> int:
+    """The KV cache a vLLM engine allocated (blocks x block size x layers x K/V x KV heads x head dim x 2 B)."""
+    cfg = engine.llm.llm_engine.vllm_config
+    hf = cfg.model_config.hf_config
+    blocks = cfg.cache_config.num_gpu_blocks
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return int(blocks * cfg.cache_config.block_size * hf.num_hidden_layers * 2 * hf.num_key_value_heads * head_dim * 2)
+
+
+def memory_probe(engine: str, ckpt: str, preset: str) -> dict:
+    """In this (fresh) process: resident growth of building ``engine`` from ``ckpt`` and generating once.
+    ``engine``: ``home`` (reports the model alone, then with its packed experts), ``vllm-fp4``,
+    ``vllm-bf16``."""
+    p = PRESETS[preset]
+    prompts = [[3 + (i * 7 + j) % 100 for j in range(p.prompt_len)] for i in range(2)]
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
+    out: dict = {"engine": engine, "expert_params": expert_params(p.spec)}
+    # everything imported before the first reading, so that only the engine's own memory is counted
+    from tracefp4.engines.rollout import HomeEngine
+    from tracefp4.formats import cgemm
+
+    cgemm.available()
+    if engine != "home":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its memory is ours
+        from tracefp4.engines.vllm.engine import PlainVLLMEngine, VLLMEngine, engine_env
+
+        engine_env()
+    _release()
+    before = _rss()
+    if engine == "home":
+        # built in memory (a loaded checkpoint's file pages would count as resident too)
+        home = HomeEngine(from_config(p.spec.config(), seed=0))
+        home.generate(prompts, sampling, plan=None, guidance=None)
+        _release()
+        out["bf16_bytes"] = _rss() - before
+        home.generate(prompts, sampling, plan=PrecisionPlan(), guidance=None)
+        _release()
+        out["fp4_bytes"] = _rss() - before
+        out["kv_bytes"] = 0  # our cache grows with the batch and is freed after each generation
+        return out
+    common = dict(max_model_len=64, max_num_seqs=2)
+    e = PlainVLLMEngine(ckpt, **common) if engine == "vllm-bf16" else VLLMEngine(ckpt, plan=PrecisionPlan(), **common)
+    e.generate(prompts, sampling, plan=None if engine == "vllm-bf16" else PrecisionPlan(), guidance=None)
+    _release()
+    out["bytes"] = _rss() - before
+    out["kv_bytes"] = _kv_bytes(e)
+    e.close()
+    return out
+
+
+def measure_memory(ckpt: str, preset: str, engines: Sequence[str], timeout: float = 1800) -> dict[str, float]:
+    """``resident_bytes_per_expert_param.<engine>.<precision>``, each engine in a fresh process."""
+    probes = (["home"] if "home" in engines else []) + (["vllm-bf16", "vllm-fp4"] if "vllm" in engines else [])
+    res: dict[str, float] = {}
+    for name in probes:
+        cmd = [sys.executable, "-m", "tracefp4.reports.bench_rollout", "memory-probe", name, ckpt, preset]
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"memory probe {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        m = json.loads(proc.stdout.strip().splitlines()[-1])
+        params = m["expert_params"]
+        if name == "home":
+            res["resident_bytes_per_expert_param.home.bf16"] = m["bf16_bytes"] / params
+            res["resident_bytes_per_expert_param.home.fp4"] = m["fp4_bytes"] / params
+        else:
+            res[f"resident_bytes_per_expert_param.vllm.{name.split('-')[1]}"] = (m["bytes"] - m["kv_bytes"]) / params
+            res[f"kv_cache_bytes.vllm.{name.split('-')[1]}"] = m["kv_bytes"]
+    return res
+
+
+def bench_rollout(engines: Sequence[str] = ("home", "vllm"), *, preset: str = "mid", batches: Sequence[int] | None = None,
+                  new_tokens: int | None = None, repeats: int = 1, seed: int = 0, spec: TinyMoESpec | None = None,
+                  memory: bool = True, progress: Callable[[str], None] | None = None) -> dict:
+    """Tokens per second per engine, mode and batch, the ratios, and (``memory``) resident memory per
+    routed-expert parameter (see the module docstring)."""
     say = progress or (lambda msg: None)
+    p = PRESETS[preset]
+    spec = spec or p.spec
+    batches = tuple(batches or p.batches)
+    new_tokens = new_tokens or p.new_tokens
+    plan = PrecisionPlan()
+    say(f"building the {preset} model ({expert_params(spec) / 1e6:.0f}M routed-expert parameters)")
     model = from_config(spec.config(), seed=seed)
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, spec.vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=seed)
-    warm = SamplingParams(max_new_tokens=4, temperature=1.0, seed=seed)
-    plan = PrecisionPlan()
-    built = {name: serving_engine(name, model, max_len=prompt_len + new_tokens + 1, max_num_seqs=batch)
-             for name in engines}
+    prompts = [torch.randint(3, spec.vocab, (p.prompt_len,), generator=g).tolist() for _ in range(max(batches))]
+    res: dict = {"preset": preset, "model": dataclasses.asdict(spec), "batches": list(batches), "new_tokens": new_tokens,
+                 "prompt_len": p.prompt_len, "repeats": repeats, "threads": torch.get_num_threads(),
+                 "expert_params": expert_params(spec)}
+    with tempfile.TemporaryDirectory(prefix="tracefp4-bench-") as ckpt:
+        if "vllm" in engines or memory:
+            say("writing the checkpoint")
+            model.save_pretrained(ckpt)
+        for batch in batches:
+            res.update(_time_batch(engines, model, ckpt, prompts[:batch], new_tokens, p.prompt_len, repeats, plan,
+                                   batch, batch == batches[0], say))
+        if memory:
+            say("memory: one fresh process per engine")
+            res.update(measure_memory(ckpt, preset, engines))
+    res["targets"] = _targets(res, preset)
+    return res
+
+
+def _time_batch(engines, model, ckpt, prompts, new_tokens, prompt_len, repeats, plan, batch, primary, say) -> dict:
+    """Interleaved rounds at one batch size. vLLM's two engines cannot share a process (vLLM keeps
+    process-wide state) and, as engine-core processes, their busy-polling executors take a core from
+    the worker on a small machine, so each runs in this process in its own phase (its BF16 engine,
+    then our FP4 one); our engine's modes run in every round of both phases."""
+    from tracefp4.engines.rollout import HomeEngine
+
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0)
+    warm = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
+    home = HomeEngine(model) if "home" in engines else None
 
     def call(engine: RolloutEngine, mode: str, s: SamplingParams, ps) -> float:
         fp4, guidance = MODES[mode]
@@ -60,72 +237,126 @@ def bench_rollout(engines: Sequence[str] = ("home", "vllm"), *, batch: int = 64,
         engine.generate(ps, s, plan=plan if fp4 else None, guidance=GuidedMode.parse(guidance) if guidance else None)
         return time.perf_counter() - t0
 
-    for name, engine in built.items():
-        for mode in MODES:
-            call(engine, mode, warm, prompts[:2])
-    times: dict[tuple[str, str], list[float]] = {(e, m): [] for e in built for m in MODES}
-    for rnd in range(repeats):
-        for name, engine in built.items():
-            for mode in MODES:
-                times[(name, mode)].append(call(engine, mode, sampling, prompts))
-                say(f"round {rnd + 1}/{repeats}: {name} {mode} {times[(name, mode)][-1]:.1f}s")
-    tokens = batch * new_tokens
-    res: dict = {
-        "model": dataclasses.asdict(spec), "batch": batch, "new_tokens": new_tokens, "prompt_len": prompt_len,
-        "repeats": repeats, "threads": torch.get_num_threads(),
-    }
+    phases: list[tuple[str | None, tuple[str, ...]]] = [(None, ())]
+    if "vllm" in engines:
+        phases = [("bf16", ("bf16",)), ("fp4", ("fp4", "trace_lsb", "trace_full"))]
+    times: dict[tuple[str, str], list[float]] = {}
+    for phase, vllm_modes in phases:
+        served: dict[tuple[str, str], RolloutEngine] = {}
+        if home is not None:
+            served.update({("home", mode): home for mode in MODES})
+        vl = None
+        if phase is not None:
+            from tracefp4.engines.vllm.engine import PlainVLLMEngine, VLLMEngine, engine_env
+
+            engine_env()
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            common = dict(max_model_len=max(64, -(-(prompt_len + new_tokens + 2) // 16) * 16), max_num_seqs=batch)
+            say(f"batch {batch}: building vLLM's {'own BF16' if phase == 'bf16' else 'FP4 (tracefp4)'} engine")
+            vl = PlainVLLMEngine(ckpt, **common) if phase == "bf16" else VLLMEngine(ckpt, plan=plan, **common)
+            served.update({("vllm", mode): vl for mode in vllm_modes})
+        try:
+            for (name, mode), engine in served.items():
+                call(engine, mode, warm, prompts[:2])
+            for rnd in range(repeats):
+                for (name, mode), engine in served.items():
+                    times.setdefault((name, mode), []).append(call(engine, mode, sampling, prompts))
+                    say(f"batch {batch}, round {rnd + 1}/{repeats}{'' if phase is None else ' (vLLM ' + phase + ')'}: "
+                        f"{name} {mode} {times[(name, mode)][-1]:.1f}s")
+        finally:
+            if vl is not None:
+                vl.close()
+    tokens = len(prompts) * new_tokens
+    out = {}
     for (name, mode), ts in times.items():
-        res[f"rollout_tokens_per_s.{name}.{mode}"] = tokens / statistics.median(ts)
-    for name in built:
-        fp4 = res[f"rollout_tokens_per_s.{name}.fp4"]
-        for mode in ("trace_lsb", "trace_full"):
-            res[f"rollout_{mode}_over_fp4.{name}"] = res[f"rollout_tokens_per_s.{name}.{mode}"] / fp4
-    if {"home", "vllm"} <= set(built):
-        res["rollout_vllm_over_home.fp4"] = res["rollout_tokens_per_s.vllm.fp4"] / res["rollout_tokens_per_s.home.fp4"]
-    return res
+        value = tokens / statistics.median(ts)
+        out[f"rollout_tokens_per_s.{name}.{mode}@b{batch}"] = value
+        if primary:
+            out[f"rollout_tokens_per_s.{name}.{mode}"] = value
+    return out
+
+
+def _targets(res: dict, preset: str) -> list[dict]:
+    out = []
+    for label, (e1, m1, e2, m2, batch), bound in TARGETS.get(preset, []):
+        a, b = res.get(f"rollout_tokens_per_s.{e1}.{m1}@b{batch}"), res.get(f"rollout_tokens_per_s.{e2}.{m2}@b{batch}")
+        if a is None or b is None:
+            continue
+        out.append({"target": label, "value": a / b, "bound": bound, "kind": "min", "met": a / b >= bound})
+    engine, precision, bound = MEMORY_TARGET
+    mem = res.get(f"resident_bytes_per_expert_param.{engine}.{precision}")
+    if mem is not None and preset == "bandwidth":
+        out.append({"target": "resident bytes per routed-expert parameter, FP4 vLLM engine, KV cache aside",
+                    "value": mem, "bound": bound, "kind": "max", "met": mem <= bound})
+    return out
 
 
 def format_rollout(res: dict) -> str:
     m = res["model"]
     lines = [
-        f"rollout throughput: MoE hidden {m['hidden']}, {m['layers']} layers, {m['experts']} experts top-{m['top_k']}; "
-        f"{res['batch']} prompts x {res['new_tokens']} new tokens; {res['threads']} torch threads; "
-        f"median of {res['repeats']} interleaved round(s)",
-        f"{'engine':<8}" + "".join(f"{mode:>13}" for mode in MODES) + f"{'lsb/fp4':>10}{'full/fp4':>10}",
+        f"rollout throughput ({res['preset']}): MoE hidden {m['hidden']}, {m['layers']} layers, {m['experts']} experts "
+        f"top-{m['top_k']}, expert dim {m['moe_intermediate']}; prompts of {res['prompt_len']} + {res['new_tokens']} new "
+        f"tokens; {res['threads']} torch threads; median of {res['repeats']} interleaved round(s); tokens/s",
     ]
-    engines = sorted({k.split(".")[1] for k in res if k.startswith("rollout_tokens_per_s.")})
-    for e in engines:
-        row = "".join(f"{res[f'rollout_tokens_per_s.{e}.{mode}']:>13.1f}" for mode in MODES)
-        lines.append(f"{e:<8}{row}{res[f'rollout_trace_lsb_over_fp4.{e}']:>10.3f}{res[f'rollout_trace_full_over_fp4.{e}']:>10.3f}")
-    if "rollout_vllm_over_home.fp4" in res:
-        lines.append(f"vLLM / home at fp4: {res['rollout_vllm_over_home.fp4']:.2f}x "
-                     "(target for vLLM: trace_lsb >= 0.926x fp4, the paper's 7.4% step overhead)")
+    for batch in res["batches"]:
+        lines.append(f"batch {batch}: {'engine':<8}" + "".join(f"{mode:>13}" for mode in MODES)
+                     + f"{'fp4/bf16':>10}{'lsb/fp4':>9}{'full/fp4':>10}")
+        for e in sorted({k.split(".")[1] for k in res if k.startswith("rollout_tokens_per_s.")}):
+            vals = {mode: res.get(f"rollout_tokens_per_s.{e}.{mode}@b{batch}") for mode in MODES}
+            if any(v is None for v in vals.values()):
+                continue
+            row = "".join(f"{vals[mode]:>13.1f}" for mode in MODES)
+            lines.append(f"{'':>9}{e:<8}{row}{vals['fp4'] / vals['bf16']:>10.2f}{vals['trace_lsb'] / vals['fp4']:>9.3f}"
+                         f"{vals['trace_full'] / vals['fp4']:>10.3f}")
+    mem = {k.split(".", 1)[1]: v for k, v in res.items() if k.startswith("resident_bytes_per_expert_param.")}
+    if mem:
+        lines.append("resident bytes per routed-expert parameter (KV cache aside; home fp4 = the trainer's BF16 "
+                     "weights + the packed experts): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(mem.items())))
+    for t in res.get("targets", []):
+        sym = ">=" if t["kind"] == "min" else "<="
+        lines.append(f"target {t['target']}: {t['value']:.3f} ({sym} {t['bound']}: {'ok' if t['met'] else 'MISSED'})")
     return "\n".join(lines)
 
 
 def add_rollout_command(bsub, write_json: Callable[[str | None, dict], None]) -> None:
     b = bsub.add_parser(
         "rollout",
-        help="rollout tokens/s per engine (home, vllm) and mode (bf16, fp4, trace_lsb, trace_full)",
+        help="rollout tokens/s and memory per engine (home, vllm) and mode (bf16, fp4, trace_lsb, trace_full)",
         description=__doc__.split("\n\n")[0],
     )
+    b.add_argument("--preset", choices=sorted(PRESETS), default="mid", help="the model and batches (module docstring)")
     b.add_argument("--engines", default="home,vllm", help="comma-separated: home, vllm (vllm needs vllm-cpu installed)")
-    b.add_argument("--batch", type=int, default=64)
-    b.add_argument("--new-tokens", type=int, default=128)
+    b.add_argument("--batch", type=int, action="append", help="batch size (repeatable; default: the preset's)")
+    b.add_argument("--new-tokens", type=int, help="new tokens per prompt (default: the preset's)")
     b.add_argument("--repeats", type=int, default=1, help="interleaved rounds (median reported)")
-    b.add_argument("--layers", type=int, default=MID_MOE.layers)
-    b.add_argument("--hidden", type=int, default=MID_MOE.hidden)
+    b.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
+    b.add_argument("--hidden", type=int, help="hidden size (default: the preset's)")
+    b.add_argument("--no-memory", action="store_true", help="skip the resident-memory probes")
     b.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
 
     def run(args: argparse.Namespace) -> int:
-        import sys
-
-        spec = dataclasses.replace(MID_MOE, layers=args.layers, hidden=args.hidden)
-        res = bench_rollout([e.strip() for e in args.engines.split(",") if e.strip()], batch=args.batch,
-                            new_tokens=args.new_tokens, repeats=args.repeats, spec=spec,
-                            progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+        p = PRESETS[args.preset]
+        spec = dataclasses.replace(p.spec, **{k: v for k, v in (("layers", args.layers), ("hidden", args.hidden)) if v})
+        res = bench_rollout([e.strip() for e in args.engines.split(",") if e.strip()], preset=args.preset,
+                            batches=args.batch, new_tokens=args.new_tokens, repeats=args.repeats, spec=spec,
+                            memory=not args.no_memory, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
         print(format_rollout(res))
         write_json(args.json, res)
         return 0
 
     b.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tracefp4.reports.bench_rollout memory-probe ENGINE CKPT PRESET`` (what measure_memory runs)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 4 or args[0] != "memory-probe":
+        print("usage: python -m tracefp4.reports.bench_rollout memory-probe home|vllm-fp4|vllm-bf16 CKPT PRESET",
+              file=sys.stderr)
+        return 2
+    print(json.dumps(memory_probe(args[1], args[2], args[3])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,9 +6,9 @@
 * A backend (:class:`~tracefp4.engines.experts.base.ExpertGEMM`) prepares one GEMM's weights for a
   format and device (``prepare``) and multiplies rows grouped by expert with them (``matmul``), one
   call per GEMM per layer. One file per backend: :mod:`.dense` (dequantized weights, torch matmuls:
-  BF16, the trainer's QAT path with straight-through gradients, and the fallback), :mod:`.cpu_fp4`
-  (packed FP4 weights, our AVX-512 BF16 C kernel), :mod:`.triton_fp4` (packed FP4 weights, a Triton
-  kernel for CUDA).
+  BF16, the trainer's QAT path with straight-through gradients, CUDA, and the fallback) and
+  :mod:`.cpu_fp4` (packed FP4 weights, our AVX-512 BF16 C kernel); GPU GEMM backends would sit
+  beside them (see :mod:`.oracle`).
 * :mod:`.oracle` picks the backend once per precision plan, device and dtype.
 
 The weight convention every backend shares (and the trainer adopts): an FP4 weight is

@@ -4,10 +4,13 @@ whether the forward needs gradients.
 * BF16 (no plan) and the trainer (gradients: straight-through QAT): ``dense``.
 * An FP4 rollout on the CPU with bf16 activations: ``cpu_fp4`` where our C kernel is built
   (:func:`tracefp4.formats.cgemm.available`, which warns once when it is not), else ``dense``.
-* An FP4 rollout on CUDA: ``triton_fp4`` where Triton is installed, else ``dense``.
+* An FP4 rollout on CUDA: ``dense`` (the site quantizers run as Triton kernels). The GPU GEMM
+  backends this seam is built for (vLLM's Marlin W4A16 FP4 MoE on SM80/SM90 with our ``expert_mid``
+  quantizer in its activation hook; the CUTLASS NVFP4 grouped GEMM on SM100+) are not written yet:
+  no GPU was available to check them, and an unchecked kernel would be worse than none.
 
-``TRACEFP4_EXPERTS_BACKEND=dense|cpu_fp4|triton_fp4`` forces a backend for rollouts (benchmarks,
-tests); a backend that cannot run the forward then raises instead of falling back.
+``TRACEFP4_EXPERTS_BACKEND=dense|cpu_fp4`` forces a backend for rollouts (benchmarks, tests); a
+backend that cannot run the forward then raises instead of falling back.
 """
 
 from __future__ import annotations
@@ -27,22 +30,10 @@ __all__ = ["BACKENDS", "choose_gemm", "gemm_named"]
 BACKENDS: dict[str, ExpertGEMM] = {"dense": DenseGEMM(), "cpu_fp4": PackedCPUGEMM()}
 
 
-def _triton() -> ExpertGEMM | None:
-    if "triton_fp4" not in BACKENDS:
-        try:
-            from tracefp4.engines.experts.triton_fp4 import TritonFP4GEMM
-        except ImportError:
-            return None
-        BACKENDS["triton_fp4"] = TritonFP4GEMM()
-    return BACKENDS["triton_fp4"]
-
-
 def gemm_named(name: str) -> ExpertGEMM:
-    """The backend of that name (``dense``, ``cpu_fp4``, ``triton_fp4``)."""
-    if name == "triton_fp4" and _triton() is None:
-        raise ValueError("backend 'triton_fp4' needs Triton")
+    """The backend of that name (``dense``, ``cpu_fp4``)."""
     if name not in BACKENDS:
-        raise ValueError(f"unknown expert GEMM backend {name!r}; known: dense, cpu_fp4, triton_fp4")
+        raise ValueError(f"unknown expert GEMM backend {name!r}; known: {', '.join(BACKENDS)}")
     return BACKENDS[name]
 
 
@@ -64,6 +55,4 @@ def _choose(plan: PrecisionPlan | None, device: str, dtype: torch.dtype, gradien
         from tracefp4.formats import cgemm
 
         return BACKENDS["cpu_fp4"] if cgemm.available() else dense
-    if device == "cuda":
-        return _triton() or dense
     return dense

@@ -51,11 +51,11 @@ from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_promp
 from tracefp4.engines.sink import StoreTarget, unpack_records
 from tracefp4.guidance.compact import GuidedMode
 
-__all__ = ["VLLMEngine", "checkpoint_names", "engine_env", "engine_for"]
+__all__ = ["PlainVLLMEngine", "VLLMEngine", "checkpoint_names", "engine_env", "engine_for"]
 
 _ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # "0" would bind every OpenMP thread to CPU 0
     "NUMBA_THREADING_LAYER": "workqueue",
 }
 
@@ -185,6 +185,11 @@ class VLLMEngine:
         asked for) come back with the tokens and log-probs."""
         if plan is None and (guidance is not None or diagnostics):
             raise ValueError("a BF16 rollout (plan=None) has no FP4 codes: no guidance or diagnostics")
+        if not self.keep_bf16 and (plan is None or plan.weight_quantizer != self.plan.weight_quantizer):
+            # refused before anything reaches vLLM (a request failing inside a forward stays scheduled)
+            want = "BF16" if plan is None else f"expert weights quantized by {plan.weight_quantizer}"
+            raise ValueError(f"this engine holds only its plan's prepared expert weights ({self.plan.weight_quantizer}); "
+                             f"a call asking for {want} needs an engine built with keep_bf16=True")
         if guidance is not None and not isinstance(guidance, GuidedMode):
             raise ValueError(f"guidance must be a GuidedMode (GuidedMode.parse(name)), got {type(guidance).__name__}")
         prompt_ids = check_prompts(prompts, self.vocab)
@@ -319,6 +324,49 @@ class VLLMEngine:
 
         params = VSP(n=1, max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
         return [o.request_id for o in self._run([s.tolist() for s in seqs], [params] * len(seqs))]
+
+
+class PlainVLLMEngine(VLLMEngine):
+    """vLLM's own engine without our quantization config: its unquantized MoE path (prepacked BF16 CPU
+    kernels), what a user would run instead of an FP4 rollout. The baseline of ``tracefp4 bench
+    rollout``; it samples exactly as :class:`VLLMEngine` does (seeded requests, processed log-probs,
+    eager mode, no prefix caching) but computes in BF16 and records nothing, so it cannot feed a
+    TRACE trainer."""
+
+    name = "vllm"
+
+    def __init__(self, model: str | os.PathLike[str], *, dtype: str = "bfloat16", max_model_len: int = 512,
+                 max_num_seqs: int = 16, seed: int = 0, **llm_kwargs) -> None:
+        self.in_process = engine_env()
+        from vllm import LLM
+
+        llm_kwargs.setdefault("enable_chunked_prefill", False)  # see VLLMEngine
+        llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 2048))
+        self._tmp = None
+        self.llm = LLM(model=os.fspath(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                       seed=seed, enforce_eager=True, enable_prefix_caching=False, logprobs_mode="processed_logprobs",
+                       skip_tokenizer_init=True, **llm_kwargs)
+        self.plan = None
+        self.keep_bf16 = True
+        self.max_model_len = max_model_len
+        self.version = 0
+        cfg = self.llm.llm_engine.model_config.hf_config
+        self.n_layers, self.n_experts, self.vocab = int(cfg.num_hidden_layers), int(cfg.num_experts), int(cfg.vocab_size)
+
+    def generate(self, prompts, sampling: SamplingParams, *, plan: PrecisionPlan | None = None,
+                 guidance: GuidedMode | None = None, diagnostics: frozenset[int] = frozenset(),
+                 store: StoreTarget | None = None) -> RolloutOutput:
+        if plan is not None or guidance is not None or diagnostics or store is not None:
+            raise ValueError("PlainVLLMEngine is vLLM's own BF16 path: no precision plan, guidance, diagnostics or store")
+        prompt_ids = check_prompts(prompts, self.vocab)
+        t0 = time.perf_counter()
+        token_ids, logprobs, finish, _, _ = self._sample(prompt_ids, sampling)
+        return RolloutOutput(token_ids=token_ids, prompt_lens=[int(p.numel()) for p in prompt_ids], logprobs=logprobs,
+                             finish_reasons=finish, records=[{} for _ in token_ids], diagnostics=[{} for _ in token_ids],
+                             plan=None, guidance=None, timings={"generate_s": time.perf_counter() - t0})
+
+    def load_weights(self, state, version: int) -> None:
+        raise NotImplementedError("PlainVLLMEngine is a benchmark baseline: build it from a checkpoint")
 
 
 def engine_for(model, checkpoint: str | os.PathLike[str] | None, *, max_len: int, **kwargs) -> VLLMEngine:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tracefp4.rl.grpo import LossAgg, aggregate, group_advantages, grpo_loss, mismatch_metrics, pad_right
-from tracefp4.rl.tasks import Addition, CharTokenizer, Example, Reverse, make_task
+from tracefp4.rl.tasks import Addition, CharTokenizer, Example, PrefixSum, Reverse, make_task
 
 
 def test_group_advantages_hand_values():
@@ -67,7 +67,7 @@ def test_tokenizer_round_trip_and_errors():
         tok.encode("1x")
 
 
-@pytest.mark.parametrize("task", [Addition(), Reverse()])
+@pytest.mark.parametrize("task", [Addition(), Reverse(), PrefixSum()])
 def test_tasks_rewards_and_held_out(task):
     train = task.sample(random.Random(0), 500)
     held = task.eval_set(64)
@@ -85,6 +85,19 @@ def test_reverse_partial_credit_and_make_task():
     assert t.reward(Example("R123=", "321"), "329") == pytest.approx(0.5 * 2 / 3)
     with pytest.raises(ValueError, match="unknown task"):
         make_task("chess")
+
+
+def test_prefix_sum_answers_and_per_position_credit():
+    t = make_task("prefix", length=4)
+    ex = t._example("3917")
+    assert ex == Example("P3917=", "3230")  # 3, 3+9=12, 12+1=13, 13+7=20 (mod 10)
+    assert t.reward(ex, "3230") == 1.0
+    assert t.reward(ex, "3231") == 0.75
+    assert t.reward(ex, "32") == 0.5  # scored over the longer string: a short answer loses the rest
+    assert t.reward(ex, "323000") == pytest.approx(4 / 6)
+    assert all(len(e.answer) == 32 for e in make_task("prefix").eval_set(16))
+    with pytest.raises(ValueError, match="length must be a positive integer"):
+        PrefixSum(length=0)
 
 
 def test_pad_right():

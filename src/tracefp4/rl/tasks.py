@@ -181,7 +181,61 @@ class Reverse:
         return out
 
 
-TASKS: dict[str, type] = {"addition": Addition, "reverse": Reverse}
+@dataclasses.dataclass
+class PrefixSum:
+    """``"P<d_1..d_n>="`` -> the running sums ``(d_1 + ... + d_i) mod 10`` for i = 1..n, ``length``
+    digits in and out: a long answer (32 tokens by default) in which each digit depends on the
+    previous one, so an early slip propagates, and partial credit per correct position (matched by
+    position, over the longer of the two strings) keeps the reward informative without saturating."""
+
+    length: int = 32
+    name: str = "prefix"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.length, int) or self.length < 1:
+            raise ValueError(f"length must be a positive integer, got {self.length!r}")
+
+    def _digits(self, rng: random.Random) -> str:
+        return "".join(rng.choice("0123456789") for _ in range(self.length))
+
+    def _example(self, s: str) -> Example:
+        total, out = 0, []
+        for c in s:
+            total = (total + int(c)) % 10
+            out.append(str(total))
+        return Example(f"P{s}=", "".join(out))
+
+    def _held_out(self, s: str) -> bool:
+        return (sum(map(int, s)) * 7 + int(s[0])) % 10 == 3
+
+    def make_tokenizer(self) -> CharTokenizer:
+        return CharTokenizer("0123456789+=RSP")
+
+    def sample(self, rng: random.Random, n: int) -> list[Example]:
+        out = []
+        while len(out) < n:
+            s = self._digits(rng)
+            if not self._held_out(s):
+                out.append(self._example(s))
+        return out
+
+    def reward(self, example: Example, completion: str) -> float:
+        c, a = completion.strip(), example.answer
+        if c == a:
+            return 1.0
+        return sum(x == y for x, y in zip(c, a)) / max(len(a), len(c))
+
+    def eval_set(self, n: int = 128) -> list[Example]:
+        rng = random.Random(24680)
+        out = []
+        while len(out) < n:
+            s = self._digits(rng)
+            if self._held_out(s):
+                out.append(self._example(s))
+        return out
+
+
+TASKS: dict[str, type] = {"addition": Addition, "reverse": Reverse, "prefix": PrefixSum}
 """Task classes by the name a run config gives (``task = "reverse"``); add your own here."""
 
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import torch
 
 from tracefp4.formats.constants import HintMode
-from tracefp4.formats.numerics import MXFP4, NVFP4
+from tracefp4.formats.numerics import FP8, MXFP4, NVFP4
 from tracefp4.formats.quantizers import Grid, Quantizer
 from tracefp4.guidance.compact import CompactRecord, decode_record
 from tracefp4.guidance.hints import Hint
@@ -46,7 +46,7 @@ class TrainerGuidance:
         self.decode_failures += report.failed_blocks
         return hint
 
-    def capture_site(self, layer: int, name: str, q: NVFP4 | MXFP4, grid: Grid) -> None:
+    def capture_site(self, layer: int, name: str, q: NVFP4 | MXFP4 | FP8, grid: Grid) -> None:
         if layer in self.capture_layers:
             self.codes[name] = q.codes
             self.grids[name] = (grid.scales, grid.global_amax)
@@ -63,7 +63,7 @@ class TrainerGuidance:
         self.router_flips[layer] = (flipped, tokens)
 
 
-def guided(quantizer: Quantizer, x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4:
+def guided(quantizer: Quantizer, x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4 | FP8:
     """``x`` quantized on the hint's grid, each element rounded to the bracket member it names."""
     if hint.fmt.value != quantizer.fmt:
         raise ValueError(f"the record is {hint.fmt.value} but the precision plan says {quantizer.fmt}")
@@ -72,8 +72,7 @@ def guided(quantizer: Quantizer, x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4:
             f"hint shape mismatch: x has shape {tuple(x.shape)} but the hint was recorded for shape "
             f"{tuple(hint.shape)} ({hint.fmt.value}, {hint.mode.value})"
         )
-    per_byte = 2 if hint.mode is HintMode.FULL else 8
-    expect = (*x.shape[:-1], x.shape[-1] // per_byte)
+    expect = hint.data_shape(x.shape)
     if tuple(hint.data.shape) != expect or hint.data.dtype != torch.uint8:
         raise ValueError(f"hint data: expected uint8 {expect}, got {hint.data.dtype} {tuple(hint.data.shape)}")
     full = hint.mode is HintMode.FULL

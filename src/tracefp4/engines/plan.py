@@ -1,4 +1,4 @@
-"""The precision plan: which tensors are FP4, and the quantizer each site uses.
+"""The precision plan: which tensors are FP4 (or FP8), and the quantizer each site uses.
 
 Both paths (rollout engine and trainer) must run the same plan; the rollout's ``RolloutOutput.plan``
 is what the trainer is given. Callers never branch on a format: they ask the plan for the site's
@@ -10,30 +10,44 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from tracefp4.formats.constants import Format, ScaleMode
-from tracefp4.formats.quantizers import FP8Quantizer, MXFP4Quantizer, NVFP4Quantizer, Quantizer
+from tracefp4.formats.constants import NVFP4_BLOCK, Format, ScaleMode
+from tracefp4.formats.numerics import rac_channel_count
+from tracefp4.formats.quantizers import (
+    CompensatedNVFP4Quantizer,
+    FP8Quantizer,
+    MXFP4Quantizer,
+    NVFP4Quantizer,
+    Quantizer,
+)
 from tracefp4.guidance.names import Site
 
-__all__ = ["ActivationFormat", "PrecisionPlan"]
+__all__ = ["ActivationFormat", "BF16_SITE", "PrecisionPlan"]
 
-ActivationFormat = Literal["nvfp4", "mxfp4", "fp8"]
+ActivationFormat = Literal["nvfp4", "mxfp4", "fp8", "bf16"]
 NVFP4Scale = Literal["6", "4over6"]
+#: A site left in BF16 by a plan (``activations``/``kv_cache`` = ``"bf16"``: the W4A16 trainer of QUADS).
+BF16_SITE = "bf16"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class PrecisionPlan:
-    """Which tensors are FP4, and in which format. Everything not named here stays BF16
+    """Which tensors are quantized, and in which format. Everything not named here stays BF16
     (attention projections, shared experts, router, embeddings, norms, lm_head).
 
-    weights: routed-expert weights (NVFP4 with one global scale per expert, or MXFP4).
+    weights: routed-expert weights (NVFP4 with one global scale per expert, MXFP4, or FP8 E4M3 with one
+        scale per output channel of each expert: the W8A8 plan).
     activations: the routed-expert GEMM inputs ``expert_in``/``expert_mid`` (NVFP4 with a global
-        scale per row, MXFP4, or FP8 E4M3 with a per-row scale = W4A8). FP8 sites carry no
-        guidance: the hints are FP4 codewords.
-    kv_cache: keys and values as the cache stores them (NVFP4 per token and KV head, or MXFP4).
+        scale per row, MXFP4, FP8 E4M3 with a per-row scale = W4A8 / W8A8, or ``"bf16"``: left
+        unquantized, the W4A16 trainer of QUADS). FP8 sites are guided like FP4 ones (E4M3 codes).
+    kv_cache: keys and values as the cache stores them (NVFP4 per token and KV head, MXFP4, FP8 E4M3
+        per token and KV head, or ``"bf16"``).
     mx_scale_mode: E8M0 scale rule of every MXFP4 tensor.
     nvfp4_scale: what every NVFP4 tensor's block scale maps the block maximum to: ``"6"`` (the
         standard recipe) or ``"4over6"`` ("Four over Six": 4 or 6 per block, whichever has the smaller
         squared error; see :class:`~tracefp4.formats.quantizers.NVFP4Quantizer`).
+    rac_fraction: None, or QUADS' residual activation compensation at the expert GEMM inputs (NVFP4
+        activations only): the share of each row's channels whose first-pass residual is quantized
+        again and added back (:class:`~tracefp4.formats.quantizers.CompensatedNVFP4Quantizer`).
 
     Every activation and KV scale is per row (token, or token x expert slot, or token x KV head), so
     a token's codes never depend on what else shares its batch: records move between differently
@@ -42,18 +56,31 @@ class PrecisionPlan:
 
     weights: Format = Format.NVFP4
     activations: ActivationFormat = "nvfp4"
-    kv_cache: Format = Format.NVFP4
+    kv_cache: Format | Literal["bf16"] = Format.NVFP4
     mx_scale_mode: ScaleMode = ScaleMode.FLOOR
     nvfp4_scale: NVFP4Scale = "6"
+    rac_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if self.nvfp4_scale not in ("6", "4over6"):
             raise ValueError(f"nvfp4_scale must be '6' or '4over6', got {self.nvfp4_scale!r}")
         object.__setattr__(self, "weights", Format(self.weights))
-        object.__setattr__(self, "kv_cache", Format(self.kv_cache))
+        if self.kv_cache != BF16_SITE:
+            object.__setattr__(self, "kv_cache", Format(self.kv_cache))
         object.__setattr__(self, "mx_scale_mode", ScaleMode(self.mx_scale_mode))
-        if self.activations not in ("nvfp4", "mxfp4", "fp8"):
-            raise ValueError(f"activations must be 'nvfp4', 'mxfp4' or 'fp8', got {self.activations!r}")
+        if self.activations not in ("nvfp4", "mxfp4", "fp8", BF16_SITE):
+            raise ValueError(f"activations must be 'nvfp4', 'mxfp4', 'fp8' or 'bf16', got {self.activations!r}")
+        if self.rac_fraction is not None:
+            rac_channel_count(NVFP4_BLOCK, self.rac_fraction)
+            if self.activations != "nvfp4" or self.nvfp4_scale != "6":
+                raise ValueError("rac_fraction: residual activation compensation is defined for standard NVFP4 "
+                                 f"activations, not {self.activations!r} with nvfp4_scale {self.nvfp4_scale!r}")
+
+    def __repr__(self) -> str:
+        # rac_fraction is named only when set, so that every plan without it keeps the text (and so the
+        # store's model signature, :func:`tracefp4.rl.loop.model_signature`) it had before the field existed
+        shown = [f for f in dataclasses.fields(self) if f.name != "rac_fraction" or self.rac_fraction is not None]
+        return f"PrecisionPlan({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
     @classmethod
     def w4a4(cls) -> PrecisionPlan:
@@ -66,6 +93,13 @@ class PrecisionPlan:
         return cls(activations="fp8")
 
     @classmethod
+    def fp8(cls) -> PrecisionPlan:
+        """W8A8 FP8: E4M3 routed-expert weights (a scale per output channel), E4M3 expert activations
+        (a scale per row) and KV cache (a scale per token and KV head); the recipe of
+        :class:`~tracefp4.formats.quantizers.FP8Quantizer`."""
+        return cls(Format.FP8, "fp8", Format.FP8)
+
+    @classmethod
     def mxfp4(cls, scale_mode: ScaleMode | str = ScaleMode.FLOOR) -> PrecisionPlan:
         """MXFP4 throughout."""
         return cls(Format.MXFP4, "mxfp4", Format.MXFP4, ScaleMode(scale_mode))
@@ -75,38 +109,60 @@ class PrecisionPlan:
         """NVFP4 weights, activations and KV cache with "Four over Six" block scales."""
         return cls(nvfp4_scale="4over6")
 
-    def _fp4(self, fmt: Format, amax_scope: str) -> Quantizer:
+    @classmethod
+    def quads(cls, fraction: float = 0.5) -> PrecisionPlan:
+        """QUADS' rollout: NVFP4 W4A4 and KV cache, residual activation compensation on ``fraction`` of
+        each expert GEMM input row's channels."""
+        return cls(rac_fraction=fraction)
+
+    @classmethod
+    def w4a16(cls) -> PrecisionPlan:
+        """QUADS' trainer: NVFP4 routed-expert weights, every activation and the KV cache in BF16."""
+        return cls(activations=BF16_SITE, kv_cache=BF16_SITE)
+
+    def _element(self, fmt: Format, amax_scope: str) -> Quantizer:
+        if fmt is Format.FP8:
+            return FP8Quantizer()
         if fmt is Format.NVFP4:
             return NVFP4Quantizer(amax_scope, block_max=6 if self.nvfp4_scale == "6" else "4over6")
         return MXFP4Quantizer(self.mx_scale_mode)
 
-    def quantizer(self, site: Site | str) -> Quantizer:
-        """The quantizer of an activation or KV site; every one scales per row (last dim)."""
+    def quantizer(self, site: Site | str) -> Quantizer | None:
+        """The quantizer of an activation or KV site (every one scales per row, the last dim); None
+        where the plan leaves the site in BF16."""
         site = Site(site)
         if site in (Site.K, Site.V):
-            return self._fp4(self.kv_cache, "row")
-        if self.activations == "fp8":
-            return FP8Quantizer()
-        return self._fp4(Format(self.activations), "row")
+            return None if self.kv_cache == BF16_SITE else self._element(self.kv_cache, "row")
+        if self.activations == BF16_SITE:
+            return None
+        if self.rac_fraction is not None:
+            return CompensatedNVFP4Quantizer(self.rac_fraction)
+        return self._element(Format(self.activations), "row")
 
     @property
     def weight_quantizer(self) -> Quantizer:
-        """The routed-expert weights' quantizer: NVFP4 with one global amax per expert, or MXFP4."""
-        return self._fp4(self.weights, "expert")
+        """The routed-expert weights' quantizer: NVFP4 with one global amax per expert, MXFP4, or FP8
+        with one scale per output channel."""
+        return self._element(self.weights, "expert")
 
     def site_format(self, site: Site | str) -> str:
-        """``"nvfp4"``, ``"mxfp4"`` or ``"fp8"`` for an activation or KV site."""
-        return self.quantizer(site).fmt
+        """``"nvfp4"``, ``"mxfp4"``, ``"fp8"`` or ``"bf16"`` for an activation or KV site."""
+        q = self.quantizer(site)
+        return BF16_SITE if q is None else q.fmt
 
     def guidable(self, site: Site | str) -> bool:
-        return self.quantizer(site).guidable
+        q = self.quantizer(site)
+        return q is not None and q.guidable
 
     def to_dict(self) -> dict[str, str]:
         """JSON-ready; ``PrecisionPlan(**plan.to_dict())`` rebuilds it."""
-        return {
+        out = {
             "weights": self.weights.value,
             "activations": self.activations,
-            "kv_cache": self.kv_cache.value,
+            "kv_cache": getattr(self.kv_cache, "value", self.kv_cache),
             "mx_scale_mode": self.mx_scale_mode.value,
             "nvfp4_scale": self.nvfp4_scale,
         }
+        if self.rac_fraction is not None:
+            out["rac_fraction"] = self.rac_fraction
+        return out

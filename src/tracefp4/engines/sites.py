@@ -44,13 +44,13 @@ def quantize_site(state: ForwardState, layer: int, site: Site, x: torch.Tensor) 
     """The value the next op sees at ``site``: ``x`` quantized per row (last dim) by the plan's
     quantizer, rounded toward the rollout's codeword where the trainer has a hint, in x's dtype with a
     straight-through gradient."""
-    if state.plan is None:
+    quantizer = None if state.plan is None else state.plan.quantizer(site)
+    if quantizer is None:  # BF16: no plan, or a site the plan leaves unquantized (W4A16)
         return x
-    quantizer = state.plan.quantizer(site)
     name = record_prefix(layer, site)
     path = state.path
     try:
-        if not quantizer.guidable:  # FP8: no codewords, nothing recorded or guided
+        if not quantizer.guidable:  # compensated NVFP4 (QUADS): two passes, nothing recorded or guided
             return straight_through(x, quantizer.dequantize(quantizer.quantize(x.detach())))
         hint = path.hint(name, x) if isinstance(path, TrainerGuidance) else None
         q = quantizer.quantize(x.detach()) if hint is None else guided(quantizer, x.detach(), hint)
@@ -65,7 +65,7 @@ def quantize_site(state: ForwardState, layer: int, site: Site, x: torch.Tensor) 
 
 def quantize_kv(state: ForwardState, layer: int, site: Site, states: torch.Tensor) -> torch.Tensor:
     """``states [B, n_kv, S, D]`` as the cache stores them; rows are (token, KV head)."""
-    if state.plan is None:
+    if state.plan is None or state.plan.quantizer(site) is None:
         return states
     b, h, s, d = states.shape
     rows = states.transpose(1, 2).reshape(b * s, h, d)

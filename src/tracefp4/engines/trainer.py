@@ -40,10 +40,9 @@ from tracefp4.engines.guidance import TrainerGuidance
 from tracefp4.engines.model import CACHE_KWARG, FP4KVCache, forward_state, model_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput
-from tracefp4.formats.numerics import unpack_fp4
-from tracefp4.formats.reference import signed_index
+from tracefp4.formats.numerics import code_positions
 from tracefp4.guidance.compact import CompactRecord, read_record, record_cat
-from tracefp4.guidance.hints import Hint
+from tracefp4.guidance.hints import Hint, record_format
 from tracefp4.guidance.names import Site, parse_name, record_prefix, routing_key
 
 __all__ = [
@@ -310,8 +309,9 @@ def code_mismatch(
                 raise ValueError(
                     f"trajectory {b}, {name}: codes {tuple(packed.shape)} vs record {tuple(rec[key].shape)}"
                 )
-            # Compared on the signed line (+0 and -0 are one codeword).
-            diff = (signed_index(unpack_fp4(packed.cpu())) - signed_index(unpack_fp4(rec[key].cpu()))).abs()
+            # Compared on the signed line (+0 and -0 are one codeword); FP4 or FP8 by the record's grid.
+            fmt = record_format(rec[f"{name}.scales"], f"trajectory {b}, {name}")
+            diff = (code_positions(packed.cpu(), fmt) - code_positions(rec[key].cpu(), fmt)).abs()
             s = out.setdefault(name, SiteMismatch(0, 0, 0))
             s.mismatched += int((diff != 0).sum())
             s.one_apart += int((diff == 1).sum())

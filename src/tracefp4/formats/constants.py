@@ -33,6 +33,9 @@ E4M3_MAX_CODE = 0x7E
 #: E4M3 has no infinities: 0x7F and 0xFF (magnitude bits all set) are its only NaN patterns.
 E4M3_NAN_CODE = 0x7F
 E4M3_MAG_MASK = 0x7F
+#: Bit 7 of an E4M3 code is the sign; magnitude codes 0x00..0x7E are the finite values in increasing
+#: order, so adjacent magnitudes differ by one in the code (and in its lowest bit, as E2M1's do).
+E4M3_SIGN_BIT = 0x80
 
 # --- E8M0 shared scale of MXFP4 -----------------------------------------------------------------
 E8M0_BIAS = 127
@@ -69,7 +72,7 @@ E8M0_VALUES: np.ndarray = _e8m0_values()
 
 
 class Format(str, enum.Enum):
-    """FP4 tensor formats."""
+    """Element formats of a quantized tensor: the two FP4 formats, and FP8 E4M3 with a per-row scale."""
 
     NVFP4 = "nvfp4"
     """Blocks of 16; E4M3 block scale ``s8``; FP32 global scale ``S_enc = 448*6/amax`` (0 -> 1).
@@ -80,9 +83,19 @@ class Format(str, enum.Enum):
     """Blocks of 32; E8M0 scale ``X = 2^e``; ``x_hat = value(code) * X``, ``code = RNE(clamp(x/X, +-6))``.
     ``e`` per :class:`ScaleMode`."""
 
+    FP8 = "fp8"
+    """E4M3 elements with one float32 scale per row (last dim): ``scale = amax / 448`` (1 for an
+    all-zero row), ``code = e4m3(clamp(x / scale, +-448))`` (round to nearest, ties to the even code),
+    ``x_hat = value(code) * scale``. No blocks: :attr:`block` is 1."""
+
     @property
     def block(self) -> int:
-        return NVFP4_BLOCK if self is Format.NVFP4 else MXFP4_BLOCK
+        return {Format.NVFP4: NVFP4_BLOCK, Format.MXFP4: MXFP4_BLOCK, Format.FP8: 1}[self]
+
+    @property
+    def fp4(self) -> bool:
+        """NVFP4 or MXFP4 (4-bit codes, two per byte, block scales)."""
+        return self is not Format.FP8
 
 
 class ScaleMode(str, enum.Enum):

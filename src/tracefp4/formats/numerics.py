@@ -1,4 +1,5 @@
-"""FP4 tensors (NVFP4, MXFP4) and FP8: containers, quantize, dequantize, pack, straight-through.
+"""FP4 tensors (NVFP4, MXFP4) and FP8: containers, quantize, dequantize, pack, straight-through, guided
+rounding on either grid, and NVFP4 with residual activation compensation.
 
 NVFP4 follows Transformer Engine's operation order and MXFP4 the OCP MX v1.0 recipe; the formulas
 are stated on :class:`tracefp4.formats.constants.Format` and :class:`ScaleMode`,
@@ -25,7 +26,9 @@ from tracefp4.formats import kernels
 from tracefp4.formats.constants import (
     E4M3_MAG_MASK,
     E4M3_MAX,
+    E4M3_MAX_CODE,
     E4M3_NAN_CODE,
+    E4M3_SIGN_BIT,
     E4M3_VALUES,
     E8M0_BIAS,
     E8M0_NAN,
@@ -62,9 +65,16 @@ __all__ = [
     "mx_scale_values",
     "pack_fp4",
     "unpack_fp4",
+    "code_positions",
     "nvfp4_global_encode_scale",
     "quantize_fp8",
     "dequantize_fp8",
+    "guided_fp8",
+    "fp8_lsb_bits",
+    "CompensatedNVFP4",
+    "rac_channel_count",
+    "quantize_nvfp4_rac",
+    "dequantize_nvfp4_rac",
     "guided_codes",
     "lsb_bits",
     "clone_scales",
@@ -166,7 +176,7 @@ class MXFP4:
 
 @dataclasses.dataclass
 class FP8:
-    """An FP8 E4M3 tensor with one float32 scale per row (W4A8 activations).
+    """An FP8 E4M3 tensor with one float32 scale per row (activations, KV cache, W8A8 weights).
 
     data: torch.float8_e4m3fn ``[..., K]``; scale: float32 ``[..., 1]`` (``amax / 448``, 1 for a zero row).
     """
@@ -174,11 +184,16 @@ class FP8:
     data: torch.Tensor
     scale: torch.Tensor
 
-    fmt = "fp8"
+    fmt = Format.FP8
 
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """The E4M3 codes as uint8 ``[..., K]`` (a view): bit 7 the sign, bits 0..6 the magnitude code."""
+        return self.data.view(torch.uint8)
 
     @property
     def nbytes(self) -> int:
@@ -291,6 +306,9 @@ def check_grid(
     fmt = Format(fmt)
     shape = _fmt_shape(shape)
     lead, k = shape[:-1], shape[-1]
+    if fmt is Format.FP8:
+        _check_fp8_scale(scales, global_amax, lead, owner, device)
+        return
     dtype = _SCALE_DTYPE[fmt]
     expect = (*lead, k // fmt.block)
     name = str(dtype).removeprefix("torch.")
@@ -316,6 +334,19 @@ def check_grid(
             f"{owner} global_amax: expected float32, a scalar or of shape {(*lead, 1)}, got {_found(global_amax)}"
         )
     _check_amax_values(global_amax, f"{owner} global_amax")
+
+
+def _check_fp8_scale(scale, global_amax, lead: tuple[int, ...], owner: str, device) -> None:
+    """An FP8 grid: one finite, positive float32 scale per row, ``[..., 1]``; no global amax."""
+    expect = (*lead, 1)
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or _fmt_shape(scale.shape) != expect:
+        raise ValueError(f"{owner} scales: expected float32 of shape {expect} (one FP8 scale per row), got {_found(scale)}")
+    if device is not None and scale.device != device:
+        raise ValueError(f"{owner} scales: expected device {device}, got {scale.device}")
+    if global_amax is not None:
+        raise ValueError(f"{owner} global_amax: expected None for fp8 (the row scale is the grid), got {_found(global_amax)}")
+    if not bool(((scale > 0) & (scale <= FLOAT32_MAX)).all()):
+        raise ValueError(f"{owner} scales: an FP8 row scale must be finite and positive")
 
 
 def raise_non_finite(x: torch.Tensor, bad, what: str = "x") -> None:
@@ -641,13 +672,15 @@ def dequantize_mxfp4(q: MXFP4) -> torch.Tensor:
     return _dequantize(q.codes, q.scales, Format.MXFP4, ones)
 
 
-def dequantize(q: NVFP4 | MXFP4) -> torch.Tensor:
-    """float32 values of an NVFP4 or MXFP4 container."""
+def dequantize(q: NVFP4 | MXFP4 | FP8) -> torch.Tensor:
+    """float32 values of an NVFP4, MXFP4 or FP8 container."""
     if isinstance(q, NVFP4):
         return dequantize_nvfp4(q)
     if isinstance(q, MXFP4):
         return dequantize_mxfp4(q)
-    raise ValueError(f"dequantize: expected an NVFP4 or MXFP4 tensor, got {type(q).__name__}")
+    if isinstance(q, FP8):
+        return dequantize_fp8(q)
+    raise ValueError(f"dequantize: expected an NVFP4, MXFP4 or FP8 tensor, got {type(q).__name__}")
 
 
 # --- packing -------------------------------------------------------------------------------------
@@ -670,6 +703,16 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     if packed.dtype != torch.uint8:
         raise ValueError(f"unpack_fp4: expected uint8, got {packed.dtype}")
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def code_positions(codes: torch.Tensor, fmt: Format | str) -> torch.Tensor:
+    """int64 position of each stored code on its format's signed line (both zeros at 0): FP4 codes
+    packed two per byte ``[..., K//2]`` (-7..7), FP8 E4M3 codes ``[..., K]`` (-126..126). Codes one
+    position apart are adjacent codewords."""
+    fmt = Format(fmt)
+    c = (unpack_fp4(codes) if fmt.fp4 else codes).long()
+    sign = 0x8 if fmt.fp4 else E4M3_SIGN_BIT
+    return torch.where(c >= sign, -(c - sign), c)
 
 
 def lsb_bits(codes: torch.Tensor) -> torch.Tensor:
@@ -739,6 +782,121 @@ def dequantize_fp8(q: FP8) -> torch.Tensor:
     return q.data.to(torch.float32) * q.scale
 
 
+def fp8_lsb_bits(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 E4M3 codes ``[..., K]`` (K % 8 == 0) -> their lowest bits, eight per byte ``[..., K//8]``
+    (element 8j+i in bit i, as :func:`lsb_bits` packs FP4's), on the codes' device."""
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.dim() == 0 or codes.shape[-1] % 8:
+        raise ValueError(f"fp8_lsb_bits codes: expected uint8 of shape [..., K] with K % 8 == 0, got {_found(codes)}")
+    low = (codes & 1).reshape(*codes.shape[:-1], codes.shape[-1] // 8, 8)
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=codes.device)
+    return (low * weights).sum(dim=-1, dtype=torch.uint8)
+
+
+def _unpack_lsb(bits: torch.Tensor, k: int) -> torch.Tensor:
+    """``[..., K//8]`` packed bits -> int64 ``[..., K]`` (element 8j+i from bit i of byte j)."""
+    shifts = torch.arange(8, device=bits.device)
+    return ((bits.long().unsqueeze(-1) >> shifts) & 1).reshape(*bits.shape[:-1], k)
+
+
+def guided_fp8(
+    x: torch.Tensor, scale: torch.Tensor, *, codes: torch.Tensor | None = None, lsb: torch.Tensor | None = None,
+    owner: str = "grid",
+) -> FP8:
+    """Quantize ``x`` to E4M3 on the per-row ``scale`` (the rollout's), guided by ``codes`` (uint8 E4M3
+    codes ``[..., K]``, full information: the rollout's code is taken, a zero keeping x's sign bit) or
+    ``lsb`` (lowest code bits, eight per byte, ``[..., K//8]``: the member of the bracket with that
+    bit); exactly one of the two is given.
+
+    The rule of :func:`tracefp4.formats.reference.guided_round_e4m3`, vectorised: the round-to-nearest
+    code (PyTorch's E4M3 cast) and the neighbour on the other side of ``z`` form the bracket (adjacent
+    magnitude codes are adjacent values). The result is on x's device; grid and hint may be elsewhere.
+    """
+    if (codes is None) == (lsb is None):
+        raise ValueError("guided_fp8: give exactly one of codes (full) or lsb")
+    if not isinstance(x, torch.Tensor) or x.dtype not in SUPPORTED_DTYPES or x.dim() == 0:
+        raise ValueError(f"x: expected a float32/bfloat16/float16 tensor of shape [..., K], got {_found(x)}")
+    backend(x)
+    check_grid(Format.FP8, scale, None, x.shape, owner)
+    hint, name = (codes, "codes") if codes is not None else (lsb, "lsb")
+    k = x.shape[-1]
+    if lsb is not None and k % 8:
+        raise ValueError(f"{owner} lsb: FP8 lsb hints pack eight elements per byte; K = {k} is not a multiple of 8")
+    expect = (*_fmt_shape(x.shape[:-1]), k if codes is not None else k // 8)
+    if not isinstance(hint, torch.Tensor) or hint.dtype != torch.uint8 or _fmt_shape(hint.shape) != expect:
+        raise ValueError(
+            f"{owner} {name}: expected uint8 of shape {expect} for x of shape {_fmt_shape(x.shape)}, got {_found(hint)}"
+        )
+    dev = x.device
+    xf = x.detach().to(torch.float32)
+    bad = ~torch.isfinite(as_rows(xf)).all(dim=-1)
+    if bool(bad.any()):
+        raise_non_finite(x, bad)
+    s = scale.to(dev)
+    z = torch.clamp(xf / s, -E4M3_MAX, E4M3_MAX)
+    sign = torch.signbit(z).to(torch.uint8) << 7
+    if codes is not None:  # the rollout's code; only a zero's sign is the trainer's
+        r = hint.to(dev)
+        out = torch.where((r & E4M3_MAG_MASK) == 0, sign, r)
+    else:
+        mag = (z.to(torch.float8_e4m3fn).view(torch.uint8) & E4M3_MAG_MASK).long()
+        value = torch.from_numpy(E4M3_VALUES[: E4M3_MAX_CODE + 1].copy()).to(dev)[mag]
+        a = z.abs()
+        lo = torch.where(value <= a, mag, mag - 1)
+        hi = torch.where(value >= a, mag, mag + 1)
+        bit = _unpack_lsb(hint.to(dev), k)
+        out = torch.where((lo == hi) | ((lo & 1) == bit), lo, hi).to(torch.uint8) | sign
+    return FP8(out.view(torch.float8_e4m3fn), s.clone())
+
+
+# --- NVFP4 with residual activation compensation (QUADS) ----------------------------------------
+
+
+@dataclasses.dataclass
+class CompensatedNVFP4:
+    """An activation quantized twice (QUADS' residual activation compensation): ``first`` is the
+    NVFP4 quantization of x (a global amax per row), ``residual`` that of ``x - dequantize(first)`` kept
+    on the compensated channels of each row and zero elsewhere. Its value is the float32 sum of both."""
+
+    first: NVFP4
+    residual: NVFP4
+
+    fmt = Format.NVFP4
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.first.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.first.nbytes + self.residual.nbytes
+
+
+def rac_channel_count(k: int, fraction: float) -> int:
+    """Channels of a row of ``k`` that are compensated: ``ceil(fraction * k)``, fraction in (0, 1]."""
+    if not (isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 < fraction <= 1):
+        raise ValueError(f"compensation fraction: expected a number in (0, 1], got {fraction!r}")
+    return int(np.ceil(fraction * k))
+
+
+def quantize_nvfp4_rac(x: torch.Tensor, fraction: float = 0.5) -> CompensatedNVFP4:
+    """NVFP4 per row, plus the residual re-quantized on the ``ceil(fraction * K)`` channels of each
+    row with the largest first-pass error ``|x - x_hat|`` (ties to the lower channel index), on x's
+    device; :func:`tracefp4.formats.reference.quantize_nvfp4_rac` is the readable form."""
+    n = rac_channel_count(x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else 0, fraction)
+    first = quantize_nvfp4(x, per_row=True)
+    residual = as_rows(x.detach().to(torch.float32) - dequantize_nvfp4(first))
+    chosen = torch.argsort(residual.abs(), dim=-1, descending=True, stable=True)[:, :n]
+    mask = torch.zeros(residual.shape, dtype=torch.bool, device=residual.device).scatter_(1, chosen, True)
+    kept = torch.where(mask, residual, torch.zeros_like(residual)).reshape(x.shape)
+    return CompensatedNVFP4(first, quantize_nvfp4(kept, per_row=True))
+
+
+def dequantize_nvfp4_rac(q: CompensatedNVFP4) -> torch.Tensor:
+    """float32 ``dequantize(first) + dequantize(residual)``: what the compensated GEMM multiplies."""
+    _expect(q, CompensatedNVFP4)
+    return dequantize_nvfp4(q.first) + dequantize_nvfp4(q.residual)
+
+
 # --- rollout-guided rounding on a given grid -----------------------------------------------------
 
 
@@ -773,6 +931,8 @@ def guided_codes(
     errors); they may live on another device than x and are moved to it. The result is on x's device.
     """
     fmt = Format(fmt)
+    if not fmt.fp4:
+        raise ValueError(f"guided_codes: {fmt.value} is not an FP4 format (FP8 is guided by guided_fp8)")
     if (codes is None) == (lsb is None):
         raise ValueError("guided_codes: give exactly one of codes (full) or lsb")
     check_input(x, fmt.block)

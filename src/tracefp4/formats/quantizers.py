@@ -13,8 +13,11 @@ caller ever branches on the format. Every quantizer offers the same five operati
 * ``grid(q)``: the grid a container sits on (what a rollout has to record besides the elements);
 * ``fake_quant(x)``: ``dequantize(quantize(x))`` in x's dtype with a straight-through gradient.
 
-FP8 E4M3 (the activations of W4A8) has no codeword bracket to guide, so its quantizer is not
-``guidable`` and refuses ``guided_quantize``.
+FP8 E4M3 (W4A8 activations, the W8A8 plan) is guided the same way: adjacent E4M3 codes of one sign
+differ in their lowest code bit exactly as adjacent E2M1 codes do, so the same ``full``/``lsb`` hints
+name a bracket member on the E4M3 line (:func:`tracefp4.formats.numerics.guided_fp8`). The one
+quantizer that is not ``guidable`` is :class:`CompensatedNVFP4Quantizer` (QUADS' residual activation
+compensation: two passes, no single codeword to guide); it refuses ``guided_quantize`` and ``grid``.
 
 Every operation runs on the input's device (see :func:`tracefp4.formats.numerics.backend`) and
 validates the containers and grids it is given. :func:`quantize` and :func:`fake_quant` are the
@@ -34,11 +37,16 @@ from tracefp4.formats.numerics import (
     FP8,
     MXFP4,
     NVFP4,
+    CompensatedNVFP4,
     as_rows,
     dequantize_fp8,
     dequantize_mxfp4,
     dequantize_nvfp4,
+    dequantize_nvfp4_rac,
     guided_codes,
+    guided_fp8,
+    quantize_nvfp4_rac,
+    rac_channel_count,
     quantize_fp8,
     quantize_mxfp4,
     quantize_nvfp4,
@@ -53,6 +61,7 @@ __all__ = [
     "NVFP4Quantizer",
     "MXFP4Quantizer",
     "FP8Quantizer",
+    "CompensatedNVFP4Quantizer",
     "AmaxScope",
     "quantizer_for",
     "quantize",
@@ -80,6 +89,11 @@ class Quantizer(abc.ABC):
     block: int
     guidable: bool = True
 
+    @property
+    def fp4(self) -> bool:
+        """4-bit codes two per byte (NVFP4, MXFP4): what the packed FP4 GEMM backends take."""
+        return Format(self.fmt).fp4
+
     @abc.abstractmethod
     def quantize(self, x: torch.Tensor) -> NVFP4 | MXFP4 | FP8: ...
 
@@ -88,8 +102,8 @@ class Quantizer(abc.ABC):
 
     def guided_quantize(
         self, x: torch.Tensor, grid: Grid, *, codes: torch.Tensor | None = None, lsb: torch.Tensor | None = None
-    ) -> NVFP4 | MXFP4:
-        raise ValueError(f"{self.fmt} has no FP4 codeword bracket to guide")
+    ) -> NVFP4 | MXFP4 | FP8:
+        raise ValueError(f"{self!r} has no codeword bracket to guide")
 
     @abc.abstractmethod
     def grid(self, q) -> Grid: ...
@@ -193,11 +207,19 @@ class MXFP4Quantizer(Quantizer):
 
 @dataclasses.dataclass(frozen=True)
 class FP8Quantizer(Quantizer):
-    """FP8 E4M3 with one float32 scale ``amax / 448`` per row (the activations of W4A8)."""
+    """FP8 E4M3 with one float32 scale per row of the last dim.
 
-    fmt = "fp8"
+    The scale recipe: ``scale = amax / 448`` over the row (1 for an all-zero row), computed in float32,
+    so the row's largest magnitude maps to E4M3's largest value 448 and nothing saturates; ``code =
+    e4m3(clamp(x / scale, +-448))`` (round to nearest, ties to the even code), ``x_hat = value(code) *
+    scale``. The row is the tensor's last dim wherever the plan puts FP8: an activation's token (or
+    token x selected expert), a KV cache entry's token x KV head, and, for the routed-expert weights
+    ``[E, N, K]``, each output channel n of each expert e (per-channel weight scales: one scale per
+    ``[K]`` row). The grid a rollout records is the scale itself (4 bytes per row).
+    """
+
+    fmt = Format.FP8.value
     block = 1
-    guidable = False
 
     def quantize(self, x: torch.Tensor) -> FP8:
         return quantize_fp8(x)
@@ -205,11 +227,41 @@ class FP8Quantizer(Quantizer):
     def dequantize(self, q: FP8) -> torch.Tensor:
         return dequantize_fp8(q)
 
+    def guided_quantize(self, x, grid, *, codes=None, lsb=None) -> FP8:
+        if grid.global_amax is not None:
+            raise ValueError("grid global_amax: an FP8 grid is its row scale alone, got a global amax")
+        return guided_fp8(x, grid.scales, codes=codes, lsb=lsb)
+
     def grid(self, q: FP8) -> Grid:
         if not isinstance(q, FP8):
             raise ValueError(f"expected an FP8 tensor, got {type(q).__name__}")
         q.check()
         return Grid(q.scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompensatedNVFP4Quantizer(Quantizer):
+    """NVFP4 per row with residual activation compensation (QUADS, arXiv 2607.15810): the residual of
+    the first pass is quantized to NVFP4 again on the ``ceil(fraction * K)`` channels of each row with
+    the largest first-pass error, and added back (:func:`tracefp4.formats.numerics.quantize_nvfp4_rac`).
+    ``fraction``: the compensated share of channels, in (0, 1] (QUADS' default 0.5)."""
+
+    fraction: float = 0.5
+    fmt = Format.NVFP4.value
+    block = NVFP4_BLOCK
+    guidable = False
+
+    def __post_init__(self) -> None:
+        rac_channel_count(NVFP4_BLOCK, self.fraction)  # validates the fraction
+
+    def quantize(self, x: torch.Tensor) -> CompensatedNVFP4:
+        return quantize_nvfp4_rac(x, self.fraction)
+
+    def dequantize(self, q: CompensatedNVFP4) -> torch.Tensor:
+        return dequantize_nvfp4_rac(q)
+
+    def grid(self, q) -> Grid:
+        raise ValueError("a compensated activation is two NVFP4 passes: it has no single grid to record or guide")
 
 
 # --- functional forms ----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The readable reference: every FP4 recipe (NVFP4, MXFP4, guided rounding) written as plainly as possible.
+"""The readable reference: every recipe (NVFP4, MXFP4, FP8 E4M3, guided rounding, residual activation
+compensation) written as plainly as possible.
 
 This module is the oracle. It favours one obvious step per line over speed: rounding is done by
 searching the codeword table for the nearest value (not by comparing against midpoints, as the fast
@@ -23,6 +24,8 @@ from tracefp4.formats.constants import (
     E2M1_SIGN_BIT,
     E2M1_VALUES,
     E4M3_MAX,
+    E4M3_MAX_CODE,
+    E4M3_SIGN_BIT,
     E8M0_BIAS,
     FLOAT32_MAX,
     MXFP4_BLOCK,
@@ -232,28 +235,34 @@ def signed_index(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(c >= E2M1_SIGN_BIT, -(c - E2M1_SIGN_BIT), c)
 
 
+def _guided_choice(z: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, rtn: torch.Tensor,
+                   rollout_signed: torch.Tensor | None, rollout_lsb: torch.Tensor | None) -> torch.Tensor:
+    """The signed-line position chosen from the bracket ``(lo, hi)`` of ``|z|`` (magnitude codes) given
+    round-to-nearest's position ``rtn`` and the rollout's position (full) or low magnitude bit (lsb).
+    The same rule for every element format whose adjacent magnitude codes differ by one."""
+    negative = torch.signbit(z)
+    sign = torch.where(negative, -1, 1)
+    # The bracket on the signed line: q_minus <= z <= q_plus.
+    q_minus = torch.where(negative, -hi, lo)
+    q_plus = torch.where(negative, -lo, hi)
+    if rollout_signed is not None:
+        d_minus = (q_minus - rollout_signed).abs()
+        d_plus = (q_plus - rollout_signed).abs()
+        return torch.where(d_minus < d_plus, q_minus, torch.where(d_plus < d_minus, q_plus, rtn))
+    bit = rollout_lsb.long()
+    return torch.where(lo == hi, lo * sign, torch.where((lo & 1) == bit, lo * sign, hi * sign))
+
+
 def guided_round(z: torch.Tensor, rollout_codes: torch.Tensor | None, rollout_lsb: torch.Tensor | None):
     """Unpacked guided codes for float32 ``z`` (on the rollout's grid, clamped to [-6, 6]).
 
     Exactly one of ``rollout_codes`` (full information) or ``rollout_lsb`` (low magnitude bit) is given.
     """
     lo, hi = bracket(z)
-    negative = torch.signbit(z)
-    sign = torch.where(negative, -1, 1)
-    # The bracket on the signed line: q_minus <= z <= q_plus.
-    q_minus = torch.where(negative, -hi, lo)
-    q_plus = torch.where(negative, -lo, hi)
     rtn = signed_index(round_to_e2m1(z))
-    if rollout_codes is not None:
-        r = signed_index(rollout_codes)
-        d_minus = (q_minus - r).abs()
-        d_plus = (q_plus - r).abs()
-        chosen = torch.where(d_minus < d_plus, q_minus, torch.where(d_plus < d_minus, q_plus, rtn))
-    else:
-        bit = rollout_lsb.long()
-        chosen = torch.where(lo == hi, lo * sign, torch.where((lo & 1) == bit, lo * sign, hi * sign))
-    mag = chosen.abs()
-    return (mag + negative.long() * E2M1_SIGN_BIT).to(torch.uint8)
+    r = None if rollout_codes is None else signed_index(rollout_codes)
+    chosen = _guided_choice(z, lo, hi, rtn, r, rollout_lsb)
+    return (chosen.abs() + torch.signbit(z).long() * E2M1_SIGN_BIT).to(torch.uint8)
 
 
 def guided_quantize_nvfp4(x, s8, amax, rollout_codes=None, rollout_lsb=None) -> torch.Tensor:
@@ -270,6 +279,137 @@ def guided_quantize_mxfp4(x, biased, rollout_codes=None, rollout_lsb=None) -> to
     inv_scale = torch.tensor(1.0, dtype=_F32) / mx_scale(biased)
     z = torch.clamp(xb * inv_scale.unsqueeze(-1), -E2M1_MAX, E2M1_MAX).reshape(x.shape)
     return guided_round(z, rollout_codes, rollout_lsb)
+
+
+# --- FP8 E4M3 with a per-row scale ---------------------------------------------------------------
+# An E4M3 code is a sign bit (bit 7), 4 exponent bits (bias 7) and 3 mantissa bits; magnitude codes
+# 0x00..0x7E are the finite values in increasing order (0x7F is NaN). Exponent 0 holds the subnormals
+# m/8 * 2^-6; otherwise the value is (1 + m/8) * 2^(e - 7). Each row (last dim) has one float32 scale
+# ``amax / 448`` (1 for an all-zero row), so the row's maximum maps to E4M3's largest value.
+
+
+def e4m3_magnitudes() -> torch.Tensor:
+    """float32 value of every finite magnitude code 0x00..0x7E, from the bit layout (ascending)."""
+    out = []
+    for code in range(E4M3_MAX_CODE + 1):
+        e, m = code >> 3, code & 0x7
+        out.append(m / 8 * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    return torch.tensor(out, dtype=_F32)
+
+
+def round_to_e4m3(z: torch.Tensor) -> torch.Tensor:
+    """uint8 E4M3 code of each float32 in ``z`` (already clamped to [-448, 448]): the nearest magnitude
+    by exhaustive search, a tie to the even code (even mantissa), the sign bit from z's sign bit."""
+    mags = e4m3_magnitudes()
+    dist = (z.abs().unsqueeze(-1) - mags).abs()  # [..., 127]
+    best = dist.min(dim=-1, keepdim=True).values
+    codes = torch.arange(mags.numel())
+    preference = torch.where(dist == best, (codes % 2) * 1024 + codes, torch.full_like(codes, 1 << 20))
+    mag_code = preference.argmin(dim=-1)
+    return (mag_code + torch.signbit(z).to(torch.int64) * E4M3_SIGN_BIT).to(torch.uint8)
+
+
+def e4m3_value(codes: torch.Tensor) -> torch.Tensor:
+    """float32 value of uint8 E4M3 codes (no NaN codes)."""
+    c = codes.long()
+    mag = e4m3_magnitudes()[c & 0x7F]
+    return torch.where(c >= E4M3_SIGN_BIT, -mag, mag)
+
+
+def fp8_row_scale(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``[..., 1]``: ``amax / 448`` of each row, 1 for an all-zero row."""
+    amax = x.to(_F32).abs().amax(dim=-1, keepdim=True)
+    return torch.where(amax > 0, amax / torch.tensor(E4M3_MAX, dtype=_F32), torch.ones_like(amax))
+
+
+def fp8_z(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``clamp(x / scale, +-448)`` in float32: the value each code rounds."""
+    return torch.clamp(x.to(_F32) / scale.to(_F32), -E4M3_MAX, E4M3_MAX)
+
+
+def quantize_fp8(x: torch.Tensor):
+    """Reference FP8: returns (uint8 codes [..., K], float32 scale [..., 1])."""
+    scale = fp8_row_scale(x)
+    return round_to_e4m3(fp8_z(x, scale)), scale
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return e4m3_value(codes) * scale.to(_F32)
+
+
+def bracket_e4m3(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Magnitude codes (lo, hi) of the E4M3 codewords bracketing |z| (lo == hi on a codeword)."""
+    mags = e4m3_magnitudes()
+    a = z.abs().unsqueeze(-1)
+    lo = (mags <= a).sum(dim=-1) - 1
+    hi = mags.numel() - (mags >= a).sum(dim=-1)
+    return lo, hi
+
+
+def signed_index_e4m3(codes: torch.Tensor) -> torch.Tensor:
+    """Position of each E4M3 code on the signed line -126..126 (both zeros at 0)."""
+    c = codes.long()
+    return torch.where(c >= E4M3_SIGN_BIT, -(c - E4M3_SIGN_BIT), c)
+
+
+def guided_round_e4m3(z: torch.Tensor, rollout_codes: torch.Tensor | None, rollout_lsb: torch.Tensor | None):
+    """uint8 guided E4M3 codes for float32 ``z`` (on the rollout's scale, clamped).
+
+    lsb: the rule of :func:`guided_round` on the E4M3 line (adjacent magnitude codes differ in their
+    lowest bit, so the bit names one member of any bracket). full: the rollout's code itself, a zero
+    keeping z's sign bit. E4M3's spacing near zero is far finer than the BF16 noise of a cancelling
+    sum, so there the rollout's code can lie outside the trainer's bracket, which on the E2M1 grid
+    never happens at BF16-level drift; full information then has no reason to leave it wrong.
+    """
+    negative = torch.signbit(z)
+    if rollout_codes is not None:
+        mag = rollout_codes.long() & 0x7F
+        sign = torch.where(mag == 0, negative, rollout_codes.long() >= E4M3_SIGN_BIT)
+        return (mag + sign.long() * E4M3_SIGN_BIT).to(torch.uint8)
+    lo, hi = bracket_e4m3(z)
+    rtn = signed_index_e4m3(round_to_e4m3(z))
+    chosen = _guided_choice(z, lo, hi, rtn, None, rollout_lsb)
+    return (chosen.abs() + negative.long() * E4M3_SIGN_BIT).to(torch.uint8)
+
+
+def guided_quantize_fp8(x, scale, rollout_codes=None, rollout_lsb=None) -> torch.Tensor:
+    """Guided E4M3 codes of ``x`` on the rollout's per-row ``scale``; uint8 [..., K]."""
+    return guided_round_e4m3(fp8_z(x, scale), rollout_codes, rollout_lsb)
+
+
+# --- Residual activation compensation (QUADS, arXiv 2607.15810) ----------------------------------
+# The activation is quantized to NVFP4 (a global amax per row); the residual x - x_hat1 is kept on
+# the ``ceil(fraction * K)`` channels of each row with the largest |residual| (the first pass's
+# error; a tie goes to the lower channel index), zero elsewhere, and quantized to NVFP4 a second time
+# (its own per-row amax). The GEMM consumes x_hat1 + x_hat2 (float32 sum of the two dequantized passes).
+
+
+def rac_channels(x: torch.Tensor, residual: torch.Tensor, fraction: float) -> torch.Tensor:
+    """bool ``[..., K]``: the compensated channels of each row."""
+    k = x.shape[-1]
+    n = math.ceil(fraction * k)
+    flat = residual.reshape(-1, k)
+    mask = torch.zeros(flat.shape, dtype=torch.bool)
+    for row in range(flat.shape[0]):
+        err = [abs(float(v)) for v in flat[row]]
+        for j in sorted(range(k), key=lambda j: (-err[j], j))[:n]:
+            mask[row, j] = True
+    return mask.reshape(x.shape)
+
+
+def quantize_nvfp4_rac(x: torch.Tensor, fraction: float):
+    """Reference compensated NVFP4: ``((codes, s8, amax) of the first pass, (codes, s8, amax) of the
+    residual pass, channel mask)``; unpacked codes as :func:`quantize_nvfp4` returns them."""
+    first = quantize_nvfp4(x, per_row=True)
+    residual = x.to(_F32) - dequantize_nvfp4(*first)
+    mask = rac_channels(x, residual, fraction)
+    second = quantize_nvfp4(torch.where(mask, residual, torch.zeros_like(residual)), per_row=True)
+    return first, second, mask
+
+
+def dequantize_nvfp4_rac(first, second) -> torch.Tensor:
+    """float32 ``x_hat1 + x_hat2``."""
+    return dequantize_nvfp4(*first) + dequantize_nvfp4(*second)
 
 
 # --- the packed-FP4 grouped GEMM (tracefp4.formats.cgemm) -----------------------------------------

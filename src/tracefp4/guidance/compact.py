@@ -476,7 +476,10 @@ class CompactRecord:
         """What the rollout keeps of site value ``x`` (``[T, *lead, K]``), quantized as ``q``."""
         if tuple(x.shape) != tuple(q.shape) or x.dim() < 2:
             raise ValueError(f"compact encode: x {tuple(x.shape)} vs quantized {tuple(q.shape)} (need [T, ..., K])")
-        fmt = q.fmt
+        fmt = Format(q.fmt)
+        if not fmt.fp4:
+            raise ValueError(f"{spec.name}: the compact modes are FP4's (their knobs code E2M1 bits, E4M3 block scales "
+                             f"and NVFP4's amax); an {fmt.value} site takes full or lsb guidance")
         if fmt is Format.MXFP4 and (spec.scales != "full" or spec.amax != "fp32"):
             raise ValueError(f"{spec.name}: MXFP4 sites support compact elements with full scales only")
         codes = unpack_fp4(q.codes)

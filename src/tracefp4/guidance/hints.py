@@ -8,6 +8,10 @@ the rollout's code on the signed code line (so the trainer's code is never farth
 rollout's than its own round-to-nearest code); with ``lsb``, the member whose low magnitude bit
 matches (adjacent codewords alternate in it). An element that sits on a codeword keeps it.
 
+FP8 E4M3 sites are guided the same way (their adjacent codes alternate in the lowest code bit too):
+an FP8 hint's grid is the per-row float32 scale, ``full`` keeps the 8-bit code of each element and
+``lsb`` its lowest bit.
+
 Every hint is validated where it enters (:meth:`Hint.check`): a malformed one is a ValueError,
 never NaN output or a read past a buffer.
 """
@@ -20,17 +24,46 @@ import torch
 
 from tracefp4.formats.constants import Format, HintMode
 from tracefp4.formats.numerics import (
+    FP8,
     MXFP4,
     NVFP4,
     check_grid,
     clone_scales,
     dequantize,
+    fp8_lsb_bits,
     guided_codes,
+    guided_fp8,
     lsb_bits,
     straight_through,
 )
 
-__all__ = ["Hint", "encode_hint", "guided_quantize", "guided_fake_quant", "hint_cat"]
+__all__ = ["Hint", "encode_hint", "guided_quantize", "guided_fake_quant", "hint_cat", "record_format",
+           "elements_per_byte", "lsb_of_codes"]
+
+#: The format a stored grid belongs to, told by its scales' dtype (E4M3 block scales: NVFP4; E8M0
+#: bytes: MXFP4; a float32 row scale: FP8).
+_FORMAT_OF_SCALES = {torch.float8_e4m3fn: Format.NVFP4, torch.uint8: Format.MXFP4, torch.float32: Format.FP8}
+
+
+def record_format(scales: torch.Tensor, what: str = "record") -> Format:
+    """The element format of a record from the dtype of its ``.scales`` tensor."""
+    fmt = _FORMAT_OF_SCALES.get(getattr(scales, "dtype", None))
+    if fmt is None:
+        raise ValueError(f"{what} scales: dtype {getattr(scales, 'dtype', type(scales).__name__)} is no known grid "
+                         "(float8_e4m3fn: NVFP4, uint8: MXFP4, float32: FP8)")
+    return fmt
+
+
+def elements_per_byte(fmt: Format, mode: HintMode) -> int:
+    """Elements per byte of a hint's data: 8 for lsb; a full code per nibble (FP4) or per byte (FP8)."""
+    if mode is HintMode.LSB:
+        return 8
+    return 2 if fmt.fp4 else 1
+
+
+def lsb_of_codes(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """The lsb hint data of full codes (packed FP4 ``[..., K//2]`` or FP8 ``[..., K]``)."""
+    return lsb_bits(codes) if fmt.fp4 else fp8_lsb_bits(codes)
 
 
 @dataclasses.dataclass
@@ -38,9 +71,10 @@ class Hint:
     """What the rollout recorded at one quantization site, for a tensor of logical shape ``shape``.
 
     data: uint8. ``lsb``: low magnitude bit of each code, eight per byte (element 8j+i in bit i),
-        ``[..., K//8]``. ``full``: the packed 4-bit codes, ``[..., K//2]``.
-    scales: the block scales (float8_e4m3fn for NVFP4, biased E8M0 uint8 for MXFP4).
-    global_amax: float32 scalar or ``[..., 1]`` (NVFP4), None for MXFP4.
+        ``[..., K//8]``. ``full``: the packed 4-bit codes, ``[..., K//2]`` (FP8: the 8-bit codes, ``[..., K]``).
+    scales: the block scales (float8_e4m3fn for NVFP4, biased E8M0 uint8 for MXFP4), or FP8's float32
+        row scale ``[..., 1]``.
+    global_amax: float32 scalar or ``[..., 1]`` (NVFP4), None for MXFP4 and FP8.
     """
 
     mode: HintMode
@@ -51,7 +85,13 @@ class Hint:
 
     @property
     def shape(self) -> torch.Size:
+        if self.fmt is Format.FP8:  # one scale per row: the row length is the data's
+            return torch.Size((*self.data.shape[:-1], self.data.shape[-1] * elements_per_byte(self.fmt, self.mode)))
         return torch.Size((*self.scales.shape[:-1], self.scales.shape[-1] * self.fmt.block))
+
+    def data_shape(self, shape) -> tuple[int, ...]:
+        """The shape this hint's data has for a tensor of logical ``shape``."""
+        return (*tuple(shape[:-1]), shape[-1] // elements_per_byte(self.fmt, self.mode))
 
     def check(self) -> "Hint":
         """Raise ValueError unless mode, format, data, scales and global amax agree.
@@ -62,8 +102,7 @@ class Hint:
         """
         shape = self._check_kind()
         check_grid(self.fmt, self.scales, self.global_amax, shape, "hint")
-        per_byte = 8 if self.mode is HintMode.LSB else 2
-        expect = (*shape[:-1], shape[-1] // per_byte)
+        expect = self.data_shape(shape)
         data = self.data
         if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or tuple(data.shape) != expect:
             found = f"{data.dtype} of shape {tuple(data.shape)}" if isinstance(data, torch.Tensor) else type(data).__name__
@@ -76,6 +115,8 @@ class Hint:
             raise ValueError(f"hint: mode and fmt must be HintMode and Format, got {self.mode!r}, {self.fmt!r}")
         if not isinstance(self.scales, torch.Tensor) or self.scales.dim() == 0:
             raise ValueError(f"hint scales: expected a tensor of shape [..., K/{self.fmt.block}], got {self.scales!r}")
+        if self.fmt is Format.FP8 and (not isinstance(self.data, torch.Tensor) or self.data.dim() == 0):
+            raise ValueError(f"hint data: expected a uint8 tensor [..., K or K/8] for an FP8 hint, got {self.data!r}")
         return self.shape
 
     @property
@@ -110,7 +151,7 @@ class Hint:
         if data_key not in tensors or f"{prefix}.scales" not in tensors:
             raise ValueError(f"no hint named {prefix!r} (have: {sorted(tensors)})")
         scales = tensors[f"{prefix}.scales"]
-        fmt = Format.NVFP4 if scales.dtype == torch.float8_e4m3fn else Format.MXFP4
+        fmt = record_format(scales, f"hint {prefix!r}")
         amax = tensors.get(f"{prefix}.global_amax")
         if fmt is Format.NVFP4 and amax is None:
             raise ValueError(f"NVFP4 hint {prefix!r} lacks its global_amax")
@@ -143,18 +184,22 @@ def hint_cat(hints: list[Hint], dim: int = 0) -> Hint:
     )
 
 
-def encode_hint(q: NVFP4 | MXFP4, mode: str | HintMode = "lsb") -> Hint:
+def encode_hint(q: NVFP4 | MXFP4 | FP8, mode: str | HintMode = "lsb") -> Hint:
     """What the rollout records for a quantized site (see :class:`Hint`), on the container's device."""
     mode = HintMode(mode)
+    if isinstance(q, FP8):
+        q.check()
+        data = fp8_lsb_bits(q.codes) if mode is HintMode.LSB else q.codes.clone()
+        return Hint(mode, Format.FP8, data, q.scale.clone())
     if not isinstance(q, (NVFP4, MXFP4)):
-        raise ValueError(f"encode_hint: expected an NVFP4 or MXFP4 tensor, got {type(q).__name__}")
+        raise ValueError(f"encode_hint: expected an NVFP4, MXFP4 or FP8 tensor, got {type(q).__name__}")
     q.check()
     data = lsb_bits(q.codes) if mode is HintMode.LSB else q.codes.clone()
     amax = q.global_amax.clone() if isinstance(q, NVFP4) else None
     return Hint(mode, q.fmt, data, clone_scales(q.scales), amax)
 
 
-def guided_quantize(x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4:
+def guided_quantize(x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4 | FP8:
     """Quantize ``x`` on the hint's grid, each element rounded to the bracket member the hint names.
 
     The result is on x's device (the hint's tensors may live elsewhere and are moved to it).
@@ -170,6 +215,10 @@ def guided_quantize(x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4:
         )
     full = hint.mode is HintMode.FULL
     data = {"codes": hint.data} if full else {"lsb": hint.data}
+    if hint.fmt is Format.FP8:
+        if hint.global_amax is not None:
+            raise ValueError("hint global_amax: an FP8 hint has none (its grid is the row scale)")
+        return guided_fp8(x, hint.scales, owner="hint", **data)
     return guided_codes(x, hint.fmt, hint.scales, hint.global_amax, owner="hint", **data)
 
 

@@ -47,7 +47,7 @@ class PackedWeight:
 def pack(weight: torch.Tensor, quantizer: Quantizer) -> PackedWeight:
     """``weight [E, N, K]`` quantized by ``quantizer`` (the plan's weight quantizer: the codes are
     the ones it produces) as a :class:`PackedWeight`."""
-    if not quantizer.guidable:
+    if not quantizer.fp4:
         raise ValueError(f"packed experts need an FP4 weight quantizer, got {quantizer.fmt}")
     if weight.dim() != 3 or weight.shape[1] % 4:
         raise ValueError(f"packed experts: expected [E, N, K] weights with N a multiple of 4, got {tuple(weight.shape)}")

@@ -4,6 +4,8 @@ BF16 (no quantizer): the parameter itself, ``F.linear`` in the model's dtype. FP
 values ``value(code) * scale`` (:func:`~tracefp4.formats.numerics.dequantize_blocks`, exact in bf16)
 and the expert's global divisor, multiplied in float32 and divided after the sum, so the result is
 the packed kernels' up to the order of the float32 additions (see :mod:`tracefp4.engines.experts`).
+FP8 (W8A8, one scale per output channel): the dequantized weight ``value(code) * scale`` in float32
+(not exact in bf16, so kept in float32 on both paths) with divisor 1, multiplied in float32.
 With ``gradients`` (the trainer's QAT forward) the block values are a straight-through stand-in for
 ``weight * divisor``, so the gradient reaching the weight is that of ``x @ weight.T``.
 """
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tracefp4.engines.experts.base import ExpertGEMM, Groups
-from tracefp4.formats.numerics import dequantize_blocks, global_divisor, straight_through
+from tracefp4.formats.numerics import FP8, dequantize_blocks, dequantize_fp8, global_divisor, straight_through
 from tracefp4.formats.quantizers import Quantizer
 
 __all__ = ["DenseGEMM", "DenseWeight", "expert_divisor"]
@@ -62,11 +64,15 @@ class DenseGEMM(ExpertGEMM):
             q = quantizer.quantize(weight.detach().clone() if copy else weight.detach())
         except ValueError as e:
             raise ValueError(f"expert weight: {e}") from e
-        blocks, divisor = dequantize_blocks(q), expert_divisor(q)
+        if isinstance(q, FP8):  # per-channel scales: the float32 weight itself, no per-expert divisor
+            blocks, divisor = dequantize_fp8(q), torch.ones(q.shape[0], dtype=torch.float32)
+        else:
+            blocks, divisor = dequantize_blocks(q), expert_divisor(q)
         if gradients:
             stand_in = weight.to(torch.float32) * divisor.to(weight.device)[:, None, None]
             return DenseWeight(straight_through(stand_in, blocks), divisor.to(weight.device))
-        return DenseWeight(blocks.to(device=weight.device, dtype=torch.bfloat16), divisor.to(weight.device))
+        exact = torch.bfloat16 if quantizer.fp4 else torch.float32  # FP4 block values are exact in bf16
+        return DenseWeight(blocks.to(device=weight.device, dtype=exact), divisor.to(weight.device))
 
     def matmul(self, x: torch.Tensor, weight: DenseWeight, groups: Groups) -> torch.Tensor:
         counts = groups.counts()

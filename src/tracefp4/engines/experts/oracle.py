@@ -1,7 +1,7 @@
 """Which expert-GEMM backend runs a forward: chosen once per precision plan, device, dtype and
 whether the forward needs gradients.
 
-* BF16 (no plan) and the trainer (gradients: straight-through QAT): ``dense``.
+* BF16 (no plan), FP8 weights (W8A8) and the trainer (gradients: straight-through QAT): ``dense``.
 * An FP4 rollout on the CPU with bf16 activations: ``cpu_fp4`` where our C kernel is built
   (:func:`tracefp4.formats.cgemm.available`, which warns once when it is not), else ``dense``.
 * An FP4 rollout on CUDA: ``dense`` (the site quantizers run as Triton kernels). The GPU GEMM
@@ -49,7 +49,7 @@ def choose_gemm(plan: PrecisionPlan | None, device: torch.device | str, dtype: t
 @functools.lru_cache(maxsize=None)
 def _choose(plan: PrecisionPlan | None, device: str, dtype: torch.dtype, gradients: bool) -> ExpertGEMM:
     dense = BACKENDS["dense"]
-    if plan is None or gradients or not plan.weight_quantizer.guidable:
+    if plan is None or gradients or not plan.weight_quantizer.fp4:
         return dense
     if device == "cpu" and dtype == torch.bfloat16:
         from tracefp4.formats import cgemm

@@ -19,18 +19,27 @@ from tracefp4.engines.sink import StoreTarget
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import ROUTING, parse_name
 
-__all__ = ["SamplingParams", "RolloutOutput", "RolloutEngine", "StoreTarget", "check_prompts"]
+__all__ = ["SamplingParams", "RolloutOutput", "RolloutEngine", "StoreTarget", "check_prompts", "check_top_logprobs"]
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
+    """How an engine samples. ``top_logprobs``: for every generated token also return the sampler's
+    ``top_logprobs`` most likely tokens and their log-probs (0: none; at most the vocabulary): the
+    distribution the token was drawn from, ``log_softmax(logits / temperature)`` (temperature 0: at
+    temperature 1), as the sampled token's log-prob is (before top-p truncation in our engine, after
+    it in vLLM's). Score Centering's loss needs them (:mod:`tracefp4.rl.score_centering`)."""
+
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -57,6 +66,9 @@ class RolloutOutput:
     plan: the precision plan (None: BF16); guidance: the recorded mode (None: routing only).
     timings: seconds per phase (``prefill_s``, ``decode_s``, ``records_s``, ``store_write_s``).
     stored: the store writer the records went to (``generate(..., store=target)``), else None.
+    top_ids[b], top_logprobs[b]: with ``SamplingParams.top_logprobs = k``, int64 and float32
+        ``[T_b - P_b, k]``: the sampler's k most likely tokens at each generated position, most likely
+        first, and their log-probs; empty lists otherwise.
     """
 
     token_ids: list[torch.Tensor]
@@ -69,6 +81,8 @@ class RolloutOutput:
     guidance: GuidedMode | None
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     stored: StoreTarget | None = None
+    top_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    top_logprobs: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     def completion(self, b: int) -> torch.Tensor:
         return self.token_ids[b][self.prompt_lens[b] :]
@@ -102,6 +116,12 @@ class RolloutEngine(Protocol):
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Take the policy's weights (pushed after every optimizer step)."""
         ...
+
+
+def check_top_logprobs(sampling: SamplingParams, vocab: int) -> None:
+    """A ``top_logprobs`` count above the vocabulary is a ValueError (every engine checks it alike)."""
+    if sampling.top_logprobs > vocab:
+        raise ValueError(f"top_logprobs = {sampling.top_logprobs} exceeds the vocabulary ({vocab} tokens)")
 
 
 def check_prompts(prompts: Sequence[Sequence[int] | torch.Tensor], vocab: int) -> list[torch.Tensor]:

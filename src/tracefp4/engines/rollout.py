@@ -46,7 +46,7 @@ from transformers import PreTrainedModel
 from tracefp4.engines.capture import ForwardRecord, RolloutCapture
 from tracefp4.engines.model import CACHE_KWARG, FP4KVCache, forward_state, model_layers, moe_layers
 from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts
+from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts, check_top_logprobs
 from tracefp4.engines.sink import StoreTarget, write_records
 from tracefp4.formats.constants import HintMode
 from tracefp4.formats.numerics import MXFP4, NVFP4
@@ -58,6 +58,7 @@ __all__ = [
     "HomeEngine",
     "generate",
     "sample",
+    "sampler_logprobs",
     "prefill",
     "decode_one_token",
     "decode_n_tokens",
@@ -65,14 +66,20 @@ __all__ = [
 ]
 
 
+def sampler_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """float32 ``log_softmax(logits / temperature)`` (temperature 0: at temperature 1): the distribution
+    a token is sampled from and whose log-probs are reported."""
+    return torch.log_softmax(logits if params.temperature == 0 else logits / params.temperature, dim=-1)
+
+
 def sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of float32 ``logits [N, V]``; return (tokens, their log-probs)."""
+    logp = sampler_logprobs(logits, params)
     if params.temperature == 0:
         tokens = logits.argmax(dim=-1)
-        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    logp = torch.log_softmax(logits / params.temperature, dim=-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
     probs = logp.exp()
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -107,6 +114,7 @@ class _Decode:
     logprobs: list[list[float]]
     finish: list[str]
     steps: list[ForwardStep] = dataclasses.field(default_factory=list)
+    top: list[list[tuple[torch.Tensor, torch.Tensor]]] = dataclasses.field(default_factory=list)  # per trajectory
 
 
 def _forward(
@@ -158,6 +166,12 @@ def decode_one_token(
     tokens, lps = sample(logits, sampling, generator)
     done = torch.isin(tokens, torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=device))
     active = st.active.tolist()
+    if sampling.top_logprobs:
+        top_lp, top_id = sampler_logprobs(logits, sampling).topk(sampling.top_logprobs, dim=-1)
+        if not st.top:
+            st.top = [[] for _ in st.completions]
+        for row, b in enumerate(active):
+            st.top[b].append((top_id[row].cpu(), top_lp[row].cpu()))
     for row, b in enumerate(active):
         st.completions[b].append(int(tokens[row]))
         st.logprobs[b].append(float(lps[row]))
@@ -305,6 +319,7 @@ def _generate(
     pad_token_id: int | None,
 ) -> RolloutOutput:
     prompt_ids = check_prompts(prompts, model.config.vocab_size)
+    check_top_logprobs(sampling, model.config.vocab_size)
     pad = pad_token_id if pad_token_id is not None else (model.config.pad_token_id or 0)
     generator = torch.Generator(device=model.device).manual_seed(sampling.seed)
     t0 = time.perf_counter()
@@ -326,7 +341,18 @@ def _generate(
         plan=plan,
         guidance=guidance,
         timings={"prefill_s": t1 - t0, "decode_s": t2 - t1, "records_s": t3 - t2},
+        **_top_tensors(st.top, sampling.top_logprobs, len(token_ids)),
     )
+
+
+def _top_tensors(top: list[list[tuple[torch.Tensor, torch.Tensor]]], k: int, n: int) -> dict[str, list[torch.Tensor]]:
+    """``top_ids``/``top_logprobs`` of :class:`RolloutOutput` from the per-step top-k of each trajectory."""
+    if not k:
+        return {}
+    top = top or [[] for _ in range(n)]
+    ids = [torch.stack([i for i, _ in t]) if t else torch.empty(0, k, dtype=torch.long) for t in top]
+    lps = [torch.stack([lp for _, lp in t]) if t else torch.empty(0, k) for t in top]
+    return {"top_ids": ids, "top_logprobs": lps}
 
 
 class HomeEngine:

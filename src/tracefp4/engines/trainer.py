@@ -68,6 +68,9 @@ class TrainerOutput:
     router_flips: under replay, layer -> share of tokens whose own top-k set differs from the
         replayed one (the router flip rate before replay).
     decode_failures: compact-record blocks that did not decode (rounded to nearest instead).
+    logprob_rows[b]: float32 ``[T_b - P_b, V]``, the whole ``log_softmax(logits / temperature)`` row at
+        each completion position (differentiable; what a loss over more than the sampled token reads,
+        e.g. Score Centering's, :mod:`tracefp4.rl.score_centering`).
     """
 
     logprobs: list[torch.Tensor]
@@ -75,6 +78,7 @@ class TrainerOutput:
     grids: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]
     router_flips: dict[int, float]
     decode_failures: int = 0
+    logprob_rows: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     def padded(self, value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(``[B, C_max]`` log-probs right-padded with ``value``, bool mask of real tokens)."""
@@ -247,7 +251,8 @@ def forward_logprobs(
     codes = [{k: v[o:e] for k, v in path.codes.items()} for o, e in spans]
     grids = [{k: (sc[o:e], None if a is None else a[o:e]) for k, (sc, a) in path.grids.items()} for o, e in spans]
     flips = {layer: f / max(t, 1) for layer, (f, t) in path.router_flips.items()}
-    return TrainerOutput(list(token_logp.split(counts)), codes, grids, flips, path.decode_failures)
+    return TrainerOutput(list(token_logp.split(counts)), codes, grids, flips, path.decode_failures,
+                         list(logp.split(counts)))
 
 
 def forward_rollout(

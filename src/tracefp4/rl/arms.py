@@ -4,8 +4,10 @@ An arm records only what it uses. Each states its rollout's precision ``plan`` (
 ``run``: the run's plan, NVFP4 W4A4 unless a caller gives another; or a fixed preset), the
 ``guidance`` its rollout records for the trainer (a :class:`GuidedMode` name; None: routing only), the
 ``diagnostics`` layers whose full FP4 codes the rollout keeps in memory to measure the code mismatch
-(never stored, never given to the trainer), and the trainer's forward mode. Every trainer corrects
-the train-rollout mismatch with the same token-level truncated importance weight (``is_cap``).
+(never stored, never given to the trainer), and the trainer's forward mode (and, where they differ
+from the defaults, the trainer's own precision plan and its loss). Every trainer corrects the
+train-rollout mismatch with a token-level truncated importance weight (``is_cap``; ``sc_is_cap`` in
+Score Centering's loss).
 
 The paper's arms:
 
@@ -40,9 +42,27 @@ Ablations (TRACE variants):
   block's E4M3 scale byte, and the trainer quantizes on the rollout's grid as every guided NVFP4 site
   does, so the block's 4-or-6 choice is implied by the recorded scale: no extra bit is needed.
 * ``trace-mxfp4``: ``lsb`` guidance in MXFP4.
-* ``trace-w4a8``: ``lsb`` guidance in W4A8. FP8 sites carry no guidance (no FP4 codeword bracket),
-  so only the KV-cache sites of the guided layers are guided; the expert activations are FP8 on
-  both paths.
+* ``trace-w4a8``: ``lsb`` guidance in W4A8: the FP8 expert activations and the NVFP4 KV cache of the
+  guided layers (adjacent E4M3 codes alternate in their lowest bit as E2M1 codes do, so the same
+  1-bit hint names the rollout's neighbour).
+
+The paper's two closest baselines, and FP8 rollouts:
+
+* ``quads``: QUADS (arXiv 2607.15810): the rollout runs NVFP4 W4A4 with residual activation
+  compensation at the expert GEMM inputs (``PrecisionPlan.quads(quads_fraction)``); the trainer is
+  asymmetric W4A16 QAT (``trainer_plan``: ``PrecisionPlan.w4a16()``, the routed-expert weights
+  fake-quantized NVFP4, every activation and the KV cache BF16). No guidance; no diagnostics (a
+  BF16-activation trainer has no activation codes to compare); the log-prob gap is reported as for
+  every arm (its paper's metric is the per-step max |Δlogp|, ``train_rollout_logprob_abs_diff_max``).
+* ``score-centering``: FP4 rollout as ``qat`` (vanilla QAT trainer), the loss Score Centering
+  (``loss``: :attr:`~tracefp4.rl.grpo.PolicyLoss.SCORE_CENTERING`) on the sampler's top-k log-probs.
+* ``trace-sc``: TRACE (the run's guidance mode) with the Score Centering loss: the two act on
+  different causes of the gap (the trainer's codes vs the sampler's drift term).
+* ``qat-fp8``: W8A8 FP8 rollout (``PrecisionPlan.fp8()``: E4M3 weights with a scale per output
+  channel, activations per row, KV cache per token and KV head) with a vanilla FP8 QAT trainer.
+* ``trace-fp8``: the same with ``lsb`` hints on the E4M3 grid on **all** layers (``lsb@all``): the
+  E4M3 step (1/8-1/16 relative) is small beside the drift that unguided FP8 layers pass on, so
+  guiding the deeper half alone leaves 4-7% of its codes apart (``tracefp4 mismatch --plan fp8``).
 
 Routing replay is on in every arm: the routing of every MoE layer always reaches the store.
 """
@@ -56,16 +76,19 @@ from typing import Any, Literal
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import deeper_half
+from tracefp4.rl.grpo import PolicyLoss
 
 TrainerMode = Literal["bf16", "qat", "trace"]
 LayerSet = Literal["deeper", "guided", "all"]
-PlanName = Literal["run", "4over6", "mxfp4", "w4a8"]
+PlanName = Literal["run", "4over6", "mxfp4", "w4a8", "fp8", "quads", "w4a16"]
 
 #: In :data:`ARMS`, the guidance mode the run config names (``RLConfig.guidance``).
 CONFIGURED = "<configured>"
 
-#: The fixed precision plans an arm may name instead of the run's (``"run"``).
-PLANS = {"4over6": PrecisionPlan.four_over_six, "mxfp4": PrecisionPlan.mxfp4, "w4a8": PrecisionPlan.w4a8}
+#: The fixed precision plans an arm may name instead of the run's (``"run"``); ``quads`` takes the
+#: run's compensation fraction (``RLConfig.quads_fraction``).
+PLANS = {"4over6": PrecisionPlan.four_over_six, "mxfp4": PrecisionPlan.mxfp4, "w4a8": PrecisionPlan.w4a8,
+         "fp8": PrecisionPlan.fp8, "quads": PrecisionPlan.quads, "w4a16": PrecisionPlan.w4a16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +99,8 @@ class ArmSpec:
     guidance: str | None  # a GuidedMode name, CONFIGURED, or None (routing only); "<n>" from the arm name
     diagnostics: LayerSet | None  # layers whose full codes the rollout keeps, or None
     trainer: TrainerMode
+    trainer_plan: PlanName | None = None  # the trainer's plan where it differs from the rollout's (QUADS)
+    loss: PolicyLoss = PolicyLoss.GRPO  # the policy-gradient loss (tracefp4.rl.grpo.PolicyLoss)
 
 
 #: The arm table. A name with ``<n>`` is a family (``trace-L<n>``: ``trace-L1``, ``trace-L2``, ...);
@@ -97,6 +122,14 @@ ARMS: dict[str, ArmSpec] = {
     "trace-4over6": ArmSpec(plan="4over6", guidance="lsb", diagnostics="guided", trainer="trace"),
     "trace-mxfp4": ArmSpec(plan="mxfp4", guidance="lsb", diagnostics="guided", trainer="trace"),
     "trace-w4a8": ArmSpec(plan="w4a8", guidance="lsb", diagnostics="guided", trainer="trace"),
+    # the paper's two closest baselines, and FP8 rollouts
+    "quads": ArmSpec(plan="quads", guidance=None, diagnostics=None, trainer="qat", trainer_plan="w4a16"),
+    "score-centering": ArmSpec(plan="run", guidance=None, diagnostics="deeper", trainer="qat",
+                               loss=PolicyLoss.SCORE_CENTERING),
+    "trace-sc": ArmSpec(plan="run", guidance=CONFIGURED, diagnostics="guided", trainer="trace",
+                        loss=PolicyLoss.SCORE_CENTERING),
+    "qat-fp8": ArmSpec(plan="fp8", guidance=None, diagnostics="deeper", trainer="qat"),
+    "trace-fp8": ArmSpec(plan="fp8", guidance="lsb@all", diagnostics="guided", trainer="trace"),
 }
 
 
@@ -125,6 +158,13 @@ class Arm:
     guidance: GuidedMode | None
     diagnostics: frozenset[int]
     trainer: TrainerMode
+    trainer_plan: PrecisionPlan | None = None  # None: the rollout's plan
+    loss: PolicyLoss = PolicyLoss.GRPO
+
+    @property
+    def trainer_precision(self) -> PrecisionPlan | None:
+        """The plan the trainer's forward runs (the rollout's unless the arm names another)."""
+        return self.trainer_plan if self.trainer_plan is not None else self.plan
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values (what a rollout worker process is sent)."""
@@ -134,6 +174,8 @@ class Arm:
             "guidance": None if self.guidance is None else self.guidance.name,
             "diagnostics": sorted(self.diagnostics),
             "trainer": self.trainer,
+            "trainer_plan": None if self.trainer_plan is None else self.trainer_plan.to_dict(),
+            "loss": self.loss.value,
         }
 
     @classmethod
@@ -144,14 +186,26 @@ class Arm:
             guidance=None if d["guidance"] is None else GuidedMode.parse(d["guidance"]),
             diagnostics=frozenset(d["diagnostics"]),
             trainer=d["trainer"],
+            trainer_plan=None if d.get("trainer_plan") is None else PrecisionPlan(**d["trainer_plan"]),
+            loss=PolicyLoss(d.get("loss", PolicyLoss.GRPO.value)),
         )
 
 
-def make_arm(name: str, *, guidance: str, n_layers: int, plan: PrecisionPlan | None = None) -> Arm:
+def _preset(name: PlanName, run: PrecisionPlan | None, quads_fraction: float) -> PrecisionPlan:
+    if name == "run":
+        return run if run is not None else PrecisionPlan()
+    if name == "quads":
+        return PrecisionPlan.quads(quads_fraction)
+    return PLANS[name]()
+
+
+def make_arm(name: str, *, guidance: str, n_layers: int, plan: PrecisionPlan | None = None,
+             quads_fraction: float = 0.5) -> Arm:
     """Arm ``name`` of :data:`ARMS` for a model of ``n_layers`` layers; ``guidance`` is the run's
     configured mode (used by the arms whose table entry says CONFIGURED), ``plan`` the run's precision
-    plan (default NVFP4 W4A4; used by the arms whose entry says ``run``). A ValueError names the arm
-    when it does not fit the model (e.g. ``trace-L9`` on a 2-layer model)."""
+    plan (default NVFP4 W4A4; used by the arms whose entry says ``run``), ``quads_fraction`` the share
+    of channels the ``quads`` rollout compensates. A ValueError names the arm when it does not fit the
+    model (e.g. ``trace-L9`` on a 2-layer model)."""
     spec, n = arm_spec(name)
     mode_name = guidance if spec.guidance == CONFIGURED else spec.guidance
     if mode_name is not None and n is not None:
@@ -167,15 +221,11 @@ def make_arm(name: str, *, guidance: str, n_layers: int, plan: PrecisionPlan | N
         "all": frozenset(range(n_layers)),
         "guided": guided,
     }[spec.diagnostics]
-    if spec.plan is None:
-        arm_plan = None
-    elif spec.plan == "run":
-        arm_plan = plan if plan is not None else PrecisionPlan()
-    else:
-        arm_plan = PLANS[spec.plan]()
+    arm_plan = None if spec.plan is None else _preset(spec.plan, plan, quads_fraction)
+    trainer_plan = None if spec.trainer_plan is None else _preset(spec.trainer_plan, plan, quads_fraction)
     if arm_plan is not None and arm_plan.nvfp4_scale == "4over6" and getattr(mode, "mode", None) is not None \
             and getattr(mode.mode, "scales", "full") != "full":
         # parity/ldpc/own scales are rebuilt from the trainer's amax_b / 6: not a Four over Six scale
         raise ValueError(f"arm {name!r}: Four over Six needs the block scales recorded in full, not "
                          f"{mode.name!r}")
-    return Arm(name, arm_plan, mode, diagnostics, spec.trainer)
+    return Arm(name, arm_plan, mode, diagnostics, spec.trainer, trainer_plan, spec.loss)

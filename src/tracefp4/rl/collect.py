@@ -26,7 +26,8 @@ from tracefp4.guidance.store import StoreReader, discard_step, seal_step
 from tracefp4.rl import engine
 from tracefp4.rl.arms import Arm
 from tracefp4.rl.config import RLConfig
-from tracefp4.rl.grpo import group_advantages, mismatch_metrics, pad_right
+from tracefp4.rl.grpo import PolicyLoss, group_advantages, mismatch_metrics, pad_right
+from tracefp4.rl.score_centering import head_mass_metrics, pad_top, top_k_for
 from tracefp4.rl.tasks import Example, Task, Tokenizer
 
 Records = engine.Records
@@ -73,6 +74,10 @@ class Batch:
     timings: dict[str, float]  # time/rollout_s, time/store_write_s, time/store_read_s
     score_s: float  # seconds spent scoring (rewards and old log-probs): part of time/train_s
     traj_ids: list[str] = dataclasses.field(default_factory=list)  # the store's names of the trajectories
+    # Score Centering arms: the sampler's top-k tokens at each generated position and their log-probs,
+    # [B, T, k] (None for every other arm)
+    top_ids: torch.Tensor | None = None
+    top_logp_rollout: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -101,7 +106,8 @@ def collect(s: ArmSetup, step: int, version: int) -> Batch:
 def _rollout_to_store(s: ArmSetup, step: int, version: int, prompts: list[list[int]], ids: list[str]
                       ) -> tuple[RolloutOutput, Records | None, dict[str, float]]:
     cfg, timings = s.cfg, {}
-    sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, (s.tok.EOS,), seed=cfg.seed * 7_919 + step)
+    sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, (s.tok.EOS,), seed=cfg.seed * 7_919 + step,
+                              top_logprobs=sampler_top_k(s))
     discard_step(s.store_root, step)  # what an interrupted run may have left of this step
     if s.pool is not None:  # worker processes: each writes its own shards; the driver seals the step
         s.pool.sync_weights(s.model, version)
@@ -124,6 +130,13 @@ def _rollout_to_store(s: ArmSetup, step: int, version: int, prompts: list[list[i
     crash_point("sealed")  # the step is sealed, not yet consumed
     timings["time/store_write_s"] += time.perf_counter() - t0
     return roll, diagnostics, timings
+
+
+def sampler_top_k(s: ArmSetup) -> int:
+    """The sampler top-k the arm's loss needs (Score Centering: ``sc_top_k`` or the vocabulary), else 0."""
+    if s.arm.loss is PolicyLoss.GRPO:
+        return 0
+    return top_k_for(s.cfg.sc_top_k, int(s.model.config.vocab_size))
 
 
 def _stored_full_codes(arm: Arm) -> bool:
@@ -158,8 +171,14 @@ def _score(s: ArmSetup, step: int, group: list[Example], roll: RolloutOutput, re
         **(engine.code_mismatch_metrics(old, diagnostics) if measure else {}),
         "guidance/decode_failures": engine.decode_failures(old),
     }
+    top_ids = top_logp = None
+    if roll.top_ids:  # Score Centering: the sampler's top-k, padded like every per-token tensor
+        k = roll.top_ids[0].shape[-1]
+        top_ids = pad_top(roll.top_ids, width, k, torch.long)
+        top_logp = pad_top(roll.top_logprobs, width, k, torch.float32)
+        metrics.update(head_mass_metrics(top_logp, mask))
     return Batch(step, roll.token_ids, roll.prompt_lens, records, rewards, adv, logp_roll, logp_old, mask,
-                 metrics, {}, 0.0)
+                 metrics, {}, 0.0, top_ids=top_ids, top_logp_rollout=top_logp)
 
 
 def guidance_bytes_per_token(records: Records, generated: int) -> float:

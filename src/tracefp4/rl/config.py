@@ -21,7 +21,7 @@ from transformers import PretrainedConfig
 from tracefp4.engines.model import TinyMoESpec, tiny_config
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.rl.arms import ARMS, arm_spec
-from tracefp4.rl.grpo import LossAgg
+from tracefp4.rl.grpo import LossAgg, PolicyLoss
 from tracefp4.rl.tasks import TASKS, Tokenizer, make_task
 
 # Range checks, as field metadata: ``ge``/``gt``/``le``/``lt`` bounds, ``multiple_of``, ``choices``.
@@ -159,6 +159,13 @@ class RLConfig:
     clip_low: float = _field(0.2, help="PPO ratio clip below: ratio >= 1 - clip_low", ge=0, lt=1)
     clip_high: float = _field(0.28, help="PPO ratio clip above: ratio <= 1 + clip_high", ge=0)
     is_cap: float = _field(5.0, help="truncation of the token-level importance weight pi_old / pi_rollout", gt=0)
+    # --- the baselines' own knobs
+    sc_top_k: int = _field(128, help="Score Centering (score-centering, trace-sc arms): how many of the sampler's "
+                           "most likely tokens per generated token the engine returns (at most the vocabulary)",
+                           ge=1)
+    sc_is_cap: float = _field(2.0, help="Score Centering: truncation of its token weight pi_old / pi_rollout", gt=0)
+    quads_fraction: float = _field(0.5, help="QUADS (quads arm): share of each expert GEMM input row's channels "
+                                   "whose FP4 residual is quantized again and added back, in (0, 1]", gt=0, le=1)
     loss_agg: str = _field(LossAgg.TOKEN_MEAN.value, help="loss aggregation over tokens",
                            choices=tuple(a.value for a in LossAgg))
     normalize_std: bool = _field(True, help="divide advantages by their group's reward std")
@@ -234,6 +241,10 @@ class RLConfig:
                           f"{m.hidden}, {m.moe_intermediate}, {m.head_dim}")
         if len(set(self.arms)) != len(self.arms):
             _fail("arms", self.arms, "each arm at most once")
+        centered = [a for a in self.arms if arm_spec(a)[0].loss is not PolicyLoss.GRPO]
+        if centered and self.trainer_world_size > 1:
+            _fail("trainer_world_size", self.trainer_world_size, f"1 with the Score Centering arms {centered} (their "
+                  "loss reads the sampler's top-k log-probs, which the FSDP ranks are not sent)")
         if self.task not in TASKS:
             _fail("task", self.task, f"a registered task: {', '.join(sorted(TASKS))}")
         try:

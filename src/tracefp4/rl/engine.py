@@ -71,7 +71,7 @@ def trainer_logprobs(model: PreTrainedModel, token_ids: Sequence[torch.Tensor], 
     arm's trainer mode. With the rollout's ``diagnostics``, the trainer also reports its own codes at
     the arm's diagnostics layers (for :func:`code_mismatch_metrics`)."""
     capture = arm.diagnostics if diagnostics is not None else frozenset()
-    return forward_logprobs(model, token_ids, prompt_lens, records, mode=arm.trainer, plan=arm.plan,
+    return forward_logprobs(model, token_ids, prompt_lens, records, mode=arm.trainer, plan=arm.trainer_precision,
                             temperature=temperature, capture_codes=capture)
 
 

@@ -26,6 +26,25 @@ class LossAgg(str, enum.Enum):
     """sum over all tokens / (B * max_new_tokens): no length normalisation bias (Dr. GRPO)."""
 
 
+class PolicyLoss(str, enum.Enum):
+    """The policy-gradient loss an arm's trainer minimises, per generated token t of trajectory b
+    (advantage ``A_b``; ``w_t = min(pi_old / pi_rollout, cap)``, detached)."""
+
+    GRPO = "grpo"
+    """``-w_t * min(r_t A_b, clip(r_t, 1 - clip_low, 1 + clip_high) A_b)`` with ``r_t = pi / pi_old`` and
+    ``cap = is_cap`` (:func:`grpo_loss`)."""
+
+    SCORE_CENTERING = "score-centering"
+    """Score Centering (arXiv 2609.20807): REINFORCE with the sampler-expected score subtracted,
+    ``-w_t * A_b * (log p(y_t) - c_t)`` with ``c_t = sum_{v in K_t} q_v log p_v + (1 - Q_t) log(1 - P_t)``
+    over the sampler's top-k tokens ``K_t`` (``q`` the sampler's probabilities, ``Q_t``/``P_t`` the
+    sampler's and the trainer's mass on ``K_t``, the tail outside ``K_t`` modelled as ``p`` rescaled to
+    the sampler's tail mass), no ratio clip, ``cap = sc_is_cap`` (default 2)
+    (:func:`tracefp4.rl.score_centering.score_centering_loss`). The gradient of ``c_t`` is
+    ``E_q[grad log p]`` (exactly so when ``q`` is ``p`` on the tail), the drift term of a mismatched
+    sampler, which the centering removes; only ``Cov_q(A, grad log p)`` is left."""
+
+
 def pad_right(values: Sequence[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence 1-d tensors as float32 ``[B, width]``, zero-padded on the right, and the bool mask
     of real entries."""

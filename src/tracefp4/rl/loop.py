@@ -73,7 +73,8 @@ class ArmRunner:
         self.cfg = cfg
         self.run_dir = run_dir
         self.opt = MasterWeightAdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
-        arm = make_arm(name, guidance=cfg.guidance, n_layers=model_layers(model)[0], plan=plan or PrecisionPlan())
+        arm = make_arm(name, guidance=cfg.guidance, n_layers=model_layers(model)[0], plan=plan or PrecisionPlan(),
+                       quads_fraction=cfg.quads_fraction)
         self.plan = arm.plan or PrecisionPlan()  # the arm's own (a format variant's preset, or the run's)
         self.setup = ArmSetup(name, arm, model, task, tok, cfg, run_dir / "store" / name,
                               model_signature(model, self.plan), pool, serving)

@@ -36,6 +36,12 @@ ARM_STYLE = {
     "trace-ldpc": dict(color="tab:purple", linestyle="--"),
     "trace-L1": dict(color="tab:cyan", linestyle="--"),
     "trace-L2": dict(color="tab:olive", linestyle="--"),
+    # the paper's closest baselines and the FP8 arms
+    "quads": dict(color="goldenrod", linestyle=":"),
+    "score-centering": dict(color="darkviolet", linestyle=":"),
+    "trace-sc": dict(color="darkviolet", linestyle="--"),
+    "qat-fp8": dict(color="teal", linestyle="-."),
+    "trace-fp8": dict(color="teal", linestyle="--"),
 }
 
 

@@ -115,9 +115,16 @@ class _Worker:
             "prompt_lens": out.prompt_lens,
             "logprobs": [lp.tolist() for lp in out.logprobs],
             "finish_reasons": out.finish_reasons,
+            "top_ids": [t.tolist() for t in out.top_ids],
+            "top_logprobs": [t.tolist() for t in out.top_logprobs],
             "time_generate_s": t_gen,
             "time_store_write_s": t_write,
         })
+
+
+def _top(rows: list[list[float]], dtype: torch.dtype, k: int) -> torch.Tensor:
+    """A trajectory's ``[C, k]`` sampler top-k from its JSON rows (``[0, k]`` for an empty completion)."""
+    return torch.tensor(rows, dtype=dtype).reshape(len(rows), k)
 
 
 class RolloutPool:
@@ -161,7 +168,7 @@ class RolloutPool:
                 "prompts": [list(map(int, p)) for p in prompts[lo:hi]],
                 "sampling": {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                              "top_p": sampling.top_p, "stop_token_ids": list(sampling.stop_token_ids),
-                             "seed": sampling.seed * 1009 + i},
+                             "seed": sampling.seed * 1009 + i, "top_logprobs": sampling.top_logprobs},
                 "arm": arm.to_dict(), "store_root": str(store_root), "step": step, "writer_id": f"w{i}",
                 "traj_ids": list(traj_ids[lo:hi]), "signature": signature, "policy_version": self.version,
             }
@@ -178,6 +185,8 @@ class RolloutPool:
             diagnostics=[],
             plan=arm.plan,
             guidance=arm.guidance,
+            top_ids=[_top(t, torch.long, sampling.top_logprobs) for r in results for t in r["top_ids"]],
+            top_logprobs=[_top(t, torch.float32, sampling.top_logprobs) for r in results for t in r["top_logprobs"]],
         )
         timings = {
             "time/rollout_s": max(r["time_generate_s"] for r in results),

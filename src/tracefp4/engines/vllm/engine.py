@@ -34,7 +34,9 @@ Decisions
       generator: the tokens do not depend on the batch). Log-probs are vLLM's ``processed_logprobs``:
       ``log_softmax(logits / temperature)`` at the sampled token (temperature 0: greedy, log-probs at
       temperature 1), our definition; with ``top_p < 1`` vLLM computes them *after* the top-p
-      truncation, unlike our engine (documented difference).
+      truncation, unlike our engine (documented difference). ``SamplingParams.top_logprobs = k`` asks
+      vLLM for ``logprobs=k`` (the engine allows up to the vocabulary: ``max_logprobs=-1``): the k most
+      likely tokens of the same processed distribution at every generated position.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import torch
 
 from tracefp4.engines.capture import RolloutCapture
 from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts
+from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts, check_top_logprobs
 from tracefp4.engines.sink import StoreTarget, unpack_records
 from tracefp4.guidance.compact import GuidedMode
 
@@ -153,6 +155,7 @@ class VLLMEngine:
         # whole prompts per step unless the caller decides otherwise.
         llm_kwargs.setdefault("enable_chunked_prefill", False)
         llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 2048))
+        llm_kwargs.setdefault("max_logprobs", -1)  # SamplingParams.top_logprobs up to the vocabulary (Score Centering)
         self._tmp = None  # engine_for's temporary checkpoint folder, removed by close()
         self.llm = LLM(
             model=os.fspath(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -193,6 +196,7 @@ class VLLMEngine:
         if guidance is not None and not isinstance(guidance, GuidedMode):
             raise ValueError(f"guidance must be a GuidedMode (GuidedMode.parse(name)), got {type(guidance).__name__}")
         prompt_ids = check_prompts(prompts, self.vocab)
+        check_top_logprobs(sampling, self.vocab)
         if store is not None and len(store.traj_ids) != len(prompt_ids):
             raise ValueError(f"store target names {len(store.traj_ids)} trajectories for {len(prompt_ids)} prompts")
         longest = max(p.numel() for p in prompt_ids) + sampling.max_new_tokens + 1
@@ -209,7 +213,7 @@ class VLLMEngine:
         )  # fmt: skip
         try:
             t0 = time.perf_counter()
-            token_ids, logprobs, finish, need_flush, main_ids = self._sample(prompt_ids, sampling)
+            token_ids, logprobs, finish, need_flush, main_ids, top = self._sample(prompt_ids, sampling)
             t1 = time.perf_counter()
             flush_ids = self._flush([token_ids[b] for b in need_flush]) if need_flush else []
         except BaseException:
@@ -237,6 +241,8 @@ class VLLMEngine:
             guidance=guidance,
             timings={"generate_s": t1 - t0, "flush_s": t2 - t1, "records_s": t3 - t2},
             stored=store,
+            top_ids=top[0],
+            top_logprobs=top[1],
         )
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
@@ -298,7 +304,7 @@ class VLLMEngine:
                 seed=sampling.seed + b,
                 stop_token_ids=list(sampling.stop_token_ids),
                 ignore_eos=True,  # stop on our stop tokens only, not on the checkpoint's generation-config EOS
-                logprobs=0,
+                logprobs=sampling.top_logprobs,  # 0: the sampled token's only
                 detokenize=False,
             )
             for b in range(len(prompt_ids))
@@ -306,10 +312,15 @@ class VLLMEngine:
         outs = self._run([p.tolist() for p in prompt_ids], params)
         stops = set(sampling.stop_token_ids)
         token_ids, logprobs, finish, need_flush, ids = [], [], [], [], []
+        top_ids, top_lps = [], []
         for b, (p, out) in enumerate(zip(prompt_ids, outs)):
             comp = out.outputs[0]
             toks = list(comp.token_ids)[: sampling.max_new_tokens]
             lps = [comp.logprobs[i][t].logprob for i, t in enumerate(toks)]
+            if sampling.top_logprobs:
+                ti, tl = _top_k(comp.logprobs, len(toks), sampling.top_logprobs)
+                top_ids.append(ti)
+                top_lps.append(tl)
             stopped = bool(toks) and toks[-1] in stops
             if len(toks) == len(comp.token_ids):
                 need_flush.append(b)  # no extra token (stop token): the last token's row was never computed
@@ -317,13 +328,26 @@ class VLLMEngine:
             logprobs.append(torch.tensor(lps, dtype=torch.float32))
             finish.append("stop" if stopped else "length")
             ids.append(out.request_id)
-        return token_ids, logprobs, finish, need_flush, ids
+        return token_ids, logprobs, finish, need_flush, ids, (top_ids, top_lps)
 
     def _flush(self, seqs: list[torch.Tensor]) -> list[str]:
         from vllm import SamplingParams as VSP
 
         params = VSP(n=1, max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
         return [o.request_id for o in self._run([s.tolist() for s in seqs], [params] * len(seqs))]
+
+
+def _top_k(position_logprobs, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 and float32 ``[n, k]``: the k most likely tokens of each of the first n generated positions
+    from vLLM's per-position ``{token: Logprob}`` (the sampled token plus ranks 1..k), most likely first."""
+    ids, lps = torch.empty(n, k, dtype=torch.long), torch.empty(n, k, dtype=torch.float32)
+    for i in range(n):
+        best = sorted(position_logprobs[i].items(), key=lambda kv: (-kv[1].logprob, kv[1].rank))[:k]
+        if len(best) < k:
+            raise RuntimeError(f"vLLM returned {len(best)} log-probs at generated position {i}, {k} were asked for")
+        ids[i] = torch.tensor([t for t, _ in best])
+        lps[i] = torch.tensor([lp.logprob for _, lp in best])
+    return ids, lps
 
 
 class PlainVLLMEngine(VLLMEngine):
@@ -342,6 +366,7 @@ class PlainVLLMEngine(VLLMEngine):
 
         llm_kwargs.setdefault("enable_chunked_prefill", False)  # see VLLMEngine
         llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 2048))
+        llm_kwargs.setdefault("max_logprobs", -1)
         self._tmp = None
         self.llm = LLM(model=os.fspath(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        seed=seed, enforce_eager=True, enable_prefix_caching=False, logprobs_mode="processed_logprobs",
@@ -359,11 +384,13 @@ class PlainVLLMEngine(VLLMEngine):
         if plan is not None or guidance is not None or diagnostics or store is not None:
             raise ValueError("PlainVLLMEngine is vLLM's own BF16 path: no precision plan, guidance, diagnostics or store")
         prompt_ids = check_prompts(prompts, self.vocab)
+        check_top_logprobs(sampling, self.vocab)
         t0 = time.perf_counter()
-        token_ids, logprobs, finish, _, _ = self._sample(prompt_ids, sampling)
+        token_ids, logprobs, finish, _, _, top = self._sample(prompt_ids, sampling)
         return RolloutOutput(token_ids=token_ids, prompt_lens=[int(p.numel()) for p in prompt_ids], logprobs=logprobs,
                              finish_reasons=finish, records=[{} for _ in token_ids], diagnostics=[{} for _ in token_ids],
-                             plan=None, guidance=None, timings={"generate_s": time.perf_counter() - t0})
+                             plan=None, guidance=None, timings={"generate_s": time.perf_counter() - t0},
+                             top_ids=top[0], top_logprobs=top[1])
 
     def load_weights(self, state, version: int) -> None:
         raise NotImplementedError("PlainVLLMEngine is a benchmark baseline: build it from a checkpoint")

@@ -37,7 +37,7 @@ from tracefp4.engines.protocol import SamplingParams
 from tracefp4.engines.rollout import generate
 from tracefp4.engines.trainer import code_mismatch, forward_logprobs
 from tracefp4.formats.constants import Format, HintMode
-from tracefp4.formats.quantizers import FP8Quantizer, MXFP4Quantizer, NVFP4Quantizer
+from tracefp4.formats.quantizers import CompensatedNVFP4Quantizer, FP8Quantizer, MXFP4Quantizer, NVFP4Quantizer
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import Site, deeper_half, parse_name, record_prefix, routing_key
 
@@ -147,7 +147,23 @@ def test_precision_plan() -> None:
     assert PrecisionPlan() == PrecisionPlan.w4a4()
     assert PrecisionPlan.w4a8().site_format(Site.EXPERT_IN) == "fp8"
     assert PrecisionPlan.w4a8().site_format(Site.K) == "nvfp4"
-    assert not PrecisionPlan.w4a8().guidable(Site.EXPERT_MID)
+    assert PrecisionPlan.w4a8().guidable(Site.EXPERT_MID)  # E4M3 codes are guided too
+    fp8 = PrecisionPlan.fp8()
+    assert (fp8.weights, fp8.kv_cache, fp8.site_format(Site.EXPERT_IN)) == (Format.FP8, Format.FP8, "fp8")
+    w4a16 = PrecisionPlan.w4a16()  # QUADS' trainer: BF16 activation and KV sites (no quantizer)
+    assert [w4a16.quantizer(s) for s in Site] == [None] * 4 and w4a16.site_format(Site.K) == "bf16"
+    assert w4a16.weight_quantizer == NVFP4Quantizer("expert") and not w4a16.guidable(Site.V)
+    quads = PrecisionPlan.quads(0.25)  # QUADS' rollout: compensated NVFP4 expert inputs, NVFP4 KV
+    assert quads.quantizer(Site.EXPERT_IN) == CompensatedNVFP4Quantizer(0.25) and not quads.guidable(Site.EXPERT_MID)
+    assert quads.quantizer(Site.K) == NVFP4Quantizer("row") and quads.guidable(Site.K)
+    for p in (fp8, w4a16, quads):
+        assert PrecisionPlan(**p.to_dict()) == p
+    # plans without the compensation keep their text (the store's model signature hashes it)
+    assert "rac_fraction" not in repr(PrecisionPlan()) and "rac_fraction=0.25" in repr(quads)
+    with pytest.raises(ValueError, match="rac_fraction"):
+        PrecisionPlan(activations="fp8", rac_fraction=0.5)
+    with pytest.raises(ValueError, match=r"fraction: expected a number in \(0, 1\]"):
+        PrecisionPlan.quads(0.0)
     mx = PrecisionPlan.mxfp4("rceil")
     assert (mx.weights, mx.kv_cache, mx.site_format(Site.EXPERT_MID)) == (Format.MXFP4, Format.MXFP4, "mxfp4")
     # one quantizer per site, chosen by the plan
@@ -281,7 +297,7 @@ def test_identical_inputs_give_identical_codes(family: str, plan: str) -> None:
     sites = {k.rsplit(".", 1)[0] for k in rec if not k.endswith("routing")}
     kv = {"L02.k", "L02.v", "L03.k", "L03.v"}
     experts = {"L02.expert_in", "L02.expert_mid", "L03.expert_in", "L03.expert_mid"}
-    assert sites == (kv if plan == "w4a8" else kv | experts)  # FP8 activations carry no FP4 guidance
+    assert sites == kv | experts  # W4A8's FP8 activations are guided on the E4M3 line
     for mode in ("qat", "trace"):
         out = forward_logprobs(model, [seq], [4], [rec], mode=mode, plan=_PLANS[plan], capture_codes=every)
         stats = code_mismatch(out.codes, [diag])

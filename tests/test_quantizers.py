@@ -92,17 +92,20 @@ def test_mxfp4_quantizer_five_ops(scale_mode):
     assert torch.equal(xg.grad, torch.ones_like(xg))
 
 
-def test_fp8_quantizer_ops_and_refuses_guiding():
+def test_fp8_quantizer_five_ops():
     x = make_data("heavy_tailed", torch.bfloat16, 6, 64)
     qz = FP8Quantizer()
-    assert (qz.fmt, qz.block, qz.guidable) == ("fp8", 1, False)
+    assert (qz.fmt, qz.block, qz.guidable) == ("fp8", 1, True)
     q = qz.quantize(x)
     fn = numerics.quantize_fp8(x)
     assert torch.equal(bits(q.data), bits(fn.data)) and torch.equal(q.scale, fn.scale)
+    codes, scale = ref.quantize_fp8(x)
+    assert torch.equal(q.codes, codes) and torch.equal(bits(q.scale), bits(scale))
     assert torch.equal(qz.dequantize(q), numerics.dequantize_fp8(fn))
     assert qz.grid(q).scales is q.scale
-    with pytest.raises(ValueError, match="fp8 has no FP4 codeword bracket"):
-        qz.guided_quantize(x, qz.grid(q), codes=torch.zeros(6, 32, dtype=torch.uint8))
+    x_train = (x.float() * 1.01).to(x.dtype)
+    got = qz.guided_quantize(x_train, qz.grid(q), lsb=numerics.fp8_lsb_bits(q.codes))
+    assert torch.equal(got.codes, ref.guided_quantize_fp8(x_train, q.scale, rollout_lsb=q.codes & 1))
     y = qz.fake_quant(x.clone().requires_grad_(True))
     assert y.dtype == x.dtype and torch.equal(y, qz.dequantize(q).to(x.dtype))
 

@@ -359,7 +359,9 @@ def test_trace_l1_records_only_the_last_layer():
     routed = {int(k[1:3]) for k in roll.records[0] if k.endswith(".routing")}
     assert guided == {1} and routed == {0, 1}
     assert {int(k[1:3]) for k in diagnostics[0]} == {1}
-    # W4A8: the FP8 expert activations carry no guidance, the KV cache of the guided layers does
+    # W4A8: the FP8 expert activations are guided too (E4M3 codes), beside the NVFP4 KV cache
     arm = make_arm("trace-w4a8", guidance="lsb", n_layers=TINY["model"].layers)
     roll, _ = engine.rollout(HomeEngine(model), [[1, 5, 6, 7]], SamplingParams(max_new_tokens=3, seed=1), arm)
-    assert {k.split(".")[1] for k in roll.records[0] if not k.endswith(".routing")} == {"k", "v"}
+    rec = roll.records[0]
+    assert {k.split(".")[1] for k in rec if not k.endswith(".routing")} == {"k", "v", "expert_in", "expert_mid"}
+    assert rec["L01.expert_in.scales"].dtype == torch.float32 and rec["L01.k.scales"].dtype == torch.float8_e4m3fn

@@ -45,6 +45,8 @@ def _check_args(args: argparse.Namespace) -> dict[str, object]:
         raise SystemExit("tracefp4 mismatch: --batch, --new-tokens and --prompt-len must be >= 1")
     if not args.sweep and (args.plot or args.modes):
         raise SystemExit("tracefp4 mismatch: --plot and --modes go with --sweep")
+    if args.sweep and getattr(args, "plan", "nvfp4") != "nvfp4":
+        raise SystemExit("tracefp4 mismatch: --sweep measures the FP4 guidance modes; --plan fp8 goes without it")
     return dims
 
 

@@ -14,6 +14,10 @@ the metrics of ``docs/contracts.md`` section 5:
 * **Guidance bytes per generated token**, full information on all layers vs the compact default (lsb
   on the deeper half), through the record store's own accounting (:func:`tracefp4.guidance.store.bytes_per_token`).
 
+``tracefp4 mismatch --plan fp8`` measures the same for W8A8 FP8 rollouts (E4M3 codes at every site,
+:meth:`~tracefp4.engines.plan.PrecisionPlan.fp8`); its lsb arm guides every layer (see
+:data:`REPORT_PLANS`), and the code tables count E4M3 codes (one apart: adjacent E4M3 codewords).
+
 ``tracefp4 mismatch --sweep [--modes M1,M2] [--json PATH] [--plot PATH]`` measures instead every
 guidance mode of :mod:`tracefp4.guidance.compact` against bytes per token (:mod:`tracefp4.reports.sweep`;
 the command line joins the two in :mod:`tracefp4.reports.commands`).
@@ -42,6 +46,8 @@ Decisions (and why)
     * **Mismatch rates are compared at comparable sites**: QAT at all sites and at the deeper-half
       sites (where the lsb arm is guided); the lsb arm at its guided sites; the full arm at all sites.
     * Shares with an empty denominator (no mismatches at all) are ``null`` in the JSON, not 0 or NaN.
+    * The ``*_deeper_half`` totals are taken at the lsb arm's guided layers: the deeper half, or every
+      layer under ``--plan fp8`` (then equal to the all-sites totals).
     * The ratio of full to compact bytes depends on the dims: each row (token, token x expert, token x
       KV head) carries a 4-byte global amax in both, which dominates at hidden size 64. The report also
       gives the ratio without the amax (``ratio_without_amax``: 4.5 / 1.5 bits x layer share = 6 for
@@ -67,8 +73,8 @@ from tracefp4.engines.rollout import generate
 from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, code_mismatch, forward_logprobs, forward_rollout
 from tracefp4.files import atomic_write_json
 from tracefp4.guidance.compact import GuidedMode
-from tracefp4.guidance.names import Site, deeper_half, layer_tag, record_prefix, routing_key
-from tracefp4.formats.numerics import lsb_bits
+from tracefp4.guidance.names import Site, layer_tag, record_prefix, routing_key
+from tracefp4.guidance.hints import lsb_of_codes, record_format
 from tracefp4.reports.measure import (
     aggregate,
     config_signature,
@@ -84,6 +90,7 @@ __all__ = [
     "DEFAULTS",
     "MODEL_DIMS",
     "ARMS",
+    "REPORT_PLANS",
     "make_prompts",
     "build_model",
     "mismatch_report",
@@ -114,6 +121,13 @@ ARMS: dict[str, tuple[str, str]] = {
     "qat": ("fp4", "qat"),
     "trace_lsb": ("fp4 + lsb hints, deeper half", "trace"),
     "trace_full": ("fp4 + full hints, all layers", "trace"),
+}
+#: ``--plan``: the precision plan the report measures and the guidance of its lsb arm. The FP8 lsb arm
+#: guides every layer: E4M3's step (1/8 to 1/16 relative) is small beside the drift that unguided FP8
+#: layers pass on, so lsb hints on the deeper half alone leave several per cent of its codes apart.
+REPORT_PLANS: dict[str, tuple[Callable[[], PrecisionPlan], str]] = {
+    "nvfp4": (PrecisionPlan.w4a4, "lsb"),
+    "fp8": (PrecisionPlan.fp8, "lsb@all"),
 }
 _SITES = tuple(s.value for s in Site)
 _STEP_FULL, _STEP_COMPACT = 0, 1
@@ -209,7 +223,8 @@ def _check_lsb_matches_full(
             if not name.endswith(".bits"):
                 continue
             prefix = name[: -len(".bits")]
-            same = torch.equal(lsb_bits(rf[f"{prefix}.codes"]), bits)
+            fmt = record_format(rf[f"{prefix}.scales"], f"trajectory {b}, {prefix}")
+            same = torch.equal(lsb_of_codes(rf[f"{prefix}.codes"], fmt), bits)
             for fld in ("scales", "global_amax"):
                 if f"{prefix}.{fld}" in rl:
                     x, y = rl[f"{prefix}.{fld}"], rf[f"{prefix}.{fld}"]
@@ -234,21 +249,34 @@ class _Stored:
 # --- the report, step by step ---------------------------------------------------------------------
 
 
+def arm_descriptions(plan_name: str = "nvfp4") -> dict[str, tuple[str, str]]:
+    """:data:`ARMS` for a plan of :data:`REPORT_PLANS`: arm -> (rollout description, trainer mode)."""
+    if plan_name == "nvfp4":
+        return dict(ARMS)
+    lsb = GuidedMode.parse(REPORT_PLANS[plan_name][1])
+    where = "all layers" if lsb.layers == "all" else "deeper half"
+    return {"bf16": ARMS["bf16"], "qat": (plan_name, "qat"),
+            "trace_lsb": (f"{plan_name} + lsb hints, {where}", "trace"),
+            "trace_full": (f"{plan_name} + full hints, all layers", "trace")}
+
+
 def _rollouts(
-    model, prompts, sampling: SamplingParams, compact_layers, all_layers, phase: _Phases, engine=None
+    model, prompts, sampling: SamplingParams, phase: _Phases, engine=None, plan_name: str = "nvfp4"
 ) -> dict[str, RolloutOutput]:
-    """One rollout per arm: bf16, plain fp4, fp4 recording lsb hints (deeper half) and full hints (all layers).
-    ``engine``: another :class:`~tracefp4.engines.protocol.RolloutEngine` over the same weights (vLLM);
-    None: our engine on ``model``."""
+    """One rollout per arm: bf16, plain fp4 (or fp8), recording lsb hints (deeper half; all layers in
+    FP8) and full hints (all layers). ``engine``: another :class:`~tracefp4.engines.protocol.RolloutEngine`
+    over the same weights (vLLM); None: our engine on ``model``."""
     rollouts: dict[str, RolloutOutput] = {}
-    plan = PrecisionPlan()
+    make_plan, lsb = REPORT_PLANS[plan_name]
+    plan = make_plan()
+    arms = arm_descriptions(plan_name)
     for arm, kwargs in (
         ("bf16", dict(plan=None)),
         ("qat", dict(plan=plan)),
-        ("trace_lsb", dict(plan=plan, guidance=GuidedMode.parse("lsb"))),
+        ("trace_lsb", dict(plan=plan, guidance=GuidedMode.parse(lsb))),
         ("trace_full", dict(plan=plan, guidance=GuidedMode.parse("full"))),
     ):
-        with phase(f"rollout {arm} ({ARMS[arm][0]})"):
+        with phase(f"rollout {arm} ({arms[arm][0]})"):
             if engine is not None:
                 rollouts[arm] = engine.generate(
                     prompts, sampling, plan=kwargs["plan"], guidance=kwargs.get("guidance")
@@ -298,7 +326,7 @@ def _trainers(
                 model, roll_full.token_ids, roll_full.prompt_lens, full_records,
                 mode="qat", plan=roll_full.plan, capture_codes=all_layers,
             )  # fmt: skip
-        with phase("trainer trace_lsb (lsb hints, deeper half)"):
+        with phase(f"trainer trace_lsb (lsb hints, {len(compact_layers)} of {n_layers} layers)"):
             trainers["trace_lsb"] = forward_logprobs(
                 model, roll_lsb.token_ids, roll_lsb.prompt_lens, lsb_records,
                 mode="trace", plan=roll_lsb.plan, capture_codes=compact_layers,
@@ -383,7 +411,7 @@ def _config_section(model, prompts, sampling: SamplingParams, plan, compact_laye
         "new_tokens": sampling.max_new_tokens,
         "temperature": sampling.temperature,
         "seed": sampling.seed,
-        "plan": {"weights": plan.weights.value, "activations": plan.activations, "kv_cache": plan.kv_cache.value},
+        "plan": {k: plan.to_dict()[k] for k in ("weights", "activations", "kv_cache")},
         "compact_layers": sorted(compact_layers),
         "routing_replay": True,
     }
@@ -427,14 +455,18 @@ def mismatch_report(
     store_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
     engine=None,
+    plan_name: str = "nvfp4",
 ) -> dict[str, Any]:
     """Run the four rollouts and their trainers; return the report as a JSON-ready dict.
-    ``engine``: the rollout engine (None: ours on ``model``; e.g. a ``VLLMEngine`` over the same weights)."""
+    ``engine``: the rollout engine (None: ours on ``model``; e.g. a ``VLLMEngine`` over the same weights);
+    ``plan_name``: a key of :data:`REPORT_PLANS` (NVFP4 W4A4, or W8A8 FP8)."""
+    if plan_name not in REPORT_PLANS:
+        raise ValueError(f"plan {plan_name!r}: expected one of {sorted(REPORT_PLANS)}")
     t_start = time.perf_counter()
     phase = _Phases(progress)
     n_layers, _ = model_layers(model)
-    compact_layers = deeper_half(n_layers)
-    rollouts = _rollouts(model, prompts, sampling, compact_layers, frozenset(range(n_layers)), phase, engine)
+    compact_layers = GuidedMode.parse(REPORT_PLANS[plan_name][1]).layer_indices(n_layers)
+    rollouts = _rollouts(model, prompts, sampling, phase, engine, plan_name)
     fp4_identical = _fp4_rollouts_identical(rollouts)
     signature = config_signature("mismatch", model.config)
     with store_root(store_dir, "tracefp4-mismatch-") as root, phase("store: write, seal, read back"):
@@ -442,11 +474,14 @@ def mismatch_report(
     trainers, qat_codes = _trainers(model, rollouts, stored.full_records, stored.lsb_records, phase)
     with phase("router flips without replay (qat, bf16)"):
         flips = {arm: _router_flips_without_replay(model, rollouts[arm], ARMS[arm][1]) for arm in ("qat", "bf16")}
+    arms = arm_descriptions(plan_name)
     stats = _code_stats(qat_codes, trainers, stored.full_records)
     agg = _aggregates(stats, compact_layers)
     roll_full = rollouts["trace_full"]
     return {
         "engine": "home" if engine is None else engine.name,
+        "plan_name": plan_name,
+        "arms": {arm: list(v) for arm, v in arms.items()},
         "config": _config_section(model, prompts, sampling, roll_full.plan, compact_layers),
         "tokens": {
             "positions": sum(t.numel() for t in roll_full.token_ids),
@@ -485,15 +520,24 @@ def _header_lines(rep: dict[str, Any]) -> list[str]:
         f"hidden {c['hidden']}, expert dim {c['moe_intermediate']}, {c['kv_heads']} KV heads x {c['head_dim']}",
         f"  batch {c['batch']} ragged prompts ({min(c['prompt_lens'])}-{max(c['prompt_lens'])} tokens), "
         f"{c['new_tokens']} new tokens, seed {c['seed']}: {tok['generated']} generated tokens, "
-        f"{tok['positions']} positions; FP4 rollouts identical across modes: {rep['fp4_rollouts_identical']}",
+        f"{tok['positions']} positions; {_kind(rep)} rollouts identical across modes: {rep['fp4_rollouts_identical']}",
         f"  rollout engine: {rep['engine']}",
         "",
     ]
 
 
+def _lsb_rows_label(rep: dict[str, Any]) -> str:
+    """What the ``*_deeper_half`` aggregates cover: the lsb arm's guided layers."""
+    return "deeper half" if rep.get("plan_name", "nvfp4") == "nvfp4" else "lsb layers"
+
+
+def _kind(rep: dict[str, Any]) -> str:
+    return "FP8" if rep.get("plan_name") == "fp8" else "FP4"
+
+
 def _code_table_lines(rep: dict[str, Any]) -> list[str]:
     lines = [
-        f"FP4 code mismatch rate, trainer vs rollout (routing replayed; lsb hints on {_guided_span(rep)})",
+        f"{_kind(rep)} code mismatch rate, trainer vs rollout (routing replayed; lsb hints on {_guided_span(rep)})",
         f"{'site':<11}{'layer':<6}{'elements':>9}{'qat':>10}{'1-apart':>10}{'trace-lsb':>11}{'trace-full':>11}"
         f"{'full B/tok':>12}{'lsb B/tok':>11}",
     ]
@@ -509,7 +553,7 @@ def _code_table_lines(rep: dict[str, Any]) -> list[str]:
     return lines + [
         f"{'all sites':<17}{rep['mismatch_counts']['qat']['total']:>9}{_pct(mr['qat'])}{_pct(adj['qat'])}"
         f"{'-':>11}{_pct(mr['trace_full'], 11)}",
-        f"{'deeper half':<17}{rep['mismatch_counts']['qat_deeper_half']['total']:>9}{_pct(mr['qat_deeper_half'])}"
+        f"{_lsb_rows_label(rep):<17}{rep['mismatch_counts']['qat_deeper_half']['total']:>9}{_pct(mr['qat_deeper_half'])}"
         f"{_pct(adj['qat_deeper_half'])}{_pct(mr['trace_lsb'], 11)}{_pct(mr['trace_full_deeper_half'], 11)}",
         "",
     ]
@@ -519,7 +563,8 @@ def _router_flip_lines(rep: dict[str, Any]) -> list[str]:
     fl = rep["router_flip"]
     per_layer = "  ".join(f"{k} {v:.1%}" for k, v in fl["qat"]["per_layer"].items())
     return [
-        f"router flips without replay (token x MoE layer, top-k set differs): fp4/qat {rep['router_flip_rate']:.2%} "
+        f"router flips without replay (token x MoE layer, top-k set differs): {_kind(rep).lower()}/qat "
+        f"{rep['router_flip_rate']:.2%} "
         f"({fl['qat']['flips']}/{fl['qat']['token_layers']}; {per_layer}),  bf16/bf16 {fl['bf16']['rate']:.2%}",
         "  under replay (trainer's router_flips, given replayed upstream layers): "
         + ",  ".join(f"{arm} {v['mean']:.2%}" for arm, v in fl["under_replay"].items() if v["mean"] is not None),
@@ -532,7 +577,7 @@ def _gap_lines(rep: dict[str, Any]) -> list[str]:
         "log-prob gap over completion tokens",
         f"{'arm':<12}{'rollout':<31}{'trainer':<9}{'mean|dlogp|':>13}{'max|dlogp|':>12}{'k3 KL':>12}",
     ]
-    for arm, (roll, train) in ARMS.items():
+    for arm, (roll, train) in rep.get("arms", ARMS).items():
         g = rep["logprob_gap"][arm]
         lines.append(f"{arm:<12}{roll:<31}{train:<9}{g['mean_abs']:>13.5f}{g['max_abs']:>12.5f}{g['k3_kl']:>12.2e}")
     return lines
@@ -545,8 +590,9 @@ def _bytes_lines(rep: dict[str, Any]) -> list[str]:
         "guidance bytes per generated token (store accounting, routing excluded)",
         f"  full information, all layers: {b['full_all_layers']:10.1f}",
         f"  compact default (lsb, {_guided_span(rep)}): {b['compact_default']:8.1f}",
-        f"  ratio: {b['ratio']:.2f}x   (without the 4-byte per-row global amax: {b['ratio_without_amax']:.2f}x; "
-        "paper: about 6x)",
+        f"  ratio: {b['ratio']:.2f}x   " + (
+            f"(without the 4-byte per-row global amax: {b['ratio_without_amax']:.2f}x; paper: about 6x)"
+            if _kind(rep) == "FP4" else "(FP8: 8-bit codes vs 1-bit hints, a 4-byte scale per row in both)"),
         f"  routing records (separate): {b['routing']:.1f} bytes per generated token",
     ]
 
@@ -586,6 +632,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-dir", metavar="DIR", help="keep the guidance store here (default: a temp dir, removed)")
     p.add_argument("--json", metavar="PATH", help="also write the report (or the sweep) as JSON (atomically)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--plan", choices=tuple(REPORT_PLANS), default="nvfp4",
+                   help="the rollout's precision plan: NVFP4 W4A4 (default) or W8A8 FP8 (E4M3 codes; lsb on all layers)")
     p.add_argument("--engine", choices=("home", "vllm"), default="home",
                    help="rollout engine: ours, or vLLM with the tracefp4 plugin (needs vLLM; head_dim >= 32 on CPU)")  # fmt: skip
 
@@ -599,7 +647,8 @@ def run_cli(
     engine=None,
 ) -> int:
     """Run the report on prepared inputs; print it, and write it as JSON with ``--json``."""
-    rep = mismatch_report(model, prompts, sampling, store_dir=args.store_dir, progress=say, engine=engine)
+    rep = mismatch_report(model, prompts, sampling, store_dir=args.store_dir, progress=say, engine=engine,
+                          plan_name=getattr(args, "plan", "nvfp4"))
     print(format_report(rep))
     if args.json:
         atomic_write_json(args.json, rep, sort_keys=False)

@@ -4,6 +4,8 @@ engine, the loss's gradient against its closed form, the arms in the RL loop).""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -173,6 +175,28 @@ def _sc_gradient(trainer_logits, sampler_logp, top_ids, y, adv=1.5, cap=2.0):
     loss.backward()
     w = torch.exp(logp.detach() - logp_roll).clamp(max=cap)[0]
     return z.grad, w, stats
+
+
+def test_score_centering_hand_computed_example():
+    """One token, V = 3, k = 1. Trainer p = (0.5, 0.3, 0.2), sampler q = (0.6, 0.25, 0.15), K = {0},
+    sampled y = 1, A = 2. Then w = min(0.3 / 0.25, 2) = 1.2; Q = 0.6, P = 0.5, so the centering is
+    0.6 log 0.5 + 0.4 log(1 - 0.5) = log 0.5 and the loss is -1.2 * 2 * (log 0.3 - log 0.5) = 2.4 log(5/3).
+    By hand, d/dz: d log p_y = e_y - p = (-0.5, 0.7, -0.2); d log p_0 = (0.5, -0.3, -0.2);
+    d log(1 - p_0) = (0, 0.3, 0.2) / 0.5 - p = (-0.5, 0.3, 0.2); centering 0.6 * (.) + 0.4 * (.) =
+    (0.1, -0.06, -0.04); the loss gradient -2.4 * ((-0.5, 0.7, -0.2) - (0.1, -0.06, -0.04)) =
+    (1.44, -1.824, 0.384)."""
+    z = torch.tensor([[0.5, 0.3, 0.2]]).log().requires_grad_(True)
+    rows = torch.log_softmax(z, dim=-1)
+    q = torch.tensor([0.6, 0.25, 0.15]).log()
+    top, tail = trainer_scores([rows], torch.tensor([[[0]]]))
+    logp = rows[:, 1][None]
+    loss, stats = score_centering_loss(logp, logp.detach(), q[1].reshape(1, 1), torch.tensor([2.0]),
+                                       torch.ones(1, 1), top, tail, q[0].reshape(1, 1, 1), is_cap=2.0)
+    loss.backward()
+    # float32: each value is a handful of roundings of O(1) terms (relative 2^-24 each)
+    assert loss.item() == pytest.approx(2.4 * math.log(5 / 3), abs=2**-20)
+    assert torch.allclose(z.grad, torch.tensor([[1.44, -1.824, 0.384]]), atol=2**-20)
+    assert stats["is_weight_mean"] == pytest.approx(1.2, abs=2**-20) and stats["is_truncated_frac"] == 0.0
 
 
 def test_score_centering_gradient_with_the_whole_vocabulary():

@@ -113,3 +113,17 @@ def test_bad_warm_start_config(tmp_path):
     (tmp_path / "y.toml").write_text('name = "y"\nseeds = [0]\nwarm_start = "w"\n' + RUN.replace("[run]\n", '[run]\ncheckpoint = "c"\n'))
     with pytest.raises(ValueError, match="give one"):
         ExperimentConfig.from_file(str(tmp_path / "y.toml"))
+
+
+def test_shipped_experiment_configs_parse():
+    """Every ``configs/experiment-*.toml`` is a valid experiment (all its seeds' run configs validate);
+    the issue-20 config carries the nine arms over three seeds with the addition experiment's settings."""
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parent.parent / "configs").glob("experiment-*.toml"))
+    by_name = {p.name: ExperimentConfig.from_file(str(p)) for p in configs}
+    nine, base = by_name["experiment-addition-9arms.toml"], by_name["experiment-addition.toml"]
+    assert nine.seeds == [0, 1, 2] and nine.run["arms"] == [
+        "bf16", "qat", "trace", "trace-full", "quads", "score-centering", "trace-sc", "qat-fp8", "trace-fp8"]
+    same = {k: v for k, v in base.run.items() if k != "arms"}
+    assert {k: nine.run[k] for k in same} == same

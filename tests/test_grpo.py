@@ -90,7 +90,7 @@ def test_reverse_partial_credit_and_make_task():
 def test_count_by_answers_and_per_position_credit():
     t = make_task("count", terms=4)
     ex = t._example(91, 4)
-    assert ex == Example("A91+4=", "95990307")  # 95, 99, 103 -> 03, 107 -> 07 (mod 100)
+    assert ex == Example("A91+04=", "95990307")  # 95, 99, 103 -> 03, 107 -> 07 (mod 100)
     assert t.reward(ex, "95990307") == 1.0
     assert t.reward(ex, "95990308") == 7 / 8
     assert t.reward(ex, "9599") == 0.5  # scored over the longer string: a short answer loses the rest

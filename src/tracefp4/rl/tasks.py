@@ -193,10 +193,15 @@ class Reverse:
 @dataclasses.dataclass
 class CountBy:
     """``"A<start>+<step>="`` -> the next ``terms`` terms of ``start + k * step`` (k = 1..terms) modulo
-    ``10**digits``, each written with ``digits`` digits and no separator: 32 answer tokens by default
-    (16 two-digit terms), each term computed from the previous one (a slip propagates down the chain,
-    as in long reasoning), from local context the model can learn quickly (the previous term, a fixed
-    few tokens back, and the step, after the only ``+``). Partial credit per correct position."""
+    ``m = 10**digits``, start in ``[0, m)`` and step in ``[1, m)``, every number written with ``digits``
+    digits and no separator: 32 answer tokens by default (16 two-digit terms). Each term is the
+    previous one plus the step, so a slip propagates down the chain, as in long reasoning, while each
+    step needs only local context (the previous term a fixed few tokens back, and the step after the
+    only ``+``). Partial credit per correct position.
+
+    The held-out pairs are a hash of the whole (start, step) modulo 11, so every combination of a
+    units digit, a step and a carry also occurs in training (a rule on the units digit alone would
+    hold out combinations the model never sees, and it would memorise the rest)."""
 
     terms: int = 16
     digits: int = 2
@@ -209,15 +214,16 @@ class CountBy:
                 raise ValueError(f"{field} must be a positive integer, got {v!r}")
 
     def _pair(self, rng: random.Random) -> tuple[int, int]:
-        return rng.randrange(10**self.digits), rng.randint(1, 9)
+        m = 10**self.digits
+        return rng.randrange(m), rng.randrange(1, m)
 
     def _example(self, start: int, step: int) -> Example:
-        m = 10**self.digits
-        terms = "".join(f"{(start + k * step) % m:0{self.digits}d}" for k in range(1, self.terms + 1))
-        return Example(f"A{start:0{self.digits}d}+{step}=", terms)
+        m, d = 10**self.digits, self.digits
+        terms = "".join(f"{(start + k * step) % m:0{d}d}" for k in range(1, self.terms + 1))
+        return Example(f"A{start:0{d}d}+{step:0{d}d}=", terms)
 
     def _held_out(self, start: int, step: int) -> bool:
-        return (start * 7 + step * 3) % 10 == 5  # a fixed tenth of the (start, step) pairs
+        return (start * 7 + step * 3) % 11 == 5  # a fixed eleventh of the (start, step) pairs
 
     def make_tokenizer(self) -> CharTokenizer:
         return CharTokenizer("0123456789+=RSPA")

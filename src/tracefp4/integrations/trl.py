@@ -149,7 +149,7 @@ def unsupported(args: GRPOConfig, **trainer_kwargs: Any) -> str | None:
         (bool(args.fsdp) or args.deepspeed is not None, "FSDP and DeepSpeed are not supported yet by the TRL "
          "integration (use data parallel: accelerate launch without FSDP)"),
         (args.trace_engine == "vllm" and args.world_size > 1, "trace_engine='vllm' with several processes is not "
-         "supported (one in-process vLLM engine per machine): use trace_engine='home'"),
+         "supported (one in-process vLLM engine per process is untested): use trace_engine='home'"),
     ]
     checks += [(trainer_kwargs.get(k) is not None, f"{k} is not supported by TraceGRPOTrainer")
                for k in ("tools", "rollout_func", "environment_factory", "peft_config", "quantization_config")]

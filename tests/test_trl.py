@@ -15,7 +15,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from datasets import Dataset  # noqa: E402
 
-from tracefp4.engines.model import from_config, tiny_config  # noqa: E402
+from tracefp4.engines.model import from_config, model_state, tiny_config  # noqa: E402
 from tracefp4.guidance.names import deeper_half, parse_name  # noqa: E402
 from tracefp4.guidance.store import StoreReader  # noqa: E402
 from tracefp4.integrations.trl import TraceGRPOConfig, TraceGRPOTrainer, unsupported  # noqa: E402
@@ -147,6 +147,9 @@ def test_trace_full_reproduces_every_rollout_code_inside_trl(folder, dataset, tm
     assert logged(trainer, "trace/decode_failures") == [0.0, 0.0]
     assert logged(trainer, "trace/guidance_bytes_per_token")[0] > 0
     assert all(logged(trainer, k) for k in IS_KEYS)
+    ref = trainer.ref_model
+    assert ref is not trainer.model and ref.dtype == torch.bfloat16
+    assert model_state(ref) is not model_state(trainer.model)  # prepared: our forward, in BF16 (ref spec)
     kl, aux = logged(trainer, "kl"), logged(trainer, "aux_loss")
     assert kl and aux and all(torch.isfinite(torch.tensor(kl + aux)))
 

@@ -256,7 +256,11 @@ class TraceGRPOTrainer(GRPOTrainer):
                           "the rollout's replayed experts; set router_aux_loss_coef=0 to train without it",
                           UserWarning, stacklevel=2)
         if self.ref_model is not None:
-            prepare_model(self.accelerator.unwrap_model(self.ref_model))
+            ref = self.accelerator.unwrap_model(self.ref_model)
+            if ref.dtype != torch.bfloat16:  # TRL builds it in the policy's dtype unless model_init_kwargs say otherwise
+                raise ValueError(f"TraceGRPOTrainer: the reference model (beta > 0) must be bfloat16, got {ref.dtype}: "
+                                 "drop 'dtype' from model_init_kwargs")
+            prepare_model(ref)
 
         self._trace_policy = model
         self._trace_plan = precision_plan(args.trace_plan)

@@ -93,6 +93,25 @@ class CharTokenizer:
         return "".join(out)
 
 
+def hf_tokenizer(tok: CharTokenizer):
+    """``tok`` as a transformers ``PreTrainedTokenizerFast``, built offline (no download): the same ids
+    (one token per character, ``<bos>`` first), left padding with ``<pad>``, ``<eos>`` as EOS, and
+    decoding that joins characters without spaces. What a TRL trainer's ``processing_class`` needs."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {s: i for i, s in enumerate(tok.SPECIALS)}
+    vocab.update({c: i + len(tok.SPECIALS) for i, c in enumerate(tok.alphabet)})
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token=tok.SPECIALS[tok.PAD]))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    raw.decoder = decoders.Fuse()
+    bos = tok.SPECIALS[tok.BOS]
+    raw.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.BOS)])
+    return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token=tok.SPECIALS[tok.PAD], bos_token=bos,
+                                   eos_token=tok.SPECIALS[tok.EOS], padding_side="left")
+
+
 def _exact(example: Example, completion: str) -> float:
     return 1.0 if completion.strip() == example.answer else 0.0
 

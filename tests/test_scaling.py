@@ -58,11 +58,32 @@ def test_fit_recovers_an_exact_power_law():
     # exact data: least squares in float64 on a well-conditioned 14 x 4 design (logs of 16..512)
     # recovers the exponents to a few ulp of the normal equations' solution; 1e-9 leaves room.
     assert f["exponents"] == pytest.approx({"layers": a, "hidden": b, "new_tokens": g}, abs=1e-9)
-    assert f["residual_sd_log"] == pytest.approx(0.0, abs=1e-9)
+    assert f["residual_sd"] == pytest.approx(0.0, abs=1e-9)
     for pred in f["predictions"]:
         want = 2 * c * pred["layers"] ** a * pred["hidden"] ** b * pred["new_tokens"] ** g
         assert pred["predicted"] == pytest.approx(want, rel=1e-8)
         assert pred["interval95"][0] <= pred["predicted"] <= pred["interval95"][1]
+
+
+def test_fit_of_a_share_is_a_power_law_in_its_odds_and_predicts_a_share():
+    """Shares are fitted on the logit scale: odds that follow a power law exactly are recovered (same
+    conditioning argument as above), and a share whose odds grow past the grid is predicted below 1
+    where a log-scale power law in the share itself would exceed it."""
+    a, b, g, c = 0.75, -0.25, 0.5, 0.01
+    rows = []
+    for p in grid(("trained",)):
+        odds = c * p.layers**a * p.hidden**b * p.new_tokens**g
+        q = odds / (1 + odds)
+        rows.append({"point": {"layers": p.layers, "hidden": p.hidden, "new_tokens": p.new_tokens},
+                     "arms": {"qat": {"code_mismatch": q}}})  # fmt: skip
+    f = fit(rows)["qat"]["code_mismatch"]
+    assert f["scale"] == "logit"
+    assert f["exponents"] == pytest.approx({"layers": a, "hidden": b, "new_tokens": g}, abs=1e-9)
+    for pred in f["predictions"]:
+        odds = c * pred["layers"] ** a * pred["hidden"] ** b * pred["new_tokens"] ** g
+        assert odds > 1  # past even odds at the targets: the log-scale fit would predict q > 0.5 growing without bound
+        assert pred["predicted"] == pytest.approx(odds / (1 + odds), rel=1e-8)
+        assert pred["interval95"][1] < 1.0
 
 
 def test_scaling_runs_resumes_and_reruns_a_point_identically(tmp_path, capsys):

@@ -32,7 +32,8 @@ token-level cap) and the share of sequences whose product of weights exceeds c (
 sequence-level cap, TRL's ``sequence_mask``) or leaves ``[1/c, c]``.
 
 The fit (:func:`fit`): for each arm and each positive quantity, least squares of
-``log q = a + b_L log L + b_H log H + b_T log T`` over the trained (or random) points, and the
+``g(q) = a + b_L log L + b_H log H + b_T log T`` over the trained (or random) points (``g`` the log,
+or the logit for a share such as the code mismatch, so that a predicted share stays below 1), and the
 prediction at the paper's shapes (:data:`TARGETS`: Qwen3-30B-A3B's 48 layers and hidden 2048, completions
 of 8K-32K tokens) with a 95% prediction interval from the residual spread (Student t with n - 4
 degrees of freedom). It is an extrapolation far outside the grid (2x the depth, 4x the width, 16-64x
@@ -101,7 +102,8 @@ TARGETS = tuple(dict(layers=48, hidden=2048, new_tokens=t) for t in (8192, 16384
 EXPERTS, TOP_K, HEAD_DIM = 8, 2, 32
 RANDOM_INIT_STD = 0.1  # the mismatch report's peaked random init
 SFT = dict(steps=300, batch=32, lr=2e-3)
-#: Quantities the fit models (positive, unbounded): arm row key -> label.
+#: Quantities the fit models: arm row key -> label. Shares (:data:`SHARES`) are fitted on the logit
+#: scale, so a prediction stays a share; the others (positive, unbounded) on the log scale.
 FITTED = {
     "code_mismatch": "FP4 code mismatch, all sites",
     "mean_abs": "mean |Δlogp|",
@@ -109,6 +111,7 @@ FITTED = {
     "max_abs": "max |Δlogp|",
     "seq_abs_mean": "mean |sequence log-ratio|",
 }
+SHARES = frozenset({"code_mismatch"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,30 +480,36 @@ def _features(layers: int, hidden: int, new_tokens: int) -> list[float]:
 
 
 def fit(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Per arm and quantity of :data:`FITTED`: the log-linear fit over ``rows`` (one weights kind) and
-    its predictions at :data:`TARGETS` with 95% prediction intervals."""
+    """Per arm and quantity of :data:`FITTED`: the fit of ``g(q) = a + b_L log L + b_H log H + b_T log T``
+    over ``rows`` (one weights kind), ``g`` the log or, for a share, the logit ``log(q / (1 - q))``
+    (a power law in the odds, which for small shares is the power law in the share itself), and its
+    predictions at :data:`TARGETS` with 95% prediction intervals mapped back through ``g``'s inverse."""
     from tracefp4.rl.experiment import t_quantile_975
 
     out: dict[str, Any] = {}
     for arm in ARMS:
         for key in FITTED:
+            share = key in SHARES
             pts = [(r["point"], r["arms"][arm].get(key)) for r in rows if arm in r["arms"]]
-            pts = [(p, v) for p, v in pts if v is not None and v > 0]
+            pts = [(p, v) for p, v in pts if v is not None and v > 0 and (not share or v < 1)]
             if len(pts) < 6:
-                continue  # too few positive points for four coefficients and a spread
+                continue  # too few usable points for four coefficients and a spread
+            g = (lambda v: math.log(v / (1.0 - v))) if share else math.log
+            g_inv = (lambda z: 1.0 / (1.0 + math.exp(-z))) if share else math.exp
             x = [_features(p["layers"], p["hidden"], p["new_tokens"]) for p, _ in pts]
-            beta, inv, s, df = _lstsq(x, [math.log(v) for _, v in pts])
+            beta, inv, s, df = _lstsq(x, [g(v) for _, v in pts])
             t = t_quantile_975(df)
             preds = []
             for tgt in TARGETS:
                 f = torch.tensor(_features(**tgt), dtype=torch.float64)
                 mean = float(f @ torch.tensor(beta, dtype=torch.float64))
                 half = t * s * math.sqrt(1.0 + float(f @ torch.tensor(inv, dtype=torch.float64) @ f))
-                preds.append({**tgt, "predicted": math.exp(mean), "interval95": [math.exp(mean - half), math.exp(mean + half)]})
+                preds.append({**tgt, "predicted": g_inv(mean), "interval95": [g_inv(mean - half), g_inv(mean + half)]})
             out.setdefault(arm, {})[key] = {
+                "scale": "logit" if share else "log",
                 "exponents": {"layers": beta[1], "hidden": beta[2], "new_tokens": beta[3]},
                 "exponent_se": {k: s * math.sqrt(inv[i][i]) for i, k in ((1, "layers"), (2, "hidden"), (3, "new_tokens"))},
-                "residual_sd_log": s, "points": len(pts), "predictions": preds,
+                "residual_sd": s, "points": len(pts), "predictions": preds,
             }  # fmt: skip
     return out
 

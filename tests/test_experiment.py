@@ -8,7 +8,7 @@ import math
 import pytest
 
 from tracefp4.cli import main
-from tracefp4.rl.experiment import ExperimentConfig, mean_ci95, t_quantile_975
+from tracefp4.rl.experiment import ExperimentConfig, collapse_step, mean_ci95, t_quantile_975
 
 RUN = """
 [run]
@@ -37,6 +37,22 @@ def test_mean_ci95_golden():
     assert t_quantile_975(1) == 12.706 and t_quantile_975(100) == 1.96
     with pytest.raises(ValueError):
         mean_ci95([])
+
+
+@pytest.mark.parametrize(
+    ("accs", "expected"),
+    [
+        ([0.2, 0.6, 0.5, 0.7], None),  # never below half of the running max
+        ([0.2, 0.6, 0.2, 0.1, 0.05], (20, 2)),  # below 0.3 from step 20 on
+        ([0.2, 0.6, 0.2, 0.4, 0.1], (40, 0)),  # recovered at step 30 (0.4 >= 0.3): only the last one counts
+        ([0.8, 0.3, 0.35, 0.39], (10, 2)),  # 0.39 < 0.8 / 2: still collapsed
+        ([0.8, 0.3, 0.35, 0.40], None),  # 0.40 is half of 0.8, not below it: recovered
+        ([0.0, 0.0, 0.0], None),  # nothing to collapse from
+        ([], None),
+    ],
+)
+def test_collapse_step(accs, expected):
+    assert collapse_step([(10 * i, a) for i, a in enumerate(accs)]) == expected
 
 
 def test_bad_experiment_config(tmp_path):
@@ -73,7 +89,16 @@ def test_experiment_runs_seeds_and_resumes(tmp_path):
     b, t = res["arms"]["bf16"]["final_eval_accuracy_per_seed"], res["arms"]["trace"]["final_eval_accuracy_per_seed"]
     assert paired["n"] == 2 and paired["mean"] == pytest.approx(sum(x - y for x, y in zip(t, b)) / 2, abs=1e-12)
     assert "final_eval_accuracy_minus_bf16" not in res["arms"]["bf16"]
-    assert (tmp_path / "img" / "tiny_eval_accuracy.png").exists()
+    for arm, e in res["arms"].items():  # each seed's own evaluations, and the collapse statistic on them
+        for s in ("0", "1"):
+            series = list(zip(e["per_seed"][s]["eval_step"], e["per_seed"][s]["eval_accuracy"]))
+            c = collapse_step(series)
+            assert e["collapse"]["per_seed"][s] == (None if c is None else {"step": c[0], "evals_after": c[1]})
+        assert e["collapse"]["share"] == e["collapse"]["seeds_collapsed"] / 2
+        assert set(e["curves"]) >= {"eval_accuracy", "reward_mean", "logprob_gap_mean", "is_truncated_frac"}
+        assert e["response_length"] > 0
+    for plot in ("eval_accuracy", "reward_mean", "is_truncated_frac"):
+        assert (tmp_path / "img" / f"tiny_{plot}.png").exists()
     # a second invocation resumes the finished seeds (nothing is run again) and gives the same summary
     before = (tmp_path / "runs" / "tiny" / "seed-0" / "metrics" / "trace.jsonl").read_text()
     assert main(argv) == 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tracefp4.rl.grpo import LossAgg, aggregate, group_advantages, grpo_loss, mismatch_metrics, pad_right
-from tracefp4.rl.tasks import Addition, CharTokenizer, Example, PrefixSum, Reverse, make_task
+from tracefp4.rl.tasks import Addition, CharTokenizer, CountBy, Example, Reverse, make_task
 
 
 def test_group_advantages_hand_values():
@@ -67,7 +67,7 @@ def test_tokenizer_round_trip_and_errors():
         tok.encode("1x")
 
 
-@pytest.mark.parametrize("task", [Addition(), Reverse(), PrefixSum()])
+@pytest.mark.parametrize("task", [Addition(), Reverse(), CountBy()])
 def test_tasks_rewards_and_held_out(task):
     train = task.sample(random.Random(0), 500)
     held = task.eval_set(64)
@@ -87,17 +87,18 @@ def test_reverse_partial_credit_and_make_task():
         make_task("chess")
 
 
-def test_prefix_sum_answers_and_per_position_credit():
-    t = make_task("prefix", length=4)
-    ex = t._example("3917")
-    assert ex == Example("P3917=", "3230")  # 3, 3+9=12, 12+1=13, 13+7=20 (mod 10)
-    assert t.reward(ex, "3230") == 1.0
-    assert t.reward(ex, "3231") == 0.75
-    assert t.reward(ex, "32") == 0.5  # scored over the longer string: a short answer loses the rest
-    assert t.reward(ex, "323000") == pytest.approx(4 / 6)
-    assert all(len(e.answer) == 32 for e in make_task("prefix").eval_set(16))
-    with pytest.raises(ValueError, match="length must be a positive integer"):
-        PrefixSum(length=0)
+def test_count_by_answers_and_per_position_credit():
+    t = make_task("count", terms=4)
+    ex = t._example(91, 4)
+    assert ex == Example("A91+04=", "95990307")  # 95, 99, 103 -> 03, 107 -> 07 (mod 100)
+    assert t.reward(ex, "95990307") == 1.0
+    assert t.reward(ex, "95990308") == 7 / 8
+    assert t.reward(ex, "9599") == 0.5  # scored over the longer string: a short answer loses the rest
+    assert t.reward(ex, "9599030700") == pytest.approx(8 / 10)
+    assert all(len(e.answer) == 32 for e in make_task("count").eval_set(16))
+    assert len(set(make_task("count").eval_set(64))) == 64  # distinct held-out prompts
+    with pytest.raises(ValueError, match="terms must be a positive integer"):
+        CountBy(terms=0)
 
 
 def test_pad_right():

@@ -169,10 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tracefp4", description="TRACE: rollout-guided FP4 rounding for RL of MoE LLMs")
     sub = p.add_subparsers(dest="command", required=True)
     from tracefp4.reports import capacity as plan
+    from tracefp4.reports import scaling
     from tracefp4.reports.commands import add_mismatch_parser
 
     add_mismatch_parser(sub)  # the report, and the guidance sweep with --sweep
     plan.add_parser(sub)
+    scaling.add_parser(sub)
 
     d = sub.add_parser(
         "demo",

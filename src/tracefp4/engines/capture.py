@@ -12,18 +12,28 @@ over that forward's flattened rows (batch-major, ``b*S + s``):
 * at the diagnostic layers, the raw quantized value (full codes, for code-mismatch metrics; they are
   kept in memory only and never reach the store).
 
-Recording never changes what the forward computes.
+Recording never changes what the forward computes. The capture is the rollout's
+:class:`~tracefp4.engines.path.ForwardPath`: the site hook records, the routing hook records, and
+the expert weights are kept across forwards in the prepared model's cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 import torch
 
+from tracefp4.engines.path import ForwardPath
 from tracefp4.formats.constants import HintMode
 from tracefp4.formats.numerics import MXFP4, NVFP4
+from tracefp4.formats.quantizers import Quantizer
 from tracefp4.guidance.compact import CompactRecord, GuidanceSpec, GuidedMode, encode_record
+
+if TYPE_CHECKING:
+    from tracefp4.engines.experts.base import ExpertGEMM, PreparedWeight
+    from tracefp4.engines.experts.cache import PreparedCache
 
 __all__ = ["ForwardRecord", "RolloutCapture"]
 
@@ -38,7 +48,7 @@ class ForwardRecord:
 
 
 @dataclasses.dataclass
-class RolloutCapture:
+class RolloutCapture(ForwardPath):
     """What a rollout records; see the module docstring.
 
     mode: the guidance mode (``None``: routing only, no guidance at any layer).
@@ -50,6 +60,7 @@ class RolloutCapture:
     guided_layers: frozenset[int] = frozenset()
     diagnostic_layers: frozenset[int] = frozenset()
     _current: ForwardRecord = dataclasses.field(default_factory=ForwardRecord, init=False, repr=False)
+    rollout = True  # a class attribute (no annotation): the path's kind, not a field
 
     def __post_init__(self) -> None:
         self.guided_layers = frozenset(int(i) for i in self.guided_layers)
@@ -81,6 +92,26 @@ class RolloutCapture:
 
     def record_routing(self, layer: int, indices: torch.Tensor) -> None:
         self._current.routing[layer] = indices.detach()
+
+    # --- the path's hooks ---------------------------------------------------------------------
+
+    def site(self, layer: int, name: str, x: torch.Tensor, quantizer: Quantizer) -> NVFP4 | MXFP4:
+        q = quantizer.quantize(x.detach())
+        self.record_site(layer, name, x, q)
+        return q
+
+    def route(self, layer: int, weights: torch.Tensor, indices: torch.Tensor, logits: torch.Tensor | None = None,
+              renormalises: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        self.record_routing(layer, indices)
+        return weights, indices
+
+    def expert_weights(self, cache: PreparedCache, owner: Hashable, name: str, w: torch.Tensor,
+                       quantizer: Quantizer | None, gemm: ExpertGEMM) -> PreparedWeight:
+        """Kept in ``cache`` across forwards, keyed on the weight's storage and version counter (an
+        optimizer step or a weight load bumps it); BF16 weights are used as they are."""
+        if quantizer is None:
+            return super().expert_weights(cache, owner, name, w, quantizer, gemm)
+        return cache.get(owner, name, w, quantizer, gemm)
 
     def take(self) -> ForwardRecord:
         """Hand over what the last forward recorded and start empty (one call per forward)."""

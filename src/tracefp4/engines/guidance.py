@@ -1,12 +1,22 @@
 """What the trainer's forward reads from the rollout and reports back (the trainer side of the seams).
 
-A :class:`TrainerGuidance` holds, for one teacher-forced forward over a packed batch:
+A :class:`TrainerGuidance` holds, for one teacher-forced forward:
 
 * inputs: the rollout's record per guided site (a :class:`~tracefp4.guidance.hints.Hint`, or a
   :class:`~tracefp4.guidance.compact.CompactRecord` that decodes into one given the trainer's own
-  value), the routing to replay per MoE layer, and the layers whose codes to capture;
-* outputs: the trainer's packed FP4 codes and their grid at the capture layers, per-layer router
-  flips under replay, and how many compact-record blocks failed to decode.
+  value), the routing to replay per MoE layer, the layers whose codes to capture, and the
+  :class:`~tracefp4.engines.rows.RowMap` of the forward's rows; records and replay are in record
+  order (the trajectories' covered positions, concatenated), the map says which rows they belong to
+  (None: the rows are the records' rows, a packed batch);
+* outputs: the trainer's packed FP4 codes and their grid at the capture layers (in record order),
+  per-layer router flips under replay (over real rows), and how many compact-record blocks failed to
+  decode.
+
+Padding rows are rounded to nearest on their own grid and keep the router's own experts.
+
+It is the trainer's :class:`~tracefp4.engines.path.ForwardPath`: the site hook rounds toward the
+record, the routing hook replays, and the expert weights are prepared every forward with
+straight-through gradients (the plain path's).
 """
 
 from __future__ import annotations
@@ -16,22 +26,26 @@ from collections.abc import Mapping
 
 import torch
 
+from tracefp4.engines.path import ForwardPath
+from tracefp4.engines.rows import RowMap, scatter_rows
 from tracefp4.formats.constants import HintMode
 from tracefp4.formats.numerics import FP8, MXFP4, NVFP4
 from tracefp4.formats.quantizers import Grid, Quantizer
 from tracefp4.guidance.compact import CompactRecord, decode_record
 from tracefp4.guidance.hints import Hint
+from tracefp4.guidance.names import layer_tag
 
 __all__ = ["TrainerGuidance", "guided"]
 
 
 @dataclasses.dataclass
-class TrainerGuidance:
+class TrainerGuidance(ForwardPath):
     """See the module docstring. ``hints`` keys are ``record_prefix(layer, site)``."""
 
     hints: Mapping[str, Hint | CompactRecord] = dataclasses.field(default_factory=dict)
     routing_replay: Mapping[int, torch.Tensor] | None = None
     capture_layers: frozenset[int] = frozenset()
+    rows: RowMap | None = None
     codes: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, init=False)
     grids: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = dataclasses.field(default_factory=dict, init=False)
     router_flips: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict, init=False)
@@ -61,6 +75,69 @@ class TrainerGuidance:
 
     def note_flips(self, layer: int, flipped: int, tokens: int) -> None:
         self.router_flips[layer] = (flipped, tokens)
+
+    # --- the path's hooks ---------------------------------------------------------------------
+
+    def _mapped(self) -> RowMap | None:
+        """The row map, or None where the forward's rows are the records' rows."""
+        return None if self.rows is None or self.rows.dense else self.rows
+
+    def _check_rows(self, what: str, n: int) -> None:
+        if self.rows is not None and n != self.rows.n_rows:
+            raise ValueError(f"{what}: the forward has {n} rows but its row map {self.rows.shape} has "
+                             f"{self.rows.n_rows} (one trainer_forward per model forward)")
+
+    def site(self, layer: int, name: str, x: torch.Tensor, quantizer: Quantizer) -> NVFP4 | MXFP4:
+        self._check_rows(name, x.shape[0])
+        rows = self._mapped()
+        if rows is None:
+            hint = self.hint(name, x)
+            q = quantizer.quantize(x.detach()) if hint is None else guided(quantizer, x.detach(), hint)
+            self.capture_site(layer, name, q, quantizer.grid(q))
+            return q
+        if name not in self.hints and layer not in self.capture_layers:
+            return quantizer.quantize(x.detach())
+        real = rows.real.to(x.device)
+        xr = x.detach()[real]
+        hint = self.hint(name, xr)
+        qr = quantizer.quantize(xr) if hint is None else guided(quantizer, xr, hint)
+        self.capture_site(layer, name, qr, quantizer.grid(qr))
+        pad = rows.pad.to(x.device)
+        parts = [(real, qr)] + ([(pad, quantizer.quantize(x.detach()[pad]))] if pad.numel() else [])
+        return scatter_rows(x.shape[0], parts)
+
+    def route(self, layer: int, weights: torch.Tensor, indices: torch.Tensor, logits: torch.Tensor | None = None,
+              renormalises: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing replay (R3): the rollout's experts, with probabilities from this path's own
+        ``logits`` (softmax, gathered at the replayed experts, renormalised as the router does), so the
+        selection is replayed and the router weight still gets gradients. Padding rows keep the
+        router's own choice."""
+        replay = self.replay(layer)
+        if replay is None:
+            return weights, indices
+        if logits is None or renormalises is None:
+            raise ValueError(f"routing replay {layer_tag(layer)}: needs the router's logits and renormalisation")
+        self._check_rows(f"routing replay {layer_tag(layer)}", indices.shape[0])
+        rows = self._mapped()
+        real = None if rows is None else rows.real.to(indices.device)
+        own = indices if real is None else indices[real]
+        replay = replay.to(device=indices.device, dtype=torch.long)
+        if replay.shape != own.shape:
+            raise ValueError(
+                f"routing replay {layer_tag(layer)}: recorded indices {tuple(replay.shape)} but the router "
+                f"produced {tuple(own.shape)}" + ("" if real is None else " on the real rows")
+            )
+        with torch.no_grad():
+            mine, rec = own.sort(dim=-1).values, replay.sort(dim=-1).values
+            self.note_flips(layer, int((mine != rec).any(dim=-1).sum()), int(own.shape[0]))
+        probs = torch.softmax((logits if real is None else logits[real]).to(torch.float32), dim=-1)
+        chosen = probs.gather(-1, replay)
+        if renormalises:
+            chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+        chosen = chosen.to(weights.dtype)
+        if real is None:
+            return chosen, replay
+        return weights.index_put((real,), chosen), indices.index_put((real,), replay)
 
 
 def guided(quantizer: Quantizer, x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4 | FP8:

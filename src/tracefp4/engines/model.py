@@ -9,15 +9,26 @@ seams). We plug into three of its extension points and copy no model code:
   there and select it with ``PreTrainedModel.set_experts_implementation``. Our forward quantizes the
   routed-expert weights and the two GEMM inputs (sites ``expert_in`` and ``expert_mid``).
 * **Router** -- ``mlp.gate`` (``<Family>TopKRouter``) returns ``(logits, weights, indices)``. A forward
-  hook captures the indices (rollout) or replays recorded ones (trainer, R3).
-* **KV cache** -- ``transformers.cache_utils.Cache`` made of our :class:`FP4KVLayer` (a
-  ``DynamicLayer``): the attention module calls ``cache.update`` with post-RoPE keys and values, which
-  is where a real FP4 KV cache quantizes (sites ``k`` and ``v``).
+  hook hands them to the path's routing hook (a rollout records the indices, a trainer replays
+  recorded ones: R3).
+* **KV cache** -- the attention module calls ``cache.update`` with post-RoPE keys and values, which
+  is where a real FP4 KV cache quantizes (sites ``k`` and ``v``): our :class:`FP4KVCache` (made of
+  :class:`FP4KVLayer`, a ``DynamicLayer``) quantizes there; under any other cache, or none
+  (``use_cache=False``, as trainers run), a forward pre-hook on the attention module puts a
+  quantizing layer in front, so the K/V sites are quantized on every forward with a plan.
 
 What each forward does is set per call with :func:`forward_state`: a :class:`ForwardState` names the
-precision plan (None: BF16) and the path the forward belongs to, a rollout's
-:class:`~tracefp4.engines.capture.RolloutCapture` (what it records) or the trainer's
-:class:`~tracefp4.engines.guidance.TrainerGuidance` (what it is guided by and reports).
+precision plan (None: BF16) and the :class:`~tracefp4.engines.path.ForwardPath` the forward belongs
+to, e.g. a rollout's :class:`~tracefp4.engines.capture.RolloutCapture` (what it records) or the
+trainer's :class:`~tracefp4.engines.guidance.TrainerGuidance` (what it is guided by and reports).
+The seams call the path's hooks and never look at its class.
+
+State: everything tracefp4 keeps for a prepared model is one :class:`ModelState`, the model's
+``tracefp4_state`` attribute: the layer count, the MoE layers, which of the model's modules is
+which layer's experts, router or attention, the forward in progress and the rollout's prepared
+expert weights. The seams find it from the module they are called on through a weak registry
+filled by :func:`prepare_model` (and again when the model is deep-copied or unpickled), so nothing
+is stored on transformers' modules themselves.
 
 Quantization granularity: routed-expert weights per expert (one global scale per expert),
 activations per token (``expert_in``: rows of ``[T, H]``; ``expert_mid``: rows of ``[T, top_k, I]``,
@@ -35,6 +46,7 @@ import functools
 import inspect
 import os
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,9 +57,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 from transformers.masking_utils import create_causal_mask
 
-from tracefp4.engines.capture import RolloutCapture
 from tracefp4.engines.experts import ExpertGEMM, PreparedCache, PreparedWeight, choose_gemm, routed_experts
-from tracefp4.engines.guidance import TrainerGuidance
+from tracefp4.engines.path import ForwardPath
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.sites import BF16, ForwardState, quantize_kv, quantize_site
 from tracefp4.guidance.names import Site, layer_tag
@@ -61,6 +72,7 @@ __all__ = [
     "CACHE_KWARG",
     "EXPERTS_IMPLEMENTATION",
     "ForwardState",
+    "ModelState",
     "MoELayer",
     "FP4KVLayer",
     "FP4KVCache",
@@ -70,6 +82,7 @@ __all__ = [
     "load_model",
     "moe_layers",
     "model_layers",
+    "model_state",
     "forward_state",
     "quantize_site",
     "quantize_kv",
@@ -97,36 +110,26 @@ _ALWAYS_RENORMALISES = ("MixtralTopKRouter",)
 
 
 def expert_weights(state: ForwardState, experts: nn.Module, name: str, gemm: ExpertGEMM) -> PreparedWeight:
-    """Routed-expert weight ``name`` (``[E, N, K]``) of ``experts`` as this forward's GEMM takes it.
-
-    The rollout keeps prepared (e.g. packed FP4) weights across forwards in the model's
-    :class:`~tracefp4.engines.experts.PreparedCache`, keyed on the parameter's storage and version
-    counter (an optimizer step bumps it); the trainer prepares them every forward so that the master
-    weights get straight-through gradients.
-    """
+    """Routed-expert weight ``name`` (``[E, N, K]``) of ``experts`` as this forward's GEMM takes it: the
+    path's expert-weights hook (a rollout keeps prepared, e.g. packed FP4, weights across forwards in
+    the model's :class:`~tracefp4.engines.experts.PreparedCache`, keyed on the parameter's storage and
+    version counter, which an optimizer step bumps; the trainer prepares them every forward so that
+    the master weights get straight-through gradients)."""
+    model_state, layer = _bound(experts)
     w: torch.Tensor = getattr(experts, name)
     quantizer = None if state.plan is None else state.plan.weight_quantizer
-    if quantizer is None or not state.rollout:
-        return gemm.prepare(w, quantizer, gradients=True, copy=bool(experts.__dict__.get("_tracefp4_gathered")))
-    runtime, layer = experts.__dict__["_tracefp4_binding"]
     try:
-        return runtime.weights.get(layer, name, w, quantizer, gemm)
+        return state.path.expert_weights(model_state.weights, layer, name, w, quantizer, gemm)
     except ValueError as e:
         raise ValueError(f"{layer_tag(layer)} experts.{name}: {e}") from e
 
 
-# --- the model's runtime state -------------------------------------------------------------------
+# --- the model's state ---------------------------------------------------------------------------
 
 
-class _Runtime:
-    """Shared by every patched module of one model: the state of the forward in progress and the
-    rollout's prepared expert weights."""
-
-    def __init__(self, n_layers: int, moe: tuple[int, ...]) -> None:
-        self.state: ForwardState | None = None
-        self.n_layers = n_layers
-        self.moe_layers = moe
-        self.weights = PreparedCache()
+#: module -> (its model's state, its layer), for every experts, router and attention module of a
+#: prepared model. Weak: the registry never keeps a model alive.
+_BOUND: weakref.WeakKeyDictionary[nn.Module, tuple[ModelState, int]] = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,15 +142,62 @@ class MoELayer:
     router: nn.Module
 
 
-def _state(runtime: _Runtime) -> ForwardState:
-    return runtime.state if runtime.state is not None else BF16
+@dataclasses.dataclass(eq=False)
+class ModelState:
+    """Everything tracefp4 keeps for one prepared model (see the module docstring).
+
+    n_layers: decoder layers. moe: the MoE blocks found (their layer indices are :attr:`moe_layers`).
+    attention: each decoder layer's attention module and the name under which it takes the cache.
+    current: the forward in progress (None: BF16, no path). weights: the rollout's prepared
+    expert weights. A copy (``copy.deepcopy``, pickling) starts with no forward and an empty cache.
+    """
+
+    n_layers: int
+    moe: tuple[MoELayer, ...]
+    attention: tuple[tuple[nn.Module, str], ...]
+    current: ForwardState | None = None
+    weights: PreparedCache = dataclasses.field(default_factory=PreparedCache)
+
+    def __post_init__(self) -> None:
+        self._register()
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(m.index for m in self.moe)
+
+    def _register(self) -> None:
+        for m in self.moe:
+            _BOUND[m.experts] = (self, m.index)
+            _BOUND[m.router] = (self, m.index)
+        for i, (attn, _) in enumerate(self.attention):
+            _BOUND[attn] = (self, i)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"n_layers": self.n_layers, "moe": self.moe, "attention": self.attention}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, current=None, weights=PreparedCache())
+        self._register()
+
+    def forward(self) -> ForwardState:
+        """The state of the forward in progress (BF16, the plain path, outside :func:`forward_state`)."""
+        return self.current if self.current is not None else BF16
 
 
-def _runtime(model: PreTrainedModel) -> _Runtime:
-    rt = model.__dict__.get("_tracefp4_runtime")
-    if rt is None:
+def _bound(module: nn.Module) -> tuple[ModelState, int]:
+    try:
+        return _BOUND[module]
+    except KeyError:
+        raise ValueError(f"{type(module).__name__} is not part of a model prepared for tracefp4 "
+                         "(tracefp4.engines.model.prepare_model)") from None
+
+
+def model_state(model: PreTrainedModel) -> ModelState:
+    """The :class:`ModelState` of a prepared model."""
+    st = model.__dict__.get("tracefp4_state")
+    if not isinstance(st, ModelState):
         raise ValueError("model is not prepared for tracefp4: call tracefp4.engines.model.prepare_model(model) first")
-    return rt
+    return st
 
 
 # --- seam 1: the experts forward -----------------------------------------------------------------
@@ -159,8 +209,8 @@ def tracefp4_experts_forward(
     """Routed experts with FP4 weights and FP4 GEMM inputs, as both paths compute them:
     :func:`tracefp4.engines.experts.routed_experts` on this forward's backend (``hidden_states [N, H]``
     flattened tokens, ``top_k_index``/``top_k_weights [N, top_k]``)."""
-    runtime, layer = self.__dict__["_tracefp4_binding"]
-    state = _state(runtime)
+    model_state_, layer = _bound(self)
+    state = model_state_.forward()
     gemm = choose_gemm(state.plan, hidden_states.device, hidden_states.dtype, gradients=not state.rollout)
     w_gate_up = expert_weights(state, self, "gate_up_proj", gemm)
     w_down = expert_weights(state, self, "down_proj", gemm)
@@ -187,34 +237,14 @@ def _renormalises(router: nn.Module) -> bool:
 def _router_hook(
     router: nn.Module, args: tuple[Any, ...], output: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    # The binding lives on the module, not in a closure, so a deep copy of the model (a reference
-    # policy, say) hooks into its own runtime.
-    runtime, layer = router.__dict__["_tracefp4_binding"]
-    path = _state(runtime).path
-    if path is None:
-        return None
+    # Looked up from the module each call, not closed over, so a deep copy of the model (a reference
+    # policy, say) hooks into its own state.
+    model_state_, layer = _bound(router)
     logits, weights, indices = output
-    replay = path.replay(layer) if isinstance(path, TrainerGuidance) else None
-    if replay is not None:
-        replay = replay.to(device=indices.device, dtype=torch.long)
-        if replay.shape != indices.shape:
-            raise ValueError(
-                f"routing replay {layer_tag(layer)}: recorded indices {tuple(replay.shape)} but the router "
-                f"produced {tuple(indices.shape)}"
-            )
-        with torch.no_grad():
-            own, rec = indices.sort(dim=-1).values, replay.sort(dim=-1).values
-            path.note_flips(layer, int((own != rec).any(dim=-1).sum()), int(indices.shape[0]))
-        # Probabilities from the trainer's own logits, gathered at the rollout's experts: the
-        # selection is replayed, the router weight still gets gradients.
-        probs = torch.softmax(logits.to(torch.float32), dim=-1)
-        weights_new = probs.gather(-1, replay)
-        if _renormalises(router):
-            weights_new = weights_new / weights_new.sum(dim=-1, keepdim=True)
-        output = (logits, weights_new.to(weights.dtype), replay)
-    if isinstance(path, RolloutCapture):
-        path.record_routing(layer, output[2])
-    return output
+    new_weights, new_indices = model_state_.forward().path.route(layer, weights, indices, logits, _renormalises(router))
+    if new_weights is weights and new_indices is indices:
+        return None
+    return logits, new_weights, new_indices
 
 
 # --- seam 3: the KV cache ------------------------------------------------------------------------
@@ -230,15 +260,15 @@ class FP4KVLayer(DynamicLayer):
     at every position.
     """
 
-    def __init__(self, runtime: _Runtime, layer_idx: int) -> None:
+    def __init__(self, state: ModelState, layer_idx: int) -> None:
         super().__init__()
-        self._runtime = runtime
+        self._state = state
         self.layer_idx = layer_idx
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        state = _state(self._runtime)
+        state = self._state.forward()
         key_states = quantize_kv(state, self.layer_idx, Site.K, key_states)
         value_states = quantize_kv(state, self.layer_idx, Site.V, value_states)
         return super().update(key_states, value_states, *args, **kwargs)
@@ -248,8 +278,43 @@ class FP4KVCache(Cache):
     """One :class:`FP4KVLayer` per decoder layer of a prepared model (full attention only)."""
 
     def __init__(self, model: PreTrainedModel) -> None:
-        runtime = _runtime(model)
-        super().__init__(layers=[FP4KVLayer(runtime, i) for i in range(runtime.n_layers)])
+        state = model_state(model)
+        super().__init__(layers=[FP4KVLayer(state, i) for i in range(state.n_layers)])
+
+
+class KVSites:
+    """What an attention module is handed as its cache when the caller's is not an :class:`FP4KVCache`:
+    ``update`` quantizes K and V for the forward's plan (sites ``k``/``v``), then stores them in the
+    caller's cache if there is one (as an FP4 cache would) or just returns them (``use_cache=False``)."""
+
+    def __init__(self, state: ForwardState, layer: int, inner: Any) -> None:
+        self.state, self.layer, self.inner = state, layer, inner
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        key_states = quantize_kv(self.state, self.layer, Site.K, key_states)
+        value_states = quantize_kv(self.state, self.layer, Site.V, value_states)
+        if self.inner is None:
+            return key_states, value_states
+        return self.inner.update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # anything else the attention may read: the caller's cache
+        if self.inner is None:
+            raise AttributeError(f"no cache: the forward runs without one ({name!r})")
+        return getattr(self.inner, name)
+
+
+def _attention_pre_hook(attn: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                        ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    model_state_, layer = _bound(attn)
+    state = model_state_.forward()
+    if state.plan is None:
+        return None
+    name = model_state_.attention[layer][1]
+    cache = kwargs.get(name)
+    if isinstance(cache, FP4KVCache):  # quantizes in its own layers
+        return None
+    return args, {**kwargs, name: KVSites(state, layer, cache)}
 
 
 # --- preparing, building, loading ----------------------------------------------------------------
@@ -260,6 +325,23 @@ def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     if not isinstance(layers, nn.ModuleList):
         raise NotImplementedError(f"{type(model).__name__}: no decoder layer list at base_model.layers")
     return layers
+
+
+def _attention(layer: nn.Module, i: int) -> nn.Module:
+    attn = getattr(layer, "self_attn", None)
+    if not isinstance(attn, nn.Module) or getattr(attn, "layer_idx", i) != i:
+        raise NotImplementedError(f"layer {i}: no attention module at self_attn with layer_idx {i}")
+    return attn
+
+
+def _cache_kwarg(attn: nn.Module) -> str:
+    """The keyword under which the attention module takes the cache (``past_key_values``; ``cache``
+    where transformers renamed it)."""
+    params = inspect.signature(attn.forward).parameters
+    for name in ("past_key_values", "cache", "past_key_value"):
+        if name in params:
+            return name
+    raise NotImplementedError(f"{type(attn).__name__}.forward takes no cache argument: cannot quantize K/V")
 
 
 def moe_layers(model: PreTrainedModel) -> list[MoELayer]:
@@ -306,7 +388,7 @@ def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
     like transformers' eager experts up to the summation order. Nothing is added to the state dict
     or the config, so ``save_pretrained`` writes a plain transformers checkpoint.
     """
-    if "_tracefp4_runtime" in model.__dict__:
+    if isinstance(model.__dict__.get("tracefp4_state"), ModelState):
         return model
     config = model.config
     layer_types = getattr(config, "layer_types", None)
@@ -319,13 +401,14 @@ def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
     found = moe_layers(model)
     if not found:
         raise NotImplementedError(f"{type(model).__name__}: no sparse MoE block found")
-    n_layers = len(_decoder_layers(model))
-    runtime = _Runtime(n_layers, tuple(m.index for m in found))
+    decoder = _decoder_layers(model)
+    attention = tuple((_attention(layer, i), _cache_kwarg(_attention(layer, i))) for i, layer in enumerate(decoder))
+    state = ModelState(len(decoder), tuple(found), attention)
     _register_experts_implementation()
     for m in found:
-        m.experts.__dict__["_tracefp4_binding"] = (runtime, m.index)
-        m.router.__dict__["_tracefp4_binding"] = (runtime, m.index)
         m.router.register_forward_hook(_router_hook)
+    for attn, _ in attention:
+        attn.register_forward_pre_hook(_attention_pre_hook, with_kwargs=True)
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     if config._experts_implementation != EXPERTS_IMPLEMENTATION:
         raise RuntimeError(f"transformers kept experts implementation {config._experts_implementation!r}")
@@ -333,7 +416,7 @@ def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
         warnings.warn("tracefp4: PyTorch's bf16 CPU attention fails on this CPU at this ATEN_CPU_CAPABILITY "
                       "(AMX path below AVX512); using transformers' eager attention", RuntimeWarning, stacklevel=2)
         model.set_attn_implementation("eager")
-    model.__dict__["_tracefp4_runtime"] = runtime
+    model.tracefp4_state = state
     return model
 
 
@@ -425,20 +508,20 @@ def load_model(
 
 @contextlib.contextmanager
 def forward_state(
-    model: PreTrainedModel, plan: PrecisionPlan | None, path: RolloutCapture | TrainerGuidance | None = None
+    model: PreTrainedModel, plan: PrecisionPlan | None, path: ForwardPath | None = None
 ) -> Iterator[ForwardState]:
     """Run the enclosed forward(s) of a prepared model with ``plan`` (None: BF16) for ``path``."""
-    runtime = _runtime(model)
-    if runtime.state is not None:
+    state = model_state(model)
+    if state.current is not None:
         raise RuntimeError("a tracefp4 forward_state is already active on this model")
-    runtime.state = ForwardState(plan, path)
+    state.current = ForwardState(plan, path)
     try:
-        yield runtime.state
+        yield state.current
     finally:
-        runtime.state = None
+        state.current = None
 
 
 def model_layers(model: PreTrainedModel) -> tuple[int, tuple[int, ...]]:
     """(number of decoder layers, indices of the MoE layers) of a prepared model."""
-    rt = _runtime(model)
-    return rt.n_layers, rt.moe_layers
+    st = model_state(model)
+    return st.n_layers, st.moe_layers

@@ -47,6 +47,7 @@ from tracefp4.engines.capture import ForwardRecord, RolloutCapture
 from tracefp4.engines.model import CACHE_KWARG, FP4KVCache, forward_state, model_layers, moe_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts, check_top_logprobs
+from tracefp4.engines.rows import select_rows
 from tracefp4.engines.sink import StoreTarget, write_records
 from tracefp4.formats.constants import HintMode
 from tracefp4.formats.numerics import MXFP4, NVFP4
@@ -198,12 +199,6 @@ def decode_n_tokens(st: _Decode, logits: torch.Tensor, sampling: SamplingParams,
         next_logits = decode_one_token(st, next_logits, sampling, generator)
 
 
-def _select_rows(q: NVFP4 | MXFP4, rows: torch.Tensor) -> NVFP4 | MXFP4:
-    """Rows of a quantized activation (every tensor of it is per row: codes, scales, global amax)."""
-    rows = rows.to(q.codes.device)
-    return type(q)(**{f.name: getattr(q, f.name)[rows] for f in dataclasses.fields(q)})
-
-
 def _cat_quantized(parts: list[NVFP4 | MXFP4]) -> NVFP4 | MXFP4:
     """The parts concatenated along rows, on the host (records go to the store from there)."""
     fields = dataclasses.fields(parts[0])
@@ -223,8 +218,8 @@ def _raw_records(
     """Raw quantized values (``field`` of each step's record) encoded once for the whole rollout."""
     out: list[dict[str, torch.Tensor]] = [{} for _ in counts]
     for name in getattr(steps[0].record, field):
-        q = _cat_quantized([_select_rows(getattr(s.record, field)[name], s.rows) for s in steps])
-        _split(encode_hint(_select_rows(q, order), mode).to_tensors(name), counts, out)
+        q = _cat_quantized([select_rows(getattr(s.record, field)[name], s.rows) for s in steps])
+        _split(encode_hint(select_rows(q, order), mode).to_tensors(name), counts, out)
     return out
 
 

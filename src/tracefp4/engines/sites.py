@@ -1,10 +1,12 @@
 """The quantization sites of one forward: what the next op sees at each, given the forward's state.
 
 A :class:`ForwardState` names the precision plan of the forward in progress (None: BF16) and the path
-it runs for (a rollout's :class:`~tracefp4.engines.capture.RolloutCapture`, the trainer's
-:class:`~tracefp4.engines.guidance.TrainerGuidance`, or neither). :func:`quantize_site` is the one
-function every seam calls at an activation or KV site (our transformers seams and the vLLM plugin
-alike), so both engines quantize and record exactly the same way.
+it runs for (a :class:`~tracefp4.engines.path.ForwardPath`: a rollout's
+:class:`~tracefp4.engines.capture.RolloutCapture`, the trainer's
+:class:`~tracefp4.engines.guidance.TrainerGuidance`, or the plain path). :func:`quantize_site` is the
+one function every seam calls at an activation or KV site (our transformers seams and the vLLM plugin
+alike), so both engines quantize and record exactly the same way; what the code is, and what is kept
+of it, is the path's site hook.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ import dataclasses
 
 import torch
 
-from tracefp4.engines.capture import RolloutCapture
-from tracefp4.engines.guidance import TrainerGuidance, guided
+from tracefp4.engines.path import PLAIN, ForwardPath
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.formats.numerics import straight_through
 from tracefp4.guidance.names import Site, record_prefix
@@ -25,15 +26,19 @@ __all__ = ["BF16", "ForwardState", "quantize_kv", "quantize_site"]
 @dataclasses.dataclass(frozen=True)
 class ForwardState:
     """How the forward in progress computes: ``plan`` (None: BF16, the model's own numerics) and the
-    path it runs for (a rollout's capture, the trainer's guidance, or neither)."""
+    path it runs for (None: the plain path)."""
 
     plan: PrecisionPlan | None = None
-    path: RolloutCapture | TrainerGuidance | None = None
+    path: ForwardPath = PLAIN
+
+    def __post_init__(self) -> None:
+        if self.path is None:
+            object.__setattr__(self, "path", PLAIN)
 
     @property
     def rollout(self) -> bool:
         """A rollout forward (weights may be prepared once and kept; no gradients)."""
-        return isinstance(self.path, RolloutCapture)
+        return self.path.rollout
 
 
 #: The state outside any tracefp4 forward: BF16, no path.
@@ -48,18 +53,12 @@ def quantize_site(state: ForwardState, layer: int, site: Site, x: torch.Tensor) 
     if quantizer is None:  # BF16: no plan, or a site the plan leaves unquantized (W4A16)
         return x
     name = record_prefix(layer, site)
-    path = state.path
     try:
         if not quantizer.guidable:  # compensated NVFP4 (QUADS): two passes, nothing recorded or guided
             return straight_through(x, quantizer.dequantize(quantizer.quantize(x.detach())))
-        hint = path.hint(name, x) if isinstance(path, TrainerGuidance) else None
-        q = quantizer.quantize(x.detach()) if hint is None else guided(quantizer, x.detach(), hint)
+        q = state.path.site(layer, name, x, quantizer)
     except ValueError as e:
         raise ValueError(f"site {name}: {e}") from e
-    if isinstance(path, RolloutCapture):
-        path.record_site(layer, name, x, q)
-    elif isinstance(path, TrainerGuidance):
-        path.capture_site(layer, name, q, quantizer.grid(q))
     return straight_through(x, quantizer.dequantize(q))
 
 

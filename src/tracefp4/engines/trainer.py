@@ -1,7 +1,8 @@
 """The trainer's forward: teacher-forced log-probs with QAT fake quantization, guided by the rollout.
 
 One forward over whole sequences (prompt + completion), with the same precision plan and the same
-sites as the rollout engine, quantized with a straight-through gradient:
+sites as the rollout engine, quantized with a straight-through gradient, in the
+:class:`TrainerMode` of a :class:`TrainerSpec`:
 
 * ``bf16``: no quantization.
 * ``qat``: round-to-nearest on the trainer's own scales at every site (vanilla QAT).
@@ -12,34 +13,46 @@ In every mode the rollout's routing is replayed by default (R3): each MoE layer 
 top-k experts, with probabilities recomputed from the trainer's own router logits (softmax, gathered
 at the replayed experts, renormalised as the model's router does), so the router still learns.
 
+Two levels:
+
+* :func:`trainer_forward`, the public trainer-side API for any trainer: a context manager in which the
+  caller runs its own forward of a prepared model on its own batch layout, described by a
+  :class:`~tracefp4.engines.rows.RowMap` (packed, padded, remove-padding), with the trajectories'
+  records; it yields a :class:`TrainerForward` whose :meth:`~TrainerForward.report` gives the codes,
+  router flips and decode failures. The K/V sites are quantized whether the caller passes a cache or
+  not (``use_cache=False``).
+* :func:`forward_logprobs` (and :func:`forward_rollout`): our packed forward on top of it.
+
 Decisions
-    * **Packed sequences.** The batch is one row of concatenated trajectories with per-trajectory
-      ``position_ids`` (restarting at 0) and a block-diagonal causal mask built by transformers'
-      ``create_causal_mask``; no padding, so every row of every site is a real token and the
-      trajectories' records concatenate into the batch's guidance directly (as verl's remove-padding
-      path and Megatron's packed THD layout do).
+    * **Packed sequences** (:func:`forward_logprobs`). The batch is one row of concatenated
+      trajectories with per-trajectory ``position_ids`` (restarting at 0) and a block-diagonal causal
+      mask built by transformers' ``create_causal_mask``; no padding (as verl's remove-padding path and
+      Megatron's packed THD layout do).
     * **Strict records.** Every disagreement between records and batch (unknown name, site set
-      differing between trajectories, leading dim != number of tokens, format not the plan's, routing
-      missing while replay is on, trace mode without guidance) raises ``ValueError``; nothing falls
-      back silently.
+      differing between trajectories, leading dim != the trajectory's length, format not the plan's,
+      routing missing while replay is on, trace mode without guidance) raises ``ValueError``; nothing
+      falls back silently.
     * Log-probs are ``log_softmax(logits / temperature)`` in float32 at each completion token: the
-      rollout's definition (see :mod:`tracefp4.engines.rollout`). Only the completion rows go through lm_head.
+      rollout's definition (see :mod:`tracefp4.engines.rollout`), :func:`token_logprobs`. Only the
+      completion rows go through lm_head.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Literal
+import enum
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
 from tracefp4.engines.guidance import TrainerGuidance
-from tracefp4.engines.model import CACHE_KWARG, FP4KVCache, forward_state, model_layers
+from tracefp4.engines.model import CACHE_KWARG, forward_state, model_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput
+from tracefp4.engines.rows import RowMap
 from tracefp4.formats.numerics import code_positions
 from tracefp4.guidance.compact import CompactRecord, read_record, record_cat
 from tracefp4.guidance.hints import Hint, record_format
@@ -47,27 +60,100 @@ from tracefp4.guidance.names import Site, parse_name, record_prefix, routing_key
 
 __all__ = [
     "TrainerMode",
+    "TrainerSpec",
+    "TrainerForward",
+    "ForwardReport",
     "TrainerOutput",
     "SiteMismatch",
+    "RowMap",
+    "trainer_forward",
+    "token_logprobs",
+    "logprob_rows",
     "forward_logprobs",
     "forward_rollout",
     "code_mismatch",
 ]
 
-TrainerMode = Literal["bf16", "qat", "trace"]
+
+class TrainerMode(str, enum.Enum):
+    """How the trainer's forward quantizes each site ``x`` (quantizer ``Q`` of the plan, straight-through)."""
+
+    BF16 = "bf16"
+    """``x``: no quantization (the model's own numerics)."""
+
+    QAT = "qat"
+    """``Q_rtn(x)``: round to nearest on the trainer's own grid (vanilla QAT)."""
+
+    TRACE = "trace"
+    """``Q_guided(x; rollout record)`` on the rollout's grid where a record exists, ``Q_rtn(x)`` elsewhere."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSpec:
+    """How a trainer forward computes: the one object every caller passes.
+
+    mode: a :class:`TrainerMode` (or its name).
+    plan: the rollout's precision plan (None: the default NVFP4 W4A4 plan; unused in ``bf16``).
+    temperature: log-probs are ``log_softmax(logits / temperature)`` (the rollout's temperature).
+    replay_routing: use the rollout's recorded experts at every MoE layer (R3).
+    capture_codes: layers whose FP4 codes this forward picks are reported (whatever the records hold).
+    """
+
+    mode: TrainerMode = TrainerMode.TRACE
+    plan: PrecisionPlan | None = None
+    temperature: float = 1.0
+    replay_routing: bool = True
+    capture_codes: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "mode", TrainerMode(self.mode))
+        except ValueError:
+            raise ValueError(f"mode must be 'bf16', 'qat' or 'trace', got {self.mode!r}") from None
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 for log-probs, got {self.temperature}")
+        object.__setattr__(self, "capture_codes", frozenset(int(i) for i in self.capture_codes))
+        if self.capture_codes and self.mode is TrainerMode.BF16:
+            raise ValueError("capture_codes needs a quantized mode ('qat', 'trace'): BF16 has no codes")
+
+    @classmethod
+    def of(cls, spec: TrainerSpec | None = None, **fields) -> TrainerSpec:
+        """``spec`` (default: the default spec) with ``fields`` replaced."""
+        return dataclasses.replace(spec if spec is not None else cls(), **fields)
+
+    @property
+    def forward_plan(self) -> PrecisionPlan | None:
+        """The plan the forward runs (None: BF16)."""
+        if self.mode is TrainerMode.BF16:
+            return None
+        return self.plan if self.plan is not None else PrecisionPlan()
+
+
+@dataclasses.dataclass
+class ForwardReport:
+    """What one trainer forward reports, per trajectory where it is per trajectory.
+
+    codes[t]: this path's packed FP4 codes at the spec's ``capture_codes`` layers, per guidable site
+        (``record_prefix(layer, site)`` -> uint8 ``[n_t, ..., K//2]`` over the trajectory's covered
+        positions in order; ``{}`` without capture).
+    grids[t]: the grid of those codes per site: (block scales, global amax or None), same rows
+        (a compact record's codes are only right on the right grid).
+    router_flips: under replay, layer -> share of real tokens whose own top-k set differs from the
+        replayed one (the router flip rate before replay).
+    decode_failures: compact-record blocks that did not decode (rounded to nearest instead).
+    """
+
+    codes: list[dict[str, torch.Tensor]]
+    grids: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]
+    router_flips: dict[int, float]
+    decode_failures: int = 0
 
 
 @dataclasses.dataclass
 class TrainerOutput:
-    """logprobs[b]: ``[T_b - P_b]`` log-probs of the completion tokens, differentiable.
+    """logprobs[b]: ``[T_b - P_b]`` log-probs of the completion tokens, differentiable; codes, grids,
+    router_flips and decode_failures as :class:`ForwardReport`.
 
-    codes[b]: this path's packed FP4 codes at the ``capture_codes`` layers, per guidable site
-        (``record_prefix(layer, site)`` -> uint8 ``[T_b, ..., K//2]``; ``{}`` without capture).
-    grids[b]: the grid of those codes per site: (block scales, global amax or None), leading dim
-        ``T_b`` (a compact record's codes are only right on the right grid).
-    router_flips: under replay, layer -> share of tokens whose own top-k set differs from the
-        replayed one (the router flip rate before replay).
-    decode_failures: compact-record blocks that did not decode (rounded to nearest instead).
     logprob_rows[b]: float32 ``[T_b - P_b, V]``, the whole ``log_softmax(logits / temperature)`` row at
         each completion position (differentiable; what a loss over more than the sampled token reads,
         e.g. Score Centering's, :mod:`tracefp4.rl.score_centering`).
@@ -124,47 +210,36 @@ def _parse_records(
     return guided, routed
 
 
-def _check_batch(
+def _check_records(
     model: PreTrainedModel,
     lengths: Sequence[int],
-    prompt_lens: Sequence[int],
     records: Sequence[Mapping[str, torch.Tensor]] | None,
-    mode: TrainerMode,
-    plan: PrecisionPlan,
-    replay_routing: bool,
-    capture_codes: frozenset[int],
+    spec: TrainerSpec,
 ) -> set[tuple[int, Site]]:
-    """Every way the batch and its records can disagree is an error; return the guided sites."""
-    if mode not in ("bf16", "qat", "trace"):
-        raise ValueError(f"mode must be 'bf16', 'qat' or 'trace', got {mode!r}")
-    if len(lengths) != len(prompt_lens) or not lengths:
-        raise ValueError(f"{len(lengths)} sequences but {len(prompt_lens)} prompt lengths")
-    for b, (length, p) in enumerate(zip(lengths, prompt_lens)):
-        if not 1 <= p <= length:
-            raise ValueError(f"trajectory {b}: prompt length {p} not in [1, {length}]")
+    """Every way the records can disagree with the batch and the spec is an error; return the guided sites."""
     n_layers, moe = model_layers(model)
-    if capture_codes and mode == "bf16":
-        raise ValueError("capture_codes needs a quantized mode ('qat', 'trace'): BF16 has no codes")
-    if any(not 0 <= i < n_layers for i in capture_codes):
-        raise ValueError(f"capture_codes {sorted(capture_codes)} outside [0, {n_layers})")
+    if any(not 0 <= i < n_layers for i in spec.capture_codes):
+        raise ValueError(f"capture_codes {sorted(spec.capture_codes)} outside [0, {n_layers})")
+    mode = spec.mode.value
     if records is None:
-        if replay_routing or mode == "trace":
-            raise ValueError(f"mode {mode!r} with replay_routing={replay_routing} needs the rollout's records")
+        if spec.replay_routing or spec.mode is TrainerMode.TRACE:
+            raise ValueError(f"mode {mode!r} with replay_routing={spec.replay_routing} needs the rollout's records")
         return set()
     if len(records) != len(lengths):
         raise ValueError(f"{len(records)} records for {len(lengths)} sequences")
     guided, routed = _parse_records(records, lengths)
-    if replay_routing and routed != set(moe):
+    if spec.replay_routing and routed != set(moe):
         raise ValueError(
             f"routing replay needs the routing of MoE layers {sorted(moe)}, records have {sorted(routed)}"
         )
-    if mode == "trace" and not guided:
+    if spec.mode is TrainerMode.TRACE and not guided:
         raise ValueError("trace mode needs guidance records (was the rollout run in 'trace' mode?)")
-    if mode == "trace" and not replay_routing and any(site is Site.EXPERT_MID for _, site in guided):
+    if spec.mode is TrainerMode.TRACE and not spec.replay_routing and any(site is Site.EXPERT_MID for _, site in guided):
         # expert_mid hints are per (token, top-k slot): without replay the slots may hold other experts.
         raise ValueError("trace mode with expert_mid guidance needs replay_routing=True")
     if any(not 0 <= layer < n_layers for layer, _ in guided):
         raise ValueError(f"records name layers outside [0, {n_layers}): {sorted({i for i, _ in guided})}")
+    plan = spec.forward_plan or PrecisionPlan()
     for layer, site in sorted(guided):
         name, want = record_prefix(layer, site), plan.site_format(site)
         fmt = read_record(records[0], name).fmt.value
@@ -173,60 +248,122 @@ def _check_batch(
     return guided
 
 
+def _in_record_order(record: Hint | CompactRecord | torch.Tensor, rows: RowMap, name: str):
+    """The batch's concatenated record of one site (or routing) at the positions the forward covers."""
+    if rows.complete:
+        return record
+    index = rows.index
+    if isinstance(record, torch.Tensor):
+        return record[index]
+    try:
+        return record.select(index)
+    except ValueError as e:
+        raise ValueError(f"{name}: the forward covers only some positions of the trajectories, and {e}") from None
+
+
+@dataclasses.dataclass
+class TrainerForward:
+    """The handle :func:`trainer_forward` yields: the forward's path and row map."""
+
+    path: TrainerGuidance
+    rows: RowMap
+
+    def report(self) -> ForwardReport:
+        """Codes and grids per trajectory, router flips, decode failures of the forward that ran."""
+        path, counts = self.path, list(self.rows.counts)
+        codes = [dict(zip(path.codes, parts)) for parts in zip(*(v.split(counts) for v in path.codes.values()))] \
+            if path.codes else [{} for _ in counts]
+        grids: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = [{} for _ in counts]
+        for name, (sc, amax) in path.grids.items():
+            for t, (s_part, a_part) in enumerate(zip(sc.split(counts), [None] * len(counts) if amax is None
+                                                     else amax.split(counts))):
+                grids[t][name] = (s_part, a_part)
+        flips = {layer: f / max(n, 1) for layer, (f, n) in path.router_flips.items()}
+        return ForwardReport(codes, grids, flips, path.decode_failures)
+
+
+@contextlib.contextmanager
+def trainer_forward(
+    model: PreTrainedModel,
+    rows: RowMap,
+    records: Sequence[Mapping[str, torch.Tensor]] | None = None,
+    spec: TrainerSpec = TrainerSpec(),
+) -> Iterator[TrainerForward]:
+    """Run the enclosed model forward (exactly one) as the trainer's, under ``spec``.
+
+    ``model``: prepared (:func:`tracefp4.engines.model.prepare_model`). ``rows``: the forward's rows
+    (:class:`~tracefp4.engines.rows.RowMap`); run the forward at ``rows.position_ids``. ``records[t]``:
+    trajectory t's rollout record (names ``L{layer:02d}.{site}.{field}`` and ``L{layer:02d}.routing``,
+    leading dim ``rows.lengths[t]``; from the rollout engine or
+    :meth:`tracefp4.guidance.store.StoreReader.batch`). Inside, call the model as usual (a cache or
+    none, any attention mask); gradients flow to every parameter (straight-through at the FP4 sites,
+    through the recomputed router probabilities under replay). Afterwards
+    :meth:`TrainerForward.report` has the codes, router flips and decode failures.
+    """
+    guided = _check_records(model, rows.lengths, records, spec)
+    hints: dict[str, Hint | CompactRecord] = {}
+    if spec.mode is TrainerMode.TRACE:
+        assert records is not None
+        for layer, site in sorted(guided):
+            name = record_prefix(layer, site)
+            hints[name] = _in_record_order(record_cat([read_record(rec, name) for rec in records]), rows, name)
+    replay = None
+    if spec.replay_routing:
+        assert records is not None
+        replay = {
+            layer: _in_record_order(torch.cat([rec[routing_key(layer)] for rec in records]), rows, routing_key(layer))
+            .to(model.device, torch.long)
+            for layer in model_layers(model)[1]
+        }
+    path = TrainerGuidance(hints, replay, spec.capture_codes, rows)
+    with forward_state(model, spec.forward_plan, path):
+        yield TrainerForward(path, rows)
+
+
+def logprob_rows(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """float32 ``log_softmax(logits / temperature)`` over the vocabulary (``logits [..., V]``)."""
+    return torch.log_softmax(logits.to(torch.float32) / temperature, dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` in float32 at ``targets`` (``logits [..., V]``,
+    ``targets [...]``): the sampled-token log-prob as both engines define it."""
+    return logprob_rows(logits, temperature).gather(-1, targets[..., None]).squeeze(-1)
+
+
 def forward_logprobs(
     model: PreTrainedModel,
     token_ids: Sequence[torch.Tensor],
     prompt_lens: Sequence[int],
     records: Sequence[Mapping[str, torch.Tensor]] | None = None,
-    *,
-    mode: TrainerMode = "trace",
-    plan: PrecisionPlan | None = None,
-    temperature: float = 1.0,
-    replay_routing: bool = True,
-    capture_codes: frozenset[int] = frozenset(),
+    spec: TrainerSpec | None = None,
+    **fields,
 ) -> TrainerOutput:
-    """Teacher-forced log-probs of the completions ``token_ids[b][prompt_lens[b]:]``.
+    """Teacher-forced log-probs of the completions ``token_ids[b][prompt_lens[b]:]``, in one packed forward.
 
     ``records[b]`` is trajectory b's rollout record (see :class:`tracefp4.engines.rollout.RolloutOutput`).
-    ``plan`` must be the rollout's (None: the default plan in ``qat``/``trace``). ``capture_codes``: the
-    layers whose codes this path picks are returned (whatever the records hold). Gradients flow to every parameter (straight-through at the FP4
-    sites, through the recomputed router probabilities under replay).
+    ``spec`` says how (:class:`TrainerSpec`; its plan must be the rollout's); ``fields`` replace the
+    spec's (``mode="qat"``, ``capture_codes=...``).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
-    plan = None if mode == "bf16" else (plan if plan is not None else PrecisionPlan())
-    capture_codes = frozenset(int(i) for i in capture_codes)
+    spec = TrainerSpec.of(spec, **fields)
     ids = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in token_ids]
     lengths = [t.numel() for t in ids]
-    guided = _check_batch(
-        model, lengths, prompt_lens, records, mode, plan or PrecisionPlan(), replay_routing, capture_codes
-    )
+    if len(lengths) != len(prompt_lens) or not lengths:
+        raise ValueError(f"{len(lengths)} sequences but {len(prompt_lens)} prompt lengths")
+    for b, (length, p) in enumerate(zip(lengths, prompt_lens)):
+        if not 1 <= p <= length:
+            raise ValueError(f"trajectory {b}: prompt length {p} not in [1, {length}]")
     device = model.device
-
-    hints: dict[str, Hint | CompactRecord] = {}
-    if mode == "trace":
-        assert records is not None
-        names = [record_prefix(layer, site) for layer, site in sorted(guided)]
-        hints = {name: record_cat([read_record(rec, name) for rec in records]) for name in names}
-    replay = None
-    if replay_routing:
-        assert records is not None
-        replay = {
-            layer: torch.cat([rec[routing_key(layer)] for rec in records]).to(device, torch.long)
-            for layer in model_layers(model)[1]
-        }
-    path = TrainerGuidance(hints, replay, capture_codes)
-
-    # Packed: one row of all trajectories, positions restarting at 0 for each.
+    rows = RowMap.packed(lengths)
     input_ids = torch.cat(ids).to(device)[None]
-    position_ids = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
+    position_ids = rows.position_ids.to(device)
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
     # Row i predicts token i+1: completion tokens P..T-1 of trajectory b come from rows
     # offsets[b] + P-1 .. offsets[b] + T-2; only those go through lm_head.
-    rows = torch.cat([torch.arange(o + p - 1, o + n - 1) for o, p, n in zip(offsets, prompt_lens, lengths)])
-    targets = input_ids[0, rows + 1]
+    keep = torch.cat([torch.arange(o + p - 1, o + n - 1) for o, p, n in zip(offsets, prompt_lens, lengths)])
+    targets = input_ids[0, keep + 1]
     # Built here, without a cache: transformers detects packed sequences only when there is none.
     mask = create_causal_mask(
         config=model.config,
@@ -235,47 +372,23 @@ def forward_logprobs(
         **{CACHE_KWARG: None},
         position_ids=position_ids,
     )
-    with forward_state(model, plan, path):
-        out = model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            **{CACHE_KWARG: FP4KVCache(model)},  # the k/v sites: attention reads FP4 K/V as in the rollout
-            use_cache=True,
-            logits_to_keep=rows.to(device),
-        )
-    logp = torch.log_softmax(out.logits[0].to(torch.float32) / temperature, dim=-1)
-    token_logp = logp.gather(-1, targets[:, None]).squeeze(-1)
+    with trainer_forward(model, rows, records, spec) as fwd:
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
+                    logits_to_keep=keep.to(device))
+    rows_logp = logprob_rows(out.logits[0], spec.temperature)
+    token_logp = rows_logp.gather(-1, targets[:, None]).squeeze(-1)
+    report = fwd.report()
     counts = [n - p for p, n in zip(prompt_lens, lengths)]
-    spans = list(zip(offsets[:-1], offsets[1:]))
-    codes = [{k: v[o:e] for k, v in path.codes.items()} for o, e in spans]
-    grids = [{k: (sc[o:e], None if a is None else a[o:e]) for k, (sc, a) in path.grids.items()} for o, e in spans]
-    flips = {layer: f / max(t, 1) for layer, (f, t) in path.router_flips.items()}
-    return TrainerOutput(list(token_logp.split(counts)), codes, grids, flips, path.decode_failures,
-                         list(logp.split(counts)))
+    return TrainerOutput(list(token_logp.split(counts)), report.codes, report.grids, report.router_flips,
+                         report.decode_failures, list(rows_logp.split(counts)))
 
 
-def forward_rollout(
-    model: PreTrainedModel,
-    rollout: RolloutOutput,
-    *,
-    mode: TrainerMode = "trace",
-    temperature: float = 1.0,
-    replay_routing: bool = True,
-    capture_codes: frozenset[int] = frozenset(),
-) -> TrainerOutput:
+def forward_rollout(model: PreTrainedModel, rollout: RolloutOutput, spec: TrainerSpec | None = None,
+                    **fields) -> TrainerOutput:
     """:func:`forward_logprobs` over a rollout's trajectories, records and precision plan."""
-    return forward_logprobs(
-        model,
-        rollout.token_ids,
-        rollout.prompt_lens,
-        rollout.records,
-        mode=mode,
-        plan=rollout.plan,
-        temperature=temperature,
-        replay_routing=replay_routing,
-        capture_codes=capture_codes,
-    )
+    spec = TrainerSpec.of(spec, **fields)
+    return forward_logprobs(model, rollout.token_ids, rollout.prompt_lens, rollout.records,
+                            dataclasses.replace(spec, plan=rollout.plan))
 
 
 # --- code mismatch (metrics) ---------------------------------------------------------------------

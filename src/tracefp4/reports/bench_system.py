@@ -24,7 +24,7 @@ from tracefp4.engines.rollout import generate
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.store import StoreReader, StoreWriter, seal_step
 from tracefp4.rl.tasks import CharTokenizer
-from tracefp4.engines.trainer import forward_logprobs
+from tracefp4.engines.trainer import TrainerSpec, forward_logprobs
 from tracefp4.reports.timing import time_rounds
 
 #: The model of the guidance-cost benchmark: the demo's shape, twice as wide and with head_dim 32.
@@ -81,7 +81,7 @@ def bench_system(batch: int = 64, new_tokens: int = 64, repeats: int = 5, seed: 
 
     def train(mode):
         def step():
-            out = forward_logprobs(model, roll.token_ids, roll.prompt_lens, roll.records, mode=mode, plan=plan)
+            out = forward_logprobs(model, roll.token_ids, roll.prompt_lens, roll.records, TrainerSpec(mode, plan))
             torch.cat(out.logprobs).sum().backward()
             model.zero_grad(set_to_none=True)
         return step

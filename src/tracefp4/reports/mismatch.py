@@ -70,7 +70,8 @@ from tracefp4.engines.model import TinyMoESpec, from_config, load_model, model_l
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
 from tracefp4.engines.rollout import generate
-from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, code_mismatch, forward_logprobs, forward_rollout
+from tracefp4.engines.trainer import (SiteMismatch, TrainerOutput, TrainerSpec, code_mismatch, forward_logprobs,
+                                      forward_rollout)
 from tracefp4.files import atomic_write_json
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import Site, layer_tag, record_prefix, routing_key
@@ -197,7 +198,7 @@ def _router_flips_without_replay(model, rollout: RolloutOutput, mode: str) -> di
     from the rollout's recorded one, over every position (prompt and completion)."""
     with _capture_routing(model) as captured, torch.no_grad():
         forward_logprobs(
-            model, rollout.token_ids, rollout.prompt_lens, None, mode=mode, plan=rollout.plan, replay_routing=False
+            model, rollout.token_ids, rollout.prompt_lens, None, TrainerSpec(mode, rollout.plan, replay_routing=False)
         )
     per_layer: dict[str, float] = {}
     flips = total = 0
@@ -320,21 +321,21 @@ def _trainers(
     with torch.no_grad():
         for arm in ("bf16", "qat"):
             with phase(f"trainer {arm} ({ARMS[arm][1]}, routing replay)"):
-                trainers[arm] = forward_rollout(model, rollouts[arm], mode=ARMS[arm][1])
+                trainers[arm] = forward_rollout(model, rollouts[arm], TrainerSpec(ARMS[arm][1]))
         with phase("trainer qat, capturing codes at all sites"):
             qat_codes = forward_logprobs(
                 model, roll_full.token_ids, roll_full.prompt_lens, full_records,
-                mode="qat", plan=roll_full.plan, capture_codes=all_layers,
+                TrainerSpec("qat", roll_full.plan, capture_codes=all_layers),
             )  # fmt: skip
         with phase(f"trainer trace_lsb (lsb hints, {len(compact_layers)} of {n_layers} layers)"):
             trainers["trace_lsb"] = forward_logprobs(
                 model, roll_lsb.token_ids, roll_lsb.prompt_lens, lsb_records,
-                mode="trace", plan=roll_lsb.plan, capture_codes=compact_layers,
+                TrainerSpec("trace", roll_lsb.plan, capture_codes=compact_layers),
             )  # fmt: skip
         with phase("trainer trace_full (full hints, all layers)"):
             trainers["trace_full"] = forward_logprobs(
                 model, roll_full.token_ids, roll_full.prompt_lens, full_records,
-                mode="trace", plan=roll_full.plan, capture_codes=all_layers,
+                TrainerSpec("trace", roll_full.plan, capture_codes=all_layers),
             )  # fmt: skip
     return trainers, qat_codes
 

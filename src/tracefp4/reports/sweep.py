@@ -42,7 +42,7 @@ from tracefp4.engines.model import model_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
 from tracefp4.engines.rollout import generate
-from tracefp4.engines.trainer import SiteMismatch, code_mismatch, forward_logprobs
+from tracefp4.engines.trainer import SiteMismatch, TrainerSpec, code_mismatch, forward_logprobs
 from tracefp4.files import atomic_write_json
 from tracefp4.guidance import compact
 from tracefp4.guidance.compact import STANDARD_MODES, CompactRecord, GuidedMode, read_record
@@ -150,7 +150,7 @@ def _reference_and_qat(model, prompts, sampling: SamplingParams, root: Path) -> 
     with torch.no_grad():
         qat = forward_logprobs(
             model, reference.token_ids, reference.prompt_lens, ref_records,
-            mode="qat", plan=reference.plan, capture_codes=every,
+            TrainerSpec("qat", reference.plan, capture_codes=every),
         )  # fmt: skip
     qat_stats = code_mismatch(qat.codes, ref_records)
     ref = _Reference(reference, ref_records, qat_stats, n_layers, deeper, root, signature)
@@ -181,7 +181,7 @@ def _mode_row(model, prompts, sampling: SamplingParams, g: GuidedMode, step: int
     acc = store_bytes(ref.root, step, ref.signature)
     with torch.no_grad():
         out = forward_logprobs(
-            model, roll.token_ids, roll.prompt_lens, records, mode="trace", plan=roll.plan, capture_codes=layers
+            model, roll.token_ids, roll.prompt_lens, records, TrainerSpec("trace", roll.plan, capture_codes=layers)
         )
     stats = code_mismatch(out.codes, ref.records)
     guided = _agreement(stats, _everywhere)

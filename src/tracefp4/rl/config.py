@@ -132,7 +132,7 @@ class RLConfig:
     """Every knob of a run (GRPO with BF16, vanilla FP4 QAT and TRACE arms side by side)."""
 
     # --- task and model
-    task: str = _field("reverse", help="a task name registered in tracefp4.rl.tasks.TASKS (reverse, addition, "
+    task: str = _field("reverse", help="a task name registered in tracefp4.rl.tasks.TASKS (reverse, addition, count, "
                        "or your own); the task also makes the tokenizer")
     task_kwargs: dict = _field(help="keyword arguments of the task class (e.g. {digits = 2} for addition)",
                                factory=dict)

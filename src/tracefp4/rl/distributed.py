@@ -10,8 +10,9 @@ What is sharded, and how
       even in both). This is the simplest exact design: no second copy of the weights, and a plain
       ``torch.optim.AdamW`` (same betas, same foreach path) steps on the FP32 shards (DTensors).
     * **Full weights where they are quantized.** FSDP2 all-gathers a layer's parameters before its
-      forward, so the experts forward (:func:`tracefp4.engines.model.expert_weight`) fake-quantizes the
-      full ``[E, N, K]`` expert weights with their per-expert global amax, as in one process; routing
+      forward, so the experts forward (:func:`tracefp4.engines.model.expert_weights`) fake-quantizes the
+      full ``[E, N, K]`` expert weights with their per-expert global amax, as in one process (from a
+      copy: :func:`tracefp4.engines.path.weights_may_be_freed`, as under any sharding wrapper); routing
       replay is unchanged (the router hook sees the gathered gate). Checked by
       ``tests/test_distributed.py``: a sharded forward gives the same log-probs as an unsharded one.
     * **Gradients.** BF16 per rank, reduce-scattered in FP32. FSDP averages over the N ranks (gloo
@@ -130,9 +131,6 @@ def shard_model(model: PreTrainedModel, masters: dict[str, torch.Tensor] | None 
                                                     requires_grad=p.requires_grad)
             module._parameters[key] = widened[id(p)]
     model.to(device)
-    for module in model.modules():
-        if "_tracefp4_binding" in module.__dict__ and hasattr(module, "gate_up_proj"):
-            module.__dict__["_tracefp4_gathered"] = True  # the experts: quantize a copy of the gathered weights
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:

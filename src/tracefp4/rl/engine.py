@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 
 from tracefp4.engines.protocol import RolloutEngine, RolloutOutput, SamplingParams, StoreTarget
 from tracefp4.engines.rollout import HomeEngine
-from tracefp4.engines.trainer import TrainerOutput, code_mismatch, forward_logprobs
+from tracefp4.engines.trainer import TrainerOutput, TrainerSpec, code_mismatch, forward_logprobs
 from tracefp4.rl.arms import Arm
 
 Records = list[dict[str, torch.Tensor]]
@@ -70,9 +70,16 @@ def trainer_logprobs(model: PreTrainedModel, token_ids: Sequence[torch.Tensor], 
     """The trainer's log-probs of the completions, reading ``records`` (what reached the store) in the
     arm's trainer mode. With the rollout's ``diagnostics``, the trainer also reports its own codes at
     the arm's diagnostics layers (for :func:`code_mismatch_metrics`)."""
-    capture = arm.diagnostics if diagnostics is not None else frozenset()
-    return forward_logprobs(model, token_ids, prompt_lens, records, mode=arm.trainer, plan=arm.trainer_precision,
-                            temperature=temperature, capture_codes=capture)
+    return forward_logprobs(model, token_ids, prompt_lens, records,
+                            trainer_spec(arm, temperature=temperature, capture=diagnostics is not None))
+
+
+def trainer_spec(arm: Arm, *, temperature: float, capture: bool = False) -> TrainerSpec:
+    """The arm's trainer forward: its mode and plan (:attr:`~tracefp4.rl.arms.Arm.trainer_precision`:
+    QUADS' trainer runs W4A16 beside its W4A4 rollout), and (``capture``) its codes at the arm's
+    diagnostics layers."""
+    return TrainerSpec(arm.trainer, arm.trainer_precision, temperature,
+                       capture_codes=arm.diagnostics if capture else frozenset())
 
 
 def code_mismatch_metrics(out: TrainerOutput, diagnostics: Records) -> dict[str, float]:

@@ -31,7 +31,17 @@ its code mismatch and its guidance bytes per token; for the bf16 arm also the fi
 policy under post-hoc FP4 inference (``final_eval_accuracy_fp4``, ``..._fp4_4over6``), and for every
 other arm its final accuracy minus the bf16 arm's, paired by seed (``final_eval_accuracy_minus_bf16``,
 mean and 95% interval over seeds). Curves (eval accuracy and the per-step max gap
-against steps) are drawn with the mean over seeds and a band of ±t·sd/sqrt(n).
+against steps) are drawn with the mean over seeds and a band of ±t·sd/sqrt(n); the summary also keeps
+each seed's own evaluation series (``per_seed``), so any statistic of them can be recomputed from the
+results file alone.
+
+**Collapse** (:func:`collapse_step`): a seed collapses at the first evaluation from which its held-out
+accuracy stays below half of its running maximum for the rest of the run,
+``min{t : acc_u < max_{v<=u} acc_v / 2 for every evaluation u >= t}`` (a seed whose best accuracy is 0
+cannot collapse). Per arm the summary gives the share of seeds that collapse and each seed's step
+(``collapse``): the paper's phenomenon is a collapse, and a rate of collapses can separate arms where
+a mean final accuracy cannot. A fall at the very last evaluation counts (nothing came after it to
+recover); ``evals_after`` says how many evaluations confirmed each collapse.
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ __all__ = [
     "format_summary",
     "t_quantile_975",
     "mean_ci95",
+    "collapse_step",
     "plot_experiment",
 ]
 
@@ -83,6 +94,22 @@ def mean_ci95(values: Sequence[float]) -> dict[str, Any]:
     mean = statistics.fmean(vals)
     half = 0.0 if len(vals) < 2 else t_quantile_975(len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
     return {"mean": mean, "ci95": [mean - half, mean + half], "n": len(vals)}
+
+
+def collapse_step(series: Sequence[tuple[int, float]]) -> tuple[int, int] | None:
+    """``(step, evals_after)`` of the collapse of one seed's ``(step, accuracy)`` evaluations (in step
+    order), or None: the first evaluation from which the accuracy stays below half of its running
+    maximum to the end; ``evals_after`` counts the evaluations after that one."""
+    below, best = [], 0.0
+    for _, acc in series:
+        best = max(best, acc)
+        below.append(best > 0 and acc < best / 2)
+    start = len(below)
+    while start > 0 and below[start - 1]:
+        start -= 1
+    if start == len(below):
+        return None
+    return series[start][0], len(below) - 1 - start
 
 
 @dataclasses.dataclass
@@ -170,7 +197,28 @@ def _seed_figures(rows: Sequence[Mapping]) -> dict[str, float | None]:
         "code_mismatch": statistics.fmean(codes) if codes else None,
         "guidance_bytes_per_token": statistics.fmean(r["guidance_bytes_per_token"] for r in train) if train else None,
         "steps": len(train),
+        "response_length": statistics.fmean(r["response_length"] for r in train) if train else None,
     }
+
+
+#: Curves of the summary: name -> (metrics key, row kind).
+CURVES = {
+    "eval_accuracy": ("eval_accuracy", "eval"),
+    "reward_mean": ("reward_mean", "train"),
+    "logprob_gap_mean": ("train_rollout_logprob_abs_diff", "train"),
+    "logprob_gap_max": ("train_rollout_logprob_abs_diff_max", "train"),
+    "is_truncated_frac": ("is_truncated_frac", "train"),
+}
+
+
+def _collapses(seeds: Sequence[int], rows: Sequence[Sequence[Mapping]]) -> dict[str, Any]:
+    """Per arm: which seeds collapse (:func:`collapse_step`), at which step, and the share."""
+    per_seed: dict[str, Any] = {}
+    for s, r in zip(seeds, rows):
+        c = collapse_step([(e["step"], e["eval_accuracy"]) for e in rows_of_kind(r, "eval")])
+        per_seed[str(s)] = None if c is None else {"step": c[0], "evals_after": c[1]}
+    n = sum(v is not None for v in per_seed.values())
+    return {"seeds_collapsed": n, "share": n / len(seeds) if seeds else None, "per_seed": per_seed}
 
 
 def _curve(per_seed: Sequence[Sequence[Mapping]], key: str, kind: str) -> dict[str, list[float]]:
@@ -252,14 +300,16 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
             post = [f[f"final_{key}"] for f in figs if f[f"final_{key}"] is not None]
             if post:
                 entry[f"final_{key}"] = mean_ci95(post)
-        for key in ("logprob_gap_mean", "logprob_gap_max", "code_mismatch", "guidance_bytes_per_token"):
+        for key in ("logprob_gap_mean", "logprob_gap_max", "code_mismatch", "guidance_bytes_per_token",
+                    "response_length"):
             vals = [f[key] for f in figs if f[key] is not None]
             entry[key] = statistics.fmean(vals) if vals else None
         rows = [metrics[s][arm] for s in seeds]
-        entry["curves"] = {
-            "eval_accuracy": _curve(rows, "eval_accuracy", "eval"),
-            "logprob_gap_max": _curve(rows, "train_rollout_logprob_abs_diff_max", "train"),
-        }
+        entry["curves"] = {key: _curve(rows, source, kind) for key, (source, kind) in CURVES.items()}
+        entry["per_seed"] = {str(s): {"eval_step": [r["step"] for r in rows_of_kind(r_, "eval")],
+                                      "eval_accuracy": [r["eval_accuracy"] for r in rows_of_kind(r_, "eval")]}
+                             for s, r_ in zip(seeds, rows)}
+        entry["collapse"] = _collapses(seeds, rows)
         if arm != "bf16" and all("bf16" in metrics[s] for s in seeds):
             entry["curves"]["eval_accuracy_minus_bf16"] = _paired_curve(rows, [metrics[s]["bf16"] for s in seeds])
         out["arms"][arm] = entry
@@ -296,7 +346,8 @@ def _paired_curve(per_seed: Sequence[Sequence[Mapping]], ref_seed: Sequence[Sequ
 
 
 def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:
-    """``<name>_eval_accuracy.png`` and ``<name>_logprob_gap_max.png``: mean over seeds with a 95% band."""
+    """``<name>_<curve>.png`` for each curve of the summary (and the paired difference to bf16): the
+    mean over seeds with a 95% band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -306,11 +357,14 @@ def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:
     paths = []
     for key, title, logy in (("eval_accuracy", "held-out greedy accuracy", False),
                              ("eval_accuracy_minus_bf16", "held-out accuracy minus bf16's, paired by seed", False),
-                             ("logprob_gap_max", "max |Δlogp| per step (trainer vs rollout)", True)):
+                             ("reward_mean", "training reward", False),
+                             ("logprob_gap_mean", "mean |Δlogp| per step (trainer vs rollout)", True),
+                             ("logprob_gap_max", "max |Δlogp| per step (trainer vs rollout)", True),
+                             ("is_truncated_frac", "share of tokens whose IS weight the cap truncates", False)):
         fig, ax = plt.subplots(figsize=(7, 4))
         for arm, entry in summary["arms"].items():
             c = entry["curves"].get(key)
-            if not c or not c["step"]:
+            if not c or not c["step"] or (logy and max(c["mean"]) <= 0):
                 continue
             style = ARM_STYLE.get(arm, {})
             ax.plot(c["step"], c["mean"], label=f"{arm} (n={len(entry['seeds'])})", linewidth=1.6, **style)
@@ -335,12 +389,19 @@ def _paired(d: Mapping[str, Any] | None) -> str:
     return f"{d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]" if d else "-"
 
 
+def _collapsed(c: Mapping[str, Any] | None) -> str:
+    if not c:
+        return "-"
+    steps = ",".join(str(v["step"]) for v in c["per_seed"].values() if v is not None)
+    return f"{c['seeds_collapsed']}/{len(c['per_seed'])}" + (f" @{steps}" if steps else "")
+
+
 def format_summary(summary: Mapping[str, Any]) -> str:
     """The paper-shaped table: arm, final accuracy ± CI, gap, code mismatch, guidance bytes."""
     lines = [
         f"{summary['name']}: task {summary['task']}, {summary['steps']} steps, engine {summary['engine']}",
         f"{'arm':<14}{'seeds':>6}{'final acc':>11}{'95% CI':>18}{'mean|dlogp|':>13}{'max|dlogp|':>12}"
-        f"{'code mism.':>12}{'B/token':>9}{'minus bf16, paired':>26}",
+        f"{'code mism.':>12}{'B/token':>9}{'minus bf16, paired':>26}{'collapsed':>11}",
     ]
 
     def num(v, fmt):
@@ -353,7 +414,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             f"{arm:<14}{len(e['seeds']):>6}{num(acc and acc['mean'], '.3f'):>11}{ci:>18}"
             f"{num(e['logprob_gap_mean'], '.5f'):>13}{num(e['logprob_gap_max'], '.3f'):>12}"
             f"{num(e['code_mismatch'], '.2e'):>12}{num(e['guidance_bytes_per_token'], '.1f'):>9}"
-            f"{_paired(e.get('final_eval_accuracy_minus_bf16')):>26}"
+            f"{_paired(e.get('final_eval_accuracy_minus_bf16')):>26}{_collapsed(e.get('collapse')):>11}"
         )
         for key, label in (("final_eval_accuracy_fp4", "post-hoc NVFP4"), ("final_eval_accuracy_fp4_4over6", "post-hoc 4/6")):
             post = e.get(key)

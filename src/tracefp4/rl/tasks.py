@@ -93,8 +93,36 @@ class CharTokenizer:
         return "".join(out)
 
 
+def hf_tokenizer(tok: CharTokenizer):
+    """``tok`` as a transformers ``PreTrainedTokenizerFast``, built offline (no download): the same ids
+    (one token per character, ``<bos>`` first), left padding with ``<pad>``, ``<eos>`` as EOS, and
+    decoding that joins characters without spaces. What a TRL trainer's ``processing_class`` needs."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {s: i for i, s in enumerate(tok.SPECIALS)}
+    vocab.update({c: i + len(tok.SPECIALS) for i, c in enumerate(tok.alphabet)})
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token=tok.SPECIALS[tok.PAD]))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    raw.decoder = decoders.Fuse()
+    bos = tok.SPECIALS[tok.BOS]
+    raw.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.BOS)])
+    return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token=tok.SPECIALS[tok.PAD], bos_token=bos,
+                                   eos_token=tok.SPECIALS[tok.EOS], padding_side="left")
+
+
 def _exact(example: Example, completion: str) -> float:
     return 1.0 if completion.strip() == example.answer else 0.0
+
+
+def _per_position(example: Example, completion: str) -> float:
+    """Share of positions where the completion has the answer's character, over the longer of the two
+    (a short answer loses the rest, a long one pays for the extra characters); 1 exactly when equal."""
+    c, a = completion.strip(), example.answer
+    if c == a:
+        return 1.0
+    return sum(x == y for x, y in zip(c, a)) / max(len(a), len(c))
 
 
 @dataclasses.dataclass
@@ -182,60 +210,72 @@ class Reverse:
 
 
 @dataclasses.dataclass
-class PrefixSum:
-    """``"P<d_1..d_n>="`` -> the running sums ``(d_1 + ... + d_i) mod 10`` for i = 1..n, ``length``
-    digits in and out: a long answer (32 tokens by default) in which each digit depends on the
-    previous one, so an early slip propagates, and partial credit per correct position (matched by
-    position, over the longer of the two strings) keeps the reward informative without saturating."""
+class CountBy:
+    """``"A<start>+<step>="`` -> the next ``terms`` terms of ``start + k * step`` (k = 1..terms) modulo
+    ``m = 10**digits``, start in ``[0, m)`` and step in ``[1, m)``, every number written with ``digits``
+    digits and no separator: 32 answer tokens by default (16 two-digit terms). Each term is the
+    previous one plus the step, so a slip propagates down the chain, as in long reasoning, while each
+    step needs only local context (the previous term a fixed few tokens back, and the step after the
+    only ``+``). Partial credit per correct position.
 
-    length: int = 32
-    name: str = "prefix"
+    The held-out pairs are a hash of the whole (start, step) modulo 11, so every combination of a
+    units digit, a step and a carry also occurs in training (a rule on the units digit alone would
+    hold out combinations the model never sees, and it would memorise the rest)."""
+
+    terms: int = 16
+    digits: int = 2
+    name: str = "count"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.length, int) or self.length < 1:
-            raise ValueError(f"length must be a positive integer, got {self.length!r}")
+        for field in ("terms", "digits"):
+            v = getattr(self, field)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{field} must be a positive integer, got {v!r}")
 
-    def _digits(self, rng: random.Random) -> str:
-        return "".join(rng.choice("0123456789") for _ in range(self.length))
+    def _pair(self, rng: random.Random) -> tuple[int, int]:
+        m = 10**self.digits
+        return rng.randrange(m), rng.randrange(1, m)
 
-    def _example(self, s: str) -> Example:
-        total, out = 0, []
-        for c in s:
-            total = (total + int(c)) % 10
-            out.append(str(total))
-        return Example(f"P{s}=", "".join(out))
+    def _example(self, start: int, step: int) -> Example:
+        m, d = 10**self.digits, self.digits
+        terms = "".join(f"{(start + k * step) % m:0{d}d}" for k in range(1, self.terms + 1))
+        return Example(f"A{start:0{d}d}+{step:0{d}d}=", terms)
 
-    def _held_out(self, s: str) -> bool:
-        return (sum(map(int, s)) * 7 + int(s[0])) % 10 == 3
+    def _held_out(self, start: int, step: int) -> bool:
+        return (start * 7 + step * 3) % 11 == 5  # a fixed eleventh of the (start, step) pairs
 
     def make_tokenizer(self) -> CharTokenizer:
-        return CharTokenizer("0123456789+=RSP")
+        return CharTokenizer("0123456789+=RSPA")
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         out = []
         while len(out) < n:
-            s = self._digits(rng)
-            if not self._held_out(s):
-                out.append(self._example(s))
+            start, step = self._pair(rng)
+            if not self._held_out(start, step):
+                out.append(self._example(start, step))
         return out
 
     def reward(self, example: Example, completion: str) -> float:
-        c, a = completion.strip(), example.answer
-        if c == a:
-            return 1.0
-        return sum(x == y for x, y in zip(c, a)) / max(len(a), len(c))
+        return _per_position(example, completion)
 
     def eval_set(self, n: int = 128) -> list[Example]:
-        rng = random.Random(24680)
-        out = []
-        while len(out) < n:
-            s = self._digits(rng)
-            if self._held_out(s):
-                out.append(self._example(s))
-        return out
+        rng = random.Random(13579)
+        return [self._example(*p) for p in _distinct(rng, self._pair, self._held_out, n)]
 
 
-TASKS: dict[str, type] = {"addition": Addition, "reverse": Reverse, "prefix": PrefixSum}
+def _distinct(rng: random.Random, draw, keep, n: int) -> list:
+    """Up to ``n`` distinct draws that ``keep`` accepts, in draw order (fewer when the space is smaller)."""
+    seen: dict = {}
+    for _ in range(200 * n):
+        p = draw(rng)
+        if keep(*p) and p not in seen:
+            seen[p] = None
+            if len(seen) == n:
+                break
+    return list(seen)
+
+
+TASKS: dict[str, type] = {"addition": Addition, "reverse": Reverse, "count": CountBy}
 """Task classes by the name a run config gives (``task = "reverse"``); add your own here."""
 
 

@@ -43,7 +43,7 @@ def warm_start(model: PreTrainedModel, task: Task, tok: Tokenizer, cfg: RLConfig
         loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{losses[-1]:.3f}")

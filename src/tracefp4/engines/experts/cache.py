@@ -15,7 +15,12 @@ __all__ = ["PreparedCache"]
 class PreparedCache:
     """``(owner, name) -> prepared weight``, keyed on the source tensor's storage and version counter
     (an optimizer step or a weight load bumps it), shape, dtype, the quantizer and the backend, so a
-    stale entry is never used. One entry per weight: a new key replaces the old one."""
+    stale entry is never used. One entry per weight: a new key replaces the old one.
+
+    An in-place update that does not bump the version counter is not seen: torch's fused AdamW
+    (``fused=True``, transformers' default ``adamw_torch_fused``) writes the parameters without bumping
+    it, so whoever steps such an optimizer on the weights a rollout caches calls :meth:`clear` after.
+    """
 
     def __init__(self) -> None:
         self._entries: dict[Any, tuple[tuple, PreparedWeight]] = {}

@@ -42,7 +42,6 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig  # noqa: E402
 from vllm.model_executor.utils import set_weight_attrs  # noqa: E402
 
-from tracefp4.engines.capture import RolloutCapture  # noqa: E402
 from tracefp4.engines.experts import ExpertGEMM, PreparedWeight, choose_gemm, routed_experts  # noqa: E402
 from tracefp4.engines.experts.cpu_fp4 import PackedWeight  # noqa: E402
 from tracefp4.engines.experts.dense import DenseWeight  # noqa: E402
@@ -208,7 +207,7 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
             raise NotImplementedError(f"tracefp4: routed experts with activation {act} (SiLU-gated only)")
         state = RUNTIME.state()
         gemm, (w13, w2) = self.weights(layer, state.plan)
-        if isinstance(state.path, RolloutCapture):
-            state.path.record_routing(self.layer_index, topk_ids.to(torch.long))
+        # vLLM's router has run: the path's routing hook sees its choice (a rollout records it)
+        topk_weights, topk_ids = state.path.route(self.layer_index, topk_weights, topk_ids.to(torch.long))
         return routed_experts(state, self.layer_index, RUNTIME.site_input(x), topk_ids, topk_weights, w13, w2, gemm,
                               silu_gate)

@@ -1,0 +1,8 @@
+"""tracefp4 inside other frameworks' trainers.
+
+* :mod:`tracefp4.integrations.trl`: ``TraceGRPOTrainer`` / ``TraceGRPOConfig``, TRL's ``GRPOTrainer``
+  with FP4 rollouts on our engines, records through the guidance store and the guided QAT forward.
+
+Any other trainer uses the trainer-side API directly (:func:`tracefp4.engines.trainer.trainer_forward`,
+see ``docs/integrations.md``). Each integration imports its framework only when it is imported.
+"""

@@ -279,7 +279,7 @@ def test_nan_amax_and_nan_scale_never_reach_the_kernels():
         bad = tf.NVFP4(q.codes, s.view(torch.float8_e4m3fn), q.global_amax)
         with pytest.raises(ValueError, match=f"NVFP4 scales: NaN scale code 0x{code:02X}"):
             tf.encode_hint(bad, "lsb")
-    with pytest.raises(ValueError, match="expected an NVFP4 or MXFP4"):
+    with pytest.raises(ValueError, match="expected an NVFP4, MXFP4 or FP8 tensor"):
         tf.encode_hint(q.codes, "lsb")
 
 

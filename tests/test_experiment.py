@@ -152,3 +152,39 @@ def test_shipped_experiment_configs_parse():
         "bf16", "qat", "trace", "trace-full", "quads", "score-centering", "trace-sc", "qat-fp8", "trace-fp8"]
     same = {k: v for k, v in base.run.items() if k != "arms"}
     assert {k: nine.run[k] for k in same} == same
+
+
+def test_summary_headline_metric_and_collapses_on_each_held_out_figure():
+    """``metric = "eval_reward"``: the table and ``collapse`` use the mean reward, while every held-out
+    figure keeps its own final value, paired difference and collapse (synthetic rows, exact arithmetic)."""
+    from tracefp4.rl.config import RLConfig
+    from tracefp4.rl.experiment import format_summary, summarise
+
+    def rows(acc, rew):
+        train = [{"kind": "train", "step": s, "train_rollout_logprob_abs_diff": 0.01,
+                  "train_rollout_logprob_abs_diff_max": 0.1, "guidance_bytes_per_token": 0.0,
+                  "response_length": 33.0} for s in range(len(acc))]
+        evals = [{"kind": "eval", "step": s, "eval_accuracy": a, "eval_reward": r}
+                 for s, (a, r) in enumerate(zip(acc, rew))]
+        return train + evals
+
+    cfg = RLConfig.from_dict({"task": "count", "arms": ["bf16", "qat"], "steps": 4})
+    metrics = {0: {"bf16": rows([0.0] * 4, [0.25, 0.5, 0.5, 0.75]),
+                   "qat": rows([0.0] * 4, [0.25, 0.5, 0.125, 0.125])}}  # qat's reward falls below half of 0.5
+    out = summarise("m", metrics, cfg, metric="eval_reward")
+    assert out["metric"] == "eval_reward"
+    qat = out["arms"]["qat"]
+    assert qat["collapse"] == qat["collapse_by"]["eval_reward"]
+    assert qat["collapse"]["per_seed"]["0"] == {"step": 2, "evals_after": 1}
+    assert qat["collapse_by"]["eval_accuracy"]["seeds_collapsed"] == 0  # accuracy 0 throughout: nothing to fall from
+    assert qat["final_eval_reward_minus_bf16"]["mean"] == 0.125 - 0.75
+    assert qat["final_eval_accuracy_minus_bf16"]["mean"] == 0.0
+    assert qat["per_seed"]["0"]["eval_reward"] == [0.25, 0.5, 0.125, 0.125]
+    table = format_summary(out)
+    assert "final reward" in table and "1/1 @2" in table
+
+
+def test_unknown_headline_metric_is_refused(tmp_path):
+    (tmp_path / "m.toml").write_text('name = "m"\nseeds = [0]\nmetric = "reward"\n' + RUN)
+    with pytest.raises(ValueError, match="metric = 'reward': expected one of eval_accuracy, eval_reward"):
+        ExperimentConfig.from_file(str(tmp_path / "m.toml"))

@@ -35,6 +35,11 @@ against steps) are drawn with the mean over seeds and a band of ±t·sd/sqrt(n);
 each seed's own evaluation series (``per_seed``), so any statistic of them can be recomputed from the
 results file alone.
 
+The held-out figures are the exact-answer accuracy and the mean reward (:data:`HELD_OUT`), both
+reported; ``metric = "eval_reward"`` in the file makes the mean reward the headline (the table, the
+``collapse`` entry): for tasks with per-position credit, such as ``count``'s 32-digit answers, whose
+exact accuracy stays near 0 at our scale.
+
 **Collapse** (:func:`collapse_step`): a seed collapses at the first evaluation from which its held-out
 accuracy stays below half of its running maximum for the rest of the run,
 ``min{t : acc_u < max_{v<=u} acc_v / 2 for every evaluation u >= t}`` (a seed whose best accuracy is 0
@@ -119,13 +124,14 @@ class ExperimentConfig:
     run: dict[str, Any]
     out: str = "runs/experiments"
     warm_start: str | None = None  # a model folder per seed ({seed} in the path): skip building and SFT
+    metric: str = "eval_accuracy"  # the held-out figure of the headline, the paired test and collapses
 
     @classmethod
     def from_file(cls, path: str) -> ExperimentConfig:
         data = read_table(path)
-        unknown = sorted(set(data) - {"name", "seeds", "run", "out", "warm_start"})
+        unknown = sorted(set(data) - {"name", "seeds", "run", "out", "warm_start", "metric"})
         if unknown:
-            raise ValueError(f"{path}: unknown keys {unknown}; known: name, seeds, out, warm_start, run")
+            raise ValueError(f"{path}: unknown keys {unknown}; known: name, seeds, out, warm_start, metric, run")
         for key in ("name", "seeds", "run"):
             if key not in data:
                 raise ValueError(f"{path}: missing {key!r}")
@@ -142,7 +148,10 @@ class ExperimentConfig:
             raise ValueError(f"{path}: warm_start = {warm!r}: expected a folder path (with {{seed}} for the seed)")
         if warm is not None and "checkpoint" in data["run"]:
             raise ValueError(f"{path}: warm_start and [run] checkpoint both name the starting weights: give one")
-        cfg = cls(name, list(seeds), dict(data["run"]), str(data.get("out", "runs/experiments")), warm)
+        metric = data.get("metric", "eval_accuracy")
+        if metric not in HELD_OUT:
+            raise ValueError(f"{path}: metric = {metric!r}: expected one of {', '.join(HELD_OUT)}")
+        cfg = cls(name, list(seeds), dict(data["run"]), str(data.get("out", "runs/experiments")), warm, metric)
         for s in cfg.seeds:  # every value checked before any work
             try:
                 cfg.run_config(s).validate()
@@ -172,7 +181,7 @@ def run_experiment(cfg: ExperimentConfig, results_dir: str | Path = "docs/result
         print(f"experiment {cfg.name}: seed {seed} ({i + 1}/{len(cfg.seeds)})", file=sys.stderr, flush=True)
         run(cfg.run_config(seed))
     summary = summarise(cfg.name, {s: read_metrics(cfg.run_dir(s)) for s in cfg.seeds}, cfg.run_config(cfg.seeds[0]),
-                        {s: seed_provenance(cfg.run_dir(s)) for s in cfg.seeds})
+                        {s: seed_provenance(cfg.run_dir(s)) for s in cfg.seeds}, metric=cfg.metric)
     Path(results_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_json(Path(results_dir) / f"{cfg.name}.json", summary, sort_keys=False)
     plot_experiment(summary, Path(plots_dir))
@@ -182,6 +191,11 @@ def run_experiment(cfg: ExperimentConfig, results_dir: str | Path = "docs/result
 #: Evaluations of the policy under post-hoc FP4 inference (vanilla NVFP4, Four over Six), reported
 #: by the bf16 arm's evaluations.
 POST_HOC = ("eval_accuracy_fp4", "eval_accuracy_fp4_4over6")
+#: The held-out figures every summary reports per arm (final value, paired difference, curves, each
+#: seed's series, collapses): ``eval_accuracy`` (share of examples answered exactly) and
+#: ``eval_reward`` (mean reward: per-position credit on the count task, where an exact 32-digit
+#: answer is rare at our scale and the accuracy would sit near 0 in every arm).
+HELD_OUT = ("eval_accuracy", "eval_reward")
 
 
 def _seed_figures(rows: Sequence[Mapping]) -> dict[str, float | None]:
@@ -189,7 +203,7 @@ def _seed_figures(rows: Sequence[Mapping]) -> dict[str, float | None]:
     gaps = [r["train_rollout_logprob_abs_diff"] for r in train]
     codes = [r["code_mismatch_rate"] for r in train if r.get("code_mismatch_rate") is not None]
     return {
-        "final_eval_accuracy": evals[-1]["eval_accuracy"] if evals else None,
+        **{f"final_{m}": evals[-1].get(m) if evals else None for m in HELD_OUT},
         # post-hoc FP4 inference of the policy (the bf16 arm's evaluations carry them)
         **{f"final_{k}": evals[-1].get(k) if evals else None for k in POST_HOC},
         "logprob_gap_mean": statistics.fmean(gaps) if gaps else None,
@@ -204,6 +218,7 @@ def _seed_figures(rows: Sequence[Mapping]) -> dict[str, float | None]:
 #: Curves of the summary: name -> (metrics key, row kind).
 CURVES = {
     "eval_accuracy": ("eval_accuracy", "eval"),
+    "eval_reward": ("eval_reward", "eval"),
     "reward_mean": ("reward_mean", "train"),
     "logprob_gap_mean": ("train_rollout_logprob_abs_diff", "train"),
     "logprob_gap_max": ("train_rollout_logprob_abs_diff_max", "train"),
@@ -211,11 +226,11 @@ CURVES = {
 }
 
 
-def _collapses(seeds: Sequence[int], rows: Sequence[Sequence[Mapping]]) -> dict[str, Any]:
-    """Per arm: which seeds collapse (:func:`collapse_step`), at which step, and the share."""
+def _collapses(seeds: Sequence[int], rows: Sequence[Sequence[Mapping]], metric: str) -> dict[str, Any]:
+    """Per arm: which seeds collapse (:func:`collapse_step` on ``metric``), at which step, and the share."""
     per_seed: dict[str, Any] = {}
     for s, r in zip(seeds, rows):
-        c = collapse_step([(e["step"], e["eval_accuracy"]) for e in rows_of_kind(r, "eval")])
+        c = collapse_step([(e["step"], e[metric]) for e in rows_of_kind(r, "eval") if e.get(metric) is not None])
         per_seed[str(s)] = None if c is None else {"step": c[0], "evals_after": c[1]}
     n = sum(v is not None for v in per_seed.values())
     return {"seeds_collapsed": n, "share": n / len(seeds) if seeds else None, "per_seed": per_seed}
@@ -276,9 +291,11 @@ def _provenance_summary(provenance: Mapping[int, Mapping[str, Any]]) -> dict[str
 
 
 def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]], run_cfg: RLConfig,
-              provenance: Mapping[int, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+              provenance: Mapping[int, Mapping[str, Any]] | None = None, metric: str = "eval_accuracy"
+              ) -> dict[str, Any]:
     """The results file's content from each seed's metrics (``{seed: {arm: rows}}``) and, when given,
-    each seed's :func:`seed_provenance`."""
+    each seed's :func:`seed_provenance`. Every figure of :data:`HELD_OUT` is reported; ``metric`` is the
+    headline one: ``collapse`` is computed on it (``collapse_by`` has each) and the table shows it."""
     seeds = sorted(metrics)
     arms = [a for a in run_cfg.arms if all(a in metrics[s] for s in seeds)]
     out: dict[str, Any] = {
@@ -288,14 +305,16 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
         "steps": run_cfg.steps,
         "engine": run_cfg.engine,
         "guidance": run_cfg.guidance,
+        "metric": metric,
         "arms": {},
     }
     for arm in arms:
         figs = [_seed_figures(metrics[s][arm]) for s in seeds]
         entry: dict[str, Any] = {"seeds": seeds, "steps_done": [f["steps"] for f in figs]}
-        acc = [f["final_eval_accuracy"] for f in figs if f["final_eval_accuracy"] is not None]
-        entry["final_eval_accuracy"] = mean_ci95(acc) if acc else None
-        entry["final_eval_accuracy_per_seed"] = acc
+        for m in HELD_OUT:
+            vals = [f[f"final_{m}"] for f in figs if f[f"final_{m}"] is not None]
+            entry[f"final_{m}"] = mean_ci95(vals) if vals else None
+            entry[f"final_{m}_per_seed"] = vals
         for key in POST_HOC:
             post = [f[f"final_{key}"] for f in figs if f[f"final_{key}"] is not None]
             if post:
@@ -307,40 +326,44 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
         rows = [metrics[s][arm] for s in seeds]
         entry["curves"] = {key: _curve(rows, source, kind) for key, (source, kind) in CURVES.items()}
         entry["per_seed"] = {str(s): {"eval_step": [r["step"] for r in rows_of_kind(r_, "eval")],
-                                      "eval_accuracy": [r["eval_accuracy"] for r in rows_of_kind(r_, "eval")]}
+                                      **{m: [r.get(m) for r in rows_of_kind(r_, "eval")] for m in HELD_OUT}}
                              for s, r_ in zip(seeds, rows)}
-        entry["collapse"] = _collapses(seeds, rows)
+        entry["collapse_by"] = {m: _collapses(seeds, rows, m) for m in HELD_OUT}
+        entry["collapse"] = entry["collapse_by"][metric]
         if arm != "bf16" and all("bf16" in metrics[s] for s in seeds):
-            entry["curves"]["eval_accuracy_minus_bf16"] = _paired_curve(rows, [metrics[s]["bf16"] for s in seeds])
+            for m in HELD_OUT:
+                entry["curves"][f"{m}_minus_bf16"] = _paired_curve(rows, [metrics[s]["bf16"] for s in seeds], m)
         out["arms"][arm] = entry
-    _paired_differences(out["arms"], reference="bf16")
+    for m in HELD_OUT:
+        _paired_differences(out["arms"], "bf16", m)
     if provenance is not None:
         out["provenance"] = _provenance_summary(provenance)
     return out
 
 
-def _paired_differences(arms: dict[str, dict[str, Any]], reference: str) -> None:
-    """Each arm's final accuracy minus ``reference``'s, seed by seed (same warm start, same prompts),
+def _paired_differences(arms: dict[str, dict[str, Any]], reference: str, metric: str) -> None:
+    """Each arm's final ``metric`` minus ``reference``'s, seed by seed (same warm start, same prompts),
     with a Student-t interval over seeds: the seed-to-seed spread of the warm start, which dominates
     the plain intervals, cancels in the difference."""
     ref = arms.get(reference)
-    if ref is None or ref["final_eval_accuracy"] is None:
+    if ref is None or ref[f"final_{metric}"] is None or len(ref[f"final_{metric}_per_seed"]) != len(ref["seeds"]):
         return
-    ref_acc = dict(zip(ref["seeds"], ref["final_eval_accuracy_per_seed"]))
+    ref_val = dict(zip(ref["seeds"], ref[f"final_{metric}_per_seed"]))
     for arm, entry in arms.items():
-        if arm == reference or len(entry["final_eval_accuracy_per_seed"]) != len(entry["seeds"]):
+        if arm == reference or len(entry[f"final_{metric}_per_seed"]) != len(entry["seeds"]):
             continue
-        diffs = [a - ref_acc[s] for s, a in zip(entry["seeds"], entry["final_eval_accuracy_per_seed"]) if s in ref_acc]
+        diffs = [a - ref_val[s] for s, a in zip(entry["seeds"], entry[f"final_{metric}_per_seed"]) if s in ref_val]
         if diffs:
-            entry[f"final_eval_accuracy_minus_{reference}"] = mean_ci95(diffs)
+            entry[f"final_{metric}_minus_{reference}"] = mean_ci95(diffs)
 
 
-def _paired_curve(per_seed: Sequence[Sequence[Mapping]], ref_seed: Sequence[Sequence[Mapping]]) -> dict[str, list[float]]:
-    """Eval accuracy minus the reference arm's, seed by seed, at every step both logged."""
+def _paired_curve(per_seed: Sequence[Sequence[Mapping]], ref_seed: Sequence[Sequence[Mapping]],
+                  metric: str) -> dict[str, list[float]]:
+    """``metric`` minus the reference arm's, seed by seed, at every step both logged."""
     diffs = []
     for rows, ref in zip(per_seed, ref_seed):
-        a = {r["step"]: r["eval_accuracy"] for r in rows_of_kind(rows, "eval")}
-        b = {r["step"]: r["eval_accuracy"] for r in rows_of_kind(ref, "eval")}
+        a = {r["step"]: r[metric] for r in rows_of_kind(rows, "eval") if r.get(metric) is not None}
+        b = {r["step"]: r[metric] for r in rows_of_kind(ref, "eval") if r.get(metric) is not None}
         diffs.append({k: a[k] - b[k] for k in set(a) & set(b)})
     return _band(diffs)
 
@@ -357,6 +380,8 @@ def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:
     paths = []
     for key, title, logy in (("eval_accuracy", "held-out greedy accuracy", False),
                              ("eval_accuracy_minus_bf16", "held-out accuracy minus bf16's, paired by seed", False),
+                             ("eval_reward", "held-out greedy reward", False),
+                             ("eval_reward_minus_bf16", "held-out reward minus bf16's, paired by seed", False),
                              ("reward_mean", "training reward", False),
                              ("logprob_gap_mean", "mean |Δlogp| per step (trainer vs rollout)", True),
                              ("logprob_gap_max", "max |Δlogp| per step (trainer vs rollout)", True),
@@ -397,10 +422,12 @@ def _collapsed(c: Mapping[str, Any] | None) -> str:
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
-    """The paper-shaped table: arm, final accuracy ± CI, gap, code mismatch, guidance bytes."""
+    """The paper-shaped table: arm, the final held-out metric ± CI, gap, code mismatch, guidance bytes."""
+    metric = summary.get("metric", "eval_accuracy")
+    label = {"eval_accuracy": "final acc", "eval_reward": "final reward"}[metric]
     lines = [
         f"{summary['name']}: task {summary['task']}, {summary['steps']} steps, engine {summary['engine']}",
-        f"{'arm':<14}{'seeds':>6}{'final acc':>11}{'95% CI':>18}{'mean|dlogp|':>13}{'max|dlogp|':>12}"
+        f"{'arm':<14}{'seeds':>6}{label:>13}{'95% CI':>18}{'mean|dlogp|':>13}{'max|dlogp|':>12}"
         f"{'code mism.':>12}{'B/token':>9}{'minus bf16, paired':>26}{'collapsed':>11}",
     ]
 
@@ -408,19 +435,19 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         return f"{v:{fmt}}" if v is not None else "-"
 
     for arm, e in summary["arms"].items():
-        acc = e["final_eval_accuracy"]
+        acc = e[f"final_{metric}"]
         ci = f"[{acc['ci95'][0]:.3f}, {acc['ci95'][1]:.3f}]" if acc else "-"
         lines.append(
-            f"{arm:<14}{len(e['seeds']):>6}{num(acc and acc['mean'], '.3f'):>11}{ci:>18}"
+            f"{arm:<14}{len(e['seeds']):>6}{num(acc and acc['mean'], '.3f'):>13}{ci:>18}"
             f"{num(e['logprob_gap_mean'], '.5f'):>13}{num(e['logprob_gap_max'], '.3f'):>12}"
             f"{num(e['code_mismatch'], '.2e'):>12}{num(e['guidance_bytes_per_token'], '.1f'):>9}"
-            f"{_paired(e.get('final_eval_accuracy_minus_bf16')):>26}{_collapsed(e.get('collapse')):>11}"
+            f"{_paired(e.get(f'final_{metric}_minus_bf16')):>26}{_collapsed(e.get('collapse')):>11}"
         )
         for key, label in (("final_eval_accuracy_fp4", "post-hoc NVFP4"), ("final_eval_accuracy_fp4_4over6", "post-hoc 4/6")):
             post = e.get(key)
             if post:
                 ci = f"[{post['ci95'][0]:.3f}, {post['ci95'][1]:.3f}]"
-                lines.append(f"{'  ' + label:<14}{len(e['seeds']):>6}{post['mean']:>11.3f}{ci:>18}   (the {arm} policy, FP4 inference)")
+                lines.append(f"{'  ' + label:<14}{len(e['seeds']):>6}{post['mean']:>13.3f}{ci:>18}   (the {arm} policy, FP4 inference)")
     prov = summary.get("provenance")
     if prov:
         groups = "; ".join(f"seeds {', '.join(map(str, g['seeds']))}: {g['weights_sha256']}" for g in prov["warm_starts"])

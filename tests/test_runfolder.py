@@ -261,3 +261,19 @@ def test_environment_recorded_and_resume_elsewhere_named(tmp_path):
     (tmp_path / ENVIRONMENT_NAME).write_text("[1]")
     with pytest.raises(RunFolderError, match="not a JSON object"):
         record_environment(tmp_path, env)
+
+
+def test_a_folder_saved_before_later_keys_resumes_at_their_defaults(tmp_path):
+    """A config saved before a key existed resumes when the key is at its default (which reproduces
+    the older run) and is refused when it is not; the registry's defaults are RLConfig's own."""
+    import dataclasses
+
+    from tracefp4.rl.config import RLConfig
+    from tracefp4.rl.runfolder import LATER_KEYS_DEFAULTS, config_differences
+
+    defaults = {f.name: f.default for f in dataclasses.fields(RLConfig)}
+    assert {k: defaults[k] for k in LATER_KEYS_DEFAULTS} == LATER_KEYS_DEFAULTS
+    new = dataclasses.asdict(RLConfig())
+    old = {k: v for k, v in new.items() if k not in LATER_KEYS_DEFAULTS}
+    assert config_differences(old, new) == []
+    assert config_differences(old, {**new, "sc_top_k": 16}) == ["sc_top_k: 128 -> 16"]

@@ -79,7 +79,9 @@ LOCK_NAME = ".lock"
 RESUME_NEUTRAL_KEYS = frozenset({"out", "run_name", "resume", "arms"})
 GROWABLE_KEYS = frozenset({"steps"})
 #: Keys added after run folders existed: absent from an older saved config means this default.
-LATER_KEYS_DEFAULTS = {"trainer_world_size": 1}
+#: Each default reproduces what a run did before its key existed (the baselines' knobs only act in
+#: their own arms), so an older folder resumes under a newer version.
+LATER_KEYS_DEFAULTS = {"trainer_world_size": 1, "sc_top_k": 128, "sc_is_cap": 2.0, "quads_fraction": 0.5}
 _MISSING = object()
 
 

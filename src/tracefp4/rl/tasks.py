@@ -146,24 +146,13 @@ class Addition:
         return CharTokenizer()
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
-        out = []
-        while len(out) < n:
-            a, b = self._pair(rng)
-            if not self._held_out(a, b):
-                out.append(self._example(a, b))
-        return out
+        return [self._example(*p) for p in _draws(rng, self._pair, lambda a, b: not self._held_out(a, b), n)]
 
     def reward(self, example: Example, completion: str) -> float:
         return _exact(example, completion)
 
     def eval_set(self, n: int = 128) -> list[Example]:
-        rng = random.Random(12345)
-        out = []
-        while len(out) < n:
-            a, b = self._pair(rng)
-            if self._held_out(a, b):
-                out.append(self._example(a, b))
-        return out
+        return [self._example(*p) for p in _draws(random.Random(12345), self._pair, self._held_out, n)]
 
 
 @dataclasses.dataclass
@@ -248,12 +237,7 @@ class CountBy:
         return CharTokenizer("0123456789+=RSPA")
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
-        out = []
-        while len(out) < n:
-            start, step = self._pair(rng)
-            if not self._held_out(start, step):
-                out.append(self._example(start, step))
-        return out
+        return [self._example(*p) for p in _draws(rng, self._pair, lambda a, b: not self._held_out(a, b), n)]
 
     def reward(self, example: Example, completion: str) -> float:
         return _per_position(example, completion)
@@ -261,6 +245,16 @@ class CountBy:
     def eval_set(self, n: int = 128) -> list[Example]:
         rng = random.Random(13579)
         return [self._example(*p) for p in _distinct(rng, self._pair, self._held_out, n)]
+
+
+def _draws(rng: random.Random, draw, keep, n: int) -> list:
+    """The first ``n`` draws that ``keep`` accepts, in draw order (repeats included)."""
+    out = []
+    while len(out) < n:
+        p = draw(rng)
+        if keep(*p):
+            out.append(p)
+    return out
 
 
 def _distinct(rng: random.Random, draw, keep, n: int) -> list:

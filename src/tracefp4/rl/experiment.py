@@ -424,10 +424,10 @@ def _collapsed(c: Mapping[str, Any] | None) -> str:
 def format_summary(summary: Mapping[str, Any]) -> str:
     """The paper-shaped table: arm, the final held-out metric ± CI, gap, code mismatch, guidance bytes."""
     metric = summary.get("metric", "eval_accuracy")
-    label = {"eval_accuracy": "final acc", "eval_reward": "final reward"}[metric]
+    headline = {"eval_accuracy": "final acc", "eval_reward": "final reward"}[metric]
     lines = [
         f"{summary['name']}: task {summary['task']}, {summary['steps']} steps, engine {summary['engine']}",
-        f"{'arm':<14}{'seeds':>6}{label:>13}{'95% CI':>18}{'mean|dlogp|':>13}{'max|dlogp|':>12}"
+        f"{'arm':<14}{'seeds':>6}{headline:>13}{'95% CI':>18}{'mean|dlogp|':>13}{'max|dlogp|':>12}"
         f"{'code mism.':>12}{'B/token':>9}{'minus bf16, paired':>26}{'collapsed':>11}",
     ]
 

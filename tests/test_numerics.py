@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -362,8 +363,11 @@ def test_threading_layer_is_workqueue_unless_chosen():
     import subprocess
     import sys
 
-    # torch at 1 thread, numba's pool at 2: starting numba's threads must not change torch's count
-    code = ("import torch, numba, tracefp4 as tf; torch.set_num_threads(1); tf.quantize_nvfp4(torch.randn(64, 64));"
+    # torch at 1 thread, numba's pool at 2: starting numba's threads must not change torch's count (a
+    # kernel given 2 chunks launches in parallel; with one chunk, as every op at 1 thread, it runs serially)
+    code = ("import torch, numba, numpy as np, tracefp4 as tf; from tracefp4.formats import kernels;"
+            "torch.set_num_threads(1); tf.quantize_nvfp4(torch.randn(64, 64));"
+            "kernels.pack_lsb(np.zeros((4, 8), np.uint8), np.zeros((4, 2), np.uint8), 2);"
             "assert torch.get_num_threads() == 1, torch.get_num_threads(); print(numba.threading_layer())")
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_THREADING_LAYER", "NUMBA_NUM_THREADS")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -377,3 +381,39 @@ def test_threading_layer_is_workqueue_unless_chosen():
                             capture_output=True, text=True, timeout=300)
     assert chosen.returncode == 0, chosen.stderr[-2000:]
     assert chosen.stdout.split()[-1] == "omp"
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_serial_and_parallel_launches_give_the_same_bits(fmt):
+    """A kernel called with one chunk runs its serial compilation (a parallel launch costs more than a
+    small site's whole quantize); with more chunks the parallel one. Both walk the same rows: every
+    output of each kernel is bit-identical whichever runs, for any chunk count."""
+    from tracefp4.formats import kernels, numerics
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, 256, generator=g) * torch.logspace(-3, 3, 37).unsqueeze(1)).to(torch.bfloat16)
+    rows = numerics.kernel_rows(x)
+    n, k = rows.shape
+    outs = []
+    for chunks in (1, 2, 5):
+        bad = np.zeros(n, dtype=np.bool_)
+        codes = np.empty((n, k // 2), dtype=np.uint8)
+        if fmt == "nvfp4":
+            amax = np.empty(n, dtype=np.float32)
+            scales = np.empty((n, k // 16), dtype=np.uint8)
+            kernels.nvfp4_quantize(rows, amax, True, np.empty((0, 0), dtype=np.uint32), codes, scales, bad, chunks)
+            values, block, div = kernels.E4M3_VALUES, 16, 2688.0 / np.maximum(amax, 1e-30).astype(np.float32)
+        else:
+            scales = np.empty((n, k // 32), dtype=np.uint8)
+            kernels.mxfp4_quantize(rows, False, codes, scales, bad, chunks)
+            values, block, div = kernels.E8M0_VALUES, 32, np.ones(n, dtype=np.float32)
+        deq = np.empty((n, k), dtype=np.float32)
+        kernels.dequantize(codes, scales, values, div.astype(np.float32), block, deq, chunks)
+        bits = np.empty((n, k // 8), dtype=np.uint8)
+        kernels.pack_lsb(codes, bits, chunks)
+        outs.append((codes, scales, deq.view(np.uint32), bits, bad))
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            np.testing.assert_array_equal(a, b)
+    launched = kernels.nvfp4_quantize if fmt == "nvfp4" else kernels.mxfp4_quantize
+    assert launched.serial.signatures and launched.kernel.signatures  # both compilations ran

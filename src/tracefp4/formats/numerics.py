@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from typing import Literal
 
 import numpy as np
@@ -100,7 +101,7 @@ def _found(t) -> str:
 
 def row_count(shape) -> int:
     """Number of rows of a tensor of ``shape``: the product of its leading dims (1 for a vector)."""
-    return int(np.prod(tuple(shape[:-1]), dtype=np.int64))
+    return math.prod(shape[:-1])
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -432,6 +433,11 @@ def _chunks(rows: np.ndarray) -> int:
 def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     """``S_enc = 448*6/amax`` in float32, capped at FLT_MAX; amax 0 gives 1 (on amax's device)."""
     amax = amax.to(torch.float32)
+    if amax.device.type == "cpu":  # numpy: the same IEEE float32 operations at a fraction of torch's per-op cost
+        a = amax.detach().numpy()
+        with np.errstate(divide="ignore", over="ignore"):
+            s = np.minimum(np.float32(NVFP4_GLOBAL_NUMERATOR) / a, np.float32(FLOAT32_MAX))
+        return torch.from_numpy(np.asarray(np.where((a == 0) | (s == 0), np.float32(1), s), dtype=np.float32))
     s_enc = torch.minimum(
         torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32, device=amax.device) / amax,
         torch.tensor(FLOAT32_MAX, dtype=torch.float32, device=amax.device),

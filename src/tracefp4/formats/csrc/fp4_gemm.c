@@ -221,7 +221,6 @@ AVXINL void store_rows(const job_t *j, int64_t e, int64_t n0, int64_t r, int row
         const int64_t nb = j->k / j->block, rowlen = j->supers * G * 64;                                     \
         const __m512i table = _mm512_loadu_si512(E2M1_BF16);                                                   \
         const uint8_t *tile = j->codes + (e * j->tiles + n0 / NT) * NT * j->cbytes;                           \
-        const uint8_t *end = tile + NT * j->cbytes;                                                            \
         __m512 acc[ROWS][NT];                                                                                  \
         for (int m = 0; m < ROWS; m++)                                                                         \
             for (int c = 0; c < NT; c++) acc[m][c] = _mm512_setzero_ps();                                      \
@@ -237,10 +236,10 @@ AVXINL void store_rows(const job_t *j, int64_t e, int64_t n0, int64_t r, int row
                 const int h = ROWS == 1 ? (p & 1) : 0;                                                         \
                 const int64_t at = (q * G + p) * 64;                                                           \
                 const uint8_t *grp = tile + (q * G + p) * NT * 32;                                             \
-                if (grp + 1024 < end) { /* the tile's stream, 8 groups ahead */                                \
-                    _mm_prefetch((const char *)(grp + 1024), _MM_HINT_T0);                                     \
-                    _mm_prefetch((const char *)(grp + 1088), _MM_HINT_T0);                                     \
-                }                                                                                              \
+                /* 16 groups ahead, past the tile's end too: the next tile is the next item (a prefetch \
+                 * never faults); a bounds check here cost 5-25% (interleaved A/B, 2 threads)          */ \
+                _mm_prefetch((const char *)(grp + 2048), _MM_HINT_T0);                                         \
+                _mm_prefetch((const char *)(grp + 2112), _MM_HINT_T0);                                         \
                 __m512bh xe[ROWS], xo[ROWS];                                                                   \
                 for (int m = 0; m < ROWS; m++) {                                                               \
                     xe[m] = (__m512bh)_mm512_loadu_si512(xs + m * rowlen + at);                                \

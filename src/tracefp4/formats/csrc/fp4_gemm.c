@@ -30,9 +30,10 @@
  * bf16 bits.
  *
  * Two implementations, chosen at run time: AVX-512 BF16 and portable C (float32 products and sums).
- * The AVX-512 one streams the codes through vdpbf16ps for experts with one or two rows (float32
- * accumulation; DAZ/FTZ, so operands and products below 2^-126 count as zero) and, for more rows,
- * decodes each tile once to scaled float32 weights and multiply-adds in float32. They differ only
+ * The AVX-512 one streams the codes through vdpbf16ps for experts with up to STREAM_ROWS rows
+ * (float32 accumulation; DAZ/FTZ, so operands and products below 2^-126 count as zero) and, for
+ * more rows, decodes each tile once: NVFP4 to scaled bf16 weights (exact: see decode_tile_bf16)
+ * multiplied by vdpbf16ps, MXFP4 to scaled float32 weights multiply-added in float32. They differ only
  * in the order and grouping of the float32 additions. Work is split over (expert, 4-column tile)
  * items, contiguous ranges per thread of a persistent pool; each output is computed by one thread in
  * a fixed order, so the result does not depend on the thread count.
@@ -201,6 +202,35 @@ AVX512 static void decode_tile(const job_t *j, int64_t e, int64_t n0, float *out
         }
 }
 
+/* NVFP4 only: the tile decoded as decode_tile does, stored as bf16 ([group][column][32 even | 32
+ * odd], the order of the permuted rows) for the dot products. Exact: an E2M1 value (2 significant
+ * bits) times an E4M3 scale (4 bits, 2^-9 .. 448) is a normal bf16 (8 bits, exponent from -126).
+ * (An E8M0 scale below 2^-125 would make a bf16 subnormal, which vdpbf16ps reads as zero: MXFP4
+ * tiles keep the float32 path.) */
+AVX512 static void decode_tile_bf16(const job_t *j, int64_t e, int64_t n0, uint16_t *out) {
+    const __m512i table = _mm512_loadu_si512(E2M1_BF16);
+    const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+    const uint8_t *tile = j->codes + (e * j->tiles + n0 / NT) * NT * j->cbytes;
+    const int64_t g = j->block / 4, nb = j->k / j->block;
+    for (int64_t q = 0; q < j->supers; q++)
+        for (int c = 0; c < NT; c++) {
+            const __m512 s = scales16(j->scales + (e * j->n + n0 + c) * nb + 16 * q, (int)(nb - 16 * q), 1);
+            const __m512 slo = _mm512_permutexvar_ps(lo_idx, s), shi = _mm512_permutexvar_ps(hi_idx, s);
+            for (int64_t p = 0; p < g; p++) {
+                const int64_t at = (q * g + p) * NT + c;
+                __m512bh we, wo;
+                decode_group(tile + 32 * at, table, &we, &wo);
+                const __m512 e0 = _mm512_mul_ps(_mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)we)), slo);
+                const __m512 e1 = _mm512_mul_ps(_mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)we, 1)), shi);
+                const __m512 o0 = _mm512_mul_ps(_mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)wo)), slo);
+                const __m512 o1 = _mm512_mul_ps(_mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)wo, 1)), shi);
+                _mm512_storeu_si512(out + 64 * at, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+                _mm512_storeu_si512(out + 64 * at + 32, (__m512i)_mm512_cvtne2ps_pbh(o1, o0));
+            }
+        }
+}
+
 /* A permuted bf16 row (permute_row) in float32, the same order. */
 AVX512 static void row_f32(const uint16_t *xs, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(out + i, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(xs + i))));
@@ -313,9 +343,47 @@ typedef void (*stream_fn)(const job_t *, int64_t, int64_t, int64_t, const uint16
 DEFINE_DECODED(decoded_1, 1)
 DEFINE_DECODED(decoded_2, 2)
 
-/* All rows of one expert for one tile; `xs` holds their permuted copies (and `xf` the same in
- * float32 where there are more than two). Up to two rows stream the codes; more decode the tile once
- * into `decoded` (scaled float32) and take two rows at a time. */
+/* From the bf16-decoded tile (NVFP4), ROWS (1-4) rows by dot products in float32: per row and
+ * column one accumulation chain, two (even and odd elements apart) for one or two rows. */
+#define DEFINE_DECODED16(NAME, ROWS)                                                                           \
+    AVX512 static void NAME(const job_t *j, int64_t e, int64_t n0, int64_t r, const uint16_t *xs, const uint16_t *w) { \
+        const int64_t groups = j->supers * (j->block / 4), rowlen = groups * 64;                             \
+        enum { H = ROWS <= 2 ? 2 : 1 };                                                                        \
+        __m512 acc[H][ROWS][NT];                                                                               \
+        for (int h = 0; h < H; h++)                                                                            \
+            for (int m = 0; m < ROWS; m++)                                                                     \
+                for (int c = 0; c < NT; c++) acc[h][m][c] = _mm512_setzero_ps();                               \
+        for (int64_t g = 0; g < groups; g++) {                                                                 \
+            __m512bh xe[ROWS], xo[ROWS];                                                                       \
+            for (int m = 0; m < ROWS; m++) {                                                                   \
+                xe[m] = (__m512bh)_mm512_loadu_si512(xs + m * rowlen + 64 * g);                                \
+                xo[m] = (__m512bh)_mm512_loadu_si512(xs + m * rowlen + 64 * g + 32);                           \
+            }                                                                                                  \
+            for (int c = 0; c < NT; c++) {                                                                     \
+                const __m512bh we = (__m512bh)_mm512_loadu_si512(w + (g * NT + c) * 64);                       \
+                const __m512bh wo = (__m512bh)_mm512_loadu_si512(w + (g * NT + c) * 64 + 32);                  \
+                for (int m = 0; m < ROWS; m++) {                                                               \
+                    acc[0][m][c] = _mm512_dpbf16_ps(acc[0][m][c], xe[m], we);                                  \
+                    acc[H - 1][m][c] = _mm512_dpbf16_ps(acc[H - 1][m][c], xo[m], wo);                          \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        if (H == 2)                                                                                            \
+            for (int m = 0; m < ROWS; m++)                                                                     \
+                for (int c = 0; c < NT; c++) acc[0][m][c] = _mm512_add_ps(acc[0][m][c], acc[H - 1][m][c]);     \
+        store_rows(j, e, n0, r, ROWS, acc[0]);                                                                 \
+    }
+DEFINE_DECODED16(decoded16_1, 1)
+DEFINE_DECODED16(decoded16_2, 2)
+DEFINE_DECODED16(decoded16_3, 3)
+DEFINE_DECODED16(decoded16_4, 4)
+
+typedef void (*decoded16_fn)(const job_t *, int64_t, int64_t, int64_t, const uint16_t *, const uint16_t *);
+
+/* All rows of one expert for one tile; `xs` holds their permuted copies (and, for MXFP4, `xf` the
+ * same in float32 where there are more than STREAM_ROWS). Up to STREAM_ROWS rows stream the codes;
+ * more decode the tile once into `decoded` (NVFP4: bf16, four rows at a time; MXFP4: float32, two
+ * at a time). */
 AVX512 static void tile_avx512(const job_t *j, int64_t e, int64_t n0, int64_t r0, int64_t r1, const uint16_t *xs,
                                const float *xf, float *decoded) {
     const int nv = j->block == 16;
@@ -324,6 +392,13 @@ AVX512 static void tile_avx512(const job_t *j, int64_t e, int64_t n0, int64_t r0
         const stream_fn fn[4] = {nv ? nv_stream_1 : mx_stream_1, nv ? nv_stream_2 : mx_stream_2,
                                  nv ? nv_stream_3 : mx_stream_3, nv ? nv_stream_4 : mx_stream_4};
         for (int64_t r = r0; r < r1; r += 4) fn[(r1 - r < 4 ? r1 - r : 4) - 1](j, e, n0, r, xs + (r - r0) * rowlen);
+        return;
+    }
+    if (nv) { /* bf16 weights: twice the products per instruction of the float32 path */
+        static const decoded16_fn fn[4] = {decoded16_1, decoded16_2, decoded16_3, decoded16_4};
+        uint16_t *w16 = (uint16_t *)decoded;
+        decode_tile_bf16(j, e, n0, w16);
+        for (int64_t r = r0; r < r1; r += 4) fn[(r1 - r < 4 ? r1 - r : 4) - 1](j, e, n0, r, xs + (r - r0) * rowlen, w16);
         return;
     }
     decode_tile(j, e, n0, decoded, nv);
@@ -382,7 +457,7 @@ static int run_items(const job_t *j, scratch_t *mem) {
                 for (int64_t r = 0; r < rows; r++) {
                     uint16_t *xs = (uint16_t *)scratch + r * rowlen;
                     permute_row(j->x + (j->ex_lo[g] + r) * j->k, j->k, j->block, xs);
-                    if (rows > STREAM_ROWS) row_f32(xs, rowlen, xf + r * rowlen);
+                    if (rows > STREAM_ROWS && j->block != 16) row_f32(xs, rowlen, xf + r * rowlen); /* MXFP4's float32 path */
                 }
                 permuted_for = g;
             }

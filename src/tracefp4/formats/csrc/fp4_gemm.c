@@ -32,7 +32,7 @@
  * Two implementations, chosen at run time: AVX-512 BF16 and portable C (float32 products and sums).
  * The AVX-512 one streams the codes through vdpbf16ps for experts with up to STREAM_ROWS rows
  * (float32 accumulation; DAZ/FTZ, so operands and products below 2^-126 count as zero) and, for
- * more rows, decodes each tile once: NVFP4 to scaled bf16 weights (exact: see decode_tile_bf16)
+ * more rows, decodes each tile once: NVFP4 to scaled bf16 weights (exact: see decode_tile)
  * multiplied by vdpbf16ps, MXFP4 to scaled float32 weights multiply-added in float32. They differ only
  * in the order and grouping of the float32 additions. Work is split over (expert, 4-column tile)
  * items, contiguous ranges per thread of a persistent pool; each output is computed by one thread in
@@ -174,12 +174,15 @@ AVXINL void decode_group(const uint8_t *codes32, __m512i table, __m512bh *we, __
     *wo = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
 }
 
-/* Every group of one tile decoded to scaled float32 weights into `out` ([group][column][4 x 16]:
- * even elements 0-15 and 16-31, odd 0-15 and 16-31 of the group): for tiles with many rows, which
- * then multiply-add in float32 (exact products, as in the dot products) from L1 instead of decoding
- * again. An element's block is its word's lane: word i of the 32 even (or odd) ones is in block i/2
- * of the super-group. */
-AVX512 static void decode_tile(const job_t *j, int64_t e, int64_t n0, float *out, int nv) {
+/* Every group of one tile decoded to scaled weights into `out` ([group][column][64]: even elements
+ * 0-15 and 16-31, odd 0-15 and 16-31 of the group, the order of the permuted rows), for tiles with
+ * many rows, which then multiply from L1 instead of decoding again. An element's block is its word's
+ * lane: word i of the 32 even (or odd) ones is in block i/2 of the super-group.
+ * NVFP4 (`nv`) as bf16 for the dot products; exact: an E2M1 value (2 significant bits) times an E4M3
+ * scale (4 bits, 2^-9 .. 448) is a normal bf16 (8 bits, exponent from -126). MXFP4 as float32, which
+ * then multiply-add in float32 (exact products): an E8M0 scale below 2^-125 would make a bf16
+ * subnormal, which vdpbf16ps reads as zero. */
+AVX512 static void decode_tile(const job_t *j, int64_t e, int64_t n0, void *out, int nv) {
     const __m512i table = _mm512_loadu_si512(E2M1_BF16);
     const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
@@ -193,40 +196,21 @@ AVX512 static void decode_tile(const job_t *j, int64_t e, int64_t n0, float *out
                 const int64_t at = (q * g + p) * NT + c;
                 __m512bh we, wo;
                 decode_group(tile + 32 * at, table, &we, &wo);
-                float *o = out + 64 * at;
-                _mm512_store_ps(o, _mm512_mul_ps(_mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)we)), slo));
-                _mm512_store_ps(o + 16, _mm512_mul_ps(_mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)we, 1)), shi));
-                _mm512_store_ps(o + 32, _mm512_mul_ps(_mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)wo)), slo));
-                _mm512_store_ps(o + 48, _mm512_mul_ps(_mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)wo, 1)), shi));
-            }
-        }
-}
-
-/* NVFP4 only: the tile decoded as decode_tile does, stored as bf16 ([group][column][32 even | 32
- * odd], the order of the permuted rows) for the dot products. Exact: an E2M1 value (2 significant
- * bits) times an E4M3 scale (4 bits, 2^-9 .. 448) is a normal bf16 (8 bits, exponent from -126).
- * (An E8M0 scale below 2^-125 would make a bf16 subnormal, which vdpbf16ps reads as zero: MXFP4
- * tiles keep the float32 path.) */
-AVX512 static void decode_tile_bf16(const job_t *j, int64_t e, int64_t n0, uint16_t *out) {
-    const __m512i table = _mm512_loadu_si512(E2M1_BF16);
-    const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
-    const uint8_t *tile = j->codes + (e * j->tiles + n0 / NT) * NT * j->cbytes;
-    const int64_t g = j->block / 4, nb = j->k / j->block;
-    for (int64_t q = 0; q < j->supers; q++)
-        for (int c = 0; c < NT; c++) {
-            const __m512 s = scales16(j->scales + (e * j->n + n0 + c) * nb + 16 * q, (int)(nb - 16 * q), 1);
-            const __m512 slo = _mm512_permutexvar_ps(lo_idx, s), shi = _mm512_permutexvar_ps(hi_idx, s);
-            for (int64_t p = 0; p < g; p++) {
-                const int64_t at = (q * g + p) * NT + c;
-                __m512bh we, wo;
-                decode_group(tile + 32 * at, table, &we, &wo);
                 const __m512 e0 = _mm512_mul_ps(_mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)we)), slo);
                 const __m512 e1 = _mm512_mul_ps(_mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)we, 1)), shi);
                 const __m512 o0 = _mm512_mul_ps(_mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)wo)), slo);
                 const __m512 o1 = _mm512_mul_ps(_mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)wo, 1)), shi);
-                _mm512_storeu_si512(out + 64 * at, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-                _mm512_storeu_si512(out + 64 * at + 32, (__m512i)_mm512_cvtne2ps_pbh(o1, o0));
+                if (nv) {
+                    uint16_t *o = (uint16_t *)out + 64 * at;
+                    _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+                    _mm512_storeu_si512(o + 32, (__m512i)_mm512_cvtne2ps_pbh(o1, o0));
+                } else {
+                    float *o = (float *)out + 64 * at;
+                    _mm512_store_ps(o, e0);
+                    _mm512_store_ps(o + 16, e1);
+                    _mm512_store_ps(o + 32, o0);
+                    _mm512_store_ps(o + 48, o1);
+                }
             }
         }
 }
@@ -394,14 +378,13 @@ AVX512 static void tile_avx512(const job_t *j, int64_t e, int64_t n0, int64_t r0
         for (int64_t r = r0; r < r1; r += 4) fn[(r1 - r < 4 ? r1 - r : 4) - 1](j, e, n0, r, xs + (r - r0) * rowlen);
         return;
     }
+    decode_tile(j, e, n0, decoded, nv);
     if (nv) { /* bf16 weights: twice the products per instruction of the float32 path */
         static const decoded16_fn fn[4] = {decoded16_1, decoded16_2, decoded16_3, decoded16_4};
-        uint16_t *w16 = (uint16_t *)decoded;
-        decode_tile_bf16(j, e, n0, w16);
+        const uint16_t *w16 = (const uint16_t *)decoded;
         for (int64_t r = r0; r < r1; r += 4) fn[(r1 - r < 4 ? r1 - r : 4) - 1](j, e, n0, r, xs + (r - r0) * rowlen, w16);
         return;
     }
-    decode_tile(j, e, n0, decoded, nv);
     int64_t r = r0;
     for (; r + 2 <= r1; r += 2) decoded_2(j, e, n0, r, xf + (r - r0) * rowlen, decoded);
     if (r < r1) decoded_1(j, e, n0, r, xf + (r - r0) * rowlen, decoded);
@@ -435,10 +418,10 @@ static int run_items(const job_t *j, scratch_t *mem) {
         if (j->ex_hi[g] - j->ex_lo[g] > most) most = j->ex_hi[g] - j->ex_lo[g];
     }
     const int64_t rowlen = j->supers * (j->block / 4) * 64;
-    /* AVX-512: the permuted rows (bf16, and float32 for experts with more than two rows), then one
-     * tile decoded to float32 (NT x rowlen), each part 64-byte aligned */
+    /* AVX-512: the permuted rows (bf16, and float32 for MXFP4 experts with more than STREAM_ROWS), then one
+     * tile decoded (room for NT x rowlen float32; NVFP4 fills half with bf16), each part 64-byte aligned */
     size_t rows_bytes = ((size_t)most * (size_t)rowlen * sizeof(uint16_t) + 63) / 64 * 64;
-    size_t f32_bytes = most > STREAM_ROWS ? (size_t)most * (size_t)rowlen * sizeof(float) : 0;
+    size_t f32_bytes = most > STREAM_ROWS && j->block != 16 ? (size_t)most * (size_t)rowlen * sizeof(float) : 0;
     size_t bytes = j->avx ? rows_bytes + f32_bytes + (size_t)NT * (size_t)rowlen * sizeof(float)
                           : (size_t)NT * (size_t)j->k * sizeof(float);
     void *scratch = scratch_get(mem, bytes + 64);

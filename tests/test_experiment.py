@@ -131,6 +131,25 @@ def test_warm_start_from_another_experiment_reproduces_it(tmp_path):
         assert strip[0] == strip[1], arm
 
 
+def test_workers_run_the_jobs_in_parallel_processes_with_the_same_numbers(tmp_path):
+    """``--workers 2``: the warm start, then the two arms in two ``--job`` processes at once (job locks:
+    the folder shared, each arm exclusive); every metric row equals the sequential run's, and the
+    results file is written the same way. A bad ``--job`` names what it expected."""
+    rows = {}
+    for name, workers in (("seq", "1"), ("par", "2")):
+        cfg = tmp_path / f"{name}.toml"
+        cfg.write_text(f'name = "{name}"\nseeds = [0]\nout = "{tmp_path / "runs"}"\n' + RUN)
+        assert main(["experiment", "--config", str(cfg), "--workers", workers, "--results", str(tmp_path / "res"),
+                     "--plots", str(tmp_path / "img")]) == 0
+        assert (tmp_path / "res" / f"{name}.json").exists()
+        rows[name] = {arm: [{k: v for k, v in json.loads(r).items() if not k.startswith("time/")}
+                            for r in (tmp_path / "runs" / name / "seed-0" / "metrics" / f"{arm}.jsonl").read_text().splitlines()]
+                      for arm in ("bf16", "trace")}
+    assert rows["par"] == rows["seq"]
+    assert main(["experiment", "--config", str(tmp_path / "par.toml"), "--job", "7:bf16"]) == 2
+    assert main(["experiment", "--config", str(tmp_path / "par.toml"), "--job", "0:quads"]) == 2
+
+
 def test_bad_warm_start_config(tmp_path):
     (tmp_path / "x.toml").write_text('name = "x"\nseeds = [0]\nwarm_start = 3\n' + RUN)
     with pytest.raises(ValueError, match="warm_start = 3: expected a folder path"):

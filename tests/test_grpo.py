@@ -67,7 +67,7 @@ def test_tokenizer_round_trip_and_errors():
         tok.encode("1x")
 
 
-@pytest.mark.parametrize("task", [Addition(), Reverse(), CountBy()])
+@pytest.mark.parametrize("task", [Addition(), Reverse(), CountBy(), CountBy(max_step=9, credit="rule")])
 def test_tasks_rewards_and_held_out(task):
     train = task.sample(random.Random(0), 500)
     held = task.eval_set(64)
@@ -99,6 +99,23 @@ def test_count_by_answers_and_per_position_credit():
     assert len(set(make_task("count").eval_set(64))) == 64  # distinct held-out prompts
     with pytest.raises(ValueError, match="terms must be a positive integer"):
         CountBy(terms=0)
+
+
+def test_count_by_rule_credit_and_max_step():
+    """``credit = "rule"``: a term scores when it is the completion's own previous term plus the step,
+    so a slip costs one term; ``max_step`` bounds the step."""
+    t = CountBy(terms=4, credit="rule")
+    ex = t._example(91, 4)
+    assert t.reward(ex, "95990307") == 1.0
+    assert t.reward(ex, "96000408") == 3 / 4  # 96 is off the chain; 00, 04, 08 each follow their previous term
+    assert t.reward(ex, "95990308") == 3 / 4
+    assert t.reward(ex, "9599") == 1 / 2 and t.reward(ex, "9599030700") == 4 / 5  # length as for "answer"
+    assert t.reward(ex, "95a90307") == 1 / 4  # a malformed term ends the chain
+    assert all(1 <= int(e.prompt[4:6]) <= 9 for e in CountBy(max_step=9).sample(random.Random(0), 200))
+    with pytest.raises(ValueError, match="credit must be"):
+        CountBy(credit="sum")
+    with pytest.raises(ValueError, match=r"max_step must be an integer in \[1, 99\]"):
+        CountBy(max_step=100)
 
 
 def test_pad_right():

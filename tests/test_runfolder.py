@@ -136,9 +136,9 @@ def test_check_model_folder(tmp_path):
     assert check_model_folder(tmp_path / "m") == tmp_path / "m"
 
 
-def _try_lock(path, q):
+def _try_lock(path, q, job=None):
     try:
-        with lock_run_folder(path):
+        with lock_run_folder(path, job=job):
             q.put("locked")
     except RunFolderError as e:
         q.put(str(e))
@@ -157,6 +157,28 @@ def test_lock_refuses_a_second_process_and_is_released(tmp_path):
     p.start()
     p.join()
     assert q.get() == "locked"
+
+
+def test_job_locks_share_the_folder_but_not_a_job(tmp_path):
+    """Two processes may run two arms of one folder; not the same arm, and not beside a whole-folder run."""
+    path = create_run_folder(tmp_path, "a", CONFIG)
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+
+    def attempt(job=None):
+        p = ctx.Process(target=_try_lock, args=(path, q, job))
+        p.start()
+        p.join()
+        return q.get()
+
+    with lock_run_folder(path, job="qat"):
+        assert attempt("trace") == "locked"
+        assert f"job 'qat' of run folder {path} is in use by another process (pid {os.getpid()})" in attempt("qat")
+        # the pid named is the latest shared holder's (the child that ran "trace" above)
+        assert f"run folder {path} is in use by another process (pid " in attempt()
+    with lock_run_folder(path):
+        assert "in use by another process" in attempt("trace")
+    assert attempt("qat") == "locked"
 
 
 # --- metrics log on resume ------------------------------------------------------------------------

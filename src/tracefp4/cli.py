@@ -155,11 +155,14 @@ GUIDANCE_HELP = ("the trace arm's guidance mode, <mode>[@all|@deeper|@last<n>]: 
 def cmd_experiment(args: argparse.Namespace) -> int:
     import torch
 
-    from tracefp4.rl.experiment import ExperimentConfig, format_summary, run_experiment
+    from tracefp4.rl.experiment import ExperimentConfig, format_summary, run_experiment, run_job
 
     cfg = ExperimentConfig.from_file(args.config)
     torch.set_num_threads(cfg.run_config(cfg.seeds[0]).threads)  # the command owns the process
-    summary = run_experiment(cfg, args.results, args.plots)
+    if args.job is not None:  # one worker of --workers N
+        run_job(cfg, args.job)
+        return 0
+    summary = run_experiment(cfg, args.results, args.plots, workers=args.workers, config_path=args.config)
     print(format_summary(summary))
     print(f"\nresults: {Path(args.results) / (cfg.name + '.json')}   plots: {args.plots}/{cfg.name}_*.png")
     return 0
@@ -218,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--config", required=True, help="TOML/YAML/JSON: name, seeds, [out], [run] (RLConfig fields)")
     x.add_argument("--results", default="docs/results", help="folder of the results JSON (default docs/results)")
     x.add_argument("--plots", default="docs/img", help="folder of the plots (default docs/img)")
+    x.add_argument("--workers", type=int, default=1,
+                   help="run the warm starts and (seed, arm) jobs in this many processes at once (default 1); "
+                   "each uses the run config's threads, so give it workers x threads cores; same numbers as 1")
+    x.add_argument("--job", default=None, help=argparse.SUPPRESS)  # SEED:JOB, what a --workers process runs
     x.set_defaults(func=cmd_experiment)
 
     r = sub.add_parser("report", help="redraw the plots and summary table of a run folder",

@@ -56,6 +56,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,8 @@ from tracefp4.rl.runlog import ARM_STYLE, read_metrics, rows_of_kind
 __all__ = [
     "ExperimentConfig",
     "run_experiment",
+    "run_jobs",
+    "run_job",
     "summarise",
     "format_summary",
     "t_quantile_975",
@@ -173,10 +176,21 @@ class ExperimentConfig:
 
 
 def run_experiment(cfg: ExperimentConfig, results_dir: str | Path = "docs/results",
-                   plots_dir: str | Path = "docs/img") -> dict[str, Any]:
-    """Run (or resume) every seed, then write ``<results_dir>/<name>.json`` and the plots."""
+                   plots_dir: str | Path = "docs/img", *, workers: int = 1,
+                   config_path: str | Path | None = None) -> dict[str, Any]:
+    """Run (or resume) every seed, then write ``<results_dir>/<name>.json`` and the plots.
+
+    ``workers > 1`` runs the jobs (each seed's warm start, then each (seed, arm)) in that many
+    ``tracefp4 experiment --job`` processes reading ``config_path`` (:func:`run_jobs`); the seeds are
+    then resumed here, which finds every arm done and writes each seed's report."""
     from tracefp4.rl.loop import run
 
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if workers > 1:
+        if config_path is None:
+            raise ValueError("workers > 1 needs config_path: the worker processes read the experiment file")
+        run_jobs(cfg, config_path, workers)
     for i, seed in enumerate(cfg.seeds):
         print(f"experiment {cfg.name}: seed {seed} ({i + 1}/{len(cfg.seeds)})", file=sys.stderr, flush=True)
         run(cfg.run_config(seed))
@@ -186,6 +200,65 @@ def run_experiment(cfg: ExperimentConfig, results_dir: str | Path = "docs/result
     atomic_write_json(Path(results_dir) / f"{cfg.name}.json", summary, sort_keys=False)
     plot_experiment(summary, Path(plots_dir))
     return summary
+
+
+def run_jobs(cfg: ExperimentConfig, config_path: str | Path, workers: int) -> None:
+    """Every job of the experiment over ``workers`` processes at once: first each seed's warm start
+    (skipped where it is saved), then each (seed, arm) as soon as its seed's warm start is saved, in
+    seed order. A worker is ``python -m tracefp4 experiment --config <config_path> --job <seed>:<job>``
+    (its own process, its own thread count from the run config; nothing but the command line crosses
+    over). Every job computes what the sequential run computes for it (an arm's steps depend on the
+    warm start and the step number alone), so ``--workers`` changes the wall time, not a number.
+    A failed job stops new ones from starting; the running ones finish, then this raises, naming it."""
+    import subprocess
+
+    from tracefp4.rl.checkpoint import latest_checkpoint
+    from tracefp4.rl.loop import WARM_START_JOB, open_run_folder
+
+    arms = {}
+    for seed in cfg.seeds:  # the folders are made here, once, before any worker opens them
+        run_cfg = cfg.run_config(seed)
+        if run_cfg.resume is None:
+            open_run_folder(run_cfg)
+        arms[seed] = list(run_cfg.arms)
+    warm_done = {s: latest_checkpoint(cfg.run_dir(s) / "checkpoints" / WARM_START_JOB) is not None for s in cfg.seeds}
+    todo = [(s, WARM_START_JOB) for s in cfg.seeds if not warm_done[s]] + [(s, a) for s in cfg.seeds for a in arms[s]]
+    total, running, failed = len(todo), {}, []
+    started = 0
+    while todo or running:
+        for job in [j for j, p in running.items() if p.poll() is not None]:
+            rc = running.pop(job).returncode
+            if rc != 0:
+                failed.append((job, rc))
+            elif job[1] == WARM_START_JOB:
+                warm_done[job[0]] = True
+        ready = [j for j in todo if j[1] == WARM_START_JOB or warm_done[j[0]]]
+        while ready and len(running) < workers and not failed:
+            job = ready.pop(0)
+            todo.remove(job)
+            started += 1
+            print(f"experiment {cfg.name}: seed {job[0]} {job[1]} ({started}/{total}, {len(running) + 1} running)",
+                  file=sys.stderr, flush=True)
+            running[job] = subprocess.Popen([sys.executable, "-m", "tracefp4", "experiment", "--config",
+                                             str(config_path), "--job", f"{job[0]}:{job[1]}"])
+        if failed and not running:
+            break
+        if running:
+            time.sleep(0.5)
+    if failed:
+        (seed, job), rc = failed[0]
+        raise RuntimeError(f"experiment {cfg.name}: job {job!r} of seed {seed} failed (exit code {rc}; its output is "
+                           f"above); {len(todo)} jobs not started; rerun to resume")
+
+
+def run_job(cfg: ExperimentConfig, spec: str) -> None:
+    """The worker side of :func:`run_jobs`: ``spec`` is ``<seed>:<job>`` (``warm_start`` or an arm)."""
+    from tracefp4.rl.loop import run_job as run_one
+
+    seed_text, sep, job = spec.partition(":")
+    if not sep or not seed_text.isdigit() or int(seed_text) not in cfg.seeds or not job:
+        raise ValueError(f"--job {spec!r}: expected <seed>:<warm_start or arm> with a seed of {cfg.seeds}")
+    run_one(cfg.run_config(int(seed_text)), job)
 
 
 #: Evaluations of the policy under post-hoc FP4 inference (vanilla NVFP4, Four over Six), reported

@@ -25,6 +25,7 @@ caller; the ``tracefp4`` command sets them from the config.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -32,6 +33,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,7 @@ from tracefp4.rl.tasks import Task, Tokenizer, make_task
 from tracefp4.rl.update import update
 from tracefp4.rl.warm_start import warm_start
 
-__all__ = ["ArmRunner", "ModelSpec", "RLConfig", "model_signature", "run"]
+__all__ = ["ArmRunner", "ModelSpec", "RLConfig", "WARM_START_JOB", "model_signature", "open_run_folder", "run", "run_job"]
 
 
 def model_signature(model: PreTrainedModel, plan: PrecisionPlan) -> str:
@@ -159,50 +161,104 @@ class ArmRunner:
 
 def run(cfg: RLConfig) -> Path:
     """Warm start once, then GRPO for every arm from the same weights; returns the run folder."""
-    cfg.validate()
-    task = make_task(cfg.task, **cfg.task_kwargs)
-    tok = task.make_tokenizer()
-    config = dataclasses.asdict(cfg)
-    if cfg.resume:
-        run_dir = runfolder.open_for_resume(cfg.resume, config)
-    else:
-        run_dir = runfolder.create_run_folder(cfg.out, cfg.run_name, config)
+    task, tok, run_dir = _open(cfg)
     with runfolder.lock_run_folder(run_dir):
-        differs = runfolder.record_environment(run_dir, environment())
-        if differs:
-            print(f"{run_dir}: resumed in another environment than it was created in ({'; '.join(differs)}); "
-                  "the steps from here are not the ones an uninterrupted run would have taken", file=sys.stderr)
-        _run_arms(cfg, task, tok, run_dir)
+        _record_environment(run_dir)
+        base = warm_start_model(cfg, task, tok, run_dir / "checkpoints" / "warm_start")
+        with _arm_services(cfg, base, task, tok) as services:
+            for name in cfg.arms:
+                if services.pool is not None:
+                    services.pool.version = None  # every arm starts from the warm-start weights: resync
+                run_arm(name, base, task, tok, cfg, run_dir, **services.kwargs())
+        write_report(run_dir)
     return run_dir
 
 
-def _run_arms(cfg: RLConfig, task: Task, tok: Tokenizer, run_dir: Path) -> None:
-    base = warm_start_model(cfg, task, tok, run_dir / "checkpoints" / "warm_start")
+#: The job name of a run folder's warm start in :func:`run_job` (an arm is named by itself).
+WARM_START_JOB = "warm_start"
 
-    pool = group = serving = None
+
+def run_job(cfg: RLConfig, job: str) -> Path:
+    """One job of a run, for a run split over processes (``tracefp4 experiment --workers N``): the
+    warm start (``job = WARM_START_JOB``) or one arm, which needs the warm start done. The run folder
+    must exist (:func:`open_run_folder`); the job holds it shared and itself exclusively
+    (:func:`~tracefp4.rl.runfolder.lock_run_folder`), so the arms of one folder run in parallel.
+    Each arm computes what :func:`run` computes for it: its steps depend on the warm start and the
+    step number alone, never on the other arms. The run's report is left to a :func:`run` after the
+    jobs (which finds every arm done and only reads)."""
+    task, tok, run_dir = _open(cfg)
+    if job != WARM_START_JOB and job not in cfg.arms:
+        raise ValueError(f"job {job!r}: expected {WARM_START_JOB!r} or one of the run's arms {list(cfg.arms)}")
+    base_dir = run_dir / "checkpoints" / "warm_start"
+    with runfolder.lock_run_folder(run_dir, job=job):
+        if job == WARM_START_JOB:
+            _record_environment(run_dir)
+            warm_start_model(cfg, task, tok, base_dir)
+            return run_dir
+        if latest_checkpoint(base_dir) is None:
+            raise runfolder.RunFolderError(f"{run_dir}: arm {job!r} needs the warm start first (job {WARM_START_JOB!r})")
+        base = warm_start_model(cfg, task, tok, base_dir)
+        with _arm_services(cfg, base, task, tok) as services:
+            run_arm(job, base, task, tok, cfg, run_dir, **services.kwargs())
+    return run_dir
+
+
+def open_run_folder(cfg: RLConfig) -> Path:
+    """The run folder of ``cfg``: created (``cfg.resume`` unset) or opened for resume (its saved config
+    must agree, :func:`~tracefp4.rl.runfolder.open_for_resume`)."""
+    config = dataclasses.asdict(cfg)
+    if cfg.resume:
+        return runfolder.open_for_resume(cfg.resume, config)
+    return runfolder.create_run_folder(cfg.out, cfg.run_name, config)
+
+
+def _open(cfg: RLConfig) -> tuple[Task, Tokenizer, Path]:
+    cfg.validate()
+    task = make_task(cfg.task, **cfg.task_kwargs)
+    return task, task.make_tokenizer(), open_run_folder(cfg)
+
+
+def _record_environment(run_dir: Path) -> None:
+    differs = runfolder.record_environment(run_dir, environment())
+    if differs:
+        print(f"{run_dir}: resumed in another environment than it was created in ({'; '.join(differs)}); "
+              "the steps from here are not the ones an uninterrupted run would have taken", file=sys.stderr)
+
+
+@dataclasses.dataclass
+class _ArmServices:
+    """What a run's arms share besides the weights: the serving engine, the rollout pool, the trainer group."""
+
+    serving: Any = None
+    pool: Any = None
+    group: Any = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"pool": self.pool, "group": self.group, "serving": self.serving}
+
+
+@contextlib.contextmanager
+def _arm_services(cfg: RLConfig, base: PreTrainedModel, task: Task, tok: Tokenizer) -> Iterator[_ArmServices]:
+    services = _ArmServices()
     try:
         if cfg.engine != "home":  # one engine for the run, given each arm's weights in turn
-            serving = engine.serving_engine(cfg.engine, base, max_len=_max_len(cfg, task, tok))
+            services.serving = engine.serving_engine(cfg.engine, base, max_len=_max_len(cfg, task, tok))
         if cfg.rollout_workers > 0:  # the rollouts on engine actors (evaluation stays on this process's engine)
             from tracefp4.rl.workers import RolloutPool
 
-            pool = RolloutPool(base, cfg.rollout_workers, engine=cfg.engine, max_len=_max_len(cfg, task, tok))
+            services.pool = RolloutPool(base, cfg.rollout_workers, engine=cfg.engine, max_len=_max_len(cfg, task, tok))
         if cfg.trainer_world_size > 1:  # the update on N processes, started once, given each arm in turn
             from tracefp4.rl.distributed import TrainerGroup
 
-            group = TrainerGroup(cfg.trainer_world_size)
-        for name in cfg.arms:
-            if pool is not None:
-                pool.version = None  # every arm starts from the warm-start weights: resync
-            run_arm(name, base, task, tok, cfg, run_dir, pool, group, serving)
+            services.group = TrainerGroup(cfg.trainer_world_size)
+        yield services
     finally:
-        if pool is not None:
-            pool.shutdown()
-        if group is not None:
-            group.close()
-        if serving is not None and hasattr(serving, "close"):
-            serving.close()  # deterministically: vLLM's shutdown resets process-wide state
-    write_report(run_dir)
+        if services.pool is not None:
+            services.pool.shutdown()
+        if services.group is not None:
+            services.group.close()
+        if services.serving is not None and hasattr(services.serving, "close"):
+            services.serving.close()  # deterministically: vLLM's shutdown resets process-wide state
 
 
 def warm_start_model(cfg: RLConfig, task: Task, tok: Tokenizer, base_dir: Path) -> PreTrainedModel:

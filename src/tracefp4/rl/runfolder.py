@@ -276,24 +276,38 @@ def check_model_folder(path: str | os.PathLike[str], what: str = "checkpoint") -
 
 
 @contextlib.contextmanager
-def lock_run_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Hold an exclusive advisory lock on run folder ``path`` for the enclosed block.
+def lock_run_folder(path: str | os.PathLike[str], *, job: str | None = None) -> Iterator[Path]:
+    """Hold an advisory lock on run folder ``path`` for the enclosed block.
 
-    A second process (a second ``--resume`` of the same folder) is refused with a RunFolderError
-    naming the holder's pid. The kernel drops the lock when the holder dies, however it dies.
+    Without ``job``: the whole folder, exclusively; a second process (a second ``--resume`` of the
+    same folder) is refused with a RunFolderError naming the holder's pid. With ``job`` (the warm
+    start or one arm, run in its own process beside the folder's other jobs: they write disjoint
+    files): the folder shared and that job exclusively, so two processes may run two arms of one
+    folder at once, while a whole-folder run or a second process on the same job is refused. The
+    kernel drops the locks when the holder dies, however it dies.
     """
+    path = Path(path)
+    with _flock(path / LOCK_NAME, shared=job is not None, what=f"run folder {path}"):
+        if job is None:
+            yield path
+            return
+        with _flock(path / f"{LOCK_NAME}-{job}", shared=False, what=f"job {job!r} of run folder {path}"):
+            yield path
+
+
+@contextlib.contextmanager
+def _flock(file: Path, *, shared: bool, what: str) -> Iterator[None]:
     import fcntl
 
-    path = Path(path)
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-            raise RunFolderError(f"run folder {path} is in use by another process (pid {holder})") from None
-        os.ftruncate(fd, 0)
+            raise RunFolderError(f"{what} is in use by another process (pid {holder})") from None
+        os.ftruncate(fd, 0)  # with shared holders: the latest one's pid, which a refusal names
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield path
+        yield
     finally:
         os.close(fd)  # releases the lock

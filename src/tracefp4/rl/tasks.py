@@ -213,6 +213,8 @@ class CountBy:
 
     terms: int = 16
     digits: int = 2
+    max_step: int | None = None  # steps drawn from 1..max_step (None: up to 10**digits - 1)
+    credit: str = "answer"  # "answer": positions equal to the answer's; "rule": terms that follow the rule
     name: str = "count"
 
     def __post_init__(self) -> None:
@@ -220,10 +222,15 @@ class CountBy:
             v = getattr(self, field)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{field} must be a positive integer, got {v!r}")
+        if self.credit not in ("answer", "rule"):
+            raise ValueError(f"credit must be 'answer' or 'rule', got {self.credit!r}")
+        top = 10**self.digits - 1
+        if self.max_step is not None and not (isinstance(self.max_step, int) and 1 <= self.max_step <= top):
+            raise ValueError(f"max_step must be an integer in [1, {top}] (or None), got {self.max_step!r}")
 
     def _pair(self, rng: random.Random) -> tuple[int, int]:
         m = 10**self.digits
-        return rng.randrange(m), rng.randrange(1, m)
+        return rng.randrange(m), rng.randrange(1, (self.max_step or m - 1) + 1)
 
     def _example(self, start: int, step: int) -> Example:
         m, d = 10**self.digits, self.digits
@@ -240,7 +247,29 @@ class CountBy:
         return [self._example(*p) for p in _draws(rng, self._pair, lambda a, b: not self._held_out(a, b), n)]
 
     def reward(self, example: Example, completion: str) -> float:
-        return _per_position(example, completion)
+        if self.credit == "answer":
+            return _per_position(example, completion)
+        return self._rule_credit(example, completion)
+
+    def _rule_credit(self, example: Example, completion: str) -> float:
+        """Share of the ``terms`` terms that equal the *completion's own* previous term plus the step
+        (the first: the start plus the step), over the longer of the completion and the answer: a slip
+        costs its own term, not every term after it, which per-position credit against the answer
+        would charge (the following terms are then all off the answer's chain). 1 exactly when the
+        completion is the answer."""
+        c, d, m = completion.strip(), self.digits, 10**self.digits
+        if c == example.answer:
+            return 1.0
+        start, step = int(example.prompt[1:1 + d]), int(example.prompt[2 + d:2 + 2 * d])
+        chunks = [c[i:i + d] for i in range(0, len(c), d)]
+        good, prev = 0, start
+        for chunk in chunks[: self.terms]:
+            if len(chunk) == d and chunk.isdigit():
+                good += int(chunk) == (prev + step) % m
+                prev = int(chunk)
+            else:  # a malformed term: no later term has a previous one to follow
+                break
+        return good / max(self.terms, len(chunks))
 
     def eval_set(self, n: int = 128) -> list[Example]:
         rng = random.Random(13579)

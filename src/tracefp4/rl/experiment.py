@@ -213,7 +213,7 @@ def run_jobs(cfg: ExperimentConfig, config_path: str | Path, workers: int) -> No
     import subprocess
 
     from tracefp4.rl.checkpoint import latest_checkpoint
-    from tracefp4.rl.loop import WARM_START_JOB, open_run_folder
+    from tracefp4.rl.loop import WARM_START_JOB, open_run_folder, warm_start_dir
 
     arms = {}
     for seed in cfg.seeds:  # the folders are made here, once, before any worker opens them
@@ -221,7 +221,7 @@ def run_jobs(cfg: ExperimentConfig, config_path: str | Path, workers: int) -> No
         if run_cfg.resume is None:
             open_run_folder(run_cfg)
         arms[seed] = list(run_cfg.arms)
-    warm_done = {s: latest_checkpoint(cfg.run_dir(s) / "checkpoints" / WARM_START_JOB) is not None for s in cfg.seeds}
+    warm_done = {s: latest_checkpoint(warm_start_dir(cfg.run_dir(s))) is not None for s in cfg.seeds}
     todo = [(s, WARM_START_JOB) for s in cfg.seeds if not warm_done[s]] + [(s, a) for s in cfg.seeds for a in arms[s]]
     total, running, failed = len(todo), {}, []
     started = 0
@@ -333,11 +333,12 @@ def seed_provenance(run_dir: Path) -> dict[str, Any]:
     warm-start weights."""
     from tracefp4.provenance import weights_digest
     from tracefp4.rl.checkpoint import latest_checkpoint
+    from tracefp4.rl.loop import warm_start_dir
 
     env_file = run_dir / "environment.json"
     env = json.loads(env_file.read_text()) if env_file.is_file() else {"created": None, "resumes": []}
     warm: dict[str, Any] = {"weights_sha256": None, "source": None}
-    ck = latest_checkpoint(run_dir / "checkpoints" / "warm_start")
+    ck = latest_checkpoint(warm_start_dir(run_dir))
     if ck is not None:
         warm = {"weights_sha256": ck.state.get("weights_sha256"), "source": ck.state.get("source", "built"),
                 "warm_start_steps": ck.state.get("warm_start_steps")}

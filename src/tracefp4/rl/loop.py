@@ -57,7 +57,8 @@ from tracefp4.rl.tasks import Task, Tokenizer, make_task
 from tracefp4.rl.update import update
 from tracefp4.rl.warm_start import warm_start
 
-__all__ = ["ArmRunner", "ModelSpec", "RLConfig", "WARM_START_JOB", "model_signature", "open_run_folder", "run", "run_job"]
+__all__ = ["ArmRunner", "ModelSpec", "RLConfig", "WARM_START_JOB", "model_signature", "open_run_folder", "run", "run_job",
+           "warm_start_dir"]
 
 
 def model_signature(model: PreTrainedModel, plan: PrecisionPlan) -> str:
@@ -164,7 +165,7 @@ def run(cfg: RLConfig) -> Path:
     task, tok, run_dir = _open(cfg)
     with runfolder.lock_run_folder(run_dir):
         _record_environment(run_dir)
-        base = warm_start_model(cfg, task, tok, run_dir / "checkpoints" / "warm_start")
+        base = warm_start_model(cfg, task, tok, warm_start_dir(run_dir))
         with _arm_services(cfg, base, task, tok) as services:
             for name in cfg.arms:
                 if services.pool is not None:
@@ -178,6 +179,11 @@ def run(cfg: RLConfig) -> Path:
 WARM_START_JOB = "warm_start"
 
 
+def warm_start_dir(run_dir: Path) -> Path:
+    """Where a run folder keeps its warm-start checkpoint (beside the arms' ``checkpoints/<arm>``)."""
+    return run_dir / "checkpoints" / "warm_start"
+
+
 def run_job(cfg: RLConfig, job: str) -> Path:
     """One job of a run, for a run split over processes (``tracefp4 experiment --workers N``): the
     warm start (``job = WARM_START_JOB``) or one arm, which needs the warm start done. The run folder
@@ -186,10 +192,10 @@ def run_job(cfg: RLConfig, job: str) -> Path:
     Each arm computes what :func:`run` computes for it: its steps depend on the warm start and the
     step number alone, never on the other arms. The run's report is left to a :func:`run` after the
     jobs (which finds every arm done and only reads)."""
-    task, tok, run_dir = _open(cfg)
-    if job != WARM_START_JOB and job not in cfg.arms:
+    if job != WARM_START_JOB and job not in cfg.arms:  # before the folder is touched
         raise ValueError(f"job {job!r}: expected {WARM_START_JOB!r} or one of the run's arms {list(cfg.arms)}")
-    base_dir = run_dir / "checkpoints" / "warm_start"
+    task, tok, run_dir = _open(cfg)
+    base_dir = warm_start_dir(run_dir)
     with runfolder.lock_run_folder(run_dir, job=job):
         if job == WARM_START_JOB:
             _record_environment(run_dir)

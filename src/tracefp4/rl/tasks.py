@@ -253,7 +253,7 @@ class CountBy:
 
     def _rule_credit(self, example: Example, completion: str) -> float:
         """Share of the ``terms`` terms that equal the *completion's own* previous term plus the step
-        (the first: the start plus the step), over the longer of the completion and the answer: a slip
+        (the first: the start plus the step), over ``terms`` or the completion's term count if larger: a slip
         costs its own term, not every term after it, which per-position credit against the answer
         would charge (the following terms are then all off the answer's chain). 1 exactly when the
         completion is the answer."""

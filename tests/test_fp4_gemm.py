@@ -201,3 +201,42 @@ def test_build_is_cached_and_published_whole(tmp_path):
     second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert second.stdout.strip() == path
     assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(path)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (3, 2), (8, 8), (40, 2)])
+def test_routed_form_is_the_grouped_gemm_of_the_sorted_pairs(impl, fmt, tokens, top_k):
+    """``routed_gemm`` groups the (token, slot) pairs by expert itself (a stable counting sort) and reads
+    and writes rows in place: bit for bit the grouped kernel on the rows sorted and gathered in torch
+    (a stable argsort), scattered back to pair order. Expert counts of 0 to 40 rows cover both code
+    paths and empty experts."""
+    g = torch.Generator().manual_seed(tokens * 10 + top_k)
+    e, n, k = 8, 32, 256
+    w = torch.randn(e, n, k, generator=g).to(torch.bfloat16)
+    codes, scales, divisor = packed(w, fmt)
+    block = 16 if fmt == "nvfp4" else 32
+    kcodes = cgemm.kernel_layout(codes, block)
+    ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(tokens)]) % 5  # experts 5-7 unused
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    offs = offsets_of(torch.bincount(ids.reshape(-1), minlength=e).tolist())
+    for per_token in (True, False):
+        x = torch.randn(tokens if per_token else tokens * top_k, k, generator=g).to(torch.bfloat16)
+        want = torch.empty(tokens * top_k, n, dtype=torch.bfloat16)
+        want[order] = cgemm.grouped_gemm(x[order // top_k if per_token else order], offs, kcodes, scales, divisor, fmt,
+                                         impl=impl)
+        got = cgemm.routed_gemm(x, ids, kcodes, scales, divisor, fmt, per_token=per_token, impl=impl)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), per_token
+
+
+def test_routed_form_names_bad_input():
+    w = torch.randn(2, 16, 32).to(torch.bfloat16)
+    codes, scales, divisor = packed(w, "nvfp4")
+    codes = cgemm.kernel_layout(codes, 16)
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"expert index 2 of pair 3 \(token 1\) out of range \[0, 2\)"):
+        cgemm.routed_gemm(x, torch.tensor([[0, 1], [1, 2], [0, 0]]), codes, scales, divisor, "nvfp4", per_token=True)
+    with pytest.raises(ValueError, match=r"6 \(token, slot\) pairs need 3 rows of x \(one per token\), got 2"):
+        cgemm.routed_gemm(x[:2], torch.tensor([[0, 1], [1, 0], [0, 0]]), codes, scales, divisor, "nvfp4", per_token=True)
+    with pytest.raises(ValueError, match=r"routed_gemm ids: expected a CPU int64 tensor"):
+        cgemm.routed_gemm(x, torch.tensor([[0, 1]], dtype=torch.int32), codes, scales, divisor, "nvfp4", per_token=True)

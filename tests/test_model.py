@@ -31,7 +31,7 @@ from tracefp4.engines.model import (
     prepare_model,
     quantize_site,
 )
-from tracefp4.engines.experts import Groups, choose_gemm, gemm_named
+from tracefp4.engines.experts import Routing, choose_gemm, gemm_named
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import SamplingParams
 from tracefp4.engines.rollout import generate
@@ -222,8 +222,8 @@ def test_expert_weights_per_expert_scale_with_straight_through_gradient(model: t
         assert torch.equal(w_hat.values[e].detach(), dequantize_blocks(q))
         assert torch.equal(w_hat.values[e].detach() / w_hat.divisor[e], dequantize(q))
     x = torch.randn(5, w.shape[2], dtype=torch.bfloat16)
-    groups = Groups(torch.tensor([0, 1, 5] + [5] * (w.shape[0] - 2)))  # row 0: expert 0; rows 1-4: expert 1
-    dense.matmul(x, w_hat, groups).float().sum().backward()
+    routing = Routing(torch.tensor([[0], [1], [1], [1], [1]]), w.shape[0])  # row 0: expert 0; rows 1-4: expert 1
+    dense.matmul(x, w_hat, routing, per_token=False).float().sum().backward()
     want = torch.zeros_like(w, dtype=torch.float32)
     want[0] = x[:1].float().sum(0).expand(w.shape[1], -1)
     want[1] = x[1:].float().sum(0).expand(w.shape[1], -1)

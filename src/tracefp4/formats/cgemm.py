@@ -57,6 +57,7 @@ __all__ = [
     "grouped_gemm",
     "has_avx512_bf16",
     "kernel_layout",
+    "routed_gemm",
     "standard_layout",
     "unavailable_reason",
 ]
@@ -136,6 +137,9 @@ def _load() -> ctypes.CDLL | None:
         lib.tfp4_grouped_gemm.argtypes = [p, p, p, p, p, ctypes.c_int, p, p, i64, i64, i64, i64, ctypes.c_int,
                                           ctypes.c_int]
         lib.tfp4_grouped_gemm.restype = ctypes.c_int
+        lib.tfp4_routed_gemm.argtypes = [p, p, i64, p, p, p, ctypes.c_int, p, p, i64, i64, i64, i64, ctypes.c_int,
+                                         ctypes.c_int, p]
+        lib.tfp4_routed_gemm.restype = ctypes.c_int
         lib.tfp4_has_avx512bf16.restype = ctypes.c_int
         _lib = lib
         return lib
@@ -216,10 +220,33 @@ def standard_layout(kcodes: torch.Tensor, k: int, block: int) -> torch.Tensor:
     return out
 
 
-def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+def _check(entry: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape or t.device.type != "cpu":
         got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"grouped_gemm {name}: expected a CPU {dtype} tensor of shape {shape}, got {got}")
+        raise ValueError(f"{entry} {name}: expected a CPU {dtype} tensor of shape {shape}, got {got}")
+
+
+def _operands(name: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, divisor: torch.Tensor,
+              fmt: Format | str, impl: str) -> tuple[ctypes.CDLL, Format, int, int, int, int]:
+    """Check the operands every entry shares; returns the library, format, block, E, N and K."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"packed FP4 CPU kernel unavailable: {_reason}")
+    fmt = Format(fmt)
+    block = _BLOCKS[fmt]
+    if codes.dim() != 3:
+        raise ValueError(f"{name} codes: expected [E, N, bytes], got shape {tuple(codes.shape)}")
+    if x.dim() != 2 or x.shape[1] % block:
+        raise ValueError(f"{name} x: expected [R, K] with K a multiple of {block}, got {tuple(x.shape)}")
+    e, tiles, _ = codes.shape
+    n, k = 4 * tiles, x.shape[1]
+    _check(name, "x", x, torch.bfloat16, (x.shape[0], k))
+    _check(name, "codes", codes, torch.uint8, (e, tiles, 4 * code_bytes(k, block)))
+    _check(name, "scales", scales, torch.uint8, (e, n, k // block))
+    _check(name, "divisor", divisor, torch.float32, (e,))
+    if impl not in IMPLS:
+        raise ValueError(f"{name} impl: expected one of {sorted(IMPLS)}, got {impl!r}")
+    return lib, fmt, block, e, n, k
 
 
 def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
@@ -230,34 +257,51 @@ def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor, sc
     ``[E, N, K/block]`` of the format's scale bytes, ``divisor`` float32 ``[E]``) -> bf16 ``[R, N]``
     (module docstring). ``threads``: default torch's intra-op count. Raises RuntimeError when the
     kernel is unavailable."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"packed FP4 CPU kernel unavailable: {_reason}")
-    fmt = Format(fmt)
-    block = _BLOCKS[fmt]
-    if codes.dim() != 3:
-        raise ValueError(f"grouped_gemm codes: expected [E, N, bytes], got shape {tuple(codes.shape)}")
-    if x.dim() != 2 or x.shape[1] % block:
-        raise ValueError(f"grouped_gemm x: expected [R, K] with K a multiple of {block}, got {tuple(x.shape)}")
-    e, tiles, _ = codes.shape
-    n, k = 4 * tiles, x.shape[1]
-    _check("x", x, torch.bfloat16, (x.shape[0], k))
-    _check("offsets", offsets, torch.int64, (e + 1,))
-    _check("codes", codes, torch.uint8, (e, tiles, 4 * code_bytes(k, block)))
-    _check("scales", scales, torch.uint8, (e, n, k // block))
-    _check("divisor", divisor, torch.float32, (e,))
-    if impl not in IMPLS:
-        raise ValueError(f"grouped_gemm impl: expected one of {sorted(IMPLS)}, got {impl!r}")
+    lib, fmt, block, e, n, k = _operands("grouped_gemm", x, codes, scales, divisor, fmt, impl)
+    _check("grouped_gemm", "offsets", offsets, torch.int64, (e + 1,))
     x, offsets, codes, scales, divisor = (t.contiguous() for t in (x, offsets, codes, scales, divisor))
     out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    lut = _LUTS[fmt]
     rc = lib.tfp4_grouped_gemm(
-        x.data_ptr(), offsets.data_ptr(), codes.data_ptr(), scales.data_ptr(), lut.ctypes.data, block,
+        x.data_ptr(), offsets.data_ptr(), codes.data_ptr(), scales.data_ptr(), _LUTS[fmt].ctypes.data, block,
         divisor.data_ptr(), out.data_ptr(), x.shape[0], e, n, k, int(threads or torch.get_num_threads()), IMPLS[impl],
     )
     if rc != 0:
         raise ValueError(f"grouped_gemm: {_ERRORS.get(rc, rc)} (x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
                          f"offsets {offsets.tolist()[:4]}...)")
+    return out
+
+
+def routed_gemm(x: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, divisor: torch.Tensor,
+                fmt: Format | str, *, per_token: bool, threads: int | None = None, impl: str = "auto") -> torch.Tensor:
+    """The routed form of :func:`grouped_gemm`: ``ids`` int64 ``[T, top_k]`` (or ``[P]`` with
+    ``per_token=False``) names the expert of each (token, slot) pair ``f = t * top_k + j``, and the
+    result is bf16 ``[P, N]`` in pair order, ``P = ids.numel()``. ``x`` is ``[T, K]``, one row per
+    token that each of its pairs multiplies (``per_token``: the gate-up GEMM), or ``[P, K]``, one row
+    per pair (the down GEMM). The kernel groups the pairs by expert itself (no sort, gather or scatter
+    around the call); the numbers are those of :func:`grouped_gemm` on the grouped rows."""
+    lib, fmt, block, e, n, k = _operands("routed_gemm", x, codes, scales, divisor, fmt, impl)
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.device.type != "cpu":
+        raise ValueError(f"routed_gemm ids: expected a CPU int64 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    pairs = ids.numel()
+    fanout = ids.shape[-1] if per_token and ids.dim() else 1
+    if x.shape[0] * fanout != pairs:
+        raise ValueError(f"routed_gemm: {pairs} (token, slot) pairs need {pairs // fanout if pairs % fanout == 0 else '?'} "
+                         f"rows of x ({'one per token' if per_token else 'one per pair'}), got {x.shape[0]}")
+    x, ids, codes, scales, divisor = (t.contiguous() for t in (x, ids, codes, scales, divisor))
+    out = torch.empty(pairs, n, dtype=torch.bfloat16)
+    bad = ctypes.c_int64(-1)
+    rc = lib.tfp4_routed_gemm(
+        x.data_ptr(), ids.data_ptr(), fanout, codes.data_ptr(), scales.data_ptr(), _LUTS[fmt].ctypes.data, block,
+        divisor.data_ptr(), out.data_ptr(), pairs, e, n, k, int(threads or torch.get_num_threads()), IMPLS[impl],
+        ctypes.byref(bad),
+    )
+    if rc == -5:
+        f = bad.value
+        raise ValueError(f"routed_gemm: expert index {int(ids.reshape(-1)[f])} of pair {f} (token {f // fanout}) "
+                         f"out of range [0, {e})")
+    if rc != 0:
+        raise ValueError(f"routed_gemm: {_ERRORS.get(rc, rc)} (x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
+                         f"{pairs} pairs)")
     return out
 
 

@@ -1,11 +1,14 @@
 """Routed experts: one forward for every engine and the trainer, the GEMM behind a backend seam.
 
 * :func:`routed.routed_experts` is the routed-experts computation both seams call (our transformers
-  experts implementation and the vLLM plugin's MoE method): the ``expert_in`` site, rows sorted by
-  expert, the gate-up GEMM, the gate, the ``expert_mid`` site, the down GEMM, the top-k sum in float32.
+  experts implementation and the vLLM plugin's MoE method): the ``expert_in`` site, the gate-up GEMM,
+  the gate, the ``expert_mid`` site, the down GEMM, the top-k sum in float32, every tensor in the
+  router's (token, slot) order.
 * A backend (:class:`~tracefp4.engines.experts.base.ExpertGEMM`) prepares one GEMM's weights for a
-  format and device (``prepare``) and multiplies rows grouped by expert with them (``matmul``), one
-  call per GEMM per layer. One file per backend: :mod:`.dense` (dequantized weights, torch matmuls:
+  format and device (``prepare``) and multiplies each (token, slot) pair's row with its expert's
+  weights (``matmul`` over a :class:`~tracefp4.engines.experts.base.Routing`), one call per GEMM per
+  layer; grouping the pairs by expert is the backend's business (the dense one sorts and gathers in
+  torch, the packed kernel groups them itself, with no gather or scatter around the call). One file per backend: :mod:`.dense` (dequantized weights, torch matmuls:
   BF16, the trainer's QAT path with straight-through gradients, CUDA, and the fallback) and
   :mod:`.cpu_fp4` (packed FP4 weights, our AVX-512 BF16 C kernel); GPU GEMM backends would sit
   beside them (see :mod:`.oracle`).
@@ -17,16 +20,16 @@ float32 result, ``out = bf16(fl32(x @ w_blocks.T) / S_enc)``; backends differ on
 the float32 additions.
 """
 
-from tracefp4.engines.experts.base import ExpertGEMM, Groups, PreparedWeight
+from tracefp4.engines.experts.base import ExpertGEMM, PreparedWeight, Routing
 from tracefp4.engines.experts.cache import PreparedCache
 from tracefp4.engines.experts.oracle import choose_gemm, gemm_named
 from tracefp4.engines.experts.routed import check_expert_ids, routed_experts
 
 __all__ = [
     "ExpertGEMM",
-    "Groups",
     "PreparedCache",
     "PreparedWeight",
+    "Routing",
     "check_expert_ids",
     "choose_gemm",
     "gemm_named",

@@ -3,34 +3,42 @@
 from __future__ import annotations
 
 import abc
-import dataclasses
+import functools
 from typing import Protocol
 
 import torch
 
 from tracefp4.formats.quantizers import Quantizer
 
-__all__ = ["ExpertGEMM", "Groups", "PreparedWeight"]
+__all__ = ["ExpertGEMM", "PreparedWeight", "Routing"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Groups:
-    """Rows sorted by expert: expert e owns rows ``offsets[e]:offsets[e+1]`` (int64, on the rows'
-    device). Built without a host synchronisation; :meth:`counts` synchronises (dense backend only)."""
+class Routing:
+    """The (token, slot) pairs of one routed-experts layer: ``ids [T, top_k]`` int64 names the expert of
+    pair ``f = t * top_k + j`` (the router's order). Every GEMM of the layer returns its rows in pair
+    order; how a backend groups the pairs by expert is its own (the packed kernel groups them itself;
+    :attr:`grouped` is the torch form, computed once per layer, without a host synchronisation)."""
 
-    offsets: torch.Tensor
-
-    @classmethod
-    def of(cls, expert_ids: torch.Tensor, n_experts: int) -> Groups:
-        counts = torch.bincount(expert_ids, minlength=n_experts)
-        return cls(torch.cat([counts.new_zeros(1), counts.cumsum(0)]))
+    def __init__(self, ids: torch.Tensor, n_experts: int) -> None:
+        if ids.dim() != 2:
+            raise ValueError(f"routing ids: expected [tokens, top_k], got shape {tuple(ids.shape)}")
+        self.ids = ids
+        self.n_experts = n_experts
 
     @property
-    def n_experts(self) -> int:
-        return self.offsets.numel() - 1
+    def top_k(self) -> int:
+        return self.ids.shape[1]
 
-    def counts(self) -> list[int]:
-        return (self.offsets[1:] - self.offsets[:-1]).tolist()
+    @functools.cached_property
+    def grouped(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``order`` (the pairs sorted by expert, stably), ``offsets [E + 1]`` (expert e's pairs are
+        ``order[offsets[e]:offsets[e + 1]]``) and ``inverse`` (where each pair sits in ``order``)."""
+        flat = self.ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return order, torch.cat([counts.new_zeros(1), counts.cumsum(0)]), inverse
 
 
 class PreparedWeight(Protocol):
@@ -58,9 +66,10 @@ class ExpertGEMM(abc.ABC):
         numpy view of an input would pin its size)."""
 
     @abc.abstractmethod
-    def matmul(self, x: torch.Tensor, weight: PreparedWeight, groups: Groups) -> torch.Tensor:
-        """``x [R, K]`` (rows grouped by expert as ``groups`` says) times each row's expert's
-        ``weight[e].T`` -> ``[R, N]`` in x's dtype."""
+    def matmul(self, x: torch.Tensor, weight: PreparedWeight, routing: Routing, *, per_token: bool) -> torch.Tensor:
+        """Each (token, slot) pair's row times its expert's ``weight[e].T`` -> ``[pairs, N]`` in pair
+        order and x's dtype. ``x`` holds one row per token (``[T, K]``, shared by the token's top-k
+        pairs: ``per_token``, the gate-up GEMM) or one per pair (``[T * top_k, K]``, the down GEMM)."""
 
     def __repr__(self) -> str:
         return f"<expert GEMM {self.name}>"

@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from tracefp4.engines.experts.base import ExpertGEMM, Groups
+from tracefp4.engines.experts.base import ExpertGEMM, Routing
 from tracefp4.engines.experts.dense import expert_divisor
 from tracefp4.formats import cgemm
 from tracefp4.formats.constants import Format
@@ -69,8 +69,9 @@ class PackedCPUGEMM(ExpertGEMM):
             raise ValueError("the packed FP4 backend holds quantized weights without gradients (use 'dense')")
         return pack(weight, quantizer)
 
-    def matmul(self, x: torch.Tensor, weight: PackedWeight, groups: Groups) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, weight: PackedWeight, routing: Routing, *, per_token: bool) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise ValueError(f"the packed FP4 CPU kernel takes bf16 activations, got {x.dtype}")
-        return cgemm.grouped_gemm(x.contiguous(), groups.offsets, weight.codes, weight.scales, weight.divisor,
-                                  weight.fmt)
+        # the kernel groups the pairs by expert and reads / writes rows in place (no sort or gathers here)
+        return cgemm.routed_gemm(x, routing.ids, weight.codes, weight.scales, weight.divisor, weight.fmt,
+                                 per_token=per_token)

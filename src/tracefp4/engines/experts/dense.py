@@ -17,7 +17,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from tracefp4.engines.experts.base import ExpertGEMM, Groups
+from tracefp4.engines.experts.base import ExpertGEMM, Routing
 from tracefp4.formats.numerics import FP8, dequantize_blocks, dequantize_fp8, global_divisor, straight_through
 from tracefp4.formats.quantizers import Quantizer
 
@@ -74,13 +74,17 @@ class DenseGEMM(ExpertGEMM):
         exact = torch.bfloat16 if quantizer.fp4 else torch.float32  # FP4 block values are exact in bf16
         return DenseWeight(blocks.to(device=weight.device, dtype=exact), divisor.to(weight.device))
 
-    def matmul(self, x: torch.Tensor, weight: DenseWeight, groups: Groups) -> torch.Tensor:
-        counts = groups.counts()
-        chunks = torch.split(x, counts, dim=0)
+    def matmul(self, x: torch.Tensor, weight: DenseWeight, routing: Routing, *, per_token: bool) -> torch.Tensor:
+        order, offsets, inverse = routing.grouped
+        rows = x[order // routing.top_k] if per_token else x[order]
+        counts = (offsets[1:] - offsets[:-1]).tolist()  # a host synchronisation: one matmul per expert
+        chunks = torch.split(rows, counts, dim=0)
         w = weight.values
         if weight.divisor is None:
             outs = [F.linear(c, w[e]) for e, c in enumerate(chunks) if counts[e]]
-            return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
-        outs = [F.linear(c.to(torch.float32), w[e].to(torch.float32)) / weight.divisor[e]
-                for e, c in enumerate(chunks) if counts[e]]
-        return (torch.cat(outs) if outs else x.new_zeros(0, w.shape[1], dtype=torch.float32)).to(x.dtype)
+            grouped = torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
+        else:
+            outs = [F.linear(c.to(torch.float32), w[e].to(torch.float32)) / weight.divisor[e]
+                    for e, c in enumerate(chunks) if counts[e]]
+            grouped = (torch.cat(outs) if outs else x.new_zeros(0, w.shape[1], dtype=torch.float32)).to(x.dtype)
+        return grouped[inverse]

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from tracefp4.engines.experts.base import ExpertGEMM, Groups, PreparedWeight
+from tracefp4.engines.experts.base import ExpertGEMM, PreparedWeight, Routing
 from tracefp4.engines.sites import ForwardState, quantize_site
 from tracefp4.guidance.names import Site, layer_tag
 
@@ -44,13 +44,8 @@ def routed_experts(
     topk_ids = topk_ids.to(torch.long)
     check_expert_ids(layer, topk_ids, n_experts)
     xq = quantize_site(state, layer, Site.EXPERT_IN, x)
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    groups = Groups.of(flat, n_experts)
-    mid_sorted = act(gemm.matmul(xq[order // k], gate_up, groups))
-    mid = quantize_site(state, layer, Site.EXPERT_MID, mid_sorted[inverse].reshape(n, k, -1))
-    down_sorted = gemm.matmul(mid.reshape(n * k, -1)[order], down, groups)
-    out = down_sorted[inverse].reshape(n, k, -1)
+    routing = Routing(topk_ids, n_experts)
+    mid = act(gemm.matmul(xq, gate_up, routing, per_token=True))  # [N * top_k, I], (token, slot) order
+    mid = quantize_site(state, layer, Site.EXPERT_MID, mid.reshape(n, k, -1))
+    out = gemm.matmul(mid.reshape(n * k, -1), down, routing, per_token=False).reshape(n, k, -1)
     return (out.to(torch.float32) * topk_weights.to(torch.float32).unsqueeze(-1)).sum(dim=1).to(x.dtype)

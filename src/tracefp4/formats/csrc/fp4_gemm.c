@@ -27,7 +27,9 @@
  * Layout (row-major, contiguous): x [R, K] bf16 bits, rows grouped by expert, expert e owning rows
  * offsets[e] .. offsets[e+1]-1; codes [E, N/4, S*G, 4, 32] bytes (S = ceil(K/block/16) super-groups:
  * tile, group, column, byte); scales [E, N, K/block] (one byte per block); divisor [E]; out [R, N]
- * bf16 bits.
+ * bf16 bits. The routed entry (tfp4_routed_gemm) takes the (token, slot) pairs' expert ids instead of
+ * grouped rows and offsets: it groups the pairs by expert itself, reads each pair's activation row
+ * where it is and writes its output row in pair order (no gather or scatter around the call).
  *
  * Two implementations, chosen at run time: AVX-512 BF16 and portable C (float32 products and sums).
  * The AVX-512 one streams the codes through vdpbf16ps for experts with up to STREAM_ROWS rows
@@ -72,7 +74,14 @@ typedef struct {
     int64_t tiles; /* column tiles per expert */
     int64_t item_lo, item_hi;
     int avx;
+    /* routed calls (tfp4_routed_gemm): grouped row r is (token, slot) pair rowmap[r], which reads
+     * x row rowmap[r] / fanout and writes out row rowmap[r]; NULL: row r reads and writes row r */
+    const int64_t *rowmap;
+    int64_t fanout;
 } job_t;
+
+static inline int64_t in_row(const job_t *j, int64_t r) { return j->rowmap ? j->rowmap[r] / j->fanout : r; }
+static inline int64_t out_row(const job_t *j, int64_t r) { return j->rowmap ? j->rowmap[r] : r; }
 
 static inline uint16_t bf16_rne(float f) {
     uint32_t b;
@@ -106,14 +115,14 @@ static void tile_portable(const job_t *j, int64_t e, int64_t n0, int64_t r0, int
         for (int64_t i = 0; i < k; i++) w[c * k + i] = E2M1[code_at(tile, c, i, j->block)] * j->lut[sr[i / j->block]];
     }
     for (int64_t r = r0; r < r1; r++) {
-        const uint16_t *xr = j->x + r * k;
+        const uint16_t *xr = j->x + in_row(j, r) * k;
         for (int c = 0; c < NT; c++) {
             const float *wc = w + c * k;
             float lane[16] = {0};
             for (int64_t i = 0; i < k; i++) lane[(i >> 1) & 15] += bf16_value(xr[i]) * wc[i];
             for (int s = 8; s > 0; s >>= 1)
                 for (int l = 0; l < s; l++) lane[l] += lane[l + s];
-            j->out[r * n + n0 + c] = bf16_rne(lane[0] / j->divisor[e]);
+            j->out[out_row(j, r) * n + n0 + c] = bf16_rne(lane[0] / j->divisor[e]);
         }
     }
 }
@@ -221,9 +230,10 @@ AVX512 static void row_f32(const uint16_t *xs, int64_t n, float *out) {
 }
 
 AVXINL void store_rows(const job_t *j, int64_t e, int64_t n0, int64_t r, int rows, __m512 acc[][NT]) {
-    for (int m = 0; m < rows; m++)
-        for (int c = 0; c < NT; c++)
-            j->out[(r + m) * j->n + n0 + c] = bf16_rne(_mm512_reduce_add_ps(acc[m][c]) / j->divisor[e]);
+    for (int m = 0; m < rows; m++) {
+        uint16_t *o = j->out + out_row(j, r + m) * j->n + n0;
+        for (int c = 0; c < NT; c++) o[c] = bf16_rne(_mm512_reduce_add_ps(acc[m][c]) / j->divisor[e]);
+    }
 }
 
 /* Streaming (up to two rows): the codes decoded in registers as they are read, sums per block
@@ -444,7 +454,7 @@ static int run_items(const job_t *j, scratch_t *mem) {
                 const int64_t rows = j->ex_hi[g] - j->ex_lo[g];
                 for (int64_t r = 0; r < rows; r++) {
                     uint16_t *xs = (uint16_t *)scratch + r * rowlen;
-                    permute_row(j->x + (j->ex_lo[g] + r) * j->k, j->k, j->block, xs);
+                    permute_row(j->x + in_row(j, j->ex_lo[g] + r) * j->k, j->k, j->block, xs);
                     if (rows > STREAM_ROWS && j->block != 16) row_f32(xs, rowlen, xf + r * rowlen); /* MXFP4's float32 path */
                 }
                 permuted_for = g;
@@ -560,15 +570,17 @@ int tfp4_has_avx512bf16(void) {
 /* Code bytes per weight row in the kernel layout. */
 int64_t tfp4_code_bytes(int64_t k, int block) { return (k / block + 15) / 16 * (block / 4) * 32; }
 
-/* Returns 0, or a negative code: -1 bad shapes, -2 bad offsets, -3 out of memory, -4 thread error.
- * `impl`: 0 = best available, 1 = portable, 2 = AVX-512 BF16 (refused with -1 if unavailable). */
-int tfp4_grouped_gemm(const uint16_t *x, const int64_t *offsets, const uint8_t *codes, const uint8_t *scales,
-                      const float *lut, int block, const float *divisor, uint16_t *out, int64_t rows,
-                      int64_t experts, int64_t n, int64_t k, int threads, int impl) {
+static int check_shapes(int64_t rows, int64_t experts, int64_t n, int64_t k, int block, int impl) {
     if (rows < 0 || experts < 1 || n < NT || n % NT || (block != 16 && block != 32) || k < block || k % block)
         return -1;
+    if (impl == 2 && !tfp4_has_avx512bf16()) return -1;
+    return 0;
+}
+
+static int grouped(const uint16_t *x, const int64_t *offsets, const int64_t *rowmap, int64_t fanout,
+                   const uint8_t *codes, const uint8_t *scales, const float *lut, int block, const float *divisor,
+                   uint16_t *out, int64_t rows, int64_t experts, int64_t n, int64_t k, int threads, int impl) {
     int avx = impl == 2 || (impl == 0 && tfp4_has_avx512bf16());
-    if (avx && !tfp4_has_avx512bf16()) return -1;
     if (offsets[0] != 0 || offsets[experts] != rows) return -2;
     int64_t used = 0;
     for (int64_t e = 0; e < experts; e++) {
@@ -587,7 +599,7 @@ int tfp4_grouped_gemm(const uint16_t *x, const int64_t *offsets, const uint8_t *
             g++;
         }
     job_t base = {x, codes, scales, lut, divisor, out, n, k, block, (k / block + 15) / 16, tfp4_code_bytes(k, block),
-                  ex, lo, hi, n / NT, 0, 0, avx};
+                  ex, lo, hi, n / NT, 0, 0, avx, rowmap, fanout};
     int64_t items = used * base.tiles;
     /* a woken thread costs about as much as 32 tiles of one row: fewer items than that stay on one */
     if (threads > items / 32) threads = (int)(items / 32);
@@ -618,5 +630,49 @@ int tfp4_grouped_gemm(const uint16_t *x, const int64_t *offsets, const uint8_t *
         rc = run_parallel(jobs, threads);
     }
     free(ex);
+    return rc;
+}
+
+/* Returns 0, or a negative code: -1 bad shapes, -2 bad offsets, -3 out of memory, -4 thread error.
+ * `impl`: 0 = best available, 1 = portable, 2 = AVX-512 BF16 (refused with -1 if unavailable). */
+int tfp4_grouped_gemm(const uint16_t *x, const int64_t *offsets, const uint8_t *codes, const uint8_t *scales,
+                      const float *lut, int block, const float *divisor, uint16_t *out, int64_t rows,
+                      int64_t experts, int64_t n, int64_t k, int threads, int impl) {
+    int rc = check_shapes(rows, experts, n, k, block, impl);
+    return rc ? rc : grouped(x, offsets, NULL, 1, codes, scales, lut, block, divisor, out, rows, experts, n, k, threads, impl);
+}
+
+/* The routed form: `ids` [pairs] is the expert of each (token, slot) pair f = token * fanout + slot, in
+ * pair order; pair f reads x row f / fanout (fanout = top-k: one row per token, the gate-up GEMM; 1: one
+ * row per pair, the down GEMM) and writes out row f ([pairs, n]). The pairs are grouped by expert
+ * here (a stable counting sort), so the caller neither sorts nor gathers nor scatters rows.
+ * Returns what tfp4_grouped_gemm returns, or -5 when an id is outside [0, experts) (`bad`: the first
+ * such pair). */
+int tfp4_routed_gemm(const uint16_t *x, const int64_t *ids, int64_t fanout, const uint8_t *codes,
+                     const uint8_t *scales, const float *lut, int block, const float *divisor, uint16_t *out,
+                     int64_t pairs, int64_t experts, int64_t n, int64_t k, int threads, int impl, int64_t *bad) {
+    int rc = check_shapes(pairs, experts, n, k, block, impl);
+    if (rc) return rc;
+    if (fanout < 1 || pairs % fanout) return -1;
+    for (int64_t f = 0; f < pairs; f++)
+        if (ids[f] < 0 || ids[f] >= experts) {
+            *bad = f;
+            return -5;
+        }
+    int64_t *offsets = calloc((size_t)(experts + 1) + (size_t)pairs, sizeof(int64_t));
+    if (!offsets) return -3;
+    int64_t *order = offsets + experts + 1;
+    for (int64_t f = 0; f < pairs; f++) offsets[ids[f] + 1]++;
+    for (int64_t e = 0; e < experts; e++) offsets[e + 1] += offsets[e];
+    int64_t *next = malloc(sizeof(int64_t) * (size_t)experts);
+    if (!next) {
+        free(offsets);
+        return -3;
+    }
+    memcpy(next, offsets, sizeof(int64_t) * (size_t)experts);
+    for (int64_t f = 0; f < pairs; f++) order[next[ids[f]]++] = f;
+    free(next);
+    rc = grouped(x, offsets, order, fanout, codes, scales, lut, block, divisor, out, pairs, experts, n, k, threads, impl);
+    free(offsets);
     return rc;
 }

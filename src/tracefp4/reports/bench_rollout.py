@@ -23,7 +23,13 @@ the median generation time gives ``rollout_tokens_per_s.<engine>.<mode>`` (at th
 batch; ``...@b<batch>`` for each batch). Memory (``resident_bytes_per_expert_param.<engine>.<precision>``)
 is measured in a fresh process per engine: its resident-set growth from building the engine and one
 generation, less the KV cache it allocated, over the number of routed-expert parameters (for
-``home``, ``bf16`` is the model alone and ``fp4`` the model plus its packed experts).
+``home``, ``bf16`` is the model alone and ``fp4`` the model plus its packed experts). What is the
+process's and not the engine's is loaded before the first reading and reported apart
+(``runtime_bytes.vllm.<precision>``): the code an engine build imports on first use (vLLM imports
+some 3,400 modules lazily while it builds an engine, the same for either precision and for any model
+size; a first process builds one on a tiny checkpoint of the same architecture and names them) and,
+for FP4, our quantizers' JIT-compiled kernels. An engine's figure is what its weights, caches and
+buffers hold.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import json
 import os
 import statistics
@@ -126,10 +133,63 @@ def _kv_bytes(engine) -> int:
     return int(blocks * cfg.cache_config.block_size * hf.num_hidden_layers * 2 * hf.num_key_value_heads * head_dim * 2)
 
 
-def memory_probe(engine: str, ckpt: str, preset: str) -> dict:
+#: A checkpoint of the presets' architecture small enough to build an engine on in seconds.
+TINY_MOE = TinyMoESpec(hidden=64, layers=1, experts=4, top_k=2, moe_intermediate=32, heads=2, kv_heads=1, head_dim=64,
+                       vocab=1024)
+
+
+def _build_vllm(engine: str, ckpt: str):
+    from tracefp4.engines.vllm.engine import PlainVLLMEngine, VLLMEngine
+
+    common = dict(max_model_len=64, max_num_seqs=2)
+    return PlainVLLMEngine(ckpt, **common) if engine == "vllm-bf16" else VLLMEngine(ckpt, plan=PrecisionPlan(), **common)
+
+
+def _generate_once(e, engine: str, prompt_len: int) -> None:
+    prompts = [[3 + (i * 7 + j) % 100 for j in range(prompt_len)] for i in range(2)]
+    e.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0),
+               plan=None if engine == "vllm-bf16" else PrecisionPlan(), guidance=None)
+
+
+def engine_modules(engine: str, ckpt: str) -> list[str]:
+    """In this (fresh) process: the modules that building ``engine`` on ``ckpt`` and generating once
+    imports (what :func:`memory_probe` loads before its first reading)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from tracefp4.engines.vllm.engine import engine_env
+
+    engine_env()
+    before = set(sys.modules)
+    e = _build_vllm(engine, ckpt)
+    _generate_once(e, engine, 8)
+    e.close()
+    return sorted(set(sys.modules) - before)
+
+
+def _load_runtime(modules: Sequence[str]) -> None:
+    """Import ``modules`` (in the order an engine build imported them, parents first) and compile the
+    FP4 quantizers' kernels: the code an engine runs, loaded once per process."""
+    for name in modules:
+        # a module that only imports as a side effect of another (or not on its own) is skipped:
+        # what matters is that the bulk of the code is loaded, and its size is reported
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+    from tracefp4.engines.experts import choose_gemm
+    from tracefp4.guidance.names import Site
+
+    plan = PrecisionPlan()
+    choose_gemm(plan, "cpu", torch.bfloat16, gradients=False).prepare(torch.zeros(2, 16, 64, dtype=torch.bfloat16),
+                                                                      plan.weight_quantizer)
+    for site in (Site.EXPERT_IN, Site.EXPERT_MID, Site.K, Site.V):
+        q = plan.quantizer(site)
+        if q is not None:
+            q.dequantize(q.quantize(torch.ones(2, 64, dtype=torch.bfloat16)))
+
+
+def memory_probe(engine: str, ckpt: str, preset: str, modules: Sequence[str] = ()) -> dict:
     """In this (fresh) process: resident growth of building ``engine`` from ``ckpt`` and generating once.
     ``engine``: ``home`` (reports the model alone, then with its packed experts), ``vllm-fp4``,
-    ``vllm-bf16``."""
+    ``vllm-bf16``. ``modules`` (see :func:`engine_modules`) and the FP4 kernels are loaded before
+    the first reading; their growth is ``runtime_bytes``."""
     p = PRESETS[preset]
     prompts = [[3 + (i * 7 + j) % 100 for j in range(p.prompt_len)] for i in range(2)]
     sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
@@ -141,11 +201,15 @@ def memory_probe(engine: str, ckpt: str, preset: str) -> dict:
     cgemm.available()
     if engine != "home":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its memory is ours
-        from tracefp4.engines.vllm.engine import PlainVLLMEngine, VLLMEngine, engine_env
+        from tracefp4.engines.vllm.engine import engine_env
 
         engine_env()
     _release()
+    start = _rss()
+    _load_runtime(modules)
+    _release()
     before = _rss()
+    out["runtime_bytes"] = before - start
     if engine == "home":
         # built in memory (a loaded checkpoint's file pages would count as resident too)
         home = HomeEngine(from_config(p.spec.config(), seed=0))
@@ -157,9 +221,8 @@ def memory_probe(engine: str, ckpt: str, preset: str) -> dict:
         out["fp4_bytes"] = _rss() - before
         out["kv_bytes"] = 0  # our cache grows with the batch and is freed after each generation
         return out
-    common = dict(max_model_len=64, max_num_seqs=2)
-    e = PlainVLLMEngine(ckpt, **common) if engine == "vllm-bf16" else VLLMEngine(ckpt, plan=PrecisionPlan(), **common)
-    e.generate(prompts, sampling, plan=None if engine == "vllm-bf16" else PrecisionPlan(), guidance=None)
+    e = _build_vllm(engine, ckpt)
+    _generate_once(e, engine, p.prompt_len)
     _release()
     out["bytes"] = _rss() - before
     out["kv_bytes"] = _kv_bytes(e)
@@ -167,24 +230,43 @@ def memory_probe(engine: str, ckpt: str, preset: str) -> dict:
     return out
 
 
+def _probe(args: list[str], timeout: float) -> dict | list:
+    """``python -m tracefp4.reports.bench_rollout ARGS`` in a fresh process; its last stdout line as JSON."""
+    cmd = [sys.executable, "-m", "tracefp4.reports.bench_rollout", *args]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(args[:2])} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def measure_memory(ckpt: str, preset: str, engines: Sequence[str], timeout: float = 1800) -> dict[str, float]:
-    """``resident_bytes_per_expert_param.<engine>.<precision>``, each engine in a fresh process."""
+    """``resident_bytes_per_expert_param.<engine>.<precision>``, each engine in a fresh process (see the
+    module docstring for what is loaded before the first reading)."""
     probes = (["home"] if "home" in engines else []) + (["vllm-bf16", "vllm-fp4"] if "vllm" in engines else [])
     res: dict[str, float] = {}
-    for name in probes:
-        cmd = [sys.executable, "-m", "tracefp4.reports.bench_rollout", "memory-probe", name, ckpt, preset]
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        if proc.returncode != 0:
-            raise RuntimeError(f"memory probe {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        m = json.loads(proc.stdout.strip().splitlines()[-1])
-        params = m["expert_params"]
-        if name == "home":
-            res["resident_bytes_per_expert_param.home.bf16"] = m["bf16_bytes"] / params
-            res["resident_bytes_per_expert_param.home.fp4"] = m["fp4_bytes"] / params
+    with tempfile.TemporaryDirectory(prefix="tracefp4-tiny-") as tmp:
+        modules = os.path.join(tmp, "modules.json")
+        if "vllm" in engines:
+            tiny = os.path.join(tmp, "ckpt")
+            from_config(TINY_MOE.config(), seed=0).save_pretrained(tiny)
+            names = _probe(["engine-modules", "vllm-fp4", tiny], timeout)
+            names += _probe(["engine-modules", "vllm-bf16", tiny], timeout)
+            with open(modules, "w") as f:
+                json.dump(list(dict.fromkeys(names)), f)
         else:
-            res[f"resident_bytes_per_expert_param.vllm.{name.split('-')[1]}"] = (m["bytes"] - m["kv_bytes"]) / params
-            res[f"kv_cache_bytes.vllm.{name.split('-')[1]}"] = m["kv_bytes"]
+            with open(modules, "w") as f:
+                json.dump([], f)
+        for name in probes:
+            m = _probe(["memory-probe", name, ckpt, preset, modules], timeout)
+            params = m["expert_params"]
+            if name == "home":
+                res["resident_bytes_per_expert_param.home.bf16"] = m["bf16_bytes"] / params
+                res["resident_bytes_per_expert_param.home.fp4"] = m["fp4_bytes"] / params
+            else:
+                res[f"resident_bytes_per_expert_param.vllm.{name.split('-')[1]}"] = (m["bytes"] - m["kv_bytes"]) / params
+                res[f"kv_cache_bytes.vllm.{name.split('-')[1]}"] = m["kv_bytes"]
+                res[f"runtime_bytes.vllm.{name.split('-')[1]}"] = m["runtime_bytes"]
     return res
 
 
@@ -348,14 +430,20 @@ def add_rollout_command(bsub, write_json: Callable[[str | None, dict], None]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tracefp4.reports.bench_rollout memory-probe ENGINE CKPT PRESET`` (what measure_memory runs)."""
+    """``python -m tracefp4.reports.bench_rollout memory-probe ENGINE CKPT PRESET MODULES_JSON`` or
+    ``... engine-modules ENGINE CKPT`` (what :func:`measure_memory` runs, each in a fresh process)."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 4 or args[0] != "memory-probe":
-        print("usage: python -m tracefp4.reports.bench_rollout memory-probe home|vllm-fp4|vllm-bf16 CKPT PRESET",
-              file=sys.stderr)
-        return 2
-    print(json.dumps(memory_probe(args[1], args[2], args[3])))
-    return 0
+    if len(args) == 5 and args[0] == "memory-probe":
+        with open(args[4]) as f:
+            modules = json.load(f)
+        print(json.dumps(memory_probe(args[1], args[2], args[3], modules)))
+        return 0
+    if len(args) == 3 and args[0] == "engine-modules":
+        print(json.dumps(engine_modules(args[1], args[2])))
+        return 0
+    print("usage: python -m tracefp4.reports.bench_rollout memory-probe home|vllm-fp4|vllm-bf16 CKPT PRESET MODULES_JSON\n"
+          "       python -m tracefp4.reports.bench_rollout engine-modules vllm-fp4|vllm-bf16 CKPT", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -401,7 +401,8 @@ def test_serial_and_parallel_launches_give_the_same_bits(fmt):
         if fmt == "nvfp4":
             amax = np.empty(n, dtype=np.float32)
             scales = np.empty((n, k // 16), dtype=np.uint8)
-            kernels.nvfp4_quantize(rows, amax, True, np.empty((0, 0), dtype=np.uint32), codes, scales, bad, chunks)
+            fused = np.empty((n, k // 2), dtype=np.uint32)
+            kernels.nvfp4_quantize(rows, amax, True, np.empty((0, 0), dtype=np.uint32), codes, scales, fused, bad, chunks)
             values, block, div = kernels.E4M3_VALUES, 16, 2688.0 / np.maximum(amax, 1e-30).astype(np.float32)
         else:
             scales = np.empty((n, k // 32), dtype=np.uint8)
@@ -411,9 +412,38 @@ def test_serial_and_parallel_launches_give_the_same_bits(fmt):
         kernels.dequantize(codes, scales, values, div.astype(np.float32), block, deq, chunks)
         bits = np.empty((n, k // 8), dtype=np.uint8)
         kernels.pack_lsb(codes, bits, chunks)
-        outs.append((codes, scales, deq.view(np.uint32), bits, bad))
+        outs.append((codes, scales, deq.view(np.uint32), bits, bad) + ((fused,) if fmt == "nvfp4" else ()))
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             np.testing.assert_array_equal(a, b)
     launched = kernels.nvfp4_quantize if fmt == "nvfp4" else kernels.mxfp4_quantize
     assert launched.serial.signatures and launched.kernel.signatures  # both compilations ran
+
+
+@pytest.mark.parametrize("scope", ["row", "tensor", "expert", "given"])
+@pytest.mark.parametrize("k", [16, 48, 256, 2048])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_values_is_quantize_then_dequantize_bit_for_bit(scope, k, dtype):
+    """``quantize_values`` (for bf16 on the CPU one pass of the numba kernel that also writes the
+    dequantized row in bf16) gives exactly ``quantize`` and ``dequantize(...).to(x.dtype)``: the same
+    codes, scales and amax, and the same bits, over magnitudes from 1e-6 to 1e6 (subnormal E4M3
+    scales), zero rows, negative zeros, a K with a block left over after the last 32 (K % 32 == 16)
+    and enough rows for a parallel launch."""
+    from tracefp4.formats.quantizers import NVFP4Quantizer
+
+    g = torch.Generator().manual_seed(k)
+    rows = 600 if k >= 256 else 40
+    x = torch.randn(2, rows // 2, k, generator=g) * torch.logspace(-6, 6, rows).reshape(2, rows // 2, 1)
+    x[0, 3] = 0.0
+    x[1, 5, : k // 2] = -0.0
+    x = x.to(dtype)
+    quantizer = NVFP4Quantizer(scope if scope != "given" else "tensor",
+                               global_amax=torch.tensor(7.5) if scope == "given" else None)
+    q, values = quantizer.quantize_values(x)
+    want = quantizer.quantize(x)
+    assert torch.equal(q.codes, want.codes) and torch.equal(q.scales.view(torch.uint8), want.scales.view(torch.uint8))
+    assert torch.equal(q.global_amax, want.global_amax)
+    expect = quantizer.dequantize(want).to(dtype)
+    assert values.dtype == dtype and values.shape == x.shape
+    assert torch.equal(values.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       expect.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))

@@ -95,10 +95,11 @@ class RolloutCapture(ForwardPath):
 
     # --- the path's hooks ---------------------------------------------------------------------
 
-    def site(self, layer: int, name: str, x: torch.Tensor, quantizer: Quantizer) -> NVFP4 | MXFP4:
-        q = quantizer.quantize(x.detach())
+    def site(self, layer: int, name: str, x: torch.Tensor, quantizer: Quantizer
+             ) -> tuple[NVFP4 | MXFP4, torch.Tensor]:
+        q, values = quantizer.quantize_values(x.detach())  # one pass on the CPU: codes and values
         self.record_site(layer, name, x, q)
-        return q
+        return q, values
 
     def route(self, layer: int, weights: torch.Tensor, indices: torch.Tensor, logits: torch.Tensor | None = None,
               renormalises: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:

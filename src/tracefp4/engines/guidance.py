@@ -87,7 +87,12 @@ class TrainerGuidance(ForwardPath):
             raise ValueError(f"{what}: the forward has {n} rows but its row map {self.rows.shape} has "
                              f"{self.rows.n_rows} (one trainer_forward per model forward)")
 
-    def site(self, layer: int, name: str, x: torch.Tensor, quantizer: Quantizer) -> NVFP4 | MXFP4:
+    def site(self, layer: int, name: str, x: torch.Tensor, quantizer: Quantizer
+             ) -> tuple[NVFP4 | MXFP4, torch.Tensor]:
+        q = self._code(layer, name, x, quantizer)
+        return q, quantizer.dequantize(q)
+
+    def _code(self, layer: int, name: str, x: torch.Tensor, quantizer: Quantizer) -> NVFP4 | MXFP4:
         self._check_rows(name, x.shape[0])
         rows = self._mapped()
         if rows is None:

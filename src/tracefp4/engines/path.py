@@ -5,8 +5,8 @@ the vLLM plugin alike) calls the three hooks of the forward's :class:`ForwardPat
 which kind of path it has:
 
 * :meth:`ForwardPath.site`: the FP4 code a guidable site takes for its input (round to nearest, or
-  toward a rollout's record), and whatever the path keeps of it (a rollout's records, a trainer's
-  codes);
+  toward a rollout's record) and its value, and whatever the path keeps of it (a rollout's records,
+  a trainer's codes);
 * :meth:`ForwardPath.route`: the experts a token goes to and their weights, given the router's own
   choice (kept and recorded by a rollout, replayed from the records by a trainer);
 * :meth:`ForwardPath.expert_weights`: a routed-expert weight as this forward's GEMM takes it (kept
@@ -50,10 +50,12 @@ class ForwardPath:
 
     rollout: bool = False
 
-    def site(self, layer: int, name: str, x: torch.Tensor, quantizer: Quantizer) -> NVFP4 | MXFP4:
+    def site(self, layer: int, name: str, x: torch.Tensor, quantizer: Quantizer
+             ) -> tuple[NVFP4 | MXFP4, torch.Tensor]:
         """The code of guidable site ``name`` (``record_prefix(layer, site)``) for input ``x``, on the
-        plan's FP4 ``quantizer``; ``x`` is detached by the caller's straight-through wrapper."""
-        return quantizer.quantize(x.detach())
+        plan's ``quantizer``, and its dequantized value (in any float dtype: the caller's
+        straight-through wrapper casts it to x's); ``x`` is detached by that wrapper."""
+        return quantizer.quantize_values(x.detach())
 
     def route(self, layer: int, weights: torch.Tensor, indices: torch.Tensor, logits: torch.Tensor | None = None,
               renormalises: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:

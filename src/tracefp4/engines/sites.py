@@ -56,10 +56,10 @@ def quantize_site(state: ForwardState, layer: int, site: Site, x: torch.Tensor) 
     try:
         if not quantizer.guidable:  # compensated NVFP4 (QUADS): two passes, nothing recorded or guided
             return straight_through(x, quantizer.dequantize(quantizer.quantize(x.detach())))
-        q = state.path.site(layer, name, x, quantizer)
+        _, value = state.path.site(layer, name, x, quantizer)
     except ValueError as e:
         raise ValueError(f"site {name}: {e}") from e
-    return straight_through(x, quantizer.dequantize(q))
+    return straight_through(x, value)
 
 
 def quantize_kv(state: ForwardState, layer: int, site: Site, states: torch.Tensor) -> torch.Tensor:

@@ -508,19 +508,52 @@ def nvfp4_block_amax(x, block_max, amax, bad, nchunks):
             bad[r] = top > limit
 
 
+@numba.njit(**_INL)
+def _bf16_bits(v):
+    """bf16 bits of a finite float32, rounded to nearest even (torch's cast)."""
+    b = U32(bits_from_f32(v))
+    return U32((b + U32(0x7FFF) + ((b >> U32(16)) & U32(1))) >> U32(16))
+
+
+@numba.njit(**_INL)
+def _values_row(cr, mult, div, words_per_block, out):
+    """bf16 bits of ``(value(code) * mult[block]) / div`` (``dequantize``'s float32, then its bf16
+    cast) for one row of code bytes, both elements of byte j in ``out[j]`` (u32, element 2j low)."""
+    nwords = cr.shape[0]
+    for u in range(nwords // 16):  # 16 bytes at a time, two blocks' multipliers (vectorises, as dequantize)
+        m0 = mult[(16 * u) // words_per_block]
+        m1 = mult[(16 * u + 8) // words_per_block]
+        for i in range(16):
+            j = 16 * u + i
+            out[j] = _values_pair(cr[j], m0 if i < 8 else m1, div)
+    for j in range(nwords - nwords % 16, nwords):  # K % 32 == 16: one block left over
+        out[j] = _values_pair(cr[j], mult[mult.shape[0] - 1], div)
+
+
+@numba.njit(**_INL)
+def _values_pair(byte, m, div):
+    v0 = (_e2m1_value(U32(byte) & U32(15)) * m) / div
+    v1 = (_e2m1_value(U32(byte) >> U32(4)) * m) / div
+    return U32(_bf16_bits(v0) | (_bf16_bits(v1) << U32(16)))
+
+
 @_parallel
-def nvfp4_quantize(x, amax, own_amax, block_max, codes, scales, bad, nchunks):
+def nvfp4_quantize(x, amax, own_amax, block_max, codes, scales, values, bad, nchunks):
     """Rows -> codes u8 [R, K/2], scales u8 (E4M3 bit patterns) [R, K/16].
 
     ``amax`` f32 [R] is each row's global amax; with ``own_amax`` the kernel finds it (from the block
     amaxes it needs anyway) and writes it there. ``block_max`` is nvfp4_block_amax's output, or an
-    empty [0, 0] array to have the block amaxes (and ``bad``) computed here.
+    empty [0, 0] array to have the block amaxes (and ``bad``) computed here. ``values`` u32 [R, K/2],
+    or an empty [0, 0] array: the dequantized row in bf16 (see :func:`_values_row`), two per word,
+    written in the same pass (what a rollout's next op sees).
     """
     rows, nwords = codes.shape
     given = block_max.shape[0] > 0
+    want_values = values.shape[0] > 0
     for t in numba.prange(nchunks):
         scratch = np.empty(nwords // 8, dtype=np.uint32)
         enc_b = np.empty(nwords // 8, dtype=np.float32)
+        mult = np.empty(nwords // 8, dtype=np.float32)
         start, stop = _chunk_rows(t, nchunks, rows)
         for r in range(start, stop):
             row = x[r]
@@ -541,7 +574,10 @@ def nvfp4_quantize(x, amax, own_amax, block_max, codes, scales, bad, nchunks):
                 s8, s8_value = _e4m3_round(d)
                 sr[b] = U8(s8)
                 enc_b[b] = _encode_factor(s8_value, s_dec)
+                mult[b] = s8_value
             _rtn_row(w, row, enc_b, 8, codes[r])
+            if want_values:
+                _values_row(codes[r], mult, s_enc, 8, values[r])
 
 
 @numba.njit(**_INL)

@@ -59,6 +59,7 @@ __all__ = [
     "per_row_values",
     "raise_non_finite",
     "quantize_nvfp4",
+    "quantize_dequantize_nvfp4",
     "dequantize_nvfp4",
     "quantize_mxfp4",
     "dequantize_mxfp4",
@@ -448,7 +449,11 @@ def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
 _NO_BLOCK_MAX = np.empty((0, 0), dtype=np.uint32)
 
 
-def _nvfp4_numba(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool):
+_NO_VALUES = np.empty((0, 0), dtype=np.uint32)
+
+
+def _nvfp4_numba(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool, values: bool = False):
+    """(codes, scale bytes, global amax, bf16 values as u32 pairs or None) of ``x`` (see kernels)."""
     rows = kernel_rows(x)
     n, k = rows.shape
     bad = np.zeros(n, dtype=np.bool_)
@@ -469,11 +474,12 @@ def _nvfp4_numba(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool):
         row_amax[:] = amax.item()
     codes = np.empty((n, k // 2), dtype=np.uint8)
     scales = np.empty((n, k // NVFP4_BLOCK), dtype=np.uint8)
-    kernels.nvfp4_quantize(rows, row_amax, own_amax, block_max, codes, scales, bad, _chunks(rows))
+    out = np.empty((n, k // 2), dtype=np.uint32) if values else _NO_VALUES
+    kernels.nvfp4_quantize(rows, row_amax, own_amax, block_max, codes, scales, out, bad, _chunks(rows))
     raise_non_finite(x, bad)
     if own_amax:
         amax = torch.from_numpy(row_amax).reshape(*x.shape[:-1], 1)
-    return torch.from_numpy(codes), torch.from_numpy(scales), amax
+    return torch.from_numpy(codes), torch.from_numpy(scales), amax, torch.from_numpy(out) if values else None
 
 
 def _nvfp4_triton(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool):
@@ -500,16 +506,34 @@ def quantize_nvfp4(x: torch.Tensor, *, global_amax=None, per_row: bool = False) 
     ``global_amax=None`` takes the amax of the whole tensor, or of each row with ``per_row=True``;
     a tensor passed in (a scalar, or ``[..., 1]``) is used as is.
     """
+    return _quantize_nvfp4(x, global_amax, per_row, values=False)[0]
+
+
+def quantize_dequantize_nvfp4(x: torch.Tensor, *, global_amax=None, per_row: bool = False
+                              ) -> tuple[NVFP4, torch.Tensor]:
+    """``q = quantize_nvfp4(x)`` and ``dequantize_nvfp4(q).to(x.dtype)``, bit for bit; a bf16 ``x`` on
+    the CPU gets both from one pass of the numba kernel (what a rollout's site needs: its codes and
+    the value its next op sees, without a second pass, a float32 copy and its cast)."""
+    q, values = _quantize_nvfp4(x, global_amax, per_row, values=True)
+    return q, (dequantize_nvfp4(q).to(x.dtype) if values is None else values)
+
+
+def _quantize_nvfp4(x: torch.Tensor, global_amax, per_row: bool, *, values: bool
+                    ) -> tuple[NVFP4, torch.Tensor | None]:
     check_input(x, NVFP4_BLOCK)
     amax = None if global_amax is None else check_global_amax(global_amax, x.shape).to(x.device)
-    run = _nvfp4_triton if backend(x) == "triton" else _nvfp4_numba
-    codes, scales, amax = run(x, amax, per_row)
     lead = x.shape[:-1]
-    return NVFP4(
+    if backend(x) == "triton":
+        codes, scales, amax = _nvfp4_triton(x, amax, per_row)
+        out = None
+    else:
+        codes, scales, amax, out = _nvfp4_numba(x, amax, per_row, values and x.dtype == torch.bfloat16)
+    q = NVFP4(
         codes=codes.reshape(*lead, codes.shape[-1]),
         scales=scales.view(torch.float8_e4m3fn).reshape(*lead, scales.shape[-1]),
         global_amax=amax,
     )
+    return q, None if out is None else out.view(torch.bfloat16).reshape(x.shape)
 
 
 _E2M1_SIGNED = tuple(E2M1_VALUES) + tuple(-v for v in E2M1_VALUES)  # value of codes 0..15

@@ -7,6 +7,8 @@ caller ever branches on the format. Every quantizer offers the same five operati
 * ``quantize(x)``: round-to-nearest, returning the format's container (:class:`NVFP4`, :class:`MXFP4`,
   :class:`FP8`);
 * ``dequantize(q)``: float32 values of a container;
+* ``quantize_values(x)``: ``quantize(x)`` and ``dequantize`` of it in x's dtype (what the next op
+  sees), in one pass where the format's kernel can (NVFP4 on bf16 CPU input);
 * ``guided_quantize(x, grid, codes=... | lsb=...)``: ``x`` on someone else's grid (the rollout's
   block scales and global amax), each element rounded to the member of its bracket that the rollout's
   packed codes (full information) or packed low bits name (rollout-guided rounding);
@@ -48,6 +50,7 @@ from tracefp4.formats.numerics import (
     quantize_nvfp4_rac,
     rac_channel_count,
     quantize_fp8,
+    quantize_dequantize_nvfp4,
     quantize_mxfp4,
     quantize_nvfp4,
     quantize_nvfp4_4over6,
@@ -99,6 +102,12 @@ class Quantizer(abc.ABC):
 
     @abc.abstractmethod
     def dequantize(self, q) -> torch.Tensor: ...
+
+    def quantize_values(self, x: torch.Tensor) -> tuple[NVFP4 | MXFP4 | FP8, torch.Tensor]:
+        """``q = quantize(x)`` and ``dequantize(q)`` in x's dtype, bit for bit (a site's code and the
+        value its next op sees)."""
+        q = self.quantize(x)
+        return q, self.dequantize(q).to(x.dtype)
 
     def guided_quantize(
         self, x: torch.Tensor, grid: Grid, *, codes: torch.Tensor | None = None, lsb: torch.Tensor | None = None
@@ -156,12 +165,20 @@ class NVFP4Quantizer(Quantizer):
             raise_non_finite(x, ~torch.isfinite(as_rows(x)).all(dim=-1))
         return amax.expand(*x.shape[:-1], 1)
 
-    def quantize(self, x: torch.Tensor) -> NVFP4:
+    def _amax(self, x: torch.Tensor) -> dict:
         if self.global_amax is not None:
-            return self._quantize(x, global_amax=self.global_amax)
+            return {"global_amax": self.global_amax}
         if self.amax_scope == "expert":
-            return self._quantize(x, global_amax=self._expert_amax(x))
-        return self._quantize(x, per_row=self.amax_scope == "row")
+            return {"global_amax": self._expert_amax(x)}
+        return {"per_row": self.amax_scope == "row"}
+
+    def quantize(self, x: torch.Tensor) -> NVFP4:
+        return self._quantize(x, **self._amax(x))
+
+    def quantize_values(self, x: torch.Tensor) -> tuple[NVFP4, torch.Tensor]:
+        if self.block_max != 6:
+            return super().quantize_values(x)
+        return quantize_dequantize_nvfp4(x, **self._amax(x))
 
     def dequantize(self, q: NVFP4) -> torch.Tensor:
         return dequantize_nvfp4(q)

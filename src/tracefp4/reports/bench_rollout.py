@@ -15,8 +15,8 @@ on every layer). Engines and what each mode runs on:
   (:mod:`tracefp4.engines.experts`) kept beside the BF16 weights the trainer owns.
 * ``vllm``: ``bf16`` is vLLM's own unquantized engine (:class:`~tracefp4.engines.vllm.engine.PlainVLLMEngine`,
   no tracefp4 config: what a user would run instead), the FP4 modes our plugin's engine holding
-  only packed FP4 experts (``keep_bf16=False``). They run in this process one after the other (see
-  :func:`_time_batch`), our engine's modes interleaved with each.
+  only packed FP4 experts (``keep_bf16=False``). Each runs in a server process of its own (see
+  :class:`_EngineServer`), so that both are timed in every round, interleaved with our engine's modes.
 
 Every (engine, mode) pair runs once per round, rounds interleaved, after a short warm-up call each;
 the median generation time gives ``rollout_tokens_per_s.<engine>.<mode>`` (at the preset's first
@@ -302,52 +302,124 @@ def bench_rollout(engines: Sequence[str] = ("home", "vllm"), *, preset: str = "m
     return res
 
 
+class _EngineServer:
+    """A vLLM engine in a process of its own (``python -m tracefp4.reports.bench_rollout serve ...``),
+    timed per call over a pipe: vLLM keeps process-wide state, so two vLLM engines cannot live in one
+    process, and with one process each their calls can be interleaved in every round (these machines
+    drift by up to 2x over minutes, so a BF16 phase followed by an FP4 phase would compare two
+    different machines). The server idles between calls; only mode names and timings (JSON lines)
+    cross the pipe."""
+
+    def __init__(self, engine: str, ckpt: str, prompts: list[list[int]], new_tokens: int, max_model_len: int) -> None:
+        cmd = [sys.executable, "-m", "tracefp4.reports.bench_rollout", "serve", engine, ckpt, str(new_tokens),
+               str(max_model_len)]
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.engine = engine
+        self.log = tempfile.TemporaryFile(mode="w+")  # the server's stderr, quoted when it fails
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=env)
+        self._send(json.dumps(prompts))
+        self._read()  # {"ready": true} once built and warmed up
+
+    def _send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:  # libraries may print to stdout at import: only marked lines count
+            if line.startswith(_MARK):
+                return json.loads(line[len(_MARK):])
+        rc = self.proc.wait()
+        self.log.seek(0)
+        raise RuntimeError(f"bench server {self.engine} exited ({rc}):\n{self.log.read()[-3000:]}")
+
+    def time(self, mode: str) -> float:
+        self._send(mode)
+        return float(self._read()["seconds"])
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._send("quit")
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+_MARK = "@tracefp4-bench "
+
+
+def serve(engine: str, ckpt: str, new_tokens: int, max_model_len: int) -> None:
+    """The server side of :class:`_EngineServer`: prompts as the first stdin line, then one mode name
+    per line, each answered with that generation's seconds; ``quit`` ends it."""
+    from tracefp4.engines.vllm.engine import PlainVLLMEngine, VLLMEngine, engine_env
+
+    engine_env()
+    prompts = json.loads(sys.stdin.readline())
+    common = dict(max_model_len=max_model_len, max_num_seqs=len(prompts))
+    plan = PrecisionPlan()
+    e = PlainVLLMEngine(ckpt, **common) if engine == "vllm-bf16" else VLLMEngine(ckpt, plan=plan, **common)
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0)
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever else writes to stdout goes to stderr
+    sys.stdout = sys.stderr
+    modes = ("bf16",) if engine == "vllm-bf16" else ("fp4", "trace_lsb", "trace_full")
+    for mode in modes:  # warm-up
+        _call(e, mode, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0), prompts[:2], plan)
+    print(_MARK + json.dumps({"ready": True}), file=out, flush=True)
+    try:
+        for line in sys.stdin:
+            mode = line.strip()
+            if mode == "quit":
+                break
+            if mode not in modes:
+                raise ValueError(f"bench server {engine}: unknown mode {mode!r}; serves {modes}")
+            print(_MARK + json.dumps({"seconds": _call(e, mode, sampling, prompts, plan)}), file=out, flush=True)
+    finally:
+        e.close()
+
+
+def _call(engine: RolloutEngine, mode: str, s: SamplingParams, prompts, plan: PrecisionPlan) -> float:
+    fp4, guidance = MODES[mode]
+    t0 = time.perf_counter()
+    engine.generate(prompts, s, plan=plan if fp4 else None, guidance=GuidedMode.parse(guidance) if guidance else None)
+    return time.perf_counter() - t0
+
+
 def _time_batch(engines, model, ckpt, prompts, new_tokens, prompt_len, repeats, plan, batch, primary, say) -> dict:
-    """Interleaved rounds at one batch size. vLLM's two engines cannot share a process (vLLM keeps
-    process-wide state) and, as engine-core processes, their busy-polling executors take a core from
-    the worker on a small machine, so each runs in this process in its own phase (its BF16 engine,
-    then our FP4 one); our engine's modes run in every round of both phases."""
+    """Interleaved rounds at one batch size: every (engine, mode) once per round, in a fixed order.
+    Our engine runs in this process; vLLM's own BF16 engine and our FP4 one each in a server process
+    (:class:`_EngineServer`), built before the first round and idle while another is timed."""
     from tracefp4.engines.rollout import HomeEngine
 
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0)
     warm = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
-    home = HomeEngine(model) if "home" in engines else None
-
-    def call(engine: RolloutEngine, mode: str, s: SamplingParams, ps) -> float:
-        fp4, guidance = MODES[mode]
-        t0 = time.perf_counter()
-        engine.generate(ps, s, plan=plan if fp4 else None, guidance=GuidedMode.parse(guidance) if guidance else None)
-        return time.perf_counter() - t0
-
-    phases: list[tuple[str | None, tuple[str, ...]]] = [(None, ())]
-    if "vllm" in engines:
-        phases = [("bf16", ("bf16",)), ("fp4", ("fp4", "trace_lsb", "trace_full"))]
-    times: dict[tuple[str, str], list[float]] = {}
-    for phase, vllm_modes in phases:
-        served: dict[tuple[str, str], RolloutEngine] = {}
-        if home is not None:
-            served.update({("home", mode): home for mode in MODES})
-        vl = None
-        if phase is not None:
-            from tracefp4.engines.vllm.engine import PlainVLLMEngine, VLLMEngine, engine_env
-
-            engine_env()
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-            common = dict(max_model_len=max(64, -(-(prompt_len + new_tokens + 2) // 16) * 16), max_num_seqs=batch)
-            say(f"batch {batch}: building vLLM's {'own BF16' if phase == 'bf16' else 'FP4 (tracefp4)'} engine")
-            vl = PlainVLLMEngine(ckpt, **common) if phase == "bf16" else VLLMEngine(ckpt, plan=plan, **common)
-            served.update({("vllm", mode): vl for mode in vllm_modes})
-        try:
-            for (name, mode), engine in served.items():
-                call(engine, mode, warm, prompts[:2])
-            for rnd in range(repeats):
-                for (name, mode), engine in served.items():
-                    times.setdefault((name, mode), []).append(call(engine, mode, sampling, prompts))
-                    say(f"batch {batch}, round {rnd + 1}/{repeats}{'' if phase is None else ' (vLLM ' + phase + ')'}: "
-                        f"{name} {mode} {times[(name, mode)][-1]:.1f}s")
-        finally:
-            if vl is not None:
-                vl.close()
+    calls: dict[tuple[str, str], Callable[[], float]] = {}
+    servers: list[_EngineServer] = []
+    try:
+        if "home" in engines:
+            home = HomeEngine(model)
+            for mode in MODES:
+                _call(home, mode, warm, prompts[:2], plan)
+                calls[("home", mode)] = lambda m=mode: _call(home, m, sampling, prompts, plan)
+        if "vllm" in engines:
+            max_len = max(64, -(-(prompt_len + new_tokens + 2) // 16) * 16)
+            for engine, modes in (("vllm-bf16", ("bf16",)), ("vllm-fp4", ("fp4", "trace_lsb", "trace_full"))):
+                say(f"batch {batch}: building {'vLLM' + chr(39) + 's own BF16' if engine == 'vllm-bf16' else 'our FP4 vLLM'} "
+                    f"engine (a server process)")
+                servers.append(_EngineServer(engine, ckpt, prompts, new_tokens, max_len))
+                for mode in modes:
+                    calls[("vllm", mode)] = lambda m=mode, srv=servers[-1]: srv.time(m)
+        times: dict[tuple[str, str], list[float]] = {}
+        for rnd in range(repeats):
+            for key, call in calls.items():
+                times.setdefault(key, []).append(call())
+                say(f"batch {batch}, round {rnd + 1}/{repeats}: {key[0]} {key[1]} {times[key][-1]:.1f}s")
+    finally:
+        for srv in servers:
+            srv.close()
     tokens = len(prompts) * new_tokens
     out = {}
     for (name, mode), ts in times.items():
@@ -430,19 +502,25 @@ def add_rollout_command(bsub, write_json: Callable[[str | None, dict], None]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tracefp4.reports.bench_rollout memory-probe ENGINE CKPT PRESET MODULES_JSON`` or
-    ``... engine-modules ENGINE CKPT`` (what :func:`measure_memory` runs, each in a fresh process)."""
+    """``python -m tracefp4.reports.bench_rollout memory-probe ENGINE CKPT PRESET MODULES_JSON``,
+    ``... engine-modules ENGINE CKPT`` (what :func:`measure_memory` runs, each in a fresh process) or
+    ``... serve ENGINE CKPT NEW_TOKENS MAX_MODEL_LEN`` (an :class:`_EngineServer`)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) == 5 and args[0] == "memory-probe":
         with open(args[4]) as f:
             modules = json.load(f)
         print(json.dumps(memory_probe(args[1], args[2], args[3], modules)))
         return 0
+    if len(args) == 5 and args[0] == "serve":
+        serve(args[1], args[2], int(args[3]), int(args[4]))
+        return 0
     if len(args) == 3 and args[0] == "engine-modules":
         print(json.dumps(engine_modules(args[1], args[2])))
         return 0
     print("usage: python -m tracefp4.reports.bench_rollout memory-probe home|vllm-fp4|vllm-bf16 CKPT PRESET MODULES_JSON\n"
-          "       python -m tracefp4.reports.bench_rollout engine-modules vllm-fp4|vllm-bf16 CKPT", file=sys.stderr)
+          "       python -m tracefp4.reports.bench_rollout engine-modules vllm-fp4|vllm-bf16 CKPT\n"
+          "       python -m tracefp4.reports.bench_rollout serve vllm-fp4|vllm-bf16 CKPT NEW_TOKENS MAX_MODEL_LEN",
+          file=sys.stderr)
     return 2
 
 

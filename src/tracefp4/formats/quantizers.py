@@ -2,7 +2,7 @@
 
 A :class:`Quantizer` knows one element format and how one kind of tensor is scaled in it; the
 precision plan (:class:`tracefp4.engines.plan.PrecisionPlan`) picks one per quantization site, so no
-caller ever branches on the format. Every quantizer offers the same five operations:
+caller ever branches on the format. Every quantizer offers the same six operations:
 
 * ``quantize(x)``: round-to-nearest, returning the format's container (:class:`NVFP4`, :class:`MXFP4`,
   :class:`FP8`);
@@ -86,7 +86,7 @@ class Grid:
 
 
 class Quantizer(abc.ABC):
-    """One format, one scaling rule; see the module docstring for the five operations."""
+    """One format, one scaling rule; see the module docstring for the six operations."""
 
     fmt: str
     block: int

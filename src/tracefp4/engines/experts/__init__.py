@@ -8,10 +8,10 @@
   format and device (``prepare``) and multiplies each (token, slot) pair's row with its expert's
   weights (``matmul`` over a :class:`~tracefp4.engines.experts.base.Routing`), one call per GEMM per
   layer; grouping the pairs by expert is the backend's business (the dense one sorts and gathers in
-  torch, the packed kernel groups them itself, with no gather or scatter around the call). One file per backend: :mod:`.dense` (dequantized weights, torch matmuls:
-  BF16, the trainer's QAT path with straight-through gradients, CUDA, and the fallback) and
-  :mod:`.cpu_fp4` (packed FP4 weights, our AVX-512 BF16 C kernel); GPU GEMM backends would sit
-  beside them (see :mod:`.oracle`).
+  torch, the packed kernel groups them itself, with no gather or scatter around the call). One file
+  per backend: :mod:`.dense` (dequantized weights, torch matmuls: BF16, the trainer's QAT path with
+  straight-through gradients, CUDA, and the fallback) and :mod:`.cpu_fp4` (packed FP4 weights, our
+  AVX-512 BF16 C kernel); GPU GEMM backends would sit beside them (see :mod:`.oracle`).
 * :mod:`.oracle` picks the backend once per precision plan, device and dtype.
 
 The weight convention every backend shares (and the trainer adopts): an FP4 weight is

@@ -532,8 +532,7 @@ def _values_row(cr, mult, div, words_per_block, out):
 
 @numba.njit(**_INL)
 def _values_pair(byte, m, div):
-    v0 = (_e2m1_value(U32(byte) & U32(15)) * m) / div
-    v1 = (_e2m1_value(U32(byte) >> U32(4)) * m) / div
+    v0, v1 = _pair_values(byte, m, div)
     return U32(_bf16_bits(v0) | (_bf16_bits(v1) << U32(16)))
 
 
@@ -629,10 +628,16 @@ def _e2m1_value(code):
 
 
 @numba.njit(**_INL)
+def _pair_values(byte, mult, div):
+    """float32 ``(value(code) * mult) / div`` of both elements of a code byte (low nibble first): the
+    one expression every dequantized output is computed by."""
+    return (_e2m1_value(U32(byte) & U32(15)) * mult) / div, (_e2m1_value(U32(byte) >> U32(4)) * mult) / div
+
+
+@numba.njit(**_INL)
 def _dequant_pair(byte, mult, div):
     """Both elements of a code byte as one uint64 (element 2i in the low half, as in memory)."""
-    v0 = (_e2m1_value(U32(byte) & U32(15)) * mult) / div
-    v1 = (_e2m1_value(U32(byte) >> U32(4)) * mult) / div
+    v0, v1 = _pair_values(byte, mult, div)
     return U64(bits_from_f32(v0)) | (U64(bits_from_f32(v1)) << U64(32))
 
 

@@ -449,9 +449,6 @@ def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
 _NO_BLOCK_MAX = np.empty((0, 0), dtype=np.uint32)
 
 
-_NO_VALUES = np.empty((0, 0), dtype=np.uint32)
-
-
 def _nvfp4_numba(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool, values: bool = False):
     """(codes, scale bytes, global amax, bf16 values as u32 pairs or None) of ``x`` (see kernels)."""
     rows = kernel_rows(x)
@@ -474,7 +471,7 @@ def _nvfp4_numba(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool, valu
         row_amax[:] = amax.item()
     codes = np.empty((n, k // 2), dtype=np.uint8)
     scales = np.empty((n, k // NVFP4_BLOCK), dtype=np.uint8)
-    out = np.empty((n, k // 2), dtype=np.uint32) if values else _NO_VALUES
+    out = np.empty((n, k // 2), dtype=np.uint32) if values else _NO_BLOCK_MAX  # empty u32: no values wanted
     kernels.nvfp4_quantize(rows, row_amax, own_amax, block_max, codes, scales, out, bad, _chunks(rows))
     raise_non_finite(x, bad)
     if own_amax:

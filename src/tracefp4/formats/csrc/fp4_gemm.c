@@ -232,11 +232,36 @@ AVX512 static void row_f32(const uint16_t *xs, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(out + i, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(xs + i))));
 }
 
+/* The NT x rows (rows <= 4) outputs of a block: each accumulator summed over its 16 lanes, divided
+ * by the expert's divisor and rounded to bf16. The 16 horizontal sums are done together, as a
+ * transpose: each level adds lanes l and l + s (s = 8, 4, 2, 1) of every accumulator at once, the
+ * pairing of _mm512_reduce_add_ps and of the portable path, so the sums are bitwise theirs; one
+ * accumulator at a time cost as much as the dot products at K = 256-512 (epilogue ~9 shuffles and
+ * adds plus a scalar divide and rounding per output). Lane 4m + c of the result is row m, column c. */
 AVXINL void store_rows(const job_t *j, int64_t e, int64_t n0, int64_t r, int rows, __m512 acc[][NT]) {
-    for (int m = 0; m < rows; m++) {
-        uint16_t *o = j->out + out_row(j, r + m) * j->n + n0;
-        for (int c = 0; c < NT; c++) o[c] = bf16_rne(_mm512_reduce_add_ps(acc[m][c]) / j->divisor[e]);
-    }
+    __m512 a[16];
+    for (int c = 0; c < NT; c++)
+        for (int m = 0; m < 4; m++) a[4 * c + m] = m < rows ? acc[m][c] : _mm512_setzero_ps();
+    __m512 b[8], q[4], d[2];
+    for (int i = 0; i < 8; i++) /* s = 8: [a0 lanes 0-7 + 8-15 | a1 lanes 0-7 + 8-15] */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* s = 4: quarter t of q[i] holds a[4i + t] */
+        q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* s = 2 */
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * i], q[2 * i + 1], 0x44), _mm512_shuffle_ps(q[2 * i], q[2 * i + 1], 0xEE));
+    /* s = 1: lane 4t + i is a[4i + t], i.e. column i, row t */
+    __m512 v = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+    v = _mm512_div_ps(v, _mm512_set1_ps(j->divisor[e]));
+    /* bf16 round-to-nearest-even in integers (vcvtneps2bf16 would flush subnormals), NaN -> 0x7FC0 */
+    __m512i bits = _mm512_castps_si512(v);
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                   _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1))));
+    bits = _mm512_mask_mov_epi32(_mm512_srli_epi32(bits, 16), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    uint16_t h[16];
+    _mm256_storeu_si256((__m256i *)h, _mm512_cvtepi32_epi16(bits));
+    for (int m = 0; m < rows; m++) memcpy(j->out + out_row(j, r + m) * j->n + n0, h + 4 * m, NT * sizeof(uint16_t));
 }
 
 /* Streaming (up to two rows): the codes decoded in registers as they are read, sums per block

@@ -2,7 +2,8 @@
 
 Exactness: where every float32 partial sum is representable (small dyadic operands) any order of
 additions gives the exact sum, so the kernel must equal ``grouped_gemm_reference`` bit for bit
-(atol=0), on both of its code paths. Elsewhere the only difference is the order of the float32
+(atol=0), on every code path of both layouts (``KERNELS``: the layout and the implementation forced;
+``auto`` on the panels layout mixes AMX and AVX-512 by rows per expert). Elsewhere the only difference is the order of the float32
 additions, bounded for any order by ``gamma_(K-1) sum |x w|`` (``cgemm.accumulation_bound``), plus the
 float32 division (2^-24 relative) and the final bf16 rounding (2^-8 relative: bf16 keeps 8 significant
 bits, so round-to-nearest is off by at most half of 2^-7): the bound below.
@@ -25,8 +26,14 @@ from tracefp4.formats.quantizers import MXFP4Quantizer, NVFP4Quantizer
 pytestmark = pytest.mark.skipif(not cgemm.available(), reason=f"CPU kernel unavailable: {cgemm.unavailable_reason()}")
 
 IMPLS = ["portable"] + (["avx512_bf16"] if cgemm.available() and cgemm.has_avx512_bf16() else [])
+_AMX = cgemm.available() and cgemm.has_amx()
+#: (layout, impl) pairs that run here: every implementation of each layout
+KERNELS = ([("tiles", i) for i in IMPLS] + [("panels", i) for i in IMPLS]
+           + ([("panels", "amx"), ("panels", "auto")] if _AMX else []))
 COUNTS = {"ragged": [3, 0, 5, 1, 0, 7, 2, 4], "one_row": [1, 1, 0, 1, 1, 0, 0, 1], "many_rows": [0, 19, 0, 10, 27, 0, 0, 2],
-          "all_empty_but_one": [0, 0, 0, 0, 0, 0, 6, 0]}
+          "all_empty_but_one": [0, 0, 0, 0, 0, 0, 6, 0],
+          # AMX row groups of 32 and the panels decoded once for all of them
+          "over_32_rows": [0, 33, 0, 0, 70, 0, 1, 0]}
 
 
 def offsets_of(counts: list[int]) -> torch.Tensor:
@@ -44,24 +51,35 @@ def packed(w: torch.Tensor, fmt: str):
     return q.codes, q.scales, torch.ones(w.shape[0], dtype=torch.float32)
 
 
-def gemm(x, offs, codes, scales, divisor, fmt, **kw):
-    """The kernel on standard-layout codes (converted to its layout here)."""
+def gemm(x, offs, codes, scales, divisor, fmt, *, kernel=("tiles", "auto"), **kw):
+    """The kernel (layout, impl) on standard-layout codes and scales (converted to the layout here)."""
+    layout, impl = cgemm.Layout(kernel[0]), kernel[1]
     block = 16 if fmt == "nvfp4" else 32
-    return cgemm.grouped_gemm(x, offs, cgemm.kernel_layout(codes, block), scales, divisor, fmt, **kw)
+    return cgemm.grouped_gemm(x, offs, cgemm.kernel_layout(codes, block, layout), cgemm.kernel_scales(scales, layout),
+                              divisor, fmt, layout=layout, impl=impl, **kw)
 
 
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("k", [64, 96, 256, 768, 2048, 4096 + 32])
 def test_kernel_layout_is_a_byte_permutation_and_inverts(block, k):
-    """The kernel layout holds every standard byte exactly once (plus zero padding up to whole
-    16-block super-groups) and standard_layout gives the codes back."""
+    """The tiles layout holds every standard byte exactly once (plus zero padding up to whole
+    16-block super-groups), the panels layout exactly once; standard_layout gives the codes back, and
+    standard_scales the scales."""
     if k % block:
         pytest.skip("K must be a multiple of the block")
-    codes = torch.randint(0, 256, (3, 8, k // 2), generator=torch.Generator().manual_seed(k), dtype=torch.int64)
-    codes = codes.to(torch.uint8)
+    g = torch.Generator().manual_seed(k)
+    codes = torch.randint(0, 256, (3, 32, k // 2), generator=g, dtype=torch.int64).to(torch.uint8)
     kc = cgemm.kernel_layout(codes, block)
-    assert kc.shape == (3, 2, 4 * cgemm.code_bytes(k, block)) and cgemm.code_bytes(k, block) >= k // 2
+    assert kc.shape == (3, 8, 4 * cgemm.code_bytes(k, block)) and cgemm.code_bytes(k, block) >= k // 2
     assert torch.equal(cgemm.standard_layout(kc, k, block), codes)
+    pc = cgemm.kernel_layout(codes, block, cgemm.Layout.PANELS)
+    assert pc.shape == (3, 2, k // 2, 16) and pc[1, 1, 5, 3] == codes[1, 16 + 3, 5]
+    assert torch.equal(cgemm.standard_layout(pc, k, block, cgemm.Layout.PANELS), codes)
+    scales = torch.randint(0, 256, (3, 32, k // block), generator=g, dtype=torch.int64).to(torch.uint8)
+    ps = cgemm.kernel_scales(scales, cgemm.Layout.PANELS)
+    assert ps.shape == (3, 2, k // block, 16) and ps[2, 0, 1, 7] == scales[2, 7, 1]
+    assert torch.equal(cgemm.standard_scales(ps, cgemm.Layout.PANELS), scales)
+    assert cgemm.kernel_scales(scales) is scales or torch.equal(cgemm.kernel_scales(scales), scales)
     # the same bytes (a permutation) and zeros for the padding: sorted, the padding comes first
     assert torch.equal(torch.sort(kc.reshape(-1)).values[kc.numel() - codes.numel():], torch.sort(codes.reshape(-1)).values)
     assert int((kc != 0).sum()) == int((codes != 0).sum())
@@ -73,11 +91,11 @@ def bound(exact: torch.Tensor, accumulation: torch.Tensor) -> torch.Tensor:
     return (2.0**-8 + 2.0**-24 + 2.0**-32) * (exact.abs() + accumulation) + accumulation + 2.0**-133
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kernel", KERNELS, ids="-".join)
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("counts", sorted(COUNTS))
-@pytest.mark.parametrize("k", [64, 96, 2048])
-def test_exact_where_the_sums_are_exact(impl, fmt, counts, k):
+@pytest.mark.parametrize("k", [64, 80, 96, 2048])  # 80: NVFP4's last AMX chunk half a tile
+def test_exact_where_the_sums_are_exact(kernel, fmt, counts, k):
     """Dyadic operands: x in multiples of 1/4 up to 2, weights value(code) * {1/2, 1, 2}: every product
     a multiple of 2^-4 below 24, every partial sum below 2^16: float32 adds them all exactly."""
     if fmt == "mxfp4" and k % 32:
@@ -96,17 +114,17 @@ def test_exact_where_the_sums_are_exact(impl, fmt, counts, k):
     offs = offsets_of(COUNTS[counts])
     rows = int(offs[-1])
     x = (torch.randint(-8, 9, (rows, k), generator=g).to(torch.float32) / 4).to(torch.bfloat16)
-    out = gemm(x, offs, codes, scales, divisor, fmt, impl=impl)
+    out = gemm(x, offs, codes, scales, divisor, fmt, kernel=kernel)
     want = ref.grouped_gemm_reference(x, offs, codes, scales, divisor, fmt)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kernel", KERNELS, ids="-".join)
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("counts", sorted(COUNTS))
 @pytest.mark.parametrize("shape", [(64, 96), (32, 2048), (1536, 512)])
-def test_within_the_accumulation_bound_on_real_weights(impl, fmt, counts, shape):
+def test_within_the_accumulation_bound_on_real_weights(kernel, fmt, counts, shape):
     """Gaussian weights quantized by the plan's weight quantizer (real scales, real divisors) and
     Gaussian bf16 rows: within the bound of the module docstring of the float64 exact result."""
     n, k = shape
@@ -118,7 +136,7 @@ def test_within_the_accumulation_bound_on_real_weights(impl, fmt, counts, shape)
     codes, scales, divisor = packed(w, fmt)
     offs = offsets_of(COUNTS[counts])
     x = torch.randn(int(offs[-1]), k, generator=g).to(torch.bfloat16)
-    out = gemm(x, offs, codes, scales, divisor, fmt, impl=impl)
+    out = gemm(x, offs, codes, scales, divisor, fmt, kernel=kernel)
     exact = ref.grouped_gemm_exact(x, offs, codes, scales, divisor, fmt)
     acc = cgemm.accumulation_bound(x, offs, ref.expert_weights(codes, scales, fmt), divisor)
     assert bool(((out.to(torch.float64) - exact).abs() <= bound(exact, acc)).all())
@@ -132,18 +150,42 @@ def test_subnormal_block_scales():
     codes = torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.int64).to(torch.uint8)
     scales = torch.randint(1, 8, (e, n, k // 16), generator=g, dtype=torch.int64).to(torch.uint8)
     divisor = torch.tensor([3.0, 0.75])
-    offs = offsets_of([5, 23])  # 5 rows: the codes streamed; 23 (more than 20): the tile decoded (to bf16)
-    x = torch.randn(28, k, generator=g).to(torch.bfloat16)
+    # tiles: 5 rows stream the codes, 23 (more than 20) decode the tile (to bf16); panels with AMX:
+    # 2 rows take the AVX-512 path, 5 and 23 AMX (its B tiles scaled by subnormal E4M3 scales)
+    offs = offsets_of([5, 23, 2])
+    x = torch.randn(30, k, generator=g).to(torch.bfloat16)
+    codes, scales = torch.cat([codes, codes[:1]]), torch.cat([scales, scales[:1]])
+    divisor = torch.cat([divisor, divisor[:1]])
     exact = ref.grouped_gemm_exact(x, offs, codes, scales, divisor, "nvfp4")
     acc = cgemm.accumulation_bound(x, offs, ref.expert_weights(codes, scales, "nvfp4"), divisor)
-    for impl in IMPLS:
-        out = gemm(x, offs, codes, scales, divisor, "nvfp4", impl=impl)
-        assert bool(((out.to(torch.float64) - exact).abs() <= bound(exact, acc)).all()), impl
+    for kernel in KERNELS:
+        out = gemm(x, offs, codes, scales, divisor, "nvfp4", kernel=kernel)
+        assert bool(((out.to(torch.float64) - exact).abs() <= bound(exact, acc)).all()), kernel
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kernel", KERNELS, ids="-".join)
+def test_tiny_mxfp4_scales_are_not_flushed(kernel):
+    """MXFP4 scales 2^-127 and 2^-126 (E8M0 bytes 0, 1) make subnormal weights, which AMX (and a bf16
+    dot product) would read as zero: such experts take the float32-scaled AVX-512 path, and the sums,
+    exact here (multiples of 2^-130), come out bit for bit, subnormal outputs included."""
+    g = torch.Generator().manual_seed(4)
+    e, n, k = 3, 32, 64
+    codes = torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.int64).to(torch.uint8)
+    scales = torch.full((e, n, k // 32), 127, dtype=torch.uint8)
+    scales[0, 20, 1] = 0  # one block of panel 1 of expert 0
+    scales[2] = 1
+    offs = offsets_of([6, 5, 4])
+    x = (torch.randint(-8, 9, (15, k), generator=g).to(torch.float32) / 4).to(torch.bfloat16)
+    out = gemm(x, offs, codes, scales, torch.ones(e), "mxfp4", kernel=kernel)
+    want = ref.grouped_gemm_reference(x, offs, codes, scales, torch.ones(e), "mxfp4")
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    tiny = want[11:].float().abs()
+    assert bool(((tiny > 0) & (tiny < 2.0**-126)).any()), "no subnormal output: the case does not test them"
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids="-".join)
 @pytest.mark.parametrize("counts", ["one_row", "many_rows"])
-def test_output_rounding_edge_cases(impl, counts):
+def test_output_rounding_edge_cases(kernel, counts):
     """The epilogue's division and bf16 rounding where they are delicate, bit for bit with the
     reference (the sums are exact, as in the test above): divisors near 2^127 put outputs among the
     bf16 subnormals (kept, not flushed); tiny divisors overflow them to +-inf; a NaN activation row
@@ -157,7 +199,7 @@ def test_output_rounding_edge_cases(impl, counts):
     rows = int(offs[-1])
     x = (torch.randint(-8, 9, (rows, k), generator=g).to(torch.float32) / 4).to(torch.bfloat16)
     x[rows // 2, 5] = float("nan")
-    out = gemm(x, offs, codes, scales, divisor, "nvfp4", impl=impl).view(torch.int16)
+    out = gemm(x, offs, codes, scales, divisor, "nvfp4", kernel=kernel).view(torch.int16)
     want = ref.grouped_gemm_reference(x, offs, codes, scales, divisor, "nvfp4").view(torch.int16)
     finite = torch.ones(rows, dtype=torch.bool)
     finite[rows // 2] = False
@@ -168,15 +210,15 @@ def test_output_rounding_edge_cases(impl, counts):
     assert bool(torch.isinf(out[finite].view(torch.bfloat16)).any()), "no overflow: the case does not test it"
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_result_does_not_depend_on_the_thread_count(impl):
+@pytest.mark.parametrize("kernel", KERNELS, ids="-".join)
+def test_result_does_not_depend_on_the_thread_count(kernel):
     """Each output is summed by one thread in a fixed order: 1, 2 and 5 threads give the same bits."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(8, 64, 256, generator=g).to(torch.bfloat16)
     codes, scales, divisor = packed(w, "nvfp4")
     offs = offsets_of(COUNTS["ragged"])
     x = torch.randn(int(offs[-1]), 256, generator=g).to(torch.bfloat16)
-    outs = [gemm(x, offs, codes, scales, divisor, "nvfp4", threads=t, impl=impl) for t in (1, 2, 5)]
+    outs = [gemm(x, offs, codes, scales, divisor, "nvfp4", threads=t, kernel=kernel) for t in (1, 2, 5)]
     assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs)
 
 
@@ -199,6 +241,12 @@ def test_bad_input_is_named():
         cgemm.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales[..., :1], divisor, "nvfp4")
     with pytest.raises(ValueError, match="grouped_gemm impl"):
         cgemm.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4", impl="fast")
+    with pytest.raises(ValueError, match="'amx' multiplies the panels layout, got codes in the tiles layout"):
+        cgemm.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4", impl="amx")
+    with pytest.raises(ValueError, match=r"grouped_gemm codes: expected \[E, N/16, K/2, 16\] \(panels layout\)"):
+        cgemm.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4", layout=cgemm.Layout.PANELS)
+    with pytest.raises(ValueError, match="the panels layout needs N a multiple of 16"):
+        cgemm.kernel_layout(torch.zeros(1, 8, 16, dtype=torch.uint8), 16, cgemm.Layout.PANELS)
 
 
 def test_unavailable_kernel_is_reported_once_and_said_why(tmp_path):
@@ -230,10 +278,10 @@ def test_build_is_cached_and_published_whole(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(path)]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kernel", KERNELS, ids="-".join)
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (3, 2), (8, 8), (40, 2)])
-def test_routed_form_is_the_grouped_gemm_of_the_sorted_pairs(impl, fmt, tokens, top_k):
+def test_routed_form_is_the_grouped_gemm_of_the_sorted_pairs(kernel, fmt, tokens, top_k):
     """``routed_gemm`` groups the (token, slot) pairs by expert itself (a stable counting sort) and reads
     and writes rows in place: bit for bit the grouped kernel on the rows sorted and gathered in torch
     (a stable argsort), scattered back to pair order. Expert counts of 0 to 40 rows cover both code
@@ -243,16 +291,17 @@ def test_routed_form_is_the_grouped_gemm_of_the_sorted_pairs(impl, fmt, tokens, 
     w = torch.randn(e, n, k, generator=g).to(torch.bfloat16)
     codes, scales, divisor = packed(w, fmt)
     block = 16 if fmt == "nvfp4" else 32
-    kcodes = cgemm.kernel_layout(codes, block)
+    layout, impl = cgemm.Layout(kernel[0]), kernel[1]
+    kcodes, kscales = cgemm.kernel_layout(codes, block, layout), cgemm.kernel_scales(scales, layout)
     ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(tokens)]) % 5  # experts 5-7 unused
     order = torch.argsort(ids.reshape(-1), stable=True)
     offs = offsets_of(torch.bincount(ids.reshape(-1), minlength=e).tolist())
     for per_token in (True, False):
         x = torch.randn(tokens if per_token else tokens * top_k, k, generator=g).to(torch.bfloat16)
         want = torch.empty(tokens * top_k, n, dtype=torch.bfloat16)
-        want[order] = cgemm.grouped_gemm(x[order // top_k if per_token else order], offs, kcodes, scales, divisor, fmt,
-                                         impl=impl)
-        got = cgemm.routed_gemm(x, ids, kcodes, scales, divisor, fmt, per_token=per_token, impl=impl)
+        want[order] = cgemm.grouped_gemm(x[order // top_k if per_token else order], offs, kcodes, kscales, divisor, fmt,
+                                         layout=layout, impl=impl)
+        got = cgemm.routed_gemm(x, ids, kcodes, kscales, divisor, fmt, per_token=per_token, layout=layout, impl=impl)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), per_token
 
 

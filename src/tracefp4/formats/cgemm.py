@@ -10,9 +10,11 @@ This is the GEMM of the exact dequantized operands up to the order of the float3
 the C file for why every product is exact); :func:`tracefp4.formats.reference.grouped_gemm_reference`
 is the readable float64 oracle it is tested against, with the bound :func:`accumulation_bound`.
 
-The codes are taken in the kernel's layout (:func:`kernel_layout`): the same codes, two per byte,
-with the bytes permuted so that each vector lane sums one block's products (see the C file);
-:func:`standard_layout` inverts it.
+The codes and scales are taken in one of the kernel's layouts (:class:`Layout`, made by
+:func:`kernel_layout` and :func:`kernel_scales`; :func:`standard_layout` and :func:`standard_scales`
+invert them): the same codes, two per byte, with the bytes permuted for the kernels that read them
+(see the C file). :func:`preferred_layout` is the one this CPU multiplies fastest: ``panels`` (AMX
+tiles) where the CPU and OS run AMX, ``tiles`` (AVX-512 BF16) elsewhere.
 
 Threads: built with OpenMP where the compiler has it, the kernel runs on the process's OpenMP
 threads, which are PyTorch's own (torch is imported first and its ``libgomp.so.1`` answers the
@@ -25,8 +27,9 @@ file is compiled with ``$CC`` (default ``cc``) into a cache folder (``$TRACEFP4_
 ``$XDG_CACHE_HOME/tracefp4``, else ``~/.cache/tracefp4``) under a name derived from the source, the
 compiler and the machine; the library is written to a temporary name and renamed, so a half-written
 one is never loaded. Where there is no compiler (or ``TRACEFP4_CPU_KERNEL=0``), :func:`available`
-is False and says why once; callers then use the dense torch path. The AVX-512 BF16 code path is
-chosen at run time where the CPU has it (``avx512_bf16``), the portable C one elsewhere.
+is False and says why once; callers then use the dense torch path. The code paths are chosen at run
+time: AMX for the ``panels`` layout where the CPU and OS run it, AVX-512 BF16 where the CPU has it
+(``avx512_bf16``), the portable C one elsewhere.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import enum
 import uuid
 import warnings
 from pathlib import Path
@@ -50,23 +54,46 @@ from tracefp4.formats.constants import E4M3_VALUES, E8M0_VALUES, MXFP4_BLOCK, NV
 
 __all__ = [
     "IMPLS",
+    "Layout",
     "accumulation_bound",
     "available",
     "build",
     "code_bytes",
     "grouped_gemm",
+    "has_amx",
     "has_avx512_bf16",
     "kernel_layout",
+    "kernel_scales",
+    "preferred_layout",
     "routed_gemm",
     "standard_layout",
+    "standard_scales",
     "unavailable_reason",
 ]
 
 SOURCE = Path(__file__).with_name("csrc") / "fp4_gemm.c"
-#: ``impl`` values of :func:`grouped_gemm`: the best the CPU runs, the portable C code, AVX-512 BF16.
-IMPLS = {"auto": 0, "portable": 1, "avx512_bf16": 2}
+#: ``impl`` values of :func:`grouped_gemm`: the best the CPU runs, the portable C code, AVX-512 BF16
+#: (both layouts), AMX (the ``panels`` layout; for every expert, where ``auto`` gives experts with one
+#: or two rows to the AVX-512 path).
+IMPLS = {"auto": 0, "portable": 1, "avx512_bf16": 2, "amx": 3}
+
+
+class Layout(enum.Enum):
+    """How the kernel holds a weight's codes and scales (the standard layout: codes ``[E, N, K/2]``,
+    element 2i in the low nibble of byte i; scales ``[E, N, K/block]``)."""
+
+    TILES = "tiles"
+    """For the AVX-512 BF16 streaming kernels: codes ``[E, N/4, 4 * code_bytes(K, block)]``, each row's
+    bytes permuted so that a vector lane sums one block's products, the rows of each 4-column tile
+    interleaved 32 bytes at a time; scales standard. N a multiple of 4."""
+
+    PANELS = "panels"
+    """For AMX: codes ``[E, N/16, K/2, 16]``, byte ``(e, p, i, c)`` = standard byte i of column
+    16p + c (a k-pair's 16 columns, one B-tile row once decoded); scales ``[E, N/16, K/block, 16]``
+    likewise. N a multiple of 16."""
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-D_POSIX_C_SOURCE=200809L", "-fno-strict-aliasing"]
-_ERRORS = {-1: "bad shapes (N a multiple of 4, K of the block) or an implementation this CPU lacks",
+_ERRORS = {-1: "bad shapes (N a multiple of 4 for tiles, 16 for panels; K of the block) or an implementation "
+                 "this CPU or layout lacks",
            -2: "offsets not a non-decreasing 0..R partition", -3: "out of memory", -4: "thread start failed"}
 
 _lock = threading.Lock()
@@ -89,7 +116,8 @@ def _compiler() -> str | None:
 
 def _library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(_FLAGS + ["-fopenmp?"]).encode()
+    sources = b"".join(f.name.encode() + f.read_bytes() for f in sorted(SOURCE.parent.glob("*.[ch]")))
+    key = hashlib.sha256(sources + version.encode() + " ".join(_FLAGS + ["-fopenmp?"]).encode()
                          + platform.machine().encode() + sys.platform.encode()).hexdigest()[:16]
     return _cache_dir() / f"fp4_gemm-{key}.so"
 
@@ -134,13 +162,13 @@ def _load() -> ctypes.CDLL | None:
             _reason = str(e)
             return None
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.tfp4_grouped_gemm.argtypes = [p, p, p, p, p, ctypes.c_int, p, p, i64, i64, i64, i64, ctypes.c_int,
-                                          ctypes.c_int]
-        lib.tfp4_grouped_gemm.restype = ctypes.c_int
-        lib.tfp4_routed_gemm.argtypes = [p, p, i64, p, p, p, ctypes.c_int, p, p, i64, i64, i64, i64, ctypes.c_int,
-                                         ctypes.c_int, p]
-        lib.tfp4_routed_gemm.restype = ctypes.c_int
-        lib.tfp4_has_avx512bf16.restype = ctypes.c_int
+        c_int = ctypes.c_int
+        lib.tfp4_grouped_gemm.argtypes = [p, p, p, p, p, c_int, p, p, i64, i64, i64, i64, c_int, c_int, c_int]
+        lib.tfp4_grouped_gemm.restype = c_int
+        lib.tfp4_routed_gemm.argtypes = [p, p, i64, p, p, p, c_int, p, p, i64, i64, i64, i64, c_int, c_int, c_int, p]
+        lib.tfp4_routed_gemm.restype = c_int
+        lib.tfp4_has_avx512bf16.restype = c_int
+        lib.tfp4_has_amx.restype = c_int
         _lib = lib
         return lib
 
@@ -167,6 +195,19 @@ def has_avx512_bf16() -> bool:
     """Whether the kernel runs its AVX-512 BF16 path on this CPU."""
     lib = _load()
     return bool(lib is not None and lib.tfp4_has_avx512bf16())
+
+
+def has_amx() -> bool:
+    """Whether the kernel runs its AMX path here (the CPU has AMX-BF16 and the OS grants the tile
+    state: Linux 5.16 or later)."""
+    lib = _load()
+    return bool(lib is not None and lib.tfp4_has_amx())
+
+
+def preferred_layout(n: int) -> Layout:
+    """The layout this CPU multiplies ``[*, N]`` outputs fastest in: ``panels`` where the AMX path runs
+    and N is a multiple of 16, else ``tiles``."""
+    return Layout.PANELS if n % 16 == 0 and has_amx() else Layout.TILES
 
 
 _LUTS = {Format.NVFP4: np.ascontiguousarray(E4M3_VALUES, dtype=np.float32),
@@ -197,11 +238,16 @@ def _source_bytes(k: int, block: int) -> torch.Tensor:
     return _LAYOUTS[key]
 
 
-def kernel_layout(codes: torch.Tensor, block: int) -> torch.Tensor:
-    """Standard packed codes ``[E, N, K/2]`` (element 2i in the low nibble of byte i) -> the kernel's
-    ``[E, N/4, 4 * code_bytes(K, block)]``: each row's bytes permuted (see the C file) and the rows of
-    each tile of 4 output columns interleaved group by group (32 bytes each)."""
+def kernel_layout(codes: torch.Tensor, block: int, layout: Layout = Layout.TILES) -> torch.Tensor:
+    """Standard packed codes ``[E, N, K/2]`` (element 2i in the low nibble of byte i) -> the codes in
+    ``layout`` (:class:`Layout`)."""
+    layout = Layout(layout)
     e, n, half = codes.shape
+    if layout is Layout.PANELS:
+        if n % 16:
+            raise ValueError(f"kernel_layout: the panels layout needs N a multiple of 16, got codes of shape "
+                             f"{tuple(codes.shape)}")
+        return codes.reshape(e, n // 16, 16, half).transpose(2, 3).contiguous()
     if n % 4:
         raise ValueError(f"kernel_layout: N must be a multiple of 4, got codes of shape {tuple(codes.shape)}")
     src = _source_bytes(2 * half, block).to(codes.device)
@@ -210,14 +256,37 @@ def kernel_layout(codes: torch.Tensor, block: int) -> torch.Tensor:
     return rows.reshape(e, n // 4, 4, groups, 32).transpose(2, 3).reshape(e, n // 4, -1).contiguous()
 
 
-def standard_layout(kcodes: torch.Tensor, k: int, block: int) -> torch.Tensor:
+def standard_layout(kcodes: torch.Tensor, k: int, block: int, layout: Layout = Layout.TILES) -> torch.Tensor:
     """The inverse of :func:`kernel_layout` for rows of ``k`` elements: ``[E, N, K/2]``."""
+    if Layout(layout) is Layout.PANELS:
+        e, panels, half, _ = kcodes.shape
+        return kcodes.transpose(2, 3).reshape(e, 16 * panels, half)
     e, tiles, _ = kcodes.shape
     src = _source_bytes(k, block).to(kcodes.device)
     rows = kcodes.reshape(e, tiles, -1, 4, 32).transpose(2, 3).reshape(e, 4 * tiles, -1)
     out = torch.empty(e, 4 * tiles, k // 2, dtype=kcodes.dtype, device=kcodes.device)
     out[..., src[src >= 0]] = rows[..., src >= 0]
     return out
+
+
+def kernel_scales(scales: torch.Tensor, layout: Layout = Layout.TILES) -> torch.Tensor:
+    """Standard scale bytes ``[E, N, K/block]`` -> the scales in ``layout`` (the tiles layout keeps
+    them; panels: ``[E, N/16, K/block, 16]``)."""
+    if Layout(layout) is Layout.TILES:
+        return scales.contiguous()
+    e, n, nb = scales.shape
+    if n % 16:
+        raise ValueError(f"kernel_scales: the panels layout needs N a multiple of 16, got scales of shape "
+                         f"{tuple(scales.shape)}")
+    return scales.reshape(e, n // 16, 16, nb).transpose(2, 3).contiguous()
+
+
+def standard_scales(kscales: torch.Tensor, layout: Layout = Layout.TILES) -> torch.Tensor:
+    """The inverse of :func:`kernel_scales`: ``[E, N, K/block]``."""
+    if Layout(layout) is Layout.TILES:
+        return kscales
+    e, panels, nb, _ = kscales.shape
+    return kscales.transpose(2, 3).reshape(e, 16 * panels, nb)
 
 
 def _check(entry: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -227,59 +296,74 @@ def _check(entry: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape: tu
 
 
 def _operands(name: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, divisor: torch.Tensor,
-              fmt: Format | str, impl: str) -> tuple[ctypes.CDLL, Format, int, int, int, int]:
+              fmt: Format | str, layout: Layout, impl: str) -> tuple[ctypes.CDLL, Format, int, int, int, int]:
     """Check the operands every entry shares; returns the library, format, block, E, N and K."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"packed FP4 CPU kernel unavailable: {_reason}")
     fmt = Format(fmt)
     block = _BLOCKS[fmt]
-    if codes.dim() != 3:
-        raise ValueError(f"{name} codes: expected [E, N, bytes], got shape {tuple(codes.shape)}")
+    layout = Layout(layout)
+    dims = 4 if layout is Layout.PANELS else 3
+    if not isinstance(codes, torch.Tensor) or codes.dim() != dims:
+        want = "[E, N/16, K/2, 16]" if dims == 4 else "[E, N/4, bytes]"
+        raise ValueError(f"{name} codes: expected {want} ({layout.value} layout), got "
+                         f"{tuple(getattr(codes, 'shape', ())) or type(codes).__name__}")
     if x.dim() != 2 or x.shape[1] % block:
         raise ValueError(f"{name} x: expected [R, K] with K a multiple of {block}, got {tuple(x.shape)}")
-    e, tiles, _ = codes.shape
-    n, k = 4 * tiles, x.shape[1]
+    e, groups, k = codes.shape[0], codes.shape[1], x.shape[1]
     _check(name, "x", x, torch.bfloat16, (x.shape[0], k))
-    _check(name, "codes", codes, torch.uint8, (e, tiles, 4 * code_bytes(k, block)))
-    _check(name, "scales", scales, torch.uint8, (e, n, k // block))
+    if layout is Layout.PANELS:
+        n = 16 * groups
+        _check(name, "codes", codes, torch.uint8, (e, groups, k // 2, 16))
+        _check(name, "scales", scales, torch.uint8, (e, groups, k // block, 16))
+    else:
+        n = 4 * groups
+        _check(name, "codes", codes, torch.uint8, (e, groups, 4 * code_bytes(k, block)))
+        _check(name, "scales", scales, torch.uint8, (e, n, k // block))
     _check(name, "divisor", divisor, torch.float32, (e,))
     if impl not in IMPLS:
         raise ValueError(f"{name} impl: expected one of {sorted(IMPLS)}, got {impl!r}")
+    if impl == "amx" and layout is not Layout.PANELS:
+        raise ValueError(f"{name} impl: 'amx' multiplies the panels layout, got codes in the {layout.value} layout")
     return lib, fmt, block, e, n, k
 
 
+_LAYOUT_IDS = {Layout.TILES: 0, Layout.PANELS: 1}
+
+
 def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                 divisor: torch.Tensor, fmt: Format | str, *, threads: int | None = None,
+                 divisor: torch.Tensor, fmt: Format | str, *, layout: Layout = Layout.TILES, threads: int | None = None,
                  impl: str = "auto") -> torch.Tensor:
     """``x`` bf16 ``[R, K]`` (rows of expert e at ``offsets[e]:offsets[e+1]``) times the packed
-    weights (``codes`` uint8 ``[E, N/4, 4 * code_bytes(K, block)]`` in the kernel layout, ``scales`` uint8
-    ``[E, N, K/block]`` of the format's scale bytes, ``divisor`` float32 ``[E]``) -> bf16 ``[R, N]``
-    (module docstring). ``threads``: default torch's intra-op count. Raises RuntimeError when the
-    kernel is unavailable."""
-    lib, fmt, block, e, n, k = _operands("grouped_gemm", x, codes, scales, divisor, fmt, impl)
+    weights (``codes`` and ``scales`` uint8 in ``layout``, :class:`Layout`; ``divisor`` float32
+    ``[E]``) -> bf16 ``[R, N]`` (module docstring). ``threads``: default torch's intra-op count.
+    Raises RuntimeError when the kernel is unavailable."""
+    lib, fmt, block, e, n, k = _operands("grouped_gemm", x, codes, scales, divisor, fmt, layout, impl)
     _check("grouped_gemm", "offsets", offsets, torch.int64, (e + 1,))
     x, offsets, codes, scales, divisor = (t.contiguous() for t in (x, offsets, codes, scales, divisor))
     out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
     rc = lib.tfp4_grouped_gemm(
         x.data_ptr(), offsets.data_ptr(), codes.data_ptr(), scales.data_ptr(), _LUTS[fmt].ctypes.data, block,
-        divisor.data_ptr(), out.data_ptr(), x.shape[0], e, n, k, int(threads or torch.get_num_threads()), IMPLS[impl],
+        divisor.data_ptr(), out.data_ptr(), x.shape[0], e, n, k, _LAYOUT_IDS[Layout(layout)],
+        int(threads or torch.get_num_threads()), IMPLS[impl],
     )
     if rc != 0:
         raise ValueError(f"grouped_gemm: {_ERRORS.get(rc, rc)} (x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
-                         f"offsets {offsets.tolist()[:4]}...)")
+                         f"impl {impl!r}, offsets {offsets.tolist()[:4]}...)")
     return out
 
 
 def routed_gemm(x: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, divisor: torch.Tensor,
-                fmt: Format | str, *, per_token: bool, threads: int | None = None, impl: str = "auto") -> torch.Tensor:
+                fmt: Format | str, *, per_token: bool, layout: Layout = Layout.TILES, threads: int | None = None,
+                impl: str = "auto") -> torch.Tensor:
     """The routed form of :func:`grouped_gemm`: ``ids`` int64 ``[T, top_k]`` (or ``[P]`` with
     ``per_token=False``) names the expert of each (token, slot) pair ``f = t * top_k + j``, and the
     result is bf16 ``[P, N]`` in pair order, ``P = ids.numel()``. ``x`` is ``[T, K]``, one row per
     token that each of its pairs multiplies (``per_token``: the gate-up GEMM), or ``[P, K]``, one row
     per pair (the down GEMM). The kernel groups the pairs by expert itself (no sort, gather or scatter
     around the call); the numbers are those of :func:`grouped_gemm` on the grouped rows."""
-    lib, fmt, block, e, n, k = _operands("routed_gemm", x, codes, scales, divisor, fmt, impl)
+    lib, fmt, block, e, n, k = _operands("routed_gemm", x, codes, scales, divisor, fmt, layout, impl)
     if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.device.type != "cpu":
         raise ValueError(f"routed_gemm ids: expected a CPU int64 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
     pairs = ids.numel()
@@ -292,8 +376,8 @@ def routed_gemm(x: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scales:
     bad = ctypes.c_int64(-1)
     rc = lib.tfp4_routed_gemm(
         x.data_ptr(), ids.data_ptr(), fanout, codes.data_ptr(), scales.data_ptr(), _LUTS[fmt].ctypes.data, block,
-        divisor.data_ptr(), out.data_ptr(), pairs, e, n, k, int(threads or torch.get_num_threads()), IMPLS[impl],
-        ctypes.byref(bad),
+        divisor.data_ptr(), out.data_ptr(), pairs, e, n, k, _LAYOUT_IDS[Layout(layout)],
+        int(threads or torch.get_num_threads()), IMPLS[impl], ctypes.byref(bad),
     )
     if rc == -5:
         f = bad.value
@@ -301,7 +385,7 @@ def routed_gemm(x: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scales:
                          f"out of range [0, {e})")
     if rc != 0:
         raise ValueError(f"routed_gemm: {_ERRORS.get(rc, rc)} (x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
-                         f"{pairs} pairs)")
+                         f"impl {impl!r}, {pairs} pairs)")
     return out
 
 
@@ -331,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tracefp4: packed FP4 CPU kernel not built ({_reason}); the dense torch path will be used")
         return 0
     path = _library_path(_compiler())
-    print(f"tracefp4: packed FP4 CPU kernel {path} ({'AVX-512 BF16' if has_avx512_bf16() else 'portable C'} path)")
+    paths = "AMX and AVX-512 BF16" if has_amx() else "AVX-512 BF16" if has_avx512_bf16() else "portable C"
+    print(f"tracefp4: packed FP4 CPU kernel {path} ({paths} paths)")
     return 0
 
 

@@ -1,7 +1,8 @@
 """The packed-FP4 CPU backend: weights held as FP4 codes two per byte, a scale byte per block and a
 divisor per expert (0.5625 bytes per parameter for NVFP4), multiplied by our C kernel
-(:mod:`tracefp4.formats.cgemm`: AVX-512 BF16 where the CPU has it, portable C elsewhere), one call
-per GEMM per layer, parallel over (expert, output tile) on torch's thread count."""
+(:mod:`tracefp4.formats.cgemm`: AMX where the CPU and OS run it, AVX-512 BF16 where the CPU has it,
+portable C elsewhere; the codes held in the layout the CPU multiplies fastest), one call per GEMM per
+layer, parallel over (expert, output columns) on torch's thread count."""
 
 from __future__ import annotations
 
@@ -20,44 +21,54 @@ __all__ = ["PackedCPUGEMM", "PackedWeight", "pack"]
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """``codes`` uint8 ``[E, N/4, 4 * code_bytes(K)]`` (the quantizer's codes in the kernel layout,
-    :func:`tracefp4.formats.cgemm.kernel_layout`), ``scales`` uint8 ``[E, N, K/block]`` (E4M3 or
-    E8M0 bytes), ``divisor`` float32 ``[E]``, ``fmt``: what the packed kernels multiply."""
+    """``codes`` and ``scales`` uint8 in ``layout`` (the quantizer's codes and its E4M3 or E8M0 scale
+    bytes, :func:`tracefp4.formats.cgemm.kernel_layout` and :func:`~tracefp4.formats.cgemm.kernel_scales`),
+    ``divisor`` float32 ``[E]``, ``fmt``: what the packed kernels multiply."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     divisor: torch.Tensor
     fmt: Format
+    layout: cgemm.Layout = cgemm.Layout.TILES
+
+    @property
+    def block(self) -> int:
+        return 16 if self.fmt is Format.NVFP4 else 32
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        e, n, nb = self.scales.shape
-        return (e, n, nb * (16 if self.fmt is Format.NVFP4 else 32))
+        e, n, nb = cgemm.standard_scales(self.scales, self.layout).shape
+        return (e, n, nb * self.block)
 
     def standard_codes(self) -> torch.Tensor:
         """The codes in the standard layout ``[E, N, K/2]`` (what the quantizer returned)."""
-        k = self.shape[2]
-        return cgemm.standard_layout(self.codes, k, k // self.scales.shape[2])
+        return cgemm.standard_layout(self.codes, self.shape[2], self.block, self.layout)
+
+    def standard_scales(self) -> torch.Tensor:
+        """The scale bytes in the standard layout ``[E, N, K/block]``."""
+        return cgemm.standard_scales(self.scales, self.layout)
 
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes + self.divisor.nbytes
 
 
-def pack(weight: torch.Tensor, quantizer: Quantizer) -> PackedWeight:
+def pack(weight: torch.Tensor, quantizer: Quantizer, layout: cgemm.Layout | None = None) -> PackedWeight:
     """``weight [E, N, K]`` quantized by ``quantizer`` (the plan's weight quantizer: the codes are
-    the ones it produces) as a :class:`PackedWeight`."""
+    the ones it produces) as a :class:`PackedWeight` in ``layout`` (default: the one this CPU
+    multiplies fastest, :func:`tracefp4.formats.cgemm.preferred_layout`)."""
     if not quantizer.fp4:
         raise ValueError(f"packed experts need an FP4 weight quantizer, got {quantizer.fmt}")
     if weight.dim() != 3 or weight.shape[1] % 4:
         raise ValueError(f"packed experts: expected [E, N, K] weights with N a multiple of 4, got {tuple(weight.shape)}")
+    layout = cgemm.preferred_layout(weight.shape[1]) if layout is None else cgemm.Layout(layout)
     try:
         q = quantizer.quantize(weight.detach())
     except ValueError as e:
         raise ValueError(f"expert weight: {e}") from e
     scales = q.scales.view(torch.uint8) if q.scales.dtype == torch.float8_e4m3fn else q.scales
-    return PackedWeight(cgemm.kernel_layout(q.codes, quantizer.block), scales.contiguous(), expert_divisor(q),
-                        Format(quantizer.fmt))
+    return PackedWeight(cgemm.kernel_layout(q.codes, quantizer.block, layout), cgemm.kernel_scales(scales, layout),
+                        expert_divisor(q), Format(quantizer.fmt), layout)
 
 
 class PackedCPUGEMM(ExpertGEMM):
@@ -74,4 +85,4 @@ class PackedCPUGEMM(ExpertGEMM):
             raise ValueError(f"the packed FP4 CPU kernel takes bf16 activations, got {x.dtype}")
         # the kernel groups the pairs by expert and reads / writes rows in place (no sort or gathers here)
         return cgemm.routed_gemm(x, routing.ids, weight.codes, weight.scales, weight.divisor, weight.fmt,
-                                 per_token=per_token)
+                                 per_token=per_token, layout=weight.layout)

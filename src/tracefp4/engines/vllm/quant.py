@@ -118,6 +118,7 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         # keep_bf16: weight quantizer -> (backend, (w13, w2) prepared); emptied on every weight load
         self._prepared: dict[Any, tuple[ExpertGEMM, tuple[PreparedWeight, PreparedWeight]]] = {}
         self._in_layer: tuple[ExpertGEMM, Any] | None = None  # packed in the layer's parameters: (backend, quantizer)
+        self._layouts: dict[str, Any] = {}  # packed in the layer's parameters: part -> its codes' cgemm.Layout
 
     def create_weights(
         self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra_weight_attrs
@@ -153,9 +154,12 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         if self.keep_bf16:
             self._prepared[quantizer] = (gemm, prepared)
             return
+        self._layouts = {}
         for part, p in zip(_PARTS, prepared):
             tensors = ({"weight": p.codes, "weight_scale": p.scales, "divisor": p.divisor} if isinstance(p, PackedWeight)
                        else {"weight": p.values, "divisor": p.divisor})
+            if isinstance(p, PackedWeight):
+                self._layouts[part] = p.layout
             for field, t in tensors.items():
                 name = f"{part}_{field}"
                 if name in layer._parameters:
@@ -195,7 +199,8 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         codes, divisor = getattr(layer, f"{part}_weight"), getattr(layer, f"{part}_divisor")
         if gemm.name == "dense":
             return DenseWeight(codes, divisor)
-        return PackedWeight(codes, getattr(layer, f"{part}_weight_scale"), divisor, Format(self._in_layer[1].fmt))
+        return PackedWeight(codes, getattr(layer, f"{part}_weight_scale"), divisor, Format(self._in_layer[1].fmt),
+                            self._layouts[part])
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         if getattr(layer, "expert_map", None) is not None:

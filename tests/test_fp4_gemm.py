@@ -73,7 +73,7 @@ def test_kernel_layout_is_a_byte_permutation_and_inverts(block, k):
     assert kc.shape == (3, 8, 4 * cgemm.code_bytes(k, block)) and cgemm.code_bytes(k, block) >= k // 2
     assert torch.equal(cgemm.standard_layout(kc, k, block), codes)
     pc = cgemm.kernel_layout(codes, block, cgemm.Layout.PANELS)
-    assert pc.shape == (3, 2, k // 2, 16) and pc[1, 1, 5, 3] == codes[1, 16 + 3, 5]
+    assert pc.shape == (3, 2, k // 4, 32) and pc[1, 1, 5, 2 * 3 + 1] == codes[1, 16 + 3, 2 * 5 + 1]
     assert torch.equal(cgemm.standard_layout(pc, k, block, cgemm.Layout.PANELS), codes)
     scales = torch.randint(0, 256, (3, 32, k // block), generator=g, dtype=torch.int64).to(torch.uint8)
     ps = cgemm.kernel_scales(scales, cgemm.Layout.PANELS)
@@ -243,7 +243,7 @@ def test_bad_input_is_named():
         cgemm.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4", impl="fast")
     with pytest.raises(ValueError, match="'amx' multiplies the panels layout, got codes in the tiles layout"):
         cgemm.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4", impl="amx")
-    with pytest.raises(ValueError, match=r"grouped_gemm codes: expected \[E, N/16, K/2, 16\] \(panels layout\)"):
+    with pytest.raises(ValueError, match=r"grouped_gemm codes: expected \[E, N/16, K/4, 32\] \(panels layout\)"):
         cgemm.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4", layout=cgemm.Layout.PANELS)
     with pytest.raises(ValueError, match="the panels layout needs N a multiple of 16"):
         cgemm.kernel_layout(torch.zeros(1, 8, 16, dtype=torch.uint8), 16, cgemm.Layout.PANELS)
@@ -316,3 +316,22 @@ def test_routed_form_names_bad_input():
         cgemm.routed_gemm(x[:2], torch.tensor([[0, 1], [1, 0], [0, 0]]), codes, scales, divisor, "nvfp4", per_token=True)
     with pytest.raises(ValueError, match=r"routed_gemm ids: expected a CPU int64 tensor"):
         cgemm.routed_gemm(x, torch.tensor([[0, 1]], dtype=torch.int32), codes, scales, divisor, "nvfp4", per_token=True)
+
+
+@pytest.mark.parametrize("layout", list(cgemm.Layout))
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_packed_weights_hold_the_quantizers_codes_in_either_layout(layout, fmt):
+    """``pack`` (what both engines hold) in either layout: the quantizer's own codes and scale bytes
+    come back from it, its shape is the weight's, and it is 0.5625 (NVFP4) or 0.53 (MXFP4) bytes per
+    parameter plus one float32 per expert (K = 512: whole 16-block super-groups in both formats, which
+    the tiles layout pads a row to; the panels layout never pads)."""
+    from tracefp4.engines.experts.cpu_fp4 import pack
+
+    w = torch.randn(3, 32, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    quantizer = NVFP4Quantizer("expert") if fmt == "nvfp4" else MXFP4Quantizer()
+    p = pack(w, quantizer, layout)
+    codes, scales, divisor = packed(w, fmt)
+    assert p.layout is layout and p.shape == (3, 32, 512)
+    assert torch.equal(p.standard_codes(), codes) and torch.equal(p.standard_scales(), scales)
+    assert torch.equal(p.divisor, divisor)
+    assert p.nbytes == w.numel() // 2 + w.numel() // quantizer.block + 4 * 3

@@ -88,9 +88,10 @@ class Layout(enum.Enum):
     interleaved 32 bytes at a time; scales standard. N a multiple of 4."""
 
     PANELS = "panels"
-    """For AMX: codes ``[E, N/16, K/2, 16]``, byte ``(e, p, i, c)`` = standard byte i of column
-    16p + c (a k-pair's 16 columns, one B-tile row once decoded); scales ``[E, N/16, K/block, 16]``
-    likewise. N a multiple of 16."""
+    """For AMX (and an AVX-512 BF16 kernel for experts with one row): codes ``[E, N/16, K/4, 32]``,
+    byte ``(e, p, t, 2c + h)`` = standard byte ``2t + h`` of column ``16p + c`` (a quad of 4 elements
+    of 16 columns: two B-tile rows once decoded); scales ``[E, N/16, K/block, 16]``, ``(e, p, b, c)``
+    = block b of column 16p + c. N a multiple of 16."""
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-D_POSIX_C_SOURCE=200809L", "-fno-strict-aliasing"]
 _ERRORS = {-1: "bad shapes (N a multiple of 4 for tiles, 16 for panels; K of the block) or an implementation "
                  "this CPU or layout lacks",
@@ -206,7 +207,14 @@ def has_amx() -> bool:
 
 def preferred_layout(n: int) -> Layout:
     """The layout this CPU multiplies ``[*, N]`` outputs fastest in: ``panels`` where the AMX path runs
-    and N is a multiple of 16, else ``tiles``."""
+    and N is a multiple of 16, else ``tiles``. ``TRACEFP4_CPU_LAYOUT=tiles|panels`` forces one (for A/B
+    benchmarks and tests; panels still needs N a multiple of 16)."""
+    forced = os.environ.get("TRACEFP4_CPU_LAYOUT")
+    if forced:
+        try:
+            return Layout(forced)
+        except ValueError:
+            raise ValueError(f"TRACEFP4_CPU_LAYOUT: expected one of {[m.value for m in Layout]}, got {forced!r}") from None
     return Layout.PANELS if n % 16 == 0 and has_amx() else Layout.TILES
 
 
@@ -247,7 +255,7 @@ def kernel_layout(codes: torch.Tensor, block: int, layout: Layout = Layout.TILES
         if n % 16:
             raise ValueError(f"kernel_layout: the panels layout needs N a multiple of 16, got codes of shape "
                              f"{tuple(codes.shape)}")
-        return codes.reshape(e, n // 16, 16, half).transpose(2, 3).contiguous()
+        return codes.reshape(e, n // 16, 16, half // 2, 2).permute(0, 1, 3, 2, 4).reshape(e, n // 16, half // 2, 32)
     if n % 4:
         raise ValueError(f"kernel_layout: N must be a multiple of 4, got codes of shape {tuple(codes.shape)}")
     src = _source_bytes(2 * half, block).to(codes.device)
@@ -259,8 +267,8 @@ def kernel_layout(codes: torch.Tensor, block: int, layout: Layout = Layout.TILES
 def standard_layout(kcodes: torch.Tensor, k: int, block: int, layout: Layout = Layout.TILES) -> torch.Tensor:
     """The inverse of :func:`kernel_layout` for rows of ``k`` elements: ``[E, N, K/2]``."""
     if Layout(layout) is Layout.PANELS:
-        e, panels, half, _ = kcodes.shape
-        return kcodes.transpose(2, 3).reshape(e, 16 * panels, half)
+        e, panels, quads, _ = kcodes.shape
+        return kcodes.reshape(e, panels, quads, 16, 2).permute(0, 1, 3, 2, 4).reshape(e, 16 * panels, 2 * quads)
     e, tiles, _ = kcodes.shape
     src = _source_bytes(k, block).to(kcodes.device)
     rows = kcodes.reshape(e, tiles, -1, 4, 32).transpose(2, 3).reshape(e, 4 * tiles, -1)
@@ -306,7 +314,7 @@ def _operands(name: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     layout = Layout(layout)
     dims = 4 if layout is Layout.PANELS else 3
     if not isinstance(codes, torch.Tensor) or codes.dim() != dims:
-        want = "[E, N/16, K/2, 16]" if dims == 4 else "[E, N/4, bytes]"
+        want = "[E, N/16, K/4, 32]" if dims == 4 else "[E, N/4, bytes]"
         raise ValueError(f"{name} codes: expected {want} ({layout.value} layout), got "
                          f"{tuple(getattr(codes, 'shape', ())) or type(codes).__name__}")
     if x.dim() != 2 or x.shape[1] % block:
@@ -315,7 +323,7 @@ def _operands(name: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     _check(name, "x", x, torch.bfloat16, (x.shape[0], k))
     if layout is Layout.PANELS:
         n = 16 * groups
-        _check(name, "codes", codes, torch.uint8, (e, groups, k // 2, 16))
+        _check(name, "codes", codes, torch.uint8, (e, groups, k // 4, 32))
         _check(name, "scales", scales, torch.uint8, (e, groups, k // block, 16))
     else:
         n = 4 * groups

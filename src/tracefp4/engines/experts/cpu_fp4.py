@@ -37,7 +37,11 @@ class PackedWeight:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        e, n, nb = cgemm.standard_scales(self.scales, self.layout).shape
+        """``(E, N, K)`` of the weight (from the scales' shape: read per call, so no copy)."""
+        if self.layout is cgemm.Layout.PANELS:
+            e, panels, nb, _ = self.scales.shape
+            return (e, 16 * panels, nb * self.block)
+        e, n, nb = self.scales.shape
         return (e, n, nb * self.block)
 
     def standard_codes(self) -> torch.Tensor:

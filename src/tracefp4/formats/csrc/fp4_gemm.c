@@ -27,12 +27,13 @@
  * sequential stream. The activation rows are permuted the same way once per call. codes
  * [E, N/4, S*G, 4, 32] bytes (S = ceil(K/block/16): tile, group, column, byte), scales [E, N, K/block].
  *
- * panels.h, for CPUs with AMX (and the AVX-512 BF16 path for experts with few rows): the output
- * columns in panels of 16 and, within a panel, the standard code bytes with the column fastest:
- * codes [E, N/16, K/2, 16], byte (e, p, i, c) = standard byte i of column 16p + c (elements 2i and
- * 2i+1); scales [E, N/16, K/block, 16] likewise. The 16 bytes of a k-pair decode with one vpermw to
- * the 16 columns' bf16 pairs: a row of an AMX B tile (VNNI order) once multiplied by the block
- * scales, and for the AVX-512 path one vdpbf16ps with a row's broadcast pair.
+ * panels.h, for CPUs with AMX (and an AVX-512 BF16 kernel for experts with one row): the output
+ * columns in panels of 16 and, within a panel, the code bytes of each quad (4 elements, two bytes) of
+ * the 16 columns together: codes [E, N/16, K/4, 32], byte (e, p, t, 2c+h) = standard byte 2t+h of
+ * column 16p + c; scales [E, N/16, K/block, 16], (e, p, b, c) = block b of column 16p + c. Widened to
+ * words, a quad's 32 bytes decode with two vpermw to the 16 columns' bf16 pairs (w[4t], w[4t+2]) and
+ * (w[4t+1], w[4t+3]): two rows of an AMX B tile (VNNI order) once multiplied by the block scales, or
+ * two vdpbf16ps per row for the AVX-512 path, with the activation rows permuted to match.
  *
  * Layout of the rest (row-major, contiguous): x [R, K] bf16 bits, rows grouped by expert, expert e
  * owning rows offsets[e] .. offsets[e+1]-1; divisor [E]; out [R, N] bf16 bits. The routed entry
@@ -223,8 +224,8 @@ static int grouped(const uint16_t *x, const int64_t *offsets, const int64_t *row
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     /* split the items by their cost, so that experts with many rows do not leave the other threads
      * waiting: a tile costs about one row's work to decode plus its rows; a panel pair streamed by
-     * the AVX-512 path about 2 rows' plus its rows, one multiplied by AMX about 4 rows' to decode and
-     * scale plus 3/16 of a row per row (fits of the bandwidth preset's gate-up timings, 1 thread) */
+     * the AVX-512 path about 1.5 rows' plus its rows, one multiplied by AMX about 3.7 rows' to decode
+     * and scale plus 1/16 of a row per row (fits of the bandwidth preset's gate-up timings) */
     job_t jobs[MAX_THREADS];
     int64_t total = 0, *cost = malloc(sizeof(int64_t) * (size_t)used);
     if (!cost) {
@@ -233,7 +234,7 @@ static int grouped(const uint16_t *x, const int64_t *offsets, const int64_t *row
     }
     for (int64_t q = 0; q < used; q++) {
         const int64_t r = hi[q] - lo[q];
-        cost[q] = !layout ? r + 1 : takes_amx(&base, r) ? 60 + 3 * r : 34 + 16 * r;
+        cost[q] = !layout ? r + 1 : takes_amx(&base, r) ? 60 + r : 25 + 16 * r;
         total += base.items_per_expert * cost[q];
     }
     int64_t item = 0, spent = 0;

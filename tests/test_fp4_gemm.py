@@ -335,3 +335,18 @@ def test_packed_weights_hold_the_quantizers_codes_in_either_layout(layout, fmt):
     assert torch.equal(p.standard_codes(), codes) and torch.equal(p.standard_scales(), scales)
     assert torch.equal(p.divisor, divisor)
     assert p.nbytes == w.numel() // 2 + w.numel() // quantizer.block + 4 * 3
+
+
+def test_preferred_layout_follows_the_cpu_and_can_be_forced(monkeypatch):
+    """panels where the AMX path runs (and N allows it), tiles elsewhere; TRACEFP4_CPU_LAYOUT forces
+    either and a bad value is named."""
+    monkeypatch.delenv("TRACEFP4_CPU_LAYOUT", raising=False)
+    assert cgemm.preferred_layout(64) is (cgemm.Layout.PANELS if cgemm.has_amx() else cgemm.Layout.TILES)
+    assert cgemm.preferred_layout(36) is cgemm.Layout.TILES  # not a multiple of 16
+    monkeypatch.setenv("TRACEFP4_CPU_LAYOUT", "tiles")
+    assert cgemm.preferred_layout(64) is cgemm.Layout.TILES
+    monkeypatch.setenv("TRACEFP4_CPU_LAYOUT", "panels")
+    assert cgemm.preferred_layout(64) is cgemm.Layout.PANELS
+    monkeypatch.setenv("TRACEFP4_CPU_LAYOUT", "rows")
+    with pytest.raises(ValueError, match="TRACEFP4_CPU_LAYOUT: expected one of"):
+        cgemm.preferred_layout(64)

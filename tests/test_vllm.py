@@ -682,3 +682,36 @@ def test_grpo_loop_on_vllm_engine_actors(tmp_path) -> None:
     assert all(r["code_mismatch_rate"] == 0.0 and r["guidance_bytes_per_token"] > 0 for r in train)
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["engine"] == "vllm" and saved["rollout_workers"] == 1
+
+
+def test_map_steps_maps_rows_to_trajectories_and_refuses_gaps():
+    """The worker's row mapping on hand-made forwards: a chunked prefill, decode steps batched with a
+    request that is not ours, a flush forward (only the last position counts), rows in chronological
+    order per trajectory; a wrong token or a missing position is refused."""
+    from tracefp4.engines.capture import ForwardRecord
+    from tracefp4.engines.vllm.runtime import StepRecord
+    from tracefp4.engines.vllm.worker import map_steps
+
+    toks = [torch.tensor([5, 6, 7, 8]), torch.tensor([9, 10, 11])]
+    owners = {"a": (0, "main"), "b": (1, "main"), "bf": (1, "flush")}
+
+    def step(reqs, qsl, pos, ids):
+        return StepRecord(reqs, qsl, torch.tensor(pos), torch.tensor(ids), ForwardRecord())
+
+    steps = [
+        step(["a-x1", "other-x2"], [0, 2, 5], [0, 1, 0, 1, 2], [5, 6, 1, 1, 1]),  # a's prefill part 1
+        step(["b-x3", "a-x1"], [0, 2, 4], [0, 1, 2, 3], [9, 10, 7, 8]),  # b's prefill, a's decode
+        step(["other-x2", "bf-x4"], [0, 1, 4], [3, 0, 1, 2], [1, 9, 10, 11]),  # b's flush: position 2 only
+    ]
+    out = map_steps(steps, owners, toks)
+    assert [s.rows.tolist() for s in out] == [[0, 1], [0, 1, 2, 3], [3]]
+    assert [s.traj.tolist() for s in out] == [[0, 0], [1, 1, 0, 0], [1]]
+    bad = [step(["a-x1"], [0, 2], [0, 1], [5, 99])]
+    with pytest.raises(RuntimeError, match="trajectory 0: the engine ran other tokens"):
+        map_steps(bad, {"a": (0, "main")}, toks[:1])
+    gap = [step(["a-x1"], [0, 2], [0, 1], [5, 6]), step(["a-x1"], [0, 1], [3], [8])]
+    with pytest.raises(RuntimeError, match=r"trajectory 0: recorded positions \[0, 1, 3\]"):
+        map_steps(gap, {"a": (0, "main")}, toks[:1])
+    swapped = [step(["a-x1"], [0, 2], [2, 3], [7, 8]), step(["a-x1"], [0, 2], [0, 1], [5, 6])]
+    with pytest.raises(RuntimeError, match="do not cover"):
+        map_steps(swapped, {"a": (0, "main")}, toks[:1])

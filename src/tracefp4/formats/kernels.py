@@ -432,6 +432,8 @@ def row_chunks(rows: int, nbytes: int, grain: int = GRAIN_BYTES) -> int:
     rather than asked for inside a kernel: ``numba.get_num_threads()`` there would keep the kernel out
     of numba's cache.
     """
+    if rows < 2 or nbytes < 2 * grain:  # one chunk whatever the threads (a decode step's sites): no thread query
+        return 1
     return max(1, min(numba_threads(), torch.get_num_threads(), rows, nbytes // grain))
 
 

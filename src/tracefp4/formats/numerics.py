@@ -354,6 +354,9 @@ def _check_fp8_scale(scale, global_amax, lead: tuple[int, ...], owner: str, devi
 def raise_non_finite(x: torch.Tensor, bad, what: str = "x") -> None:
     """Refuse input in which a kernel flagged a NaN or Inf (``bad`` [R], per row), naming the first
     offending element. ``bad`` may be a numpy array (CPU kernels) or a tensor on x's device."""
+    if isinstance(bad, np.ndarray):  # a CPU kernel's flags: numpy answers without a tensor round trip
+        if not bad.any():
+            return
     bad = torch.as_tensor(bad)
     if not bool(bad.any()):
         return

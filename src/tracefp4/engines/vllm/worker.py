@@ -20,6 +20,7 @@ from tracefp4.engines.vllm.plugin import register
 
 register()
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from tracefp4.engines.capture import RolloutCapture  # noqa: E402
@@ -34,36 +35,52 @@ __all__ = ["TraceWorkerExtension", "map_steps"]
 
 def map_steps(steps: list[StepRecord], owners: dict[str, tuple[int, str]], token_ids: list[torch.Tensor]) -> list[ForwardStep]:
     """Each forward's rows that belong to a trajectory, in chronological order; checks that every
-    trajectory gets exactly positions ``0..T-1`` with its own tokens."""
+    trajectory gets exactly positions ``0..T-1`` with its own tokens. Vectorised per forward (a
+    rollout of 64 trajectories x 128 tokens has 8,000 (forward, request) pieces: small tensor ops
+    per piece cost 5% of its generation)."""
+    lengths = np.array([t.numel() for t in token_ids], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)])  # trajectory b's tokens at starts[b]:starts[b+1]
+    tokens = torch.cat(token_ids).numpy() if token_ids else np.empty(0, dtype=np.int64)
     out: list[ForwardStep] = []
-    seen: list[list[torch.Tensor]] = [[] for _ in token_ids]
+    seen_b, seen_pos = [], []
     for st in steps:
-        rows, traj = [], []
-        for j, rid in enumerate(st.req_ids):
-            owner = owners.get(rid.rsplit("-", 1)[0])  # internal id = f"{external}-{random suffix}"
-            if owner is None:
-                continue
-            b, kind = owner
-            T = token_ids[b].numel()
-            lo, hi = st.query_start_loc[j], st.query_start_loc[j + 1]
-            r = torch.arange(lo, hi)
-            pos = st.positions[lo:hi]
-            keep = pos == T - 1 if kind == "flush" else pos < T
-            r, pos = r[keep], pos[keep]
-            if st.input_ids is not None and not torch.equal(st.input_ids[r], token_ids[b][pos]):
-                raise RuntimeError(f"trajectory {b}: the engine ran other tokens than the trajectory's")
-            rows.append(r)
-            traj.append(torch.full((r.numel(),), b, dtype=torch.long))
-            seen[b].append(pos)
-        if rows and sum(r.numel() for r in rows):
-            out.append(ForwardStep(torch.cat(rows), torch.cat(traj), st.record))
-    for b, parts in enumerate(seen):
-        pos = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
-        if not torch.equal(pos, torch.arange(token_ids[b].numel())):
-            raise RuntimeError(
-                f"trajectory {b}: recorded positions {pos.tolist()[:8]}... do not cover 0..{token_ids[b].numel() - 1} "
-                "exactly once in order (prefix caching, preemption?)"
-            )
+        owned = [(j, owners.get(rid.rsplit("-", 1)[0])) for j, rid in enumerate(st.req_ids)]  # id = f"{ext}-{suffix}"
+        owned = [(j, o) for j, o in owned if o is not None]
+        if not owned:
+            continue
+        qsl = np.asarray(st.query_start_loc, dtype=np.int64)
+        j = np.array([j for j, _ in owned], dtype=np.int64)
+        b = np.array([o[0] for _, o in owned], dtype=np.int64)
+        flush = np.array([o[1] == "flush" for _, o in owned])
+        count = qsl[j + 1] - qsl[j]
+        piece = np.repeat(np.arange(j.size), count)  # each row's piece
+        rows = qsl[j][piece] + np.arange(piece.size) - np.repeat(np.cumsum(count) - count, count)
+        pos = st.positions.numpy()[rows]
+        T = lengths[b][piece]
+        keep = np.where(flush[piece], pos == T - 1, pos < T)
+        rows, pos, traj = rows[keep], pos[keep], b[piece][keep]
+        if st.input_ids is not None:
+            bad = np.nonzero(st.input_ids.numpy()[rows] != tokens[starts[traj] + pos])[0]
+            if bad.size:
+                raise RuntimeError(f"trajectory {int(traj[bad[0]])}: the engine ran other tokens than the trajectory's")
+        seen_b.append(traj)
+        seen_pos.append(pos)
+        if rows.size:
+            out.append(ForwardStep(torch.from_numpy(rows), torch.from_numpy(traj), st.record))
+    traj = np.concatenate(seen_b) if seen_b else np.empty(0, dtype=np.int64)
+    pos = np.concatenate(seen_pos) if seen_pos else np.empty(0, dtype=np.int64)
+    order = np.argsort(traj, kind="stable")  # per trajectory, in the order the forwards recorded them
+    counts = np.bincount(traj, minlength=len(token_ids))
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]]) if len(token_ids) else np.empty(0, dtype=np.int64)
+    expect = np.arange(order.size) - np.repeat(first, counts)
+    wrong = (counts != lengths) | (np.bincount(traj[order][pos[order] != expect], minlength=len(token_ids)) > 0)
+    if wrong.any():
+        bb = int(np.nonzero(wrong)[0][0])
+        got = pos[traj == bb]
+        raise RuntimeError(
+            f"trajectory {bb}: recorded positions {got.tolist()[:8]}... do not cover 0..{int(lengths[bb]) - 1} "
+            "exactly once in order (prefix caching, preemption?)"
+        )
     return out
 
 

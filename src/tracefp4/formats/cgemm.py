@@ -88,7 +88,7 @@ class Layout(enum.Enum):
     interleaved 32 bytes at a time; scales standard. N a multiple of 4."""
 
     PANELS = "panels"
-    """For AMX (and an AVX-512 BF16 kernel for experts with one row): codes ``[E, N/16, K/4, 32]``,
+    """For AMX (and an AVX-512 BF16 kernel for experts with one or two rows): codes ``[E, N/16, K/4, 32]``,
     byte ``(e, p, t, 2c + h)`` = standard byte ``2t + h`` of column ``16p + c`` (a quad of 4 elements
     of 16 columns: two B-tile rows once decoded); scales ``[E, N/16, K/block, 16]``, ``(e, p, b, c)``
     = block b of column 16p + c. N a multiple of 16."""

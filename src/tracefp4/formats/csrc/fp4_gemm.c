@@ -27,7 +27,7 @@
  * sequential stream. The activation rows are permuted the same way once per call. codes
  * [E, N/4, S*G, 4, 32] bytes (S = ceil(K/block/16): tile, group, column, byte), scales [E, N, K/block].
  *
- * panels.h, for CPUs with AMX (and an AVX-512 BF16 kernel for experts with one row): the output
+ * panels.h, for CPUs with AMX (and an AVX-512 BF16 kernel for experts with one or two rows): the output
  * columns in panels of 16 and, within a panel, the code bytes of each quad (4 elements, two bytes) of
  * the 16 columns together: codes [E, N/16, K/4, 32], byte (e, p, t, 2c+h) = standard byte 2t+h of
  * column 16p + c; scales [E, N/16, K/block, 16], (e, p, b, c) = block b of column 16p + c. Widened to

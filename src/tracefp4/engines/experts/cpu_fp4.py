@@ -13,7 +13,7 @@ import torch
 from tracefp4.engines.experts.base import ExpertGEMM, Routing
 from tracefp4.engines.experts.dense import expert_divisor
 from tracefp4.formats import cgemm
-from tracefp4.formats.constants import Format
+from tracefp4.formats.constants import MXFP4_BLOCK, NVFP4_BLOCK, Format
 from tracefp4.formats.quantizers import Quantizer
 
 __all__ = ["PackedCPUGEMM", "PackedWeight", "pack"]
@@ -33,7 +33,7 @@ class PackedWeight:
 
     @property
     def block(self) -> int:
-        return 16 if self.fmt is Format.NVFP4 else 32
+        return NVFP4_BLOCK if self.fmt is Format.NVFP4 else MXFP4_BLOCK
 
     @property
     def shape(self) -> tuple[int, int, int]:

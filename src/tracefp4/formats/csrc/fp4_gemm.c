@@ -61,6 +61,9 @@
 /* This thread's items. */
 static int run_items(const job_t *j, scratch_t *mem) { return j->layout ? panels_run(j, mem) : tiles_run(j, mem); }
 
+/* The cost of one item of an expert with `rows` rows (the split over threads). */
+static inline int64_t item_cost(const job_t *j, int64_t rows) { return j->layout ? panel_pair_cost(j, rows) : rows + 1; }
+
 /* --- a persistent thread pool: started once, woken per call (a thread start per call would cost
  * more than a decode step's GEMM); calls are serialised; the pool is rebuilt after a fork. */
 
@@ -163,7 +166,7 @@ int tfp4_has_avx512bf16(void) {
  * the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: Linux 5.16 and later;
  * asked once, granted for the whole process and its children). */
 int tfp4_has_amx(void) {
-#if defined(__x86_64__) && defined(__linux__)
+#if defined(__x86_64__) && defined(__linux__) && defined(TFP4_AMX)
     static int state = -1;
     if (state < 0) {
         unsigned a, b, c, d;
@@ -223,32 +226,22 @@ static int grouped(const uint16_t *x, const int64_t *offsets, const int64_t *row
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     /* split the items by their cost, so that experts with many rows do not leave the other threads
-     * waiting: a tile costs about one row's work to decode plus its rows; a panel pair streamed by
-     * the AVX-512 path about 1.5 rows' plus its rows, one multiplied by AMX about 3.7 rows' to decode
-     * and scale plus 1/16 of a row per row (fits of the bandwidth preset's gate-up timings) */
+     * waiting (a tile costs about one row's work to decode plus its rows; panel pairs: panel_pair_cost) */
     job_t jobs[MAX_THREADS];
-    int64_t total = 0, *cost = malloc(sizeof(int64_t) * (size_t)used);
-    if (!cost) {
-        free(ex);
-        return -3;
-    }
-    for (int64_t q = 0; q < used; q++) {
-        const int64_t r = hi[q] - lo[q];
-        cost[q] = !layout ? r + 1 : takes_amx(&base, r) ? 60 + r : 25 + 16 * r;
-        total += base.items_per_expert * cost[q];
-    }
-    int64_t item = 0, spent = 0;
+    int64_t total = 0;
+    for (int64_t q = 0; q < used; q++) total += base.items_per_expert * item_cost(&base, hi[q] - lo[q]);
+    int64_t item = 0, cost = 0;
     for (int t = 0; t < threads; t++) {
         jobs[t] = base;
         jobs[t].item_lo = item;
         const int64_t target = total * (t + 1) / threads;
-        while (item < items && (t == threads - 1 || spent < target)) {
-            spent += cost[item / base.items_per_expert];
+        while (item < items && (t == threads - 1 || cost < target)) {
+            const int64_t g = item / base.items_per_expert;
+            cost += item_cost(&base, hi[g] - lo[g]);
             item++;
         }
         jobs[t].item_hi = item;
     }
-    free(cost);
     int rc;
     if (threads == 1) {
         pthread_mutex_lock(&call_mu);

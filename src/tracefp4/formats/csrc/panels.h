@@ -149,6 +149,10 @@ AVX512 static void panel_avx512(const job_t *j, int64_t e, int64_t p, int64_t r0
 }
 
 /* --- AMX ---------------------------------------------------------------------------------------- */
+/* Only with a compiler that has the AMX intrinsics (GCC 11, Clang 12 and later): an older one builds
+ * the rest, and tfp4_has_amx() says no. */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define TFP4_AMX 1
 
 #define AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
@@ -289,10 +293,17 @@ AMX static void pair_amx(const job_t *j, int64_t e, int64_t q, int64_t r0, int64
             for (int t = 0; t <= two; t++) store_panel_row(j, e, 2 * q + t, r0 + g + m, _mm512_load_ps(cbuf + m * 32 + t * 16));
     }
 }
+#endif /* TFP4_AMX */
 #endif
 
 /* Whether an expert with `rows` rows takes the AMX path. */
 static inline int takes_amx(const job_t *j, int64_t rows) { return j->amx && rows >= j->amx_min_rows; }
+
+/* The cost of one item (a panel pair) of an expert with `rows` rows, for the split over threads: a
+ * pair streamed by the AVX-512 path costs about 1.5 rows' work plus its rows, one multiplied by AMX
+ * about 3.7 rows' to decode and scale plus 1/16 of a row per row (fits of the bandwidth preset's
+ * gate-up timings). */
+static inline int64_t panel_pair_cost(const job_t *j, int64_t rows) { return takes_amx(j, rows) ? 60 + rows : 25 + 16 * rows; }
 
 /* This thread's items, panels layout. */
 static int panels_run(const job_t *j, scratch_t *mem) {
@@ -321,13 +332,18 @@ static int panels_run(const job_t *j, scratch_t *mem) {
                 gather_rows(j, lo, hi, kp, (uint16_t *)scratch);
                 gathered_for = g;
             }
+#if defined(TFP4_AMX)
             if (takes_amx(j, hi - lo) && amx_exact(j, e, q)) {
                 pair_amx(j, e, q, lo, hi - lo, a, kp, scratch + a_bytes, (float *)(scratch + a_bytes + b_bytes), &cfg);
                 continue;
             }
+#endif
             for (int64_t p = 2 * q; p < 2 * q + 2 && p < j->panels; p++) panel_avx512(j, e, p, lo, hi, a, kp);
         }
+#if defined(TFP4_AMX)
         if (cfg != -1) amx_release();
+#endif
+        (void)cfg;
         return 0;
     }
 #endif

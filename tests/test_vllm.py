@@ -275,6 +275,24 @@ def test_plugin_kv_equals_our_fp4_cache_bit_for_bit(engine, hf: torch.nn.Module,
         assert torch.equal(a[name].codes, b[name].codes) and torch.equal(a[name].scales.float(), b[name].scales.float())
 
 
+def test_kv_stays_bf16_without_our_quantization_config() -> None:
+    """A process whose engine was built without the ``tracefp4`` quantization config (vLLM's own BF16
+    engine, the benchmark's baseline: the plugin is loaded because it is installed) must leave K/V
+    as they are: the runtime's plan starts as None, not the default FP4 plan."""
+    from tracefp4.engines.vllm.plugin import kv_site
+    from tracefp4.engines.vllm.runtime import RUNTIME, WorkerRuntime
+
+    assert WorkerRuntime().plan is None
+    k, v = (torch.randn(3, 2, 32).to(torch.bfloat16) for _ in range(2))
+    saved = RUNTIME.config_plan  # this process's engine fixture set its config's plan
+    RUNTIME.config_plan = WorkerRuntime().config_plan
+    try:
+        k2, v2 = kv_site("model.layers.0.self_attn.attn", k, v)
+    finally:
+        RUNTIME.config_plan = saved
+    assert k2 is k and v2 is v
+
+
 # --- (c) records cover exactly each request's positions ---------------------------------------
 
 

@@ -4,7 +4,9 @@ vLLM runs the model inside its worker; the quant method's ``apply`` and the K/V 
 process-global :data:`RUNTIME` at run time:
 
 * ``plan``: the precision plan of the forward (``None``: BF16). Outside a :class:`VLLMEngine`
-  call it is the quantization config's plan (vLLM's warm-up forwards, a plain ``LLM.generate``).
+  call it is the quantization config's plan (vLLM's warm-up forwards, a plain ``LLM.generate``);
+  in a process whose engine has no ``tracefp4`` quantization config (vLLM's own BF16 engine, with
+  our plugin loaded because it is installed) it is None, so the K/V wrapper leaves the cache BF16.
 * ``capture``: a :class:`~tracefp4.engines.capture.RolloutCapture`: the same object our own engine
   hands its seams, so the recorded tensors are exactly what our engine records.
 * ``steps``: while recording, one :class:`StepRecord` per model forward: the batch's rows mapped to
@@ -52,7 +54,8 @@ class StepRecord:
 
 class WorkerRuntime:
     def __init__(self) -> None:
-        self.config_plan: PrecisionPlan | None = PrecisionPlan()
+        # set by TraceFP4Config when an engine is built with it; None (BF16) otherwise
+        self.config_plan: PrecisionPlan | None = None
         self.call_plan: PrecisionPlan | None = None
         self.in_call = False  # a VLLMEngine.generate is in progress (call_plan applies)
         self.capture = RolloutCapture()

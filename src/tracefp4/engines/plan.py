@@ -8,6 +8,7 @@ quantizer (:mod:`tracefp4.formats.quantizers`) and call it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 from tracefp4.formats.constants import NVFP4_BLOCK, Format, ScaleMode
@@ -129,8 +130,11 @@ class PrecisionPlan:
 
     def quantizer(self, site: Site | str) -> Quantizer | None:
         """The quantizer of an activation or KV site (every one scales per row, the last dim); None
-        where the plan leaves the site in BF16."""
-        site = Site(site)
+        where the plan leaves the site in BF16. (Asked at every site of every forward: the plan and
+        its quantizers are immutable, so the answer is kept.)"""
+        return _site_quantizer(self, Site(site))
+
+    def _quantizer(self, site: Site) -> Quantizer | None:
         if site in (Site.K, Site.V):
             return None if self.kv_cache == BF16_SITE else self._element(self.kv_cache, "row")
         if self.activations == BF16_SITE:
@@ -166,3 +170,8 @@ class PrecisionPlan:
         if self.rac_fraction is not None:
             out["rac_fraction"] = self.rac_fraction
         return out
+
+
+@functools.lru_cache(maxsize=256)
+def _site_quantizer(plan: PrecisionPlan, site: Site) -> Quantizer | None:
+    return plan._quantizer(site)

@@ -53,6 +53,7 @@ import torch
 from tracefp4.formats.constants import E4M3_VALUES, E8M0_VALUES, MXFP4_BLOCK, NVFP4_BLOCK, Format
 
 __all__ = [
+    "COMBINE_IMPLS",
     "IMPLS",
     "Layout",
     "accumulation_bound",
@@ -63,11 +64,13 @@ __all__ = [
     "has_amx",
     "has_avx512_bf16",
     "kernel_layout",
+    "library",
     "kernel_scales",
     "preferred_layout",
     "routed_gemm",
     "standard_layout",
     "standard_scales",
+    "topk_combine",
     "unavailable_reason",
 ]
 
@@ -168,10 +171,20 @@ def _load() -> ctypes.CDLL | None:
         lib.tfp4_grouped_gemm.restype = c_int
         lib.tfp4_routed_gemm.argtypes = [p, p, i64, p, p, p, c_int, p, p, i64, i64, i64, i64, c_int, c_int, c_int, p]
         lib.tfp4_routed_gemm.restype = c_int
+        lib.tfp4_nvfp4_quantize.argtypes = [p, i64, i64, p, c_int, p, p, p, c_int, c_int, p]
+        lib.tfp4_nvfp4_quantize.restype = c_int
+        lib.tfp4_topk_combine.argtypes = [p, p, i64, i64, i64, p, c_int, c_int]
+        lib.tfp4_topk_combine.restype = c_int
         lib.tfp4_has_avx512bf16.restype = c_int
         lib.tfp4_has_amx.restype = c_int
         _lib = lib
         return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library (None where it could not be built: :func:`unavailable_reason`),
+    for the other CPU kernels it holds (:mod:`tracefp4.formats.csite`)."""
+    return _load()
 
 
 def available() -> bool:
@@ -395,6 +408,38 @@ def routed_gemm(x: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scales:
         raise ValueError(f"routed_gemm: {_ERRORS.get(rc, rc)} (x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
                          f"impl {impl!r}, {pairs} pairs)")
     return out
+
+
+#: ``impl`` values of :func:`topk_combine`.
+COMBINE_IMPLS = {"auto": 0, "portable": 1, "avx512": 2}
+
+
+def topk_combine(out: torch.Tensor, weights: torch.Tensor, *, threads: int | None = None, impl: str = "auto"
+                 ) -> torch.Tensor:
+    """The routed experts' top-k sum: ``out`` bf16 ``[T, top_k, H]`` (each pair's expert output),
+    ``weights`` ``[T, top_k]`` (cast to float32) -> bf16 ``[T, H]``, bit for bit torch's
+    ``(out.float() * weights.float().unsqueeze(-1)).sum(dim=1).to(torch.bfloat16)`` (float32 products
+    summed in slot order; csrc/combine.h), in one pass instead of five tensor ops. Raises
+    RuntimeError when the kernel is unavailable."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"packed FP4 CPU kernel unavailable: {_reason}")
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.dim() != 3 or out.device.type != "cpu"
+            or not isinstance(weights, torch.Tensor) or tuple(weights.shape) != tuple(out.shape[:2])
+            or weights.device.type != "cpu"):
+        raise ValueError(f"topk_combine: expected CPU bf16 out [T, top_k, H] and weights [T, top_k], got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))} and "
+                         f"{tuple(getattr(weights, 'shape', ()))}")
+    if impl not in COMBINE_IMPLS:
+        raise ValueError(f"topk_combine impl: expected one of {sorted(COMBINE_IMPLS)}, got {impl!r}")
+    n, k, h = out.shape
+    out = out.contiguous()
+    w = weights.to(torch.float32).contiguous()
+    res = torch.empty(n, h, dtype=torch.bfloat16)
+    t = 1 if n * k * h < (1 << 18) else int(threads or torch.get_num_threads())  # small: one thread
+    if lib.tfp4_topk_combine(out.data_ptr(), w.data_ptr(), n, k, h, res.data_ptr(), t, COMBINE_IMPLS[impl]) != 0:
+        raise ValueError(f"topk_combine: implementation {impl!r} not run by this CPU (out {tuple(out.shape)})")
+    return res
 
 
 def accumulation_bound(x: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor, divisor: torch.Tensor

@@ -23,7 +23,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from tracefp4.formats import kernels
+from tracefp4.formats import csite, kernels
 from tracefp4.formats.constants import (
     E4M3_MAG_MASK,
     E4M3_MAX,
@@ -453,7 +453,14 @@ _NO_BLOCK_MAX = np.empty((0, 0), dtype=np.uint32)
 
 
 def _nvfp4_numba(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool, values: bool = False):
-    """(codes, scale bytes, global amax, bf16 values as u32 pairs or None) of ``x`` (see kernels)."""
+    """(codes, scale bytes, global amax, bf16 values (as u32 pairs from numba) or None) of ``x`` (see
+    kernels). bf16 rows with a per-row or given amax (every rollout site) take the C kernel where it
+    is built (:mod:`tracefp4.formats.csite`: the same bits, a fraction of the time)."""
+    if x.dtype == torch.bfloat16 and (per_row or amax is not None) and csite.available():
+        given = None if amax is None else per_row_values(amax, x.shape)
+        codes, scales, row_amax, out, bad = csite.nvfp4_rows(as_rows(x), given, values=values)
+        raise_non_finite(x, bad)
+        return codes, scales, row_amax.reshape(*x.shape[:-1], 1) if amax is None else amax, out
     rows = kernel_rows(x)
     n, k = rows.shape
     bad = np.zeros(n, dtype=np.bool_)
@@ -520,6 +527,17 @@ def quantize_dequantize_nvfp4(x: torch.Tensor, *, global_amax=None, per_row: boo
 
 def _quantize_nvfp4(x: torch.Tensor, global_amax, per_row: bool, *, values: bool
                     ) -> tuple[NVFP4, torch.Tensor | None]:
+    if (global_amax is None and per_row and isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16
+            and x.device.type == "cpu" and x.dim() and x.shape[-1] % NVFP4_BLOCK == 0 and x.shape[-1]
+            and _CPU_BACKEND.get() == "numba" and csite.available()):
+        # a rollout site (bf16 rows, each its own amax): the C kernel with nothing around it, since a
+        # decode step's site is a few microseconds of work and every tensor op here costs one
+        lead = x.shape[:-1]
+        codes, scales, amax, out, bad = csite.nvfp4_rows(x.detach().reshape(-1, x.shape[-1]), None, values=values)
+        raise_non_finite(x, bad)
+        q = NVFP4(codes=codes.view(*lead, -1), scales=scales.view(torch.float8_e4m3fn).view(*lead, -1),
+                  global_amax=amax.view(*lead, 1))
+        return q, out.view(x.shape) if values else None
     check_input(x, NVFP4_BLOCK)
     amax = None if global_amax is None else check_global_amax(global_amax, x.shape).to(x.device)
     lead = x.shape[:-1]

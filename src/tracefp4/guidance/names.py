@@ -10,6 +10,7 @@ at least two digits and no extra leading zero, so two spellings can never name t
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from typing import NamedTuple
 
@@ -68,6 +69,7 @@ def layer_tag(layer: int) -> str:
     return f"L{layer:02d}"
 
 
+@functools.lru_cache(maxsize=4096)  # asked at every site of every forward
 def record_prefix(layer: int, site: Site | str) -> str:
     """``L{layer:02d}.{site}``: the prefix of a site's record tensors (``.bits``/``.codes``/...)."""
     return f"{layer_tag(layer)}.{Site(site).value}"

@@ -71,5 +71,11 @@ class ExpertGEMM(abc.ABC):
         order and x's dtype. ``x`` holds one row per token (``[T, K]``, shared by the token's top-k
         pairs: ``per_token``, the gate-up GEMM) or one per pair (``[T * top_k, K]``, the down GEMM)."""
 
+    def combine(self, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The top-k sum: ``out [T, top_k, H]`` (each pair's expert output) weighted by ``weights
+        [T, top_k]`` -> ``[T, H]`` in out's dtype, products and sum in float32 (transformers' grouped_mm
+        path). A backend may compute it in a kernel of its own, bit for bit this expression."""
+        return (out.to(torch.float32) * weights.to(torch.float32).unsqueeze(-1)).sum(dim=1).to(out.dtype)
+
     def __repr__(self) -> str:
         return f"<expert GEMM {self.name}>"

@@ -90,3 +90,7 @@ class PackedCPUGEMM(ExpertGEMM):
         # the kernel groups the pairs by expert and reads / writes rows in place (no sort or gathers here)
         return cgemm.routed_gemm(x, routing.ids, weight.codes, weight.scales, weight.divisor, weight.fmt,
                                  per_token=per_token, layout=weight.layout)
+
+    def combine(self, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # one C pass, bit for bit the base class's five tensor ops (tests/test_fp4_gemm.py)
+        return cgemm.topk_combine(out, weights)

@@ -48,4 +48,4 @@ def routed_experts(
     mid = act(gemm.matmul(xq, gate_up, routing, per_token=True))  # [N * top_k, I], (token, slot) order
     mid = quantize_site(state, layer, Site.EXPERT_MID, mid.reshape(n, k, -1))
     out = gemm.matmul(mid.reshape(n * k, -1), down, routing, per_token=False).reshape(n, k, -1)
-    return (out.to(torch.float32) * topk_weights.to(torch.float32).unsqueeze(-1)).sum(dim=1).to(x.dtype)
+    return gemm.combine(out, topk_weights).to(x.dtype)

@@ -51,6 +51,8 @@
 #define _DEFAULT_SOURCE /* syscall() */
 #include "fp4_common.h"
 #include "panels.h"
+#include "site_quant.h"
+#include "combine.h"
 #include "tiles.h"
 #if defined(__x86_64__) && defined(__linux__)
 #include <cpuid.h>
@@ -300,4 +302,64 @@ int tfp4_routed_gemm(const uint16_t *x, const int64_t *ids, int64_t fanout, cons
                  threads, impl);
     free(offsets);
     return rc;
+}
+
+/* NVFP4 quantization of bf16 rows x [rows, k] (site_quant.h): codes [rows, k/2], E4M3 scale bytes
+ * [rows, k/16], the row amaxes (own_amax: found and written; else read) and, unless values is NULL,
+ * the dequantized rows in bf16 [rows, k]. impl: 0 the best this CPU runs, 1 portable C, 2 AVX-512.
+ * Rows are split in contiguous ranges over `threads` OpenMP threads (one where built without
+ * OpenMP); each row is computed the same way whatever the split. *bad: the first row holding a NaN
+ * or Inf, or -1. Returns 0, -1 (k not a multiple of 16, or an implementation this CPU lacks) or -3
+ * (out of memory). */
+int tfp4_nvfp4_quantize(const uint16_t *x, int64_t rows, int64_t k, float *amax, int own_amax, uint8_t *codes,
+                        uint8_t *scales, uint16_t *values, int threads, int impl, int64_t *bad) {
+    *bad = -1;
+    if (k <= 0 || k % 16 || rows < 0 || impl < 0 || impl > 2 || (impl == 2 && !tfp4_has_avx512bf16())) return -1;
+    const int avx = impl == 2 || (impl == 0 && tfp4_has_avx512bf16());
+    if (threads < 1) threads = 1;
+    if (threads > rows) threads = rows > 0 ? (int)rows : 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+#if !defined(_OPENMP)
+    threads = 1;
+#endif
+    sq_job_t jobs[MAX_THREADS];
+    for (int t = 0; t < threads; t++)
+        jobs[t] = (sq_job_t){x, k, rows * t / threads, rows * (t + 1) / threads, amax, own_amax, avx,
+                             codes, scales, values, -1};
+    int rc = 0;
+    if (threads == 1) {
+        rc = sq_run(&jobs[0]);
+    } else {
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads) reduction(min : rc)
+        {
+            int id = omp_get_thread_num();
+            if (id < threads) rc = sq_run(&jobs[id]);
+        }
+#endif
+    }
+    for (int t = 0; t < threads && *bad < 0; t++) *bad = jobs[t].bad;
+    return rc;
+}
+
+/* The top-k combine (combine.h): out bf16 [n, k, h], w float32 [n, k] -> res bf16 [n, h]; impl as
+ * tfp4_nvfp4_quantize's. Tokens are split over `threads` OpenMP threads. Returns 0 or -1. */
+int tfp4_topk_combine(const uint16_t *out, const float *w, int64_t n, int64_t k, int64_t h, uint16_t *res, int threads,
+                      int impl) {
+    if (n < 0 || k < 1 || h < 1 || impl < 0 || impl > 2 || (impl == 2 && !tfp4_has_avx512bf16())) return -1;
+    const int avx = impl == 2 || (impl == 0 && tfp4_has_avx512bf16());
+    if (threads < 1 || n < 2) threads = 1;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#endif
+    for (int64_t t = 0; t < n; t++) {
+#if defined(__x86_64__)
+        if (avx) {
+            combine_rows_avx(out + t * k * h, w + t * k, k, h, res + t * h);
+            continue;
+        }
+#endif
+        combine_rows_portable(out + t * k * h, w + t * k, k, h, 0, h, res + t * h);
+    }
+    return 0;
 }

@@ -1,0 +1,76 @@
+"""NVFP4 quantization of bf16 rows in C: a rollout site's codes, scales and dequantized values in one
+pass (``csrc/site_quant.h``, in the library :mod:`tracefp4.formats.cgemm` builds).
+
+The same float32 operations as the numba kernel (:func:`tracefp4.formats.kernels.nvfp4_quantize`)
+and the readable reference, so the same bits (tests/test_csite.py checks all three against each
+other, atol=0); vectorised with AVX-512 where the CPU has it (a decode step's site is a few
+microseconds of work, where the numba kernel's per-element code and its dispatch cost about 1 ns an
+element and 7 us a call). :func:`tracefp4.formats.numerics.quantize_nvfp4` calls it for bf16 CPU
+input with a per-row or given amax (what every rollout site quantizes); a per-tensor amax, other
+dtypes and machines without the library take the numba kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from tracefp4.formats import cgemm
+from tracefp4.formats.constants import NVFP4_BLOCK
+
+__all__ = ["IMPLS", "available", "nvfp4_rows"]
+
+#: ``impl`` values of :func:`nvfp4_rows`: the best the CPU runs, portable C, AVX-512.
+IMPLS = {"auto": 0, "portable": 1, "avx512": 2}
+#: Bytes of input per thread before a call splits its rows over threads (below it the OpenMP fork
+#: costs about what the work does: a decode step's sites run on one thread).
+GRAIN_BYTES = 1 << 20
+
+
+def available() -> bool:
+    """Whether the C kernel is loaded (no warning: the numba kernels are the fallback)."""
+    return cgemm.library() is not None
+
+
+def nvfp4_rows(x: torch.Tensor, amax: torch.Tensor | None, *, values: bool, threads: int | None = None,
+               impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, np.ndarray]:
+    """Rows ``x`` bf16 ``[R, K]`` (contiguous, CPU, K a multiple of 16) -> ``(codes [R, K/2] uint8,
+    scale bytes [R, K/16] uint8 (E4M3 patterns), amax [R] float32, values [R, K] bf16 or None, bad [R]
+    bool)``. ``amax``: float32 ``[R]`` per-row global amaxes, or None to use each row's own. ``bad``
+    flags rows holding a NaN or Inf (their outputs are garbage; the caller refuses them).
+    ``threads``: default torch's intra-op count, used only from :data:`GRAIN_BYTES` a thread.
+    Raises RuntimeError when the library is unavailable, ValueError on operands it cannot take."""
+    lib = cgemm.library()
+    if lib is None:
+        raise RuntimeError(f"the tracefp4 CPU kernel library is unavailable: {cgemm.unavailable_reason()}")
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % NVFP4_BLOCK or x.device.type != "cpu":
+        raise ValueError(f"nvfp4_rows x: expected CPU bf16 [R, K] with K a multiple of {NVFP4_BLOCK}, got "
+                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    if impl not in IMPLS:
+        raise ValueError(f"nvfp4_rows impl: expected one of {sorted(IMPLS)}, got {impl!r}")
+    x = x.contiguous()
+    r, k = x.shape
+    own = amax is None
+    if own:
+        amax = torch.empty(r, dtype=torch.float32)
+    elif amax.dtype != torch.float32 or tuple(amax.shape) != (r,) or amax.device.type != "cpu":
+        raise ValueError(f"nvfp4_rows amax: expected CPU float32 [{r}], got {amax.dtype} {tuple(amax.shape)}")
+    else:
+        amax = amax.contiguous()
+    codes = torch.empty(r, k // 2, dtype=torch.uint8)
+    scales = torch.empty(r, k // NVFP4_BLOCK, dtype=torch.uint8)
+    out = torch.empty(r, k, dtype=torch.bfloat16) if values else None
+    nbytes = 2 * r * k
+    t = 1 if nbytes < 2 * GRAIN_BYTES else max(1, min(int(threads or torch.get_num_threads()), nbytes // GRAIN_BYTES))
+    first_bad = ctypes.c_int64(-1)
+    rc = lib.tfp4_nvfp4_quantize(x.data_ptr(), r, k, amax.data_ptr(), int(own), codes.data_ptr(), scales.data_ptr(),
+                                 out.data_ptr() if values else None, t, IMPLS[impl], ctypes.byref(first_bad))
+    if rc != 0:
+        why = "out of memory" if rc == -3 else f"implementation {impl!r} not run by this CPU"
+        raise ValueError(f"nvfp4_rows: {why} (x {tuple(x.shape)})")
+    bad = np.zeros(r, dtype=np.bool_)
+    if first_bad.value >= 0:  # the rows after the first are found by the caller's refusal, from the input
+        bad[:] = ~torch.isfinite(x).all(dim=1).numpy()
+    return codes, scales, amax, out, bad

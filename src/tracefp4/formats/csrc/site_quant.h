@@ -1,0 +1,287 @@
+/* NVFP4 quantization of bf16 activation rows for a rollout's sites: each row's codes, E4M3 block
+ * scales and (optionally) the dequantized row in bf16, in one pass over the input.
+ *
+ * The same arithmetic as the numba kernel (tracefp4/formats/kernels.py: nvfp4_quantize, whose
+ * comments give the reasons) and the readable reference (formats/reference.py), operation for
+ * operation in IEEE float32 (no contractions: there is no a * b + c to fuse), so the bits are theirs:
+ *
+ *   amax      = the row's largest |x| (own_amax) or the one given
+ *   S_enc     = min(2688 / amax, FLT_MAX) (1 when amax or that is 0); S_dec = 1 / S_enc
+ *   scale[b]  = e4m3_rne(min(blockamax[b] * (S_enc * fl32(1/6)), 448))
+ *   enc[b]    = min(1 / (scale[b] * S_dec), FLT_MAX)
+ *   code      = e2m1_rne(min(|x| * enc[b], 6)) with x's sign
+ *   value     = bf16_rne((e2m1(code) * scale[b]) / S_enc)
+ *
+ * A row holding a NaN or Inf is reported (the call returns the first such row, the caller refuses
+ * it); its outputs are garbage computed in range. K is a multiple of 16. */
+#ifndef TFP4_SITE_QUANT_H
+#define TFP4_SITE_QUANT_H
+#include "fp4_common.h"
+#include <float.h>
+
+#define SQ_LIMIT 0x7F7Fu /* the largest finite bf16 abs pattern */
+
+static inline uint32_t sq_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float sq_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Python's min(a, b) (what the numba kernel calls): a unless b < a. */
+static inline float sq_min(float a, float b) { return b < a ? b : a; }
+
+static inline float sq_s_enc(float amax) {
+    if (amax == 0.0f) return 1.0f;
+    float s = sq_min(2688.0f / amax, FLT_MAX);
+    return s == 0.0f ? 1.0f : s;
+}
+
+/* E4M3 round-to-nearest-even of v in [0, 448], subnormals included: (pattern, value). */
+static inline uint32_t sq_e4m3(float v, float *value) {
+    uint32_t bits = sq_bits(v);
+    if (v >= 0x1p-6f) {
+        uint32_t rounded = (bits + 0x7FFFFu + ((bits >> 20) & 1u)) & 0xFFF00000u;
+        *value = sq_float(rounded);
+        return (rounded >> 20) - (120u << 3);
+    }
+    float shifted = v + 0x1p14f; /* onto the 2^-9 grid of the subnormals */
+    *value = shifted - 0x1p14f;
+    return sq_bits(shifted) - 0x46800000u;
+}
+
+/* E2M1 magnitude code of m >= 0, nearest with ties to the even code. */
+static inline uint32_t sq_e2m1(float m) {
+    m = sq_min(m, 6.0f);
+    uint32_t bits = sq_bits(m);
+    if (m >= 1.0f) return ((bits + 0x1FFFFFu + ((bits >> 22) & 1u)) >> 22) - 252u;
+    return sq_bits(m + 0x1p22f) - 0x4A800000u;
+}
+
+/* One row's block amax patterns into bm [k/16]; returns the row's largest. */
+static uint32_t sq_block_amax_portable(const uint16_t *x, int64_t nb, uint32_t *bm) {
+    uint32_t top = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        uint32_t m = 0;
+        for (int i = 0; i < 16; i++) {
+            uint32_t a = x[16 * b + i] & 0x7FFFu;
+            m = a > m ? a : m;
+        }
+        bm[b] = m;
+        top = m > top ? m : top;
+    }
+    return top;
+}
+
+static void sq_row_portable(const uint16_t *x, int64_t k, float amax, const uint32_t *bm, uint8_t *codes,
+                            uint8_t *scales, uint16_t *values) {
+    const float s_enc = sq_s_enc(amax), factor = s_enc * (1.0f / 6.0f), s_dec = 1.0f / s_enc;
+    for (int64_t b = 0; b < k / 16; b++) {
+        uint32_t a = bm[b] < SQ_LIMIT ? bm[b] : SQ_LIMIT;
+        float scale;
+        scales[b] = (uint8_t)sq_e4m3(sq_min(sq_float(a << 16) * factor, 448.0f), &scale);
+        const float enc = sq_min(1.0f / (scale * s_dec), FLT_MAX);
+        for (int i = 0; i < 8; i++) {
+            uint32_t c[2];
+            for (int h = 0; h < 2; h++) {
+                uint16_t w = x[16 * b + 2 * i + h];
+                /* & 7: a NaN's garbage code stays a table index (its row is refused anyway) */
+                c[h] = (sq_e2m1(sq_float((uint32_t)(w & 0x7FFFu) << 16) * enc) & 7u) | ((w >> 12) & 8u);
+                if (values) values[16 * b + 2 * i + h] = bf16_rne((E2M1[c[h]] * scale) / s_enc);
+            }
+            codes[8 * b + i] = (uint8_t)(c[0] | (c[1] << 4));
+        }
+    }
+}
+
+#if defined(__x86_64__)
+/* 16 blocks' amax patterns at once would need a transpose; a block's 16 elements reduce in-lane. */
+AVX512 static uint32_t sq_block_amax_avx(const uint16_t *x, int64_t nb, uint32_t *bm) {
+    const __m256i mask = _mm256_set1_epi16(0x7FFF);
+    uint32_t top = 0;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) { /* two blocks: one 512-bit load, reduced to 2 lanes together */
+        __m512i a = _mm512_and_si512(_mm512_loadu_si512(x + 16 * b), _mm512_set1_epi16(0x7FFF));
+        __m512i m = _mm512_max_epu16(a, _mm512_bsrli_epi128(a, 8));
+        m = _mm512_max_epu16(m, _mm512_bsrli_epi128(m, 4));
+        m = _mm512_max_epu16(m, _mm512_bsrli_epi128(m, 2));
+        /* each 128-bit lane's word 0 now holds its 8 elements' max; lanes 0,1 are block b, 2,3 block b+1 */
+        m = _mm512_max_epu16(m, _mm512_shuffle_i64x2(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+        uint32_t m0 = (uint32_t)_mm_extract_epi16(_mm512_castsi512_si128(m), 0);
+        uint32_t m1 = (uint32_t)_mm_extract_epi16(_mm512_extracti32x4_epi32(m, 2), 0);
+        bm[b] = m0;
+        bm[b + 1] = m1;
+        top = m0 > top ? m0 : top;
+        top = m1 > top ? m1 : top;
+    }
+    for (; b < nb; b++) {
+        __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + 16 * b)), mask);
+        uint32_t m = (uint32_t)_mm512_reduce_max_epu32(_mm512_cvtepu16_epi32(a));
+        bm[b] = m;
+        top = m > top ? m : top;
+    }
+    return top;
+}
+
+/* The scale pass for up to 16 blocks: pattern bytes, float32 scale values and encode factors. */
+AVXINL void sq_scales16(const uint32_t *bm, int count, const float *factor, const float *s_dec, const float *s_enc,
+                         uint8_t *scales, float *sv, float *enc, float *q1, float *q15) {
+    const __mmask16 m = count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
+    __m512i a = _mm512_min_epu32(_mm512_maskz_loadu_epi32(m, bm), _mm512_set1_epi32(SQ_LIMIT));
+    /* min(amax * factor, 448): vminps returns its second operand unless the first is smaller, as sq_min */
+    __m512 d = _mm512_min_ps(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_maskz_loadu_ps(m, factor)),
+                             _mm512_set1_ps(448.0f));
+    __m512i bits = _mm512_castps_si512(d);
+    __m512i rounded = _mm512_and_si512(
+        _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFFF),
+                                                _mm512_and_si512(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(1)))),
+        _mm512_set1_epi32((int)0xFFF00000u));
+    __m512 shifted = _mm512_add_ps(d, _mm512_set1_ps(0x1p14f));
+    __mmask16 normal = _mm512_cmp_ps_mask(d, _mm512_set1_ps(0x1p-6f), _CMP_GE_OQ);
+    __m512i pat = _mm512_mask_blend_epi32(normal, _mm512_sub_epi32(_mm512_castps_si512(shifted), _mm512_set1_epi32(0x46800000)),
+                                          _mm512_sub_epi32(_mm512_srli_epi32(rounded, 20), _mm512_set1_epi32(120 << 3)));
+    __m512 val = _mm512_mask_blend_ps(normal, _mm512_sub_ps(shifted, _mm512_set1_ps(0x1p14f)), _mm512_castsi512_ps(rounded));
+    /* min(1 / (scale * S_dec), FLT_MAX): 1/0 is inf, which the min caps, as in the scalar code */
+    __m512 e = _mm512_min_ps(_mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(val, _mm512_maskz_loadu_ps(m, s_dec))),
+                             _mm512_set1_ps(FLT_MAX));
+    _mm_mask_storeu_epi8(scales, m, _mm512_cvtepi32_epi8(pat));
+    _mm512_mask_storeu_ps(sv, m, val);
+    _mm512_mask_storeu_ps(enc, m, e);
+    if (q1) { /* masked-off lanes divide 0 by 1 */
+        __m512 se = _mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), m, s_enc);
+        _mm512_mask_storeu_ps(q1, m, _mm512_div_ps(val, se));
+        _mm512_mask_storeu_ps(q15, m, _mm512_div_ps(_mm512_mul_ps(val, _mm512_set1_ps(1.5f)), se));
+    }
+}
+
+/* 16 bf16 elements of one block -> 8 code bytes and (values) their 16 dequantized bf16. */
+AVXINL void sq_block16(const uint16_t *x, float enc, __m512i table, uint8_t *codes, uint16_t *values) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
+    __m512 mag = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x7FFF)), 16));
+    __m512 m = _mm512_min_ps(_mm512_mul_ps(mag, _mm512_set1_ps(enc)), _mm512_set1_ps(6.0f));
+    __m512i bits = _mm512_castps_si512(m);
+    __m512i normal = _mm512_sub_epi32(
+        _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x1FFFFF),
+                                                                  _mm512_and_si512(_mm512_srli_epi32(bits, 22), _mm512_set1_epi32(1)))),
+                          22),
+        _mm512_set1_epi32(252));
+    __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(m, _mm512_set1_ps(0x1p22f))), _mm512_set1_epi32(0x4A800000));
+    __m512i code = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(m, _mm512_set1_ps(1.0f), _CMP_GE_OQ), sub, normal);
+    code = _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi32(w, 12), _mm512_set1_epi32(8)));
+    /* element 2i in the low nibble of byte i: each 64-bit lane's high code moves to bits 4..7 */
+    __m512i pairs = _mm512_or_si512(code, _mm512_srli_epi64(code, 28));
+    _mm512_mask_cvtepi64_storeu_epi8(codes, 0xFF, pairs);
+    if (values) _mm256_storeu_si256((__m256i *)values, _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(code, table)));
+}
+
+/* bf16 bits (in 32-bit lanes) of (e2m1(c) * scale) / S_enc for the 16 codes c: a block's values.
+ * The E2M1 magnitudes are {1, 1.5} times powers of two, so from q1 = scale / S_enc and
+ * q15 = (1.5 * scale) / S_enc (1.5 * scale is exact) every value is q1 or q15 times 2^-1..2^2, which
+ * is exact, and so equal to the division of each, while q1 / 2 is a normal float32 (we ask
+ * q1 >= 2^-124, which keeps the exact quotient / 2 above 2^-126 too; q1 = 0 gives signed zeros, as
+ * the division does). Other blocks divide all 16 (`divide`). */
+AVXINL __m512i sq_value_table(float q1, float q15, float scale, float s_enc, int divide) {
+    __m512 v;
+    if (__builtin_expect(divide, 0)) {
+        v = _mm512_div_ps(_mm512_mul_ps(_mm512_loadu_ps(E2M1), _mm512_set1_ps(scale)), _mm512_set1_ps(s_enc));
+    } else { /* codes 0..7: 0, .5, 1, 1.5, 2, 3, 4, 6; 8..15 the same negated (code 8: -0) */
+        const __m512 c1 = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 0.0f, 2.0f, 0.0f, 4.0f, 0.0f,
+                                         -0.0f, -0.5f, -1.0f, 0.0f, -2.0f, 0.0f, -4.0f, 0.0f);
+        const __m512 c15 = _mm512_setr_ps(0.0f, 0.0f, 0.0f, 1.0f, 0.0f, 2.0f, 0.0f, 4.0f,
+                                          0.0f, 0.0f, 0.0f, -1.0f, 0.0f, -2.0f, 0.0f, -4.0f);
+        v = _mm512_mask_blend_ps((__mmask16)0xA8A8, _mm512_mul_ps(c1, _mm512_set1_ps(q1)), _mm512_mul_ps(c15, _mm512_set1_ps(q15)));
+    }
+    __m512i b = _mm512_castps_si512(v);
+    b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))));
+    return _mm512_srli_epi32(b, 16); /* finite: no NaN case */
+}
+
+/* Per-chunk scratch of the AVX-512 path: per block of the chunk, its amax pattern and its row's
+ * factor, S_dec and S_enc, then its scale value, encode factor and the two value bases. */
+enum { SQ_CHUNK_BLOCKS = 256, SQ_ARRAYS = 8 };
+
+/* Rows [r0, r1) (whole rows of one chunk, at most max(SQ_CHUNK_BLOCKS, K/16) blocks). The passes
+ * run over the chunk's blocks, not row by row: a short row (K/V: 4 blocks) would otherwise wait on
+ * its own chain of divisions (S_enc, the scales, the encode factors) before its first code. */
+AVX512 static void sq_chunk_avx(const uint16_t *x, int64_t k, int64_t r0, int64_t r1, float *amax, int own_amax,
+                                uint8_t *codes, uint8_t *scales, uint16_t *values, float *mem, int64_t *bad) {
+    const int64_t nb = k / 16, blocks = (r1 - r0) * nb;
+    const int64_t cap = blocks + 16;
+    uint32_t *bm = (uint32_t *)mem;
+    float *factor = mem + cap, *s_dec = mem + 2 * cap, *s_enc = mem + 3 * cap, *sv = mem + 4 * cap, *enc = mem + 5 * cap,
+          *q1 = mem + 6 * cap, *q15 = mem + 7 * cap;
+    x += r0 * k;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t g = (r - r0) * nb;
+        uint32_t top = sq_block_amax_avx(x + g * 16, nb, bm + g);
+        if (top > SQ_LIMIT && *bad < 0) *bad = r;
+        if (own_amax) amax[r] = sq_float((top < SQ_LIMIT ? top : SQ_LIMIT) << 16);
+        const float se = sq_s_enc(amax[r]);
+        const __m512 f = _mm512_set1_ps(se * (1.0f / 6.0f)), d = _mm512_set1_ps(1.0f / se), e = _mm512_set1_ps(se);
+        for (int64_t b = 0; b < nb; b += 16) {
+            const __mmask16 m = nb - b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - b)) - 1u);
+            _mm512_mask_storeu_ps(factor + g + b, m, f);
+            _mm512_mask_storeu_ps(s_dec + g + b, m, d);
+            _mm512_mask_storeu_ps(s_enc + g + b, m, e);
+        }
+    }
+    scales += r0 * nb;
+    for (int64_t g = 0; g < blocks; g += 16) {
+        const int count = blocks - g < 16 ? (int)(blocks - g) : 16;
+        sq_scales16(bm + g, count, factor + g, s_dec + g, s_enc + g, scales + g, sv + g, enc + g, values ? q1 + g : NULL,
+                    q15 + g);
+    }
+    codes += r0 * (k / 2);
+    if (values) values += r0 * k;
+    for (int64_t g = 0; g < blocks; g++) {
+        __m512i table = values ? sq_value_table(q1[g], q15[g], sv[g], s_enc[g], q1[g] < 0x1p-124f && q1[g] != 0.0f)
+                               : _mm512_setzero_si512();
+        sq_block16(x + 16 * g, enc[g], table, codes + 8 * g, values ? values + 16 * g : NULL);
+    }
+}
+#endif
+
+typedef struct {
+    const uint16_t *x;
+    int64_t k, lo, hi;
+    float *amax;
+    int own_amax, avx;
+    uint8_t *codes, *scales;
+    uint16_t *values;
+    int64_t bad; /* first non-finite row of this range, or -1 */
+} sq_job_t;
+
+static int sq_run(sq_job_t *j) {
+    const int64_t nb = j->k / 16;
+#if defined(__x86_64__)
+    if (j->avx) {
+        const int64_t per_chunk = nb >= SQ_CHUNK_BLOCKS ? 1 : SQ_CHUNK_BLOCKS / nb;
+        float *mem = malloc((size_t)SQ_ARRAYS * (size_t)(per_chunk * nb + 16) * sizeof(float));
+        if (!mem) return -3;
+        for (int64_t r = j->lo; r < j->hi; r += per_chunk)
+            sq_chunk_avx(j->x, j->k, r, r + per_chunk < j->hi ? r + per_chunk : j->hi, j->amax, j->own_amax, j->codes,
+                         j->scales, j->values, mem, &j->bad);
+        free(mem);
+        return 0;
+    }
+#endif
+    uint32_t *bm = malloc((size_t)(nb ? nb : 1) * sizeof(uint32_t)); /* a row's block amaxes */
+    if (!bm) return -3;
+    for (int64_t r = j->lo; r < j->hi; r++) {
+        const uint16_t *x = j->x + r * j->k;
+        uint32_t top = sq_block_amax_portable(x, nb, bm);
+        if (top > SQ_LIMIT && j->bad < 0) j->bad = r;
+        if (j->own_amax) j->amax[r] = sq_float((top < SQ_LIMIT ? top : SQ_LIMIT) << 16);
+        sq_row_portable(x, j->k, j->amax[r], bm, j->codes + r * (j->k / 2), j->scales + r * nb,
+                        j->values ? j->values + r * j->k : NULL);
+    }
+    free(bm);
+    return 0;
+}
+
+#endif

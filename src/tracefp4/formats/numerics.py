@@ -532,10 +532,10 @@ def _quantize_nvfp4(x: torch.Tensor, global_amax, per_row: bool, *, values: bool
             and _CPU_BACKEND.get() == "numba" and csite.available()):
         # a rollout site (bf16 rows, each its own amax): the C kernel with nothing around it, since a
         # decode step's site is a few microseconds of work and every tensor op here costs one
-        lead = x.shape[:-1]
-        codes, scales, amax, out, bad = csite.nvfp4_rows(x.detach().reshape(-1, x.shape[-1]), None, values=values)
+        lead, k = x.shape[:-1], x.shape[-1]
+        codes, scales, amax, out, bad = csite.nvfp4_rows(x.detach().reshape(row_count(x.shape), k), None, values=values)
         raise_non_finite(x, bad)
-        q = NVFP4(codes=codes.view(*lead, -1), scales=scales.view(torch.float8_e4m3fn).view(*lead, -1),
+        q = NVFP4(codes=codes.view(*lead, k // 2), scales=scales.view(torch.float8_e4m3fn).view(*lead, k // NVFP4_BLOCK),
                   global_amax=amax.view(*lead, 1))
         return q, out.view(x.shape) if values else None
     check_input(x, NVFP4_BLOCK)

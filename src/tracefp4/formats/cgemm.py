@@ -436,7 +436,7 @@ def topk_combine(out: torch.Tensor, weights: torch.Tensor, *, threads: int | Non
     out = out.contiguous()
     w = weights.to(torch.float32).contiguous()
     res = torch.empty(n, h, dtype=torch.bfloat16)
-    t = 1 if n * k * h < (1 << 18) else int(threads or torch.get_num_threads())  # small: one thread
+    t = 1 if n * k * h < (1 << 16) else int(threads or torch.get_num_threads())  # below 128 KiB of input: one thread
     if lib.tfp4_topk_combine(out.data_ptr(), w.data_ptr(), n, k, h, res.data_ptr(), t, COMBINE_IMPLS[impl]) != 0:
         raise ValueError(f"topk_combine: implementation {impl!r} not run by this CPU (out {tuple(out.shape)})")
     return res

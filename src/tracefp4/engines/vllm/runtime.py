@@ -19,6 +19,7 @@ through the worker extension's RPC methods (:mod:`.worker`), in-process or acros
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import torch
@@ -32,6 +33,7 @@ __all__ = ["StepRecord", "WorkerRuntime", "RUNTIME", "layer_index", "install_ste
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
+@functools.lru_cache(maxsize=4096)  # asked at every K/V site of every forward
 def layer_index(name: str) -> int:
     """``model.layers.7.mlp.experts`` -> 7 (vLLM's module prefixes and attention layer names)."""
     m = _LAYER.search(name)
@@ -64,6 +66,7 @@ class WorkerRuntime:
         # vLLM's dummy forwards (memory profiling, compile warm-up) run on whatever the buffers hold:
         # their inputs may be NaN, which the quantizers rightly refuse, and their outputs are thrown away
         self.dummy = False
+        self._state: ForwardState | None = None
 
     @property
     def plan(self) -> PrecisionPlan | None:
@@ -75,8 +78,13 @@ class WorkerRuntime:
         return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) if self.dummy else x
 
     def state(self) -> ForwardState:
-        """What the seams of the forward in progress compute with and record into."""
-        return ForwardState(self.plan, self.capture)
+        """What the seams of the forward in progress compute with and record into (one object while
+        the plan and capture stay: asked at every site)."""
+        plan, capture = self.plan, self.capture
+        kept = self._state
+        if kept is None or kept.plan is not plan or kept.path is not capture:
+            kept = self._state = ForwardState(plan, capture)
+        return kept
 
     def begin(self, plan: PrecisionPlan | None, capture: RolloutCapture) -> None:
         self.call_plan, self.capture, self.in_call, self.recording = plan, capture, True, True

@@ -1,5 +1,6 @@
 """The C site quantizer (``formats/csite.py``, ``csrc/site_quant.h``) against the numba kernel and the
-readable reference, bit for bit (atol=0), and the C top-k combine against torch's expression."""
+readable reference, bit for bit (atol=0), and the C top-k combine and SiLU gate against torch's
+expressions."""
 
 from __future__ import annotations
 
@@ -148,3 +149,77 @@ def test_combine_refuses_bad_operands():
         cgemm.topk_combine(torch.zeros(2, 4, 8), torch.zeros(2, 4))
     with pytest.raises(ValueError, match="expected CPU bf16 out"):
         cgemm.topk_combine(torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(2, 3))
+
+
+# --- the SiLU gate ---------------------------------------------------------------------------------
+
+ALL_BF16 = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def test_silu_table_is_torchs_silu_in_its_vectorised_and_scalar_loops():
+    """The table is made with torch's vectorised kernel; torch's scalar loop (a strided input) gives the
+    same bits on every finite input, so the table is torch's SiLU whichever loop torch would run."""
+    table = cgemm.silu_table()
+    assert table.dtype == torch.int16 and table.shape == (65537,) and int(table[-1]) == 0
+    spaced = torch.zeros(2 << 16, dtype=torch.bfloat16)
+    spaced[::2] = ALL_BF16
+    scalar = torch.nn.functional.silu(spaced[::2]).view(torch.int16)
+    vector = torch.nn.functional.silu(ALL_BF16.clone()).view(torch.int16)
+    finite = torch.isfinite(ALL_BF16.float())
+    assert torch.equal(table[:-1][finite], scalar[finite]) and torch.equal(table[:-1][finite], vector[finite])
+
+
+@pytest.mark.parametrize("impl", COMBINE_IMPLS + ["auto"])
+@pytest.mark.parametrize("threads", [1, 2, 5])
+@pytest.mark.parametrize("rows,inter", [(256, 256), (64, 1024), (7, 40), (1, 16), (3, 1), (0, 32)])
+def test_silu_gate_equals_torch_bit_for_bit(impl, threads, rows, inter):
+    """``F.silu(gate) * up`` with the gates running through every bf16 pattern (inf, nan, subnormals
+    and signed zeros among them) and random ups of every magnitude; 40 and 1 leave a tail to the
+    portable loop. NaN results are compared as NaN (torch's vectorised and scalar loops write
+    different NaN bits; a site refuses NaN either way)."""
+    g = torch.Generator().manual_seed(rows * 7 + inter)
+    n = rows * inter
+    gate = ALL_BF16[torch.randperm(1 << 16, generator=g)[:n]]  # n <= 2^16: distinct patterns, all of them at 2^16
+    up = (torch.randn(n, generator=g) * torch.exp2(torch.randint(-40, 40, (n,), generator=g).float())).to(torch.bfloat16)
+    x = torch.cat([gate.reshape(rows, inter), up.reshape(rows, inter)], dim=1)
+    gate_half, up_half = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate_half) * up_half
+    got = cgemm.silu_gate(x, impl=impl, threads=threads)
+    assert got.shape == (rows, inter) and got.dtype == torch.bfloat16
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
+def test_silu_gate_refuses_bad_operands():
+    with pytest.raises(ValueError, match=r"silu_gate: expected CPU bf16 \[R, 2I\], got torch.float32"):
+        cgemm.silu_gate(torch.zeros(2, 8))
+    with pytest.raises(ValueError, match=r"expected CPU bf16 \[R, 2I\], got torch.bfloat16 \(2, 7\)"):
+        cgemm.silu_gate(torch.zeros(2, 7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="silu_gate impl"):
+        cgemm.silu_gate(torch.zeros(2, 8, dtype=torch.bfloat16), impl="sse")
+
+
+def test_the_packed_backend_gates_in_c_and_every_backend_takes_a_function():
+    from tracefp4.engines.experts.base import SILU_GATE, silu_gate
+    from tracefp4.engines.experts.cpu_fp4 import PackedCPUGEMM
+    from tracefp4.engines.experts.dense import DenseGEMM
+
+    x = (torch.randn(24, 64) * 3).to(torch.bfloat16)
+    want = silu_gate(x).view(torch.int16)
+    for gemm in (PackedCPUGEMM(), DenseGEMM()):
+        assert torch.equal(gemm.activate(x, SILU_GATE).view(torch.int16), want)
+        assert torch.equal(gemm.activate(x, lambda t: t[:, :32] * 2), x[:, :32] * 2)
+        with pytest.raises(ValueError, match="unknown expert activation 'gelu'"):
+            gemm.activate(x, "gelu")
+
+
+def test_qwen3_moe_experts_gate_by_name_and_other_gates_run_as_they_are():
+    from tracefp4.engines.experts.base import SILU_GATE
+    from tracefp4.engines.model import TinyMoESpec, experts_gate, from_config
+
+    model = from_config(TinyMoESpec(layers=1).config(), seed=0)
+    experts = model.model.layers[0].mlp.experts
+    assert experts_gate(experts) == SILU_GATE
+    experts.act_fn = torch.nn.GELU()  # another activation: the module's own gate, applied as it is
+    assert experts_gate(experts) == experts._apply_gate

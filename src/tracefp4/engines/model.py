@@ -58,6 +58,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterfac
 from transformers.masking_utils import create_causal_mask
 
 from tracefp4.engines.experts import ExpertGEMM, PreparedCache, PreparedWeight, choose_gemm, routed_experts
+from tracefp4.engines.experts.base import SILU_GATE, Activation
 from tracefp4.engines.path import ForwardPath
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.sites import BF16, ForwardState, quantize_kv, quantize_site
@@ -215,7 +216,18 @@ def tracefp4_experts_forward(
     w_gate_up = expert_weights(state, self, "gate_up_proj", gemm)
     w_down = expert_weights(state, self, "down_proj", gemm)
     return routed_experts(state, layer, hidden_states, top_k_index, top_k_weights, w_gate_up, w_down, gemm,
-                          self._apply_gate)
+                          experts_gate(self))
+
+
+def experts_gate(experts: nn.Module) -> Activation:
+    """``SILU_GATE`` for experts that gate as transformers' default ``_apply_gate`` does with a SiLU
+    ``act_fn`` (``F.silu(gate) * up``: the backend may then run its own kernel, bit for bit), else the
+    module's own ``_apply_gate`` (a kin model's other gate or activation runs as it is)."""
+    gate = getattr(type(experts), "_apply_gate", None)
+    act = getattr(experts, "act_fn", None)
+    if getattr(gate, "__name__", None) == "_default_apply_gate" and type(act).__name__ in ("SiLUActivation", "SiLU"):
+        return SILU_GATE
+    return experts._apply_gate
 
 
 def _register_experts_implementation() -> None:

@@ -154,6 +154,9 @@ def build() -> Path:
 
 def _load() -> ctypes.CDLL | None:
     global _lib, _reason
+    lib = _lib
+    if lib is not None:  # loaded: no lock (asked at every site and GEMM of a rollout)
+        return lib
     with _lock:
         if _lib is not None or _reason is not None:
             return _lib
@@ -175,6 +178,8 @@ def _load() -> ctypes.CDLL | None:
         lib.tfp4_nvfp4_quantize.restype = c_int
         lib.tfp4_topk_combine.argtypes = [p, p, i64, i64, i64, p, c_int, c_int]
         lib.tfp4_topk_combine.restype = c_int
+        lib.tfp4_silu_gate.argtypes = [p, i64, i64, p, p, c_int, c_int]
+        lib.tfp4_silu_gate.restype = c_int
         lib.tfp4_has_avx512bf16.restype = c_int
         lib.tfp4_has_amx.restype = c_int
         _lib = lib
@@ -410,7 +415,7 @@ def routed_gemm(x: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scales:
     return out
 
 
-#: ``impl`` values of :func:`topk_combine`.
+#: ``impl`` values of :func:`topk_combine` and :func:`silu_gate`.
 COMBINE_IMPLS = {"auto": 0, "portable": 1, "avx512": 2}
 
 
@@ -439,6 +444,47 @@ def topk_combine(out: torch.Tensor, weights: torch.Tensor, *, threads: int | Non
     t = 1 if n * k * h < (1 << 16) else int(threads or torch.get_num_threads())  # below 128 KiB of input: one thread
     if lib.tfp4_topk_combine(out.data_ptr(), w.data_ptr(), n, k, h, res.data_ptr(), t, COMBINE_IMPLS[impl]) != 0:
         raise ValueError(f"topk_combine: implementation {impl!r} not run by this CPU (out {tuple(out.shape)})")
+    return res
+
+
+_SILU_TABLE: list[torch.Tensor] = []
+
+
+def silu_table() -> torch.Tensor:
+    """torch's bf16 SiLU of every bf16 bit pattern, as int16 ``[65537]`` (entry ``i``: the SiLU of the
+    bf16 with bits ``i``; one entry of padding), made once per process by torch itself, so that
+    :func:`silu_gate` returns torch's values on this machine and build. Computed in contiguous chunks
+    of 4096 (torch's vectorised kernel; its scalar loop gives the same bits on every finite input,
+    which tests/test_fp4_gemm.py checks)."""
+    with _lock:
+        if not _SILU_TABLE:
+            bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+            silu = torch.cat([torch.nn.functional.silu(bits[i:i + 4096]) for i in range(0, 1 << 16, 4096)])
+            _SILU_TABLE.append(torch.cat([silu.view(torch.int16), torch.zeros(1, dtype=torch.int16)]))
+        return _SILU_TABLE[0]
+
+
+def silu_gate(x: torch.Tensor, *, threads: int | None = None, impl: str = "auto") -> torch.Tensor:
+    """The SiLU-gated ``[gate; up]`` activation of bf16 rows ``x [R, 2I]`` -> bf16 ``[R, I]``, bit for
+    bit torch's ``F.silu(gate) * up`` (``gate, up = x.chunk(2, -1)``; csrc/silu_gate.h: torch's SiLU
+    through :func:`silu_table`, the product rounded as torch rounds it), in one pass instead of two
+    tensor ops and the intermediate. Raises RuntimeError when the kernel is unavailable."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"packed FP4 CPU kernel unavailable: {_reason}")
+    if (not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % 2
+            or not x.shape[1] or x.device.type != "cpu"):
+        raise ValueError(f"silu_gate: expected CPU bf16 [R, 2I], got {getattr(x, 'dtype', type(x).__name__)} "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+    if impl not in COMBINE_IMPLS:
+        raise ValueError(f"silu_gate impl: expected one of {sorted(COMBINE_IMPLS)}, got {impl!r}")
+    x = x.contiguous()
+    rows, inter = x.shape[0], x.shape[1] // 2
+    res = torch.empty(rows, inter, dtype=torch.bfloat16)
+    t = 1 if x.numel() < (1 << 16) else int(threads or torch.get_num_threads())  # below 128 KiB of input: one thread
+    table = silu_table()
+    if lib.tfp4_silu_gate(x.data_ptr(), rows, inter, table.data_ptr(), res.data_ptr(), t, COMBINE_IMPLS[impl]) != 0:
+        raise ValueError(f"silu_gate: implementation {impl!r} not run by this CPU (x {tuple(x.shape)})")
     return res
 
 

@@ -20,7 +20,7 @@ import torch
 from tracefp4.formats import cgemm
 from tracefp4.formats.constants import NVFP4_BLOCK
 
-__all__ = ["IMPLS", "available", "nvfp4_rows"]
+__all__ = ["IMPLS", "available", "nvfp4_rows", "quantize_into"]
 
 #: ``impl`` values of :func:`nvfp4_rows`: the best the CPU runs, portable C, AVX-512.
 IMPLS = {"auto": 0, "portable": 1, "avx512": 2}
@@ -44,14 +44,9 @@ def nvfp4_rows(x: torch.Tensor, amax: torch.Tensor | None, *, values: bool, thre
     flags rows holding a NaN or Inf (their outputs are garbage; the caller refuses them).
     ``threads``: default torch's intra-op count, used only from :data:`GRAIN_BYTES` a thread.
     Raises RuntimeError when the library is unavailable, ValueError on operands it cannot take."""
-    lib = cgemm.library()
-    if lib is None:
-        raise RuntimeError(f"the tracefp4 CPU kernel library is unavailable: {cgemm.unavailable_reason()}")
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % NVFP4_BLOCK or x.device.type != "cpu":
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % NVFP4_BLOCK or not x.is_cpu:
         raise ValueError(f"nvfp4_rows x: expected CPU bf16 [R, K] with K a multiple of {NVFP4_BLOCK}, got "
                          f"{x.dtype} {tuple(x.shape)} on {x.device}")
-    if impl not in IMPLS:
-        raise ValueError(f"nvfp4_rows impl: expected one of {sorted(IMPLS)}, got {impl!r}")
     x = x.contiguous()
     r, k = x.shape
     own = amax is None
@@ -64,15 +59,37 @@ def nvfp4_rows(x: torch.Tensor, amax: torch.Tensor | None, *, values: bool, thre
     codes = torch.empty(r, k // 2, dtype=torch.uint8)
     scales = torch.empty(r, k // NVFP4_BLOCK, dtype=torch.uint8)
     out = torch.empty(r, k, dtype=torch.bfloat16) if values else None
+    any_bad = quantize_into(x, amax, codes, scales, out, own_amax=own, threads=threads, impl=impl)
+    bad = ~torch.isfinite(x).all(dim=1).numpy() if any_bad else np.zeros(r, dtype=np.bool_)
+    return codes, scales, amax, out, bad
+
+
+def quantize_into(x: torch.Tensor, amax: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                  values: torch.Tensor | None, *, own_amax: bool, threads: int | None = None, impl: str = "auto") -> bool:
+    """The pass of :func:`nvfp4_rows` into tensors the caller made, in whatever shapes it wants them
+    (a site's ``[..., K/2]`` codes, ``[..., K/16]`` scales of any one-byte dtype, ``[..., 1]`` amax:
+    the hot path then needs no views): all contiguous on the CPU, ``x`` bf16 with K (its last dim) a
+    multiple of 16, holding R rows' worth of elements each (``amax`` R, read unless ``own_amax``).
+    Returns whether some row held a NaN or Inf (its outputs are garbage; the caller refuses it)."""
+    lib = cgemm.library()
+    if lib is None:
+        raise RuntimeError(f"the tracefp4 CPU kernel library is unavailable: {cgemm.unavailable_reason()}")
+    if impl not in IMPLS:
+        raise ValueError(f"nvfp4_rows impl: expected one of {sorted(IMPLS)}, got {impl!r}")
+    k = x.shape[-1] if x.dim() else 0
+    r = x.numel() // k if k else 0
+    if (x.dtype != torch.bfloat16 or not k or k % NVFP4_BLOCK or not x.is_contiguous() or amax.numel() != r
+            or codes.numel() != r * k // 2 or scales.numel() != r * k // NVFP4_BLOCK or scales.element_size() != 1
+            or amax.dtype != torch.float32 or (values is not None and values.numel() != r * k)):
+        raise ValueError(f"quantize_into: operands do not fit bf16 rows of {k} elements (x {x.dtype} "
+                         f"{tuple(x.shape)}, amax {tuple(amax.shape)}, codes {tuple(codes.shape)}, scales "
+                         f"{tuple(scales.shape)})")
     nbytes = 2 * r * k
     t = 1 if nbytes < 2 * GRAIN_BYTES else max(1, min(int(threads or torch.get_num_threads()), nbytes // GRAIN_BYTES))
     first_bad = ctypes.c_int64(-1)
-    rc = lib.tfp4_nvfp4_quantize(x.data_ptr(), r, k, amax.data_ptr(), int(own), codes.data_ptr(), scales.data_ptr(),
-                                 out.data_ptr() if values else None, t, IMPLS[impl], ctypes.byref(first_bad))
+    rc = lib.tfp4_nvfp4_quantize(x.data_ptr(), r, k, amax.data_ptr(), int(own_amax), codes.data_ptr(), scales.data_ptr(),
+                                 None if values is None else values.data_ptr(), t, IMPLS[impl], ctypes.byref(first_bad))
     if rc != 0:
         why = "out of memory" if rc == -3 else f"implementation {impl!r} not run by this CPU"
         raise ValueError(f"nvfp4_rows: {why} (x {tuple(x.shape)})")
-    bad = np.zeros(r, dtype=np.bool_)
-    if first_bad.value >= 0:  # the rows after the first are found by the caller's refusal, from the input
-        bad[:] = ~torch.isfinite(x).all(dim=1).numpy()
-    return codes, scales, amax, out, bad
+    return first_bad.value >= 0

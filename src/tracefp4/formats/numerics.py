@@ -533,11 +533,15 @@ def _quantize_nvfp4(x: torch.Tensor, global_amax, per_row: bool, *, values: bool
         # a rollout site (bf16 rows, each its own amax): the C kernel with nothing around it, since a
         # decode step's site is a few microseconds of work and every tensor op here costs one
         lead, k = x.shape[:-1], x.shape[-1]
-        codes, scales, amax, out, bad = csite.nvfp4_rows(x.detach().reshape(row_count(x.shape), k), None, values=values)
-        raise_non_finite(x, bad)
-        q = NVFP4(codes=codes.view(*lead, k // 2), scales=scales.view(torch.float8_e4m3fn).view(*lead, k // NVFP4_BLOCK),
-                  global_amax=amax.view(*lead, 1))
-        return q, out.view(x.shape) if values else None
+        # the outputs made in their final shapes and dtypes, so no view is needed after the pass
+        q = NVFP4(codes=torch.empty(*lead, k // 2, dtype=torch.uint8),
+                  scales=torch.empty(*lead, k // NVFP4_BLOCK, dtype=torch.float8_e4m3fn),
+                  global_amax=torch.empty(*lead, 1, dtype=torch.float32))
+        out = torch.empty(x.shape, dtype=torch.bfloat16) if values else None
+        xd = x.detach().contiguous()
+        if csite.quantize_into(xd, q.global_amax, q.codes, q.scales, out, own_amax=True):
+            raise_non_finite(xd, ~torch.isfinite(xd.reshape(-1, k)).all(dim=1))
+        return q, out
     check_input(x, NVFP4_BLOCK)
     amax = None if global_amax is None else check_global_amax(global_amax, x.shape).to(x.device)
     lead = x.shape[:-1]

@@ -5,6 +5,10 @@ dim 256; 64 prompts x 128 new tokens), and ``bandwidth``, a decode-bound one at 
 shapes (hidden 2048, 64 experts top-8, expert dim 768, 4 layers; batches of 8 and 32, so 1-4 rows per
 expert per decode step, and expert weights of 2.4 GB in BF16, far beyond any cache). Random weights,
 prompts of 16 tokens, a fixed number of new tokens (no stop token, so every mode generates as many).
+The shape options (``--layers``, ``--hidden``, ``--experts``, ``--top-k``, ``--expert-dim``, ``--heads``,
+``--kv-heads``, ``--head-dim``) replace the preset's dimensions, to measure at another model's per-layer
+shapes (:func:`preset_spec` refuses those the FP4 paths cannot run); the targets are the presets' own
+and are not evaluated at other shapes.
 
 Modes: ``bf16`` (no quantization), ``fp4`` (the default W4A4 plan, routing recorded only),
 ``trace_lsb`` (lsb guidance on the deeper half, the paper's compact cache), ``trace_full`` (full codes
@@ -55,7 +59,7 @@ from tracefp4.engines.protocol import RolloutEngine, SamplingParams
 from tracefp4.guidance.compact import GuidedMode
 
 __all__ = ["BANDWIDTH_MOE", "MID_MOE", "MODES", "PRESETS", "Preset", "bench_rollout", "format_rollout",
-           "add_rollout_command", "TARGETS"]
+           "add_rollout_command", "preset_spec", "TARGETS"]
 
 #: The mid-size MoE (about hidden 512, 8 layers, 16 experts top-4).
 MID_MOE = TinyMoESpec(hidden=512, layers=8, experts=16, top_k=4, moe_intermediate=256, heads=8, kv_heads=4,
@@ -190,10 +194,15 @@ def memory_probe(engine: str, ckpt: str, preset: str, modules: Sequence[str] = (
     ``engine``: ``home`` (reports the model alone, then with its packed experts), ``vllm-fp4``,
     ``vllm-bf16``. ``modules`` (see :func:`engine_modules`) and the FP4 kernels are loaded before
     the first reading; their growth is ``runtime_bytes``."""
+    from transformers import AutoConfig
+
     p = PRESETS[preset]
+    # the checkpoint's dimensions (the preset's, or those the command line replaced)
+    config = AutoConfig.from_pretrained(ckpt, local_files_only=True)
     prompts = [[3 + (i * 7 + j) % 100 for j in range(p.prompt_len)] for i in range(2)]
     sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
-    out: dict = {"engine": engine, "expert_params": expert_params(p.spec)}
+    out: dict = {"engine": engine, "expert_params": config.num_hidden_layers * config.num_experts * 3 * config.hidden_size
+                 * config.moe_intermediate_size}
     # everything imported before the first reading, so that only the engine's own memory is counted
     from tracefp4.engines.rollout import HomeEngine
     from tracefp4.formats import cgemm
@@ -212,7 +221,7 @@ def memory_probe(engine: str, ckpt: str, preset: str, modules: Sequence[str] = (
     out["runtime_bytes"] = before - start
     if engine == "home":
         # built in memory (a loaded checkpoint's file pages would count as resident too)
-        home = HomeEngine(from_config(p.spec.config(), seed=0))
+        home = HomeEngine(from_config(config, seed=0))
         home.generate(prompts, sampling, plan=None, guidance=None)
         _release()
         out["bf16_bytes"] = _rss() - before
@@ -298,7 +307,9 @@ def bench_rollout(engines: Sequence[str] = ("home", "vllm"), *, preset: str = "m
         if memory:
             say("memory: one fresh process per engine")
             res.update(measure_memory(ckpt, preset, engines))
-    res["targets"] = _targets(res, preset)
+    # the targets are set for the presets' own shapes; at others the figures stand alone
+    res["preset_shapes"] = spec == p.spec
+    res["targets"] = _targets(res, preset) if res["preset_shapes"] else []
     return res
 
 
@@ -366,8 +377,8 @@ def serve(engine: str, ckpt: str, new_tokens: int, max_model_len: int) -> None:
     os.dup2(2, 1)  # whatever else writes to stdout goes to stderr
     sys.stdout = sys.stderr
     modes = ("bf16",) if engine == "vllm-bf16" else ("fp4", "trace_lsb", "trace_full")
-    for mode in modes:  # warm-up
-        _call(e, mode, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0), prompts[:2], plan)
+    for mode in modes:  # warm-up at the timed batch (vLLM compiles per batch shape; first-use costs go here)
+        _call(e, mode, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0), prompts, plan)
     print(_MARK + json.dumps({"ready": True}), file=out, flush=True)
     try:
         for line in sys.stdin:
@@ -402,7 +413,7 @@ def _time_batch(engines, model, ckpt, prompts, new_tokens, prompt_len, repeats, 
         if "home" in engines:
             home = HomeEngine(model)
             for mode in MODES:
-                _call(home, mode, warm, prompts[:2], plan)
+                _call(home, mode, warm, prompts, plan)
                 calls[("home", mode)] = lambda m=mode: _call(home, m, sampling, prompts, plan)
         if "vllm" in engines:
             max_len = max(64, -(-(prompt_len + new_tokens + 2) // 16) * 16)
@@ -466,10 +477,50 @@ def format_rollout(res: dict) -> str:
     if mem:
         lines.append("resident bytes per routed-expert parameter (KV cache aside; home fp4 = the trainer's BF16 "
                      "weights + the packed experts): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(mem.items())))
+    if not res.get("preset_shapes", True):
+        lines.append(f"no targets: the {res['preset']} preset's targets are set for its own shapes, not these")
     for t in res.get("targets", []):
         sym = ">=" if t["kind"] == "min" else "<="
         lines.append(f"target {t['target']}: {t['value']:.3f} ({sym} {t['bound']}: {'ok' if t['met'] else 'MISSED'})")
     return "\n".join(lines)
+
+
+#: (flag, TinyMoESpec field, what it sets) of ``bench rollout``'s shape options.
+_SHAPE_FLAGS = (
+    ("--layers", "layers", "decoder layers"),
+    ("--hidden", "hidden", "hidden size (a multiple of 16: the NVFP4 block)"),
+    ("--experts", "experts", "routed experts per layer"),
+    ("--top-k", "top_k", "experts per token"),
+    ("--expert-dim", "moe_intermediate", "each expert's intermediate size (a multiple of 16)"),
+    ("--heads", "heads", "attention query heads"),
+    ("--kv-heads", "kv_heads", "attention KV heads (dividing --heads)"),
+    ("--head-dim", "head_dim", "attention head dimension (a multiple of 16)"),
+)
+
+
+def preset_spec(preset: str, **shape: int | None) -> TinyMoESpec:
+    """The preset's model with the given dimensions replaced (None: the preset's), refused with the
+    offending option named where the FP4 paths cannot run it: every dimension a quantization site or
+    a packed GEMM reduces over (hidden, expert dim, head dim) must hold whole NVFP4 blocks of 16."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    flags = {field: flag for flag, field, _ in _SHAPE_FLAGS}
+    unknown = sorted(set(shape) - set(flags))
+    if unknown:
+        raise ValueError(f"unknown model dimension(s) {unknown}; expected some of {sorted(flags)}")
+    given = {k: int(v) for k, v in shape.items() if v is not None}
+    for field, v in given.items():
+        if v < 1:
+            raise ValueError(f"{flags[field]} must be at least 1, got {v}")
+    spec = dataclasses.replace(PRESETS[preset].spec, **given)
+    for field in ("hidden", "moe_intermediate", "head_dim"):
+        if getattr(spec, field) % 16:
+            raise ValueError(f"{flags[field]} must be a multiple of 16 (the NVFP4 block), got {getattr(spec, field)}")
+    if spec.top_k > spec.experts:
+        raise ValueError(f"--top-k {spec.top_k} exceeds --experts {spec.experts}")
+    if spec.heads % spec.kv_heads:
+        raise ValueError(f"--kv-heads {spec.kv_heads} must divide --heads {spec.heads}")
+    return spec
 
 
 def add_rollout_command(bsub, write_json: Callable[[str | None, dict], None]) -> None:
@@ -483,14 +534,14 @@ def add_rollout_command(bsub, write_json: Callable[[str | None, dict], None]) ->
     b.add_argument("--batch", type=int, action="append", help="batch size (repeatable; default: the preset's)")
     b.add_argument("--new-tokens", type=int, help="new tokens per prompt (default: the preset's)")
     b.add_argument("--repeats", type=int, default=1, help="interleaved rounds (median reported)")
-    b.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
-    b.add_argument("--hidden", type=int, help="hidden size (default: the preset's)")
+    # the model's shapes, to measure at your model's per-layer dimensions (random weights either way)
+    for flag, field, what in _SHAPE_FLAGS:
+        b.add_argument(flag, type=int, dest=field, help=f"{what} (default: the preset's)")
     b.add_argument("--no-memory", action="store_true", help="skip the resident-memory probes")
     b.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
 
     def run(args: argparse.Namespace) -> int:
-        p = PRESETS[args.preset]
-        spec = dataclasses.replace(p.spec, **{k: v for k, v in (("layers", args.layers), ("hidden", args.hidden)) if v})
+        spec = preset_spec(args.preset, **{f: getattr(args, f) for _, f, _ in _SHAPE_FLAGS})  # refusals name the option
         res = bench_rollout([e.strip() for e in args.engines.split(",") if e.strip()], preset=args.preset,
                             batches=args.batch, new_tokens=args.new_tokens, repeats=args.repeats, spec=spec,
                             memory=not args.no_memory, progress=lambda msg: print(msg, file=sys.stderr, flush=True))

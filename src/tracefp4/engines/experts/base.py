@@ -4,13 +4,28 @@ from __future__ import annotations
 
 import abc
 import functools
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from tracefp4.formats.quantizers import Quantizer
 
-__all__ = ["ExpertGEMM", "PreparedWeight", "Routing"]
+__all__ = ["SILU_GATE", "Activation", "ExpertGEMM", "PreparedWeight", "Routing", "silu_gate"]
+
+#: The gate between the two GEMMs named rather than given as a function: SiLU-gated ``[gate; up]``
+#: (Qwen3-MoE's experts, :func:`silu_gate`), which a backend may compute in a kernel of its own, bit
+#: for bit that function.
+SILU_GATE = "silu_gate"
+#: What :meth:`ExpertGEMM.activate` takes: :data:`SILU_GATE` or a function of the gate-up output.
+Activation = Callable[[torch.Tensor], torch.Tensor] | str
+
+
+def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU-gated ``[gate; up]`` (transformers' default ``_apply_gate`` with a SiLU ``act_fn``)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class Routing:
@@ -70,6 +85,16 @@ class ExpertGEMM(abc.ABC):
         """Each (token, slot) pair's row times its expert's ``weight[e].T`` -> ``[pairs, N]`` in pair
         order and x's dtype. ``x`` holds one row per token (``[T, K]``, shared by the token's top-k
         pairs: ``per_token``, the gate-up GEMM) or one per pair (``[T * top_k, K]``, the down GEMM)."""
+
+    def activate(self, gate_up: torch.Tensor, act: Activation) -> torch.Tensor:
+        """The gate between the GEMMs: the gate-up output ``[pairs, 2I]`` -> the down GEMM's input
+        ``[pairs, I]``. ``act`` is :data:`SILU_GATE` (a backend may run a kernel of its own, bit for bit
+        :func:`silu_gate`) or a function, applied as it is."""
+        if isinstance(act, str):
+            if act != SILU_GATE:
+                raise ValueError(f"unknown expert activation {act!r}; expected {SILU_GATE!r} or a function")
+            return silu_gate(gate_up)
+        return act(gate_up)
 
     def combine(self, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The top-k sum: ``out [T, top_k, H]`` (each pair's expert output) weighted by ``weights

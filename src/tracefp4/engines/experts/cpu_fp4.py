@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from tracefp4.engines.experts.base import ExpertGEMM, Routing
+from tracefp4.engines.experts.base import SILU_GATE, Activation, ExpertGEMM, Routing
 from tracefp4.engines.experts.dense import expert_divisor
 from tracefp4.formats import cgemm
 from tracefp4.formats.constants import MXFP4_BLOCK, NVFP4_BLOCK, Format
@@ -90,6 +90,12 @@ class PackedCPUGEMM(ExpertGEMM):
         # the kernel groups the pairs by expert and reads / writes rows in place (no sort or gathers here)
         return cgemm.routed_gemm(x, routing.ids, weight.codes, weight.scales, weight.divisor, weight.fmt,
                                  per_token=per_token, layout=weight.layout)
+
+    def activate(self, gate_up: torch.Tensor, act: Activation) -> torch.Tensor:
+        # the SiLU gate in one C pass, bit for bit torch's F.silu(gate) * up (tests/test_fp4_gemm.py)
+        if act == SILU_GATE and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2:
+            return cgemm.silu_gate(gate_up)
+        return super().activate(gate_up, act)
 
     def combine(self, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # one C pass, bit for bit the base class's five tensor ops (tests/test_fp4_gemm.py)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from tracefp4.engines.experts.base import ExpertGEMM, PreparedWeight, Routing
+from tracefp4.engines.experts.base import Activation, ExpertGEMM, PreparedWeight, Routing
 from tracefp4.engines.sites import ForwardState, quantize_site
 from tracefp4.guidance.names import Site, layer_tag
 
@@ -29,12 +27,13 @@ def routed_experts(
     gate_up: PreparedWeight,
     down: PreparedWeight,
     gemm: ExpertGEMM,
-    act: Callable[[torch.Tensor], torch.Tensor],
+    act: Activation,
 ) -> torch.Tensor:
     """Routed experts on ``x [N, H]`` (flattened tokens) with ``topk_ids``/``topk_weights [N, top_k]``.
 
     ``gate_up`` (``[E, 2I, H]``) and ``down`` (``[E, H, I]``) are prepared by ``gemm``; ``act`` maps the
-    gate-up output ``[rows, 2I]`` to the down projection's input (SiLU-gated for Qwen3-MoE). The
+    gate-up output ``[rows, 2I]`` to the down projection's input: ``SILU_GATE`` (Qwen3-MoE's SiLU gate,
+    which the backend computes, :meth:`ExpertGEMM.activate`) or a function. The
     ``expert_in`` site is quantized per token, ``expert_mid`` as one ``[N, top_k, I]`` tensor (rows:
     token x selected expert, so its record is addressed by token position like every other site).
     The top-k outputs are summed in float32, like transformers' grouped_mm path.
@@ -45,7 +44,7 @@ def routed_experts(
     check_expert_ids(layer, topk_ids, n_experts)
     xq = quantize_site(state, layer, Site.EXPERT_IN, x)
     routing = Routing(topk_ids, n_experts)
-    mid = act(gemm.matmul(xq, gate_up, routing, per_token=True))  # [N * top_k, I], (token, slot) order
+    mid = gemm.activate(gemm.matmul(xq, gate_up, routing, per_token=True), act)  # [N * top_k, I], (token, slot) order
     mid = quantize_site(state, layer, Site.EXPERT_MID, mid.reshape(n, k, -1))
     out = gemm.matmul(mid.reshape(n * k, -1), down, routing, per_token=False).reshape(n, k, -1)
     return gemm.combine(out, topk_weights).to(x.dtype)

@@ -32,7 +32,6 @@ prepare_process()  # before numba: a spawned worker unpickles this config before
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from vllm.model_executor.layers.fused_moe import RoutedExperts  # noqa: E402
 from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig  # noqa: E402
@@ -43,6 +42,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.utils import set_weight_attrs  # noqa: E402
 
 from tracefp4.engines.experts import ExpertGEMM, PreparedWeight, choose_gemm, routed_experts  # noqa: E402
+from tracefp4.engines.experts.base import SILU_GATE, silu_gate  # noqa: E402
 from tracefp4.engines.experts.cpu_fp4 import PackedWeight  # noqa: E402
 from tracefp4.engines.experts.dense import DenseWeight  # noqa: E402
 from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
@@ -95,12 +95,6 @@ class TraceFP4Config(QuantizationConfig):
         if isinstance(layer, LinearBase):
             return UnquantizedLinearMethod()
         return None
-
-
-def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU-gated ``[gate; up]`` (Qwen3-MoE's experts, transformers' ``_apply_gate``)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 _PARTS = ("w13", "w2")
@@ -215,4 +209,4 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         # vLLM's router has run: the path's routing hook sees its choice (a rollout records it)
         topk_weights, topk_ids = state.path.route(self.layer_index, topk_weights, topk_ids.to(torch.long))
         return routed_experts(state, self.layer_index, RUNTIME.site_input(x), topk_ids, topk_weights, w13, w2, gemm,
-                              silu_gate)
+                              SILU_GATE)

@@ -53,6 +53,7 @@
 #include "panels.h"
 #include "site_quant.h"
 #include "combine.h"
+#include "silu_gate.h"
 #include "tiles.h"
 #if defined(__x86_64__) && defined(__linux__)
 #include <cpuid.h>
@@ -360,6 +361,29 @@ int tfp4_topk_combine(const uint16_t *out, const float *w, int64_t n, int64_t k,
         }
 #endif
         combine_rows_portable(out + t * k * h, w + t * k, k, h, 0, h, res + t * h);
+    }
+    return 0;
+}
+
+/* The SiLU-gated activation (silu_gate.h): x bf16 [rows, 2 * inter] -> res bf16 [rows, inter], with
+ * `table` torch's bf16 SiLU of every bf16 pattern (65536 entries and one of padding); impl as
+ * tfp4_nvfp4_quantize's. Rows are split over `threads` OpenMP threads. Returns 0 or -1. */
+int tfp4_silu_gate(const uint16_t *x, int64_t rows, int64_t inter, const uint16_t *table, uint16_t *res, int threads,
+                   int impl) {
+    if (rows < 0 || inter < 1 || impl < 0 || impl > 2 || (impl == 2 && !tfp4_has_avx512bf16())) return -1;
+    const int avx = impl == 2 || (impl == 0 && tfp4_has_avx512bf16());
+    if (threads < 1 || rows < 2) threads = 1;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+#if defined(__x86_64__)
+        if (avx) {
+            silu_row_avx(x + r * 2 * inter, inter, table, res + r * inter);
+            continue;
+        }
+#endif
+        silu_row_portable(x + r * 2 * inter, inter, table, res + r * inter, 0);
     }
     return 0;
 }

@@ -1,0 +1,59 @@
+"""``tracefp4 bench rollout`` at shapes given on the command line: the figures it reports and its refusals
+(no timing is asserted: speed targets are met in the benchmark itself, not in tests)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tracefp4.cli import main
+from tracefp4.reports.bench_rollout import MODES, PRESETS, expert_params, preset_spec
+
+SHAPE = ["--layers", "1", "--hidden", "64", "--experts", "4", "--top-k", "2", "--expert-dim", "32", "--heads", "2",
+         "--kv-heads", "1", "--head-dim", "32"]
+
+
+def test_shape_options_replace_the_presets_dimensions_and_drop_its_targets(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    args = ["bench", "rollout", "--preset", "bandwidth", "--engines", "home", *SHAPE, "--batch", "2", "--new-tokens", "2",
+            "--json", str(path)]
+    assert main(args) == 0
+    res = json.loads(path.read_text())
+    spec = preset_spec("bandwidth", layers=1, hidden=64, experts=4, top_k=2, moe_intermediate=32, heads=2, kv_heads=1,
+                       head_dim=32)
+    assert res["model"]["hidden"] == 64 and res["model"]["experts"] == 4 and res["model"]["moe_intermediate"] == 32
+    assert res["model"]["vocab"] == PRESETS["bandwidth"].spec.vocab  # what no option names stays the preset's
+    assert res["expert_params"] == expert_params(spec) == 1 * 4 * 3 * 64 * 32
+    for mode in MODES:
+        assert res[f"rollout_tokens_per_s.home.{mode}@b2"] > 0
+    assert res["preset_shapes"] is False and res["targets"] == []
+    # the memory probe builds the model of the checkpoint it is given (these shapes, not the preset's)
+    assert res["resident_bytes_per_expert_param.home.bf16"] > 0
+    assert res["resident_bytes_per_expert_param.home.fp4"] > res["resident_bytes_per_expert_param.home.bf16"]
+    out = capsys.readouterr().out
+    assert "MoE hidden 64, 1 layers, 4 experts top-2, expert dim 32" in out and "no targets" in out
+
+
+@pytest.mark.parametrize("shape,message", [
+    ({"hidden": 100}, "--hidden must be a multiple of 16"),
+    ({"moe_intermediate": 40}, "--expert-dim must be a multiple of 16"),
+    ({"head_dim": 72}, "--head-dim must be a multiple of 16"),
+    ({"top_k": 9, "experts": 8}, "--top-k 9 exceeds --experts 8"),
+    ({"heads": 6, "kv_heads": 4}, "--kv-heads 4 must divide --heads 6"),
+    ({"layers": 0}, "--layers must be at least 1"),
+])
+def test_shapes_the_fp4_paths_cannot_run_are_refused_naming_the_option(shape, message):
+    with pytest.raises(ValueError, match=message):
+        preset_spec("mid", **shape)
+
+
+def test_the_command_line_names_a_bad_shape(capsys):
+    assert main(["bench", "rollout", "--engines", "home", "--expert-dim", "40"]) == 2
+    assert "tracefp4: error: --expert-dim must be a multiple of 16 (the NVFP4 block), got 40" in capsys.readouterr().err
+
+
+def test_the_presets_own_shapes_keep_their_targets():
+    assert preset_spec("mid") == PRESETS["mid"].spec
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        preset_spec("huge")

@@ -455,7 +455,7 @@ def silu_table() -> torch.Tensor:
     bf16 with bits ``i``; one entry of padding), made once per process by torch itself, so that
     :func:`silu_gate` returns torch's values on this machine and build. Computed in contiguous chunks
     of 4096 (torch's vectorised kernel; its scalar loop gives the same bits on every finite input,
-    which tests/test_fp4_gemm.py checks)."""
+    which tests/test_csite.py checks)."""
     with _lock:
         if not _SILU_TABLE:
             bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)

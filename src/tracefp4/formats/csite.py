@@ -78,7 +78,9 @@ def quantize_into(x: torch.Tensor, amax: torch.Tensor, codes: torch.Tensor, scal
         raise ValueError(f"nvfp4_rows impl: expected one of {sorted(IMPLS)}, got {impl!r}")
     k = x.shape[-1] if x.dim() else 0
     r = x.numel() // k if k else 0
-    if (x.dtype != torch.bfloat16 or not k or k % NVFP4_BLOCK or not x.is_contiguous() or amax.numel() != r
+    outs = (amax, codes, scales) if values is None else (amax, codes, scales, values)
+    if (x.dtype != torch.bfloat16 or not k or k % NVFP4_BLOCK or not x.is_contiguous() or not x.is_cpu
+            or not all(t.is_cpu and t.is_contiguous() for t in outs) or amax.numel() != r
             or codes.numel() != r * k // 2 or scales.numel() != r * k // NVFP4_BLOCK or scales.element_size() != 1
             or amax.dtype != torch.float32 or (values is not None and values.numel() != r * k)):
         raise ValueError(f"quantize_into: operands do not fit bf16 rows of {k} elements (x {x.dtype} "

@@ -108,7 +108,12 @@ MEMORY_TARGET = ("vllm", "fp4", 0.8)
 
 def expert_params(spec: TinyMoESpec) -> int:
     """Routed-expert parameters: layers x experts x (gate, up, down) x hidden x expert dim."""
-    return spec.layers * spec.experts * 3 * spec.hidden * spec.moe_intermediate
+    return config_expert_params(spec.config())
+
+
+def config_expert_params(config) -> int:
+    """:func:`expert_params` of a checkpoint's Qwen3-MoE config."""
+    return config.num_hidden_layers * config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size
 
 
 def _rss() -> int:
@@ -201,8 +206,7 @@ def memory_probe(engine: str, ckpt: str, preset: str, modules: Sequence[str] = (
     config = AutoConfig.from_pretrained(ckpt, local_files_only=True)
     prompts = [[3 + (i * 7 + j) % 100 for j in range(p.prompt_len)] for i in range(2)]
     sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
-    out: dict = {"engine": engine, "expert_params": config.num_hidden_layers * config.num_experts * 3 * config.hidden_size
-                 * config.moe_intermediate_size}
+    out: dict = {"engine": engine, "expert_params": config_expert_params(config)}
     # everything imported before the first reading, so that only the engine's own memory is counted
     from tracefp4.engines.rollout import HomeEngine
     from tracefp4.formats import cgemm

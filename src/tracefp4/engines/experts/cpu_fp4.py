@@ -92,7 +92,7 @@ class PackedCPUGEMM(ExpertGEMM):
                                  per_token=per_token, layout=weight.layout)
 
     def activate(self, gate_up: torch.Tensor, act: Activation) -> torch.Tensor:
-        # the SiLU gate in one C pass, bit for bit torch's F.silu(gate) * up (tests/test_fp4_gemm.py)
+        # the SiLU gate in one C pass, bit for bit torch's F.silu(gate) * up (tests/test_csite.py)
         if act == SILU_GATE and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2:
             return cgemm.silu_gate(gate_up)
         return super().activate(gate_up, act)

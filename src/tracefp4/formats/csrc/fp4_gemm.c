@@ -165,6 +165,13 @@ int tfp4_has_avx512bf16(void) {
 #endif
 }
 
+/* The AVX-512 flag of the one-pass kernels (sites, combine, SiLU gate) for `impl` (0 the best this
+ * CPU runs, 1 portable C, 2 AVX-512): 1 or 0, or -1 for an implementation unknown or not run here. */
+static int one_pass_avx(int impl) {
+    if (impl < 0 || impl > 2 || (impl == 2 && !tfp4_has_avx512bf16())) return -1;
+    return impl == 2 || (impl == 0 && tfp4_has_avx512bf16());
+}
+
 /* 1 if this CPU and OS run the AMX path: CPUID's AMX-BF16 and AMX-TILE, and Linux's permission for
  * the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: Linux 5.16 and later;
  * asked once, granted for the whole process and its children). */
@@ -315,8 +322,8 @@ int tfp4_routed_gemm(const uint16_t *x, const int64_t *ids, int64_t fanout, cons
 int tfp4_nvfp4_quantize(const uint16_t *x, int64_t rows, int64_t k, float *amax, int own_amax, uint8_t *codes,
                         uint8_t *scales, uint16_t *values, int threads, int impl, int64_t *bad) {
     *bad = -1;
-    if (k <= 0 || k % 16 || rows < 0 || impl < 0 || impl > 2 || (impl == 2 && !tfp4_has_avx512bf16())) return -1;
-    const int avx = impl == 2 || (impl == 0 && tfp4_has_avx512bf16());
+    const int avx = one_pass_avx(impl);
+    if (k <= 0 || k % 16 || rows < 0 || avx < 0) return -1;
     if (threads < 1) threads = 1;
     if (threads > rows) threads = rows > 0 ? (int)rows : 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
@@ -347,8 +354,8 @@ int tfp4_nvfp4_quantize(const uint16_t *x, int64_t rows, int64_t k, float *amax,
  * tfp4_nvfp4_quantize's. Tokens are split over `threads` OpenMP threads. Returns 0 or -1. */
 int tfp4_topk_combine(const uint16_t *out, const float *w, int64_t n, int64_t k, int64_t h, uint16_t *res, int threads,
                       int impl) {
-    if (n < 0 || k < 1 || h < 1 || impl < 0 || impl > 2 || (impl == 2 && !tfp4_has_avx512bf16())) return -1;
-    const int avx = impl == 2 || (impl == 0 && tfp4_has_avx512bf16());
+    const int avx = one_pass_avx(impl);
+    if (n < 0 || k < 1 || h < 1 || avx < 0) return -1;
     if (threads < 1 || n < 2) threads = 1;
 #if defined(_OPENMP)
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
@@ -370,8 +377,8 @@ int tfp4_topk_combine(const uint16_t *out, const float *w, int64_t n, int64_t k,
  * tfp4_nvfp4_quantize's. Rows are split over `threads` OpenMP threads. Returns 0 or -1. */
 int tfp4_silu_gate(const uint16_t *x, int64_t rows, int64_t inter, const uint16_t *table, uint16_t *res, int threads,
                    int impl) {
-    if (rows < 0 || inter < 1 || impl < 0 || impl > 2 || (impl == 2 && !tfp4_has_avx512bf16())) return -1;
-    const int avx = impl == 2 || (impl == 0 && tfp4_has_avx512bf16());
+    const int avx = one_pass_avx(impl);
+    if (rows < 0 || inter < 1 || avx < 0) return -1;
     if (threads < 1 || rows < 2) threads = 1;
 #if defined(_OPENMP)
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)

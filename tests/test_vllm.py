@@ -209,7 +209,7 @@ def test_plugin_experts_equal_ours_bit_for_bit(engine, hf: torch.nn.Module, plan
     running vLLM engine prepared them) and through our transformers experts: the same FP4 codes,
     scales and amax at every site and the same output, bit for bit."""
     from tracefp4.engines.experts import routed_experts
-    from tracefp4.engines.vllm.quant import silu_gate
+    from tracefp4.engines.experts.base import silu_gate
 
     layer = 2
     experts = moe_layers(hf)[layer].experts

@@ -133,9 +133,12 @@ def test_refused_calls_name_keep_bf16_and_a_push_repacks(ckpt):
         key = "model.layers.0.mlp.experts.gate_up_proj"
         moved[key] = (moved[key].float() * -1.7).to(torch.bfloat16)
         e.load_weights(moved, version=1)
-        want = choose_gemm(FP4, "cpu", torch.bfloat16, gradients=False).prepare(moved[key], FP4.weight_quantizer)
-        codes = _experts(e, lambda layers: layers[0].w13_weight.detach().clone())
-        assert torch.equal(codes, getattr(want, "codes", getattr(want, "values", None)))
+        gemm = choose_gemm(FP4, "cpu", torch.bfloat16, gradients=False)
+        want = gemm.to_parameters(gemm.prepare(moved[key], FP4.weight_quantizer)).tensors
+        held = _experts(e, lambda layers: {n: p.detach().clone() for n, p in layers[0].named_parameters(recurse=False)
+                                           if n.startswith("w13_")})
+        assert held.keys() == {f"w13_{n}" for n in want}
+        assert all(torch.equal(held[f"w13_{n}"], t) for n, t in want.items())
         after = e.generate(PROMPTS, SAMPLING, plan=FP4, guidance=None)
         assert any(not torch.equal(x, y) for x, y in zip(before.logprobs, after.logprobs))
         e.load_weights(state, version=2)

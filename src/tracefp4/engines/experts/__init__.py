@@ -4,15 +4,19 @@
   experts implementation and the vLLM plugin's MoE method): the ``expert_in`` site, the gate-up GEMM,
   the gate, the ``expert_mid`` site, the down GEMM, the top-k sum in float32, every tensor in the
   router's (token, slot) order.
-* A backend (:class:`~tracefp4.engines.experts.base.ExpertGEMM`) prepares one GEMM's weights for a
-  format and device (``prepare``) and multiplies each (token, slot) pair's row with its expert's
+* A backend (:class:`~tracefp4.engines.experts.base.ExpertGEMM`) says which forwards it runs
+  (``supports(plan, device, dtype)``), owns its weight storage: it builds it from one GEMM's expert
+  weights (``prepare``) and gives it as named tensors a module can hold as parameters, and takes it
+  back (``to_parameters``, ``from_parameters``: the vLLM method holds them so, naming no backend's
+  fields); and it multiplies each (token, slot) pair's row with its expert's
   weights (``matmul`` over a :class:`~tracefp4.engines.experts.base.Routing`), one call per GEMM per
   layer; grouping the pairs by expert is the backend's business (the dense one sorts and gathers in
   torch, the packed kernel groups them itself, with no gather or scatter around the call). One file
   per backend: :mod:`.dense` (dequantized weights, torch matmuls: BF16, the trainer's QAT path with
   straight-through gradients, CUDA, and the fallback) and :mod:`.cpu_fp4` (packed FP4 weights, our
   AVX-512 BF16 C kernel); GPU GEMM backends would sit beside them (see :mod:`.oracle`).
-* :mod:`.oracle` picks the backend once per precision plan, device and dtype.
+* :mod:`.oracle` picks the backend once per precision plan, device and dtype: the first, in priority
+  order, that supports the forward.
 
 The weight convention every backend shares (and the trainer adopts): an FP4 weight is
 ``bf16(value(code) * block scale)`` (exact) and the expert's FP32 global scale divides the GEMM's
@@ -23,14 +27,13 @@ the float32 additions.
 from tracefp4.engines.experts.base import ExpertGEMM, PreparedWeight, Routing
 from tracefp4.engines.experts.cache import PreparedCache
 from tracefp4.engines.experts.oracle import choose_gemm, gemm_named
-from tracefp4.engines.experts.routed import check_expert_ids, routed_experts
+from tracefp4.engines.experts.routed import routed_experts
 
 __all__ = [
     "ExpertGEMM",
     "PreparedCache",
     "PreparedWeight",
     "Routing",
-    "check_expert_ids",
     "choose_gemm",
     "gemm_named",
     "routed_experts",

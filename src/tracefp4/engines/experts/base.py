@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.formats.quantizers import Quantizer
 
-__all__ = ["SILU_GATE", "Activation", "ExpertGEMM", "PreparedWeight", "Routing", "silu_gate"]
+__all__ = ["SILU_GATE", "Activation", "ExpertGEMM", "PreparedWeight", "Routing", "WeightParameters",
+           "check_parameter_names", "silu_gate"]
 
 #: The gate between the two GEMMs named rather than given as a function: SiLU-gated ``[gate; up]``
 #: (Qwen3-MoE's experts, :func:`silu_gate`), which a backend may compute in a kernel of its own, bit
@@ -66,10 +69,40 @@ class PreparedWeight(Protocol):
     def nbytes(self) -> int: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightParameters:
+    """A prepared weight as a module holds it: ``tensors`` by name (registered as the module's
+    parameters in place of the source weight, as vLLM's layer holds them, where a weight reload copies
+    new values into them in place) and ``spec``, what the tensors alone do not say (a packed weight's
+    format and layout; None for dense), small and tensor-free so a holder keeps it without keeping the
+    tensors. :meth:`ExpertGEMM.from_parameters` takes both back."""
+
+    tensors: dict[str, torch.Tensor]
+    spec: Hashable = None
+
+
+def check_parameter_names(backend: str, tensors: Mapping[str, torch.Tensor], required: tuple[str, ...],
+                          optional: tuple[str, ...] = ()) -> None:
+    """Refuse parameters that are not the ones backend ``backend`` stores a weight in, naming both."""
+    names = set(tensors)
+    if not set(required) <= names or not names <= set(required) | set(optional):
+        raise ValueError(f"the {backend} expert GEMM stores a weight as {sorted(required)}"
+                         f"{f' (and optionally {sorted(optional)})' if optional else ''}, got {sorted(names)}")
+
+
 class ExpertGEMM(abc.ABC):
-    """A grouped-GEMM backend for routed experts (see :mod:`tracefp4.engines.experts`)."""
+    """A grouped-GEMM backend for routed experts (see :mod:`tracefp4.engines.experts`): it says which
+    forwards it runs (:meth:`supports`), builds its own weight storage from the model's expert weights
+    (:meth:`prepare`), gives that storage as module parameters and takes it back
+    (:meth:`to_parameters`, :meth:`from_parameters`), and multiplies (:meth:`matmul`)."""
 
     name: str
+
+    @abc.abstractmethod
+    def supports(self, plan: PrecisionPlan | None, device: torch.device | str, dtype: torch.dtype, *,
+                 gradients: bool = False) -> bool:
+        """Whether this backend runs a forward under ``plan`` (None: BF16) on ``device`` with activations
+        of ``dtype``; ``gradients``: the forward needs a gradient to the weights (the trainer's QAT)."""
 
     @abc.abstractmethod
     def prepare(self, weight: torch.Tensor, quantizer: Quantizer | None, *, gradients: bool = False,
@@ -79,6 +112,16 @@ class ExpertGEMM(abc.ABC):
         result carries a straight-through gradient to ``weight`` (the trainer's QAT). ``copy``: quantize
         from a copy (an FSDP-gathered weight's storage is freed after its layer, and the CPU kernels'
         numpy view of an input would pin its size)."""
+
+    @abc.abstractmethod
+    def to_parameters(self, weight: PreparedWeight) -> WeightParameters:
+        """``weight`` (from :meth:`prepare`) as the tensors a module holds, by name, and their spec; no
+        copy: the tensors are the weight's own."""
+
+    @abc.abstractmethod
+    def from_parameters(self, tensors: Mapping[str, torch.Tensor], spec: Hashable) -> PreparedWeight:
+        """The weight held in ``tensors`` as ``spec`` describes it: the inverse of :meth:`to_parameters`
+        (the same tensors, not copies). Names other than those :meth:`to_parameters` gives are refused."""
 
     @abc.abstractmethod
     def matmul(self, x: torch.Tensor, weight: PreparedWeight, routing: Routing, *, per_token: bool) -> torch.Tensor:

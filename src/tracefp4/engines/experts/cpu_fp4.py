@@ -2,16 +2,24 @@
 divisor per expert (0.5625 bytes per parameter for NVFP4), multiplied by our C kernel
 (:mod:`tracefp4.formats.cgemm`: AMX where the CPU and OS run it, AVX-512 BF16 where the CPU has it,
 portable C elsewhere; the codes held in the layout the CPU multiplies fastest), one call per GEMM per
-layer, parallel over (expert, output columns) on torch's thread count."""
+layer, parallel over (expert, output columns) on torch's thread count.
+
+It runs FP4 rollouts (an FP4 weight quantizer, no gradients) on the CPU with bf16 activations, where
+the C kernel is built (:func:`tracefp4.formats.cgemm.available`, which warns once when it is not).
+Held as parameters: ``weight`` (the codes), ``weight_scale`` (the scale bytes) and ``divisor``; the
+spec is ``(fmt, layout)``."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable, Mapping
 
 import torch
 
-from tracefp4.engines.experts.base import SILU_GATE, Activation, ExpertGEMM, Routing
+from tracefp4.engines.experts.base import (SILU_GATE, Activation, ExpertGEMM, Routing, WeightParameters,
+                                           check_parameter_names)
 from tracefp4.engines.experts.dense import expert_divisor
+from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.formats import cgemm
 from tracefp4.formats.constants import MXFP4_BLOCK, NVFP4_BLOCK, Format
 from tracefp4.formats.quantizers import Quantizer
@@ -77,6 +85,23 @@ def pack(weight: torch.Tensor, quantizer: Quantizer, layout: cgemm.Layout | None
 
 class PackedCPUGEMM(ExpertGEMM):
     name = "cpu_fp4"
+
+    def supports(self, plan: PrecisionPlan | None, device: torch.device | str, dtype: torch.dtype, *,
+                 gradients: bool = False) -> bool:
+        # the kernel's availability asked last: it builds the library (and warns) on first use
+        return (plan is not None and not gradients and plan.weight_quantizer.fp4
+                and torch.device(device).type == "cpu" and dtype == torch.bfloat16 and cgemm.available())
+
+    def to_parameters(self, weight: PackedWeight) -> WeightParameters:
+        return WeightParameters({"weight": weight.codes, "weight_scale": weight.scales, "divisor": weight.divisor},
+                                (weight.fmt, weight.layout))
+
+    def from_parameters(self, tensors: Mapping[str, torch.Tensor], spec: Hashable) -> PackedWeight:
+        check_parameter_names(self.name, tensors, ("weight", "weight_scale", "divisor"))
+        if not (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], Format)
+                and isinstance(spec[1], cgemm.Layout)):
+            raise ValueError(f"the cpu_fp4 expert GEMM's spec is (Format, cgemm.Layout), got {spec!r}")
+        return PackedWeight(tensors["weight"], tensors["weight_scale"], tensors["divisor"], *spec)
 
     def prepare(self, weight, quantizer: Quantizer | None, *, gradients: bool = False, copy: bool = False
                 ) -> PackedWeight:

@@ -8,16 +8,21 @@ FP8 (W8A8, one scale per output channel): the dequantized weight ``value(code) *
 (not exact in bf16, so kept in float32 on both paths) with divisor 1, multiplied in float32.
 With ``gradients`` (the trainer's QAT forward) the block values are a straight-through stand-in for
 ``weight * divisor``, so the gradient reaching the weight is that of ``x @ weight.T``.
+
+It runs every forward (any plan, device, dtype, with or without gradients): the oracle's fallback.
+Held as parameters: ``weight`` (the values) and, where there is one, ``divisor``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable, Mapping
 
 import torch
 import torch.nn.functional as F
 
-from tracefp4.engines.experts.base import ExpertGEMM, Routing
+from tracefp4.engines.experts.base import ExpertGEMM, Routing, WeightParameters, check_parameter_names
+from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.formats.numerics import FP8, dequantize_blocks, dequantize_fp8, global_divisor, straight_through
 from tracefp4.formats.quantizers import Quantizer
 
@@ -55,6 +60,22 @@ def expert_divisor(q) -> torch.Tensor:
 
 class DenseGEMM(ExpertGEMM):
     name = "dense"
+
+    def supports(self, plan: PrecisionPlan | None, device: torch.device | str, dtype: torch.dtype, *,
+                 gradients: bool = False) -> bool:
+        return True  # torch matmuls on values: whatever the plan, device, dtype or gradients
+
+    def to_parameters(self, weight: DenseWeight) -> WeightParameters:
+        tensors = {"weight": weight.values}
+        if weight.divisor is not None:
+            tensors["divisor"] = weight.divisor
+        return WeightParameters(tensors)
+
+    def from_parameters(self, tensors: Mapping[str, torch.Tensor], spec: Hashable = None) -> DenseWeight:
+        check_parameter_names(self.name, tensors, ("weight",), ("divisor",))
+        if spec is not None:
+            raise ValueError(f"the dense expert GEMM's parameters say all there is (spec None), got spec {spec!r}")
+        return DenseWeight(tensors["weight"], tensors.get("divisor"))
 
     def prepare(self, weight, quantizer: Quantizer | None, *, gradients: bool = False, copy: bool = False
                 ) -> DenseWeight:

@@ -8,10 +8,10 @@ from tracefp4.engines.experts.base import Activation, ExpertGEMM, PreparedWeight
 from tracefp4.engines.sites import ForwardState, quantize_site
 from tracefp4.guidance.names import Site, layer_tag
 
-__all__ = ["check_expert_ids", "routed_experts"]
+__all__ = ["routed_experts"]
 
 
-def check_expert_ids(layer: int, ids: torch.Tensor, n_experts: int) -> None:
+def _check_expert_ids(layer: int, ids: torch.Tensor, n_experts: int) -> None:
     """Refuse an expert index outside ``[0, n_experts)``. On the CPU the check is free; on CUDA it would
     synchronise with the host, so there it is left to the device (an index out of range faults)."""
     if ids.device.type == "cpu" and ids.numel() and int(ids.max()) >= n_experts:
@@ -41,7 +41,7 @@ def routed_experts(
     n, k = topk_ids.shape
     n_experts = gate_up.shape[0]
     topk_ids = topk_ids.to(torch.long)
-    check_expert_ids(layer, topk_ids, n_experts)
+    _check_expert_ids(layer, topk_ids, n_experts)
     xq = quantize_site(state, layer, Site.EXPERT_IN, x)
     routing = Routing(topk_ids, n_experts)
     mid = gemm.activate(gemm.matmul(xq, gate_up, routing, per_token=True), act)  # [N * top_k, I], (token, slot) order

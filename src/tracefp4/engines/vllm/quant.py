@@ -4,11 +4,13 @@
   its plain layout (``w13_weight [E, 2I, H]`` = HF ``gate_up_proj``, ``w2_weight [E, H, I]`` =
   ``down_proj``); after every weight load (``process_weights_after_loading``, which vLLM's in-place
   ``reload_weights`` runs too, layer by layer) they are quantized with ``plan.weight_quantizer``
-  and prepared for the expert-GEMM backend of the config's plan (:mod:`tracefp4.engines.experts`):
-  on the CPU packed FP4 (codes two per byte in ``w13_weight``/``w2_weight``, scale bytes in
-  ``*_weight_scale``, one FP32 divisor per expert in ``*_divisor``; 0.5625 bytes per parameter for
-  NVFP4), which replace the BF16 parameters, so no BF16 or dequantized copy stays resident. With
-  ``keep_bf16`` (an engine that must also serve BF16 or other weight formats, e.g. one engine for
+  and prepared for the expert-GEMM backend of the config's plan (:mod:`tracefp4.engines.experts`),
+  whose parameters (``ExpertGEMM.to_parameters``, held as ``w13_<name>``/``w2_<name>``) replace
+  the BF16 ones, so no BF16 or dequantized copy stays resident: on the CPU packed FP4 (codes two
+  per byte in ``w13_weight``/``w2_weight``, scale bytes in ``*_weight_scale``, one FP32 divisor per
+  expert in ``*_divisor``; 0.5625 bytes per parameter for NVFP4). Every call rebuilds the backend's
+  weights from the layer's parameters (``ExpertGEMM.from_parameters``), naming no backend's
+  fields. With ``keep_bf16`` (an engine that must also serve BF16 or other weight formats, e.g. one engine for
   every arm of a run) the BF16 parameters stay and the prepared weights are kept beside them, one
   set per weight quantizer. ``apply`` runs :func:`tracefp4.engines.experts.routed_experts`, the very
   function our engine calls: ``expert_in`` and ``expert_mid`` quantized per row with
@@ -29,6 +31,8 @@ from tracefp4.engines.vllm.process import prepare_process
 
 prepare_process()  # before numba: a spawned worker unpickles this config before its start-up scan
 
+import dataclasses  # noqa: E402
+from collections.abc import Hashable  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
@@ -42,14 +46,12 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.utils import set_weight_attrs  # noqa: E402
 
 from tracefp4.engines.experts import ExpertGEMM, PreparedWeight, choose_gemm, routed_experts  # noqa: E402
-from tracefp4.engines.experts.base import SILU_GATE, silu_gate  # noqa: E402
-from tracefp4.engines.experts.cpu_fp4 import PackedWeight  # noqa: E402
-from tracefp4.engines.experts.dense import DenseWeight  # noqa: E402
+from tracefp4.engines.experts.base import SILU_GATE  # noqa: E402
 from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
 from tracefp4.engines.vllm.runtime import RUNTIME, layer_index  # noqa: E402
-from tracefp4.formats.constants import Format  # noqa: E402
+from tracefp4.formats.quantizers import Quantizer  # noqa: E402
 
-__all__ = ["QUANT_METHOD", "TraceFP4Config", "TraceFP4MoEMethod", "silu_gate"]
+__all__ = ["QUANT_METHOD", "TraceFP4Config", "TraceFP4MoEMethod"]
 
 QUANT_METHOD = "tracefp4"
 
@@ -100,6 +102,22 @@ class TraceFP4Config(QuantizationConfig):
 _PARTS = ("w13", "w2")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """The prepared weights a layer holds as its parameters in place of the BF16 ones: the backend,
+    the weight quantizer and, per part, the backend's parameter names (held as ``{part}_{name}``) and
+    spec. No tensor: vLLM's layer-wise reload copies new values into the layer's parameters, so the
+    weights are read from the layer at every call."""
+
+    gemm: ExpertGEMM
+    quantizer: Quantizer
+    parts: dict[str, tuple[tuple[str, ...], Hashable]]
+
+    def weight(self, layer, part: str) -> PreparedWeight:
+        names, spec = self.parts[part]
+        return self.gemm.from_parameters({n: getattr(layer, f"{part}_{n}") for n in names}, spec)
+
+
 class TraceFP4MoEMethod(FusedMoEMethodBase):
     """Routed experts computed with tracefp4's numerics (see the module docstring)."""
 
@@ -111,8 +129,7 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         self.layer_index = layer_index(prefix)
         # keep_bf16: weight quantizer -> (backend, (w13, w2) prepared); emptied on every weight load
         self._prepared: dict[Any, tuple[ExpertGEMM, tuple[PreparedWeight, PreparedWeight]]] = {}
-        self._in_layer: tuple[ExpertGEMM, Any] | None = None  # packed in the layer's parameters: (backend, quantizer)
-        self._layouts: dict[str, Any] = {}  # packed in the layer's parameters: part -> its codes' cgemm.Layout
+        self._in_layer: _Held | None = None  # without keep_bf16: what the layer's parameters hold
 
     def create_weights(
         self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra_weight_attrs
@@ -135,8 +152,8 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer) -> None:
         """After every load: prepare the new BF16 weights for the config's plan (no CPU prepack of
-        vLLM's: it would not survive ``reload_weights``). Without ``keep_bf16`` the prepared weights
-        replace the BF16 parameters, under names vLLM's layer-wise reload copies back by."""
+        vLLM's: it would not survive ``reload_weights``). Without ``keep_bf16`` the backend's
+        parameters replace the BF16 ones, under names vLLM's layer-wise reload copies back by."""
         self._prepared.clear()
         plan = self.config_plan
         if plan is None:
@@ -148,18 +165,16 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         if self.keep_bf16:
             self._prepared[quantizer] = (gemm, prepared)
             return
-        self._layouts = {}
+        parts = {}
         for part, p in zip(_PARTS, prepared):
-            tensors = ({"weight": p.codes, "weight_scale": p.scales, "divisor": p.divisor} if isinstance(p, PackedWeight)
-                       else {"weight": p.values, "divisor": p.divisor})
-            if isinstance(p, PackedWeight):
-                self._layouts[part] = p.layout
-            for field, t in tensors.items():
+            held = gemm.to_parameters(p)
+            for field, t in held.tensors.items():
                 name = f"{part}_{field}"
                 if name in layer._parameters:
                     del layer._parameters[name]
                 layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
-        self._in_layer = (gemm, quantizer)
+            parts[part] = (tuple(held.tensors), held.spec)
+        self._in_layer = _Held(gemm, quantizer, parts)
 
     def _prepare(self, layer, gemm: ExpertGEMM, quantizer) -> tuple[PreparedWeight, PreparedWeight]:
         out = []
@@ -172,13 +187,14 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
 
     def weights(self, layer, plan: PrecisionPlan | None) -> tuple[ExpertGEMM, tuple[PreparedWeight, PreparedWeight]]:
         """The backend and (w13, w2) as the plan's GEMMs take them."""
-        if self._in_layer is not None:
-            gemm, quantizer = self._in_layer
-            if plan is None or plan.weight_quantizer != quantizer:
+        held = self._in_layer
+        if held is not None:
+            if plan is None or plan.weight_quantizer != held.quantizer:
                 want = "BF16" if plan is None else f"weights quantized by {plan.weight_quantizer}"
-                raise ValueError(f"{self.prefix}: this engine holds only its plan's prepared expert weights ({quantizer}); "
-                                 f"a call asking for {want} needs an engine built with keep_bf16=True")
-            return gemm, tuple(self._from_layer(layer, part, gemm) for part in _PARTS)
+                raise ValueError(f"{self.prefix}: this engine holds only its plan's prepared expert weights "
+                                 f"({held.quantizer}); a call asking for {want} needs an engine built with "
+                                 "keep_bf16=True")
+            return held.gemm, (held.weight(layer, "w13"), held.weight(layer, "w2"))
         if plan is None:
             gemm = choose_gemm(None, layer.w13_weight.device, layer.w13_weight.dtype, gradients=False)
             return gemm, (gemm.prepare(layer.w13_weight, None), gemm.prepare(layer.w2_weight, None))
@@ -188,13 +204,6 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
             gemm = choose_gemm(plan, layer.w13_weight.device, layer.w13_weight.dtype, gradients=False)
             hit = self._prepared[quantizer] = (gemm, self._prepare(layer, gemm, quantizer))
         return hit
-
-    def _from_layer(self, layer, part: str, gemm: ExpertGEMM) -> PreparedWeight:
-        codes, divisor = getattr(layer, f"{part}_weight"), getattr(layer, f"{part}_divisor")
-        if gemm.name == "dense":
-            return DenseWeight(codes, divisor)
-        return PackedWeight(codes, getattr(layer, f"{part}_weight_scale"), divisor, Format(self._in_layer[1].fmt),
-                            self._layouts[part])
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         if getattr(layer, "expert_map", None) is not None:

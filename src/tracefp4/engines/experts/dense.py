@@ -71,7 +71,7 @@ class DenseGEMM(ExpertGEMM):
             tensors["divisor"] = weight.divisor
         return WeightParameters(tensors)
 
-    def from_parameters(self, tensors: Mapping[str, torch.Tensor], spec: Hashable = None) -> DenseWeight:
+    def from_parameters(self, tensors: Mapping[str, torch.Tensor], spec: Hashable) -> DenseWeight:
         check_parameter_names(self.name, tensors, ("weight",), ("divisor",))
         if spec is not None:
             raise ValueError(f"the dense expert GEMM's parameters say all there is (spec None), got spec {spec!r}")

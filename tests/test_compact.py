@@ -29,6 +29,7 @@ from tracefp4.guidance.compact import (
     record_cat,
     site_bytes_per_token,
 )
+from tracefp4.guidance.compact.grid import bf16_pattern, scale_candidates
 from tracefp4.formats.constants import Format, HintMode
 from tracefp4.guidance.hints import Hint, encode_hint, guided_quantize
 from tracefp4.formats.numerics import quantize_mxfp4, quantize_nvfp4, unpack_fp4
@@ -250,9 +251,9 @@ def test_amax_low_bits_resolve_drift_below_half_their_period(a: float, drift: in
     own = (amax.to(torch.bfloat16).view(torch.int16) + drift).view(torch.bfloat16).float()
     spec = GuidanceSpec(elements="lsb", amax=f"lo{b}")
     rec = CompactRecord(spec, Format.NVFP4, (16,), None, None, torch.zeros(1, 16, dtype=torch.uint8))
-    rec.amax = (compact._bf16_pattern(amax) & ((1 << b) - 1)).to(torch.uint8)
+    rec.amax = (bf16_pattern(amax) & ((1 << b) - 1)).to(torch.uint8)
     x = torch.full((1, 16), float(own)).to(torch.bfloat16)
-    got, _ = rec._decode_amax(x)
+    got, _ = spec.amax_codec.decode(rec.amax, x, None, rec.geometry)
     if abs(drift) < 2 ** (b - 1):
         assert torch.equal(got, amax)
 
@@ -261,7 +262,7 @@ def test_scale_parity_takes_the_neighbour_the_trainers_scale_leans_to() -> None:
     # E4M3 codes 0x38 (1.0) and 0x39 (1.125): midpoint 1.0625
     u_roll = torch.tensor([1.07, 1.05])  # rounds to 1.125 and 1.0
     u_train = torch.tensor([1.06, 1.065])  # just across the midpoint: rounds to 1.0 and 1.125
-    own, other, dist = compact._scale_candidates(u_train)
+    own, other, dist = scale_candidates(u_train)
     assert own.tolist() == [0x38, 0x39] and other.tolist() == [0x39, 0x38]
     assert dist.tolist() == pytest.approx([0.02, 0.02], abs=1e-5)  # float32 arithmetic on values near 1: < 1e-6
     roll = u_roll.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)

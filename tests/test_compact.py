@@ -443,3 +443,65 @@ def test_decode_record_takes_plain_hints_and_reports_add_up() -> None:
     assert sum([a, b], compact.DecodeReport()) == compact.DecodeReport(5, 2, 10, 4, 1) and not (a + b).ok
     # no process-wide decode state anywhere in guidance
     assert not hasattr(compact, "decode_stats") and not hasattr(coding, "decode_stats")
+
+
+# --- the codec registry and the site-record protocol ---------------------------------------------
+
+
+def test_every_knob_value_has_a_codec_and_unknown_knobs_are_named() -> None:
+    from tracefp4.guidance.compact.registry import CODECS, codec_class, make_codec
+
+    args = {"ldpc": 4, "sparse": 0.05, "lo": None}
+    for field, table in CODECS.items():
+        for knob, cls in table.items():
+            assert codec_class(field, knob) is cls and cls.field == field and cls.knob == knob
+            codec = make_codec(field, "lo3" if knob == "lo" else knob, args.get(knob))
+            assert type(codec) is cls
+    assert set(CODECS) == {"amax", "scales", "elements"}
+    assert set(CODECS["elements"]) == {"full", "lsb", "sparse", "ldpc"}
+    assert set(CODECS["scales"]) == {"full", "parity", "ldpc", "own"}
+    assert set(CODECS["amax"]) == {"fp32", "bf16", "own", "ldpc", "lo"}
+    # every spec of the standard modes is made of registered codecs, in packing order
+    for name in STANDARD_MODES:
+        mode = GuidedMode.parse(name).mode
+        if isinstance(mode, GuidanceSpec):
+            assert [c.field for c in mode.codecs] == list(CODECS)
+    for field, knob in (("elements", "bogus"), ("scales", "halves"), ("amax", "fp16")):
+        with pytest.raises(ValueError, match=f"{field} knob '{knob}' is unknown"):
+            codec_class(field, knob)
+    with pytest.raises(ValueError, match="scales knob 'halves' is unknown"):
+        GuidanceSpec(scales="halves")
+    with pytest.raises(ValueError, match="no compact field 'bits'"):
+        codec_class("bits", "full")
+    with pytest.raises(ValueError, match="lo9"):
+        GuidanceSpec(amax="lo9")
+
+
+@pytest.mark.parametrize("kind", ["hint", "raw", "compact", "sparse"])
+def test_every_record_kind_is_a_site_record(kind: str) -> None:
+    """Hints, the rollout's raw capture and compact records answer the same calls, with the same meaning:
+    bytes (stored = nbytes = T * bytes per token, the planner's formula), select, cat, to_tensors, decode."""
+    from tracefp4.engines.capture import RawCapture
+    from tracefp4.guidance.record import SiteRecord
+
+    x = site_value((12, 2, 32), 1)
+    q = quantize_nvfp4(x, per_row=True)
+    mode = {"hint": "lsb", "raw": "full", "compact": "lsb+parity+amax:lo3", "sparse": "sparse(0.2)"}[kind]
+    rec = {"hint": lambda: encode_hint(q, "lsb"), "raw": lambda: RawCapture(q, HintMode.FULL)}.get(
+        kind, lambda: CompactRecord.encode(x, q, GuidanceSpec.parse(mode)))()
+    for member in [m for m in vars(SiteRecord) if not m.startswith("_")]:
+        assert hasattr(rec, member), member
+    stored = rec.to_tensors("L00.k")
+    assert sum(t.nbytes for t in stored.values()) == rec.nbytes == 12 * rec.bytes_per_token()
+    if kind != "sparse":
+        assert rec.bytes_per_token() == site_bytes_per_token(mode, (2, 32))
+        assert rec.kept_elements() is None
+    else:
+        kept, total = rec.kept_elements()
+        assert total == 12 * 2 * 32 and kept == int((rec.elements >= 0).sum())
+    both = record_cat([rec.select(slice(0, 5)), rec.select(slice(5, 12))])
+    assert {k: v.view(torch.uint8).tolist() for k, v in both.to_tensors("L00.k").items()} == \
+        {k: v.view(torch.uint8).tolist() for k, v in stored.items()}
+    hint, report = read_record(stored, "L00.k").decode(x)
+    assert report == compact.DecodeReport()
+    assert torch.equal(guided_quantize(x, hint).codes, q.codes)  # its own value decodes to its own codes

@@ -129,8 +129,6 @@ class CompactRecord:
         """This record followed by ``others`` along the token dim (trajectories of a batch, or steps)."""
         records = [self, *others]
         for r in others:
-            if not isinstance(r, CompactRecord):
-                raise ValueError("record_cat: mixing Hints and compact records of one site")
             if (r.spec, r.fmt, r.site_shape) != (self.spec, self.fmt, self.site_shape):
                 raise ValueError(f"record_cat: {r.spec.name} {r.site_shape} vs {self.spec.name} {self.site_shape}")
             if (r.segments is None) != (self.segments is None):

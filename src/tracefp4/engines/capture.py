@@ -33,7 +33,8 @@ from tracefp4.formats.numerics import FP8, MXFP4, NVFP4
 from tracefp4.formats.quantizers import Quantizer
 from tracefp4.guidance.compact import CompactRecord, GuidanceSpec, GuidedMode
 from tracefp4.guidance.hints import Hint, encode_hint
-from tracefp4.guidance.record import DecodeReport, SiteRecord
+from tracefp4.guidance.record import SiteRecord
+from tracefp4.guidance.report import DecodeReport
 
 if TYPE_CHECKING:
     from tracefp4.engines.experts.base import ExpertGEMM, PreparedWeight

@@ -38,7 +38,7 @@ from tracefp4.formats.numerics import (
     lsb_bits,
     straight_through,
 )
-from tracefp4.guidance.record import DecodeReport
+from tracefp4.guidance.report import DecodeReport
 
 __all__ = ["Hint", "encode_hint", "guided_quantize", "guided_fake_quant", "hint_cat", "record_format",
            "elements_per_byte", "lsb_of_codes", "hint_site_bytes"]

@@ -1,4 +1,4 @@
-"""The one interface every site record implements, and what a decode could not recover.
+"""The one interface every site record implements.
 
 A site record is what the rollout keeps of one guided site over T token rows: a
 :class:`~tracefp4.guidance.hints.Hint` (FP4 or FP8 ``full``/``lsb``), a
@@ -9,42 +9,15 @@ site (:class:`~tracefp4.engines.capture.RawCapture`, encoded into a Hint when st
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from tracefp4.guidance.hints import Hint
+from tracefp4.guidance.hints import Hint
+from tracefp4.guidance.report import DecodeReport
 
-__all__ = ["DecodeReport", "SiteRecord"]
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeReport:
-    """What a decode could not recover (see :mod:`tracefp4.guidance.compact`, "Decode failures").
-
-    blocks / failed_blocks: LDPC code blocks decoded, over every ldpc knob of the record, and those whose
-    checks belief propagation could not satisfy. failed_elements / failed_scales / failed_amax: the
-    elements, block scales and amax rows those failed blocks cover, which took the trainer's own values.
-    Reports add up (``sum(reports, DecodeReport())``) over sites, layers and steps.
-    """
-
-    blocks: int = 0
-    failed_blocks: int = 0
-    failed_elements: int = 0
-    failed_scales: int = 0
-    failed_amax: int = 0
-
-    def __add__(self, other: DecodeReport) -> DecodeReport:
-        if not isinstance(other, DecodeReport):
-            return NotImplemented
-        return DecodeReport(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
-
-    @property
-    def ok(self) -> bool:
-        return self.failed_blocks == 0
+__all__ = ["SiteRecord"]
 
 
 class SiteRecord(Protocol):

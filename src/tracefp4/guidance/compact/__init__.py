@@ -98,7 +98,7 @@ from tracefp4.guidance.compact.record import CompactRecord
 from tracefp4.guidance.compact.scales import SCALE_PRIOR
 from tracefp4.guidance.compact.site import decode_record, encode_record, read_record, record_cat, site_bytes_per_token
 from tracefp4.guidance.compact.spec import GuidanceSpec, mode_name, parse_hint_mode
-from tracefp4.guidance.record import DecodeReport
+from tracefp4.guidance.report import DecodeReport
 
 __all__ = [
     "GuidanceSpec",

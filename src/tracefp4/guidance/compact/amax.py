@@ -17,7 +17,7 @@ from tracefp4.formats.constants import Format
 from tracefp4.guidance.coding import bits_int, gray_bits, gray_decode, int_bits, ldpc_checks
 from tracefp4.guidance.compact.codec import Codec, Expect, Geometry, check_rate, ldpc_correct, ldpc_encode
 from tracefp4.guidance.compact.grid import bf16_pattern, check_bf16_exact, nearest_with_residue
-from tracefp4.guidance.record import DecodeReport
+from tracefp4.guidance.report import DecodeReport
 
 __all__ = ["AMAX_PRIOR", "AMAX_LDPC_BITS", "AmaxCodec", "Fp32Amax", "Bf16Amax", "LowBitsAmax", "LdpcAmax",
            "OwnAmax"]

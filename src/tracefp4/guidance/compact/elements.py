@@ -18,7 +18,7 @@ from tracefp4.guidance.coding import bits_int, int_bits, ldpc_checks, prior_llr,
     stream_encode
 from tracefp4.guidance.compact.codec import Codec, Expect, Geometry, check_rate, ldpc_correct, ldpc_encode
 from tracefp4.guidance.compact.grid import midpoint_distance
-from tracefp4.guidance.record import DecodeReport
+from tracefp4.guidance.report import DecodeReport
 
 __all__ = ["ELEMENT_PRIOR", "ElementCodec", "FullElements", "LsbElements", "SparseElements", "LdpcElements"]
 

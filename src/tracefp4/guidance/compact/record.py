@@ -16,7 +16,7 @@ from tracefp4.guidance.compact.codec import Geometry
 from tracefp4.guidance.compact.grid import global_encode_scale, grid_z, rtn_codes
 from tracefp4.guidance.compact.spec import GuidanceSpec
 from tracefp4.guidance.hints import Hint
-from tracefp4.guidance.record import DecodeReport
+from tracefp4.guidance.report import DecodeReport
 
 __all__ = ["CompactRecord", "compact_site_bytes"]
 

@@ -14,7 +14,7 @@ import torch
 from tracefp4.guidance.coding import ldpc_checks, prior_llr
 from tracefp4.guidance.compact.codec import Codec, Expect, Geometry, check_rate, ldpc_correct, ldpc_encode
 from tracefp4.guidance.compact.grid import scale_candidates, unrounded_block_scale
-from tracefp4.guidance.record import DecodeReport
+from tracefp4.guidance.report import DecodeReport
 
 __all__ = ["SCALE_PRIOR", "ScaleCodec", "FullScales", "ParityScales", "LdpcScales", "OwnScales"]
 

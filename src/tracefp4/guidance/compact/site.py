@@ -12,7 +12,8 @@ from tracefp4.guidance.compact.codec import Geometry
 from tracefp4.guidance.compact.record import CompactRecord, compact_site_bytes
 from tracefp4.guidance.compact.spec import GuidanceSpec, parse_hint_mode
 from tracefp4.guidance.hints import Hint, encode_hint, hint_site_bytes
-from tracefp4.guidance.record import DecodeReport, SiteRecord
+from tracefp4.guidance.record import SiteRecord
+from tracefp4.guidance.report import DecodeReport
 
 __all__ = ["encode_record", "read_record", "decode_record", "record_cat", "site_bytes_per_token"]
 

@@ -345,11 +345,7 @@ def format_sweep(rep: dict[str, Any]) -> str:
 def _family(name: str) -> str:
     if name == "qat":
         return "qat"
-    base = name.split("@")[0]
-    for fam in ("ldpc", "sparse", "full"):
-        if base.startswith(fam):
-            return fam
-    return "lsb"
+    return compact.elements_knob(GuidedMode.parse(name).mode)
 
 
 #: Marker colour of each mode family in the plot.

@@ -97,7 +97,7 @@ from tracefp4.guidance.compact.modes import LAYER_SETS, STANDARD_MODES, GuidedMo
 from tracefp4.guidance.compact.record import CompactRecord
 from tracefp4.guidance.compact.scales import SCALE_PRIOR
 from tracefp4.guidance.compact.site import decode_record, encode_record, read_record, record_cat, site_bytes_per_token
-from tracefp4.guidance.compact.spec import GuidanceSpec, mode_name, parse_hint_mode
+from tracefp4.guidance.compact.spec import GuidanceSpec, elements_knob, mode_name, parse_hint_mode
 from tracefp4.guidance.report import DecodeReport
 
 __all__ = [
@@ -105,6 +105,7 @@ __all__ = [
     "CompactRecord",
     "parse_hint_mode",
     "mode_name",
+    "elements_knob",
     "encode_record",
     "read_record",
     "record_cat",

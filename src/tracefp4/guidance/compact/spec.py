@@ -12,7 +12,7 @@ from tracefp4.guidance.compact.elements import ElementCodec, SparseElements
 from tracefp4.guidance.compact.registry import CODECS, codec_class, make_codec, parse_rate, takes_rate
 from tracefp4.guidance.compact.scales import ParityScales, ScaleCodec
 
-__all__ = ["GuidanceSpec", "parse_hint_mode", "mode_name"]
+__all__ = ["GuidanceSpec", "parse_hint_mode", "mode_name", "elements_knob"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +60,11 @@ class GuidanceSpec:
         """The :class:`HintMode` this spec is, when it is one of the two existing Hint modes."""
         a, s, e = self.codecs
         return e.hint_mode if a.plain and s.plain else None
+
+    @property
+    def full_scales(self) -> bool:
+        """Whether the block scales are recorded in full (the others are rebuilt from the trainer's own)."""
+        return self.scale_codec.plain
 
     @property
     def uses_ldpc(self) -> bool:
@@ -150,3 +155,8 @@ def parse_hint_mode(mode: HintMode | GuidanceSpec | str) -> HintMode | GuidanceS
 
 def mode_name(mode: HintMode | GuidanceSpec) -> str:
     return mode.value if isinstance(mode, HintMode) else mode.name
+
+
+def elements_knob(mode: HintMode | GuidanceSpec) -> str:
+    """The elements knob of a mode (``full``/``lsb`` for a Hint mode): its family in the reports."""
+    return mode.value if isinstance(mode, HintMode) else mode.element_codec.knob

@@ -29,6 +29,7 @@ from tracefp4.guidance.compact import (
     record_cat,
     site_bytes_per_token,
 )
+from tracefp4.guidance.compact.grid import bf16_pattern, scale_candidates
 from tracefp4.formats.constants import Format, HintMode
 from tracefp4.guidance.hints import Hint, encode_hint, guided_quantize
 from tracefp4.formats.numerics import quantize_mxfp4, quantize_nvfp4, unpack_fp4
@@ -250,9 +251,9 @@ def test_amax_low_bits_resolve_drift_below_half_their_period(a: float, drift: in
     own = (amax.to(torch.bfloat16).view(torch.int16) + drift).view(torch.bfloat16).float()
     spec = GuidanceSpec(elements="lsb", amax=f"lo{b}")
     rec = CompactRecord(spec, Format.NVFP4, (16,), None, None, torch.zeros(1, 16, dtype=torch.uint8))
-    rec.amax = (compact._bf16_pattern(amax) & ((1 << b) - 1)).to(torch.uint8)
+    rec.amax = (bf16_pattern(amax) & ((1 << b) - 1)).to(torch.uint8)
     x = torch.full((1, 16), float(own)).to(torch.bfloat16)
-    got, _ = rec._decode_amax(x)
+    got, _ = spec.amax_codec.decode(rec.amax, x, None, rec.geometry)
     if abs(drift) < 2 ** (b - 1):
         assert torch.equal(got, amax)
 
@@ -261,7 +262,7 @@ def test_scale_parity_takes_the_neighbour_the_trainers_scale_leans_to() -> None:
     # E4M3 codes 0x38 (1.0) and 0x39 (1.125): midpoint 1.0625
     u_roll = torch.tensor([1.07, 1.05])  # rounds to 1.125 and 1.0
     u_train = torch.tensor([1.06, 1.065])  # just across the midpoint: rounds to 1.0 and 1.125
-    own, other, dist = compact._scale_candidates(u_train)
+    own, other, dist = scale_candidates(u_train)
     assert own.tolist() == [0x38, 0x39] and other.tolist() == [0x39, 0x38]
     assert dist.tolist() == pytest.approx([0.02, 0.02], abs=1e-5)  # float32 arithmetic on values near 1: < 1e-6
     roll = u_roll.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
@@ -442,3 +443,65 @@ def test_decode_record_takes_plain_hints_and_reports_add_up() -> None:
     assert sum([a, b], compact.DecodeReport()) == compact.DecodeReport(5, 2, 10, 4, 1) and not (a + b).ok
     # no process-wide decode state anywhere in guidance
     assert not hasattr(compact, "decode_stats") and not hasattr(coding, "decode_stats")
+
+
+# --- the codec registry and the site-record protocol ---------------------------------------------
+
+
+def test_every_knob_value_has_a_codec_and_unknown_knobs_are_named() -> None:
+    from tracefp4.guidance.compact.registry import CODECS, codec_class, make_codec
+
+    args = {"ldpc": 4, "sparse": 0.05, "lo": None}
+    for field, table in CODECS.items():
+        for knob, cls in table.items():
+            assert codec_class(field, knob) is cls and cls.field == field and cls.knob == knob
+            codec = make_codec(field, "lo3" if knob == "lo" else knob, args.get(knob))
+            assert type(codec) is cls
+    assert set(CODECS) == {"amax", "scales", "elements"}
+    assert set(CODECS["elements"]) == {"full", "lsb", "sparse", "ldpc"}
+    assert set(CODECS["scales"]) == {"full", "parity", "ldpc", "own"}
+    assert set(CODECS["amax"]) == {"fp32", "bf16", "own", "ldpc", "lo"}
+    # every spec of the standard modes is made of registered codecs, in packing order
+    for name in STANDARD_MODES:
+        mode = GuidedMode.parse(name).mode
+        if isinstance(mode, GuidanceSpec):
+            assert [c.field for c in mode.codecs] == list(CODECS)
+    for field, knob in (("elements", "bogus"), ("scales", "halves"), ("amax", "fp16")):
+        with pytest.raises(ValueError, match=f"{field} knob '{knob}' is unknown"):
+            codec_class(field, knob)
+    with pytest.raises(ValueError, match="scales knob 'halves' is unknown"):
+        GuidanceSpec(scales="halves")
+    with pytest.raises(ValueError, match="no compact field 'bits'"):
+        codec_class("bits", "full")
+    with pytest.raises(ValueError, match="lo9"):
+        GuidanceSpec(amax="lo9")
+
+
+@pytest.mark.parametrize("kind", ["hint", "raw", "compact", "sparse"])
+def test_every_record_kind_is_a_site_record(kind: str) -> None:
+    """Hints, the rollout's raw capture and compact records answer the same calls, with the same meaning:
+    bytes (stored = nbytes = T * bytes per token, the planner's formula), select, cat, to_tensors, decode."""
+    from tracefp4.engines.capture import RawCapture
+    from tracefp4.guidance.record import SiteRecord
+
+    x = site_value((12, 2, 32), 1)
+    q = quantize_nvfp4(x, per_row=True)
+    mode = {"hint": "lsb", "raw": "full", "compact": "lsb+parity+amax:lo3", "sparse": "sparse(0.2)"}[kind]
+    rec = {"hint": lambda: encode_hint(q, "lsb"), "raw": lambda: RawCapture(q, HintMode.FULL)}.get(
+        kind, lambda: CompactRecord.encode(x, q, GuidanceSpec.parse(mode)))()
+    for member in [m for m in vars(SiteRecord) if not m.startswith("_")]:
+        assert hasattr(rec, member), member
+    stored = rec.to_tensors("L00.k")
+    assert sum(t.nbytes for t in stored.values()) == rec.nbytes == 12 * rec.bytes_per_token()
+    if kind != "sparse":
+        assert rec.bytes_per_token() == site_bytes_per_token(mode, (2, 32))
+        assert rec.kept_elements() is None
+    else:
+        kept, total = rec.kept_elements()
+        assert total == 12 * 2 * 32 and kept == int((rec.elements >= 0).sum())
+    both = record_cat([rec.select(slice(0, 5)), rec.select(slice(5, 12))])
+    assert {k: v.view(torch.uint8).tolist() for k, v in both.to_tensors("L00.k").items()} == \
+        {k: v.view(torch.uint8).tolist() for k, v in stored.items()}
+    hint, report = read_record(stored, "L00.k").decode(x)
+    assert report == compact.DecodeReport()
+    assert torch.equal(guided_quantize(x, hint).codes, q.codes)  # its own value decodes to its own codes

@@ -94,6 +94,24 @@ def test_hint_sizes():
     assert m.nbytes == 32 * (1024 // 8 + 1024 // 32)
 
 
+@pytest.mark.parametrize("mode", ["lsb", "full"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8"])
+def test_site_bytes_per_token_is_what_the_hint_packs(fmt, mode):
+    """The planner's bytes per token of a full/lsb site are the Hint's own store bytes, FP8 included
+    (its data is one byte per element for full, and its grid one float32 scale per row)."""
+    from tracefp4.formats.numerics import quantize_fp8
+    from tracefp4.guidance.compact import site_bytes_per_token
+
+    x = torch.randn(6, 3, 64)
+    q = {"nvfp4": lambda: tf.quantize_nvfp4(x, per_row=True), "mxfp4": lambda: tf.quantize_mxfp4(x),
+         "fp8": lambda: quantize_fp8(x)}[fmt]()
+    hint = tf.encode_hint(q, mode)
+    stored = sum(t.nbytes for t in hint.to_tensors("L00.k").values())
+    assert stored == hint.nbytes == 6 * hint.bytes_per_token() == 6 * site_bytes_per_token(mode, (3, 64), fmt)
+    if fmt == "fp8":
+        assert hint.bytes_per_token() == 3 * ((64 if mode == "full" else 64 // 8) + 4)
+
+
 def test_hint_select_cat_and_tensor_round_trip():
     x = torch.randn(10, 2, 64)
     q = tf.quantize_nvfp4(x, per_row=True)

@@ -5,12 +5,14 @@ over that forward's flattened rows (batch-major, ``b*S + s``):
 
 * the routed expert indices of every MoE layer (always: routing replay needs them also after a
   BF16 rollout);
-* at the guided layers, in the capture's guidance mode: for ``full``/``lsb`` the site's raw
-  quantized value (encoded once per rollout when the records are assembled: encoding per decode
-  step would cost more than the recording itself at small batch), for a compact mode the
+* at the guided layers, in the capture's guidance mode: for ``full``/``lsb`` a :class:`RawCapture`
+  of the site's quantized value (encoded into a Hint only when the records are assembled: encoding
+  per decode step would cost more than the recording itself at small batch), for a compact mode the
   :class:`~tracefp4.guidance.compact.CompactRecord` of this forward (it needs this forward's input);
-* at the diagnostic layers, the raw quantized value (full codes, for code-mismatch metrics; they are
-  kept in memory only and never reach the store).
+* at the diagnostic layers, a ``full`` :class:`RawCapture` (full codes, for code-mismatch metrics;
+  they are kept in memory only and never reach the store).
+
+Both kinds are :class:`~tracefp4.guidance.record.SiteRecord`\ s, so the rollout assembles them alike.
 
 Recording never changes what the forward computes. The capture is the rollout's
 :class:`~tracefp4.engines.path.ForwardPath`: the site hook records, the routing hook records, and
@@ -27,23 +29,67 @@ import torch
 
 from tracefp4.engines.path import ForwardPath
 from tracefp4.formats.constants import HintMode
-from tracefp4.formats.numerics import MXFP4, NVFP4
+from tracefp4.formats.numerics import FP8, MXFP4, NVFP4
 from tracefp4.formats.quantizers import Quantizer
-from tracefp4.guidance.compact import CompactRecord, GuidanceSpec, GuidedMode, encode_record
+from tracefp4.guidance.compact import CompactRecord, GuidanceSpec, GuidedMode
+from tracefp4.guidance.hints import Hint, encode_hint
+from tracefp4.guidance.record import SiteRecord
+from tracefp4.guidance.report import DecodeReport
 
 if TYPE_CHECKING:
     from tracefp4.engines.experts.base import ExpertGEMM, PreparedWeight
     from tracefp4.engines.experts.cache import PreparedCache
 
-__all__ = ["ForwardRecord", "RolloutCapture"]
+__all__ = ["ForwardRecord", "RawCapture", "RolloutCapture"]
+
+
+@dataclasses.dataclass
+class RawCapture:
+    """A ``full``/``lsb`` site as the rollout captured it: the quantized value, a :class:`Hint` once
+    stored or decoded (every tensor of ``q`` is per row, so rows select and concatenate before encoding)."""
+
+    q: NVFP4 | MXFP4 | FP8
+    mode: HintMode
+
+    def hint(self) -> Hint:
+        return encode_hint(self.q, self.mode)
+
+    @property
+    def nbytes(self) -> int:
+        return self.hint().nbytes
+
+    def bytes_per_token(self) -> float:
+        return self.hint().bytes_per_token()
+
+    def select(self, index) -> RawCapture:
+        if isinstance(index, torch.Tensor):
+            index = index.to(self.q.codes.device)
+        return RawCapture(type(self.q)(**{f.name: getattr(self.q, f.name)[index] for f in dataclasses.fields(self.q)}),
+                          self.mode)
+
+    def cat(self, others: list[RawCapture]) -> RawCapture:
+        """Concatenated along rows, on the host (records go to the store from there)."""
+        parts = [self.q, *(o.q for o in others)]
+        fields = dataclasses.fields(self.q)
+        return RawCapture(type(self.q)(**{f.name: torch.cat([getattr(p, f.name) for p in parts]).cpu()
+                                          for f in fields}), self.mode)
+
+    def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return self.hint().to_tensors(prefix)
+
+    def decode(self, x: torch.Tensor) -> tuple[Hint, DecodeReport]:
+        return self.hint().decode(x)
+
+    def kept_elements(self) -> None:
+        return None
 
 
 @dataclasses.dataclass
 class ForwardRecord:
     """What one forward recorded; keys are ``record_prefix(layer, site)`` (sites) or layers (routing)."""
 
-    guidance: dict[str, NVFP4 | MXFP4 | CompactRecord] = dataclasses.field(default_factory=dict)
-    diagnostics: dict[str, NVFP4 | MXFP4] = dataclasses.field(default_factory=dict)
+    guidance: dict[str, SiteRecord] = dataclasses.field(default_factory=dict)
+    diagnostics: dict[str, RawCapture] = dataclasses.field(default_factory=dict)
     routing: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
@@ -78,17 +124,14 @@ class RolloutCapture(ForwardPath):
             return cls(None, frozenset(), frozenset(diagnostics))
         return cls(guidance.mode, guidance.layer_indices(n_layers), frozenset(diagnostics))
 
-    @property
-    def encodes_per_forward(self) -> bool:
-        """A compact mode encodes each forward's input; ``full``/``lsb`` keep the raw codes."""
-        return isinstance(self.mode, GuidanceSpec)
-
     def record_site(self, layer: int, name: str, x: torch.Tensor, q: NVFP4 | MXFP4) -> None:
-        """A guidable site of ``layer`` quantized ``x`` (this forward's input) to ``q``."""
+        """A guidable site of ``layer`` quantized ``x`` (this forward's input) to ``q``: a compact mode
+        encodes this forward's input, ``full``/``lsb`` keep the raw codes."""
         if layer in self.guided_layers:
-            self._current.guidance[name] = encode_record(x.detach(), q, self.mode) if self.encodes_per_forward else q
+            self._current.guidance[name] = CompactRecord.encode(x.detach(), q, self.mode) \
+                if isinstance(self.mode, GuidanceSpec) else RawCapture(q, self.mode)
         if layer in self.diagnostic_layers:
-            self._current.diagnostics[name] = q
+            self._current.diagnostics[name] = RawCapture(q, HintMode.FULL)
 
     def record_routing(self, layer: int, indices: torch.Tensor) -> None:
         self._current.routing[layer] = indices.detach()

@@ -31,7 +31,7 @@ from tracefp4.engines.rows import RowMap, scatter_rows
 from tracefp4.formats.constants import HintMode
 from tracefp4.formats.numerics import FP8, MXFP4, NVFP4
 from tracefp4.formats.quantizers import Grid, Quantizer
-from tracefp4.guidance.compact import CompactRecord, decode_record
+from tracefp4.guidance.compact import CompactRecord
 from tracefp4.guidance.hints import Hint
 from tracefp4.guidance.names import layer_tag
 
@@ -54,9 +54,9 @@ class TrainerGuidance(ForwardPath):
     def hint(self, name: str, x: torch.Tensor) -> Hint | None:
         """The rollout's hint for site ``name`` given this path's own value ``x``, or None."""
         record = self.hints.get(name)
-        if record is None or isinstance(record, Hint):
-            return record
-        hint, report = decode_record(record, x.detach())
+        if record is None:
+            return None
+        hint, report = record.decode(x.detach())
         self.decode_failures += report.failed_blocks
         return hint
 

@@ -47,12 +47,8 @@ from tracefp4.engines.capture import ForwardRecord, RolloutCapture
 from tracefp4.engines.model import CACHE_KWARG, FP4KVCache, forward_state, model_layers, moe_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts, check_top_logprobs
-from tracefp4.engines.rows import select_rows
 from tracefp4.engines.sink import StoreTarget, write_records
-from tracefp4.formats.constants import HintMode
-from tracefp4.formats.numerics import MXFP4, NVFP4
 from tracefp4.guidance.compact import GuidedMode, record_cat
-from tracefp4.guidance.hints import encode_hint
 from tracefp4.guidance.names import routing_key
 
 __all__ = [
@@ -199,12 +195,6 @@ def decode_n_tokens(st: _Decode, logits: torch.Tensor, sampling: SamplingParams,
         next_logits = decode_one_token(st, next_logits, sampling, generator)
 
 
-def _cat_quantized(parts: list[NVFP4 | MXFP4]) -> NVFP4 | MXFP4:
-    """The parts concatenated along rows, on the host (records go to the store from there)."""
-    fields = dataclasses.fields(parts[0])
-    return type(parts[0])(**{f.name: torch.cat([getattr(p, f.name) for p in parts]).cpu() for f in fields})
-
-
 def _split(tensors: Mapping[str, torch.Tensor], counts: list[int], out: list[dict[str, torch.Tensor]]) -> None:
     """Rows grouped by trajectory -> each trajectory's views."""
     for key, t in tensors.items():
@@ -212,21 +202,12 @@ def _split(tensors: Mapping[str, torch.Tensor], counts: list[int], out: list[dic
             out[b][key] = piece
 
 
-def _raw_records(
-    steps: list[ForwardStep], field: str, order: torch.Tensor, counts: list[int], mode: HintMode
-) -> list[dict[str, torch.Tensor]]:
-    """Raw quantized values (``field`` of each step's record) encoded once for the whole rollout."""
+def _site_records(steps: list[ForwardStep], field: str, order: torch.Tensor, counts: list[int]
+                  ) -> list[dict[str, torch.Tensor]]:
+    """The site records of each step's ``field`` (guidance or diagnostics) per trajectory, in position order."""
     out: list[dict[str, torch.Tensor]] = [{} for _ in counts]
     for name in getattr(steps[0].record, field):
-        q = _cat_quantized([select_rows(getattr(s.record, field)[name], s.rows) for s in steps])
-        _split(encode_hint(select_rows(q, order), mode).to_tensors(name), counts, out)
-    return out
-
-
-def _compact_records(steps: list[ForwardStep], order: torch.Tensor, counts: list[int]) -> list[dict[str, torch.Tensor]]:
-    out: list[dict[str, torch.Tensor]] = [{} for _ in counts]
-    for name in steps[0].record.guidance:
-        record = record_cat([s.record.guidance[name].select(s.rows.cpu()) for s in steps]).select(order)
+        record = record_cat([getattr(s.record, field)[name].select(s.rows.cpu()) for s in steps]).select(order)
         start = 0
         for b, c in enumerate(counts):
             out[b].update(record.select(slice(start, start + c)).to_tensors(name))
@@ -259,15 +240,9 @@ def assemble_records(
     # rows grouped by trajectory, chronological within each: one gather, then views per trajectory
     order = torch.argsort(traj, stable=True)
     records = _routing_records(steps, order, counts, n_experts)
-    if isinstance(capture.mode, HintMode):
-        guidance = _raw_records(steps, "guidance", order, counts, capture.mode)
-    elif capture.mode is not None:
-        guidance = _compact_records(steps, order, counts)
-    else:
-        guidance = [{} for _ in range(n)]
-    for rec, g in zip(records, guidance):
+    for rec, g in zip(records, _site_records(steps, "guidance", order, counts)):
         rec.update(g)
-    return records, _raw_records(steps, "diagnostics", order, counts, HintMode.FULL)
+    return records, _site_records(steps, "diagnostics", order, counts)
 
 
 def generate(

@@ -19,6 +19,8 @@ never NaN output or a read past a buffer.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 
 import torch
 
@@ -36,9 +38,10 @@ from tracefp4.formats.numerics import (
     lsb_bits,
     straight_through,
 )
+from tracefp4.guidance.report import DecodeReport
 
 __all__ = ["Hint", "encode_hint", "guided_quantize", "guided_fake_quant", "hint_cat", "record_format",
-           "elements_per_byte", "lsb_of_codes"]
+           "elements_per_byte", "lsb_of_codes", "hint_site_bytes"]
 
 #: The format a stored grid belongs to, told by its scales' dtype (E4M3 block scales: NVFP4; E8M0
 #: bytes: MXFP4; a float32 row scale: FP8).
@@ -59,6 +62,16 @@ def elements_per_byte(fmt: Format, mode: HintMode) -> int:
     if mode is HintMode.LSB:
         return 8
     return 2 if fmt.fp4 else 1
+
+
+def hint_site_bytes(mode: HintMode, fmt: Format, site_shape: Sequence[int]) -> int:
+    """Store bytes per token of a hint of a site with per-token shape ``(*lead, K)``: its data, its
+    scales (one E4M3/E8M0 byte per block of FP4; FP8's float32 row scale) and NVFP4's float32 row amax."""
+    rows, k = math.prod(int(d) for d in site_shape[:-1]), int(site_shape[-1])
+    data = rows * k // elements_per_byte(fmt, mode)
+    scales = rows * torch.float32.itemsize if fmt is Format.FP8 else rows * (k // fmt.block)
+    amax = rows * torch.float32.itemsize if fmt is Format.NVFP4 else 0
+    return data + scales + amax
 
 
 def lsb_of_codes(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -124,6 +137,19 @@ class Hint:
         """Bytes the rollout has to keep for this site."""
         extra = self.global_amax.nbytes if self.global_amax is not None else 0
         return self.data.nbytes + self.scales.nbytes + extra
+
+    def bytes_per_token(self) -> int:
+        return hint_site_bytes(self.mode, self.fmt, tuple(self.shape)[1:])
+
+    def kept_elements(self) -> None:
+        return None  # a hint records every element
+
+    def decode(self, x: torch.Tensor) -> tuple["Hint", DecodeReport]:
+        """A hint needs no decoding: itself and an empty report."""
+        return self, DecodeReport()
+
+    def cat(self, others: Sequence["Hint"]) -> "Hint":
+        return hint_cat([self, *others])
 
     def select(self, index) -> "Hint":
         """The hint for ``x[index]`` where ``index`` indexes leading dims only (e.g. token positions).

@@ -158,7 +158,7 @@ class ModelDims:
 
 
 def _mode_density(g: GuidedMode, measured: Mapping[str, float], by_delta: Mapping[float, float]) -> float | None:
-    if not isinstance(g.mode, GuidanceSpec) or g.mode.elements != "sparse":
+    if not isinstance(g.mode, GuidanceSpec) or g.mode.delta is None:  # a delta: sparse elements
         return None
     if g.name in measured:
         return measured[g.name]

@@ -45,7 +45,7 @@ from tracefp4.engines.rollout import generate
 from tracefp4.engines.trainer import SiteMismatch, TrainerSpec, code_mismatch, forward_logprobs
 from tracefp4.files import atomic_write_json
 from tracefp4.guidance import compact
-from tracefp4.guidance.compact import STANDARD_MODES, CompactRecord, GuidedMode, read_record
+from tracefp4.guidance.compact import STANDARD_MODES, GuidedMode, read_record
 from tracefp4.guidance.names import deeper_half
 from tracefp4.guidance.store import parse_name
 from tracefp4.reports.measure import (
@@ -71,11 +71,11 @@ def _density(records: Sequence[dict[str, torch.Tensor]], prefixes: Sequence[str]
     kept = total = 0
     for rec in records:
         for prefix in prefixes:
-            r = read_record(rec, prefix)
-            if not isinstance(r, CompactRecord) or r.spec.elements != "sparse":
+            counts = read_record(rec, prefix).kept_elements()
+            if counts is None:
                 return None
-            kept += int((r.elements >= 0).sum())
-            total += r.elements.numel()
+            kept += counts[0]
+            total += counts[1]
     return kept / total if total else None
 
 
@@ -345,11 +345,7 @@ def format_sweep(rep: dict[str, Any]) -> str:
 def _family(name: str) -> str:
     if name == "qat":
         return "qat"
-    base = name.split("@")[0]
-    for fam in ("ldpc", "sparse", "full"):
-        if base.startswith(fam):
-            return fam
-    return "lsb"
+    return compact.elements_knob(GuidedMode.parse(name).mode)
 
 
 #: Marker colour of each mode family in the plot.

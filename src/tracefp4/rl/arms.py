@@ -225,7 +225,7 @@ def make_arm(name: str, *, guidance: str, n_layers: int, plan: PrecisionPlan | N
     arm_plan = None if spec.plan is None else _preset(spec.plan, plan, quads_fraction)
     trainer_plan = None if spec.trainer_plan is None else _preset(spec.trainer_plan, plan, quads_fraction)
     if arm_plan is not None and arm_plan.nvfp4_scale == "4over6" and getattr(mode, "mode", None) is not None \
-            and getattr(mode.mode, "scales", "full") != "full":
+            and not getattr(mode.mode, "full_scales", True):
         # parity/ldpc/own scales are rebuilt from the trainer's amax_b / 6: not a Four over Six scale
         raise ValueError(f"arm {name!r}: Four over Six needs the block scales recorded in full, not "
                          f"{mode.name!r}")

@@ -146,11 +146,6 @@ def step_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"step-{check_step(step):08d}"
 
 
-def _manifest_path(sdir: Path, writer_id: str) -> Path:
-    return sdir / f"{writer_id}{MANIFEST_SUFFIX}"
-
-
-
 def manifest_name(writer_id: str) -> str:
     return f"{writer_id}{MANIFEST_SUFFIX}"
 

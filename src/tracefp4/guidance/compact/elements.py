@@ -1,0 +1,181 @@
+"""The element codecs (``full``, ``lsb``, ``sparse(delta)``, ``ldpc(1/d)``): the rollout's codeword choices.
+
+Each codes the rollout's E2M1 codes of a site on the rollout's grid; ``decode`` turns the record's
+field and the trainer's own ``z`` on the decoded grid into the Hint data (unpacked codes for
+``full``, else the low-bit plane).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from tracefp4.formats.constants import E2M1_MAX, HintMode
+from tracefp4.guidance.coding import bits_int, int_bits, ldpc_checks, prior_llr, rice_bits_per_entry, stream_decode, \
+    stream_encode
+from tracefp4.guidance.compact.codec import Codec, Expect, Geometry, check_rate, ldpc_correct, ldpc_encode
+from tracefp4.guidance.compact.grid import midpoint_distance
+from tracefp4.guidance.report import DecodeReport
+
+__all__ = ["ELEMENT_PRIOR", "ElementCodec", "FullElements", "LsbElements", "SparseElements", "LdpcElements"]
+
+#: Prior probability that an element's low bit differs from the trainer's round-to-nearest one:
+#: ``p0 * exp(-r / sigma)``, r = distance of the trainer's z to the nearest midpoint (grid units).
+#: Fitted on the tiny model's drift with every layer guided: p ~ 0.08-0.1 at r ~ 0, ~1e-3 at r = 0.04.
+ELEMENT_PRIOR = (0.1, 0.01)
+
+
+def _fmt_float(v: float) -> str:
+    return np.format_float_positional(v, trim="-")
+
+
+class ElementCodec(Codec):
+    field = "elements"
+
+    def name_part(self) -> str:
+        return self.knob
+
+    def tag_part(self) -> str:
+        return self.knob
+
+    def encode(self, codes: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+        """What the rollout keeps of its unpacked codes (``z``: its own z, for ``sparse`` only)."""
+        return codes & 1
+
+    def needs_z(self) -> bool:
+        return False
+
+    def stream_bytes(self, geom: Geometry, density: float | None, name: str) -> float:
+        """Expected bytes per token outside the packed bits (``sparse``'s stream; 0 for the others)."""
+        return 0.0
+
+    def kept(self, value: torch.Tensor) -> tuple[int, int] | None:
+        return None
+
+    def decode(self, value: torch.Tensor, own: torch.Tensor, z: torch.Tensor, segments: Sequence[int] | None,
+               geom: Geometry) -> tuple[torch.Tensor, DecodeReport]:
+        """The low-bit plane (``own``: the trainer's round-to-nearest low bits on the decoded grid)."""
+        return value.to(torch.uint8), DecodeReport()
+
+
+class FullElements(ElementCodec):
+    knob, hint_mode = "full", HintMode.FULL
+
+    def encode(self, codes: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+        return codes
+
+    def bits(self, geom: Geometry) -> int:
+        return 4 * geom.elems
+
+    def pack(self, value, geom, t, compressed):
+        return int_bits(value.reshape(t, -1).numpy(), 4)
+
+    def unpack(self, fields, geom, t):
+        return torch.from_numpy(bits_int(fields, 4).astype(np.uint8)).reshape(geom.elem_shape(t))
+
+
+class LsbElements(ElementCodec):
+    knob, hint_mode = "lsb", HintMode.LSB
+
+    def bits(self, geom: Geometry) -> int:
+        return geom.elems
+
+    def pack(self, value, geom, t, compressed):
+        return value.reshape(t, -1).numpy().astype(np.uint8)
+
+    def unpack(self, fields, geom, t):
+        return torch.from_numpy(fields.copy()).reshape(geom.elem_shape(t))
+
+
+class SparseElements(ElementCodec):
+    """The low bit where the rollout's z sat within ``delta`` of a midpoint, as a Rice-coded stream."""
+
+    knob = "sparse"
+
+    def __init__(self, delta: float | None = None) -> None:
+        if delta is None:
+            raise ValueError("sparse elements need a delta (and only they)")
+        if not (math.isfinite(delta) and 0 < delta <= E2M1_MAX):
+            raise ValueError(f"sparse delta must be in (0, 6], got {delta}")
+        self.delta = delta
+
+    def name_part(self) -> str:
+        return f"sparse({_fmt_float(self.delta)})"
+
+    def tag_part(self) -> str:
+        return f"sparse_{_fmt_float(self.delta).replace('.', 'p')}"
+
+    def needs_z(self) -> bool:
+        return True
+
+    def encode(self, codes: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+        near = midpoint_distance(z) < self.delta
+        return torch.where(near, (codes & 1).to(torch.int8), torch.full_like(codes, -1, dtype=torch.int8))
+
+    def stream_bytes(self, geom: Geometry, density: float | None, name: str) -> float:
+        if density is None:
+            raise ValueError(f"{name}: the size of a sparse record depends on its density; give one")
+        return density * geom.elems * rice_bits_per_entry(density) / 8 if density > 0 else 0.0
+
+    def kept(self, value: torch.Tensor) -> tuple[int, int] | None:
+        return int((value >= 0).sum()), value.numel()
+
+    def stored(self, value, prefix, suffix, t):
+        plane = value.reshape(-1).numpy()
+        pos = np.flatnonzero(plane >= 0)
+        data = stream_encode(pos, plane[pos].astype(np.uint8))
+        width = max(1, -(-len(data) // t))
+        buf = np.zeros(t * width, dtype=np.uint8)
+        buf[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        return {f"{prefix}.stream__{suffix}": torch.from_numpy(buf.reshape(t, width))}
+
+    def read(self, tensors: Mapping[str, torch.Tensor], prefix: str, suffix: str, geom: Geometry, t: int,
+             expect: Expect, where: str) -> torch.Tensor:
+        stream = tensors[f"{prefix}.stream__{suffix}"]
+        if stream.dtype != torch.uint8 or stream.dim() != 2 or stream.shape[0] != t:
+            raise ValueError(f"{where}: stream should be uint8 [T, W], got {stream.dtype} {tuple(stream.shape)}")
+        pos, bits = stream_decode(stream.numpy().tobytes(), t * geom.elems, where)
+        plane = np.full(t * geom.elems, -1, dtype=np.int8)
+        plane[pos] = bits.astype(np.int8)
+        return torch.from_numpy(plane).reshape(geom.elem_shape(t))
+
+    def decode(self, value, own, z, segments, geom):
+        return torch.where(value >= 0, value.to(torch.uint8), own), DecodeReport()
+
+
+class LdpcElements(ElementCodec):
+    """A syndrome of the low-bit plane: ``ceil(elements/d)`` checks per token."""
+
+    knob, ldpc = "ldpc", True
+
+    def __init__(self, rate: int | None = None) -> None:
+        if rate is None:
+            raise ValueError("ldpc elements need a rate 1/d (and only they)")
+        self.rate = check_rate(rate)
+
+    def name_part(self) -> str:
+        return f"ldpc(1/{self.rate})"
+
+    def tag_part(self) -> str:
+        return f"ldpc_{self.rate}"
+
+    def bits(self, geom: Geometry) -> int:
+        return ldpc_checks(geom.elems, self.rate)
+
+    def pack(self, value, geom, t, compressed):
+        return ldpc_encode(value, t, geom.elems, self.rate, compressed)
+
+    def unpack(self, fields, geom, t):
+        return torch.from_numpy(fields.copy())
+
+    def decode(self, value, own, z, segments, geom):
+        own_np = own.reshape(-1).numpy().astype(np.uint8)
+        llr = prior_llr(midpoint_distance(z).reshape(-1).numpy().astype(np.float64), ELEMENT_PRIOR)
+        fix = ldpc_correct(value, own_np, llr, segments, geom.elems, self.rate)
+        bits = torch.from_numpy((own_np ^ fix.flips.astype(np.uint8)).reshape(tuple(z.shape)))
+        return bits, DecodeReport(blocks=fix.blocks, failed_blocks=fix.failed_blocks,
+                                  failed_elements=int(fix.failed.sum()))
+

@@ -62,8 +62,9 @@ from pathlib import Path
 from typing import Any
 
 from tracefp4.files import atomic_write_json
+from tracefp4.rl.arms import ARM_STYLE
 from tracefp4.rl.config import RLConfig, read_table
-from tracefp4.rl.runlog import ARM_STYLE, read_metrics, rows_of_kind
+from tracefp4.rl.runlog import read_metrics, rows_of_kind
 
 __all__ = [
     "ExperimentConfig",

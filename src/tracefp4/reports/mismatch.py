@@ -75,12 +75,12 @@ from tracefp4.files import atomic_write_json
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import Site, layer_tag, record_prefix, routing_key
 from tracefp4.guidance.hints import lsb_of_codes, record_format
+from tracefp4.metrics import one_apart_share
 from tracefp4.reports.measure import (
     aggregate,
     config_signature,
     gap,
     same_rollout,
-    share,
     store_bytes,
     store_records,
     store_root,
@@ -361,7 +361,7 @@ def _per_site_table(
             row: dict[str, Any] = {"elements": stats["qat"][name].total}
             row["mismatch_rate"] = {arm: stats[arm][name].rate if name in stats[arm] else None for arm in stats}
             row["adjacent_share"] = {
-                arm: share(stats[arm][name].one_apart, stats[arm][name].mismatched) if name in stats[arm] else None
+                arm: one_apart_share(stats[arm][name].one_apart, stats[arm][name].mismatched) if name in stats[arm] else None
                 for arm in stats
             }
             key = layer_tag(layer)

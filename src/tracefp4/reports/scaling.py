@@ -71,6 +71,7 @@ from tracefp4.formats.numerics import unpack_fp4
 from tracefp4.formats.reference import signed_index
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import layer_tag, parse_name
+from tracefp4.metrics import code_mismatch_rate, one_apart_share
 from tracefp4.reports.measure import aggregate, config_signature, same_rollout, store_records, store_root
 from tracefp4.rl.arms import ARM_STYLE, SCALING_ARMS
 
@@ -304,8 +305,8 @@ def _code_diffs(trainer_codes: Sequence[Mapping[str, torch.Tensor]], reference: 
 
 def _rates(counts: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, float | None]]:
     return {
-        k: {"rate": c["mismatched"] / c["total"] if c["total"] else None,
-            "adjacent_share": c["one_apart"] / c["mismatched"] if c["mismatched"] else None}
+        k: {"rate": code_mismatch_rate(c["mismatched"], c["total"]),
+            "adjacent_share": one_apart_share(c["one_apart"], c["mismatched"])}
         for k, c in counts.items()
     }  # fmt: skip
 

@@ -21,7 +21,7 @@ from tracefp4.engines.trainer import SiteMismatch
 from tracefp4.rl.grpo import mismatch_metrics
 
 __all__ = [
-    "Metric", "METRICS", "TRL_PREFIX", "canonical", "metric", "label", "share", "mismatch_totals",
+    "Metric", "METRICS", "TRL_PREFIX", "canonical", "trl_name", "metric", "label", "share", "mismatch_totals",
     "code_mismatch_rate", "one_apart_share", "logprob_gap", "router_flip_rate", "guidance_bytes_per_token",
     "reference_markdown",
 ]  # fmt: skip
@@ -94,6 +94,11 @@ def canonical(name: str) -> str:
     if bare in _BY_ALIAS:
         return _BY_ALIAS[bare]
     raise KeyError(f"unknown metric {name!r}; the registry: {', '.join(METRICS)}")
+
+
+def trl_name(name: str) -> str:
+    """The name the TRL integration logs metric ``name`` under: ``trace/`` + its TRL alias."""
+    return TRL_PREFIX + metric(name).aliases["trl"]
 
 
 def metric(name: str) -> Metric:

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from tracefp4.cli import main
-from tracefp4.reports.bench_rollout import MODES, PRESETS, expert_params, preset_spec
+from tracefp4.reports.bench_rollout import PRESETS, expert_params, preset_spec
+from tracefp4.rl.arms import ROLLOUT_MODES
 
 SHAPE = ["--layers", "1", "--hidden", "64", "--experts", "4", "--top-k", "2", "--expert-dim", "32", "--heads", "2",
          "--kv-heads", "1", "--head-dim", "32"]
@@ -25,7 +26,7 @@ def test_shape_options_replace_the_presets_dimensions_and_drop_its_targets(tmp_p
     assert res["model"]["hidden"] == 64 and res["model"]["experts"] == 4 and res["model"]["moe_intermediate"] == 32
     assert res["model"]["vocab"] == PRESETS["bandwidth"].spec.vocab  # what no option names stays the preset's
     assert res["expert_params"] == expert_params(spec) == 1 * 4 * 3 * 64 * 32
-    for mode in MODES:
+    for mode in ROLLOUT_MODES:
         assert res[f"rollout_tokens_per_s.home.{mode}@b2"] > 0
     assert res["preset_shapes"] is False and res["targets"] == []
     # the memory probe builds the model of the checkpoint it is given (these shapes, not the preset's)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tracefp4.cli import main
-from tracefp4.reports.scaling import ARMS, CENTRE, DEPTHS, LENGTHS, WIDTHS, Point, fit, grid, logprob_stats
+from tracefp4.reports.scaling import CENTRE, DEPTHS, LENGTHS, WIDTHS, Point, fit, grid, logprob_stats
+from tracefp4.rl.arms import SCALING_ARMS
 
 
 def test_grid_is_a_star_through_the_centre():
@@ -53,7 +54,7 @@ def test_fit_recovers_an_exact_power_law():
         q = c * p.layers**a * p.hidden**b * p.new_tokens**g
         rows.append({"point": {"layers": p.layers, "hidden": p.hidden, "new_tokens": p.new_tokens},
                      "arms": {arm: {"code_mismatch": q, "mean_abs": 2 * q, "p99_abs": q, "max_abs": q,
-                                    "seq_abs_mean": q} for arm in ARMS}})  # fmt: skip
+                                    "seq_abs_mean": q} for arm in SCALING_ARMS}})  # fmt: skip
     f = fit(rows)["qat"]["mean_abs"]
     # exact data: least squares in float64 on a well-conditioned 14 x 4 design (logs of 16..512)
     # recovers the exponents to a few ulp of the normal equations' solution; 1e-9 leaves room.
@@ -95,14 +96,14 @@ def test_scaling_runs_resumes_and_reruns_a_point_identically(tmp_path, capsys):
     assert [r["name"] for r in rep["points"]] == ["L2-H64-T8-random", "L2-H64-T8-trained"]
     for r in rep["points"]:
         arms = r["arms"]
-        assert set(arms) == set(ARMS)
+        assert set(arms) == set(SCALING_ARMS)
         assert "code_mismatch" not in arms["bf16"]
         # guidance never does worse than vanilla QAT at the sites it guides; full codes on every
         # layer reproduce every code QAT would have got right and remove mismatches where it did not
         assert arms["full"]["code_mismatch"] <= arms["qat"]["code_mismatch"]
         assert arms["trace"]["code_mismatch_guided"] <= arms["qat"]["code_mismatch_deeper_half"]
         assert arms["trace"]["guided_layers"] == [1] and arms["lsb@all"]["guided_layers"] == [0, 1]
-        for arm in ARMS:
+        for arm in SCALING_ARMS:
             a = arms[arm]
             assert a["tokens"] == 2 * 8 and a["mean_abs"] <= a["p99_abs"] <= a["max_abs"]
             if arm != "bf16":

@@ -54,13 +54,10 @@ from tracefp4.engines.trainer import TrainerMode, TrainerSpec, code_mismatch, to
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import deeper_half
 from tracefp4.guidance.store import StoreReader, bytes_per_token, discard_step, seal_step
-from tracefp4.rl.arms import PLANS
+from tracefp4.rl.arms import DIAGNOSTICS_CHOICES, FP4_TRAINER_MODES, plan_by_name
 from tracefp4.rl.loop import model_signature
 
 __all__ = ["TraceGRPOConfig", "TraceGRPOTrainer", "unsupported", "precision_plan"]
-
-#: ``TraceGRPOConfig.trace_plan`` names: the precision plan of the rollout and the trainer.
-PLAN_NAMES = ("nvfp4", *PLANS)
 
 #: The batch-dict key of the per-row trajectory ids.
 ROW_KEY = "trace_traj"
@@ -68,11 +65,7 @@ ROW_KEY = "trace_traj"
 
 def precision_plan(name: str) -> PrecisionPlan:
     """``nvfp4`` (NVFP4 W4A4 and KV cache), ``4over6``, ``mxfp4`` or ``w4a8`` (see :mod:`tracefp4.rl.arms`)."""
-    if name == "nvfp4":
-        return PrecisionPlan()
-    if name not in PLANS:
-        raise ValueError(f"trace_plan = {name!r}: expected one of {', '.join(PLAN_NAMES)}")
-    return PLANS[name]()
+    return plan_by_name(name)
 
 
 @dataclasses.dataclass
@@ -109,10 +102,10 @@ class TraceGRPOConfig(GRPOConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         precision_plan(self.trace_plan)
-        if self.trace_mode not in ("qat", "trace"):
+        if self.trace_mode not in FP4_TRAINER_MODES:
             raise ValueError(f"trace_mode = {self.trace_mode!r}: expected 'qat' or 'trace'")
         GuidedMode.parse(self.trace_guidance)
-        if self.trace_diagnostics not in ("all", "deeper", "guided", "none"):
+        if self.trace_diagnostics not in DIAGNOSTICS_CHOICES:
             raise ValueError(f"trace_diagnostics = {self.trace_diagnostics!r}: expected all, deeper, guided or none")
         if self.trace_engine is None:
             self.trace_engine = "vllm" if self.use_vllm else "home"

@@ -57,8 +57,9 @@ from tracefp4.engines.model import TinyMoESpec, from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutEngine, SamplingParams
 from tracefp4.guidance.compact import GuidedMode
+from tracefp4.rl.arms import ROLLOUT_MODES
 
-__all__ = ["BANDWIDTH_MOE", "MID_MOE", "MODES", "PRESETS", "Preset", "bench_rollout", "format_rollout",
+__all__ = ["BANDWIDTH_MOE", "MID_MOE", "PRESETS", "Preset", "bench_rollout", "format_rollout",
            "add_rollout_command", "preset_spec", "TARGETS"]
 
 #: The mid-size MoE (about hidden 512, 8 layers, 16 experts top-4).
@@ -78,14 +79,6 @@ class Preset:
 
 
 PRESETS = {"mid": Preset(MID_MOE, (64,), 128), "bandwidth": Preset(BANDWIDTH_MOE, (8, 32), 32)}
-
-#: mode -> (FP4 plan?, guidance mode name or None)
-MODES: dict[str, tuple[bool, str | None]] = {
-    "bf16": (False, None),
-    "fp4": (True, None),
-    "trace_lsb": (True, "lsb"),
-    "trace_full": (True, "full"),
-}
 
 #: Targets per preset, as (description, key, bound): a ratio of two throughputs must reach the bound,
 #: or (memory) a figure stay below it.
@@ -397,7 +390,7 @@ def serve(engine: str, ckpt: str, new_tokens: int, max_model_len: int) -> None:
 
 
 def _call(engine: RolloutEngine, mode: str, s: SamplingParams, prompts, plan: PrecisionPlan) -> float:
-    fp4, guidance = MODES[mode]
+    fp4, guidance = ROLLOUT_MODES[mode]
     t0 = time.perf_counter()
     engine.generate(prompts, s, plan=plan if fp4 else None, guidance=GuidedMode.parse(guidance) if guidance else None)
     return time.perf_counter() - t0
@@ -416,7 +409,7 @@ def _time_batch(engines, model, ckpt, prompts, new_tokens, prompt_len, repeats, 
     try:
         if "home" in engines:
             home = HomeEngine(model)
-            for mode in MODES:
+            for mode in ROLLOUT_MODES:
                 _call(home, mode, warm, prompts, plan)
                 calls[("home", mode)] = lambda m=mode: _call(home, m, sampling, prompts, plan)
         if "vllm" in engines:
@@ -468,13 +461,13 @@ def format_rollout(res: dict) -> str:
         f"tokens; {res['threads']} torch threads; median of {res['repeats']} interleaved round(s); tokens/s",
     ]
     for batch in res["batches"]:
-        lines.append(f"batch {batch}: {'engine':<8}" + "".join(f"{mode:>13}" for mode in MODES)
+        lines.append(f"batch {batch}: {'engine':<8}" + "".join(f"{mode:>13}" for mode in ROLLOUT_MODES)
                      + f"{'fp4/bf16':>10}{'lsb/fp4':>9}{'full/fp4':>10}")
         for e in sorted({k.split(".")[1] for k in res if k.startswith("rollout_tokens_per_s.")}):
-            vals = {mode: res.get(f"rollout_tokens_per_s.{e}.{mode}@b{batch}") for mode in MODES}
+            vals = {mode: res.get(f"rollout_tokens_per_s.{e}.{mode}@b{batch}") for mode in ROLLOUT_MODES}
             if any(v is None for v in vals.values()):
                 continue
-            row = "".join(f"{vals[mode]:>13.1f}" for mode in MODES)
+            row = "".join(f"{vals[mode]:>13.1f}" for mode in ROLLOUT_MODES)
             lines.append(f"{'':>9}{e:<8}{row}{vals['fp4'] / vals['bf16']:>10.2f}{vals['trace_lsb'] / vals['fp4']:>9.3f}"
                          f"{vals['trace_full'] / vals['fp4']:>10.3f}")
     mem = {k.split(".", 1)[1]: v for k, v in res.items() if k.startswith("resident_bytes_per_expert_param.")}

@@ -24,7 +24,7 @@ from tracefp4.engines.sink import StoreTarget, write_records
 from tracefp4.engines.trainer import SiteMismatch, TrainerOutput
 from tracefp4.guidance.names import layer_tag
 from tracefp4.guidance.store import StoreReader, bytes_per_token, parse_name, seal_step
-from tracefp4.rl.grpo import mismatch_metrics
+from tracefp4.metrics import code_mismatch_rate, logprob_gap, metric, mismatch_totals, one_apart_share
 
 __all__ = [
     "POLICY_VERSION",
@@ -32,7 +32,6 @@ __all__ = [
     "config_signature",
     "store_root",
     "gap",
-    "share",
     "aggregate",
     "same_rollout",
     "store_records",
@@ -62,6 +61,10 @@ def store_root(store_dir: str | os.PathLike[str] | None, prefix: str) -> Iterato
 
 # --- log-prob gap and code mismatch --------------------------------------------------------------
 
+#: The log-prob gap metrics of :func:`gap`, in its keys' order (the reports' spellings of them).
+GAP_METRICS = ("train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max", "rollout_corr/k3_kl",
+               "rollout_corr/kl", "rollout_corr/log_ppl_diff")
+
 
 def _padded(seqs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(s.numel() for s in seqs)
@@ -79,35 +82,19 @@ def gap(rollout: RolloutOutput, trainer: TrainerOutput) -> dict[str, float]:
     lt, mask_t = trainer.padded()
     if not torch.equal(mask, mask_t):
         raise RuntimeError("trainer and rollout disagree on the completion lengths")
-    m = mismatch_metrics(lr, lt.detach().float(), mask)
-    return {
-        "mean_abs": m["train_rollout_logprob_abs_diff"],
-        "max_abs": m["train_rollout_logprob_abs_diff_max"],
-        "k3_kl": m["rollout_corr/k3_kl"],
-        "kl": m["rollout_corr/kl"],
-        "log_ppl_diff": m["rollout_corr/log_ppl_diff"],
-        "tokens": int(mask.sum()),
-    }
-
-
-def share(num: int, den: int) -> float | None:
-    """``num / den``, or None for an empty denominator (a JSON ``null``, neither 0 nor NaN)."""
-    return num / den if den else None
+    m = logprob_gap(lr, lt.detach().float(), mask)
+    return {**{metric(k).aliases["reports"]: m[k] for k in GAP_METRICS}, "tokens": int(mask.sum())}
 
 
 def aggregate(stats: Mapping[str, SiteMismatch], keep: Callable[[int, str], bool]) -> dict[str, Any]:
     """Mismatch totals over the sites ``keep(layer, site)`` selects, their rate and adjacent share."""
-    mis = one = tot = 0
-    for name, s in stats.items():
-        layer, site, _ = parse_name(name + ".codes")
-        if keep(layer, site):
-            mis, one, tot = mis + s.mismatched, one + s.one_apart, tot + s.total
+    mis, one, tot = mismatch_totals(s for name, s in stats.items() if keep(*parse_name(name + ".codes")[:2]))
     return {
         "mismatched": mis,
         "one_apart": one,
         "total": tot,
-        "rate": share(mis, tot),
-        "adjacent_share": share(one, mis),
+        "rate": code_mismatch_rate(mis, tot),
+        "adjacent_share": one_apart_share(one, mis),
     }
 
 

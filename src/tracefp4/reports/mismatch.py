@@ -67,7 +67,6 @@ from typing import Any
 import torch
 
 from tracefp4.engines.model import TinyMoESpec, from_config, load_model, model_layers, moe_layers, tiny_config
-from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
 from tracefp4.engines.rollout import generate
 from tracefp4.engines.trainer import (SiteMismatch, TrainerOutput, TrainerSpec, code_mismatch, forward_logprobs,
@@ -76,22 +75,21 @@ from tracefp4.files import atomic_write_json
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import Site, layer_tag, record_prefix, routing_key
 from tracefp4.guidance.hints import lsb_of_codes, record_format
+from tracefp4.metrics import one_apart_share
 from tracefp4.reports.measure import (
     aggregate,
     config_signature,
     gap,
     same_rollout,
-    share,
     store_bytes,
     store_records,
     store_root,
 )
+from tracefp4.rl.arms import MISMATCH_ARMS, REPORT_PLANS
 
 __all__ = [
     "DEFAULTS",
     "MODEL_DIMS",
-    "ARMS",
-    "REPORT_PLANS",
     "make_prompts",
     "build_model",
     "mismatch_report",
@@ -116,20 +114,6 @@ MODEL_DIMS = (
     "layers", "experts", "top_k", "hidden", "moe_intermediate", "heads", "kv_heads", "head_dim", "vocab", "init_std",
 )  # fmt: skip
 
-#: arm -> (rollout description, trainer mode)
-ARMS: dict[str, tuple[str, str]] = {
-    "bf16": ("bf16", "bf16"),
-    "qat": ("fp4", "qat"),
-    "trace_lsb": ("fp4 + lsb hints, deeper half", "trace"),
-    "trace_full": ("fp4 + full hints, all layers", "trace"),
-}
-#: ``--plan``: the precision plan the report measures and the guidance of its lsb arm. The FP8 lsb arm
-#: guides every layer: E4M3's step (1/8 to 1/16 relative) is small beside the drift that unguided FP8
-#: layers pass on, so lsb hints on the deeper half alone leave several per cent of its codes apart.
-REPORT_PLANS: dict[str, tuple[Callable[[], PrecisionPlan], str]] = {
-    "nvfp4": (PrecisionPlan.w4a4, "lsb"),
-    "fp8": (PrecisionPlan.fp8, "lsb@all"),
-}
 _SITES = tuple(s.value for s in Site)
 _STEP_FULL, _STEP_COMPACT = 0, 1
 
@@ -251,12 +235,12 @@ class _Stored:
 
 
 def arm_descriptions(plan_name: str = "nvfp4") -> dict[str, tuple[str, str]]:
-    """:data:`ARMS` for a plan of :data:`REPORT_PLANS`: arm -> (rollout description, trainer mode)."""
+    """:data:`MISMATCH_ARMS` for a plan of :data:`REPORT_PLANS`: arm -> (rollout description, trainer mode)."""
     if plan_name == "nvfp4":
-        return dict(ARMS)
+        return dict(MISMATCH_ARMS)
     lsb = GuidedMode.parse(REPORT_PLANS[plan_name][1])
     where = "all layers" if lsb.layers == "all" else "deeper half"
-    return {"bf16": ARMS["bf16"], "qat": (plan_name, "qat"),
+    return {"bf16": MISMATCH_ARMS["bf16"], "qat": (plan_name, "qat"),
             "trace_lsb": (f"{plan_name} + lsb hints, {where}", "trace"),
             "trace_full": (f"{plan_name} + full hints, all layers", "trace")}
 
@@ -320,8 +304,8 @@ def _trainers(
     trainers: dict[str, TrainerOutput] = {}
     with torch.no_grad():
         for arm in ("bf16", "qat"):
-            with phase(f"trainer {arm} ({ARMS[arm][1]}, routing replay)"):
-                trainers[arm] = forward_rollout(model, rollouts[arm], TrainerSpec(ARMS[arm][1]))
+            with phase(f"trainer {arm} ({MISMATCH_ARMS[arm][1]}, routing replay)"):
+                trainers[arm] = forward_rollout(model, rollouts[arm], TrainerSpec(MISMATCH_ARMS[arm][1]))
         with phase("trainer qat, capturing codes at all sites"):
             qat_codes = forward_logprobs(
                 model, roll_full.token_ids, roll_full.prompt_lens, full_records,
@@ -377,7 +361,7 @@ def _per_site_table(
             row: dict[str, Any] = {"elements": stats["qat"][name].total}
             row["mismatch_rate"] = {arm: stats[arm][name].rate if name in stats[arm] else None for arm in stats}
             row["adjacent_share"] = {
-                arm: share(stats[arm][name].one_apart, stats[arm][name].mismatched) if name in stats[arm] else None
+                arm: one_apart_share(stats[arm][name].one_apart, stats[arm][name].mismatched) if name in stats[arm] else None
                 for arm in stats
             }
             key = layer_tag(layer)
@@ -474,7 +458,7 @@ def mismatch_report(
         stored = _store_round_trip(root, rollouts, signature)
     trainers, qat_codes = _trainers(model, rollouts, stored.full_records, stored.lsb_records, phase)
     with phase("router flips without replay (qat, bf16)"):
-        flips = {arm: _router_flips_without_replay(model, rollouts[arm], ARMS[arm][1]) for arm in ("qat", "bf16")}
+        flips = {arm: _router_flips_without_replay(model, rollouts[arm], MISMATCH_ARMS[arm][1]) for arm in ("qat", "bf16")}
     arms = arm_descriptions(plan_name)
     stats = _code_stats(qat_codes, trainers, stored.full_records)
     agg = _aggregates(stats, compact_layers)
@@ -495,7 +479,7 @@ def mismatch_report(
         "mismatch_counts": {k: {f: v[f] for f in ("mismatched", "one_apart", "total")} for k, v in agg.items()},
         "router_flip_rate": flips["qat"]["rate"],
         "router_flip": _router_flip_section(flips, trainers),
-        "logprob_gap": {arm: gap(rollouts[arm], trainers[arm]) for arm in ARMS},
+        "logprob_gap": {arm: gap(rollouts[arm], trainers[arm]) for arm in MISMATCH_ARMS},
         "bytes_per_token": _bytes_section(stored),
         "per_site": _per_site_table(stats, stored, n_layers),
         "seconds": {**phase.seconds, "total": time.perf_counter() - t_start},
@@ -578,7 +562,7 @@ def _gap_lines(rep: dict[str, Any]) -> list[str]:
         "log-prob gap over completion tokens",
         f"{'arm':<12}{'rollout':<31}{'trainer':<9}{'mean|dlogp|':>13}{'max|dlogp|':>12}{'k3 KL':>12}",
     ]
-    for arm, (roll, train) in rep.get("arms", ARMS).items():
+    for arm, (roll, train) in rep.get("arms", MISMATCH_ARMS).items():
         g = rep["logprob_gap"][arm]
         lines.append(f"{arm:<12}{roll:<31}{train:<9}{g['mean_abs']:>13.5f}{g['max_abs']:>12.5f}{g['k3_kl']:>12.2e}")
     return lines

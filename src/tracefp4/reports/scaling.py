@@ -17,7 +17,7 @@ Every point is measured twice, with **trained** weights and with **random** ones
 
 At each point one batch of ``--batch`` prompts is rolled out (temperature 1, no stop token, so every
 completion has exactly the point's length) and the trainer runs on the rollout's tokens in every arm
-(:data:`ARMS`): ``bf16`` (BF16 rollout, BF16 trainer: the floor), ``qat`` (FP4 rollout, vanilla
+(:data:`SCALING_ARMS`): ``bf16`` (BF16 rollout, BF16 trainer: the floor), ``qat`` (FP4 rollout, vanilla
 round-to-nearest QAT), ``trace`` (lsb hints on the deeper half, the paper's compact cache),
 ``lsb@all``, ``ldpc@all`` (our compact LDPC record on every layer) and ``full`` (full codes, every
 layer). Recording never changes what an FP4 rollout computes, so every FP4 arm sees the same tokens;
@@ -71,10 +71,12 @@ from tracefp4.formats.numerics import unpack_fp4
 from tracefp4.formats.reference import signed_index
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import layer_tag, parse_name
+from tracefp4.metrics import code_mismatch_rate, one_apart_share
 from tracefp4.reports.measure import aggregate, config_signature, same_rollout, store_records, store_root
+from tracefp4.rl.arms import ARM_STYLE, SCALING_ARMS
 
 __all__ = [
-    "CENTRE", "DEPTHS", "WIDTHS", "LENGTHS", "ARMS", "BUCKETS", "TARGETS", "Point", "grid",
+    "CENTRE", "DEPTHS", "WIDTHS", "LENGTHS", "BUCKETS", "TARGETS", "Point", "grid",
     "point_config", "measure_point", "logprob_stats", "fit", "run_scaling", "format_scaling",
     "plot_scaling", "add_parser", "run_cli",
 ]  # fmt: skip
@@ -84,15 +86,6 @@ DEPTHS = (2, 4, 8, 12, 16, 24)
 WIDTHS = (64, 128, 256, 512)
 LENGTHS = (16, 32, 64, 128, 256, 512)
 WEIGHTS = ("trained", "random")
-#: arm -> guidance mode of its FP4 rollout and trainer (None: vanilla QAT; "bf16": no FP4 at all).
-ARMS: dict[str, str | None] = {
-    "bf16": "bf16",
-    "qat": None,
-    "trace": "lsb",  # the paper's compact cache: 1 mantissa bit + scales on the deeper half
-    "lsb@all": "lsb@all",
-    "ldpc@all": "ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all",  # the trace-ldpc arm's record
-    "full": "full@all",
-}
 #: Completion-position buckets [lo, hi) of the per-position figures.
 BUCKETS = ((0, 16), (16, 32), (32, 64), (64, 128), (128, 256), (256, 512))
 CAPS = (2.0, 5.0)
@@ -312,8 +305,8 @@ def _code_diffs(trainer_codes: Sequence[Mapping[str, torch.Tensor]], reference: 
 
 def _rates(counts: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, float | None]]:
     return {
-        k: {"rate": c["mismatched"] / c["total"] if c["total"] else None,
-            "adjacent_share": c["one_apart"] / c["mismatched"] if c["mismatched"] else None}
+        k: {"rate": code_mismatch_rate(c["mismatched"], c["total"]),
+            "adjacent_share": one_apart_share(c["one_apart"], c["mismatched"])}
         for k, c in counts.items()
     }  # fmt: skip
 
@@ -351,7 +344,7 @@ def _arm_row(rollout: RolloutOutput, trainer: TrainerOutput, codes, reference, g
 
 def measure_point(model, prompts: Sequence[torch.Tensor], sampling: SamplingParams, *,
                   say: Callable[[str], None] = lambda m: None, engine=None) -> dict[str, Any]:
-    """Every arm of :data:`ARMS` on one model and batch; JSON-ready. ``engine``: another rollout engine
+    """Every arm of :data:`SCALING_ARMS` on one model and batch; JSON-ready. ``engine``: another rollout engine
     over the same weights (vLLM); None: ours."""
     n_layers, _ = model_layers(model)
     every = frozenset(range(n_layers))
@@ -368,7 +361,7 @@ def measure_point(model, prompts: Sequence[torch.Tensor], sampling: SamplingPara
     bf16 = roll(None)
     with torch.no_grad():
         arms["bf16"] = _arm_row(bf16, forward_rollout(model, bf16, mode="bf16"), None, None, None, n_layers)
-    full_mode = GuidedMode.parse(ARMS["full"])
+    full_mode = GuidedMode.parse(SCALING_ARMS["full"])
     ref = roll(plan, full_mode)
     with store_root(None, "tracefp4-scaling-") as root:
         ref_records = store_records(root, 0, ref, signature)
@@ -377,7 +370,7 @@ def measure_point(model, prompts: Sequence[torch.Tensor], sampling: SamplingPara
                                    capture_codes=every)  # fmt: skip
         arms["qat"] = _arm_row(ref, qat, qat.codes, ref_records, None, n_layers)
         say(f"  bf16, qat: mean|dlogp| {arms['bf16']['mean_abs']:.4f}, {arms['qat']['mean_abs']:.4f}")
-        for step, (arm, mode) in enumerate(((a, m) for a, m in ARMS.items() if a not in ("bf16", "qat")), start=1):
+        for step, (arm, mode) in enumerate(((a, m) for a, m in SCALING_ARMS.items() if a not in ("bf16", "qat")), start=1):
             g = GuidedMode.parse(mode)
             guided = g.layer_indices(n_layers)
             if g == full_mode:
@@ -452,7 +445,7 @@ def assemble(root: str | Path) -> dict[str, Any]:
     fits = {w: fit([r for r in home if r["point"]["weights"] == w]) for w in WEIGHTS}
     return {
         "grid": {"centre": CENTRE, "depths": list(DEPTHS), "widths": list(WIDTHS), "lengths": list(LENGTHS),
-                 "arms": dict(ARMS), "buckets": [f"{lo}-{hi}" for lo, hi in BUCKETS], "caps": list(CAPS),
+                 "arms": dict(SCALING_ARMS), "buckets": [f"{lo}-{hi}" for lo, hi in BUCKETS], "caps": list(CAPS),
                  "experts": EXPERTS, "top_k": TOP_K, "head_dim": HEAD_DIM},
         "points": rows,
         "fit": fits,
@@ -487,7 +480,7 @@ def fit(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     from tracefp4.rl.experiment import t_quantile_975
 
     out: dict[str, Any] = {}
-    for arm in ARMS:
+    for arm in SCALING_ARMS:
         for key in FITTED:
             share = key in SHARES
             pts = [(r["point"], r["arms"][arm].get(key)) for r in rows if arm in r["arms"]]
@@ -519,7 +512,7 @@ def _bytes_at_targets() -> dict[str, Any]:
     from tracefp4.reports.capacity import PRESETS, ModelDims, plan
 
     dims = ModelDims.from_config(PRESETS["qwen3-30b-a3b"], "qwen3-30b-a3b")
-    modes = [m for m in ARMS.values() if m not in (None, "bf16")]
+    modes = [m for m in SCALING_ARMS.values() if m not in (None, "bf16")]
     p = plan(dims, prompts=32, samples=8, tokens=16384, modes=modes)
     return {"model": "qwen3-30b-a3b", "batch": p["batch"],
             "bytes_per_token": {GuidedMode.parse(m).name: p["modes"][GuidedMode.parse(m).name]["bytes_per_token"]
@@ -550,10 +543,10 @@ def format_scaling(rep: Mapping[str, Any]) -> str:
             continue
         lines.append(f"{weights} weights: code mismatch (all sites) / mean |dlogp| / mean |seq log-ratio| / "
                      "seqs masked at cap 5")
-        lines.append(f"{'point':<24}" + "".join(f"{a:>28}" for a in ARMS))
+        lines.append(f"{'point':<24}" + "".join(f"{a:>28}" for a in SCALING_ARMS))
         for _, r in rows:
             cells = []
-            for arm in ARMS:
+            for arm in SCALING_ARMS:
                 a = r["arms"][arm]
                 cm = f"{a['code_mismatch']:.2%}" if a.get("code_mismatch") is not None else "-"
                 cells.append(f"{cm}/{a['mean_abs']:.4f}/{a['seq_abs_mean']:.2f}/{a['sequences_masked_cap5']:.0%}")
@@ -588,9 +581,8 @@ def plot_scaling(rep: Mapping[str, Any], path: str | Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tracefp4.rl.runlog import ARM_STYLE
 
-    colors = {arm: ARM_STYLE.get(arm, {}).get("color") for arm in ARMS}
+    colors = {arm: ARM_STYLE.get(arm, {}).get("color") for arm in SCALING_ARMS}
     colors.update({"lsb@all": "tab:cyan", "ldpc@all": "tab:purple", "full": "tab:green"})
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -607,7 +599,7 @@ def plot_scaling(rep: Mapping[str, Any], path: str | Path) -> list[Path]:
             rows.sort(key=lambda r: r["point"][axis])
             for i, (key, title) in enumerate(metrics):
                 ax = axs[i][j]
-                for arm in ARMS:
+                for arm in SCALING_ARMS:
                     xs = [r["point"][axis] for r in rows if (r["arms"][arm].get(key) or 0) > 0]
                     ys = [r["arms"][arm][key] for r in rows if (r["arms"][arm].get(key) or 0) > 0]
                     if xs:
@@ -634,7 +626,7 @@ def plot_scaling(rep: Mapping[str, Any], path: str | Path) -> list[Path]:
             ("positions", longest, "by_bucket", "completion positions", "mean |Δlogp|"),
         ):
             fig, ax = plt.subplots(figsize=(8, 4))
-            for arm in ARMS:
+            for arm in SCALING_ARMS:
                 a = row["arms"][arm]
                 table = a.get(field) or {}
                 keys = list(table)

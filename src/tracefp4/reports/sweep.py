@@ -48,6 +48,7 @@ from tracefp4.guidance import compact
 from tracefp4.guidance.compact import STANDARD_MODES, GuidedMode, read_record
 from tracefp4.guidance.names import deeper_half
 from tracefp4.guidance.store import parse_name
+from tracefp4.metrics import metric
 from tracefp4.reports.measure import (
     aggregate,
     config_signature,
@@ -103,12 +104,13 @@ def _agreement(stats: Mapping[str, SiteMismatch], keep: Callable[[int, str], boo
     return {**agg, "agreement": None if agg["rate"] is None else 1.0 - agg["rate"]}
 
 
+#: The log-prob gap metrics a sweep row carries, in its keys' order.
+SWEEP_GAP_METRICS = ("train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max", "rollout_corr/k3_kl")
+
+
 def _gap_fields(g: dict[str, float]) -> dict[str, float]:
-    return {
-        "logprob_gap_mean_abs": g["mean_abs"],
-        "logprob_gap_max_abs": g["max_abs"],
-        "k3_kl": g["k3_kl"],
-    }
+    """The sweep's spellings of three of :func:`~tracefp4.reports.measure.gap`'s metrics."""
+    return {metric(k).aliases["sweep"]: g[metric(k).aliases["reports"]] for k in SWEEP_GAP_METRICS}
 
 
 def _everywhere(layer: int, site: str) -> bool:

@@ -3,11 +3,10 @@ on a shared machine slows every operation of that round alike instead of landing
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Mapping
 
-__all__ = ["time_rounds", "median_times"]
+__all__ = ["time_rounds"]
 
 
 def time_rounds(
@@ -28,8 +27,3 @@ def time_rounds(
             fn()
             samples[name].append(time.perf_counter() - t0)
     return samples
-
-
-def median_times(fns: Mapping[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Per name: the median call time over ``repeats`` interleaved rounds."""
-    return {name: statistics.median(s) for name, s in time_rounds(fns, repeats).items()}

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 from tracefp4.engines.plan import PrecisionPlan
@@ -230,3 +231,97 @@ def make_arm(name: str, *, guidance: str, n_layers: int, plan: PrecisionPlan | N
         raise ValueError(f"arm {name!r}: Four over Six needs the block scales recorded in full, not "
                          f"{mode.name!r}")
     return Arm(name, arm_plan, mode, diagnostics, spec.trainer, trainer_plan, spec.loss)
+
+
+# --- the spellings and views other modules use of these arms -------------------------------------
+
+#: User-facing spellings of an arm of :data:`ARMS` that must keep working: the reports' JSON keys
+#: (``trace_lsb``, ``trace_full``) and the scaling report's ``full``. The canonical name is the key of
+#: :data:`ARMS`; :func:`canonical_arm` maps an alias onto it.
+ARM_ALIASES: dict[str, str] = {"trace_lsb": "trace", "trace_full": "trace-full", "full": "trace-full"}
+
+
+def canonical_arm(name: str) -> str:
+    """The :data:`ARMS` name of ``name`` (itself unless it is one of :data:`ARM_ALIASES`)."""
+    return ARM_ALIASES.get(name, name)
+
+
+#: The trace_plan names of the TRL integration: ``nvfp4`` (the run's default plan) and :data:`PLANS`.
+PLAN_NAMES = ("nvfp4", *PLANS)
+#: The trainer modes a single-arm integration (TRL's ``trace_mode``) may choose: the FP4 trainers.
+FP4_TRAINER_MODES: tuple[TrainerMode, ...] = ("qat", "trace")
+#: The diagnostics layer sets an integration may name (TRL's ``trace_diagnostics``); ``none``: no codes kept.
+DIAGNOSTICS_CHOICES: tuple[str, ...] = ("all", "deeper", "guided", "none")
+
+
+def plan_by_name(name: str) -> PrecisionPlan:
+    """The plan a :data:`PLAN_NAMES` name stands for (``nvfp4``: NVFP4 W4A4 and KV cache); a ValueError
+    naming TRL's ``trace_plan`` for any other name."""
+    if name == "nvfp4":
+        return PrecisionPlan()
+    if name not in PLANS:
+        raise ValueError(f"trace_plan = {name!r}: expected one of {', '.join(PLAN_NAMES)}")
+    return PLANS[name]()
+
+
+#: The mismatch report's arms (its JSON keys, aliases of :data:`ARMS`): arm -> (rollout description,
+#: trainer mode) under NVFP4.
+MISMATCH_ARMS: dict[str, tuple[str, TrainerMode]] = {
+    "bf16": ("bf16", "bf16"),
+    "qat": ("fp4", "qat"),
+    "trace_lsb": ("fp4 + lsb hints, deeper half", "trace"),
+    "trace_full": ("fp4 + full hints, all layers", "trace"),
+}
+#: The mismatch report's ``--plan``: the precision plan it measures and the guidance of its lsb arm. The
+#: FP8 lsb arm guides every layer: E4M3's step (1/8 to 1/16 relative) is small beside the drift that
+#: unguided FP8 layers pass on, so lsb hints on the deeper half alone leave several per cent of its
+#: codes apart.
+REPORT_PLANS: dict[str, tuple[Callable[[], PrecisionPlan], str]] = {
+    "nvfp4": (PrecisionPlan.w4a4, "lsb"),
+    "fp8": (PrecisionPlan.fp8, "lsb@all"),
+}
+#: The scaling report's arms: arm -> guidance mode of its FP4 rollout and trainer (None: vanilla QAT;
+#: "bf16": no FP4 at all). ``trace`` is the paper's compact cache (1 mantissa bit + scales on the deeper
+#: half), ``ldpc@all`` the trace-ldpc arm's record, ``full`` the trace-full arm.
+SCALING_ARMS: dict[str, str | None] = {
+    "bf16": "bf16",
+    "qat": None,
+    "trace": "lsb",
+    "lsb@all": "lsb@all",
+    "ldpc@all": ARMS["trace-ldpc"].guidance,
+    "full": "full@all",
+}
+#: The rollout benchmark's modes: mode -> (FP4 plan?, guidance mode name or None). ``fp4`` is the FP4
+#: rollout of ``qat``; ``trace_lsb`` and ``trace_full`` are :data:`ARM_ALIASES`.
+ROLLOUT_MODES: dict[str, tuple[bool, str | None]] = {
+    "bf16": (False, None),
+    "fp4": (True, None),
+    "trace_lsb": (True, "lsb"),
+    "trace_full": (True, "full"),
+}
+
+#: Plot style of each arm (the experiment's charts, the summary plots, the scaling figures): the
+#: paper's arms solid, baselines dotted or dash-dot, ablations dashed.
+ARM_STYLE: dict[str, dict[str, str]] = {
+    "bf16": dict(color="black", linestyle="-"),
+    "qat": dict(color="tab:red", linestyle="-"),
+    "trace": dict(color="tab:blue", linestyle="-"),
+    "trace-full": dict(color="tab:green", linestyle="--"),
+    # baselines (dotted, dash-dot) and ablations (dashed) of the arm table
+    "fp4-rollout": dict(color="tab:gray", linestyle=":"),
+    "qat-4over6": dict(color="tab:orange", linestyle="-."),
+    "qat-mxfp4": dict(color="tab:brown", linestyle="-."),
+    "qat-w4a8": dict(color="tab:pink", linestyle="-."),
+    "trace-4over6": dict(color="tab:orange", linestyle="--"),
+    "trace-mxfp4": dict(color="tab:brown", linestyle="--"),
+    "trace-w4a8": dict(color="tab:pink", linestyle="--"),
+    "trace-ldpc": dict(color="tab:purple", linestyle="--"),
+    "trace-L1": dict(color="tab:cyan", linestyle="--"),
+    "trace-L2": dict(color="tab:olive", linestyle="--"),
+    # the paper's closest baselines and the FP8 arms
+    "quads": dict(color="goldenrod", linestyle=":"),
+    "score-centering": dict(color="darkviolet", linestyle=":"),
+    "trace-sc": dict(color="darkviolet", linestyle="--"),
+    "qat-fp8": dict(color="teal", linestyle="-."),
+    "trace-fp8": dict(color="teal", linestyle="--"),
+}

@@ -62,8 +62,10 @@ from pathlib import Path
 from typing import Any
 
 from tracefp4.files import atomic_write_json
+from tracefp4.metrics import canonical
+from tracefp4.rl.arms import ARM_STYLE
 from tracefp4.rl.config import RLConfig, read_table
-from tracefp4.rl.runlog import ARM_STYLE, read_metrics, rows_of_kind
+from tracefp4.rl.runlog import read_metrics, rows_of_kind
 
 __all__ = [
     "ExperimentConfig",
@@ -271,18 +273,24 @@ POST_HOC = ("eval_accuracy_fp4", "eval_accuracy_fp4_4over6")
 HELD_OUT = ("eval_accuracy", "eval_reward")
 
 
+#: The summary's spellings of the registry's metrics (:mod:`tracefp4.metrics`, alias ``experiment``)
+#: and the record names they summarise.
+GAP_MEAN, GAP_MAX, CODES, BYTES = "logprob_gap_mean", "logprob_gap_max", "code_mismatch", "guidance_bytes_per_token"
+RECORD = {key: canonical(key) for key in (GAP_MEAN, GAP_MAX, CODES, BYTES)}
+
+
 def _seed_figures(rows: Sequence[Mapping]) -> dict[str, float | None]:
     train, evals = rows_of_kind(rows, "train"), rows_of_kind(rows, "eval")
-    gaps = [r["train_rollout_logprob_abs_diff"] for r in train]
-    codes = [r["code_mismatch_rate"] for r in train if r.get("code_mismatch_rate") is not None]
+    gaps = [r[RECORD[GAP_MEAN]] for r in train]
+    codes = [r[RECORD[CODES]] for r in train if r.get(RECORD[CODES]) is not None]
     return {
         **{f"final_{m}": evals[-1].get(m) if evals else None for m in HELD_OUT},
         # post-hoc FP4 inference of the policy (the bf16 arm's evaluations carry them)
         **{f"final_{k}": evals[-1].get(k) if evals else None for k in POST_HOC},
-        "logprob_gap_mean": statistics.fmean(gaps) if gaps else None,
-        "logprob_gap_max": max(r["train_rollout_logprob_abs_diff_max"] for r in train) if train else None,
-        "code_mismatch": statistics.fmean(codes) if codes else None,
-        "guidance_bytes_per_token": statistics.fmean(r["guidance_bytes_per_token"] for r in train) if train else None,
+        GAP_MEAN: statistics.fmean(gaps) if gaps else None,
+        GAP_MAX: max(r[RECORD[GAP_MAX]] for r in train) if train else None,
+        CODES: statistics.fmean(codes) if codes else None,
+        BYTES: statistics.fmean(r[RECORD[BYTES]] for r in train) if train else None,
         "steps": len(train),
         "response_length": statistics.fmean(r["response_length"] for r in train) if train else None,
     }
@@ -293,8 +301,8 @@ CURVES = {
     "eval_accuracy": ("eval_accuracy", "eval"),
     "eval_reward": ("eval_reward", "eval"),
     "reward_mean": ("reward_mean", "train"),
-    "logprob_gap_mean": ("train_rollout_logprob_abs_diff", "train"),
-    "logprob_gap_max": ("train_rollout_logprob_abs_diff_max", "train"),
+    GAP_MEAN: (RECORD[GAP_MEAN], "train"),
+    GAP_MAX: (RECORD[GAP_MAX], "train"),
     "is_truncated_frac": ("is_truncated_frac", "train"),
 }
 
@@ -393,8 +401,7 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
             post = [f[f"final_{key}"] for f in figs if f[f"final_{key}"] is not None]
             if post:
                 entry[f"final_{key}"] = mean_ci95(post)
-        for key in ("logprob_gap_mean", "logprob_gap_max", "code_mismatch", "guidance_bytes_per_token",
-                    "response_length"):
+        for key in (GAP_MEAN, GAP_MAX, CODES, BYTES, "response_length"):
             vals = [f[key] for f in figs if f[key] is not None]
             entry[key] = statistics.fmean(vals) if vals else None
         rows = [metrics[s][arm] for s in seeds]
@@ -457,8 +464,8 @@ def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:
                              ("eval_reward", "held-out greedy reward", False),
                              ("eval_reward_minus_bf16", "held-out reward minus bf16's, paired by seed", False),
                              ("reward_mean", "training reward", False),
-                             ("logprob_gap_mean", "mean |Δlogp| per step (trainer vs rollout)", True),
-                             ("logprob_gap_max", "max |Δlogp| per step (trainer vs rollout)", True),
+                             (GAP_MEAN, "mean |Δlogp| per step (trainer vs rollout)", True),
+                             (GAP_MAX, "max |Δlogp| per step (trainer vs rollout)", True),
                              ("is_truncated_frac", "share of tokens whose IS weight the cap truncates", False)):
         fig, ax = plt.subplots(figsize=(7, 4))
         for arm, entry in summary["arms"].items():
@@ -513,8 +520,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         ci = f"[{acc['ci95'][0]:.3f}, {acc['ci95'][1]:.3f}]" if acc else "-"
         lines.append(
             f"{arm:<14}{len(e['seeds']):>6}{num(acc and acc['mean'], '.3f'):>13}{ci:>18}"
-            f"{num(e['logprob_gap_mean'], '.5f'):>13}{num(e['logprob_gap_max'], '.3f'):>12}"
-            f"{num(e['code_mismatch'], '.2e'):>12}{num(e['guidance_bytes_per_token'], '.1f'):>9}"
+            f"{num(e[GAP_MEAN], '.5f'):>13}{num(e[GAP_MAX], '.3f'):>12}"
+            f"{num(e[CODES], '.2e'):>12}{num(e[BYTES], '.1f'):>9}"
             f"{_paired(e.get(f'final_{metric}_minus_bf16')):>26}{_collapsed(e.get('collapse')):>11}"
         )
         for key, label in (("final_eval_accuracy_fp4", "post-hoc NVFP4"), ("final_eval_accuracy_fp4_4over6", "post-hoc 4/6")):

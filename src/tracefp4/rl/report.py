@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tracefp4.metrics import label
 from tracefp4.rl import runlog
 
 #: (metric, column title) of the summary table: means over the last 5 steps of each arm.
 SUMMARY_KEYS = [
     ("reward_mean", "reward"),
-    ("train_rollout_logprob_abs_diff", "mean |Δlogp|"),
-    ("train_rollout_logprob_abs_diff_max", "max |Δlogp|"),
-    ("rollout_corr/k3_kl", "k3 KL"),
-    ("code_mismatch_rate", "code mismatch"),
-    ("guidance_bytes_per_token", "guidance B/token"),
+    *((name, label(name)) for name in ("train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max",
+                                       "rollout_corr/k3_kl", "code_mismatch_rate", "guidance_bytes_per_token")),
     ("time/rollout_s", "rollout s"),
     ("time/train_s", "train s"),
 ]

@@ -19,30 +19,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from tracefp4.files import atomic_write_bytes
-
-ARM_STYLE = {
-    "bf16": dict(color="black", linestyle="-"),
-    "qat": dict(color="tab:red", linestyle="-"),
-    "trace": dict(color="tab:blue", linestyle="-"),
-    "trace-full": dict(color="tab:green", linestyle="--"),
-    # baselines (dotted, dash-dot) and ablations (dashed) of the arm table
-    "fp4-rollout": dict(color="tab:gray", linestyle=":"),
-    "qat-4over6": dict(color="tab:orange", linestyle="-."),
-    "qat-mxfp4": dict(color="tab:brown", linestyle="-."),
-    "qat-w4a8": dict(color="tab:pink", linestyle="-."),
-    "trace-4over6": dict(color="tab:orange", linestyle="--"),
-    "trace-mxfp4": dict(color="tab:brown", linestyle="--"),
-    "trace-w4a8": dict(color="tab:pink", linestyle="--"),
-    "trace-ldpc": dict(color="tab:purple", linestyle="--"),
-    "trace-L1": dict(color="tab:cyan", linestyle="--"),
-    "trace-L2": dict(color="tab:olive", linestyle="--"),
-    # the paper's closest baselines and the FP8 arms
-    "quads": dict(color="goldenrod", linestyle=":"),
-    "score-centering": dict(color="darkviolet", linestyle=":"),
-    "trace-sc": dict(color="darkviolet", linestyle="--"),
-    "qat-fp8": dict(color="teal", linestyle="-."),
-    "trace-fp8": dict(color="teal", linestyle="--"),
-}
+from tracefp4.rl.arms import ARM_STYLE
 
 
 class MetricsLog:

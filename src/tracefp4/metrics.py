@@ -1,0 +1,169 @@
+"""The metrics vocabulary: every train-rollout mismatch metric by one name, what it measures, its
+formula, the other spellings it goes by, and the summary functions that compute it.
+
+A metric's ``name`` is the key the RL loop writes to ``metrics/<arm>.jsonl`` (the records: they do not
+change). The reports, the experiment summary and the TRL integration spell some of them otherwise
+(``aliases``: where -> spelling); each of those spellings maps onto the registry's name through
+:func:`canonical`. The TRL integration logs a metric as ``trace/`` + its TRL alias (:data:`TRL_PREFIX`).
+
+Notation: over the completion tokens t of a step's trajectories, d_t = logp_rollout(t) - logp_train(t);
+a "site" is one quantized tensor of one layer (``docs/contracts.md`` section 5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from tracefp4.engines.trainer import SiteMismatch
+from tracefp4.rl.grpo import mismatch_metrics
+
+__all__ = [
+    "Metric", "METRICS", "TRL_PREFIX", "canonical", "trl_name", "metric", "label", "share", "mismatch_totals",
+    "code_mismatch_rate", "one_apart_share", "logprob_gap", "router_flip_rate", "guidance_bytes_per_token",
+    "reference_markdown",
+]  # fmt: skip
+
+#: The prefix the TRL integration puts before its metric names in TRL's logs.
+TRL_PREFIX = "trace/"
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """One metric: its record name, a column label, one line of what it measures, its formula, and its
+    other spellings (where -> name)."""
+
+    name: str
+    label: str
+    measures: str
+    formula: str
+    aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _m(name: str, label: str, measures: str, formula: str, **aliases: str) -> tuple[str, Metric]:
+    return name, Metric(name, label, measures, formula, aliases)
+
+
+#: The registry, keyed by record name. Aliases: ``reports`` (the mismatch, scaling and sweep reports'
+#: JSON keys: :func:`tracefp4.reports.measure.gap`), ``sweep`` (the sweep's rows), ``experiment`` (the multi-seed summary), ``trl`` (logged as ``trace/<alias>``), ``loop``
+#: (the progress line).
+METRICS: dict[str, Metric] = dict([
+    _m("train_rollout_logprob_abs_diff", "mean |Δlogp|",
+       "mean log-prob gap between the trainer and the rollout over the completion tokens",
+       "mean_t |d_t|", reports="mean_abs", sweep="logprob_gap_mean_abs", experiment="logprob_gap_mean", trl="logprob_gap_mean",
+       loop="dlogp"),
+    _m("train_rollout_logprob_abs_diff_max", "max |Δlogp|",
+       "largest log-prob gap of one completion token (QUADS's metric)",
+       "max_t |d_t|", reports="max_abs", sweep="logprob_gap_max_abs", experiment="logprob_gap_max", trl="logprob_gap_max"),
+    _m("rollout_corr/kl", "KL", "the rollout-vs-trainer KL estimate (as verl logs it)",
+       "mean_t d_t", reports="kl"),
+    _m("rollout_corr/k3_kl", "k3 KL", "the k3 (non-negative, low-variance) KL estimate",
+       "mean_t (r_t - log r_t - 1), r_t = exp(-d_t)", reports="k3_kl", sweep="k3_kl"),
+    _m("rollout_corr/log_ppl_diff", "log-ppl diff", "log-perplexity under the rollout minus under the trainer",
+       "mean over sequences of (mean_t -logp_rollout - mean_t -logp_train)", reports="log_ppl_diff"),
+    _m("code_mismatch_rate", "code mismatch",
+       "share of the trainer's quantized codes (diagnostics sites) that differ from the rollout's",
+       "sum_sites mismatched / sum_sites codes (signed code line: +0 and -0 are one code)",
+       reports="code_mismatch", experiment="code_mismatch", trl="code_mismatch"),
+    _m("code_mismatch_one_apart_share", "one apart",
+       "share of the mismatched codes exactly one codeword apart (what a 1-bit hint can correct)",
+       "sum_sites one_apart / sum_sites mismatched", reports="adjacent_share", trl="code_mismatch_one_apart"),
+    _m("router_flip_rate", "router flips",
+       "share of (token, MoE layer) pairs whose top-k expert set differs between the rollout and a trainer "
+       "following its own router", "mean over MoE layers of flipped pairs / pairs", trl="router_flip_rate"),
+    _m("guidance_bytes_per_token", "guidance B/token",
+       "bytes of guidance (routing excluded) that reached the store per generated token",
+       "sum of guidance tensor bytes / generated tokens", experiment="guidance_bytes_per_token",
+       trl="guidance_bytes_per_token"),
+    _m("guidance/decode_failures", "decode failures",
+       "guidance blocks the trainer could not decode (rounded to nearest on the rollout's grid instead)",
+       "count of failed blocks", reports="decode_failures", trl="decode_failures"),
+])
+
+_BY_ALIAS = {a: m.name for m in METRICS.values() for a in m.aliases.values()}
+
+
+def canonical(name: str) -> str:
+    """The registry name of ``name``: a record name, an alias, or a TRL name (``trace/...``); a
+    KeyError names the unknown metric."""
+    bare = name.removeprefix(TRL_PREFIX)
+    if bare in METRICS:
+        return bare
+    if bare in _BY_ALIAS:
+        return _BY_ALIAS[bare]
+    raise KeyError(f"unknown metric {name!r}; the registry: {', '.join(METRICS)}")
+
+
+def trl_name(name: str) -> str:
+    """The name the TRL integration logs metric ``name`` under: ``trace/`` + its TRL alias."""
+    return TRL_PREFIX + metric(name).aliases["trl"]
+
+
+def metric(name: str) -> Metric:
+    """The registry entry of ``name`` (any spelling :func:`canonical` accepts)."""
+    return METRICS[canonical(name)]
+
+
+def label(name: str) -> str:
+    """The column label of metric ``name``."""
+    return metric(name).label
+
+
+# --- summary functions ---------------------------------------------------------------------------
+
+
+def share(num: float, den: float, empty: float | None = None) -> float | None:
+    """``num / den``; ``empty`` for an empty denominator (the reports: None, a JSON ``null``; the loop
+    keeps its records' values: 0.0 for the mismatch rate, 1.0 for the one-apart share)."""
+    return num / den if den else empty
+
+
+def mismatch_totals(sites: Iterable[SiteMismatch]) -> tuple[int, int, int]:
+    """(mismatched, one apart, codes compared) summed over sites."""
+    mis = one = tot = 0
+    for s in sites:
+        mis, one, tot = mis + s.mismatched, one + s.one_apart, tot + s.total
+    return mis, one, tot
+
+
+def code_mismatch_rate(mismatched: int, total: int, empty: float | None = None) -> float | None:
+    """``code_mismatch_rate``: mismatched / codes compared."""
+    return share(mismatched, total, empty)
+
+
+def one_apart_share(one_apart: int, mismatched: int, empty: float | None = None) -> float | None:
+    """``code_mismatch_one_apart_share``: one apart / mismatched."""
+    return share(one_apart, mismatched, empty)
+
+
+def logprob_gap(logp_rollout: torch.Tensor, logp_train: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """The five log-prob gap metrics (``train_rollout_logprob_abs_diff[_max]``, ``rollout_corr/*``) over
+    the tokens of ``mask`` (:func:`tracefp4.rl.grpo.mismatch_metrics`, their one implementation)."""
+    return mismatch_metrics(logp_rollout, logp_train, mask)
+
+
+def router_flip_rate(flips: Mapping[object, float]) -> float:
+    """``router_flip_rate``: the mean of the per-layer flip shares (0.0 with no MoE layer)."""
+    return sum(flips.values()) / max(len(flips), 1)
+
+
+def guidance_bytes_per_token(guidance_bytes: int, generated: int) -> float:
+    """``guidance_bytes_per_token``: guidance bytes / generated tokens (at least one token)."""
+    return guidance_bytes / max(generated, 1)
+
+
+def reference_markdown() -> str:
+    """The registry as a markdown reference page (one table: name, what it measures, formula, aliases)."""
+    lines = [
+        "# Metrics", "",
+        "Generated from `tracefp4.metrics.METRICS`. The name is the RL loop's record key "
+        f"(`metrics/<arm>.jsonl`); the TRL integration logs its alias with the `{TRL_PREFIX}` prefix.", "",
+        "| name | measures | formula | also called |", "|---|---|---|---|",
+    ]  # fmt: skip
+    for m in METRICS.values():
+        also = ", ".join(f"`{a}` ({where})" for where, a in m.aliases.items()) or "-"
+        # a bare | would end the table cell, also inside backticks (GitHub's tables)
+        lines.append(f"| `{m.name}` | {m.measures} | `{m.formula.replace('|', chr(92) + '|')}` | {also} |")
+    return "\n".join(lines) + "\n"

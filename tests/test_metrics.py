@@ -1,0 +1,74 @@
+"""The metrics registry: one name per metric, every other spelling mapped onto it, the summary
+functions equal to the formulas the loop and the reports computed them with."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tracefp4.engines.trainer import SiteMismatch
+from tracefp4.metrics import (
+    METRICS,
+    TRL_PREFIX,
+    canonical,
+    code_mismatch_rate,
+    guidance_bytes_per_token,
+    label,
+    logprob_gap,
+    mismatch_totals,
+    one_apart_share,
+    reference_markdown,
+    router_flip_rate,
+)
+from tracefp4.rl.grpo import mismatch_metrics
+
+
+def test_the_five_names_of_the_mean_gap_are_one_metric() -> None:
+    for spelling in ("train_rollout_logprob_abs_diff", "mean_abs", "logprob_gap_mean", "logprob_gap_mean_abs",
+                     f"{TRL_PREFIX}logprob_gap_mean", "dlogp"):
+        assert canonical(spelling) == "train_rollout_logprob_abs_diff"
+
+
+def test_aliases_are_unambiguous_and_known() -> None:
+    owner: dict[str, str] = {}
+    for m in METRICS.values():
+        assert m.name not in owner or owner[m.name] == m.name
+        for alias in m.aliases.values():
+            assert owner.setdefault(alias, m.name) == m.name, f"{alias} names two metrics"
+    with pytest.raises(KeyError, match="unknown metric 'no_such'"):
+        canonical("no_such")
+
+
+def test_the_loop_metrics_keep_their_record_names() -> None:
+    lp_r = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, 0.0]])
+    lp_t = torch.tensor([[-1.25, -1.5, -0.5], [-0.2, -2.0, 0.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    gap = logprob_gap(lp_r, lp_t, mask)
+    assert gap == mismatch_metrics(lp_r, lp_t, mask)
+    assert set(gap) <= set(METRICS)
+    assert gap["train_rollout_logprob_abs_diff_max"] == 1.0
+
+
+def test_summary_functions() -> None:
+    sites = [SiteMismatch(mismatched=3, total=10, one_apart=2), SiteMismatch(mismatched=1, total=6, one_apart=1)]
+    mis, one, tot = mismatch_totals(sites)
+    assert (mis, one, tot) == (4, 3, 16)
+    assert code_mismatch_rate(mis, tot) == 4 / 16
+    assert one_apart_share(one, mis) == 3 / 4
+    # the reports' empty value is None (JSON null); the loop records 0.0 and 1.0 (mism / max(total, 1),
+    # one / mism if mism else 1.0)
+    assert code_mismatch_rate(0, 0) is None and code_mismatch_rate(0, 0, empty=0.0) == 0.0
+    assert one_apart_share(0, 0) is None and one_apart_share(0, 0, empty=1.0) == 1.0
+    assert router_flip_rate({0: 0.25, 1: 0.5}) == 0.375 and router_flip_rate({}) == 0.0
+    assert guidance_bytes_per_token(96, 32) == 3.0 and guidance_bytes_per_token(0, 0) == 0.0
+
+
+def test_reference_page_lists_every_metric() -> None:
+    page = reference_markdown()
+    for m in METRICS.values():
+        assert f"| `{m.name}` |" in page
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    assert len(rows) == len(METRICS)
+    # each row has exactly the four cells (an unescaped | in a formula would add one)
+    assert all(line.replace("\\|", "").count("|") == 5 for line in rows)
+    assert label("code_mismatch") == "code mismatch"

@@ -81,6 +81,7 @@ def test_quiet_startup_drops_only_its_records():
         logger.removeFilter(logger.filters[0])  # leave the other tests' logging as it was
 
 
+@pytest.mark.subprocess
 def test_python_m_tracefp4_runs_a_subcommand():
     argv = ["plan", "--preset", "qwen3-30b-a3b", "--prompts", "2", "--samples", "3", "--tokens", "100"]
     argv += ["--modes", "full,lsb"]

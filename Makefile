@@ -37,7 +37,7 @@ test-fast: $(STAMP)
 
 # regenerate the generated pages under docs/ (tests/test_docs.py fails when a committed one differs)
 docs: $(STAMP)
-	$(PY) -m tracefp4.reports.docs
+	$(PY) -m tracefp4.gendocs
 
 bench: $(STAMP)
 	$(VENV)/bin/tracefp4 bench numerics

@@ -63,13 +63,12 @@ def test_an_edited_results_json_makes_its_page_stale(tmp_path, monkeypatch):
 
     import tracefp4.gendocs as gendocs
 
-    for sub in ("docs/results", "docs/concepts", "docs/reference"):
-        (tmp_path / sub).mkdir(parents=True)
-    for p in (ROOT / "docs/results").iterdir():
-        if p.is_file():
-            (tmp_path / "docs/results" / p.name).write_bytes(p.read_bytes())
-    for p in ("README.md", "docs/concepts/arms.md", "docs/reference/cli.md", "docs/results/README.md"):
-        (tmp_path / p).write_text((ROOT / p).read_text())
+    for page in gendocs.pages():
+        (tmp_path / page).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / page).write_text((ROOT / page).read_text())
+    for p in [*(ROOT / "docs/results").glob("*.json"), *(ROOT / "docs/results/bench-rollout").glob("*.json")]:
+        (tmp_path / p.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / p.relative_to(ROOT)).write_bytes(p.read_bytes())
     monkeypatch.setattr(gendocs, "ROOT", tmp_path)
     assert gendocs.stale() == []
     path = tmp_path / "docs/results/count3-8l.json"
@@ -77,3 +76,8 @@ def test_an_edited_results_json_makes_its_page_stale(tmp_path, monkeypatch):
     data["steps"] += 1
     path.write_text(json.dumps(data))
     assert gendocs.stale() == ["docs/results/count3-8l.md"]
+    path = tmp_path / "docs/results/bench-rollout/2026-12-04-amd-epyc.json"
+    data = json.loads(path.read_text())
+    data["runs"][0]["rollout_tokens_per_s.home.fp4@b8"] += 1
+    path.write_text(json.dumps(data))
+    assert gendocs.stale() == ["docs/results/count3-8l.md", "docs/performance/rollout.md"]

@@ -8,6 +8,8 @@ as a difference:
 * ``docs/results/<name>.md``: each experiment JSON through ``rl.experiment.format_summary``, the
   scaling JSON through ``reports.scaling.format_scaling``;
 * ``docs/concepts/arms.md``: the arm table ``rl.arms.ARMS``;
+* ``docs/performance/rollout.md``: one row per date, CPU, commit, preset, batch and engine of
+  ``docs/results/bench-rollout/*.json``;
 * ``docs/reference/cli.md``: the ``tracefp4`` parser's help, every subcommand;
 * the README's headline table, between the ``HEADLINE`` markers, from :data:`HEADLINE_RESULTS`.
 
@@ -131,11 +133,52 @@ def results_index(results: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+ROLLOUT_MODES = ("bf16", "fp4", "trace_lsb", "trace_full")
+
+
+def _rollout_rows(path: Path) -> list[str]:
+    """One table row per (preset, batch, engine) of a ``bench rollout --json`` file (or of a file of
+    several such runs under ``runs``, as the transcribed journal measurements are)."""
+    data = json.loads(path.read_text())
+    date, cpu = data.get("date", path.stem[:10]), data.get("cpu", path.stem[11:])
+    commit = data.get("recorded_in") or data.get("commit", "-")
+    rows = []
+    for run in data.get("runs", [data]):
+        keys = [k.split(".", 1)[1] for k in run if k.startswith("rollout_tokens_per_s.")]
+        cells = sorted({(int(k.rsplit("@b", 1)[1]), k.split(".")[0]) for k in keys})
+        for batch, engine in cells:
+            tps = [run.get(f"rollout_tokens_per_s.{engine}.{mode}@b{batch}") for mode in ROLLOUT_MODES]
+            # a transcription keeps the ratios as the bench printed them (from unrounded tokens/s)
+            printed = run.get("printed_ratios", {}).get(f"{engine}.fp4/bf16@b{batch}")
+            ratio = printed if printed is not None else (tps[1] / tps[0] if tps[0] and tps[1] else None)
+            shown = " | ".join("-" if v is None else f"{v:.1f}" for v in tps)
+            rows.append(f"| {date} | {cpu} | `{commit}` | {run['preset']} | {batch} | {engine} | {shown} | "
+                        + ("-" if ratio is None else f"{ratio:.2f}") + " |")
+    return rows
+
+
+def rollout_page() -> str:
+    """The rollout-throughput table from docs/results/bench-rollout/<date>-<cpu>.json, oldest first."""
+    files = sorted((ROOT / "docs/results/bench-rollout").glob("*.json"))
+    lines = [GENERATED.format(source="docs/results/bench-rollout/*.json"), "", "# Rollout throughput", "",
+             "Tokens per second of `tracefp4 bench rollout` (median of interleaved rounds), one row per date, CPU, "
+             "commit, preset, batch and engine; `fp4/bf16` is the ratio of the two medians (as the bench printed it). The CPU matters: "
+             "compare ratios across rows, not tokens/s (the VMs' speed varied by up to 1.7x between days). The "
+             "narrative of each measurement is in the [journal](../dev/journal/README.md). Add a row: commit the "
+             "`--json` output of a run as `docs/results/bench-rollout/<date>-<cpu>.json`, then `make docs`.", "",
+             "| date | CPU | commit | preset | batch | engine | " + " | ".join(ROLLOUT_MODES) + " | fp4/bf16 |",
+             "|" + "---|" * (7 + len(ROLLOUT_MODES))]
+    for path in files:
+        lines += _rollout_rows(path)
+    return "\n".join(lines) + "\n"
+
+
 def pages() -> dict[str, str]:
     """Every generated page: path relative to the checkout -> its text."""
     out = {f"docs/results/{p.stem}.md": results_page(p) for p in sorted((ROOT / "docs/results").glob("*.json"))}
     out["docs/results/README.md"] = results_index(out)
     out["docs/concepts/arms.md"] = arms_page()
+    out["docs/performance/rollout.md"] = rollout_page()
     out["docs/reference/cli.md"] = cli_page()
     out["README.md"] = headline((ROOT / "README.md").read_text())
     if METRICS_PAGE is not None:

@@ -10,7 +10,7 @@ STAMP := $(VENV)/.tracefp4-installed
 TORCH_SPEC ?= torch==2.13.0
 VLLM ?= 1
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast docs bench clean
 
 $(STAMP): pyproject.toml requirements/cpu-lock.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# the suite without the tests marked slow (experiments, crash-resume, vLLM, Ray, fresh builds; see pyproject's markers)
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+# regenerate the generated pages under docs/ (tests/test_docs.py fails when a committed one differs)
+docs: $(STAMP)
+	$(PY) -m tracefp4.gendocs
 
 bench: $(STAMP)
 	$(VENV)/bin/tracefp4 bench numerics

@@ -15,6 +15,7 @@ SHAPE = ["--layers", "1", "--hidden", "64", "--experts", "4", "--top-k", "2", "-
          "--kv-heads", "1", "--head-dim", "32"]
 
 
+@pytest.mark.slow
 def test_shape_options_replace_the_presets_dimensions_and_drop_its_targets(tmp_path, capsys):
     path = tmp_path / "bench.json"
     args = ["bench", "rollout", "--preset", "bandwidth", "--engines", "home", *SHAPE, "--batch", "2", "--new-tokens", "2",

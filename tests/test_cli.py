@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -39,11 +40,48 @@ def test_bench_numerics_json(tmp_path):
     assert res["nvfp4_quantize_s"] > 0 and res["copy_s"] > 0
 
 
+def _installed_script() -> str:
+    """The ``tracefp4`` console script pip installed beside this interpreter (pyproject's [project.scripts])."""
+    script = Path(sys.executable).parent / "tracefp4"
+    if not script.is_file():
+        pytest.fail(f"no installed tracefp4 script at {script}: install the package (pip install -e .)")
+    return str(script)
+
+
+@pytest.mark.subprocess
 def test_console_script_entry_point():
-    out = subprocess.run([sys.executable, "-m", "tracefp4.cli", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run([_installed_script(), "--help"], capture_output=True, text=True, check=True)
     assert "demo" in out.stdout and "bench" in out.stdout
 
 
+@pytest.mark.subprocess
+@pytest.mark.parametrize("argv", [["--help"], ["plan", "--preset", "qwen3-30b-a3b", "--prompts", "2", "--samples", "3",
+                                             "--tokens", "100"]])
+def test_startup_is_quiet(argv):
+    """Nothing on stderr that the user did not cause: torchao's missing CUDA extensions and torch's
+    register_constant deprecations are dropped at start-up (tracefp4.cli.STARTUP_NOISE)."""
+    out = subprocess.run([_installed_script(), *argv], capture_output=True, text=True, check=True)
+    assert out.stderr == ""
+
+
+def test_quiet_startup_drops_only_its_records():
+    """Each STARTUP_NOISE record is dropped, any other record of the same logger passes."""
+    import logging
+
+    from tracefp4.cli import STARTUP_NOISE, quiet_startup
+
+    quiet_startup()
+    quiet_startup()  # idempotent: one filter per logger
+    for name, prefix in STARTUP_NOISE:
+        logger = logging.getLogger(name)
+        assert len(logger.filters) == 1
+        dropped = logging.LogRecord(name, logging.WARNING, __file__, 1, prefix + "%s", ("x",), None)
+        kept = logging.LogRecord(name, logging.WARNING, __file__, 1, "something else", (), None)
+        assert not logger.filters[0].filter(dropped) and logger.filters[0].filter(kept)
+        logger.removeFilter(logger.filters[0])  # leave the other tests' logging as it was
+
+
+@pytest.mark.subprocess
 def test_python_m_tracefp4_runs_a_subcommand():
     argv = ["plan", "--preset", "qwen3-30b-a3b", "--prompts", "2", "--samples", "3", "--tokens", "100"]
     argv += ["--modes", "full,lsb"]

@@ -36,28 +36,33 @@ def assert_one_line(proc, *fragments):
 # --- through a real process ----------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_missing_config_file(tmp_path):
     proc = tracefp4("train", "--config", "missing.toml", cwd=tmp_path)
     assert_one_line(proc, "config file missing.toml not found")
 
 
+@pytest.mark.subprocess
 def test_bad_toml(tmp_path):
     (tmp_path / "bad.toml").write_text("steps = = 3\n")
     proc = tracefp4("train", "--config", "bad.toml", cwd=tmp_path)
     assert_one_line(proc, "bad.toml:", "line 1")
 
 
+@pytest.mark.subprocess
 def test_resume_of_a_missing_folder(tmp_path):
     (tmp_path / "good.toml").write_text(GOOD)
     proc = tracefp4("train", "--config", "good.toml", "--resume", "/nonexistent", cwd=tmp_path)
     assert_one_line(proc, "run folder /nonexistent to resume does not exist")
 
 
+@pytest.mark.subprocess
 def test_report_of_a_missing_folder(tmp_path):
     proc = tracefp4("report", "/nonexistent", cwd=tmp_path)
     assert_one_line(proc, "run folder /nonexistent not found")
 
 
+@pytest.mark.subprocess
 def test_debug_flag_shows_the_traceback(tmp_path):
     proc = tracefp4("--debug", "report", "/nonexistent", cwd=tmp_path)
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "RunFolderError" in proc.stderr

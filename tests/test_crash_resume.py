@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 CONFIG = """
 task = "reverse"
@@ -60,6 +62,8 @@ def _rows(run: Path, arm: str) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_killed_and_resumed_run_equals_uninterrupted_run(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text(f'out = "{tmp_path}"\nrun_name = "ref"\n' + CONFIG)

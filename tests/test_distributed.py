@@ -100,6 +100,8 @@ def _rank_drift(one_model, two_model, s: ArmSetup, b) -> dict:
             "clip_frac": near_edge / int(mask.sum())}
 
 
+@pytest.mark.slow
+@pytest.mark.ray
 def test_two_ranks_equal_one_process(tmp_path, monkeypatch):
     """Sharded forward == unsharded forward; same batch on N=2 and N=1: loss, grad norm, and the
     weights after two steps; each rank reads only its own records from the store.
@@ -219,6 +221,9 @@ def _rows(run_dir, arm):
     return [json.loads(x) for x in (run_dir / "metrics" / f"{arm}.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.subprocess
 def test_grpo_run_on_two_trainer_processes_killed_and_resumed(tmp_path):
     """Two arms with trainer_world_size = 2 against 1: the first step's grad norm agrees within 1% per
     arm; config.json records the world size; a run killed (SIGKILL, mid-run after its second update)

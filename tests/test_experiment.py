@@ -64,6 +64,7 @@ def test_bad_experiment_config(tmp_path):
         ExperimentConfig.from_file(str(tmp_path / "y.toml"))
 
 
+@pytest.mark.slow
 def test_experiment_runs_seeds_and_resumes(tmp_path):
     cfg = tmp_path / "e.toml"
     cfg.write_text(f'name = "tiny"\nseeds = [0, 1]\nout = "{tmp_path / "runs"}"\n' + RUN)
@@ -106,6 +107,7 @@ def test_experiment_runs_seeds_and_resumes(tmp_path):
     assert json.loads((tmp_path / "res" / "tiny.json").read_text()) == res
 
 
+@pytest.mark.slow
 def test_warm_start_from_another_experiment_reproduces_it(tmp_path):
     """``warm_start`` starts each seed from saved weights: a matrix re-run from the first one's
     warm-start checkpoints starts from the very same weights (same digest, no SFT) and, on the same
@@ -131,6 +133,8 @@ def test_warm_start_from_another_experiment_reproduces_it(tmp_path):
         assert strip[0] == strip[1], arm
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_workers_run_the_jobs_in_parallel_processes_with_the_same_numbers(tmp_path):
     """``--workers 2``: the warm start, then the two arms in two ``--job`` processes at once (job locks:
     the folder shared, each arm exclusive); every metric row equals the sequential run's, and the

@@ -249,6 +249,7 @@ def test_bad_input_is_named():
         cgemm.kernel_layout(torch.zeros(1, 8, 16, dtype=torch.uint8), 16, cgemm.Layout.PANELS)
 
 
+@pytest.mark.subprocess
 def test_unavailable_kernel_is_reported_once_and_said_why(tmp_path):
     """TRACEFP4_CPU_KERNEL=0 (as on a machine without a compiler): available() is False, warns once
     with the reason, and the build command says the dense path is used."""
@@ -265,6 +266,8 @@ def test_unavailable_kernel_is_reported_once_and_said_why(tmp_path):
     assert built.returncode == 0 and "dense torch path" in built.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_build_is_cached_and_published_whole(tmp_path):
     """A fresh cache folder: the first build compiles and publishes the library under its final name
     only when complete (no temporary left), the second finds it."""

@@ -355,6 +355,7 @@ def test_kernels_leave_torch_thread_count_alone(threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.subprocess
 def test_threading_layer_is_workqueue_unless_chosen():
     """numba runs our kernels on its workqueue layer unless the user chose one (an OpenMP layer's
     spinning threads starve PyTorch's ops on small machines: see tracefp4.formats.kernels); under a

@@ -167,6 +167,8 @@ def test_config_files(tmp_path):
         RLConfig.from_file(str(j))
 
 
+@pytest.mark.slow
+@pytest.mark.ray
 def test_ray_rollout_workers(tmp_path):
     # two worker processes write their own shards; the driver seals; the trainer reads the store
     pytest.importorskip("ray", reason="ray not installed")

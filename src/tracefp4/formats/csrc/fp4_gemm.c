@@ -54,6 +54,7 @@
 #include "site_quant.h"
 #include "combine.h"
 #include "silu_gate.h"
+#include "kv_attention.h"
 #include "tiles.h"
 #if defined(__x86_64__) && defined(__linux__)
 #include <cpuid.h>
@@ -393,4 +394,41 @@ int tfp4_silu_gate(const uint16_t *x, int64_t rows, int64_t inter, const uint16_
         silu_row_portable(x + r * 2 * inter, inter, table, res + r * inter, 0);
     }
     return 0;
+}
+
+/* Attention over a packed FP4 K/V cache (kv_attention.h): q bf16 [rows, hq, d]; per slot and KV head
+ * the K and V rows' codes [slots, hkv, d/2], scale bytes [slots, hkv, d/fblock] (values through
+ * `lut`) and amaxes [slots, hkv] (NULL: no divisor, MXFP4); table int32 [seqs, max_blocks],
+ * seq_lens int32 [seqs]; query row r attends to keys 0 .. q_len[r]-1 of sequence q_seq[r]; out
+ * float32 [rows, hq, d]. impl as tfp4_nvfp4_quantize's; (row, KV head) items split in contiguous
+ * ranges over `threads` OpenMP threads. Returns 0, -1 (shapes or implementation), -3 (out of
+ * memory), -5 (a block id or sequence length out of range: *bad the sequence) or -6 (a query row's
+ * sequence or key count out of range: *bad the row). */
+int tfp4_kv_attention(const uint16_t *q, int64_t rows, int64_t hq, int64_t hkv, int64_t d, const uint8_t *kc,
+                      const uint8_t *ks, const float *ka, const uint8_t *vc, const uint8_t *vs, const float *va,
+                      const float *lut, int fblock, int64_t num_blocks, int block_size, const int32_t *table,
+                      int64_t seqs, int64_t max_blocks, const int32_t *seq_lens, const int32_t *q_seq,
+                      const int32_t *q_len, float scale, float *out, int threads, int impl, int64_t *bad) {
+    *bad = -1;
+    const int avx = one_pass_avx(impl);
+    if (rows < 0 || hkv < 1 || hq % hkv || hq / hkv > KV_MAX_GROUP || d < 16 || d > KV_MAX_DIM || d % 16 ||
+        (fblock != 16 && fblock != 32) || d % fblock || block_size < 1 || seqs < 0 || max_blocks < 0 || avx < 0)
+        return -1;
+    kv_job_t j = {q, kc, ks, vc, vs, ka, va, lut, table, q_seq, q_len, out, hq, hkv, d, max_blocks, block_size, fblock,
+                  avx, scale};
+    int rc = kv_check(&j, rows, seqs, seq_lens, num_blocks, bad);
+    if (rc) return rc;
+    const int64_t items = rows * hkv;
+    if (threads < 1 || items < 2) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads) reduction(min : rc) if (threads > 1)
+    {
+        const int id = omp_get_thread_num(), nt = omp_get_num_threads();
+        rc = kv_run(&j, items * id / nt, items * (id + 1) / nt);
+    }
+#else
+    rc = kv_run(&j, 0, items);
+#endif
+    return rc;
 }

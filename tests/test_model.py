@@ -188,10 +188,10 @@ def test_one_forward_records_every_site_with_its_granularity(model: torch.nn.Mod
     n = ids.numel()
     assert set(rec.guidance) == {record_prefix(i, s) for i in (1, 3) for s in Site}
     assert set(rec.diagnostics) == {record_prefix(0, s) for s in Site}
-    assert rec.guidance["L01.expert_in"].shape == (n, 64)  # per token
-    assert rec.guidance["L01.expert_mid"].shape == (n, 2, 32)  # per token and selected expert
-    assert rec.guidance["L03.k"].shape == rec.guidance["L03.v"].shape == (n, 2, 16)  # per token and KV head
-    assert rec.guidance["L03.k"].global_amax.shape == (n, 2, 1)  # one global scale per row
+    assert rec.guidance["L01.expert_in"].q.shape == (n, 64)  # per token
+    assert rec.guidance["L01.expert_mid"].q.shape == (n, 2, 32)  # per token and selected expert
+    assert rec.guidance["L03.k"].q.shape == rec.guidance["L03.v"].q.shape == (n, 2, 16)  # per token and KV head
+    assert rec.guidance["L03.k"].q.global_amax.shape == (n, 2, 1)  # one global scale per row
     assert sorted(rec.routing) == [0, 1, 2, 3] and rec.routing[0].shape == (n, 2)
     assert capture.take().guidance == {}
 
@@ -202,9 +202,9 @@ def test_activation_codes_do_not_depend_on_the_batch() -> None:
     state = ForwardState(PrecisionPlan(), capture)
     x = torch.randn(3, 2, 32, dtype=torch.bfloat16)
     quantize_site(state, 0, Site.EXPERT_MID, x)
-    alone = capture.take().guidance["L00.expert_mid"].codes  # full hints: the raw codes
+    alone = capture.take().guidance["L00.expert_mid"].q.codes  # full guidance keeps the raw quantized value
     quantize_site(state, 0, Site.EXPERT_MID, torch.cat([x, 100 * torch.randn(4, 2, 32, dtype=torch.bfloat16)]))
-    assert torch.equal(capture.take().guidance["L00.expert_mid"].codes[:3], alone)
+    assert torch.equal(capture.take().guidance["L00.expert_mid"].q.codes[:3], alone)
 
 
 def test_expert_weights_per_expert_scale_with_straight_through_gradient(model: torch.nn.Module) -> None:

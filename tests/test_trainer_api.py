@@ -117,7 +117,7 @@ def test_kv_sites_are_quantized_with_or_without_a_cache() -> None:
             model(ids, use_cache=False)
     assert torch.equal(outs["none"], outs["dynamic"]) and torch.equal(outs["none"], outs["fp4"])
     rec = capture.take()
-    assert rec.diagnostics["L03.k"].codes.shape == rec.diagnostics["L00.v"].codes.shape == (ids.numel(), 2, 8)
+    assert rec.diagnostics["L03.k"].q.codes.shape == rec.diagnostics["L00.v"].q.codes.shape == (ids.numel(), 2, 8)
 
 
 def test_row_maps() -> None:

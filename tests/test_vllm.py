@@ -10,6 +10,7 @@ One engine is built per module (startup ~8 s) on a tiny Qwen3-MoE checkpoint wri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -244,11 +245,11 @@ def test_plugin_experts_equal_ours_bit_for_bit(engine, hf: torch.nn.Module, plan
     assert sorted(a.guidance) == sorted(b.guidance) and torch.equal(a.routing[layer], ids)
     sites = [Site.EXPERT_IN, Site.EXPERT_MID] if plan.guidable(Site.EXPERT_IN) else []
     assert sorted(a.guidance) == sorted(record_prefix(layer, s) for s in sites)
-    for name, q in a.guidance.items():
-        r = b.guidance[name]
-        for f in ("codes", "scales", "global_amax"):
-            if getattr(q, f, None) is not None:
-                assert torch.equal(getattr(q, f), getattr(r, f)), (name, f)
+    for name, rec in a.guidance.items():
+        q, r = rec.q, b.guidance[name].q
+        assert type(q) is type(r), name
+        for f in dataclasses.fields(q):
+            assert torch.equal(getattr(q, f.name), getattr(r, f.name)), (name, f.name)
 
 
 @pytest.mark.parametrize("plan", [PrecisionPlan(), PrecisionPlan.mxfp4()], ids=["nvfp4", "mxfp4"])
@@ -275,7 +276,7 @@ def test_plugin_kv_equals_our_fp4_cache_bit_for_bit(engine, hf: torch.nn.Module,
     a, b = capture.take().guidance, ours.take().guidance
     assert sorted(a) == sorted(b) == [record_prefix(3, Site.K), record_prefix(3, Site.V)]
     for name in a:
-        assert torch.equal(a[name].codes, b[name].codes) and torch.equal(a[name].scales.float(), b[name].scales.float())
+        assert torch.equal(a[name].q.codes, b[name].q.codes) and torch.equal(a[name].q.scales.float(), b[name].q.scales.float())
 
 
 def test_kv_stays_bf16_without_our_quantization_config() -> None:

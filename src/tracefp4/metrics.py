@@ -47,16 +47,17 @@ def _m(name: str, label: str, measures: str, formula: str, **aliases: str) -> tu
 
 
 #: The registry, keyed by record name. Aliases: ``reports`` (the mismatch, scaling and sweep reports'
-#: JSON keys: :func:`tracefp4.reports.measure.gap`), ``sweep`` (the sweep's rows), ``experiment`` (the multi-seed summary), ``trl`` (logged as ``trace/<alias>``), ``loop``
-#: (the progress line).
+#: JSON keys: :func:`tracefp4.reports.measure.gap`), ``sweep`` (the sweep's rows), ``experiment`` (the
+#: multi-seed summary), ``trl`` (logged as ``trace/<alias>``), ``loop`` (the progress line).
 METRICS: dict[str, Metric] = dict([
     _m("train_rollout_logprob_abs_diff", "mean |Δlogp|",
        "mean log-prob gap between the trainer and the rollout over the completion tokens",
-       "mean_t |d_t|", reports="mean_abs", sweep="logprob_gap_mean_abs", experiment="logprob_gap_mean", trl="logprob_gap_mean",
-       loop="dlogp"),
+       "mean_t |d_t|", reports="mean_abs", sweep="logprob_gap_mean_abs", experiment="logprob_gap_mean",
+       trl="logprob_gap_mean", loop="dlogp"),
     _m("train_rollout_logprob_abs_diff_max", "max |Δlogp|",
        "largest log-prob gap of one completion token (QUADS's metric)",
-       "max_t |d_t|", reports="max_abs", sweep="logprob_gap_max_abs", experiment="logprob_gap_max", trl="logprob_gap_max"),
+       "max_t |d_t|", reports="max_abs", sweep="logprob_gap_max_abs", experiment="logprob_gap_max",
+       trl="logprob_gap_max"),
     _m("rollout_corr/kl", "KL", "the rollout-vs-trainer KL estimate (as verl logs it)",
        "mean_t d_t", reports="kl"),
     _m("rollout_corr/k3_kl", "k3 KL", "the k3 (non-negative, low-variance) KL estimate",

@@ -130,7 +130,7 @@ def _checked(q: torch.Tensor, k: PackedKV, v: PackedKV, block_size: int, sliding
         raise ValueError(f"paged_attention q: expected CPU bf16 [R, Hq, D], got {_desc(q)}")
     k.check("paged_attention k")
     v.check("paged_attention v")
-    if k.fmt != v.fmt or k.codes.shape != v.codes.shape:
+    if Format(k.fmt) is not Format(v.fmt) or k.codes.shape != v.codes.shape:
         raise ValueError(f"paged_attention v: expected the layout of k ({Format(k.fmt).value} "
                          f"{tuple(k.codes.shape)}), got {Format(v.fmt).value} {tuple(v.codes.shape)}")
     slots, hkv, half = k.codes.shape

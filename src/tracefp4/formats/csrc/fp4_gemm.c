@@ -47,6 +47,10 @@
  * float32 additions. Work is split over (expert, tile) or (expert, panel pair) items, contiguous
  * ranges per thread; each output is computed by one thread in a fixed order, so the result does not
  * depend on the thread count (it may depend on how many rows share the expert: that picks the path).
+ *
+ * The library also holds the one-pass kernels of a rollout's other steps: the sites' NVFP4
+ * quantization (site_quant.h), the top-k combine (combine.h), the SiLU gate (silu_gate.h) and
+ * attention over a packed FP4 K/V cache (kv_attention.h).
  */
 #define _DEFAULT_SOURCE /* syscall() */
 #include "fp4_common.h"

@@ -293,9 +293,13 @@ def test_a_folder_saved_before_later_keys_resumes_at_their_defaults(tmp_path):
     from tracefp4.rl.config import RLConfig
     from tracefp4.rl.runfolder import LATER_KEYS_DEFAULTS, config_differences
 
+    from tracefp4.rl.config import ModelSpec
+
     defaults = {f.name: f.default for f in dataclasses.fields(RLConfig)}
+    defaults.update({f"model.{f.name}": f.default for f in dataclasses.fields(ModelSpec)})
     assert {k: defaults[k] for k in LATER_KEYS_DEFAULTS} == LATER_KEYS_DEFAULTS
     new = dataclasses.asdict(RLConfig())
     old = {k: v for k, v in new.items() if k not in LATER_KEYS_DEFAULTS}
+    old["model"] = {k: v for k, v in new["model"].items() if f"model.{k}" not in LATER_KEYS_DEFAULTS}
     assert config_differences(old, new) == []
     assert config_differences(old, {**new, "sc_top_k": 16}) == ["sc_top_k: 128 -> 16"]

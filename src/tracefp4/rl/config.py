@@ -21,7 +21,7 @@ from transformers import PretrainedConfig
 from tracefp4.engines.model import TinyMoESpec, tiny_config
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.rl.arms import ARMS, arm_spec
-from tracefp4.rl.grpo import LossAgg, PolicyLoss
+from tracefp4.rl.grpo import ISMode, LossAgg
 from tracefp4.rl.tasks import TASKS, Tokenizer, make_task
 
 # Range checks, as field metadata: ``ge``/``gt``/``le``/``lt`` bounds, ``multiple_of``, ``choices``.
@@ -107,6 +107,8 @@ class ModelSpec:
     kv_heads: int = _field(_TINY.kv_heads, help="attention key/value heads (divides heads)", ge=1)
     head_dim: int = _field(_TINY.head_dim, help="width of each attention head", ge=16, multiple_of=16)
     vocab: int = _field(_TINY.vocab, help="embedding rows; at least the task tokenizer's vocab_size", ge=1)
+    max_positions: int = _field(128, help="longest sequence (prompt plus completion) the model's rotary "
+                                "positions and the engines' caches hold", ge=2)
 
     def validate(self) -> None:
         check_fields(self, "model.")
@@ -121,7 +123,7 @@ class ModelSpec:
         return tiny_config(
             layers=self.layers, experts=self.experts, top_k=self.top_k, hidden=self.hidden,
             moe_intermediate=self.moe_intermediate, heads=self.heads, kv_heads=self.kv_heads,
-            head_dim=self.head_dim, vocab=self.vocab, max_positions=128,
+            head_dim=self.head_dim, vocab=self.vocab, max_positions=self.max_positions,
             norm_topk_prob=True, tie_word_embeddings=False,
             pad_token_id=tok.PAD, bos_token_id=tok.BOS, eos_token_id=tok.EOS,
         )
@@ -158,7 +160,13 @@ class RLConfig:
     grad_clip: float = _field(1.0, help="global gradient-norm clip of every optimizer step", gt=0)
     clip_low: float = _field(0.2, help="PPO ratio clip below: ratio >= 1 - clip_low", ge=0, lt=1)
     clip_high: float = _field(0.28, help="PPO ratio clip above: ratio <= 1 + clip_high", ge=0)
-    is_cap: float = _field(5.0, help="truncation of the token-level importance weight pi_old / pi_rollout", gt=0)
+    is_cap: float = _field(5.0, help="the importance weight's cap c: truncation at c, or the band [1/c, c] of the "
+                           "mask modes (> 1 there)", gt=0)
+    is_mode: str = _field(ISMode.TOKEN_TRUNCATE.value, help="how the train-rollout mismatch is corrected, from the "
+                          "token ratio pi_old / pi_rollout or its product over the completion: token-truncate "
+                          "(min(ratio, c), the paper's), off (weight 1, as plain GRPO), token-mask (tokens outside "
+                          "[1/c, c] dropped), sequence-truncate, sequence-mask (tracefp4.rl.grpo.ISMode); "
+                          "Score Centering arms use it with sc_is_cap", choices=tuple(m.value for m in ISMode))
     # --- the baselines' own knobs
     sc_top_k: int = _field(128, help="Score Centering (score-centering, trace-sc arms): how many of the sampler's "
                            "most likely tokens per generated token the engine returns (at most the vocabulary)",
@@ -241,10 +249,6 @@ class RLConfig:
                           f"{m.hidden}, {m.moe_intermediate}, {m.head_dim}")
         if len(set(self.arms)) != len(self.arms):
             _fail("arms", self.arms, "each arm at most once")
-        centered = [a for a in self.arms if arm_spec(a)[0].loss is not PolicyLoss.GRPO]
-        if centered and self.trainer_world_size > 1:
-            _fail("trainer_world_size", self.trainer_world_size, f"1 with the Score Centering arms {centered} (their "
-                  "loss reads the sampler's top-k log-probs, which the FSDP ranks are not sent)")
         if self.task not in TASKS:
             _fail("task", self.task, f"a registered task: {', '.join(sorted(TASKS))}")
         try:
@@ -256,6 +260,10 @@ class RLConfig:
         except ValueError as e:
             _fail("guidance", self.guidance, f"a guidance mode <mode>[@all|@deeper|@last<n>] such as 'lsb' or "
                   f"'lsb+parity+amax:lo3' ({e})")
+        if self.is_mode in (ISMode.TOKEN_MASK.value, ISMode.SEQUENCE_MASK.value):
+            for name in ("is_cap", "sc_is_cap"):
+                if getattr(self, name) <= 1:
+                    _fail(name, getattr(self, name), f"> 1 with is_mode = {self.is_mode!r} (it keeps ratios in [1/c, c])")
         if self.prompts_per_step * self.group_size % self.updates_per_step:
             _fail("updates_per_step", self.updates_per_step,
                   f"a divisor of prompts_per_step * group_size = {self.prompts_per_step * self.group_size}")

@@ -67,12 +67,13 @@ from tracefp4.engines.sink import pack_records, unpack_records
 from tracefp4.rl import engine
 from tracefp4.rl.arms import Arm
 from tracefp4.rl.config import RLConfig
-from tracefp4.rl.grpo import LossAgg, grpo_loss, pad_right
 from tracefp4.rl.optim import BETAS
+from tracefp4.rl.update import Minibatch, Reducer, minibatch_loss, minibatch_order
 
 __all__ = ["TrainerGroup", "TrainerRank", "init_distributed", "rank_share", "shard_model", "sharded_update"]
 
-_STAT_KEYS = ("clip_frac", "is_weight_mean", "is_truncated_frac")
+#: What Score Centering's loss reads beside the GRPO batch (sent to the ranks only for its arms).
+_SC_KEYS = ("top_ids", "top_logp_rollout")
 
 
 def rank_share(idx: Sequence[int], rank: int, world_size: int) -> list[int]:
@@ -157,56 +158,53 @@ def _all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+class DistReducer(Reducer):
+    """Sums over the process group (an all-reduce in float64): the trainer's counts and statistics."""
+
+    def __init__(self) -> None:
+        self.world_size = dist.get_world_size()
+
+    def sum(self, values: list[float]) -> list[float]:
+        return _all_reduce_sum(values)
+
+
 def sharded_update(model: PreTrainedModel, opt: torch.optim.Optimizer, arm: Arm, cfg: RLConfig, batch: dict[str, Any],
                    read_records: Callable[[list[int]], list[dict[str, torch.Tensor]]]) -> dict[str, float]:
-    """This rank's part of :func:`tracefp4.rl.update.update` (same permutation, same minibatches, one
-    optimizer step each): ``batch`` holds the step's trajectories without records (``token_ids``,
-    ``prompt_lens``, ``advantages``, ``logp_old``, ``logp_rollout``, ``mask``, ``step``);
-    ``read_records(indices)`` reads this rank's records. Returns the loss, the mean statistics and
-    the mean gradient norm (equal on every rank)."""
+    """This rank's part of :func:`tracefp4.rl.update.update` (same permutation, same minibatches, the same
+    :func:`~tracefp4.rl.update.minibatch_loss`, one optimizer step each): ``batch`` holds the step's
+    trajectories without records (``token_ids``, ``prompt_lens``, ``advantages``, ``logp_old``,
+    ``logp_rollout``, ``mask``, ``step``, and for Score Centering ``top_ids`` and ``top_logp_rollout``);
+    ``read_records(indices)`` reads this rank's records. Returns the loss, the mean statistics and the
+    mean gradient norm (equal on every rank)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    n = len(batch["token_ids"])
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + batch["step"]))
-    width = batch["mask"].shape[1]
+    reducer = DistReducer()
     params = [p for p in model.parameters() if p.requires_grad]
-    agg = LossAgg(cfg.loss_agg)
-    stats = {k: 0.0 for k in ("loss", *_STAT_KEYS)}
+    stats: dict[str, float] = {}
     norms = []
     reshard(model)
     model.train()
-    for mb in order.chunk(cfg.updates_per_step):
-        idx = mb.tolist()
+    for idx in minibatch_order(cfg, batch["step"], len(batch["token_ids"])):
         share = rank_share(idx, rank, world)
         if not share:
             raise ValueError(f"rank {rank}: no trajectory in a minibatch of {len(idx)} (trainer_world_size "
                              f"must be at most the minibatch size)")
-        records = read_records(share)
-        new = engine.trainer_logprobs(model, [batch["token_ids"][b] for b in share],
-                                      [batch["prompt_lens"][b] for b in share], records, arm,
-                                      temperature=cfg.temperature)
-        logp_new, mask = pad_right(new.logprobs, width)
-        loss, st = grpo_loss(
-            logp_new, batch["logp_old"][share], batch["logp_rollout"][share], batch["advantages"][share], mask,
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high, is_cap=cfg.is_cap, agg=agg,
-            max_new_tokens=cfg.max_new_tokens,
-        )
-        n_tok, n_seq = float(mask.sum()), float(len(share))
-        tot_tok, tot_seq = _all_reduce_sum([n_tok, n_seq])
-        # this rank's share of the minibatch loss: its aggregate times its share of the global denominator
-        scale = n_tok / max(tot_tok, 1.0) if agg is LossAgg.TOKEN_MEAN else n_seq / tot_seq
-        (loss * (scale * world)).backward()  # FSDP averages over ranks: times N makes it the sum
+        loss, st = minibatch_loss(model, arm, cfg, _minibatch(batch, share, read_records(share)), reducer)
+        (loss * world).backward()  # FSDP averages over ranks: times N makes it the sum of the shares
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        # the statistics: token-weighted over the whole minibatch, as one process computes them
-        reduced = _all_reduce_sum([float(loss) * scale, st["clip_frac"] * n_tok, st["is_weight_mean"] * n_tok,
-                                   st["is_truncated_frac"] * n_tok])
-        stats["loss"] += reduced[0] / cfg.updates_per_step
-        for k, v in zip(_STAT_KEYS, reduced[1:]):
-            stats[k] += v / max(tot_tok, 1.0) / cfg.updates_per_step
+        for k, v in st.items():
+            stats[k] = stats.get(k, 0.0) + v / cfg.updates_per_step
     model.eval()
     return {"grad_norm": sum(norms) / len(norms), **stats}
+
+
+def _minibatch(batch: dict[str, Any], share: list[int], records: list) -> Minibatch:
+    pick = (lambda k: batch[k][share] if k in batch else None)
+    return Minibatch([batch["token_ids"][b] for b in share], [batch["prompt_lens"][b] for b in share], records,
+                     pick("logp_old"), pick("logp_rollout"), pick("advantages"), batch["mask"].shape[1],
+                     pick("top_ids"), pick("top_logp_rollout"))
 
 
 # --- full state, gathered (collectives: every rank calls these in the same order) -----------------
@@ -352,7 +350,7 @@ class TrainerRank:
         self._ready()
         t = unpack(tensors)
         job = {**json.loads(job_json), "token_ids": _seq(t, "token_ids"),
-               **{k: t[k] for k in ("advantages", "logp_old", "logp_rollout", "mask")}}
+               **{k: t[k] for k in ("advantages", "logp_old", "logp_rollout", "mask", *_SC_KEYS) if k in t}}
         out = _update_cmd(self.model, self.opt, self.arm, self.cfg, job)
         weights = gather_weights(self.model)
         return json.dumps({**out, "rank": self.rank}), pack(weights) if self.rank == 0 else b""
@@ -435,6 +433,7 @@ class TrainerGroup:
         tensors = self._ray.put(pack({
             **{f"token_ids/{b}": t for b, t in enumerate(batch.token_ids)}, "advantages": batch.advantages,
             "logp_old": batch.logp_old, "logp_rollout": batch.logp_rollout, "mask": batch.mask,
+            **{k: getattr(batch, k) for k in _SC_KEYS if getattr(batch, k) is not None},
         }))
         replies = [(json.loads(j), blob) for j, blob in self._get([r.update.remote(job, tensors) for r in self.ranks])]
         stats = replies[0][0]["stats"]

@@ -26,9 +26,86 @@ class LossAgg(str, enum.Enum):
     """sum over all tokens / (B * max_new_tokens): no length normalisation bias (Dr. GRPO)."""
 
 
+class ISMode(str, enum.Enum):
+    """How the train–rollout mismatch is corrected: the detached weight ``w_t`` each generated token's
+    loss is multiplied by, from the token ratio ``rho_t = pi_old / pi_rollout`` (``c = is_cap``) or the
+    sequence ratio ``R_b = prod_t rho_t`` over the completion (:func:`importance_weights`)."""
+
+    TOKEN_TRUNCATE = "token-truncate"
+    """``w_t = min(rho_t, c)``: truncated importance sampling per token (the paper's setup, the default)."""
+
+    OFF = "off"
+    """``w_t = 1``: rollout samples treated as on-policy, as a plain GRPO implementation does."""
+
+    TOKEN_MASK = "token-mask"
+    """``w_t = rho_t`` if ``1/c <= rho_t <= c`` else ``0``: tokens outside the band dropped (IcePop)."""
+
+    SEQUENCE_TRUNCATE = "sequence-truncate"
+    """``w_t = min(R_b, c)`` for every token of sequence ``b``: sequence-level truncated IS."""
+
+    SEQUENCE_MASK = "sequence-mask"
+    """``w_t = R_b`` if ``1/c <= R_b <= c`` else ``0``: whole sequences outside the band dropped."""
+
+
+SEQUENCE_STATS = ("is_seq_truncated_frac", "is_seq_masked_frac")
+"""The statistics of :func:`importance_weights` that are shares of sequences (the rest: of tokens)."""
+
+
+def importance_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
+                       mode: ISMode | str = ISMode.TOKEN_TRUNCATE, cap: float = 5.0
+                       ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The detached per-token weights ``[B, T]`` of :class:`ISMode` ``mode`` and what they cut: the
+    share of generated tokens whose weight was truncated (``is_truncated_frac``) or zeroed
+    (``is_masked_frac``), and of sequences with such a token (``is_seq_truncated_frac``,
+    ``is_seq_masked_frac``; for the sequence modes, the sequences truncated or dropped).
+
+    The sequence ratio is summed in log space in float64 over the generated tokens only (``mask``), so
+    padding never enters it and a 10K-token completion does not overflow before the band is applied."""
+    mode = ISMode(mode)
+    if cap <= 1.0 and mode in (ISMode.TOKEN_MASK, ISMode.SEQUENCE_MASK):
+        raise ValueError(f"importance_weights: is_mode {mode.value!r} keeps ratios in [1/cap, cap]; "
+                         f"cap must be > 1, got {cap}")
+    m = mask.bool()
+    log_rho = (logp_old - logp_rollout).detach()
+    truncated = torch.zeros_like(m)
+    masked = torch.zeros_like(m)
+    if mode is ISMode.TOKEN_TRUNCATE:
+        rho = torch.exp(log_rho)
+        w = rho.clamp(max=cap)
+        truncated = (rho > cap) & m
+    elif mode is ISMode.OFF:
+        w = torch.ones_like(log_rho)
+    elif mode is ISMode.TOKEN_MASK:
+        rho = torch.exp(log_rho)
+        masked = ((rho < 1.0 / cap) | (rho > cap)) & m
+        w = torch.where(masked, torch.zeros_like(rho), rho)
+    else:
+        log_r = torch.where(m, log_rho.double(), 0.0).sum(dim=1, keepdim=True)  # [B, 1]
+        log_c = torch.tensor(cap, dtype=torch.float64).log()
+        if mode is ISMode.SEQUENCE_TRUNCATE:
+            truncated = (log_r > log_c) & m
+            w_seq = torch.exp(log_r.clamp(max=log_c))
+        else:
+            masked = (log_r.abs() > log_c) & m
+            w_seq = torch.where(log_r.abs() > log_c, torch.zeros_like(log_r), torch.exp(log_r))
+        w = w_seq.to(log_rho.dtype).expand_as(log_rho)
+    n_tok = m.sum().clamp_min(1)
+    has = m.any(dim=1)
+    n_seq = has.sum().clamp_min(1)
+    stats = {
+        "is_weight_mean": float(w[m].mean()) if m.any() else 1.0,
+        "is_truncated_frac": float(truncated.sum() / n_tok),
+        "is_masked_frac": float(masked.sum() / n_tok),
+        "is_seq_truncated_frac": float((truncated.any(dim=1) & has).sum() / n_seq),
+        "is_seq_masked_frac": float((masked.any(dim=1) & has).sum() / n_seq),
+    }
+    return w, stats
+
+
 class PolicyLoss(str, enum.Enum):
     """The policy-gradient loss an arm's trainer minimises, per generated token t of trajectory b
-    (advantage ``A_b``; ``w_t = min(pi_old / pi_rollout, cap)``, detached)."""
+    (advantage ``A_b``; ``w_t`` the detached importance weight of :class:`ISMode`, by default
+    ``min(pi_old / pi_rollout, cap)``)."""
 
     GRPO = "grpo"
     """``-w_t * min(r_t A_b, clip(r_t, 1 - clip_low, 1 + clip_high) A_b)`` with ``r_t = pi / pi_old`` and
@@ -91,31 +168,28 @@ def grpo_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     is_cap: float = 5.0,
+    is_mode: ISMode | str = ISMode.TOKEN_TRUNCATE,
     agg: LossAgg | str = LossAgg.TOKEN_MEAN,
     max_new_tokens: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate with a token-level truncated importance weight against the rollout.
+    """Clipped surrogate with an importance weight against the rollout (token-level truncated by default).
 
     ``logp`` is the trainer's current log-prob (with gradient), ``logp_old`` the trainer's log-prob of
     the policy that generated the batch (before this step's updates, no gradient), ``logp_rollout``
     what the rollout engine reported. The PPO ratio is ``pi/pi_old`` (both trainer-side); the
-    train–rollout mismatch is corrected by ``w = min(pi_old/pi_rollout, is_cap)`` (truncated importance
-    sampling, detached), as in the paper's setup.
+    train–rollout mismatch is corrected by the detached weight of ``is_mode`` (:func:`importance_weights`),
+    by default ``w = min(pi_old/pi_rollout, is_cap)`` (truncated importance sampling), as in the paper's setup.
     """
     ratio = torch.exp(logp - logp_old)
     adv = advantages.unsqueeze(1)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv
     surrogate = torch.minimum(unclipped, clipped)
-    w = torch.exp(logp_old - logp_rollout).clamp(max=is_cap).detach()
+    w, is_stats = importance_weights(logp_old, logp_rollout, mask, is_mode, is_cap)
     loss = aggregate(-w * surrogate, mask, agg, max_new_tokens)
     m = mask.bool()
     with torch.no_grad():
-        stats = {
-            "clip_frac": float(((unclipped != clipped) & m).float().sum() / m.sum().clamp_min(1)),
-            "is_weight_mean": float(w[m].mean()) if m.any() else 1.0,
-            "is_truncated_frac": float((torch.exp(logp_old - logp_rollout)[m] > is_cap).float().mean()) if m.any() else 0.0,
-        }
+        stats = {"clip_frac": float(((unclipped != clipped) & m).float().sum() / m.sum().clamp_min(1)), **is_stats}
     return loss, stats
 
 

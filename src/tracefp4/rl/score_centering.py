@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from tracefp4.rl.grpo import LossAgg, aggregate
+from tracefp4.rl.grpo import ISMode, LossAgg, aggregate, importance_weights
 
 __all__ = ["top_k_for", "pad_top", "trainer_scores", "score_centering_loss", "head_mass_metrics"]
 
@@ -80,6 +80,7 @@ def score_centering_loss(
     top_logp_rollout: torch.Tensor,
     *,
     is_cap: float = 2.0,
+    is_mode: ISMode | str = ISMode.TOKEN_TRUNCATE,
     agg: LossAgg | str = LossAgg.TOKEN_MEAN,
     max_new_tokens: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -90,8 +91,7 @@ def score_centering_loss(
     ``top_logp``/``tail_logp`` (:func:`trainer_scores`, with gradient) and ``top_logp_rollout``
     ``[B, T, k]``: the trainer's and the sampler's log-probs at the sampler's top-k tokens.
     """
-    ratio_q = torch.exp(logp_old - logp_rollout)
-    w = ratio_q.clamp(max=is_cap).detach()
+    w, is_stats = importance_weights(logp_old, logp_rollout, mask, is_mode, is_cap)
     q = torch.exp(top_logp_rollout.detach().to(torch.float32))
     head = q.sum(dim=-1)
     # the sampler's tail mass (float rounding can make the head sum exceed 1); where the top-k is the
@@ -103,8 +103,7 @@ def score_centering_loss(
     m = mask.bool()
     with torch.no_grad():
         stats = {
-            "is_weight_mean": float(w[m].mean()) if m.any() else 1.0,
-            "is_truncated_frac": float((ratio_q[m] > is_cap).float().mean()) if m.any() else 0.0,
+            **is_stats,
             "sc/centering_abs_mean": float((logp - centering).detach()[m].abs().mean()) if m.any() else 0.0,
         }
     return loss, stats

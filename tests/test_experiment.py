@@ -211,3 +211,42 @@ def test_unknown_headline_metric_is_refused(tmp_path):
     (tmp_path / "m.toml").write_text('name = "m"\nseeds = [0]\nmetric = "reward"\n' + RUN)
     with pytest.raises(ValueError, match="metric = 'reward': expected one of eval_accuracy, eval_reward"):
         ExperimentConfig.from_file(str(tmp_path / "m.toml"))
+
+
+def test_summary_dynamics_growth_gain_and_pairing_with_trace_full():
+    """Issue 37's endpoints on synthetic rows (exact in binary fractions): the gain over each seed's own
+    step-0 evaluation, the mismatch growth (mean of the last 50 steps over the first 50), step means of
+    the update's statistics, the is_mode recorded, and every arm paired with trace-full as with bf16."""
+    from tracefp4.rl.config import RLConfig
+    from tracefp4.rl.experiment import SLOPE_WINDOW, summarise
+
+    n = 2 * SLOPE_WINDOW
+
+    def rows(k3_first, k3_last, rew):
+        train = [{"kind": "train", "step": s, "train_rollout_logprob_abs_diff": 0.25,
+                  "train_rollout_logprob_abs_diff_max": 1.0, "guidance_bytes_per_token": 0.0,
+                  "response_length": 33.0, "rollout_corr/k3_kl": k3_first if s < SLOPE_WINDOW else k3_last,
+                  "entropy": 0.5, "grad_norm": 2.0, "is_masked_frac": 0.25 if s % 2 else 0.0}
+                 for s in range(n)]
+        evals = [{"kind": "eval", "step": s, "eval_accuracy": 0.0, "eval_reward": r} for s, r in zip((0, n), rew)]
+        return train + evals
+
+    cfg = RLConfig.from_dict({"task": "count", "arms": ["qat", "trace-full"], "steps": n, "is_mode": "token-mask"})
+    metrics = {s: {"qat": rows(0.25, 1.0, [0.5, 0.25 + s / 8]), "trace-full": rows(0.5, 0.5, [0.5, 0.75])}
+               for s in (0, 1)}
+    out = summarise("m", metrics, cfg, metric="eval_reward")
+    assert out["is_mode"] == "token-mask" and out["is_cap"] == cfg.is_cap
+    qat, full = out["arms"]["qat"], out["arms"]["trace-full"]
+    assert qat["growth_k3_kl"]["mean"] == 4.0 and full["growth_k3_kl"]["mean"] == 1.0
+    assert qat["growth_train_rollout_logprob_abs_diff_max"]["mean"] == 1.0
+    assert qat["gain_eval_reward"]["mean"] == (-0.25 + -0.125) / 2
+    assert full["gain_eval_reward"]["mean"] == 0.25
+    assert qat["final_eval_reward_minus_trace-full"]["mean"] == ((0.25 - 0.75) + (0.375 - 0.75)) / 2
+    assert "final_eval_reward_minus_trace-full" not in full
+    assert qat["mean_entropy"]["mean"] == 0.5 and qat["mean_grad_norm"]["mean"] == 2.0
+    assert qat["mean_is_masked_frac"]["mean"] == 0.125
+    assert qat["mean_is_seq_masked_frac"] is None  # not logged: absent, not zero
+    from tracefp4.rl.experiment import format_summary
+
+    table = format_summary(out)
+    assert "is_mode token-mask" in table and "minus trace-full, paired" in table

@@ -387,6 +387,8 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
         "steps": run_cfg.steps,
         "engine": run_cfg.engine,
         "guidance": run_cfg.guidance,
+        "is_mode": run_cfg.is_mode,
+        "is_cap": run_cfg.is_cap,
         "metric": metric,
         "arms": {},
     }
@@ -409,17 +411,64 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
         entry["per_seed"] = {str(s): {"eval_step": [r["step"] for r in rows_of_kind(r_, "eval")],
                                       **{m: [r.get(m) for r in rows_of_kind(r_, "eval")] for m in HELD_OUT}}
                              for s, r_ in zip(seeds, rows)}
+        entry.update(_dynamics(rows))
         entry["collapse_by"] = {m: _collapses(seeds, rows, m) for m in HELD_OUT}
         entry["collapse"] = entry["collapse_by"][metric]
         if arm != "bf16" and all("bf16" in metrics[s] for s in seeds):
             for m in HELD_OUT:
                 entry["curves"][f"{m}_minus_bf16"] = _paired_curve(rows, [metrics[s]["bf16"] for s in seeds], m)
         out["arms"][arm] = entry
-    for m in HELD_OUT:
-        _paired_differences(out["arms"], "bf16", m)
+    for reference in PAIRED_WITH:
+        for m in HELD_OUT:
+            _paired_differences(out["arms"], reference, m)
     if provenance is not None:
         out["provenance"] = _provenance_summary(provenance)
     return out
+
+
+#: The arms every other arm's final held-out figures are paired with, seed by seed: the BF16 reference
+#: and TRACE with full guidance (FP4 against FP4: what guidance changes at the same rollout precision).
+PAIRED_WITH = ("bf16", "trace-full")
+
+#: Per-step training statistics summarised per arm by :func:`_dynamics` (the seed's mean over its steps).
+STEP_MEANS = ("entropy", "grad_norm", "is_weight_mean", "is_truncated_frac", "is_masked_frac",
+              "is_seq_truncated_frac", "is_seq_masked_frac")
+
+#: The mismatch whose growth :func:`_dynamics` measures: its mean over the last ``SLOPE_WINDOW`` steps
+#: over its mean over the first ``SLOPE_WINDOW`` (> 1: the mismatch grew during training).
+GROWTH = ("rollout_corr/k3_kl", RECORD[GAP_MAX])
+SLOPE_WINDOW = 50
+
+
+def _dynamics(rows: Sequence[Sequence[Mapping]]) -> dict[str, Any]:
+    """How each seed's training went, with means and 95% intervals over seeds: the gain of the held-out
+    figures over the seed's own step-0 evaluation, the growth of the mismatch (:data:`GROWTH`), and the
+    mean of each :data:`STEP_MEANS` statistic the run logged."""
+    out: dict[str, Any] = {}
+    for m in HELD_OUT:
+        gains = []
+        for r in rows:
+            ev = [e[m] for e in rows_of_kind(r, "eval") if e.get(m) is not None]
+            if len(ev) >= 2:
+                gains.append(ev[-1] - ev[0])
+        out[f"gain_{m}"] = mean_ci95(gains) if gains else None
+    for key in GROWTH:
+        growth = []
+        for r in rows:
+            v = [t[key] for t in rows_of_kind(r, "train") if t.get(key) is not None]
+            if len(v) >= 2 * SLOPE_WINDOW and statistics.fmean(v[:SLOPE_WINDOW]) > 0:
+                growth.append(statistics.fmean(v[-SLOPE_WINDOW:]) / statistics.fmean(v[:SLOPE_WINDOW]))
+        out[f"growth_{_json_key(key)}"] = mean_ci95(growth) if growth else None
+    for key in STEP_MEANS:
+        vals = [statistics.fmean(v) for r in rows
+                if (v := [t[key] for t in rows_of_kind(r, "train") if t.get(key) is not None])]
+        out[f"mean_{key}"] = mean_ci95(vals) if vals else None
+    return out
+
+
+def _json_key(key: str) -> str:
+    """A record name as a JSON key fragment (``rollout_corr/k3_kl`` -> ``k3_kl``)."""
+    return key.rsplit("/", 1)[-1]
 
 
 def _paired_differences(arms: dict[str, dict[str, Any]], reference: str, metric: str) -> None:
@@ -529,6 +578,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             if post:
                 ci = f"[{post['ci95'][0]:.3f}, {post['ci95'][1]:.3f}]"
                 lines.append(f"{'  ' + label:<14}{len(e['seeds']):>6}{post['mean']:>13.3f}{ci:>18}   (the {arm} policy, FP4 inference)")
+    if "is_mode" in summary:  # summaries written since the importance correction became a knob
+        lines += _dynamics_table(summary, metric)
     prov = summary.get("provenance")
     if prov:
         groups = "; ".join(f"seeds {', '.join(map(str, g['seeds']))}: {g['weights_sha256']}" for g in prov["warm_starts"])
@@ -537,3 +588,22 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append(f"warm starts (seeds in one group started from identical weights): {groups}")
         lines.append(f"environments: {len(envs)} distinct ({prov['scope']})")
     return "\n".join(lines)
+
+
+def _dynamics_table(summary: Mapping[str, Any], metric: str) -> list[str]:
+    """How training went per arm (:func:`_dynamics`): paired with trace-full, gain over step 0, the
+    mismatch's growth, entropy, gradient norm and the share of tokens the correction truncated or masked."""
+    def mean(d, fmt):
+        return f"{d['mean']:{fmt}}" if d else "-"
+
+    lines = [f"importance correction: is_mode {summary['is_mode']}, cap {summary['is_cap']}",
+             f"{'arm':<14}{'minus trace-full, paired':>26}{'gain over step 0':>18}{'k3 growth':>11}"
+             f"{'max|dlogp| growth':>19}{'entropy':>9}{'grad norm':>11}{'truncated':>11}{'masked':>9}"]
+    for arm, e in summary["arms"].items():
+        lines.append(
+            f"{arm:<14}{_paired(e.get(f'final_{metric}_minus_trace-full')):>26}"
+            f"{mean(e.get(f'gain_{metric}'), '+.3f'):>18}{mean(e.get('growth_k3_kl'), '.2f'):>11}"
+            f"{mean(e.get('growth_train_rollout_logprob_abs_diff_max'), '.2f'):>19}"
+            f"{mean(e.get('mean_entropy'), '.3f'):>9}{mean(e.get('mean_grad_norm'), '.3f'):>11}"
+            f"{mean(e.get('mean_is_truncated_frac'), '.1e'):>11}{mean(e.get('mean_is_masked_frac'), '.1e'):>9}")
+    return lines

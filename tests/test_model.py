@@ -137,8 +137,10 @@ def test_tiny_spec_defaults_are_the_rl_demo() -> None:
 
     from tracefp4.rl.config import ModelSpec
 
-    tiny = dataclasses.asdict(TinyMoESpec())
-    assert all(tiny[k] == v for k, v in dataclasses.asdict(ModelSpec()).items())  # one set of defaults
+    tiny, spec = dataclasses.asdict(TinyMoESpec()), dataclasses.asdict(ModelSpec())
+    assert all(tiny[k] == spec[k] for k in tiny.keys() & spec.keys())  # one set of defaults
+    # the RL config's own field: its runs' sequence limit (128, what every run folder saved before it)
+    assert set(spec) - set(tiny) == {"max_positions"} and spec["max_positions"] == 128
     cfg = TinyMoESpec().config()
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts, cfg.vocab_size) == (64, 4, 8, 32)
 

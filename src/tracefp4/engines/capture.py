@@ -12,7 +12,7 @@ over that forward's flattened rows (batch-major, ``b*S + s``):
 * at the diagnostic layers, a ``full`` :class:`RawCapture` (full codes, for code-mismatch metrics;
   they are kept in memory only and never reach the store).
 
-Both kinds are :class:`~tracefp4.guidance.record.SiteRecord`\ s, so the rollout assembles them alike.
+Both kinds are :class:`~tracefp4.guidance.record.SiteRecord` records, so the rollout assembles them alike.
 
 Recording never changes what the forward computes. The capture is the rollout's
 :class:`~tracefp4.engines.path.ForwardPath`: the site hook records, the routing hook records, and

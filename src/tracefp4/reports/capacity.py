@@ -267,9 +267,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", metavar="CONFIG.json", help="a Hugging Face config.json (or a folder holding one)")
     src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in model config")
-    p.add_argument("--prompts", type=int, required=True, help="prompts per RL step")
-    p.add_argument("--samples", type=int, required=True, help="samples (completions) per prompt")
-    p.add_argument("--tokens", type=int, required=True, help="token positions per sample (prompt + completion)")
+    # The defaults are one GRPO step of a long-reasoning run (64 prompts x 8 samples x 4096 positions), so that
+    # `tracefp4 plan --preset NAME` answers for a typical step without further options.
+    p.add_argument("--prompts", type=int, default=64, help="prompts per RL step (default: %(default)s)")
+    p.add_argument("--samples", type=int, default=8, help="samples (completions) per prompt (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=4096,
+                   help="token positions per sample, prompt + completion (default: %(default)s)")
     p.add_argument("--bandwidth", type=float, metavar="GBPS", help="storage or network bandwidth, GB/s")
     p.add_argument(
         "--sweep-json", metavar="PATH", help="a 'tracefp4 mismatch --sweep --json' output: densities of sparse modes"

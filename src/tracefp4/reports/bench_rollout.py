@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tracefp4.engines.factory import EngineKind
 from tracefp4.engines.model import TinyMoESpec, from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutEngine, SamplingParams
@@ -187,6 +188,11 @@ def _load_runtime(modules: Sequence[str]) -> None:
             q.dequantize(q.quantize(torch.ones(2, 64, dtype=torch.bfloat16)))
 
 
+def _probe_kind(probe: str) -> EngineKind:
+    """The engine of a memory probe's name (``home``, ``vllm-bf16``, ``vllm-fp4``: engine, then precision)."""
+    return EngineKind.parse(probe.split("-")[0], "memory probe")
+
+
 def memory_probe(engine: str, ckpt: str, preset: str, modules: Sequence[str] = ()) -> dict:
     """In this (fresh) process: resident growth of building ``engine`` from ``ckpt`` and generating once.
     ``engine``: ``home`` (reports the model alone, then with its packed experts), ``vllm-fp4``,
@@ -205,7 +211,7 @@ def memory_probe(engine: str, ckpt: str, preset: str, modules: Sequence[str] = (
     from tracefp4.formats import cgemm
 
     cgemm.available()
-    if engine != "home":
+    if _probe_kind(engine) is not EngineKind.HOME:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its memory is ours
         from tracefp4.engines.vllm.engine import engine_env
 
@@ -216,7 +222,7 @@ def memory_probe(engine: str, ckpt: str, preset: str, modules: Sequence[str] = (
     _release()
     before = _rss()
     out["runtime_bytes"] = before - start
-    if engine == "home":
+    if _probe_kind(engine) is EngineKind.HOME:
         # built in memory (a loaded checkpoint's file pages would count as resident too)
         home = HomeEngine(from_config(config, seed=0))
         home.generate(prompts, sampling, plan=None, guidance=None)
@@ -266,7 +272,7 @@ def measure_memory(ckpt: str, preset: str, engines: Sequence[str], timeout: floa
         for name in probes:
             m = _probe(["memory-probe", name, ckpt, preset, modules], timeout)
             params = m["expert_params"]
-            if name == "home":
+            if _probe_kind(name) is EngineKind.HOME:
                 res["resident_bytes_per_expert_param.home.bf16"] = m["bf16_bytes"] / params
                 res["resident_bytes_per_expert_param.home.fp4"] = m["fp4_bytes"] / params
             else:

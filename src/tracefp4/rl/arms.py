@@ -169,7 +169,7 @@ class Arm:
         return self.trainer_plan if self.trainer_plan is not None else self.plan
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON values (what a rollout worker process is sent)."""
+        """Plain JSON values (what a trainer process of tracefp4.rl.distributed is sent)."""
         return {
             "name": self.name,
             "plan": None if self.plan is None else self.plan.to_dict(),
@@ -239,9 +239,10 @@ def make_arm(name: str, *, guidance: str, n_layers: int, plan: PrecisionPlan | N
 # --- the spellings and views other modules use of these arms -------------------------------------
 
 #: User-facing spellings of an arm of :data:`ARMS` that must keep working: the reports' JSON keys
-#: (``trace_lsb``, ``trace_full``) and the scaling report's ``full``. The canonical name is the key of
+#: (``trace_lsb``, ``trace_full``) and the scaling report's ``full`` and ``ldpc@all``. The canonical name is the key of
 #: :data:`ARMS`; :func:`canonical_arm` maps an alias onto it.
-ARM_ALIASES: dict[str, str] = {"trace_lsb": "trace", "trace_full": "trace-full", "full": "trace-full"}
+ARM_ALIASES: dict[str, str] = {"trace_lsb": "trace", "trace_full": "trace-full", "full": "trace-full",
+                               "ldpc@all": "trace-ldpc"}
 
 
 def canonical_arm(name: str) -> str:
@@ -336,6 +337,8 @@ ARM_STYLE: dict[str, dict[str, str]] = {
     "trace-ldpc": dict(color="tab:purple", linestyle="--"),
     "trace-L1": dict(color="tab:cyan", linestyle="--"),
     "trace-L2": dict(color="tab:olive", linestyle="--"),
+    # the scaling report's lsb hints on every layer (trace-L<n> with n the model's depth)
+    "lsb@all": dict(color="tab:cyan", linestyle="--"),
     # the paper's closest baselines and the FP8 arms
     "quads": dict(color="goldenrod", linestyle=":"),
     "score-centering": dict(color="darkviolet", linestyle=":"),

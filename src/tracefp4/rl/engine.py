@@ -1,7 +1,9 @@
 """Every call the RL loop makes into ``tracefp4.engines``, in one place.
 
 The loop (collect, update, evaluate, the rollout workers) states what it wants in the terms of an
-:class:`Arm` (precision plan, guidance mode, diagnostics layers) and calls the functions here.
+:class:`Arm` (precision plan, guidance mode, diagnostics layers) and calls the functions here. The
+rollout of one store step (:func:`rollout_step`: discard, generate, seal, read back) is the one the
+TRL integration and the reports (:func:`tracefp4.reports.measure.run_arms`) use too.
 """
 
 from __future__ import annotations

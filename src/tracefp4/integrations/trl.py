@@ -48,7 +48,6 @@ from trl import GRPOConfig, GRPOTrainer
 
 from tracefp4.engines.factory import EngineKind, make_engine
 from tracefp4.engines.model import load_model, model_layers, model_state, prepare_model
-from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, StoreTarget
 from tracefp4.engines.rows import RowMap
 from tracefp4.engines.trainer import TrainerMode, TrainerSpec, code_mismatch, token_logprobs, trainer_forward
@@ -60,15 +59,10 @@ from tracefp4.rl.engine import rollout_step
 from tracefp4.rl.loop import model_signature
 from tracefp4.seeds import Stream, TrajectoryIds, derive, trajectory_ids
 
-__all__ = ["TraceGRPOConfig", "TraceGRPOTrainer", "unsupported", "precision_plan"]
+__all__ = ["TraceGRPOConfig", "TraceGRPOTrainer", "unsupported"]
 
 #: The batch-dict key of the per-row trajectory ids.
 ROW_KEY = "trace_traj"
-
-
-def precision_plan(name: str) -> PrecisionPlan:
-    """``nvfp4`` (NVFP4 W4A4 and KV cache), ``4over6``, ``mxfp4`` or ``w4a8`` (see :mod:`tracefp4.rl.arms`)."""
-    return plan_by_name(name)
 
 
 @dataclasses.dataclass
@@ -104,7 +98,7 @@ class TraceGRPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        precision_plan(self.trace_plan)
+        plan_by_name(self.trace_plan)
         if self.trace_mode not in FP4_TRAINER_MODES:
             raise ValueError(f"trace_mode = {self.trace_mode!r}: expected 'qat' or 'trace'")
         GuidedMode.parse(self.trace_guidance)

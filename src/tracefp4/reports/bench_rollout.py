@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tracefp4.engines.factory import EngineKind
 from tracefp4.engines.model import TinyMoESpec, from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutEngine, SamplingParams
@@ -187,6 +188,11 @@ def _load_runtime(modules: Sequence[str]) -> None:
             q.dequantize(q.quantize(torch.ones(2, 64, dtype=torch.bfloat16)))
 
 
+def _probe_kind(probe: str) -> EngineKind:
+    """The engine of a memory probe's name (``home``, ``vllm-bf16``, ``vllm-fp4``: engine, then precision)."""
+    return EngineKind.parse(probe.split("-")[0], "memory probe")
+
+
 def memory_probe(engine: str, ckpt: str, preset: str, modules: Sequence[str] = ()) -> dict:
     """In this (fresh) process: resident growth of building ``engine`` from ``ckpt`` and generating once.
     ``engine``: ``home`` (reports the model alone, then with its packed experts), ``vllm-fp4``,
@@ -205,7 +211,7 @@ def memory_probe(engine: str, ckpt: str, preset: str, modules: Sequence[str] = (
     from tracefp4.formats import cgemm
 
     cgemm.available()
-    if engine != "home":
+    if _probe_kind(engine) is not EngineKind.HOME:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its memory is ours
         from tracefp4.engines.vllm.engine import engine_env
 
@@ -216,7 +222,7 @@ def memory_probe(engine: str, ckpt: str, preset: str, modules: Sequence[str] = (
     _release()
     before = _rss()
     out["runtime_bytes"] = before - start
-    if engine == "home":
+    if _probe_kind(engine) is EngineKind.HOME:
         # built in memory (a loaded checkpoint's file pages would count as resident too)
         home = HomeEngine(from_config(config, seed=0))
         home.generate(prompts, sampling, plan=None, guidance=None)
@@ -246,14 +252,20 @@ def _probe(args: list[str], timeout: float) -> dict | list:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _kinds(engines: Sequence[str]) -> frozenset[EngineKind]:
+    """The benchmark's engines (names as on the command line) as kinds; a ValueError names a bad one."""
+    return frozenset(EngineKind.parse(e, "--engines") for e in engines)
+
+
 def measure_memory(ckpt: str, preset: str, engines: Sequence[str], timeout: float = 1800) -> dict[str, float]:
     """``resident_bytes_per_expert_param.<engine>.<precision>``, each engine in a fresh process (see the
     module docstring for what is loaded before the first reading)."""
-    probes = (["home"] if "home" in engines else []) + (["vllm-bf16", "vllm-fp4"] if "vllm" in engines else [])
+    kinds = _kinds(engines)
+    probes = (["home"] if EngineKind.HOME in kinds else []) + (["vllm-bf16", "vllm-fp4"] if EngineKind.VLLM in kinds else [])
     res: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="tracefp4-tiny-") as tmp:
         modules = os.path.join(tmp, "modules.json")
-        if "vllm" in engines:
+        if EngineKind.VLLM in kinds:
             tiny = os.path.join(tmp, "ckpt")
             from_config(TINY_MOE.config(), seed=0).save_pretrained(tiny)
             names = _probe(["engine-modules", "vllm-fp4", tiny], timeout)
@@ -266,7 +278,7 @@ def measure_memory(ckpt: str, preset: str, engines: Sequence[str], timeout: floa
         for name in probes:
             m = _probe(["memory-probe", name, ckpt, preset, modules], timeout)
             params = m["expert_params"]
-            if name == "home":
+            if _probe_kind(name) is EngineKind.HOME:
                 res["resident_bytes_per_expert_param.home.bf16"] = m["bf16_bytes"] / params
                 res["resident_bytes_per_expert_param.home.fp4"] = m["fp4_bytes"] / params
             else:
@@ -295,7 +307,7 @@ def bench_rollout(engines: Sequence[str] = ("home", "vllm"), *, preset: str = "m
                  "prompt_len": p.prompt_len, "repeats": repeats, "threads": torch.get_num_threads(),
                  "expert_params": expert_params(spec)}
     with tempfile.TemporaryDirectory(prefix="tracefp4-bench-") as ckpt:
-        if "vllm" in engines or memory:
+        if EngineKind.VLLM in _kinds(engines) or memory:
             say("writing the checkpoint")
             model.save_pretrained(ckpt)
         for batch in batches:
@@ -407,12 +419,12 @@ def _time_batch(engines, model, ckpt, prompts, new_tokens, prompt_len, repeats, 
     calls: dict[tuple[str, str], Callable[[], float]] = {}
     servers: list[_EngineServer] = []
     try:
-        if "home" in engines:
+        if EngineKind.HOME in _kinds(engines):
             home = HomeEngine(model)
             for mode in ROLLOUT_MODES:
                 _call(home, mode, warm, prompts, plan)
                 calls[("home", mode)] = lambda m=mode: _call(home, m, sampling, prompts, plan)
-        if "vllm" in engines:
+        if EngineKind.VLLM in _kinds(engines):
             max_len = max(64, -(-(prompt_len + new_tokens + 2) // 16) * 16)
             for engine, modes in (("vllm-bf16", ("bf16",)), ("vllm-fp4", ("fp4", "trace_lsb", "trace_full"))):
                 say(f"batch {batch}: building {'vLLM' + chr(39) + 's own BF16' if engine == 'vllm-bf16' else 'our FP4 vLLM'} "

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tracefp4.engines.factory import EngineKind, make_engine
 from tracefp4.engines.protocol import SamplingParams
 from tracefp4.reports import mismatch, sweep
 
@@ -82,18 +83,18 @@ VLLM_TINY_HEAD_DIM = 32
 def run_mismatch(args: argparse.Namespace) -> int:
     dims = _check_args(args)
     say = _progress(args.quiet)
-    if getattr(args, "engine", "home") == "vllm" and args.checkpoint is None and "head_dim" not in dims:
+    kind = EngineKind.parse(getattr(args, "engine", EngineKind.HOME.value), "--engine")
+    if kind is EngineKind.VLLM and args.checkpoint is None and "head_dim" not in dims:
         dims["head_dim"] = VLLM_TINY_HEAD_DIM
         say(f"--engine vllm: head_dim {VLLM_TINY_HEAD_DIM} (vLLM's CPU attention has no kernel for the default 16)")
     model, prompts, sampling = _inputs(args, dims, say)
-    if getattr(args, "engine", "home") == "vllm":
+    if kind is EngineKind.VLLM:
         if args.sweep:
             raise SystemExit("tracefp4 mismatch: --engine vllm goes without --sweep")
-        from tracefp4.engines.vllm.engine import engine_for
-
         say("starting vLLM (tracefp4 plugin)")
         try:
-            engine = engine_for(model, args.checkpoint, max_len=args.prompt_len + args.new_tokens + 2, keep_bf16=True)
+            engine = make_engine(kind, model, checkpoint=args.checkpoint, max_len=args.prompt_len + args.new_tokens + 2,
+                                 keep_bf16=True)
         except ValueError as e:
             raise SystemExit(f"tracefp4 mismatch: {e}") from None
         return mismatch.run_cli(args, model, prompts, sampling, say, engine=engine)

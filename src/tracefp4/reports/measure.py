@@ -1,8 +1,8 @@
-"""What the mismatch report and the guidance sweep both measure: the log-prob gap of a trainer against
-its rollout, code-mismatch totals over a set of sites, and the guidance store round trip and its byte
-accounting.
+"""What every report measures: arms run over one model and prompts (:func:`run_arms`: each arm's
+rollout through the guidance store and its trainer on what the store returned), the log-prob gap of a
+trainer against its rollout, code-mismatch totals over a set of sites, and the store's byte accounting.
 
-Both reports push their rollouts' records through the real store (written, sealed, read back with
+The reports push their rollouts' records through the real store (written, sealed, read back with
 checksums verified) so that the trainer consumes what a distributed run would hand it and the byte
 figures are the store's own (``docs/contracts.md`` section 4).
 """
@@ -10,6 +10,7 @@ figures are the store's own (``docs/contracts.md`` section 4).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import tempfile
@@ -19,12 +20,16 @@ from typing import Any
 
 import torch
 
-from tracefp4.engines.protocol import RolloutOutput
-from tracefp4.engines.sink import StoreTarget, write_records
-from tracefp4.engines.trainer import SiteMismatch, TrainerOutput
+from tracefp4.engines.protocol import RolloutEngine, RolloutOutput, SamplingParams
+from tracefp4.engines.rollout import HomeEngine
+from tracefp4.engines.sink import StoreTarget
+from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, forward_logprobs
 from tracefp4.guidance.names import layer_tag
-from tracefp4.guidance.store import StoreReader, bytes_per_token, parse_name, seal_step
+from tracefp4.guidance.store import StoreReader, bytes_per_token, parse_name
 from tracefp4.metrics import code_mismatch_rate, logprob_gap, metric, mismatch_totals, one_apart_share
+from tracefp4.rl.arms import Arm
+from tracefp4.rl.engine import rollout_step, trainer_spec
+from tracefp4.seeds import TrajectoryIds, trajectory_ids
 
 __all__ = [
     "POLICY_VERSION",
@@ -34,7 +39,8 @@ __all__ = [
     "gap",
     "aggregate",
     "same_rollout",
-    "store_records",
+    "ArmRun",
+    "run_arms",
     "store_bytes",
 ]
 
@@ -108,16 +114,42 @@ def same_rollout(a: RolloutOutput, b: RolloutOutput) -> bool:
 # --- the store round trip ------------------------------------------------------------------------
 
 
-def store_records(root: Path, step: int, rollout: RolloutOutput, signature: str) -> list[dict[str, torch.Tensor]]:
-    """Write the rollout's records as one sealed store step, read them back (verified)."""
-    ids = [f"traj-{b:05d}" for b in range(len(rollout.token_ids))]
-    write_records(StoreTarget(str(root), step, WRITER, tuple(ids), signature, POLICY_VERSION), rollout.records,
-                  rollout.prompt_lens)
-    seal_step(root, step, [WRITER])
-    with StoreReader(root, step, model_signature=signature, policy_version=POLICY_VERSION) as r:
-        r.verify()
-        # clone: the reader's handles are memory-mapped and closed on exit
-        return [{k: v.clone() for k, v in rec.items()} for rec in r.batch(ids, [t.numel() for t in rollout.token_ids])]
+@dataclasses.dataclass
+class ArmRun:
+    """One arm run over a report's prompts: its rollout through the store and its trainer."""
+
+    arm: Arm
+    step: int  # the store step its records went to (for :func:`store_bytes`)
+    rollout: RolloutOutput  # ``records``: as read back from the store; ``diagnostics``: in memory
+    trainer: TrainerOutput | None  # the arm's trainer on those records (None: not asked for)
+
+
+def run_arms(model, prompts: Sequence[Sequence[int]], sampling: SamplingParams, arms: Mapping[str, Arm], root: Path,
+             signature: str, *, engine: RolloutEngine | None = None, first_step: int = 0, trainers: bool = True,
+             phase: Callable[[str], contextlib.AbstractContextManager] | None = None) -> dict[str, ArmRun]:
+    """Each arm of ``arms`` (report key -> arm, in order) over the same prompts and sampler seed: its
+    rollout through the store (:func:`~tracefp4.rl.engine.rollout_step`, one sealed step each from
+    ``first_step``, records read back with checksums verified) on ``engine`` (None: ours on ``model``),
+    then (``trainers``) its trainer on what the store returned, in the arm's mode and plan at the
+    sampler's temperature, capturing its codes at the arm's diagnostics layers. ``phase`` names and
+    times each part (a context manager per name)."""
+    serving = engine if engine is not None else HomeEngine(model)
+    phase = phase or (lambda name: contextlib.nullcontext())
+    ids = tuple(trajectory_ids(TrajectoryIds.REPORT, len(prompts)))
+    runs: dict[str, ArmRun] = {}
+    for step, (key, arm) in enumerate(arms.items(), start=first_step):
+        with phase(f"rollout {key}"):
+            out = rollout_step(serving, prompts, sampling, arm, StoreTarget(str(root), step, WRITER, ids, signature,
+                                                                            POLICY_VERSION))
+        roll = dataclasses.replace(out.rollout, records=out.records, diagnostics=out.diagnostics or [])
+        runs[key] = ArmRun(arm, step, roll, None)
+        if trainers:
+            with phase(f"trainer {key} ({arm.trainer})"), torch.no_grad():
+                # the engines report log-probs at temperature 1 for greedy sampling (SamplingParams)
+                temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+                spec = trainer_spec(arm, temperature=temperature, capture=True)
+                runs[key].trainer = forward_logprobs(model, roll.token_ids, roll.prompt_lens, roll.records, spec)
+    return runs
 
 
 def _guidance_split(reader: StoreReader) -> tuple[dict[str, dict[str, int]], dict[str, int]]:

@@ -66,26 +66,26 @@ from typing import Any
 
 import torch
 
+from tracefp4.engines.factory import EngineKind
 from tracefp4.engines.model import TinyMoESpec, from_config, load_model, model_layers, moe_layers, tiny_config
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
-from tracefp4.engines.rollout import generate
-from tracefp4.engines.trainer import (SiteMismatch, TrainerOutput, TrainerSpec, code_mismatch, forward_logprobs,
-                                      forward_rollout)
+from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, TrainerSpec, code_mismatch, forward_logprobs
 from tracefp4.files import atomic_write_json
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import Site, layer_tag, record_prefix, routing_key
 from tracefp4.guidance.hints import lsb_of_codes, record_format
 from tracefp4.metrics import one_apart_share
 from tracefp4.reports.measure import (
+    ArmRun,
     aggregate,
     config_signature,
     gap,
+    run_arms,
     same_rollout,
     store_bytes,
-    store_records,
     store_root,
 )
-from tracefp4.rl.arms import MISMATCH_ARMS, REPORT_PLANS
+from tracefp4.rl.arms import MISMATCH_ARMS, REPORT_PLANS, Arm, canonical_arm, make_arm
 
 __all__ = [
     "DEFAULTS",
@@ -115,7 +115,6 @@ MODEL_DIMS = (
 )  # fmt: skip
 
 _SITES = tuple(s.value for s in Site)
-_STEP_FULL, _STEP_COMPACT = 0, 1
 
 
 # --- inputs ---------------------------------------------------------------------------------------
@@ -245,30 +244,13 @@ def arm_descriptions(plan_name: str = "nvfp4") -> dict[str, tuple[str, str]]:
             "trace_full": (f"{plan_name} + full hints, all layers", "trace")}
 
 
-def _rollouts(
-    model, prompts, sampling: SamplingParams, phase: _Phases, engine=None, plan_name: str = "nvfp4"
-) -> dict[str, RolloutOutput]:
-    """One rollout per arm: bf16, plain fp4 (or fp8), recording lsb hints (deeper half; all layers in
-    FP8) and full hints (all layers). ``engine``: another :class:`~tracefp4.engines.protocol.RolloutEngine`
-    over the same weights (vLLM); None: our engine on ``model``."""
-    rollouts: dict[str, RolloutOutput] = {}
+def report_arms(plan_name: str, n_layers: int) -> dict[str, Arm]:
+    """The report's arms (:data:`MISMATCH_ARMS`' keys, aliases of the arm table's ``bf16``, ``qat``,
+    ``trace`` and ``trace-full``) under a plan of :data:`REPORT_PLANS`, whose lsb mode the trace arm
+    records (lsb on the deeper half; all layers in FP8)."""
     make_plan, lsb = REPORT_PLANS[plan_name]
     plan = make_plan()
-    arms = arm_descriptions(plan_name)
-    for arm, kwargs in (
-        ("bf16", dict(plan=None)),
-        ("qat", dict(plan=plan)),
-        ("trace_lsb", dict(plan=plan, guidance=GuidedMode.parse(lsb))),
-        ("trace_full", dict(plan=plan, guidance=GuidedMode.parse("full"))),
-    ):
-        with phase(f"rollout {arm} ({arms[arm][0]})"):
-            if engine is not None:
-                rollouts[arm] = engine.generate(
-                    prompts, sampling, plan=kwargs["plan"], guidance=kwargs.get("guidance")
-                )
-            else:
-                rollouts[arm] = generate(model, prompts, sampling, **kwargs)
-    return rollouts
+    return {key: make_arm(canonical_arm(key), guidance=lsb, n_layers=n_layers, plan=plan) for key in MISMATCH_ARMS}
 
 
 def _fp4_rollouts_identical(rollouts: Mapping[str, RolloutOutput]) -> bool:
@@ -283,45 +265,22 @@ def _fp4_rollouts_identical(rollouts: Mapping[str, RolloutOutput]) -> bool:
     )
 
 
-def _store_round_trip(root, rollouts: Mapping[str, RolloutOutput], signature: str) -> _Stored:
-    """Both trace rollouts' records through the store (one sealed step each), and the store's bytes."""
-    full_records = store_records(root, _STEP_FULL, rollouts["trace_full"], signature)
-    lsb_records = store_records(root, _STEP_COMPACT, rollouts["trace_lsb"], signature)
-    _check_lsb_matches_full(lsb_records, full_records)
-    return _Stored(
-        full_records, lsb_records, store_bytes(root, _STEP_FULL, signature), store_bytes(root, _STEP_COMPACT, signature)
-    )
+def _stored(root, runs: Mapping[str, ArmRun], signature: str) -> _Stored:
+    """Both trace rollouts' records as read back from the store, checked against each other, and the
+    store's bytes of each."""
+    full, lsb = runs["trace_full"], runs["trace_lsb"]
+    _check_lsb_matches_full(lsb.rollout.records, full.rollout.records)
+    return _Stored(full.rollout.records, lsb.rollout.records, store_bytes(root, full.step, signature),
+                   store_bytes(root, lsb.step, signature))
 
 
-def _trainers(
-    model, rollouts: Mapping[str, RolloutOutput], full_records, lsb_records, phase: _Phases
-) -> tuple[dict[str, TrainerOutput], TrainerOutput]:
-    """Each arm's trainer on its own rollout (routing replayed), and a QAT trainer capturing codes
-    over the full-hint records (capture needs named sites; the QAT trainer ignores the hints)."""
-    roll_full, roll_lsb = rollouts["trace_full"], rollouts["trace_lsb"]
-    n_layers = model_layers(model)[0]
-    all_layers, compact_layers = roll_full.guidance.layer_indices(n_layers), roll_lsb.guidance.layer_indices(n_layers)
-    trainers: dict[str, TrainerOutput] = {}
-    with torch.no_grad():
-        for arm in ("bf16", "qat"):
-            with phase(f"trainer {arm} ({MISMATCH_ARMS[arm][1]}, routing replay)"):
-                trainers[arm] = forward_rollout(model, rollouts[arm], TrainerSpec(MISMATCH_ARMS[arm][1]))
-        with phase("trainer qat, capturing codes at all sites"):
-            qat_codes = forward_logprobs(
-                model, roll_full.token_ids, roll_full.prompt_lens, full_records,
-                TrainerSpec("qat", roll_full.plan, capture_codes=all_layers),
-            )  # fmt: skip
-        with phase(f"trainer trace_lsb (lsb hints, {len(compact_layers)} of {n_layers} layers)"):
-            trainers["trace_lsb"] = forward_logprobs(
-                model, roll_lsb.token_ids, roll_lsb.prompt_lens, lsb_records,
-                TrainerSpec("trace", roll_lsb.plan, capture_codes=compact_layers),
-            )  # fmt: skip
-        with phase("trainer trace_full (full hints, all layers)"):
-            trainers["trace_full"] = forward_logprobs(
-                model, roll_full.token_ids, roll_full.prompt_lens, full_records,
-                TrainerSpec("trace", roll_full.plan, capture_codes=all_layers),
-            )  # fmt: skip
-    return trainers, qat_codes
+def _qat_codes(model, roll_full: RolloutOutput, phase: _Phases) -> TrainerOutput:
+    """A QAT trainer's codes at every layer, over the full-hint rollout (the QAT trainer ignores the
+    hints; the codes are compared with the full record's)."""
+    every = roll_full.guidance.layer_indices(model_layers(model)[0])
+    with phase("trainer qat, capturing codes at all sites"), torch.no_grad():
+        return forward_logprobs(model, roll_full.token_ids, roll_full.prompt_lens, roll_full.records,
+                                TrainerSpec("qat", roll_full.plan, capture_codes=every))
 
 
 def _code_stats(
@@ -451,12 +410,15 @@ def mismatch_report(
     phase = _Phases(progress)
     n_layers, _ = model_layers(model)
     compact_layers = GuidedMode.parse(REPORT_PLANS[plan_name][1]).layer_indices(n_layers)
-    rollouts = _rollouts(model, prompts, sampling, phase, engine, plan_name)
-    fp4_identical = _fp4_rollouts_identical(rollouts)
     signature = config_signature("mismatch", model.config)
-    with store_root(store_dir, "tracefp4-mismatch-") as root, phase("store: write, seal, read back"):
-        stored = _store_round_trip(root, rollouts, signature)
-    trainers, qat_codes = _trainers(model, rollouts, stored.full_records, stored.lsb_records, phase)
+    with store_root(store_dir, "tracefp4-mismatch-") as root:
+        runs = run_arms(model, prompts, sampling, report_arms(plan_name, n_layers), root, signature, engine=engine,
+                        phase=phase)
+        stored = _stored(root, runs, signature)
+    rollouts = {arm: r.rollout for arm, r in runs.items()}
+    trainers = {arm: r.trainer for arm, r in runs.items()}
+    fp4_identical = _fp4_rollouts_identical(rollouts)
+    qat_codes = _qat_codes(model, rollouts["trace_full"], phase)
     with phase("router flips without replay (qat, bf16)"):
         flips = {arm: _router_flips_without_replay(model, rollouts[arm], MISMATCH_ARMS[arm][1]) for arm in ("qat", "bf16")}
     arms = arm_descriptions(plan_name)
@@ -464,7 +426,7 @@ def mismatch_report(
     agg = _aggregates(stats, compact_layers)
     roll_full = rollouts["trace_full"]
     return {
-        "engine": "home" if engine is None else engine.name,
+        "engine": EngineKind.HOME.value if engine is None else engine.name,
         "plan_name": plan_name,
         "arms": {arm: list(v) for arm, v in arms.items()},
         "config": _config_section(model, prompts, sampling, roll_full.plan, compact_layers),
@@ -619,7 +581,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--plan", choices=tuple(REPORT_PLANS), default="nvfp4",
                    help="the rollout's precision plan: NVFP4 W4A4 (default) or W8A8 FP8 (E4M3 codes; lsb on all layers)")
-    p.add_argument("--engine", choices=("home", "vllm"), default="home",
+    p.add_argument("--engine", choices=EngineKind.names(), default=EngineKind.HOME.value,
                    help="rollout engine: ours, or vLLM with the tracefp4 plugin (needs vLLM; head_dim >= 32 on CPU)")  # fmt: skip
 
 

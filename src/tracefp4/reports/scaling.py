@@ -61,19 +61,16 @@ from typing import Any
 
 import torch
 
+from tracefp4.engines.factory import EngineKind, make_engine
 from tracefp4.engines.model import from_config, load_model, model_layers, tiny_config
-from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
-from tracefp4.engines.rollout import generate
-from tracefp4.engines.trainer import TrainerOutput, code_mismatch, forward_logprobs, forward_rollout
+from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, code_mismatch, forward_logprobs
 from tracefp4.files import atomic_write_json
-from tracefp4.formats.numerics import unpack_fp4
-from tracefp4.formats.reference import signed_index
 from tracefp4.guidance.compact import GuidedMode
-from tracefp4.guidance.names import layer_tag, parse_name
+from tracefp4.guidance.names import parse_name
 from tracefp4.metrics import code_mismatch_rate, one_apart_share
-from tracefp4.reports.measure import aggregate, config_signature, same_rollout, store_records, store_root
-from tracefp4.rl.arms import ARM_STYLE, SCALING_ARMS
+from tracefp4.reports.measure import aggregate, config_signature, run_arms, same_rollout, store_root
+from tracefp4.rl.arms import ARM_STYLE, SCALING_ARMS, Arm, canonical_arm, make_arm
 
 __all__ = [
     "CENTRE", "DEPTHS", "WIDTHS", "LENGTHS", "BUCKETS", "TARGETS", "Point", "grid",
@@ -279,36 +276,16 @@ def logprob_stats(rollout_logprobs: Sequence[torch.Tensor], trainer_logprobs: Se
     return out
 
 
-def _code_diffs(trainer_codes: Sequence[Mapping[str, torch.Tensor]], reference: Sequence[Mapping[str, torch.Tensor]],
-                prompt_lens: Sequence[int]) -> dict[str, dict[str, dict[str, int]]]:
-    """Per layer tag and per position bucket: codewords compared, mismatched, one apart (signed line)."""
-    by_layer: dict[str, dict[str, int]] = {}
-    by_bucket: dict[str, dict[str, int]] = {}
-    for mine, rec, plen in zip(trainer_codes, reference, prompt_lens):
-        for name, packed in mine.items():
-            diff = (signed_index(unpack_fp4(packed)) - signed_index(unpack_fp4(rec[f"{name}.codes"]))).abs()
-            diff = diff.reshape(diff.shape[0], -1)
-            mis, one = (diff != 0).sum(1), (diff == 1).sum(1)
-            tag = layer_tag(parse_name(f"{name}.codes")[0])
-            layer = by_layer.setdefault(tag, {"total": 0, "mismatched": 0, "one_apart": 0})
-            layer["total"] += diff.numel()
-            layer["mismatched"] += int(mis.sum())
-            layer["one_apart"] += int(one.sum())
-            for pos in range(diff.shape[0]):
-                key = "prompt" if pos < plen else _bucket_of(pos - plen)
-                b = by_bucket.setdefault(key, {"total": 0, "mismatched": 0, "one_apart": 0})
-                b["total"] += diff.shape[1]
-                b["mismatched"] += int(mis[pos])
-                b["one_apart"] += int(one[pos])
-    return {"by_layer": by_layer, "by_bucket": by_bucket}
+def _position_bucket(pos: int, prompt_len: int) -> str:
+    """A row's position bucket: the prompt, or its completion-position bucket (:data:`BUCKETS`)."""
+    return "prompt" if pos < prompt_len else _bucket_of(pos - prompt_len)
 
 
-def _rates(counts: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, float | None]]:
+def _rates(counts: Mapping[str, SiteMismatch]) -> dict[str, dict[str, float | None]]:
     return {
-        k: {"rate": code_mismatch_rate(c["mismatched"], c["total"]),
-            "adjacent_share": one_apart_share(c["one_apart"], c["mismatched"])}
+        k: {"rate": code_mismatch_rate(c.mismatched, c.total), "adjacent_share": one_apart_share(c.one_apart, c.mismatched)}
         for k, c in counts.items()
-    }  # fmt: skip
+    }
 
 
 def _merged_codes(out: TrainerOutput, qat: TrainerOutput, guided: frozenset[int]) -> list[dict[str, torch.Tensor]]:
@@ -335,11 +312,27 @@ def _arm_row(rollout: RolloutOutput, trainer: TrainerOutput, codes, reference, g
     if guided is not None:
         row["code_mismatch_guided"] = aggregate(stats, lambda layer, site: layer in guided)["rate"]
         row["guided_layers"] = sorted(guided)
-    diffs = _code_diffs(codes, reference, rollout.prompt_lens)
-    row["code_by_layer"] = _rates(diffs["by_layer"])
-    row["code_by_bucket"] = _rates(diffs["by_bucket"])
+    diffs = code_mismatch(codes, reference, by=("layer", "position"), prompt_lens=rollout.prompt_lens,
+                          position_key=_position_bucket)
+    row["code_by_layer"] = _rates(diffs["layer"])
+    row["code_by_bucket"] = _rates(diffs["position"])
     row["decode_failures"] = trainer.decode_failures
     return row
+
+
+def scaling_arms(n_layers: int) -> dict[str, Arm]:
+    """The arms of :data:`SCALING_ARMS` that roll out on their own, from the arm table: ``bf16``, then the
+    guided ones (``full`` first: the reference every FP4 arm's codes are compared with), each named by
+    its key. ``qat`` is measured on the ``full`` rollout (recording changes nothing an FP4 rollout
+    computes)."""
+    guided = sorted((k for k, m in SCALING_ARMS.items() if m not in (None, "bf16")), key=lambda k: k != _REFERENCE)
+    arms = {"bf16": make_arm("bf16", guidance="lsb", n_layers=n_layers)}
+    for key in guided:
+        arms[key] = dataclasses.replace(make_arm("trace", guidance=SCALING_ARMS[key], n_layers=n_layers), name=key)
+    return arms
+
+
+_REFERENCE = "full"  # the arm whose rollout records the full codes at every layer
 
 
 def measure_point(model, prompts: Sequence[torch.Tensor], sampling: SamplingParams, *,
@@ -347,55 +340,37 @@ def measure_point(model, prompts: Sequence[torch.Tensor], sampling: SamplingPara
     """Every arm of :data:`SCALING_ARMS` on one model and batch; JSON-ready. ``engine``: another rollout engine
     over the same weights (vLLM); None: ours."""
     n_layers, _ = model_layers(model)
-    every = frozenset(range(n_layers))
-    plan = PrecisionPlan()
-    signature = config_signature("scaling", model.config)
-
-    def roll(plan_, guidance=None) -> RolloutOutput:
-        if engine is not None:
-            return engine.generate(prompts, sampling, plan=plan_, guidance=guidance)
-        return generate(model, prompts, sampling, plan=plan_, guidance=guidance)
-
-    arms: dict[str, Any] = {}
     t0 = time.perf_counter()
-    bf16 = roll(None)
-    with torch.no_grad():
-        arms["bf16"] = _arm_row(bf16, forward_rollout(model, bf16, mode="bf16"), None, None, None, n_layers)
-    full_mode = GuidedMode.parse(SCALING_ARMS["full"])
-    ref = roll(plan, full_mode)
     with store_root(None, "tracefp4-scaling-") as root:
-        ref_records = store_records(root, 0, ref, signature)
-        with torch.no_grad():
-            qat = forward_logprobs(model, ref.token_ids, ref.prompt_lens, ref_records, mode="qat", plan=plan,
-                                   capture_codes=every)  # fmt: skip
-        arms["qat"] = _arm_row(ref, qat, qat.codes, ref_records, None, n_layers)
-        say(f"  bf16, qat: mean|dlogp| {arms['bf16']['mean_abs']:.4f}, {arms['qat']['mean_abs']:.4f}")
-        for step, (arm, mode) in enumerate(((a, m) for a, m in SCALING_ARMS.items() if a not in ("bf16", "qat")), start=1):
-            g = GuidedMode.parse(mode)
-            guided = g.layer_indices(n_layers)
-            if g == full_mode:
-                r, records = ref, ref_records
-            else:
-                r = roll(plan, g)
-                if not same_rollout(r, ref):
-                    raise RuntimeError(f"{arm}: the rollout sampled other tokens or routing than the full-code one")
-                records = store_records(root, step, r, signature)
-            with torch.no_grad():
-                out = forward_logprobs(model, r.token_ids, r.prompt_lens, records, mode="trace", plan=plan,
-                                       capture_codes=guided)  # fmt: skip
-            arms[arm] = _arm_row(r, out, _merged_codes(out, qat, guided), ref_records, guided, n_layers)
-            say(f"  {arm}: code mismatch {arms[arm]['code_mismatch']:.3%}, mean|dlogp| {arms[arm]['mean_abs']:.4f}")
+        runs = run_arms(model, prompts, sampling, scaling_arms(n_layers), root, config_signature("scaling", model.config),
+                        engine=engine)
+    ref = runs[_REFERENCE].rollout
+    with torch.no_grad():
+        qat = forward_logprobs(model, ref.token_ids, ref.prompt_lens, ref.records, mode="qat", plan=ref.plan,
+                               capture_codes=frozenset(range(n_layers)))  # fmt: skip
+    arms: dict[str, Any] = {"bf16": _arm_row(runs["bf16"].rollout, runs["bf16"].trainer, None, None, None, n_layers),
+                            "qat": _arm_row(ref, qat, qat.codes, ref.records, None, n_layers)}
+    say(f"  bf16, qat: mean|dlogp| {arms['bf16']['mean_abs']:.4f}, {arms['qat']['mean_abs']:.4f}")
+    for key, run in runs.items():
+        if key == "bf16":
+            continue
+        if not same_rollout(run.rollout, ref):
+            raise RuntimeError(f"{key}: the rollout sampled other tokens or routing than the full-code one")
+        guided = run.arm.diagnostics
+        arms[key] = _arm_row(run.rollout, run.trainer, _merged_codes(run.trainer, qat, guided), ref.records, guided,
+                             n_layers)
+        say(f"  {key}: code mismatch {arms[key]['code_mismatch']:.3%}, mean|dlogp| {arms[key]['mean_abs']:.4f}")
     return {"arms": arms, "buckets": _bucket_names(sampling.max_new_tokens), "seconds": time.perf_counter() - t0}
 
 
 # --- the grid -------------------------------------------------------------------------------------
 
 
-def _point_path(root: Path, p: Point, engine: str) -> Path:
-    return root / "points" / (p.name + ("" if engine == "home" else f"-{engine}") + ".json")
+def _point_path(root: Path, p: Point, engine: EngineKind) -> Path:
+    return root / "points" / (p.name + ("" if engine is EngineKind.HOME else f"-{engine.value}") + ".json")
 
 
-def _run_point(root: Path, p: Point, *, batch: int, seed: int, sft: Mapping[str, Any], engine: str,
+def _run_point(root: Path, p: Point, *, batch: int, seed: int, sft: Mapping[str, Any], engine: EngineKind,
                say: Callable[[str], None]) -> dict[str, Any]:
     if p.weights == "trained":
         model, state = _trained_model(root, p, sft, seed, say)
@@ -406,34 +381,37 @@ def _run_point(root: Path, p: Point, *, batch: int, seed: int, sft: Mapping[str,
     prompts = _prompts(p, batch, seed, model.config.vocab_size)
     sampling = SamplingParams(max_new_tokens=p.new_tokens, temperature=1.0, seed=seed)
     eng = None
-    if engine == "vllm":
-        from tracefp4.engines.vllm.engine import engine_for
-
-        eng = engine_for(model, None, max_len=max(len(x) for x in prompts) + p.new_tokens + 2, keep_bf16=True)
+    if engine is EngineKind.VLLM:
+        eng = make_engine(engine, model, max_len=max(len(x) for x in prompts) + p.new_tokens + 2, keep_bf16=True)
     try:
         result = measure_point(model, prompts, sampling, say=say, engine=eng)
     finally:
         if eng is not None and hasattr(eng, "close"):
             eng.close()
-    return {"point": dataclasses.asdict(p), "name": p.name, "engine": engine, "model": origin,
+    return {"point": dataclasses.asdict(p), "name": p.name, "engine": engine.value, "model": origin,
             "batch": batch, "seed": seed, **result}  # fmt: skip
 
 
 def run_scaling(root: str | Path, points: Sequence[Point], *, batch: int = 16, seed: int = 0,
-                sft: Mapping[str, Any] = SFT, engine: str = "home", force: bool = False,
+                sft: Mapping[str, Any] = SFT, engine: str | EngineKind = EngineKind.HOME, force: bool = False,
                 say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Measure every point not already in ``root/points`` (all of them with ``force``); return the
     report over every point found there (see the module docstring)."""
-    root = Path(root)
+    root, engine = Path(root), EngineKind.parse(engine)
     (root / "points").mkdir(parents=True, exist_ok=True)
     todo = [p for p in points if force or not _point_path(root, p, engine).exists()]
     say(f"{len(points) - len(todo)} of {len(points)} points already measured; {len(todo)} to go")
     for i, p in enumerate(todo):
-        say(f"[{i + 1}/{len(todo)}] {p.name} ({engine})")
+        say(f"[{i + 1}/{len(todo)}] {p.name} ({engine.value})")
         row = _run_point(root, p, batch=batch, seed=seed, sft=sft, engine=engine, say=say)
         atomic_write_json(_point_path(root, p, engine), row, sort_keys=False)
         say(f"[{i + 1}/{len(todo)}] {p.name}: {row['seconds']:.0f}s")
     return assemble(root)
+
+
+def _on_home(row: Mapping[str, Any]) -> bool:
+    """Whether a measured point ran on our engine (the fits and plots use those; vLLM's rows are a check)."""
+    return EngineKind.parse(row["engine"]) is EngineKind.HOME
 
 
 def assemble(root: str | Path) -> dict[str, Any]:
@@ -441,7 +419,7 @@ def assemble(root: str | Path) -> dict[str, Any]:
     rows = [json.loads(f.read_text()) for f in sorted(Path(root, "points").glob("*.json"))]
     rows.sort(key=lambda r: (r["engine"], r["point"]["weights"], r["point"]["layers"], r["point"]["hidden"],
                              r["point"]["new_tokens"]))  # fmt: skip
-    home = [r for r in rows if r["engine"] == "home"]
+    home = [r for r in rows if _on_home(r)]
     fits = {w: fit([r for r in home if r["point"]["weights"] == w]) for w in WEIGHTS}
     return {
         "grid": {"centre": CENTRE, "depths": list(DEPTHS), "widths": list(WIDTHS), "lengths": list(LENGTHS),
@@ -528,7 +506,7 @@ def _axis_rows(rep: Mapping[str, Any], weights: str) -> list[tuple[str, Mapping[
     out = []
     for r in rep["points"]:
         p = r["point"]
-        if r["engine"] != "home" or p["weights"] != weights:
+        if not _on_home(r) or p["weights"] != weights:
             continue
         on = [k for k in ("layers", "hidden", "new_tokens") if p[k] != c[k]]
         out.append(((on[0] if on else "centre"), r))
@@ -581,11 +559,15 @@ def plot_scaling(rep: Mapping[str, Any], path: str | Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-
-    colors = {arm: ARM_STYLE.get(arm, {}).get("color") for arm in SCALING_ARMS}
-    colors.update({"lsb@all": "tab:cyan", "ldpc@all": "tab:purple", "full": "tab:green"})
+    colors = {arm: ARM_STYLE[canonical_arm(arm)]["color"] for arm in SCALING_ARMS}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _plot_axes(rep, path, plt, colors)
+    return [path, *_plot_details(rep, path, plt, colors)]
+
+
+def _plot_axes(rep: Mapping[str, Any], path: Path, plt, colors: Mapping[str, str | None]) -> None:
+    """The three metrics against each axis of the star, one panel each."""
     c = rep["grid"]["centre"]
     axes_keys = (("layers", "layers"), ("hidden", "hidden size"), ("new_tokens", "completion tokens"))
     metrics = (("code_mismatch", "FP4 code mismatch (all sites)"), ("mean_abs", "mean |Δlogp|"),
@@ -594,7 +576,7 @@ def plot_scaling(rep: Mapping[str, Any], path: str | Path) -> list[Path]:
     for j, (axis, label) in enumerate(axes_keys):
         others = [k for k, _ in axes_keys if k != axis]
         for weights, ls in (("trained", "-"), ("random", "--")):
-            rows = [r for r in rep["points"] if r["engine"] == "home" and r["point"]["weights"] == weights
+            rows = [r for r in rep["points"] if _on_home(r) and r["point"]["weights"] == weights
                     and all(r["point"][k] == c[k] for k in others)]  # fmt: skip
             rows.sort(key=lambda r: r["point"][axis])
             for i, (key, title) in enumerate(metrics):
@@ -616,8 +598,13 @@ def plot_scaling(rep: Mapping[str, Any], path: str | Path) -> list[Path]:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    out = [path]
-    trained = [r for r in rep["points"] if r["engine"] == "home" and r["point"]["weights"] == "trained"]
+
+
+def _plot_details(rep: Mapping[str, Any], path: Path, plt, colors: Mapping[str, str | None]) -> list[Path]:
+    """Per-layer code mismatch of the deepest trained model, per-bucket |Δlogp| of the longest one."""
+    c = rep["grid"]["centre"]
+    out: list[Path] = []
+    trained = [r for r in rep["points"] if _on_home(r) and r["point"]["weights"] == "trained"]
     if trained:
         deepest = max(trained, key=lambda r: (r["point"]["layers"], -abs(r["point"]["new_tokens"] - c["new_tokens"])))
         longest = max(trained, key=lambda r: (r["point"]["new_tokens"], -abs(r["point"]["layers"] - c["layers"])))
@@ -670,7 +657,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--batch", type=int, default=16, help="prompts per point")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sft-steps", type=int, default=SFT["steps"], help="fine-tuning steps of a trained point's model")
-    p.add_argument("--engine", choices=("home", "vllm"), default="home", help="the rollout engine")
+    p.add_argument("--engine", choices=EngineKind.names(), default=EngineKind.HOME.value, help="the rollout engine")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=run_cli)
     return p

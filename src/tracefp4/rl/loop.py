@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from tracefp4.engines.factory import EngineKind
 from tracefp4.engines.model import from_config, load_model, model_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.faults import crash_point
@@ -247,12 +248,13 @@ class _ArmServices:
 def _arm_services(cfg: RLConfig, base: PreTrainedModel, task: Task, tok: Tokenizer) -> Iterator[_ArmServices]:
     services = _ArmServices()
     try:
-        if cfg.engine != "home":  # one engine for the run, given each arm's weights in turn
-            services.serving = engine.serving_engine(cfg.engine, base, max_len=_max_len(cfg, task, tok))
+        if cfg.engine_kind is not EngineKind.HOME:  # one engine for the run, given each arm's weights in turn
+            services.serving = engine.serving_engine(cfg.engine_kind, base, max_len=_max_len(cfg, task, tok))
         if cfg.rollout_workers > 0:  # the rollouts on engine actors (evaluation stays on this process's engine)
             from tracefp4.rl.workers import RolloutPool
 
-            services.pool = RolloutPool(base, cfg.rollout_workers, engine=cfg.engine, max_len=_max_len(cfg, task, tok))
+            services.pool = RolloutPool(base, cfg.rollout_workers, engine=cfg.engine_kind,
+                                        max_len=_max_len(cfg, task, tok), group_size=cfg.group_size)
         if cfg.trainer_world_size > 1:  # the update on N processes, started once, given each arm in turn
             from tracefp4.rl.distributed import TrainerGroup
 

@@ -25,6 +25,7 @@ from tracefp4.rl.config import RLConfig
 from tracefp4.rl.grpo import SEQUENCE_STATS, LossAgg, PolicyLoss, grpo_loss, pad_right
 from tracefp4.rl.optim import MasterWeightAdamW
 from tracefp4.rl.score_centering import score_centering_loss, trainer_scores
+from tracefp4.seeds import Stream, derive
 
 
 class Reducer:
@@ -81,7 +82,7 @@ def update(model: PreTrainedModel, opt: MasterWeightAdamW, arm: Arm, cfg: RLConf
 def minibatch_order(cfg: RLConfig, step: int, n: int) -> list[list[int]]:
     """The step's minibatches: ``updates_per_step`` chunks of one seeded permutation of the batch (the
     same on every process)."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + step))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(derive(cfg.seed, Stream.MINIBATCH, step)))
     return [mb.tolist() for mb in order.chunk(cfg.updates_per_step)]
 
 

@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from tracefp4.rl.config import RLConfig
 from tracefp4.rl.optim import MasterWeightAdamW
 from tracefp4.rl.tasks import Example, Task, Tokenizer
+from tracefp4.seeds import Stream, derive
 
 
 def encode_batch(tok: Tokenizer, examples: Sequence[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -35,7 +36,7 @@ def encode_batch(tok: Tokenizer, examples: Sequence[Example]) -> tuple[torch.Ten
 def warm_start(model: PreTrainedModel, task: Task, tok: Tokenizer, cfg: RLConfig, progress=None) -> list[float]:
     """``cfg.warm_start_steps`` steps of next-token loss on the task's answers; returns the losses."""
     opt = MasterWeightAdamW(model, lr=cfg.warm_start_lr, weight_decay=0.0, grad_clip=1.0)
-    rng = random.Random(cfg.seed + 7919)
+    rng = random.Random(derive(cfg.seed, Stream.WARM_START))
     losses = []
     model.train()
     for _ in range(cfg.warm_start_steps):

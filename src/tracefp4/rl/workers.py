@@ -1,7 +1,7 @@
 """Rollout engines in separate processes, as Ray actors.
 
 Each worker is a Ray actor holding its own copy of the model and its own rollout engine: ours
-(``engine = "home"``) or vLLM with the tracefp4 plugin (``engine = "vllm"``). Nothing crosses the
+(:attr:`EngineKind.HOME`) or vLLM with the tracefp4 plugin (:attr:`EngineKind.VLLM`). Nothing crosses the
 process boundary as a pickled Python object of ours: weights travel as safetensors bytes (pushed
 into the engine with ``load_weights`` every step), the model config as JSON, the sampled
 trajectories come back as a JSON string, and the records go through the guidance store, each
@@ -27,9 +27,12 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from transformers import AutoConfig, PreTrainedModel
 
+from tracefp4.engines.factory import EngineKind
+from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, StoreTarget
+from tracefp4.guidance.compact import GuidedMode
 from tracefp4.rl import engine
-from tracefp4.rl.arms import Arm
+from tracefp4.seeds import Stream, derive
 
 
 def _require_ray():
@@ -82,14 +85,14 @@ class _Worker:
     """The actor body (wrapped with ``ray.remote`` at pool construction, so importing this module
     does not need Ray)."""
 
-    def __init__(self, config_json: str, threads: int, engine_name: str = "home", max_len: int = 0):
+    def __init__(self, config_json: str, threads: int, engine_name: str = EngineKind.HOME.value, max_len: int = 0):
         from tracefp4.engines.model import from_config
 
         torch.set_num_threads(threads)
         cfg = json.loads(config_json)
         config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
         self.model = from_config(config, dtype=torch.bfloat16)
-        self.serving = engine.serving_engine(engine_name, self.model, max_len=max_len)
+        self.serving = engine.serving_engine(EngineKind.parse(engine_name), self.model, max_len=max_len)
         self.version = -1
 
     def load_weights(self, blob: bytes, version: int) -> int:
@@ -99,15 +102,17 @@ class _Worker:
 
     def rollout(self, job_json: str) -> str:
         job = json.loads(job_json)
-        if job["policy_version"] != self.version:
-            raise ValueError(f"worker holds policy version {self.version}, job wants {job['policy_version']}")
+        version = job["target"]["policy_version"]
+        if version != self.version:
+            raise ValueError(f"worker holds policy version {self.version}, job wants {version}")
         # diagnostics stay in the driver's process (they never cross it): none are kept here
-        arm = dataclasses.replace(Arm.from_dict(job["arm"]), diagnostics=frozenset())
-        target = StoreTarget(job["store_root"], job["step"], job["writer_id"], tuple(job["traj_ids"]),
-                             job["signature"], job["policy_version"])
+        plan = None if job["plan"] is None else PrecisionPlan(**job["plan"])
+        guidance = None if job["guidance"] is None else GuidedMode.parse(job["guidance"])
+        target = StoreTarget(**{**job["target"], "traj_ids": tuple(job["target"]["traj_ids"])})
         t0 = time.perf_counter()
         # this worker's writer: the records never reach the driver
-        out, _ = engine.rollout(self.serving, job["prompts"], SamplingParams(**job["sampling"]), arm, store=target)
+        out = self.serving.generate(job["prompts"], SamplingParams(**job["sampling"]), plan=plan, guidance=guidance,
+                                    store=target)
         t_write = out.timings.get("store_write_s", 0.0)
         t_gen = time.perf_counter() - t0 - t_write
         return json.dumps({
@@ -128,18 +133,21 @@ def _top(rows: list[list[float]], dtype: torch.dtype, k: int) -> torch.Tensor:
 
 
 class RolloutPool:
-    """``n`` Ray rollout workers with a copy of ``model`` each; :meth:`generate` splits a batch across
-    them (whole groups per worker) and returns the trajectories (records go to the store)."""
+    """``n`` Ray rollout workers with a copy of ``model`` each, serving as one rollout engine:
+    :meth:`generate` splits a batch across them (whole groups of ``group_size`` prompts per worker),
+    each worker writing its records to the store under its own writer (:meth:`writer_ids`), and
+    returns the trajectories without records."""
 
-    def __init__(self, model: PreTrainedModel, n: int, *, threads_per_worker: int = 1, engine: str = "home",
-                 max_len: int = 0):
+    def __init__(self, model: PreTrainedModel, n: int, *, threads_per_worker: int = 1,
+                 engine: EngineKind = EngineKind.HOME, max_len: int = 0, group_size: int = 1):
         ray = init_ray(n * threads_per_worker)
         cfg = model.config.to_dict()
         cfg.pop("_experts_implementation", None)
         actor = ray.remote(num_cpus=threads_per_worker, num_gpus=gpus_per_actor(ray))(_Worker)
         self._ray = ray
-        self.workers = [actor.remote(json.dumps(cfg, default=str), threads_per_worker, engine, max_len)
-                        for _ in range(n)]
+        self.workers = [actor.remote(json.dumps(cfg, default=str), threads_per_worker, EngineKind.parse(engine).value,
+                                     max_len) for _ in range(n)]
+        self.group_size = group_size
         self.version: int | None = None
 
     def sync_weights(self, model: PreTrainedModel, version: int) -> None:
@@ -150,51 +158,57 @@ class RolloutPool:
         self._ray.get([w.load_weights.remote(blob, version) for w in self.workers])
         self.version = version
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, group_size: int, arm: Arm,
-                 store_root: str, step: int, traj_ids: Sequence[str], signature: str
-                 ) -> tuple[RolloutOutput, list[str], dict[str, float]]:
-        """Roll out on ``arm``'s serving path (:func:`tracefp4.rl.engine.rollout` in each worker); the
-        records it stores are the engine's store-ready records. Returns (trajectories without
-        records, the writer ids to seal, worker timings)."""
-        groups = len(prompts) // group_size
-        per = [list(range(i * groups // len(self.workers), (i + 1) * groups // len(self.workers)))
-               for i in range(len(self.workers))]
-        futures, writers, slices = [], [], []
-        for i, (worker, gs) in enumerate(zip(self.workers, per)):
-            if not gs:
-                continue
-            lo, hi = gs[0] * group_size, (gs[-1] + 1) * group_size
+    def _slices(self, n_prompts: int) -> list[tuple[int, int, int]]:
+        """(worker, first prompt, end) of each worker given prompts: whole groups, in order."""
+        groups, n = n_prompts // self.group_size, len(self.workers)
+        spans = [(i, i * groups // n * self.group_size, (i + 1) * groups // n * self.group_size) for i in range(n)]
+        return [(i, lo, hi) for i, lo, hi in spans if hi > lo]
+
+    def writer_ids(self, target: StoreTarget) -> list[str]:
+        """The writers of the step :meth:`generate` wrote for ``target``: one per worker given prompts."""
+        return [f"w{i}" for i, _, _ in self._slices(len(target.traj_ids))]
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, plan: PrecisionPlan | None,
+                 guidance: GuidedMode | None, diagnostics: frozenset[int] = frozenset(),
+                 store: StoreTarget | None = None) -> RolloutOutput:
+        """Roll out on ``plan`` and ``guidance`` (the engine of each worker, whose
+        sampler seed is derived from ``sampling.seed`` and its index), the records into ``store`` (which
+        is required: they never reach this process). Diagnostics are not kept (they would have to cross
+        the process boundary). The rollout's timings are the slowest worker's."""
+        if store is None:
+            raise ValueError("RolloutPool.generate: a store target is required (the workers write the records)")
+        futures = []
+        for i, lo, hi in self._slices(len(prompts)):
             job = {
                 "prompts": [list(map(int, p)) for p in prompts[lo:hi]],
-                "sampling": {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-                             "top_p": sampling.top_p, "stop_token_ids": list(sampling.stop_token_ids),
-                             "seed": sampling.seed * 1009 + i, "top_logprobs": sampling.top_logprobs},
-                "arm": arm.to_dict(), "store_root": str(store_root), "step": step, "writer_id": f"w{i}",
-                "traj_ids": list(traj_ids[lo:hi]), "signature": signature, "policy_version": self.version,
+                "sampling": {**dataclasses.asdict(sampling), "seed": derive(sampling.seed, Stream.WORKER, i)},
+                "plan": None if plan is None else plan.to_dict(),
+                "guidance": None if guidance is None else guidance.name,
+                "target": {**dataclasses.asdict(store), "writer_id": f"w{i}", "traj_ids": list(store.traj_ids[lo:hi]),
+                           "policy_version": self.version},
             }
-            futures.append(worker.rollout.remote(json.dumps(job)))
-            writers.append(f"w{i}")
-            slices.append((lo, hi))
-        results = [json.loads(r) for r in self._ray.get(futures)]
-        out = RolloutOutput(
-            token_ids=[torch.tensor(t) for r in results for t in r["token_ids"]],
-            prompt_lens=[p for r in results for p in r["prompt_lens"]],
-            logprobs=[torch.tensor(lp, dtype=torch.float32) for r in results for lp in r["logprobs"]],
-            finish_reasons=[f for r in results for f in r["finish_reasons"]],
-            records=[],
-            diagnostics=[],
-            plan=arm.plan,
-            guidance=arm.guidance,
-            top_ids=[_top(t, torch.long, sampling.top_logprobs) for r in results for t in r["top_ids"]],
-            top_logprobs=[_top(t, torch.float32, sampling.top_logprobs) for r in results for t in r["top_logprobs"]],
-        )
-        timings = {
-            "time/rollout_s": max(r["time_generate_s"] for r in results),
-            "time/store_write_s": max(r["time_store_write_s"] for r in results),
-        }
-        return out, writers, timings
+            futures.append(self.workers[i].rollout.remote(json.dumps(job)))
+        return _merged([json.loads(r) for r in self._ray.get(futures)], plan, guidance, sampling.top_logprobs)
 
     def shutdown(self) -> None:
         for w in self.workers:
             self._ray.kill(w)
         self.workers = []
+
+
+def _merged(results: list[dict], plan: PrecisionPlan | None, guidance: GuidedMode | None, k: int) -> RolloutOutput:
+    """The workers' JSON results as one rollout, in prompt order (records and diagnostics stayed behind)."""
+    return RolloutOutput(
+        token_ids=[torch.tensor(t) for r in results for t in r["token_ids"]],
+        prompt_lens=[p for r in results for p in r["prompt_lens"]],
+        logprobs=[torch.tensor(lp, dtype=torch.float32) for r in results for lp in r["logprobs"]],
+        finish_reasons=[f for r in results for f in r["finish_reasons"]],
+        records=[],
+        diagnostics=[],
+        plan=plan,
+        guidance=guidance,
+        top_ids=[_top(t, torch.long, k) for r in results for t in r["top_ids"]],
+        top_logprobs=[_top(t, torch.float32, k) for r in results for t in r["top_logprobs"]],
+        timings={"generate_s": max(r["time_generate_s"] for r in results),
+                 "store_write_s": max(r["time_store_write_s"] for r in results)},
+    )

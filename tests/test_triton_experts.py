@@ -37,7 +37,7 @@ import triton.language as tl  # noqa: E402
 from test_fp4_gemm import COUNTS, bound, offsets_of, packed  # noqa: E402
 from tracefp4.engines.capture import RolloutCapture  # noqa: E402
 from tracefp4.engines.device_sites import NON_FINITE, StepChecks, site_values  # noqa: E402
-from tracefp4.engines.experts import Routing, choose_gemm, gemm_named, routed_experts  # noqa: E402
+from tracefp4.engines.experts import Routing, gemm_named, routed_experts  # noqa: E402
 from tracefp4.engines.experts.base import SILU_GATE  # noqa: E402
 from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
 from tracefp4.engines.sites import ForwardState  # noqa: E402
@@ -193,14 +193,6 @@ def test_empty_routing_and_bad_operands():
         gemm.from_parameters({"weight": codes}, Format.NVFP4)
     with pytest.raises(ValueError, match="without gradients"):
         gemm.prepare(torch.zeros(2, 32, 64), NVFP4Quantizer("expert"), gradients=True)
-
-
-def test_the_oracle_picks_triton_fp4_for_fp4_rollouts_on_cuda():
-    plan = PrecisionPlan()
-    assert choose_gemm(plan, "cuda", torch.bfloat16, gradients=False).name == "triton_fp4"
-    assert choose_gemm(plan, "cuda", torch.bfloat16, gradients=True).name == "dense"  # the trainer's QAT
-    assert choose_gemm(None, "cuda", torch.bfloat16, gradients=False).name == "dense"  # BF16
-    assert choose_gemm(plan, "cpu", torch.bfloat16, gradients=False).name in ("cpu_fp4", "dense")
 
 
 @in_process

@@ -314,6 +314,7 @@ def test_a_decode_layer_on_the_device_path_reads_nothing_back():
 
 
 @in_process
+@pytest.mark.slow  # ~15 s on 2 cores: MXFP4 through the interpreter and the numba kernels' first compile
 def test_the_device_path_equals_the_dense_backend_on_exact_sums():
     """routed_experts through triton_fp4 and through dense (same sites, same weights): both GEMMs are
     ``bf16(fl32(x @ w.T) / S_enc)``; on dyadic data where every sum is exact they agree bit for bit."""

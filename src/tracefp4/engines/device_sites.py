@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from tracefp4.formats.constants import MXFP4_BLOCK, NVFP4_BLOCK, Format, ScaleMode
-from tracefp4.formats.numerics import MXFP4, NVFP4, as_rows, backend, check_input, nvfp4_global_encode_scale
+from tracefp4.formats.constants import FLOAT32_MAX, MXFP4_BLOCK, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR, Format, ScaleMode
+from tracefp4.formats.numerics import MXFP4, NVFP4, as_rows, backend, check_input
 from tracefp4.formats.quantizers import MXFP4Quantizer, NVFP4Quantizer, Quantizer
 
 __all__ = ["NON_FINITE", "StepChecks", "deferrable", "site_values"]
@@ -69,6 +69,16 @@ def deferrable(quantizer: Quantizer, x: torch.Tensor) -> bool:
     return isinstance(quantizer, MXFP4Quantizer)
 
 
+def _s_enc(amax: torch.Tensor) -> torch.Tensor:
+    """``S_enc = 448*6/amax`` capped at FLT_MAX, 1 for amax 0, in float32 on amax's device: the recipe of
+    :func:`tracefp4.formats.numerics.nvfp4_global_encode_scale`, with its constants filled on the
+    device instead of copied from the host (a host-to-device copy synchronises and cannot be captured
+    in a CUDA graph). ``full_like / amax`` is IEEE division (``scalar / tensor`` would be a reciprocal
+    times the scalar, off by an ulp); the site tests hold the two recipes equal bit for bit."""
+    s = torch.clamp(torch.full_like(amax, NVFP4_GLOBAL_NUMERATOR) / amax, max=FLOAT32_MAX)
+    return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
+
+
 def _nvfp4(tk, rows: torch.Tensor, per_row: bool, lead: torch.Size):
     """(NVFP4 container, float32 values, bad [R]) of rows, as numerics' Triton path computes them."""
     n, k = rows.shape
@@ -79,7 +89,7 @@ def _nvfp4(tk, rows: torch.Tensor, per_row: bool, lead: torch.Size):
         amax = by_row.amax() if n else torch.zeros((), dtype=torch.float32, device=rows.device)
         by_row = amax.expand(n).contiguous()
     codes, scales, bad = tk.quantize_nvfp4(rows, by_row)
-    values = tk.dequantize(codes, scales, Format.NVFP4.value, nvfp4_global_encode_scale(by_row), NVFP4_BLOCK)
+    values = tk.dequantize(codes, scales, Format.NVFP4.value, _s_enc(by_row), NVFP4_BLOCK)
     q = NVFP4(codes=codes.reshape(*lead, k // 2),
               scales=scales.view(torch.float8_e4m3fn).reshape(*lead, k // NVFP4_BLOCK), global_amax=amax)
     return q, values, bad

@@ -66,13 +66,13 @@ def _expert_of_program(block_ends_ptr, E, E_POW2: tl.constexpr):
 
 @triton.jit
 def _bf16_rne(v):
-    """float32 -> bf16 bit patterns (uint16), round to nearest even, every NaN as 0x7FC0 (the CPU
+    """float32 -> bf16 bit patterns (int16), round to nearest even, every NaN as 0x7FC0 (the CPU
     backend's NaN; a GPU's NaN sign and payload are arbitrary): by integer arithmetic, because
     Triton's interpreter truncates where a GPU rounds, and the same bits must come out of both."""
     bits = v.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    return tl.where(nan, 0x7FC0, rounded).to(tl.uint16)
+    return tl.where(nan, 0x7FC0, rounded).to(tl.uint16).to(tl.int16, bitcast=True)  # the output's view
 
 
 @triton.jit

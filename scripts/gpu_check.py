@@ -252,8 +252,6 @@ def format_report(correct: list[dict], bw: dict | None) -> str:
 
 def check_vllm(workdir: str, batch: int = 16, new_tokens: int = 32, device: str = "cuda") -> dict:
     """The plugin on CUDA (see the module docstring); ``{"ok": bool, ...figures}``."""
-    import tempfile
-
     from transformers import AutoModelForCausalLM
 
     from tracefp4.engines.model import load_model, tiny_config

@@ -34,13 +34,17 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 
 import triton.language as tl  # noqa: E402
 
-from test_fp4_gemm import COUNTS, bound, offsets_of, packed  # noqa: E402
+from test_fp4_gemm import COUNTS, bound, packed  # noqa: E402
 from tracefp4.engines.capture import RolloutCapture  # noqa: E402
 from tracefp4.engines.device_sites import NON_FINITE, StepChecks, site_values  # noqa: E402
 from tracefp4.engines.experts import Routing, gemm_named, routed_experts  # noqa: E402
 from tracefp4.engines.experts.base import SILU_GATE  # noqa: E402
+from tracefp4.engines.model import from_config, tiny_config  # noqa: E402
 from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
+from tracefp4.engines.protocol import SamplingParams  # noqa: E402
+from tracefp4.engines.rollout import generate  # noqa: E402
 from tracefp4.engines.sites import ForwardState  # noqa: E402
+from tracefp4.engines.trainer import code_mismatch, forward_rollout  # noqa: E402
 from tracefp4.formats import cgemm, numerics  # noqa: E402
 from tracefp4.formats import reference as ref  # noqa: E402
 from tracefp4.formats.constants import Format  # noqa: E402
@@ -385,3 +389,25 @@ def test_a_decode_layer_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured.view(torch.int16), eager.view(torch.int16))
+
+
+@in_process
+@pytest.mark.slow  # ~60 s on 2 cores: a whole rollout through Triton's interpreter
+def test_a_rollout_on_the_triton_path_is_reproduced_by_the_trainer(monkeypatch):
+    """Our engine's rollout as it runs on CUDA (triton_fp4 experts; expert, K and V sites on the
+    Triton kernels with their checks deferred), on CPU tensors under the interpreter; the trainer on
+    the CPU kernels, guided by its full records, picks every code the rollout picked."""
+    cfg = tiny_config(layers=2, experts=4, top_k=2, hidden=64, moe_intermediate=32, heads=2, kv_heads=1, head_dim=32,
+                      vocab=64, init_std=0.05, max_positions=64)
+    model = from_config(cfg, seed=0)
+    monkeypatch.setenv("TRACEFP4_EXPERTS_BACKEND", "triton_fp4")
+    with triton_path():
+        out = generate(model, [[1, 2, 3, 4, 5], [7, 8, 9]], SamplingParams(max_new_tokens=3, seed=1), plan=PrecisionPlan(),
+                       guidance=GuidedMode.parse("full@all"), diagnostics=frozenset({0, 1}))
+    monkeypatch.delenv("TRACEFP4_EXPERTS_BACKEND")
+    with torch.no_grad():
+        trainer = forward_rollout(model, out, mode="trace", capture_codes=frozenset({0, 1}))
+    stats = code_mismatch(trainer.codes, out.diagnostics)
+    assert {s.removeprefix(layer_tag(0) + ".") for s in stats if s.startswith(layer_tag(0))} == {"k", "v", "expert_in",
+                                                                                                "expert_mid"}
+    assert all(s.total > 0 and s.mismatched == 0 for s in stats.values()), stats

@@ -177,6 +177,27 @@ def test_output_rounding_edge_cases_and_subnormal_scales():
 
 
 @in_process
+@pytest.mark.parametrize("counts", sorted(TRITON_COUNTS))
+@pytest.mark.parametrize("per_token", [True, False])
+def test_bf16_weights_equal_the_dense_backend_on_exact_sums(counts, per_token):
+    """triton_bf16 (the kernel over bf16 weights, the BF16 rollout on CUDA) against the dense backend's
+    bf16 F.linear: ``bf16(fl32(x @ w.T))`` both, bit for bit where the sums are exact."""
+    g = torch.Generator().manual_seed(7)
+    e, n, k = 8, 80, 96
+    w = (torch.randint(-8, 9, (e, n, k), generator=g).to(torch.float32) / 8).to(torch.bfloat16)
+    ids = ids_for(TRITON_COUNTS[counts], 2, seed=1)
+    x = (torch.randint(-8, 9, (ids.shape[0] if per_token else ids.numel(), k), generator=g).float() / 4).to(torch.bfloat16)
+    fast, dense = gemm_named("triton_bf16"), gemm_named("dense")
+    got = fast.matmul(x.to(DEVICE), fast.prepare(w.to(DEVICE), None), Routing(ids.to(DEVICE), e), per_token=per_token)
+    want = dense.matmul(x, dense.prepare(w, None), Routing(ids, e), per_token=per_token)
+    assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
+    with pytest.raises(ValueError, match="without gradients"):
+        fast.prepare(w, NVFP4Quantizer("expert"))
+    back = fast.from_parameters(fast.to_parameters(fast.prepare(w, None)).tensors, None)
+    assert back.values is not None and torch.equal(back.values, w)
+
+
+@in_process
 def test_empty_routing_and_bad_operands():
     gemm = gemm_named("triton_fp4")
     codes, scales, divisor = dyadic_weights(4, 32, 64, "nvfp4", torch.Generator().manual_seed(0))

@@ -18,6 +18,11 @@ backend's C passes equal bit for bit.
 It runs FP4 rollouts (an FP4 weight quantizer, no gradients) on CUDA with bf16 activations where
 triton is installed. Held as parameters: ``weight`` (the codes), ``weight_scale`` (the scale bytes)
 and ``divisor``; the spec is the :class:`~tracefp4.formats.constants.Format`.
+
+:class:`TritonBF16GEMM` (``triton_bf16``) is the same kernel over the bf16 weights themselves, for
+BF16 rollouts on CUDA: no host synchronisation either (the dense backend's per-expert matmuls read the
+counts back), and the baseline an FP4 rollout's speed is measured against on a GPU. Held as the
+dense backend holds a BF16 weight (``weight``, spec None).
 """
 
 from __future__ import annotations
@@ -29,12 +34,12 @@ from collections.abc import Hashable, Mapping
 import torch
 
 from tracefp4.engines.experts.base import ExpertGEMM, Routing, WeightParameters, check_parameter_names
-from tracefp4.engines.experts.dense import expert_divisor
+from tracefp4.engines.experts.dense import DenseWeight, expert_divisor
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.formats.constants import Format
 from tracefp4.formats.quantizers import Quantizer
 
-__all__ = ["TritonFP4GEMM", "TritonWeight"]
+__all__ = ["TritonBF16GEMM", "TritonFP4GEMM", "TritonWeight"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +62,18 @@ class TritonWeight:
         return self.codes.nbytes + self.scales.nbytes + self.divisor.nbytes
 
 
+def _triton_rollout(device: torch.device | str, dtype: torch.dtype, gradients: bool) -> bool:
+    """A forward without gradients on CUDA with bf16 activations, where triton is installed."""
+    return (not gradients and torch.device(device).type == "cuda" and dtype == torch.bfloat16
+            and importlib.util.find_spec("triton") is not None)  # found without importing it
+
+
 class TritonFP4GEMM(ExpertGEMM):
     name = "triton_fp4"
 
     def supports(self, plan: PrecisionPlan | None, device: torch.device | str, dtype: torch.dtype, *,
                  gradients: bool = False) -> bool:
-        return (plan is not None and not gradients and plan.weight_quantizer.fp4
-                and torch.device(device).type == "cuda" and dtype == torch.bfloat16
-                and importlib.util.find_spec("triton") is not None)  # found without importing it
+        return plan is not None and plan.weight_quantizer.fp4 and _triton_rollout(device, dtype, gradients)
 
     def to_parameters(self, weight: TritonWeight) -> WeightParameters:
         return WeightParameters({"weight": weight.codes, "weight_scale": weight.scales, "divisor": weight.divisor},
@@ -96,3 +105,32 @@ class TritonFP4GEMM(ExpertGEMM):
         order, offsets, _ = routing.grouped
         return routed_fp4_gemm(x, order, offsets, weight.codes, weight.scales, weight.divisor, weight.fmt,
                                fanout=routing.top_k if per_token else 1)
+
+
+class TritonBF16GEMM(ExpertGEMM):
+    name = "triton_bf16"
+
+    def supports(self, plan: PrecisionPlan | None, device: torch.device | str, dtype: torch.dtype, *,
+                 gradients: bool = False) -> bool:
+        return plan is None and _triton_rollout(device, dtype, gradients)
+
+    def to_parameters(self, weight: DenseWeight) -> WeightParameters:
+        return WeightParameters({"weight": weight.values})
+
+    def from_parameters(self, tensors: Mapping[str, torch.Tensor], spec: Hashable) -> DenseWeight:
+        check_parameter_names(self.name, tensors, ("weight",))
+        if spec is not None:
+            raise ValueError(f"the triton_bf16 expert GEMM's parameters say all there is (spec None), got {spec!r}")
+        return DenseWeight(tensors["weight"])
+
+    def prepare(self, weight, quantizer: Quantizer | None, *, gradients: bool = False, copy: bool = False
+                ) -> DenseWeight:
+        if quantizer is not None or gradients:
+            raise ValueError("the Triton BF16 backend multiplies the bf16 weights as they are, without gradients")
+        return DenseWeight(weight.detach().clone() if copy else weight.detach())
+
+    def matmul(self, x: torch.Tensor, weight: DenseWeight, routing: Routing, *, per_token: bool) -> torch.Tensor:
+        from tracefp4.engines.experts.triton_gemm import routed_bf16_gemm  # imports triton: only here
+
+        order, offsets, _ = routing.grouped
+        return routed_bf16_gemm(x, order, offsets, weight.values, fanout=routing.top_k if per_token else 1)

@@ -1,5 +1,7 @@
-"""The Triton routed FP4 GEMM: packed E2M1 codes and E4M3/E8M0 block scales decoded to bf16 in
-registers, ``tl.dot`` with float32 accumulation, the expert's float32 divisor after the sum, then bf16.
+"""The Triton routed GEMM: packed E2M1 codes and E4M3/E8M0 block scales decoded to bf16 in
+registers, ``tl.dot`` with float32 accumulation, the expert's float32 divisor after the sum, then bf16
+(:func:`routed_fp4_gemm`); the same kernel over bf16 weights with no divisor is the BF16 rollout's
+GEMM (:func:`routed_bf16_gemm`), so the two are compared on one kernel.
 
 Imported only where the Triton backend runs (CUDA, or Triton's interpreter on the CPU in the tests),
 so the CPU paths never import triton.
@@ -38,7 +40,7 @@ import triton.language as tl
 
 from tracefp4.formats.constants import E2M1_VALUES, E4M3_VALUES, E8M0_VALUES, Format
 
-__all__ = ["BLOCK_M", "interpreting", "routed_fp4_gemm"]
+__all__ = ["BLOCK_M", "interpreting", "routed_bf16_gemm", "routed_fp4_gemm"]
 
 #: Rows per program: decode steps route a few rows to each expert, and 16 is tl.dot's smallest tile.
 BLOCK_M = 16
@@ -49,7 +51,7 @@ _EXACT = dict(enable_fp_fusion=False)  # nothing multiplies into an addition out
 
 def interpreting() -> bool:
     """True when the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1`` at import)."""
-    return type(_routed_fp4_kernel).__name__ == "InterpretedFunction"
+    return type(_routed_kernel).__name__ == "InterpretedFunction"
 
 
 @triton.jit
@@ -102,10 +104,11 @@ def _weight_tile(codes_ptr, scales_ptr, e2m1_ptr, scale_values_ptr, e, n, k0, N,
 
 
 @triton.jit
-def _routed_fp4_kernel(x_ptr, order_ptr, offsets_ptr, block_ends_ptr, codes_ptr, scales_ptr, e2m1_ptr,
-                       scale_values_ptr, div_ptr, out_ptr, N, K, E, FANOUT,
-                       FMT_BLOCK: tl.constexpr, E_POW2: tl.constexpr, WIDE_DOT: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _routed_kernel(x_ptr, order_ptr, offsets_ptr, block_ends_ptr, codes_ptr, scales_ptr, e2m1_ptr,
+                   scale_values_ptr, div_ptr, out_ptr, N, K, E, FANOUT,
+                   DENSE: tl.constexpr, FMT_BLOCK: tl.constexpr, E_POW2: tl.constexpr, WIDE_DOT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """DENSE: ``codes_ptr`` is a bf16 ``[E, N, K]`` weight (the scale pointers unused); else packed FP4."""
     e, local = _expert_of_program(block_ends_ptr, E, E_POW2)
     if e >= E:
         return  # a spare row block of the shape-sized grid
@@ -118,12 +121,20 @@ def _routed_fp4_kernel(x_ptr, order_ptr, offsets_ptr, block_ends_ptr, codes_ptr,
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + src[:, None] * K + k[None, :], mask=rmask[:, None] & (k < K)[None, :], other=0.0)
-        w = _weight_tile(codes_ptr, scales_ptr, e2m1_ptr, scale_values_ptr, e, n, k0, N, K,
-                         FMT_BLOCK, BLOCK_N, BLOCK_K)
+        if DENSE:
+            w = tl.load(codes_ptr + (e * N + n[:, None]).to(tl.int64) * K + k[None, :],
+                        mask=(n < N)[:, None] & (k < K)[None, :], other=0.0)
+            if WIDE_DOT:
+                w = _widen_bf16(w)
+        else:
+            w = _weight_tile(codes_ptr, scales_ptr, e2m1_ptr, scale_values_ptr, e, n, k0, N, K,
+                             FMT_BLOCK, BLOCK_N, BLOCK_K)
+            if not WIDE_DOT:
+                w = w.to(tl.bfloat16)  # exact
         if WIDE_DOT:  # the interpreter: exact float32 operands, products exact as in bf16 x bf16
             acc = tl.dot(_widen_bf16(a), tl.trans(w), acc, input_precision="ieee", out_dtype=tl.float32)
         else:  # the device: bf16 tensor cores, float32 accumulation
-            acc = tl.dot(a, tl.trans(w.to(tl.bfloat16)), acc, out_dtype=tl.float32)
+            acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.float32)
     out = tl.div_rn(acc, tl.full((BLOCK_M, BLOCK_N), 1.0, tl.float32) * tl.load(div_ptr + e))
     tl.store(out_ptr + pair.to(tl.int64)[:, None] * N + n[None, :], _bf16_rne(out),
              mask=rmask[:, None] & (n < N)[None, :])
@@ -137,11 +148,15 @@ def _tables(fmt: Format, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(e2m1).to(device), torch.from_numpy(np.asarray(scales, dtype=np.float32)).to(device)
 
 
-def _check(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, divisor: torch.Tensor, block: int) -> None:
-    on = {t.device for t in (x, codes, scales, divisor)}
-    if len(on) != 1 or not (x.is_cuda or (interpreting() and x.device.type == "cpu")):
-        raise ValueError(f"routed_fp4_gemm: operands on {sorted(map(str, on))}; expected one CUDA device "
+def _check_device(what: str, *tensors: torch.Tensor) -> None:
+    on = {t.device for t in tensors}
+    if len(on) != 1 or not (tensors[0].is_cuda or (interpreting() and tensors[0].device.type == "cpu")):
+        raise ValueError(f"{what}: operands on {sorted(map(str, on))}; expected one CUDA device "
                          "(CPU tensors only under TRITON_INTERPRET=1)")
+
+
+def _check(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, divisor: torch.Tensor, block: int) -> None:
+    _check_device("routed_fp4_gemm", x, codes, scales, divisor)
     if x.dtype != torch.bfloat16 or codes.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"routed_fp4_gemm: expected bf16 x and uint8 codes and scales, got {x.dtype}, "
                          f"{codes.dtype}, {scales.dtype}")
@@ -153,6 +168,26 @@ def _check(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, divisor: 
                          f"weight in blocks of {block}")
 
 
+def _launch(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, n: int, operands: tuple, *,
+            fanout: int, dense: bool, block: int) -> torch.Tensor:
+    """bf16 ``[P, N]``: the kernel over ``operands`` (weight, scales, E2M1 table, scale table, divisor)."""
+    e = offsets.numel() - 1
+    pairs = order.numel()
+    out = torch.empty(pairs, n, dtype=torch.bfloat16, device=x.device)
+    if pairs == 0 or n == 0:
+        return out
+    counts = offsets[1:] - offsets[:-1]
+    block_ends = torch.cumsum(torch.div(counts + (BLOCK_M - 1), BLOCK_M, rounding_mode="floor"), 0)
+    grid = (triton.cdiv(pairs, BLOCK_M) + e, triton.cdiv(n, _BLOCK_N))
+    _routed_kernel[grid](
+        x.contiguous(), order, offsets, block_ends.to(torch.int32), *operands,
+        out.view(torch.int16), n, x.shape[-1], e, fanout,  # the kernel writes bf16 bit patterns (_bf16_rne)
+        DENSE=dense, FMT_BLOCK=block, E_POW2=triton.next_power_of_2(e), WIDE_DOT=interpreting(), BLOCK_M=BLOCK_M,
+        BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, **_EXACT,
+    )
+    return out
+
+
 def routed_fp4_gemm(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor,
                     scales: torch.Tensor, divisor: torch.Tensor, fmt: Format, *, fanout: int) -> torch.Tensor:
     """bf16 ``[P, N]`` in pair order: pair p's row of ``x`` (row ``p // fanout``) times expert e's
@@ -160,22 +195,20 @@ def routed_fp4_gemm(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
     ``offsets`` (int64 ``[E + 1]``) group the pairs. No host synchronisation: the grid comes from the
     shapes (see the module docstring)."""
     fmt = Format(fmt)
-    block = fmt.block
-    _check(x, codes, scales, divisor, block)
-    e, n, half = codes.shape
-    pairs = order.numel()
-    out = torch.empty(pairs, n, dtype=torch.bfloat16, device=x.device)
-    if pairs == 0 or n == 0:
-        return out
-    bits = out.view(torch.int16)  # the kernel writes bf16 bit patterns (see _bf16_rne)
-    counts = offsets[1:] - offsets[:-1]
-    block_ends = torch.cumsum(torch.div(counts + (BLOCK_M - 1), BLOCK_M, rounding_mode="floor"), 0)
+    _check(x, codes, scales, divisor, fmt.block)
     e2m1, scale_values = _tables(fmt, str(x.device))
-    grid = (triton.cdiv(pairs, BLOCK_M) + e, triton.cdiv(n, _BLOCK_N))
-    _routed_fp4_kernel[grid](
-        x.contiguous(), order, offsets, block_ends.to(torch.int32), codes.contiguous(), scales.contiguous(), e2m1,
-        scale_values, divisor.to(torch.float32).contiguous(), bits, n, 2 * half, e, fanout,
-        FMT_BLOCK=block, E_POW2=triton.next_power_of_2(e), WIDE_DOT=interpreting(), BLOCK_M=BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
-        **_EXACT,
-    )
-    return out
+    operands = (codes.contiguous(), scales.contiguous(), e2m1, scale_values, divisor.to(torch.float32).contiguous())
+    return _launch(x, order, offsets, codes.shape[1], operands, fanout=fanout, dense=False, block=fmt.block)
+
+
+def routed_bf16_gemm(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor, *,
+                     fanout: int) -> torch.Tensor:
+    """:func:`routed_fp4_gemm` over bf16 weights ``[E, N, K]``: ``bf16(fl32(x @ w[e].T))``, what a bf16
+    ``F.linear`` computes up to the order of the float32 additions."""
+    _check_device("routed_bf16_gemm", x, weight)
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or weight.dim() != 3 or x.shape[-1] != weight.shape[2]:
+        raise ValueError(f"routed_bf16_gemm: expected bf16 x [.., K] and weights [E, N, K], got x {x.dtype} "
+                         f"{tuple(x.shape)}, weights {weight.dtype} {tuple(weight.shape)}")
+    w = weight.contiguous()
+    ones = torch.ones(weight.shape[0], dtype=torch.float32, device=x.device)  # x / 1 == x: no divisor
+    return _launch(x, order, offsets, weight.shape[1], (w, w, w, w, ones), fanout=fanout, dense=True, block=16)

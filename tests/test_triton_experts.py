@@ -311,20 +311,28 @@ def moe_layer(seed: int = 0, e: int = 8, hidden: int = 64, inter: int = 32, toke
     return x, ids, weights, gate_up, down
 
 
-def decode_layer(gemm_name: str, device: str):
-    """A rollout's routed-experts layer (sites recorded with full guidance) on ``device``: (state, run)."""
-    plan = PrecisionPlan()
+def decode_layer(gemm_name: str, device: str, plan: PrecisionPlan | None = PrecisionPlan()):
+    """A rollout's routed-experts layer (an FP4 plan's sites recorded with full guidance; ``plan`` None:
+    BF16) on ``device``: (state, run)."""
     x, ids, weights, gate_up, down = (t.to(device) for t in moe_layer())
     gemm = gemm_named(gemm_name)
-    prepared = [gemm.prepare(w, plan.weight_quantizer) for w in (gate_up, down)]
-    state = ForwardState(plan, RolloutCapture.of(GuidedMode.parse("full@all"), frozenset({0}), 1))
+    prepared = [gemm.prepare(w, None if plan is None else plan.weight_quantizer) for w in (gate_up, down)]
+    guidance = None if plan is None else GuidedMode.parse("full@all")
+    state = ForwardState(plan, RolloutCapture.of(guidance, frozenset() if plan is None else frozenset({0}), 1))
     return state, lambda: routed_experts(state, 0, x, ids, weights, *prepared, gemm, SILU_GATE)
 
 
 @in_process
 def test_a_decode_layer_on_the_device_path_reads_nothing_back():
     """The rollout's routed-experts layer on the Triton path (sites, routing, both GEMMs, gate,
-    combine) reads no tensor back to the host; the same layer on the CPU path does (the counter works)."""
+    combine) reads no tensor back to the host, FP4 and BF16; the same layer on the CPU path does
+    (the counter works)."""
+    _, run_bf16 = decode_layer("triton_bf16", DEVICE, plan=None)
+    with triton_path():
+        run_bf16()
+        with HostReads() as reads:
+            run_bf16()
+    assert reads.calls == []
     state, run = decode_layer("triton_fp4", DEVICE)
     with triton_path():
         run()  # first call: the flags are created, kernels compiled
@@ -381,8 +389,9 @@ def test_an_out_of_range_expert_index_is_flagged_on_the_device_path():
 
 @needs_cuda
 @pytest.mark.cuda
-def test_a_decode_layer_issues_no_cuda_sync():
-    state, run = decode_layer("triton_fp4", "cuda")
+@pytest.mark.parametrize("gemm", ["triton_fp4", "triton_bf16"])
+def test_a_decode_layer_issues_no_cuda_sync(gemm):
+    state, run = decode_layer(gemm, "cuda", PrecisionPlan() if gemm == "triton_fp4" else None)
     run()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

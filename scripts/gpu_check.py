@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """The device check: everything of ours that needs a GPU, in one command with its own timeouts
-(about 5 minutes on one H100; every step is capped and the whole run stops by ``--budget``), writing
+(sized for under 8 minutes on one H100/H200, not yet timed on one: every step is capped and the
+whole run stops by ``--budget``, 450 s by default), writing
 one JSON of figures (``--json``).
 
 Steps, each in a process of its own (a step that hangs or crashes is reported and the next runs):

@@ -200,18 +200,19 @@ def test_bf16_weights_equal_the_dense_backend_on_exact_sums(counts, per_token):
 @in_process
 def test_empty_routing_and_bad_operands():
     gemm = gemm_named("triton_fp4")
-    codes, scales, divisor = dyadic_weights(4, 32, 64, "nvfp4", torch.Generator().manual_seed(0))
+    codes, scales, divisor = (t.to(DEVICE) for t in dyadic_weights(4, 32, 64, "nvfp4", torch.Generator().manual_seed(0)))
     weight = gemm.from_parameters({"weight": codes, "weight_scale": scales, "divisor": divisor}, Format.NVFP4)
     assert weight.shape == (4, 32, 64)
-    with triton_path():
-        empty = gemm.matmul(torch.zeros(0, 64, dtype=torch.bfloat16), weight, Routing(torch.zeros(0, 2, dtype=torch.long), 4),
-                            per_token=True)
+    empty = gemm.matmul(torch.zeros(0, 64, dtype=torch.bfloat16, device=DEVICE), weight,
+                        Routing(torch.zeros(0, 2, dtype=torch.long, device=DEVICE), 4), per_token=True)
     assert empty.shape == (0, 32)
-    ids = torch.zeros(3, 1, dtype=torch.long)
+    ids = torch.zeros(3, 1, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match="expected bf16 x"):
-        gemm.matmul(torch.zeros(3, 64), weight, Routing(ids, 4), per_token=False)
+        gemm.matmul(torch.zeros(3, 64, device=DEVICE), weight, Routing(ids, 4), per_token=False)
     with pytest.raises(ValueError, match=r"x \(3, 48\).*do not make one \[E, N, K\] weight"):
-        gemm.matmul(torch.zeros(3, 48, dtype=torch.bfloat16), weight, Routing(ids, 4), per_token=False)
+        gemm.matmul(torch.zeros(3, 48, dtype=torch.bfloat16, device=DEVICE), weight, Routing(ids, 4), per_token=False)
+    with pytest.raises(ValueError, match="operands on .* expected one CUDA device"):
+        gemm.matmul(torch.zeros(3, 64, dtype=torch.bfloat16, device="meta"), weight, Routing(ids, 4), per_token=False)
     with pytest.raises(ValueError, match="spec is an FP4 Format"):
         gemm.from_parameters(gemm.to_parameters(weight).tensors, "nvfp4")
     with pytest.raises(ValueError, match="stores a weight as"):
@@ -429,14 +430,14 @@ def test_a_rollout_on_the_triton_path_is_reproduced_by_the_trainer(monkeypatch):
     the CPU kernels, guided by its full records, picks every code the rollout picked."""
     cfg = tiny_config(layers=2, experts=4, top_k=2, hidden=64, moe_intermediate=32, heads=2, kv_heads=1, head_dim=32,
                       vocab=64, init_std=0.05, max_positions=64)
-    model = from_config(cfg, seed=0)
+    model = from_config(cfg, seed=0).to(DEVICE)
     monkeypatch.setenv("TRACEFP4_EXPERTS_BACKEND", "triton_fp4")
     with triton_path():
         out = generate(model, [[1, 2, 3, 4, 5], [7, 8, 9]], SamplingParams(max_new_tokens=3, seed=1), plan=PrecisionPlan(),
                        guidance=GuidedMode.parse("full@all"), diagnostics=frozenset({0, 1}))
     monkeypatch.delenv("TRACEFP4_EXPERTS_BACKEND")
-    with torch.no_grad():
-        trainer = forward_rollout(model, out, mode="trace", capture_codes=frozenset({0, 1}))
+    with torch.no_grad():  # the trainer on the CPU kernels, the other implementation
+        trainer = forward_rollout(model.cpu(), out, mode="trace", capture_codes=frozenset({0, 1}))
     stats = code_mismatch(trainer.codes, out.diagnostics)
     assert {s.removeprefix(layer_tag(0) + ".") for s in stats if s.startswith(layer_tag(0))} == {"k", "v", "expert_in",
                                                                                                 "expert_mid"}

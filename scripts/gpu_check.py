@@ -1,6 +1,27 @@
 #!/usr/bin/env python
-"""Check the Triton kernels on a CUDA device: bit-exact against the reference, and how close to the
-GPU's copy bandwidth they run.
+"""The device check: everything of ours that needs a GPU, in one command with its own timeouts
+(sized for under 8 minutes on one H100/H200, not yet timed on one: every step is capped and the
+whole run stops by ``--budget``, 450 s by default), writing
+one JSON of figures (``--json``).
+
+Steps, each in a process of its own (a step that hangs or crashes is reported and the next runs):
+
+* ``kernels``: the Triton quantizers against the reference on the device, and their bandwidth (below);
+* ``tests``: tests/test_triton.py and tests/test_triton_experts.py on CUDA (the Triton FP4 expert
+  GEMM against the reference, the sites and routed experts without host reads) and the suite's
+  tests marked ``cuda`` (no CUDA synchronisation in a decode layer, its CUDA-graph replay);
+* ``graph``: a rollout's routed-experts layer (sites recorded, Triton GEMMs) at the bandwidth
+  preset's shapes captured in a CUDA graph: replay bit for bit the eager layer, and both timed;
+* ``mismatch``: ``tracefp4 mismatch --device cuda``: trace-full must leave no code mismatched;
+* ``bench``: ``tracefp4 bench rollout --preset bandwidth --engines home --no-memory --device cuda``:
+  our engine's fp4 / bf16 tokens per second at batches 8 and 32;
+* ``vllm`` (``--vllm``, where vLLM's CUDA build is installed): the plugin on the GPU (below).
+
+``--dry-run`` runs the parts a CPU can: the interpreter tests of the expert GEMM and the sync-free
+layer (a subset), and the mismatch and bench commands on ``--device cpu`` at toy sizes, through the
+same command lines and JSON parsing, so the script itself is checked before a device is lent.
+
+What the ``kernels`` step checks:
 
 The kernels are reached the way every caller reaches them: the public ops of ``tracefp4`` on CUDA
 tensors (the one dispatch point in :mod:`tracefp4.formats.numerics` sends those to Triton).
@@ -22,8 +43,9 @@ checks that every trajectory's records cover its positions, that our trainer on 
 records, reproduces every vLLM code (expert_in, expert_mid, K, V), that records written by the worker
 into the store equal the returned ones, and times fp4 / trace_lsb / trace_full rollouts side by side.
 
-Prints a table and writes JSON (``--json``). Exit status: 0 all bit-exact, 1 a mismatch, 2 nothing
-could be checked (no CUDA device, or Triton missing).
+Prints a line per step and writes JSON (``--json``). Exit status: 0 every step passed, 1 a step
+failed (a mismatch, a failing test, a timeout), 2 nothing could be checked (no CUDA device, or
+Triton missing).
 """
 
 from __future__ import annotations
@@ -32,8 +54,11 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -228,8 +253,6 @@ def format_report(correct: list[dict], bw: dict | None) -> str:
 
 def check_vllm(workdir: str, batch: int = 16, new_tokens: int = 32, device: str = "cuda") -> dict:
     """The plugin on CUDA (see the module docstring); ``{"ok": bool, ...figures}``."""
-    import tempfile
-
     from transformers import AutoModelForCausalLM
 
     from tracefp4.engines.model import load_model, tiny_config
@@ -281,49 +304,201 @@ def check_vllm(workdir: str, batch: int = 16, new_tokens: int = 32, device: str 
             "lsb_over_fp4": speeds["trace_lsb"] / speeds["fp4"], "full_over_fp4": speeds["trace_full"] / speeds["fp4"]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="exit status: 0 ok, 1 mismatch, 2 no device")
-    p.add_argument("--rows", type=int, default=8192, help="rows of the bandwidth tensor")
-    p.add_argument("--cols", type=int, default=8192, help="columns of the bandwidth tensor (multiple of 32)")
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--json", metavar="PATH", default="gpu_check.json", help="where to write the figures")
-    p.add_argument("--skip-bandwidth", action="store_true")
-    p.add_argument("--big-rows", type=int, default=4096, help="rows of the largest correctness shape")
-    p.add_argument("--big-cols", type=int, default=4096, help="columns of the largest correctness shape")
-    p.add_argument("--vllm", action="store_true", help="also check the tracefp4 vLLM plugin (needs vLLM's CUDA build)")
-    args = p.parse_args(argv)
-
-    if not torch.cuda.is_available():
-        return _fail_early("no CUDA device is available (torch.cuda.is_available() is False)")
-    if os.environ.pop("TRITON_INTERPRET", None) not in (None, "", "0"):
-        print("gpu_check: ignoring TRITON_INTERPRET: this script runs the compiled kernels", file=sys.stderr)
-    try:
-        import tracefp4 as tf
-        from tracefp4.formats import reference as ref
-        from tracefp4.formats import triton_kernels  # noqa: F401 - fail early, clearly, without triton
-    except ImportError as e:
-        return _fail_early(f"Triton is not importable ({e})")
+def check_kernels(args) -> int:
+    """The ``kernels`` step (in its own process): correctness and bandwidth of the quantizers."""
+    import tracefp4 as tf
+    from tracefp4.formats import reference as ref
 
     t0 = time.perf_counter()
     correct = check_correctness(tf, ref, big=(args.big_rows, args.big_cols))
     bw = None if args.skip_bandwidth else measure_bandwidth(tf, args.rows, args.cols, args.repeats)
     print(format_report(correct, bw))
     ok = all(r["ok"] for r in correct)
-    vllm = None
-    if args.vllm:
-        import tempfile
+    _write_json(args.json, {"ok": ok, "cases": correct, "bandwidth": bw, "seconds": time.perf_counter() - t0})
+    return 0 if ok else 1
 
-        with tempfile.TemporaryDirectory(prefix="gpu-check-vllm-") as workdir:
-            vllm = check_vllm(workdir)
-        print(f"vLLM plugin on CUDA: {'ok' if vllm['ok'] else 'FAILED'}; " + json.dumps(vllm))
-        ok = ok and vllm["ok"]
-    payload = {"bit_exact": ok, "cases": correct, "bandwidth": bw, "vllm": vllm, "seconds": time.perf_counter() - t0,
-               "torch": torch.__version__}
-    tmp = f"{args.json}.tmp"
+
+def check_graph(args) -> int:
+    """The ``graph`` step (in its own process): see the module docstring."""
+    from tracefp4.engines.capture import RolloutCapture
+    from tracefp4.engines.experts import gemm_named, routed_experts
+    from tracefp4.engines.experts.base import SILU_GATE
+    from tracefp4.engines.plan import PrecisionPlan
+    from tracefp4.engines.sites import ForwardState
+    from tracefp4.guidance.compact import GuidedMode
+
+    tokens, e, top_k, hidden, inter = args.graph_tokens, 64, 8, 2048, 768  # the bandwidth preset's layer
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
+    ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(tokens)]).cuda()
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1).cuda()
+    plan, gemm = PrecisionPlan(), gemm_named("triton_fp4")
+    prepared = [gemm.prepare((torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16).cuda(), plan.weight_quantizer)
+                for shape in ((e, 2 * inter, hidden), (e, hidden, inter))]
+    state = ForwardState(plan, RolloutCapture.of(GuidedMode.parse("full@all"), frozenset(), 1))
+
+    def run():
+        return routed_experts(state, 0, x, ids, weights, *prepared, gemm, SILU_GATE)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager = run()  # warm-up off the capture stream, as graph capture requires
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    same = torch.equal(captured.view(torch.int16), eager.view(torch.int16))
+    state.path.checks.raise_if_any()
+    eager_s, replay_s = _cuda_time(run, args.repeats), _cuda_time(graph.replay, args.repeats)
+    out = {"ok": same, "tokens": tokens, "replay_equals_eager": same, "eager_s": eager_s, "replay_s": replay_s,
+           "eager_over_replay": eager_s / replay_s}
+    print(json.dumps(out))
+    _write_json(args.json, out)
+    return 0 if same else 1
+
+
+def _write_json(path: str, payload) -> None:
+    tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=2)
-    os.replace(tmp, args.json)
-    print(f"{'all bit-exact' if ok else 'MISMATCHES found'}; wrote {args.json}")
+    os.replace(tmp, path)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
+    """A step's command in its own process: return code, seconds, the output's tail; a timeout is a failure."""
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                              timeout=max(timeout, 1))
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = None, f"timed out after {timeout:.0f}s\n" + ((e.stdout or b"").decode(errors="replace")
+                                                             if isinstance(e.stdout, bytes) else (e.stdout or ""))
+    return {"cmd": " ".join(cmd), "rc": rc, "seconds": time.perf_counter() - t0, "tail": out[-3000:]}
+
+
+def _read(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _self(step: str, args, json_path: str) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--step", step, "--json", json_path,
+           "--repeats", str(args.repeats), "--rows", str(args.rows), "--cols", str(args.cols),
+           "--big-rows", str(args.big_rows), "--big-cols", str(args.big_cols), "--graph-tokens", str(args.graph_tokens)]
+    return cmd + (["--skip-bandwidth"] if args.skip_bandwidth else [])
+
+
+def step_commands(args, tmp: str) -> list[tuple[str, float, list[str], dict, str]]:
+    """(step, cap in seconds, command, environment, its JSON path) in the order they run."""
+    py, device = sys.executable, "cpu" if args.dry_run else "cuda"
+    pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    mismatch = [py, "-m", "tracefp4", "mismatch", "--device", device, "--quiet", "--json", f"{tmp}/mismatch.json"]
+    bench = [py, "-m", "tracefp4", "bench", "rollout", "--preset", "bandwidth", "--engines", "home", "--no-memory",
+             "--device", device, "--json", f"{tmp}/bench.json"]
+    if args.dry_run:  # toy sizes through the same commands; the interpreter for the Triton tests
+        interp = {"TRITON_INTERPRET": "1"}
+        return [("tests", 300, pytest + ["tests/test_triton_experts.py", "-k", "decode_layer or edge_cases"], interp, ""),
+                ("mismatch", 300, mismatch + ["--batch", "2", "--new-tokens", "4", "--layers", "2"], {}, f"{tmp}/mismatch.json"),
+                ("bench", 300, bench + ["--layers", "1", "--hidden", "256", "--experts", "8", "--top-k", "2",
+                                        "--expert-dim", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                                        "--batch", "2", "--new-tokens", "4"], {}, f"{tmp}/bench.json")]
+    no_interp = {"TRITON_INTERPRET": "0"}
+    return [("kernels", 150, _self("kernels", args, f"{tmp}/kernels.json"), no_interp, f"{tmp}/kernels.json"),
+            ("tests", 150, pytest + ["tests/test_triton.py", "tests/test_triton_experts.py"], no_interp, ""),
+            ("cuda_tests", 120, pytest + ["-m", "cuda", "tests"], no_interp, ""),
+            ("graph", 60, _self("graph", args, f"{tmp}/graph.json"), no_interp, f"{tmp}/graph.json"),
+            ("mismatch", 120, mismatch, no_interp, f"{tmp}/mismatch.json"),
+            ("bench", 150, bench + ["--repeats", "2"], no_interp, f"{tmp}/bench.json")]
+
+
+def figures(step: str, data: dict | None) -> dict:
+    """What a step's JSON says, and whether it passes (``ok``)."""
+    if data is None:
+        return {"ok": False, "why": "no JSON written"}
+    if step == "mismatch":
+        full = data["mismatch_counts"]["trace_full"]
+        return {"ok": full["total"] > 0 and full["mismatched"] == 0, "trace_full": full,
+                "qat_rate": data["mismatch_rate"]["qat"], "fp4_rollouts_identical": data["fp4_rollouts_identical"]}
+    if step == "bench":
+        tps = {k.removeprefix("rollout_tokens_per_s.home."): v for k, v in data.items()
+               if k.startswith("rollout_tokens_per_s.home.") and "@b" in k}
+        ratios = {f"fp4/bf16@b{b}": tps[f"fp4@b{b}"] / tps[f"bf16@b{b}"] for b in data["batches"]}
+        ratios.update({f"trace_full/fp4@b{b}": tps[f"trace_full@b{b}"] / tps[f"fp4@b{b}"] for b in data["batches"]})
+        return {"ok": True, "tokens_per_s": tps, "ratios": ratios, "device": data.get("device")}
+    return data
+
+
+def run_steps(args) -> dict:
+    """Every step within ``args.budget`` seconds in all; a step gets its cap or what is left."""
+    deadline = time.perf_counter() + args.budget
+    report: dict = {"torch": torch.__version__, "dry_run": args.dry_run,
+                    "device": None if args.dry_run else torch.cuda.get_device_name(), "steps": {}}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        for step, cap, cmd, env, json_path in step_commands(args, tmp):
+            left = deadline - time.perf_counter()
+            if left < 10:
+                report["steps"][step] = {"ok": False, "why": f"skipped: the {args.budget:.0f}s budget was spent"}
+                continue
+            res = _run(cmd, min(cap, left), env)
+            res["ok"] = res["rc"] == 0
+            if json_path:
+                fig = figures(step, _read(json_path))
+                res.update({k: v for k, v in fig.items() if k != "ok"}, ok=res["ok"] and fig["ok"])
+            report["steps"][step] = res
+            print(f"gpu_check: {step:<11}{'ok' if res['ok'] else 'FAILED'} ({res['seconds']:.0f}s)", flush=True)
+            if not res["ok"]:
+                print(res["tail"][-1500:], file=sys.stderr)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="exit status: 0 ok, 1 a step failed, 2 no device")
+    p.add_argument("--json", metavar="PATH", default="gpu_check.json", help="where to write the figures")
+    p.add_argument("--budget", type=float, default=450, help="seconds for all the steps together")
+    p.add_argument("--dry-run", action="store_true", help="the CPU-checkable parts (see the module docstring)")
+    p.add_argument("--step", choices=("kernels", "graph"), help=argparse.SUPPRESS)  # one step, in its own process
+    p.add_argument("--rows", type=int, default=8192, help="rows of the bandwidth tensor")
+    p.add_argument("--cols", type=int, default=8192, help="columns of the bandwidth tensor (multiple of 32)")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--skip-bandwidth", action="store_true")
+    p.add_argument("--big-rows", type=int, default=4096, help="rows of the largest correctness shape")
+    p.add_argument("--big-cols", type=int, default=4096, help="columns of the largest correctness shape")
+    p.add_argument("--graph-tokens", type=int, default=8, help="decode batch of the graph step")
+    p.add_argument("--vllm", action="store_true", help="also check the tracefp4 vLLM plugin (needs vLLM's CUDA build)")
+    args = p.parse_args(argv)
+
+    if not args.dry_run:
+        if not torch.cuda.is_available():
+            return _fail_early("no CUDA device is available (torch.cuda.is_available() is False)")
+        if os.environ.pop("TRITON_INTERPRET", None) not in (None, "", "0"):
+            print("gpu_check: ignoring TRITON_INTERPRET: this script runs the compiled kernels", file=sys.stderr)
+        try:
+            from tracefp4.formats import triton_kernels  # noqa: F401 - fail early, clearly, without triton
+        except ImportError as e:
+            return _fail_early(f"Triton is not importable ({e})")
+    if args.step:
+        return {"kernels": check_kernels, "graph": check_graph}[args.step](args)
+
+    t0 = time.perf_counter()
+    report = run_steps(args)
+    if args.vllm and not args.dry_run:
+        with tempfile.TemporaryDirectory(prefix="gpu-check-vllm-") as workdir:
+            report["vllm"] = check_vllm(workdir)
+        print(f"vLLM plugin on CUDA: {'ok' if report['vllm']['ok'] else 'FAILED'}; " + json.dumps(report["vllm"]))
+    ok = all(r["ok"] for r in report["steps"].values()) and (report.get("vllm") or {"ok": True})["ok"]
+    report.update(ok=ok, seconds=time.perf_counter() - t0)
+    _write_json(args.json, report)
+    print(f"{'every step passed' if ok else 'FAILURES (see above)'}; wrote {args.json}")
     return 0 if ok else 1
 
 

@@ -49,18 +49,25 @@ def test_supports_answers_per_plan_device_dtype(plan, device, dtype, gradients, 
 
 
 def test_the_oracle_walks_the_backends_in_priority_order(monkeypatch):
-    """The first backend that supports a forward runs it: cpu_fp4 before dense, so FP4 CPU bf16
-    rollouts take the packed kernel and every other forward falls through to dense; the same walk in
-    the other order never reaches cpu_fp4; a walk no backend answers names those it asked."""
+    """The first backend that supports a forward runs it: cpu_fp4, triton_fp4, triton_bf16, dense, so
+    FP4 bf16 rollouts take the packed kernel of their device (the C kernel on the CPU, the Triton one
+    on CUDA), BF16 rollouts on CUDA the Triton kernel over bf16 weights, and every other forward (BF16
+    on the CPU, FP8, the trainer's gradients) falls through to dense; the same walk in the other order
+    never reaches another; a walk no backend answers names those it asked."""
     monkeypatch.delenv("TRACEFP4_EXPERTS_BACKEND", raising=False)
-    assert list(BACKENDS) == ["cpu_fp4", "dense"]
+    assert list(BACKENDS) == ["cpu_fp4", "triton_fp4", "triton_bf16", "dense"]
+    triton, triton_bf16 = BACKENDS["triton_fp4"], BACKENDS["triton_bf16"]
     for name, plan in PLANS.items():
         for device, dtype, gradients in [("cpu", torch.bfloat16, False), ("cpu", torch.bfloat16, True),
-                                         ("cpu", torch.float32, False), ("cuda", torch.bfloat16, False)]:
-            packed = name in FP4_PLANS and (device, dtype, gradients) == ("cpu", torch.bfloat16, False) and KERNEL
+                                         ("cpu", torch.float32, False), ("cuda", torch.bfloat16, False),
+                                         ("cuda", torch.bfloat16, True)]:
+            rollout = name in FP4_PLANS and dtype == torch.bfloat16 and not gradients
+            want = PACKED if rollout and device == "cpu" and KERNEL else triton if rollout and device == "cuda" else DENSE
+            if plan is None and (device, dtype, gradients) == ("cuda", torch.bfloat16, False):
+                want = triton_bf16
             got = choose_gemm(plan, device, dtype, gradients=gradients)
-            assert got is (PACKED if packed else DENSE), (name, device, dtype, gradients)
-            assert first_supporting([DENSE, PACKED], plan, device, dtype, gradients=gradients) is DENSE
+            assert got is want, (name, device, dtype, gradients)
+            assert first_supporting([DENSE, PACKED, triton, triton_bf16], plan, device, dtype, gradients=gradients) is DENSE
     with pytest.raises(ValueError, match=r"no expert GEMM backend runs plan .* on cuda .* \(asked: cpu_fp4\)"):
         first_supporting([PACKED], PrecisionPlan(), "cuda", torch.bfloat16, gradients=False)
 
@@ -73,7 +80,7 @@ def test_a_forced_backend_is_taken_for_rollouts_only(monkeypatch):
     assert choose_gemm(PrecisionPlan(), "cpu", torch.bfloat16, gradients=True) is DENSE
     assert choose_gemm(None, "cpu", torch.bfloat16, gradients=False) is DENSE
     monkeypatch.setenv("TRACEFP4_EXPERTS_BACKEND", "marlin")
-    with pytest.raises(ValueError, match="unknown expert GEMM backend 'marlin'; known: cpu_fp4, dense"):
+    with pytest.raises(ValueError, match="unknown expert GEMM backend 'marlin'; known: cpu_fp4, triton_fp4, triton_bf16, dense"):
         choose_gemm(PrecisionPlan(), "cpu", torch.bfloat16, gradients=False)
 
 

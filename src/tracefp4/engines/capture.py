@@ -16,7 +16,9 @@ Both kinds are :class:`~tracefp4.guidance.record.SiteRecord` records, so the rol
 
 Recording never changes what the forward computes. The capture is the rollout's
 :class:`~tracefp4.engines.path.ForwardPath`: the site hook records, the routing hook records, and
-the expert weights are kept across forwards in the prepared model's cache.
+the expert weights are kept across forwards in the prepared model's cache. On the device its checks
+(NaN/Inf inputs, expert indices) are kept as device flags in :attr:`RolloutCapture.checks` and read
+once, when the rollout's records are assembled.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tracefp4.engines.device_sites import StepChecks, site_values
 from tracefp4.engines.path import ForwardPath
 from tracefp4.formats.constants import HintMode
 from tracefp4.formats.numerics import FP8, MXFP4, NVFP4
@@ -106,6 +109,9 @@ class RolloutCapture(ForwardPath):
     guided_layers: frozenset[int] = frozenset()
     diagnostic_layers: frozenset[int] = frozenset()
     _current: ForwardRecord = dataclasses.field(default_factory=ForwardRecord, init=False, repr=False)
+    #: checks the device keeps during the rollout (see :mod:`tracefp4.engines.device_sites`), read once
+    #: when the records are assembled
+    checks: StepChecks = dataclasses.field(default_factory=StepChecks, init=False, repr=False, compare=False)
     rollout = True  # a class attribute (no annotation): the path's kind, not a field
 
     def __post_init__(self) -> None:
@@ -140,7 +146,8 @@ class RolloutCapture(ForwardPath):
 
     def site(self, layer: int, name: str, x: torch.Tensor, quantizer: Quantizer
              ) -> tuple[NVFP4 | MXFP4, torch.Tensor]:
-        q, values = quantizer.quantize_values(x.detach())  # one pass on the CPU: codes and values
+        # one pass on the CPU (codes and values); on the device without reading the NaN check back
+        q, values = site_values(quantizer, x.detach(), self.checks, name)
         self.record_site(layer, name, x, q)
         return q, values
 

@@ -49,6 +49,9 @@ class ForwardPath:
     """
 
     rollout: bool = False
+    #: where the path keeps checks the device makes without reading them back (a rollout's
+    #: :class:`~tracefp4.engines.device_sites.StepChecks`); None: checked at once
+    checks = None
 
     def site(self, layer: int, name: str, x: torch.Tensor, quantizer: Quantizer
              ) -> tuple[NVFP4 | MXFP4, torch.Tensor]:

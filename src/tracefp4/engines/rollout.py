@@ -230,7 +230,9 @@ def assemble_records(
     steps: list[ForwardStep], lengths: list[int], n_experts: int, capture: RolloutCapture
 ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
     """(records, diagnostics) per trajectory, rows in position order (steps are chronological,
-    prefill rows in order)."""
+    prefill rows in order). First the checks the device kept during the rollout are read (raising for
+    a NaN or Inf site input or an expert index out of range)."""
+    capture.checks.raise_if_any()
     n = len(lengths)
     traj = torch.cat([s.traj for s in steps]).cpu()
     counts = torch.bincount(traj, minlength=n).tolist()

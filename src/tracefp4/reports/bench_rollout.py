@@ -290,9 +290,13 @@ def measure_memory(ckpt: str, preset: str, engines: Sequence[str], timeout: floa
 
 def bench_rollout(engines: Sequence[str] = ("home", "vllm"), *, preset: str = "mid", batches: Sequence[int] | None = None,
                   new_tokens: int | None = None, repeats: int = 1, seed: int = 0, spec: TinyMoESpec | None = None,
-                  memory: bool = True, progress: Callable[[str], None] | None = None) -> dict:
+                  memory: bool = True, progress: Callable[[str], None] | None = None, device: str = "cpu") -> dict:
     """Tokens per second per engine, mode and batch, the ratios, and (``memory``) resident memory per
-    routed-expert parameter (see the module docstring)."""
+    routed-expert parameter (see the module docstring). ``device``: where our engine runs (cuda: the
+    Triton kernels); vLLM's engines pick their own, and the memory probes measure the CPU build."""
+    if device != "cpu" and (memory or "vllm" in engines):
+        raise ValueError(f"device {device!r}: our engine alone (--engines home --no-memory); the memory "
+                         "probes and the vLLM servers run the CPU build")
     say = progress or (lambda msg: None)
     p = PRESETS[preset]
     spec = spec or p.spec
@@ -300,11 +304,11 @@ def bench_rollout(engines: Sequence[str] = ("home", "vllm"), *, preset: str = "m
     new_tokens = new_tokens or p.new_tokens
     plan = PrecisionPlan()
     say(f"building the {preset} model ({expert_params(spec) / 1e6:.0f}M routed-expert parameters)")
-    model = from_config(spec.config(), seed=seed)
+    model = from_config(spec.config(), seed=seed).to(device)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, spec.vocab, (p.prompt_len,), generator=g).tolist() for _ in range(max(batches))]
     res: dict = {"preset": preset, "model": dataclasses.asdict(spec), "batches": list(batches), "new_tokens": new_tokens,
-                 "prompt_len": p.prompt_len, "repeats": repeats, "threads": torch.get_num_threads(),
+                 "prompt_len": p.prompt_len, "repeats": repeats, "threads": torch.get_num_threads(), "device": device,
                  "expert_params": expert_params(spec)}
     with tempfile.TemporaryDirectory(prefix="tracefp4-bench-") as ckpt:
         if EngineKind.VLLM in _kinds(engines) or memory:
@@ -547,13 +551,16 @@ def add_rollout_command(bsub, write_json: Callable[[str | None, dict], None]) ->
     for flag, field, what in _SHAPE_FLAGS:
         b.add_argument(flag, type=int, dest=field, help=f"{what} (default: the preset's)")
     b.add_argument("--no-memory", action="store_true", help="skip the resident-memory probes")
+    b.add_argument("--device", default="cpu", help="where our engine runs: cpu, or cuda (the Triton kernels; "
+                   "with --engines home --no-memory)")
     b.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
 
     def run(args: argparse.Namespace) -> int:
         spec = preset_spec(args.preset, **{f: getattr(args, f) for _, f, _ in _SHAPE_FLAGS})  # refusals name the option
         res = bench_rollout([e.strip() for e in args.engines.split(",") if e.strip()], preset=args.preset,
                             batches=args.batch, new_tokens=args.new_tokens, repeats=args.repeats, spec=spec,
-                            memory=not args.no_memory, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+                            memory=not args.no_memory, progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+                            device=args.device)
         print(format_rollout(res))
         write_json(args.json, res)
         return 0

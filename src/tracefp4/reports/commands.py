@@ -65,8 +65,11 @@ def _inputs(
     args: argparse.Namespace, dims: dict[str, object], say: Callable[[str], None]
 ) -> tuple[object, Sequence[torch.Tensor], SamplingParams]:
     """The model (checkpoint, or the tiny default with ``dims``), the prompts and the sampling parameters."""
+    device = torch.device(getattr(args, "device", "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"tracefp4 mismatch: --device {device}: no CUDA device here (torch.cuda.is_available() is False)")
     try:
-        model = mismatch.build_model(args.checkpoint, seed=args.seed, **dims)
+        model = mismatch.build_model(args.checkpoint, seed=args.seed, **dims).to(device)
     except ValueError as e:
         raise SystemExit(f"tracefp4 mismatch: {e}") from None
     say(f"model ready ({'checkpoint ' + args.checkpoint if args.checkpoint else 'tiny Qwen3-MoE from config'})")
@@ -89,6 +92,8 @@ def run_mismatch(args: argparse.Namespace) -> int:
         say(f"--engine vllm: head_dim {VLLM_TINY_HEAD_DIM} (vLLM's CPU attention has no kernel for the default 16)")
     model, prompts, sampling = _inputs(args, dims, say)
     if kind is EngineKind.VLLM:
+        if getattr(args, "device", "cpu") != "cpu":
+            raise SystemExit("tracefp4 mismatch: --device is our engine's; vLLM picks its own device")
         if args.sweep:
             raise SystemExit("tracefp4 mismatch: --engine vllm goes without --sweep")
         say("starting vLLM (tracefp4 plugin)")

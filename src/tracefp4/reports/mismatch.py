@@ -581,6 +581,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--plan", choices=tuple(REPORT_PLANS), default="nvfp4",
                    help="the rollout's precision plan: NVFP4 W4A4 (default) or W8A8 FP8 (E4M3 codes; lsb on all layers)")
+    p.add_argument("--device", default="cpu",
+                   help="where our engine and the trainer run: cpu, or cuda (the Triton kernels; scripts/gpu_check.py)")
     p.add_argument("--engine", choices=EngineKind.names(), default=EngineKind.HOME.value,
                    help="rollout engine: ours, or vLLM with the tracefp4 plugin (needs vLLM; head_dim >= 32 on CPU)")  # fmt: skip
 

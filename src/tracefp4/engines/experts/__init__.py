@@ -14,7 +14,8 @@
   torch, the packed kernel groups them itself, with no gather or scatter around the call). One file
   per backend: :mod:`.dense` (dequantized weights, torch matmuls: BF16, the trainer's QAT path with
   straight-through gradients, CUDA, and the fallback) and :mod:`.cpu_fp4` (packed FP4 weights, our
-  AVX-512 BF16 C kernel); GPU GEMM backends would sit beside them (see :mod:`.oracle`).
+  AVX-512 BF16 C kernel) and :mod:`.triton_fp4` (packed FP4 weights, our Triton kernel on CUDA,
+  :mod:`.triton_gemm`).
 * :mod:`.oracle` picks the backend once per precision plan, device and dtype: the first, in priority
   order, that supports the forward.
 

@@ -52,11 +52,12 @@ class Routing:
         """``order`` (the pairs sorted by expert, stably), ``offsets [E + 1]`` (expert e's pairs are
         ``order[offsets[e]:offsets[e + 1]]``) and ``inverse`` (where each pair sits in ``order``)."""
         flat = self.ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return order, torch.cat([counts.new_zeros(1), counts.cumsum(0)]), inverse
+        ranked, order = torch.sort(flat, stable=True)
+        # offsets by search, not bincount: CUDA's bincount reads the largest id back to size its output
+        edges = torch.arange(self.n_experts + 1, dtype=flat.dtype, device=flat.device)
+        offsets = torch.searchsorted(ranked, edges)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return order, offsets, inverse
 
 
 class PreparedWeight(Protocol):

@@ -3,14 +3,18 @@
 device, dtype and whether the forward needs gradients (asked once per such combination).
 
 * ``cpu_fp4`` first: an FP4 rollout on the CPU with bf16 activations, where our C kernel is built.
-* ``dense`` last, which runs every forward: BF16 (no plan), FP8 weights (W8A8), the trainer
-  (gradients: straight-through QAT), CUDA (the site quantizers run as Triton kernels) and the CPU
-  without the C kernel. The GPU GEMM backends this seam is built for (vLLM's Marlin W4A16 FP4 MoE on
-  SM80/SM90 with our ``expert_mid`` quantizer in its activation hook; the CUTLASS NVFP4 grouped GEMM
-  on SM100+) would sit before it; they are not written yet: no GPU was available to check them, and
-  an unchecked kernel would be worse than none.
+* ``triton_fp4``: an FP4 rollout on CUDA with bf16 activations, where triton is installed (our
+  Triton kernel on the packed weights, no host synchronisation). Checked bit for bit in Triton's
+  interpreter on the CPU; ``scripts/gpu_check.py`` checks it on a device. vLLM's Marlin W4A16 and
+  the CUTLASS NVFP4 grouped GEMMs (SM100+) could sit beside it; they are not written.
+* ``triton_bf16``: a BF16 rollout on CUDA, the same kernel over the bf16 weights (no host
+  synchronisation; the baseline of FP4 speed on a GPU).
+* ``dense`` last, which runs every forward: BF16 on the CPU, FP8 weights (W8A8), the trainer
+  (gradients: straight-through QAT), FP4 on CUDA without triton, and the CPU without the C kernel.
+  It synchronises with the host once per GEMM (one matmul per expert), so a decode step through it
+  cannot be captured in a CUDA graph.
 
-``TRACEFP4_EXPERTS_BACKEND=dense|cpu_fp4`` forces a backend for rollouts (benchmarks, tests); a
+``TRACEFP4_EXPERTS_BACKEND=dense|cpu_fp4|triton_fp4|triton_bf16`` forces a backend for rollouts (benchmarks, tests); a
 backend that cannot run the forward then raises instead of falling back.
 """
 
@@ -25,16 +29,17 @@ import torch
 from tracefp4.engines.experts.base import ExpertGEMM
 from tracefp4.engines.experts.cpu_fp4 import PackedCPUGEMM
 from tracefp4.engines.experts.dense import DenseGEMM
+from tracefp4.engines.experts.triton_fp4 import TritonBF16GEMM, TritonFP4GEMM
 from tracefp4.engines.plan import PrecisionPlan
 
 __all__ = ["BACKENDS", "choose_gemm", "first_supporting", "gemm_named"]
 
 #: name -> backend, in priority order (the first that supports a forward runs it).
-BACKENDS: dict[str, ExpertGEMM] = {g.name: g for g in (PackedCPUGEMM(), DenseGEMM())}
+BACKENDS: dict[str, ExpertGEMM] = {g.name: g for g in (PackedCPUGEMM(), TritonFP4GEMM(), TritonBF16GEMM(), DenseGEMM())}
 
 
 def gemm_named(name: str) -> ExpertGEMM:
-    """The backend of that name (``cpu_fp4``, ``dense``)."""
+    """The backend of that name (``cpu_fp4``, ``triton_fp4``, ``triton_bf16``, ``dense``)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown expert GEMM backend {name!r}; known: {', '.join(BACKENDS)}")
     return BACKENDS[name]

@@ -6,15 +6,21 @@ import torch
 
 from tracefp4.engines.experts.base import Activation, ExpertGEMM, PreparedWeight, Routing
 from tracefp4.engines.sites import ForwardState, quantize_site
+from tracefp4.formats.numerics import backend
 from tracefp4.guidance.names import Site, layer_tag
 
 __all__ = ["routed_experts"]
 
 
-def _check_expert_ids(layer: int, ids: torch.Tensor, n_experts: int) -> None:
-    """Refuse an expert index outside ``[0, n_experts)``. On the CPU the check is free; on CUDA it would
-    synchronise with the host, so there it is left to the device (an index out of range faults)."""
-    if ids.device.type == "cpu" and ids.numel() and int(ids.max()) >= n_experts:
+def _check_expert_ids(state: ForwardState, layer: int, ids: torch.Tensor, n_experts: int) -> None:
+    """Refuse an expert index outside ``[0, n_experts)``. On the Triton path (CUDA, or the interpreter)
+    a rollout keeps the check as a device flag read after the rollout
+    (:mod:`tracefp4.engines.device_sites`); elsewhere on the CPU it is free and made at once; a CUDA
+    forward of no rollout (the trainer) leaves it to the device."""
+    if state.path.checks is not None and backend(ids) == "triton":
+        state.path.checks.note(layer_tag(layer), f"expert index out of range [0, {n_experts})",
+                               (ids < 0) | (ids >= n_experts))
+    elif ids.device.type == "cpu" and ids.numel() and int(ids.max()) >= n_experts:
         raise ValueError(f"{layer_tag(layer)}: expert index {int(ids.max())} out of range [0, {n_experts})")
 
 
@@ -41,7 +47,7 @@ def routed_experts(
     n, k = topk_ids.shape
     n_experts = gate_up.shape[0]
     topk_ids = topk_ids.to(torch.long)
-    _check_expert_ids(layer, topk_ids, n_experts)
+    _check_expert_ids(state, layer, topk_ids, n_experts)
     xq = quantize_site(state, layer, Site.EXPERT_IN, x)
     routing = Routing(topk_ids, n_experts)
     mid = gemm.activate(gemm.matmul(xq, gate_up, routing, per_token=True), act)  # [N * top_k, I], (token, slot) order

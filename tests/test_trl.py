@@ -4,6 +4,7 @@ guided codes, TRL's own importance-sampling metrics. A tiny Qwen3-MoE, two GRPO 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import random
 
@@ -152,6 +153,35 @@ def test_trace_full_reproduces_every_rollout_code_inside_trl(folder, dataset, tm
     assert model_state(ref) is not model_state(trainer.model)  # prepared: our forward, in BF16 (ref spec)
     kl, aux = logged(trainer, "kl"), logged(trainer, "aux_loss")
     assert kl and aux and all(torch.isfinite(torch.tensor(kl + aux)))
+
+
+def test_mismatch_metrics_with_the_correction_off_and_the_bf16_reference(folder, dataset, tmp_path,
+                                                                         monkeypatch) -> None:
+    """With vllm_importance_sampling_correction=False (and one optimizer step per generation) TRL skips
+    its old-log-prob forward and logs no importance-sampling figures; our trace/* mismatch metrics are
+    still logged every step, from a forward of their own. trace_mode="bf16": the BF16 reference runs
+    through the same integration (no FP4 codes to compare, a gap that is small but logged)."""
+    args = config(tmp_path / "off", trace_mode="qat", vllm_importance_sampling_correction=False,
+                  importance_sampling_level="sequence")
+    measured = []
+    measure = TraceGRPOTrainer._trace_measure
+    monkeypatch.setattr(TraceGRPOTrainer, "_trace_measure",
+                        lambda self, out: measured.append(1) or measure(self, out))
+    trainer = train(folder, dataset, args)
+    assert len(measured) == 2  # one forward of ours per generation, since TRL ran none
+    assert not any(logged(trainer, k) for k in IS_KEYS)  # TRL's correction is off
+    # every step's mismatch measured (TRL ran no scoring forward: these come from ours); on this tiny
+    # model our engine's FP4 rollout and the QAT trainer may agree exactly, so the values may be 0
+    gaps = logged(trainer, "trace/logprob_gap_mean")
+    assert len(gaps) == 2 and all(math.isfinite(g) and g >= 0 for g in gaps)
+    assert len(logged(trainer, "trace/code_mismatch")) == 2
+    bf16 = train(folder, dataset, config(tmp_path / "bf16", trace_mode="bf16"))
+    assert bf16._trace_arm.plan is None and not bf16._trace_arm.diagnostics
+    assert not logged(bf16, "trace/code_mismatch")  # BF16 rollout: no FP4 codes
+    bf16_gaps = logged(bf16, "trace/logprob_gap_mean")
+    assert len(bf16_gaps) == 2 and all(math.isfinite(g) and g >= 0 for g in bf16_gaps)
+    with pytest.raises(ValueError, match="trace_mode = 'fp4': expected one of bf16, qat, trace"):
+        config(tmp_path, trace_mode="fp4")
 
 
 @pytest.mark.parametrize("option, name", [

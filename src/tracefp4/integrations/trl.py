@@ -54,7 +54,7 @@ from tracefp4.engines.trainer import TrainerMode, TrainerSpec, code_mismatch, to
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.store import StoreReader, bytes_per_token, discard_step
 from tracefp4.metrics import mismatch_totals
-from tracefp4.rl.arms import DIAGNOSTICS_CHOICES, FP4_TRAINER_MODES, integration_arm, plan_by_name
+from tracefp4.rl.arms import DIAGNOSTICS_CHOICES, INTEGRATION_MODES, integration_arm, plan_by_name
 from tracefp4.rl.engine import rollout_step
 from tracefp4.rl.loop import model_signature
 from tracefp4.seeds import Stream, TrajectoryIds, derive, trajectory_ids
@@ -74,7 +74,8 @@ class TraceGRPOConfig(GRPOConfig):
         "4over6, mxfp4 or w4a8.")})
     trace_mode: str = dataclasses.field(default="trace", metadata={"help": (
         "Trainer forward: 'qat' (round to nearest, vanilla QAT) or 'trace' (guided rounding toward the "
-        "rollout's recorded codes). Routing replay is on in both.")})
+        "rollout's recorded codes), routing replay on in both; or 'bf16': BF16 rollout and trainer through the "
+        "same integration (the reference run; trace_plan and trace_guidance unused).")})
     trace_guidance: str = dataclasses.field(default="lsb", metadata={"help": (
         "What the rollout records for trace mode: a guidance mode name (lsb = low code bit on the deeper half of "
         "the layers, full, full@all, lsb@last2, ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all, ...). Unused in qat mode.")})
@@ -99,8 +100,8 @@ class TraceGRPOConfig(GRPOConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         plan_by_name(self.trace_plan)
-        if self.trace_mode not in FP4_TRAINER_MODES:
-            raise ValueError(f"trace_mode = {self.trace_mode!r}: expected 'qat' or 'trace'")
+        if self.trace_mode not in INTEGRATION_MODES:
+            raise ValueError(f"trace_mode = {self.trace_mode!r}: expected one of {', '.join(INTEGRATION_MODES)}")
         GuidedMode.parse(self.trace_guidance)
         if self.trace_diagnostics not in DIAGNOSTICS_CHOICES:
             raise ValueError(f"trace_diagnostics = {self.trace_diagnostics!r}: expected all, deeper, guided or none")
@@ -362,6 +363,8 @@ class TraceGRPOTrainer(GRPOTrainer):
         self._trace_scoring, self._trace_stats = True, {}
         try:
             out = super()._generate_and_score_completions(inputs)
+            if "gap_n" not in self._trace_stats:
+                self._trace_measure(out)
         finally:
             self._trace_scoring = False
         out[ROW_KEY] = list(self._trace_rows or [])
@@ -369,6 +372,18 @@ class TraceGRPOTrainer(GRPOTrainer):
             raise RuntimeError(f"{len(out[ROW_KEY])} trajectory ids for {out['prompt_ids'].shape[0]} rows")
         self._trace_log("train" if self.model.training else "eval")
         return out
+
+    def _trace_measure(self, out: dict[str, Any]) -> None:
+        """The policy's forward over a fresh generation, for the ``trace/*`` metrics alone: TRL skips its
+        old-log-prob forward when ``vllm_importance_sampling_correction`` is off and each generation is
+        used by one optimizer step, and the train-rollout mismatch must not vanish from the logs then
+        (one extra forward without gradient per generation, in that setting only)."""
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+        mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+        batch = self.args.per_device_train_batch_size if self.model.training else self.args.per_device_eval_batch_size
+        with torch.no_grad():
+            self._get_per_token_logps_and_entropies(self.model, ids, mask, out["completion_ids"].shape[1],
+                                                    batch_size=batch)
 
     def _compute_loss(self, model, inputs):
         self._trace_rows = inputs[ROW_KEY]

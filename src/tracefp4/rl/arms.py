@@ -252,8 +252,10 @@ def canonical_arm(name: str) -> str:
 
 #: The trace_plan names of the TRL integration: ``nvfp4`` (the run's default plan) and :data:`PLANS`.
 PLAN_NAMES = ("nvfp4", *PLANS)
-#: The trainer modes a single-arm integration (TRL's ``trace_mode``) may choose: the FP4 trainers.
+#: The FP4 trainer modes (vanilla QAT and guided).
 FP4_TRAINER_MODES: tuple[TrainerMode, ...] = ("qat", "trace")
+#: The trainer modes a single-arm integration offers (TRL's ``trace_mode``): the FP4 ones and the BF16 reference.
+INTEGRATION_MODES: tuple[TrainerMode, ...] = ("bf16", *FP4_TRAINER_MODES)
 #: The diagnostics layer sets an integration may name (TRL's ``trace_diagnostics``); ``none``: no codes kept.
 DIAGNOSTICS_CHOICES: tuple[str, ...] = ("all", "deeper", "guided", "none")
 
@@ -262,11 +264,14 @@ def integration_arm(plan_name: str, trainer: TrainerMode, guidance: str, diagnos
     """The one arm of a single-arm integration (TRL's ``trace_plan``, ``trace_mode``, ``trace_guidance``
     and ``trace_diagnostics``): the plan of :func:`plan_by_name`, ``guidance`` recorded in ``trace``
     mode only (``qat`` records routing alone), full codes kept at the :data:`DIAGNOSTICS_CHOICES`
-    layers. Named ``<plan>-<trainer>``, e.g. ``nvfp4-trace``."""
-    if trainer not in FP4_TRAINER_MODES:
-        raise ValueError(f"trace_mode = {trainer!r}: expected one of {', '.join(FP4_TRAINER_MODES)}")
+    layers. Named ``<plan>-<trainer>``, e.g. ``nvfp4-trace``; ``bf16`` is the table's ``bf16`` arm
+    (BF16 rollout and trainer, the reference)."""
+    if trainer not in INTEGRATION_MODES:
+        raise ValueError(f"trace_mode = {trainer!r}: expected one of {', '.join(INTEGRATION_MODES)}")
     if diagnostics not in DIAGNOSTICS_CHOICES:
         raise ValueError(f"trace_diagnostics = {diagnostics!r}: expected one of {', '.join(DIAGNOSTICS_CHOICES)}")
+    if trainer == "bf16":
+        return make_arm("bf16", guidance=guidance, n_layers=n_layers)
     mode = GuidedMode.parse(guidance) if trainer == "trace" else None
     guided = mode.layer_indices(n_layers) if mode is not None else frozenset()
     return Arm(f"{plan_name}-{trainer}", plan_by_name(plan_name), mode,

@@ -19,7 +19,7 @@ from tracefp4.rl.arms import make_arm
 from tracefp4.rl.tasks import CharTokenizer
 from tracefp4.seeds import Stream, TrajectoryIds, derive, trajectory_ids
 
-from test_rl import TINY
+from rl_tiny import TINY
 
 
 @pytest.mark.parametrize("seed", [0, 1, 17, 2**20])

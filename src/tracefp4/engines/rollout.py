@@ -118,6 +118,7 @@ def _forward(
     st: _Decode, ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, traj: torch.Tensor
 ) -> torch.Tensor:
     """One forward against the cache; keeps its records; returns the last position's float32 logits."""
+    st.cache.begin_forward(st.attention[:, -ids.shape[1]:].bool())  # pads are neither stored nor attended to
     with forward_state(st.model, st.plan, st.capture):
         out = st.model(
             input_ids=ids,

@@ -125,7 +125,7 @@ class PageTable:
         seqs, width = real.shape
         if self.forwards == 0:
             self.table = torch.zeros(seqs, 0, dtype=torch.int32)
-            self.lens = self.held = torch.zeros(seqs, dtype=torch.int32)
+            self.lens, self.held = torch.zeros(seqs, dtype=torch.int32), torch.zeros(seqs, dtype=torch.int32)
         elif seqs != self.lens.shape[0]:
             raise ValueError(f"PageTable.declare real: {seqs} sequences in a cache of {self.lens.shape[0]}")
         pos = self.lens[:, None].long() + real.long().cumsum(1) - 1  # each real token's position
@@ -321,7 +321,8 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     quantized = getattr(layer, "quantized", None)
     if quantized is not None:
         # the cache knows each sequence's tokens: the mask (built for the padded layout) is not needed
-        return quantized.attend(query, kwargs["scaling"]), None
+        scaling = kwargs.get("scaling")  # None: the modules' default, 1/sqrt(head dim)
+        return quantized.attend(query, query.shape[-1] ** -0.5 if scaling is None else scaling), None
     return _base_attention(module, base)(module, query, key, value, attention_mask, *args, **kwargs)
 
 

@@ -124,13 +124,13 @@ def test_page_table_stores_real_tokens_only_and_reuses_blocks() -> None:
 # --- exact: the stored rows and the records ------------------------------------------------------
 
 
-@pytest.mark.parametrize("plan", sorted(PLANS))
+@pytest.mark.parametrize("plan", sorted(PLANS) + ["fp8"])
 def test_stored_rows_are_the_simulators_and_the_records_are_the_stored_codes(model, plan) -> None:
     """The rows the cache holds, dequantized, are bit for bit what the K/V sites feed attention without
     our cache (a DynamicCache of the dequantized values: the simulator this cache replaced; layer 0,
     where both forwards have the same input: later layers' inputs come through the two attentions); the
     rollout's full K/V record is the stored code, field for field, at every layer."""
-    plan = PLANS[plan]
+    plan = PLANS.get(plan) or PrecisionPlan.fp8()
     ids = torch.randint(2, 32, (2, 19), generator=torch.Generator().manual_seed(4))
     cache, dense = FP4KVCache(model), DynamicCache(config=model.config)
     capture = RolloutCapture(HintMode.FULL, diagnostic_layers=ALL)

@@ -13,7 +13,9 @@ seams). We plug into three of its extension points and copy no model code:
   recorded ones: R3).
 * **KV cache** -- the attention module calls ``cache.update`` with post-RoPE keys and values, which
   is where a real FP4 KV cache quantizes (sites ``k`` and ``v``): our :class:`FP4KVCache` (made of
-  :class:`FP4KVLayer`, a ``DynamicLayer``) quantizes there; under any other cache, or none
+  :class:`FP4KVLayer`, a ``DynamicLayer``) quantizes there and keeps the codes, packed
+  (:mod:`tracefp4.engines.kvcache`), which the attention implementation :func:`prepare_model` sets
+  then reads in place of the returned states; under any other cache, or none
   (``use_cache=False``, as trainers run), a forward pre-hook on the attention module puts a
   quantizing layer in front, so the K/V sites are quantized on every forward with a plan.
 

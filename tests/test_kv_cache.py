@@ -2,7 +2,7 @@
 
 What is exact (atol=0): the stored rows are the simulator's (the dequantized values today's K/V
 sites feed attention), the rollout's K/V records are the stored codes, trace-full reproduces every
-rollout K/V code. What is bounded: every attention call of a generate, against float64 attention over
+rollout K/V code, and in float32 a generate picks the simulator's codes. What is bounded: every attention call of a generate, against float64 attention over
 the same rows, at the bound tests/test_kv_attention.py derives. Between the two reads (kernel, torch)
 see test_kernel_and_torch_reads_generate_the_same for the tolerance.
 """
@@ -191,6 +191,44 @@ def test_kernel_and_torch_reads_generate_the_same(model, plan) -> None:
     assert [t.tolist() for t in a.token_ids] == [t.tolist() for t in b.token_ids]
     for x, y in zip(a.logprobs, b.logprobs):
         assert torch.all((x - y).abs() <= 2.0**-7 * y.abs().clamp(min=1.0)), (x - y).abs().max()
+
+
+class SimulatorCache(DynamicCache):
+    """Today's simulator as the engine's cache: the K/V sites quantize (the attention pre-hook, as for
+    any cache not ours) and the cache keeps their dequantized values for the model's own attention."""
+
+    def __init__(self, model) -> None:
+        super().__init__(config=model.config)
+
+    def begin_forward(self, real: torch.Tensor) -> None:  # the attention mask masks the pads
+        pass
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS) + ["fp8"])
+def test_generate_equals_the_dequantized_simulator_in_float32(plan) -> None:
+    """A float32 model, where the math is the same up to float32 addition order: the packed cache (read
+    by torch: the kernel takes bf16 queries) and the simulator (dequantized K/V in a DynamicCache, the
+    model's SDPA) pick every FP4/FP8 code and block scale alike (atol=0; only float32 row scales may
+    differ, by the ulps of a different summation order), the same tokens, and log-probs within 1e-5:
+    the two orders move a log-prob of magnitude < 5 by a few float32 ulps per op through four layers
+    (~1e-6), while a wrong key, a leaked pad or a stale slot moves it by O(1)."""
+    plan = PLANS.get(plan) or PrecisionPlan.fp8()
+    m = from_config(GQA.config(), dtype=torch.float32, seed=0)
+    packed = generate(m, PROMPTS, SAMPLING, plan=plan, diagnostics=ALL)
+    made = rollout_mod.FP4KVCache
+    rollout_mod.FP4KVCache = SimulatorCache
+    try:
+        sim = generate(m, PROMPTS, SAMPLING, plan=plan, diagnostics=ALL)
+    finally:
+        rollout_mod.FP4KVCache = made
+    assert [t.tolist() for t in packed.token_ids] == [t.tolist() for t in sim.token_ids]
+    for a, b in zip(packed.diagnostics, sim.diagnostics):
+        assert set(a) == set(b)
+        for key in a:  # codes and block scales; not the float32 row scales (NVFP4's amax, FP8's scale)
+            if a[key].dtype != torch.float32:
+                assert torch.equal(a[key], b[key]), key
+    for x, y in zip(packed.logprobs, sim.logprobs):
+        assert torch.all((x - y).abs() <= 1e-5), (x - y).abs().max()
 
 
 def test_trace_full_reproduces_every_rollout_kv_code(model) -> None:

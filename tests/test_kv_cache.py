@@ -2,9 +2,10 @@
 
 What is exact (atol=0): the stored rows are the simulator's (the dequantized values today's K/V
 sites feed attention), the rollout's K/V records are the stored codes, trace-full reproduces every
-rollout K/V code, and in float32 a generate picks the simulator's codes. What is bounded: every attention call of a generate, against float64 attention over
-the same rows, at the bound tests/test_kv_attention.py derives. Between the two reads (kernel, torch)
-see test_kernel_and_torch_reads_generate_the_same for the tolerance.
+rollout K/V code, and in float32 a generate picks the simulator's codes. What is bounded: every
+attention call of a generate, against float64 attention over the same rows, at the bound
+tests/test_kv_attention.py derives. Between the two reads (kernel, torch) see
+test_kernel_and_torch_reads_generate_the_same for the tolerance.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from transformers import DynamicCache
 from tracefp4.engines import kvcache
 from tracefp4.engines import rollout as rollout_mod
 from tracefp4.engines.capture import RolloutCapture
-from tracefp4.engines.kvcache import KVRead, KVStorage, PageTable
+from tracefp4.engines.kvcache import KVRead, KVStorage, PageTable, QuantizedKV
 from tracefp4.engines.model import CACHE_KWARG, FP4KVCache, TinyMoESpec, forward_state, from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import SamplingParams
 from tracefp4.engines.rollout import generate
+from tracefp4.engines.sites import ForwardState
 from tracefp4.engines.trainer import TrainerSpec, code_mismatch, forward_logprobs
 from tracefp4.formats import cgemm
 from tracefp4.formats.constants import HintMode
@@ -119,6 +121,33 @@ def test_page_table_stores_real_tokens_only_and_reuses_blocks() -> None:
         t.declare(torch.ones(2, 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="bool"):
         t.declare(torch.ones(1, 1))
+
+
+@pytest.mark.parametrize("read", [KVRead.TORCH, pytest.param(KVRead.KERNEL, marks=needs_kernel)])
+def test_both_reads_of_a_left_padded_prefill_and_a_decode_meet_the_bound(read) -> None:
+    """One layer's rows through :class:`QuantizedKV` (head dim 128, GQA 8:1): a left-padded prefill
+    (pad rows stored nowhere, their outputs 0) then a decode step, against float64 attention over the
+    same rows at the bound of tests/test_kv_attention.py. The torch read rounds no more often than the
+    kernel (one softmax, no chunk rescaling) and torch's float32 exp is within 1 ulp, inside the bound's
+    8 ulp, so the same bound covers it."""
+    g = torch.Generator().manual_seed(5)
+    table, state = PageTable(), ForwardState(PrecisionPlan())
+    layer = QuantizedKV(0, table, read)
+    real = torch.tensor([[False] * 7 + [True] * 13, [True] * 20, [False] * 19 + [True]])
+    for step in (real, torch.ones(3, 1, dtype=torch.bool)):
+        table.declare(step)
+        k, v = ((torch.randn(3, 2, step.shape[1], 128, generator=g) * 3).bfloat16() for _ in range(2))
+        layer.update(state, k, v)
+        q = torch.randn(3, 16, step.shape[1], 128, generator=g).bfloat16()
+        out = layer.attend(q, 128**-0.5)
+        rows = q.transpose(1, 2).reshape(-1, 16, 128)
+        want, atol = reference(rows, layer.keys.packed(), layer.values.packed(), table.table, table.lens,
+                               table.q_seq, table.q_len, table.block_size, 128**-0.5)
+        got = out.reshape(-1, 16, 128).double()
+        # the float32 result is rounded to the query's dtype (bf16, round to nearest): 2^-9 of it on top
+        atol = atol + (want.abs() + atol) * 2.0**-9
+        assert torch.all((got - want).abs() <= atol), float(((got - want).abs() - atol).max())
+        assert torch.all(got[table.q_len == 0] == 0)
 
 
 # --- exact: the stored rows and the records ------------------------------------------------------

@@ -149,7 +149,8 @@ class PageTable:
             self.blocks = grown
         cols = int(need.max()) if need.numel() else 0
         if cols > self.table.shape[1]:
-            self.table = torch.cat([self.table, self.table.new_zeros(self.table.shape[0], cols - self.table.shape[1])], 1)
+            wider = self.table.new_zeros(self.table.shape[0], cols - self.table.shape[1])
+            self.table = torch.cat([self.table, wider], 1)
         for b in (need > self.held).nonzero().flatten().tolist():
             for col in range(int(self.held[b]), int(need[b])):
                 self.table[b, col] = self.free.pop()
@@ -300,14 +301,18 @@ class QuantizedKV:
         b, hq, s, d = query.shape
         t, dev = self.table, query.device
         n = int(t.lens.max()) if t.lens.numel() else 0
+        if n == 0:  # no sequence holds a token: every row attends to nothing
+            return query.new_zeros(b, s, hq, d)
         pos = torch.arange(n)
         slots = t.table.long()[:, pos // t.block_size] * t.block_size + pos % t.block_size
         slots = torch.where(pos < t.lens[:, None], slots, 0).to(self.keys.device)
-        k, v = (dequantize(r.gather(slots)).to(query.dtype).float().to(dev).transpose(1, 2) for r in (self.keys, self.values))
+        k, v = (dequantize(r.gather(slots)).to(query.dtype).float().to(dev).transpose(1, 2)
+                for r in (self.keys, self.values))
         group = hq // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         mask = (pos[None, None, :] < t.q_len.view(b, s, 1)).to(dev)  # [B, S, keys]
-        out = torch.nn.functional.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask[:, None], scale=scaling)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        out = sdpa(query.float(), k, v, attn_mask=mask[:, None], scale=scaling)
         out = out.masked_fill(~mask.any(-1)[:, None, :, None], 0.0)  # no keys: 0, as the kernel
         return out.transpose(1, 2).to(query.dtype)
 

@@ -308,11 +308,9 @@ class QuantizedKV:
         slots = torch.where(pos < t.lens[:, None], slots, 0).to(self.keys.device)
         k, v = (dequantize(r.gather(slots)).to(query.dtype).float().to(dev).transpose(1, 2)
                 for r in (self.keys, self.values))
-        group = hq // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         mask = (pos[None, None, :] < t.q_len.view(b, s, 1)).to(dev)  # [B, S, keys]
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        out = sdpa(query.float(), k, v, attn_mask=mask[:, None], scale=scaling)
+        out = sdpa(query.float(), k, v, attn_mask=mask[:, None], scale=scaling, enable_gqa=True)  # no K/V copy per head
         out = out.masked_fill(~mask.any(-1)[:, None, :, None], 0.0)  # no keys: 0, as the kernel
         return out.transpose(1, 2).to(query.dtype)
 

@@ -135,7 +135,7 @@ def test_sampler() -> None:
 
 def test_rollout_output_and_record_layout(model: torch.nn.Module, trace_full: RolloutOutput) -> None:
     stops = (4, 9)
-    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=10, stop_token_ids=stops, seed=5), plan=FP4, guidance=LSB)
+    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=10, stop_token_ids=stops, seed=6), plan=FP4, guidance=LSB)
     assert out.diagnostics == [{}] * len(PROMPTS) and out.guidance == LSB and out.plan == FP4
     n_moe = len(moe_layers(model))
     for b, ids in enumerate(out.token_ids):

@@ -13,7 +13,9 @@ seams). We plug into three of its extension points and copy no model code:
   recorded ones: R3).
 * **KV cache** -- the attention module calls ``cache.update`` with post-RoPE keys and values, which
   is where a real FP4 KV cache quantizes (sites ``k`` and ``v``): our :class:`FP4KVCache` (made of
-  :class:`FP4KVLayer`, a ``DynamicLayer``) quantizes there; under any other cache, or none
+  :class:`FP4KVLayer`, a ``DynamicLayer``) quantizes there and keeps the codes, packed
+  (:mod:`tracefp4.engines.kvcache`), which the attention implementation :func:`prepare_model` sets
+  then reads in place of the returned states; under any other cache, or none
   (``use_cache=False``, as trainers run), a forward pre-hook on the attention module puts a
   quantizing layer in front, so the K/V sites are quantized on every forward with a plan.
 
@@ -59,6 +61,8 @@ from transformers.masking_utils import create_causal_mask
 
 from tracefp4.engines.experts import ExpertGEMM, PreparedCache, PreparedWeight, choose_gemm, routed_experts
 from tracefp4.engines.experts.base import SILU_GATE, Activation
+from tracefp4.engines.kvcache import (ATTENTION_PREFIX, KV_LAYER_KWARG, KVRead, KVStorage, PageTable, QuantizedKV,
+                                      attention_implementation, kv_storage)
 from tracefp4.engines.path import ForwardPath
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.sites import BF16, ForwardState, quantize_kv, quantize_site
@@ -172,6 +176,8 @@ class ModelState:
             _BOUND[m.router] = (self, m.index)
         for i, (attn, _) in enumerate(self.attention):
             _BOUND[attn] = (self, i)
+            if attn.config._attn_implementation.startswith(ATTENTION_PREFIX):  # a copy in a fresh process
+                attention_implementation(attn.config._attn_implementation)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"n_layers": self.n_layers, "moe": self.moe, "attention": self.attention}
@@ -263,35 +269,89 @@ def _router_hook(
 
 
 class FP4KVLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose entries are FP4 (per token and KV head) under an FP4 plan.
+    """One decoder layer of an :class:`FP4KVCache`: what it holds is set by the plan of its first
+    update (:class:`~tracefp4.engines.kvcache.KVStorage`). An FP4 or FP8 plan stores each new row's
+    code (quantized once, recorded by the forward's path) in the cache's pages, ``quantized``, and the
+    attention reads them from there (:mod:`tracefp4.engines.kvcache`); a plan that leaves K/V in BF16
+    stores the states as transformers' ``DynamicLayer`` does. Attention always reads the cache, prefill
+    included, so the rollout sees quantized K/V at every position."""
 
-    It stores the dequantized values, in the model's dtype: numerically each entry is exactly the FP4
-    codeword times its scales (rounded to the dtype the attention kernel computes in), which is what
-    an FP4 KV cache feeds attention; the storage itself is not packed (this is a simulator).
-    Attention always reads the cache, prefill included, so the rollout and the trainer see FP4 K/V
-    at every position.
-    """
-
-    def __init__(self, state: ModelState, layer_idx: int) -> None:
+    def __init__(self, state: ModelState, layer_idx: int, table: PageTable, read: KVRead) -> None:
         super().__init__()
         self._state = state
         self.layer_idx = layer_idx
+        self.storage: KVStorage | None = None
+        self.quantized: QuantizedKV | None = None
+        self._table, self._read = table, read
+        self._width = 0  # positions seen by a quantized layer
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         state = self._state.forward()
-        key_states = quantize_kv(state, self.layer_idx, Site.K, key_states)
-        value_states = quantize_kv(state, self.layer_idx, Site.V, value_states)
-        return super().update(key_states, value_states, *args, **kwargs)
+        storage = kv_storage(state)
+        if self.storage is None:
+            self.storage = storage
+            if storage is not KVStorage.DENSE:
+                self.quantized = QuantizedKV(self.layer_idx, self._table, self._read)
+        elif storage is not self.storage:
+            raise ValueError(f"{layer_tag(self.layer_idx)}: this cache holds {self.storage.value} K/V; a forward "
+                             f"with plan {state.plan} needs {storage.value} (one cache serves one plan)")
+        if self.quantized is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self.quantized.update(state, key_states, value_states)
+        self._width = self.get_seq_length() + key_states.shape[2]
+        # attention reads the stored codes (the attention implementation asks this layer), never these
+        return key_states[..., :0, :], value_states[..., :0, :]
+
+    def get_seq_length(self) -> int:
+        """Positions seen (the padded layout's width, which the caller's masks and positions count)."""
+        return self._width if self.quantized is not None else super().get_seq_length()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.quantized is None:  # the page table, shared, is selected once by the cache
+            super().batch_select_indices(indices)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this layer's K/V tensors."""
+        if self.quantized is not None:
+            return self.quantized.nbytes
+        return 0 if not self.is_initialized else self.keys.nbytes + self.values.nbytes
+
+    @property
+    def token_slots(self) -> int:
+        """Tokens this layer's tensors have room for (pads included for a dense layer)."""
+        if self.quantized is not None:
+            return self._table.slot_count
+        return 0 if not self.is_initialized else self.keys.shape[0] * self.keys.shape[2]
 
 
 class FP4KVCache(Cache):
-    """One :class:`FP4KVLayer` per decoder layer of a prepared model (full attention only)."""
+    """One :class:`FP4KVLayer` per decoder layer of a prepared model (full attention only), on one
+    :class:`~tracefp4.engines.kvcache.PageTable`. ``read``: how attention reads FP4/FP8 rows."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, *, read: KVRead = KVRead.AUTO) -> None:
         state = model_state(model)
-        super().__init__(layers=[FP4KVLayer(state, i) for i in range(state.n_layers)])
+        self.table = PageTable()
+        super().__init__(layers=[FP4KVLayer(state, i, self.table, KVRead(read)) for i in range(state.n_layers)])
+
+    def begin_forward(self, real: torch.Tensor) -> None:
+        """Declare the next forward's new tokens, ``real [sequences, new tokens]`` (False: a pad, never
+        stored nor attended to). Without it every new token is real."""
+        self.table.declare(real.bool())
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.table.select(indices)
+        super().batch_select_indices(indices)
+
+    def kv_bytes_per_token(self) -> float:
+        """Bytes the cache's own K/V tensors hold per cached token, over all layers and KV heads."""
+        slots = {layer.token_slots for layer in self.layers}
+        if slots == {0} or len(slots) != 1:
+            raise ValueError(f"kv_bytes_per_token: the cache's layers hold {sorted(slots)} token slots "
+                             "(run a forward through every layer first)")
+        return sum(layer.nbytes for layer in self.layers) / slots.pop()
 
 
 class KVSites:
@@ -324,8 +384,12 @@ def _attention_pre_hook(attn: nn.Module, args: tuple[Any, ...], kwargs: dict[str
         return None
     name = model_state_.attention[layer][1]
     cache = kwargs.get(name)
-    if isinstance(cache, FP4KVCache):  # quantizes in its own layers
-        return None
+    if isinstance(cache, FP4KVCache):  # quantizes in its own layers; attention reads them from there
+        impl = attn.config._attn_implementation
+        if not impl.startswith(ATTENTION_PREFIX):
+            raise RuntimeError(f"{layer_tag(layer)}: an FP4KVCache is read by the {ATTENTION_PREFIX}* attention "
+                               f"prepare_model sets, but the model's attention implementation is {impl!r}")
+        return args, {**kwargs, KV_LAYER_KWARG: cache.layers[layer]}
     return args, {**kwargs, name: KVSites(state, layer, cache)}
 
 
@@ -428,6 +492,8 @@ def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
         warnings.warn("tracefp4: PyTorch's bf16 CPU attention fails on this CPU at this ATEN_CPU_CAPABILITY "
                       "(AMX path below AVX512); using transformers' eager attention", RuntimeWarning, stacklevel=2)
         model.set_attn_implementation("eager")
+    # the same attention as before for every forward but one whose FP4KVCache reads itself
+    model.set_attn_implementation(attention_implementation(config._attn_implementation))
     model.tracefp4_state = state
     return model
 

@@ -8,8 +8,9 @@ to survive.
 
 Decisions
     * **Ragged prompts: left padding.** Prompts are left-padded to the longest one; pad positions are
-      masked out of attention, and ``position_ids`` count real tokens only, so every sequence sees
-      positions ``0..L-1`` exactly as the trainer does. Pad rows still flow through the experts (and
+      masked out of attention (a quantized cache is told which tokens are real and never stores a
+      pad), and ``position_ids`` count real tokens only, so every sequence sees positions ``0..L-1``
+      exactly as the trainer does. Pad rows still flow through the experts (and
       are quantized); because activation and KV scales are per row, they change nothing in the real
       rows, and they are never recorded.
     * **Ragged completions: the batch shrinks.** A sequence that samples a stop token or reaches
@@ -118,6 +119,7 @@ def _forward(
     st: _Decode, ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, traj: torch.Tensor
 ) -> torch.Tensor:
     """One forward against the cache; keeps its records; returns the last position's float32 logits."""
+    st.cache.begin_forward(st.attention[:, -ids.shape[1]:].bool())  # pads are neither stored nor attended to
     with forward_state(st.model, st.plan, st.capture):
         out = st.model(
             input_ids=ids,

@@ -17,10 +17,11 @@ import torch
 
 from tracefp4.engines.path import PLAIN, ForwardPath
 from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.formats.numerics import straight_through
+from tracefp4.formats.numerics import FP8, MXFP4, NVFP4, CompensatedNVFP4, straight_through
+from tracefp4.formats.quantizers import Quantizer
 from tracefp4.guidance.names import Site, record_prefix
 
-__all__ = ["BF16", "ForwardState", "quantize_kv", "quantize_site"]
+__all__ = ["BF16", "ForwardState", "quantize_kv", "quantize_site", "site_code"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,19 @@ class ForwardState:
 BF16 = ForwardState()
 
 
+def _code(state: ForwardState, layer: int, site: Site, x: torch.Tensor, quantizer: Quantizer
+          ) -> tuple[NVFP4 | MXFP4 | FP8 | CompensatedNVFP4, torch.Tensor | None]:
+    """The code of ``x`` at ``site`` and its value where the path gives one (None: the caller
+    dequantizes), recorded by the path: the one place a site is quantized."""
+    name = record_prefix(layer, site)
+    try:
+        if not quantizer.guidable:  # compensated NVFP4 (QUADS): two passes, nothing recorded or guided
+            return quantizer.quantize(x.detach()), None
+        return state.path.site(layer, name, x, quantizer)
+    except ValueError as e:
+        raise ValueError(f"site {name}: {e}") from e
+
+
 def quantize_site(state: ForwardState, layer: int, site: Site, x: torch.Tensor) -> torch.Tensor:
     """The value the next op sees at ``site``: ``x`` quantized per row (last dim) by the plan's
     quantizer, rounded toward the rollout's codeword where the trainer has a hint, in x's dtype with a
@@ -52,14 +66,17 @@ def quantize_site(state: ForwardState, layer: int, site: Site, x: torch.Tensor) 
     quantizer = None if state.plan is None else state.plan.quantizer(site)
     if quantizer is None:  # BF16: no plan, or a site the plan leaves unquantized (W4A16)
         return x
-    name = record_prefix(layer, site)
-    try:
-        if not quantizer.guidable:  # compensated NVFP4 (QUADS): two passes, nothing recorded or guided
-            return straight_through(x, quantizer.dequantize(quantizer.quantize(x.detach())))
-        _, value = state.path.site(layer, name, x, quantizer)
-    except ValueError as e:
-        raise ValueError(f"site {name}: {e}") from e
-    return straight_through(x, value)
+    q, value = _code(state, layer, site, x, quantizer)
+    return straight_through(x, quantizer.dequantize(q) if value is None else value)
+
+
+def site_code(state: ForwardState, layer: int, site: Site, x: torch.Tensor
+              ) -> NVFP4 | MXFP4 | FP8 | CompensatedNVFP4 | None:
+    """The code (not the value) the plan gives ``x`` at ``site``, recorded by the forward's path
+    exactly as :func:`quantize_site` records it; None where the plan leaves the site in BF16. A cache
+    that stores codes calls this: each row is quantized once, and the record is the stored code."""
+    quantizer = None if state.plan is None else state.plan.quantizer(site)
+    return None if quantizer is None else _code(state, layer, site, x, quantizer)[0]
 
 
 def quantize_kv(state: ForwardState, layer: int, site: Site, states: torch.Tensor) -> torch.Tensor:

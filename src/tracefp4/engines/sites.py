@@ -17,10 +17,11 @@ import torch
 
 from tracefp4.engines.path import PLAIN, ForwardPath
 from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.formats.numerics import straight_through
+from tracefp4.formats.numerics import FP8, MXFP4, NVFP4, straight_through
+from tracefp4.formats.quantizers import Quantizer
 from tracefp4.guidance.names import Site, record_prefix
 
-__all__ = ["BF16", "ForwardState", "quantize_kv", "quantize_site"]
+__all__ = ["BF16", "ForwardState", "quantize_kv", "quantize_site", "site_code"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +53,33 @@ def quantize_site(state: ForwardState, layer: int, site: Site, x: torch.Tensor) 
     quantizer = None if state.plan is None else state.plan.quantizer(site)
     if quantizer is None:  # BF16: no plan, or a site the plan leaves unquantized (W4A16)
         return x
+    if not quantizer.guidable:  # compensated NVFP4 (QUADS): two passes, nothing recorded or guided
+        try:
+            return straight_through(x, quantizer.dequantize(quantizer.quantize(x.detach())))
+        except ValueError as e:
+            raise ValueError(f"site {record_prefix(layer, site)}: {e}") from e
+    _, value = _path_site(state, layer, site, x, quantizer)
+    return straight_through(x, value)
+
+
+def site_code(state: ForwardState, layer: int, site: Site, x: torch.Tensor) -> NVFP4 | MXFP4 | FP8:
+    """The code (not the value) of ``x`` at guidable ``site`` under the forward's plan, taken and kept
+    by the forward's path exactly as :func:`quantize_site` takes it (a rollout records this very code):
+    for a store that holds codes, the vLLM plugin's packed K/V cache. Raises ValueError where the plan
+    has no guidable quantizer for ``site``."""
+    quantizer = None if state.plan is None else state.plan.quantizer(site)
+    if quantizer is None or not quantizer.guidable:
+        raise ValueError(f"site {record_prefix(layer, site)}: the plan {state.plan!r} quantizes it with "
+                         f"{quantizer!r}, which has no code to store")
+    return _path_site(state, layer, site, x, quantizer)[0]
+
+
+def _path_site(state: ForwardState, layer: int, site: Site, x: torch.Tensor, quantizer: Quantizer):
     name = record_prefix(layer, site)
     try:
-        if not quantizer.guidable:  # compensated NVFP4 (QUADS): two passes, nothing recorded or guided
-            return straight_through(x, quantizer.dequantize(quantizer.quantize(x.detach())))
-        _, value = state.path.site(layer, name, x, quantizer)
+        return state.path.site(layer, name, x, quantizer)
     except ValueError as e:
         raise ValueError(f"site {name}: {e}") from e
-    return straight_through(x, value)
 
 
 def quantize_kv(state: ForwardState, layer: int, site: Site, states: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,9 @@ from tracefp4.engines.capture import RolloutCapture
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts, check_top_logprobs
 from tracefp4.engines.sink import StoreTarget, unpack_records
+from tracefp4.engines.vllm.kv_layout import KVStore, resolve_kv_store
 from tracefp4.guidance.compact import GuidedMode
+from tracefp4.guidance.names import Site
 
 __all__ = ["PlainVLLMEngine", "VLLMEngine", "checkpoint_names", "engine_env", "engine_for"]
 
@@ -105,9 +107,12 @@ class VLLMEngine:
     that plan's prepared routed-expert weights (packed FP4 on the CPU) and no BF16 copy, so
     ``generate`` serves plans with the same weight quantizer (another activation or KV format is
     fine); True keeps the BF16 expert weights too, so any plan or BF16 can be served per call (one
-    engine for every arm of a run). ``compilation``: ``"none"``, ``"dynamo"`` or ``"inductor"`` (see
-    the module docstring). ``llm_kwargs`` go to ``vllm.LLM`` (the fixed ones above cannot be
-    overridden).
+    engine for every arm of a run). ``kv_store`` (:class:`~.kv_layout.KVStore`): ``"packed"`` holds
+    K/V as packed FP4 rows (~3.3x the tokens per KV budget; calls with the plan's K/V format only),
+    ``"values"`` the dequantized values in the model dtype (any plan per call); default packed for an
+    NVFP4/MXFP4 K/V plan without ``keep_bf16``, values otherwise. ``compilation``: ``"none"``,
+    ``"dynamo"`` or ``"inductor"`` (see the module docstring). ``llm_kwargs`` go to ``vllm.LLM`` (the
+    fixed ones above cannot be overridden).
     """
 
     name = "vllm"
@@ -123,9 +128,11 @@ class VLLMEngine:
         max_num_seqs: int = 16,
         seed: int = 0,
         compilation: str = "none",
+        kv_store: KVStore | str | None = None,
         **llm_kwargs,
     ) -> None:
         self.in_process = engine_env()
+        self.kv_store = resolve_kv_store(plan, keep_bf16, kv_store)
         from tracefp4.engines.vllm.plugin import register
 
         # Registers the plugin in this process without the entry point; a spawned worker registers it
@@ -150,7 +157,7 @@ class VLLMEngine:
             raise ValueError(f"VLLMEngine fixes {clash}; do not pass them")
         overrides = dict(llm_kwargs.pop("hf_overrides", None) or {})
         overrides["quantization_config"] = {"quant_method": "tracefp4", "plan": None if plan is None else plan.to_dict(),
-                                            "keep_bf16": bool(keep_bf16)}
+                                            "keep_bf16": bool(keep_bf16), "kv_store": self.kv_store.value}
         # Seeded sampling + chunked prefill crashes vLLM 0.32 on CPU (generator offset rewind):
         # whole prompts per step unless the caller decides otherwise.
         llm_kwargs.setdefault("enable_chunked_prefill", False)
@@ -193,6 +200,10 @@ class VLLMEngine:
             want = "BF16" if plan is None else f"expert weights quantized by {plan.weight_quantizer}"
             raise ValueError(f"this engine holds only its plan's prepared expert weights ({self.plan.weight_quantizer}); "
                              f"a call asking for {want} needs an engine built with keep_bf16=True")
+        if self.kv_store is KVStore.PACKED and (plan is None or plan.kv_cache is not self.plan.kv_cache):
+            raise ValueError(f"this engine's KV cache holds packed {self.plan.kv_cache.value} K/V rows; a call asking "
+                             f"for {'BF16' if plan is None else f'{plan.site_format(Site.K)} K/V'} needs an engine "
+                             "built with kv_store='values'")
         if guidance is not None and not isinstance(guidance, GuidedMode):
             raise ValueError(f"guidance must be a GuidedMode (GuidedMode.parse(name)), got {type(guidance).__name__}")
         prompt_ids = check_prompts(prompts, self.vocab)

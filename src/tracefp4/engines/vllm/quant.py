@@ -37,6 +37,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from vllm.model_executor.layers.attention import Attention  # noqa: E402
 from vllm.model_executor.layers.fused_moe import RoutedExperts  # noqa: E402
 from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig  # noqa: E402
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase  # noqa: E402
@@ -48,6 +49,7 @@ from vllm.model_executor.utils import set_weight_attrs  # noqa: E402
 from tracefp4.engines.experts import ExpertGEMM, PreparedWeight, choose_gemm, routed_experts  # noqa: E402
 from tracefp4.engines.experts.base import SILU_GATE  # noqa: E402
 from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
+from tracefp4.engines.vllm.kv_layout import KVStore, resolve_kv_store  # noqa: E402
 from tracefp4.engines.vllm.runtime import RUNTIME, layer_index  # noqa: E402
 from tracefp4.formats.quantizers import Quantizer  # noqa: E402
 
@@ -68,6 +70,7 @@ class TraceFP4Config(QuantizationConfig):
         plan = self.config.get("plan", PrecisionPlan().to_dict())
         self.plan = None if plan is None else PrecisionPlan(**plan)
         self.keep_bf16 = bool(self.config.get("keep_bf16", False))
+        self.kv_store = resolve_kv_store(self.plan, self.keep_bf16, self.config.get("kv_store"))
         RUNTIME.config_plan = self.plan
 
     def get_name(self) -> str:
@@ -96,6 +99,10 @@ class TraceFP4Config(QuantizationConfig):
             return TraceFP4MoEMethod(layer.moe_config, prefix, self.plan, keep_bf16=self.keep_bf16)
         if isinstance(layer, LinearBase):
             return UnquantizedLinearMethod()
+        if isinstance(layer, Attention) and self.kv_store is KVStore.PACKED:
+            from tracefp4.engines.vllm.kv_backend import install_packed_attention
+
+            install_packed_attention(layer, self.plan.kv_cache)
         return None
 
 

@@ -16,11 +16,13 @@
   function our engine calls: ``expert_in`` and ``expert_mid`` quantized per row with
   ``plan.quantizer(site)``, the routing recorded, the top-k outputs summed in float32.
 * Every other linear layer (attention projections, router, shared experts, lm_head) stays
-  unquantized; attention gets no quant method (the cache stays in the model dtype, K/V are FP4
-  values written by :mod:`.plugin`'s wrapper).
+  unquantized. Attention gets no quant method; with ``kv_store`` ``packed`` its layers get the packed
+  FP4 KV backend (:mod:`.kv_backend`), with ``values`` the cache stays in the model dtype and holds
+  the FP4 values :mod:`.plugin`'s wrapper writes (:class:`~.kv_layout.KVStore`).
 
-The config: ``{"quant_method": "tracefp4", "plan": PrecisionPlan.to_dict() | null, "keep_bf16": bool}``
-(no plan entry: the default W4A4 NVFP4 plan; ``null``: BF16 unless a call says otherwise), e.g.
+The config: ``{"quant_method": "tracefp4", "plan": PrecisionPlan.to_dict() | null, "keep_bf16": bool,
+"kv_store": "packed" | "values"}`` (no plan entry: the default W4A4 NVFP4 plan; ``null``: BF16 unless
+a call says otherwise; no kv_store: :func:`~.kv_layout.resolve_kv_store`'s default), e.g.
 ``hf_overrides={"quantization_config": {...}}``; a :class:`~tracefp4.engines.vllm.engine.VLLMEngine`
 call may run another plan (or BF16) per call where the weights it needs are held.
 """

@@ -482,8 +482,9 @@ def test_sampler_top_k_from_vllm(engine) -> None:
 
 @pytest.mark.subprocess
 def test_mismatch_cli_engine_vllm(tmp_path) -> None:
-    """``tracefp4 mismatch --engine vllm``: the command line end to end (and its error for a
-    head_dim vLLM's CPU attention lacks)."""
+    """``tracefp4 mismatch --engine vllm``: the command line end to end, its FP4 arms on the packed
+    K/V cache (the default, one engine per plan), trace-full mismatch 0 (and its error for a head_dim
+    vLLM's CPU attention lacks)."""
     import subprocess
     import sys
 

@@ -621,6 +621,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the rollout's precision plan: NVFP4 W4A4 (default) or W8A8 FP8 (E4M3 codes; lsb on all layers)")
     p.add_argument("--engine", choices=("home", "vllm"), default="home",
                    help="rollout engine: ours, or vLLM with the tracefp4 plugin (needs vLLM; head_dim >= 32 on CPU)")  # fmt: skip
+    p.add_argument("--kv-store", choices=("packed", "values"), default="packed",
+                   help="--engine vllm: the FP4 arms' KV cache holds packed FP4 rows (one engine per plan) or the "
+                        "dequantized values (one engine for every arm)")  # fmt: skip
 
 
 def run_cli(

@@ -55,7 +55,7 @@ from tracefp4.engines.vllm.kv_layout import KVStore, resolve_kv_store
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import Site
 
-__all__ = ["PlainVLLMEngine", "VLLMEngine", "checkpoint_names", "engine_env", "engine_for"]
+__all__ = ["EnginePerPlan", "PlainVLLMEngine", "VLLMEngine", "checkpoint_names", "engine_env", "engine_for"]
 
 _ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -410,6 +410,15 @@ class PlainVLLMEngine(VLLMEngine):
 def engine_for(model, checkpoint: str | os.PathLike[str] | None, *, max_len: int, **kwargs) -> VLLMEngine:
     """A :class:`VLLMEngine` over ``model``'s weights: its checkpoint folder, or (a model built in
     memory) the model written to a temporary folder that lives as long as the engine."""
+    checkpoint, tmp, max_model_len = _engine_checkpoint(model, checkpoint, max_len)
+    engine = VLLMEngine(checkpoint, max_model_len=max_model_len, **kwargs)
+    engine._tmp = tmp
+    return engine
+
+
+def _engine_checkpoint(model, checkpoint, max_len: int):
+    """``(folder, temporary folder or None, max_model_len)`` for an engine over ``model``'s weights
+    (refusing a head dim vLLM's CPU attention lacks before vLLM starts)."""
     import tempfile
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
@@ -428,7 +437,46 @@ def engine_for(model, checkpoint: str | os.PathLike[str] | None, *, max_len: int
         tmp = tempfile.TemporaryDirectory(prefix="tracefp4-vllm-")
         model.save_pretrained(tmp.name)
         checkpoint = tmp.name
-    max_model_len = max(64, -(-max_len // 16) * 16)
-    engine = VLLMEngine(checkpoint, max_model_len=max_model_len, **kwargs)
-    engine._tmp = tmp
-    return engine
+    return checkpoint, tmp, max(64, -(-max_len // 16) * 16)
+
+
+class EnginePerPlan:
+    """A rollout engine that serves each call with a :class:`VLLMEngine` built for the call's plan,
+    with that engine's default KV store (packed FP4 K/V for an NVFP4/MXFP4 plan), holding one engine at
+    a time (vLLM allows one in-process engine): a call with another plan closes the held engine and
+    builds the next. For reports that run a few arms one after the other on one set of weights
+    (``tracefp4 mismatch --engine vllm``); weight pushes are not forwarded (build it on the weights)."""
+
+    name = "vllm"
+
+    def __init__(self, model, checkpoint: str | os.PathLike[str] | None, *, max_len: int, **kwargs) -> None:
+        self.checkpoint, self._tmp, self.max_model_len = _engine_checkpoint(model, checkpoint, max_len)
+        self.kwargs = kwargs
+        self.held: VLLMEngine | None = None
+
+    def generate(self, prompts, sampling: SamplingParams, *, plan: PrecisionPlan | None,
+                 guidance: GuidedMode | None = None, diagnostics: frozenset[int] = frozenset(),
+                 store: StoreTarget | None = None) -> RolloutOutput:
+        if self.held is None or self.held.plan != plan:
+            if self.held is not None:
+                self.held.close()
+            self.held = None  # a failed build must not leave the closed engine held
+            self.held = VLLMEngine(self.checkpoint, plan=plan, max_model_len=self.max_model_len, **self.kwargs)
+        return self.held.generate(prompts, sampling, plan=plan, guidance=guidance, diagnostics=diagnostics, store=store)
+
+    def load_weights(self, state, version: int) -> None:
+        raise NotImplementedError("EnginePerPlan serves the weights it was built on: build a new one")
+
+    def close(self) -> None:
+        held, self.held = self.held, None
+        if held is not None:
+            held.close()
+        tmp, self._tmp = self._tmp, None
+        if tmp is not None:
+            tmp.cleanup()
+
+    def __enter__(self) -> EnginePerPlan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -99,7 +99,17 @@ def checkpoint_names(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, t
             yield k, v
 
 
-class VLLMEngine:
+class _ClosedOnExit:
+    """``with engine:`` closes the engine (``close()``) on the way out."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class VLLMEngine(_ClosedOnExit):
     """vLLM's offline engine with tracefp4's precision plan and records (see the module docstring).
 
     ``model``: a local checkpoint folder (transformers format, Qwen3-MoE). ``plan``: the plan the
@@ -288,12 +298,6 @@ class VLLMEngine:
         if tmp is not None:
             tmp.cleanup()
 
-    def __enter__(self) -> VLLMEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # --- internals ------------------------------------------------------------------------------
 
     def _run(self, prompt_ids: list[list[int]], params: list) -> list:
@@ -440,7 +444,7 @@ def _engine_checkpoint(model, checkpoint, max_len: int):
     return checkpoint, tmp, max(64, -(-max_len // 16) * 16)
 
 
-class EnginePerPlan:
+class EnginePerPlan(_ClosedOnExit):
     """A rollout engine that serves each call with a :class:`VLLMEngine` built for the call's plan,
     with that engine's default KV store (packed FP4 K/V for an NVFP4/MXFP4 plan), holding one engine at
     a time (vLLM allows one in-process engine): a call with another plan closes the held engine and
@@ -474,9 +478,3 @@ class EnginePerPlan:
         tmp, self._tmp = self._tmp, None
         if tmp is not None:
             tmp.cleanup()
-
-    def __enter__(self) -> EnginePerPlan:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -286,6 +286,13 @@ class VLLMEngine(_ClosedOnExit):
         self.llm.reset_prefix_cache()
         self.version = version
 
+    def kv_cache_size(self) -> dict[str, int]:
+        """The KV cache vLLM gave this engine: ``tokens``, the capacity it reports (blocks x block
+        size), and ``bytes``, what its cache tensors hold (so bytes per token is the layout's own)."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        return {"tokens": int(cache.num_gpu_blocks * cache.block_size),
+                "bytes": int(sum(self.llm.collective_rpc("tracefp4_kv_cache_bytes")))}
+
     def close(self) -> None:
         """Shut the engine down now (idempotent). vLLM's shutdown tears down process-wide state (its
         model-parallel groups), so an in-process engine must be closed before another is built in
@@ -370,7 +377,8 @@ class PlainVLLMEngine(VLLMEngine):
     kernels), what a user would run instead of an FP4 rollout. The baseline of ``tracefp4 bench
     rollout``; it samples exactly as :class:`VLLMEngine` does (seeded requests, processed log-probs,
     eager mode, no prefix caching) but computes in BF16 and records nothing, so it cannot feed a
-    TRACE trainer."""
+    TRACE trainer. (Our worker extension only adds methods by name, :meth:`kv_cache_size`'s.)
+    ``kv_cache_dtype="fp8"`` gives vLLM's own FP8 KV cache."""
 
     name = "vllm"
 
@@ -385,7 +393,7 @@ class PlainVLLMEngine(VLLMEngine):
         self._tmp = None
         self.llm = LLM(model=os.fspath(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        seed=seed, enforce_eager=True, enable_prefix_caching=False, logprobs_mode="processed_logprobs",
-                       skip_tokenizer_init=True, **llm_kwargs)
+                       skip_tokenizer_init=True, worker_extension_cls=EXTENSION, **llm_kwargs)
         self.plan = None
         self.keep_bf16 = True
         self.max_model_len = max_model_len

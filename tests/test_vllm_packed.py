@@ -234,10 +234,9 @@ def test_packed_kv_cache_holds_3_3x_the_tokens_of_bf16(tmp_path_factory):
     got = {}
     for name, make in (("bf16", PlainVLLMEngine), ("packed", lambda p, **kw: VLLMEngine(p, plan=FP4, **kw))):
         with make(str(path), max_model_len=64, max_num_seqs=4) as e:
-            cache = e.llm.llm_engine.vllm_config.cache_config
-            tokens = cache.num_gpu_blocks * cache.block_size
-            nbytes = e.llm.collective_rpc(lambda w: sum(t.numel() * t.element_size() for t in w.model_runner.kv_caches))[0]
-            got[name] = (tokens, nbytes / tokens / (cfg["layers"] * cfg["kv_heads"]), cache.block_size)
+            kv = e.kv_cache_size()
+            got[name] = (kv["tokens"], kv["bytes"] / kv["tokens"] / (cfg["layers"] * cfg["kv_heads"]),
+                         e.llm.llm_engine.vllm_config.cache_config.block_size)
     (bf16, bf16_bytes, bs), (packed, packed_bytes, _) = got["bf16"], got["packed"]
     assert bf16_bytes == 2 * 128 * 2 and packed_bytes == 152
     assert packed / bf16 >= 512 / 152 - bs / bf16 and packed / bf16 >= 3.3

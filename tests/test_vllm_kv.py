@@ -114,9 +114,10 @@ def _atol(q, k_rows, v_rows, scale, d, ref):
 def test_update_stores_the_codes_and_attention_reads_them(plan):
     """A prompt of 5 tokens and a decode step of another sequence (length 18, over two blocks of 16),
     written by do_kv_cache_update at vLLM's slots, attended by forward: the cache holds the plan
-    quantizer's codes (and the capture records the same), the output meets the float64 reference."""
+    quantizer's codes (and the capture records the same), the output meets the float64 reference on
+    both paths (the decode row through the C kernel, the prompt through dequantize-then-SDPA)."""
     from tracefp4.engines.capture import RolloutCapture
-    from tracefp4.engines.vllm.kv_backend import PackedKVImpl, PackedKVMetadata, query_rows
+    from tracefp4.engines.vllm.kv_backend import PackedKVImpl, paging, query_rows
     from tracefp4.engines.vllm.runtime import RUNTIME
     from tracefp4.guidance.compact import GuidedMode
 
@@ -153,7 +154,8 @@ def test_update_stores_the_codes_and_attention_reads_them(plan):
     q = rows(6, hq)
     seq_lens = torch.tensor([18, 5], dtype=torch.int32)
     q_seq, q_len = query_rows(torch.tensor([0, 1, 6], dtype=torch.int32), seq_lens)
-    meta = PackedKVMetadata(6, tables, seq_lens, q_seq, q_len)
+    meta = paging(6, tables, torch.tensor([0, 1, 6], dtype=torch.int32), seq_lens)
+    assert meta.prompts == ((1, 1, 6),) and meta.decode_rows.tolist() == [0]  # the prompt goes to SDPA
     out = impl.forward(layer, q, None, None, cache, meta, torch.empty(7, hq, d, dtype=torch.bfloat16))
     deq_k, deq_v = ckv.dequantize_rows(k), ckv.dequantize_rows(v)
     for r, (s, n) in enumerate(zip(q_seq.tolist(), q_len.tolist())):

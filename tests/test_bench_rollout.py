@@ -59,3 +59,29 @@ def test_the_presets_own_shapes_keep_their_targets():
     assert preset_spec("mid") == PRESETS["mid"].spec
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         preset_spec("huge")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.subprocess
+def test_vllm_kv_cache_figures_come_from_the_engines(tmp_path):
+    """The memory probes' KV figures (each engine in a fresh process, 1 GiB of KV budget): vLLM's
+    reported capacity and the bytes per token of the engines' own cache tensors. Head dim 64, one KV
+    head, one layer: BF16 4 x 64 = 256 bytes per token, vLLM's FP8 cache 128, our packed NVFP4 K and V
+    rows 2 x (32 + 4 + 4) = 80; capacities in the inverse ratio, less one block of rounding."""
+    pytest.importorskip("vllm")
+    from tracefp4.engines.model import from_config
+    from tracefp4.reports.bench_rollout import TINY_MOE, measure_memory
+
+    if not __import__("torch").cpu._is_avx512_supported():
+        pytest.skip("vLLM's FP8 KV cache on CPU needs AVX-512")
+    ckpt = tmp_path / "ckpt"
+    from_config(TINY_MOE.config(), seed=0).save_pretrained(ckpt)
+    res = measure_memory(str(ckpt), "bandwidth", ["vllm"])
+    per_token = {m: res[f"kv_bytes_per_token.vllm.{m}"] for m in ("bf16", "fp8kv", "fp4")}
+    assert per_token == {"bf16": 256, "fp8kv": 128, "fp4": 80}
+    tokens = {m: res[f"kv_capacity_tokens.vllm.{m}"] for m in ("bf16", "fp8kv", "fp4")}
+    block = 128  # vLLM's CPU default block size: the capacities are whole blocks of the same budget
+    assert abs(tokens["fp4"] * 80 - tokens["bf16"] * 256) <= block * 256
+    assert abs(tokens["fp4"] * 80 - tokens["fp8kv"] * 128) <= block * 128
+    assert res["kv_cache_bytes.vllm.fp4"] == tokens["fp4"] * 80

@@ -482,8 +482,9 @@ def test_sampler_top_k_from_vllm(engine) -> None:
 
 @pytest.mark.subprocess
 def test_mismatch_cli_engine_vllm(tmp_path) -> None:
-    """``tracefp4 mismatch --engine vllm``: the command line end to end (and its error for a
-    head_dim vLLM's CPU attention lacks)."""
+    """``tracefp4 mismatch --engine vllm``: the command line end to end, its FP4 arms on the packed
+    K/V cache (the default, one engine per plan), trace-full mismatch 0 (and its error for a head_dim
+    vLLM's CPU attention lacks)."""
     import subprocess
     import sys
 
@@ -587,7 +588,7 @@ from tracefp4.engines.sink import StoreTarget
 from tracefp4.guidance.compact import GuidedMode
 if __name__ == "__main__":
     ckpt, root, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    eng = VLLMEngine(ckpt, max_model_len=128, max_num_seqs=4, compilation="dynamo")
+    eng = VLLMEngine(ckpt, max_model_len=128, max_num_seqs=4, compilation="dynamo", kv_store="values")
     ids = tuple(f"t{b}" for b in range(len(prompts)))
     out = eng.generate(prompts, SamplingParams(max_new_tokens=12, seed=3), plan=PrecisionPlan(),
                        guidance=GuidedMode.parse("full@all"), store=StoreTarget(root, 0, "w0", ids, "sig", 0))

@@ -67,17 +67,50 @@ def _experts(engine, fn):
 @pytest.fixture(scope="module")
 def both(ckpt):
     """The same rollouts (full records on every layer) from an engine that keeps BF16 weights and one
-    that holds only packed experts, built one after the other (vLLM keeps process-wide state)."""
+    that holds only packed experts, both with the packed K/V cache (the default without keep_bf16,
+    asked of the other), and from a third whose cache holds the dequantized K/V values; built one after
+    the other (vLLM keeps process-wide state). From the packed engine also one single-prompt rollout
+    with the slots its layer-0 cache update wrote and what its cache holds there afterwards."""
     from tracefp4.engines.vllm import VLLMEngine
+    from tracefp4.engines.vllm.kv_layout import KVStore
 
     out = {}
-    for keep in (True, False):
-        with VLLMEngine(ckpt, plan=FP4, keep_bf16=keep, max_model_len=64, max_num_seqs=4) as e:
+    for keep, store in ((True, "packed"), (False, None), ("values", "values")):
+        with VLLMEngine(ckpt, plan=FP4, keep_bf16=keep is True, kv_store=store, max_model_len=64, max_num_seqs=4) as e:
             out[keep] = e.generate(PROMPTS, SAMPLING, plan=FP4, guidance=GuidedMode.parse("full@all"), diagnostics=ALL)
-            if not keep:
+            if keep is False:
+                assert e.kv_store is KVStore.PACKED
                 out["held"] = _experts(e, lambda layers: [
                     {n: (str(p.dtype), tuple(p.shape)) for n, p in m.named_parameters(recurse=False)} for m in layers])
+                out["cache"] = _cache_rows_written(e)
     return out
+
+
+def _cache_rows_written(engine) -> tuple:
+    """A one-prompt full-record rollout of the (in-process) packed engine, the slots its layer-0 cache
+    updates wrote in order (one per position), and the K/V planes of layer 0's cache at those slots."""
+    from tracefp4.engines.vllm.kv_backend import PackedKVImpl
+
+    orig, slots = PackedKVImpl.do_kv_cache_update, []
+
+    def spy(self, layer, key, value, kv_cache, slot_mapping):
+        if self.layer_name.startswith("model.layers.0."):
+            slots.append(slot_mapping.clone())
+        return orig(self, layer, key, value, kv_cache, slot_mapping)
+
+    PackedKVImpl.do_kv_cache_update = spy
+    try:
+        rollout = engine.generate(PROMPTS[:1], SAMPLING, plan=FP4, guidance=GuidedMode.parse("full@all"))
+    finally:
+        PackedKVImpl.do_kv_cache_update = orig
+    at = torch.cat(slots).long()
+
+    def read(worker):
+        model = worker.model_runner.get_model()
+        attn = next(m for m in model.modules() if getattr(m, "layer_name", "").startswith("model.layers.0."))
+        return [{f: getattr(p, f)[at].clone() for f in ("codes", "scales", "amax")} for p in attn.impl.planes(attn.kv_cache)]
+
+    return rollout, engine.llm.collective_rpc(read)[0]
 
 
 def test_packed_engine_holds_no_bf16_experts(both, ckpt):
@@ -108,7 +141,8 @@ def test_packed_engine_computes_and_records_what_the_bf16_keeping_one_does(both)
 
 def test_trainer_reproduces_every_code_of_the_packed_engine(both, ckpt):
     """Our trainer's QAT forward adopts the packed kernels' weight convention (bf16 block values, the
-    FP32 global after the GEMM): with full records on every layer no rollout code differs."""
+    FP32 global after the GEMM) and fake-quantizes K/V with the records as guidance: with full records
+    on every layer no code of the packed-experts, packed-K/V engine differs (trace-full mismatch 0)."""
     hf = load_model(ckpt)
     with torch.no_grad():
         out = forward_rollout(hf, both[False], mode="trace", capture_codes=ALL)
@@ -125,6 +159,8 @@ def test_refused_calls_name_keep_bf16_and_a_push_repacks(ckpt):
     hf = load_model(ckpt)
     with VLLMEngine(ckpt, plan=FP4, max_model_len=64, max_num_seqs=4) as e:
         e.generate(PROMPTS[:1], SAMPLING, plan=PrecisionPlan.w4a8(), guidance=None)  # same NVFP4 weights
+        with pytest.raises(ValueError, match="packed nvfp4 K/V rows; a call asking for mxfp4 K/V.*kv_store='values'"):
+            e.generate(PROMPTS[:1], SAMPLING, plan=PrecisionPlan(kv_cache="mxfp4"), guidance=None)
         for plan in (None, PrecisionPlan.mxfp4()):
             with pytest.raises(ValueError, match="keep_bf16=True"):
                 e.generate(PROMPTS[:1], SAMPLING, plan=plan, guidance=None)
@@ -145,3 +181,83 @@ def test_refused_calls_name_keep_bf16_and_a_push_repacks(ckpt):
         e.load_weights(state, version=2)
         again = e.generate(PROMPTS, SAMPLING, plan=FP4, guidance=None)
         assert all(torch.equal(x, y) for x, y in zip(before.logprobs, again.logprobs))
+
+
+def test_packed_kv_cache_holds_the_recorded_codes(both):
+    """The packed cache's slots hold exactly the K/V codes, E4M3 scales and amaxes the rollout recorded
+    (one quantization: the record is the stored row), at every position of the trajectory."""
+    rollout, (k, v) = both["cache"]
+    rec = rollout.records[0]
+    assert k["codes"].shape[0] == rollout.token_ids[0].numel()
+    for name, plane in (("k", k), ("v", v)):
+        assert torch.equal(plane["codes"], rec[f"L00.{name}.codes"])
+        assert torch.equal(plane["scales"], rec[f"L00.{name}.scales"].view(torch.uint8))
+        assert torch.equal(plane["amax"], rec[f"L00.{name}.global_amax"].squeeze(-1))
+
+
+def test_packed_kv_generation_matches_the_values_store(both):
+    """Packed K/V (our C attention over the codes) against the dequantized-value cache (vLLM's CPU
+    attention over the same bf16 K/V values): the arithmetic differs only in the order of the fp32
+    additions and the exp, so each attention output agrees to within one bf16 rounding (the bound of
+    tests/test_vllm_kv.py). One rounding can move a downstream FP4 code by one step at a rounding
+    boundary, which no arithmetic bound excludes; so: the same tokens, at most 0.1 % of the recorded
+    codes differing, and log-probs within 0.05 (one FP4 step of one expert input moves a log-prob of
+    this model by about 1e-2; measured here: 0 codes and 0.0 differ)."""
+    a, b = both[False], both["values"]
+    assert all(torch.equal(x, y) for x, y in zip(a.token_ids, b.token_ids))
+    assert max(float((x - y).abs().max()) for x, y in zip(a.logprobs, b.logprobs)) <= 0.05
+    total = differ = 0
+    for ra, rb in zip(a.records, b.records):
+        for key in (k for k in ra if k.endswith(".codes")):
+            total += ra[key].numel()
+            differ += int((ra[key] != rb[key]).sum())
+    assert total > 0 and differ <= 1e-3 * total
+
+
+
+def test_packed_kv_cache_holds_3_3x_the_tokens_of_bf16(tmp_path_factory):
+    """Head dim 128, the same VLLM_CPU_KVCACHE_SPACE (1 GiB): vLLM's own BF16 engine and ours with the
+    packed NVFP4 cache. vLLM's reported capacity (blocks x block size) and the bytes per token of the
+    engine's own cache tensors: 152 bytes per token, layer and KV head against 512 (0.297x), so
+    512/152 = 3.37x the tokens, less at most one block of rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from tracefp4.engines.vllm import VLLMEngine
+    from tracefp4.engines.vllm.engine import PlainVLLMEngine
+
+    path = tmp_path_factory.mktemp("vllm_kv128") / "ckpt"
+    torch.manual_seed(2)
+    cfg = dict(CONFIG, layers=2, head_dim=128)
+    AutoModelForCausalLM.from_config(tiny_config(**cfg), dtype=torch.bfloat16).save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    got = {}
+    for name, make in (("bf16", PlainVLLMEngine), ("packed", lambda p, **kw: VLLMEngine(p, plan=FP4, **kw))):
+        with make(str(path), max_model_len=64, max_num_seqs=4) as e:
+            kv = e.kv_cache_size()
+            got[name] = (kv["tokens"], kv["bytes"] / kv["tokens"] / (cfg["layers"] * cfg["kv_heads"]),
+                         e.llm.llm_engine.vllm_config.cache_config.block_size)
+    (bf16, bf16_bytes, bs), (packed, packed_bytes, _) = got["bf16"], got["packed"]
+    assert bf16_bytes == 2 * 128 * 2 and packed_bytes == 152
+    assert packed / bf16 >= 512 / 152 - bs / bf16 and packed / bf16 >= 3.3
+
+
+@pytest.mark.parametrize("make", [PrecisionPlan.mxfp4, PrecisionPlan.four_over_six, PrecisionPlan.quads],
+                         ids=["mxfp4", "four_over_six", "quads"])
+def test_every_fp4_kv_plan_runs_packed_and_trace_full_reproduces_it(ckpt, make):
+    """MXFP4 (E8M0 scales, no amax), Four over Six and QUADS K/V go packed too (their K/V rows have
+    the NVFP4 or MXFP4 layout); our trainer reproduces every code of their rollouts. QUADS' expert
+    inputs are residual-compensated, not guidable, so its trainer drifts after layer 0 whatever the
+    cache (the dequantized-value store gives the same mismatches): there only layer 0 is exact."""
+    from tracefp4.engines.vllm import VLLMEngine
+    from tracefp4.engines.vllm.kv_layout import KVStore
+
+    plan = make()
+    with VLLMEngine(ckpt, plan=plan, max_model_len=64, max_num_seqs=4) as e:
+        assert e.kv_store is KVStore.PACKED
+        out = e.generate(PROMPTS, SAMPLING, plan=plan, guidance=GuidedMode.parse("full@all"), diagnostics=ALL)
+    with torch.no_grad():
+        tr = forward_rollout(load_model(ckpt), out, mode="trace", capture_codes=ALL)
+    stats = [v for k, v in code_mismatch(tr.codes, out.diagnostics).items()
+             if plan.rac_fraction is None or k.startswith("L00.")]
+    assert sum(s.total for s in stats) > 0 and sum(s.mismatched for s in stats) == 0

@@ -33,7 +33,11 @@ process's and not the engine's is loaded before the first reading and reported a
 some 3,400 modules lazily while it builds an engine, the same for either precision and for any model
 size; a first process builds one on a tiny checkpoint of the same architecture and names them) and,
 for FP4, our quantizers' JIT-compiled kernels. An engine's figure is what its weights, caches and
-buffers hold.
+buffers hold. The same probes give the KV cache vLLM allocates at ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB):
+``kv_capacity_tokens.vllm.<mode>`` (vLLM's reported capacity, blocks x block size) and
+``kv_bytes_per_token.vllm.<mode>`` (its cache tensors' bytes over that), for ``bf16`` (vLLM's own),
+``fp8kv`` (vLLM's own with ``kv_cache_dtype="fp8"``, BF16 experts) and ``fp4`` (our plugin's engine:
+packed FP4 experts and the packed FP4 K/V cache).
 """
 
 from __future__ import annotations
@@ -127,15 +131,6 @@ def _release() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _kv_bytes(engine) -> int:
-    """The KV cache a vLLM engine allocated (blocks x block size x layers x K/V x KV heads x head dim x 2 B)."""
-    cfg = engine.llm.llm_engine.vllm_config
-    hf = cfg.model_config.hf_config
-    blocks = cfg.cache_config.num_gpu_blocks
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    return int(blocks * cfg.cache_config.block_size * hf.num_hidden_layers * 2 * hf.num_key_value_heads * head_dim * 2)
-
-
 #: A checkpoint of the presets' architecture small enough to build an engine on in seconds.
 TINY_MOE = TinyMoESpec(hidden=64, layers=1, experts=4, top_k=2, moe_intermediate=32, heads=2, kv_heads=1, head_dim=64,
                        vocab=1024)
@@ -145,13 +140,15 @@ def _build_vllm(engine: str, ckpt: str):
     from tracefp4.engines.vllm.engine import PlainVLLMEngine, VLLMEngine
 
     common = dict(max_model_len=64, max_num_seqs=2)
+    if engine == "vllm-fp8kv":  # vLLM's own FP8 KV cache (BF16 experts): what a user would pick instead
+        return PlainVLLMEngine(ckpt, kv_cache_dtype="fp8", **common)
     return PlainVLLMEngine(ckpt, **common) if engine == "vllm-bf16" else VLLMEngine(ckpt, plan=PrecisionPlan(), **common)
 
 
 def _generate_once(e, engine: str, prompt_len: int) -> None:
     prompts = [[3 + (i * 7 + j) % 100 for j in range(prompt_len)] for i in range(2)]
     e.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0),
-               plan=None if engine == "vllm-bf16" else PrecisionPlan(), guidance=None)
+               plan=PrecisionPlan() if engine == "vllm-fp4" else None, guidance=None)
 
 
 def engine_modules(engine: str, ckpt: str) -> list[str]:
@@ -196,7 +193,7 @@ def _probe_kind(probe: str) -> EngineKind:
 def memory_probe(engine: str, ckpt: str, preset: str, modules: Sequence[str] = ()) -> dict:
     """In this (fresh) process: resident growth of building ``engine`` from ``ckpt`` and generating once.
     ``engine``: ``home`` (reports the model alone, then with its packed experts), ``vllm-fp4``,
-    ``vllm-bf16``. ``modules`` (see :func:`engine_modules`) and the FP4 kernels are loaded before
+    ``vllm-bf16``, ``vllm-fp8kv``. ``modules`` (see :func:`engine_modules`) and the FP4 kernels are loaded before
     the first reading; their growth is ``runtime_bytes``."""
     from transformers import AutoConfig
 
@@ -237,7 +234,8 @@ def memory_probe(engine: str, ckpt: str, preset: str, modules: Sequence[str] = (
     _generate_once(e, engine, p.prompt_len)
     _release()
     out["bytes"] = _rss() - before
-    out["kv_bytes"] = _kv_bytes(e)
+    kv = e.kv_cache_size()
+    out["kv_bytes"], out["kv_tokens"] = kv["bytes"], kv["tokens"]
     e.close()
     return out
 
@@ -261,7 +259,8 @@ def measure_memory(ckpt: str, preset: str, engines: Sequence[str], timeout: floa
     """``resident_bytes_per_expert_param.<engine>.<precision>``, each engine in a fresh process (see the
     module docstring for what is loaded before the first reading)."""
     kinds = _kinds(engines)
-    probes = (["home"] if EngineKind.HOME in kinds else []) + (["vllm-bf16", "vllm-fp4"] if EngineKind.VLLM in kinds else [])
+    probes = (["home"] if EngineKind.HOME in kinds else []) + \
+        (["vllm-bf16", "vllm-fp8kv", "vllm-fp4"] if EngineKind.VLLM in kinds else [])
     res: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="tracefp4-tiny-") as tmp:
         modules = os.path.join(tmp, "modules.json")
@@ -282,9 +281,15 @@ def measure_memory(ckpt: str, preset: str, engines: Sequence[str], timeout: floa
                 res["resident_bytes_per_expert_param.home.bf16"] = m["bf16_bytes"] / params
                 res["resident_bytes_per_expert_param.home.fp4"] = m["fp4_bytes"] / params
             else:
-                res[f"resident_bytes_per_expert_param.vllm.{name.split('-')[1]}"] = (m["bytes"] - m["kv_bytes"]) / params
-                res[f"kv_cache_bytes.vllm.{name.split('-')[1]}"] = m["kv_bytes"]
-                res[f"runtime_bytes.vllm.{name.split('-')[1]}"] = m["runtime_bytes"]
+                mode = name.split("-")[1]
+                # the KV figures at the probe's VLLM_CPU_KVCACHE_SPACE (1 GiB): vLLM's report, the cache tensors
+                res[f"kv_capacity_tokens.vllm.{mode}"] = m["kv_tokens"]
+                res[f"kv_bytes_per_token.vllm.{mode}"] = m["kv_bytes"] / m["kv_tokens"]
+                if mode == "fp8kv":  # BF16 experts as vllm-bf16's: only its KV figures are its own
+                    continue
+                res[f"resident_bytes_per_expert_param.vllm.{mode}"] = (m["bytes"] - m["kv_bytes"]) / params
+                res[f"kv_cache_bytes.vllm.{mode}"] = m["kv_bytes"]
+                res[f"runtime_bytes.vllm.{mode}"] = m["runtime_bytes"]
     return res
 
 
@@ -490,6 +495,10 @@ def format_rollout(res: dict) -> str:
     if mem:
         lines.append("resident bytes per routed-expert parameter (KV cache aside; home fp4 = the trainer's BF16 "
                      "weights + the packed experts): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(mem.items())))
+    kv = {k.split(".", 1)[1]: v for k, v in res.items() if k.startswith("kv_capacity_tokens.")}
+    if kv:
+        lines.append("KV cache at the probes' 1 GiB (tokens, bytes per token; vLLM's report and its cache tensors): "
+                     + ", ".join(f"{k} {v} ({res[f'kv_bytes_per_token.{k}']:.0f} B)" for k, v in sorted(kv.items())))
     if not res.get("preset_shapes", True):
         lines.append(f"no targets: the {res['preset']} preset's targets are set for its own shapes, not these")
     for t in res.get("targets", []):
@@ -584,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) == 3 and args[0] == "engine-modules":
         print(json.dumps(engine_modules(args[1], args[2])))
         return 0
-    print("usage: python -m tracefp4.reports.bench_rollout memory-probe home|vllm-fp4|vllm-bf16 CKPT PRESET MODULES_JSON\n"
+    print("usage: python -m tracefp4.reports.bench_rollout memory-probe home|vllm-fp4|vllm-bf16|vllm-fp8kv CKPT PRESET "
+          "MODULES_JSON\n"
           "       python -m tracefp4.reports.bench_rollout engine-modules vllm-fp4|vllm-bf16 CKPT\n"
           "       python -m tracefp4.reports.bench_rollout serve vllm-fp4|vllm-bf16 CKPT NEW_TOKENS MAX_MODEL_LEN",
           file=sys.stderr)

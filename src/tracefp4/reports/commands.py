@@ -96,12 +96,19 @@ def run_mismatch(args: argparse.Namespace) -> int:
             raise SystemExit("tracefp4 mismatch: --device is our engine's; vLLM picks its own device")
         if args.sweep:
             raise SystemExit("tracefp4 mismatch: --engine vllm goes without --sweep")
-        say("starting vLLM (tracefp4 plugin)")
+        say(f"starting vLLM (tracefp4 plugin, {args.kv_store} K/V cache)")
+        max_len = args.prompt_len + args.new_tokens + 2
         try:
-            engine = make_engine(kind, model, checkpoint=args.checkpoint, max_len=args.prompt_len + args.new_tokens + 2,
-                                 keep_bf16=True)
+            if args.kv_store == "packed":
+                from tracefp4.engines.vllm.engine import EnginePerPlan
+
+                # packed K/V serves its plan's K/V format only: one engine per plan (BF16 arm, then the FP4 arms)
+                engine = EnginePerPlan(model, args.checkpoint, max_len=max_len)
+            else:
+                engine = make_engine(kind, model, checkpoint=args.checkpoint, max_len=max_len, keep_bf16=True)
         except ValueError as e:
             raise SystemExit(f"tracefp4 mismatch: {e}") from None
-        return mismatch.run_cli(args, model, prompts, sampling, say, engine=engine)
+        with engine:
+            return mismatch.run_cli(args, model, prompts, sampling, say, engine=engine)
     run = sweep.run_cli if args.sweep else mismatch.run_cli
     return run(args, model, prompts, sampling, say)

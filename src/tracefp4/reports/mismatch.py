@@ -585,6 +585,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where our engine and the trainer run: cpu, or cuda (the Triton kernels; scripts/gpu_check.py)")
     p.add_argument("--engine", choices=EngineKind.names(), default=EngineKind.HOME.value,
                    help="rollout engine: ours, or vLLM with the tracefp4 plugin (needs vLLM; head_dim >= 32 on CPU)")  # fmt: skip
+    p.add_argument("--kv-store", choices=("packed", "values"), default="packed",
+                   help="--engine vllm: the FP4 arms' KV cache holds packed FP4 rows (one engine per plan) or the "
+                        "dequantized values (one engine for every arm)")  # fmt: skip
 
 
 def run_cli(

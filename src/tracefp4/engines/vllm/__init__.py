@@ -7,6 +7,8 @@ Only this subpackage imports vLLM, and only when one of its modules is used: imp
 * :mod:`.plugin`: ``register()``, the ``vllm.general_plugins`` entry point (numba shim, threading
   layer, the ``tracefp4`` quantization config, the K/V wrapper);
 * :mod:`.quant`: the quantization config and the routed-experts method (our numerics);
+* :mod:`.kv_layout`, :mod:`.kv_backend`: the packed FP4 KV cache (its layout, and the attention
+  backend that writes and reads it);
 * :mod:`.runtime`: the worker-side state (plan of the forward in progress, capture, step records);
 * :mod:`.engine`: :class:`VLLMEngine`.
 

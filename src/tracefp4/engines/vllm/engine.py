@@ -51,9 +51,11 @@ from tracefp4.engines.capture import RolloutCapture
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts, check_top_logprobs
 from tracefp4.engines.sink import StoreTarget, unpack_records
+from tracefp4.engines.vllm.kv_layout import KVStore, resolve_kv_store
 from tracefp4.guidance.compact import GuidedMode
+from tracefp4.guidance.names import Site
 
-__all__ = ["PlainVLLMEngine", "VLLMEngine", "checkpoint_names", "engine_env", "engine_for"]
+__all__ = ["EnginePerPlan", "PlainVLLMEngine", "VLLMEngine", "checkpoint_names", "engine_env", "engine_for"]
 
 _ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -97,7 +99,17 @@ def checkpoint_names(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, t
             yield k, v
 
 
-class VLLMEngine:
+class _ClosedOnExit:
+    """``with engine:`` closes the engine (``close()``) on the way out."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class VLLMEngine(_ClosedOnExit):
     """vLLM's offline engine with tracefp4's precision plan and records (see the module docstring).
 
     ``model``: a local checkpoint folder (transformers format, Qwen3-MoE). ``plan``: the plan the
@@ -105,9 +117,12 @@ class VLLMEngine:
     that plan's prepared routed-expert weights (packed FP4 on the CPU) and no BF16 copy, so
     ``generate`` serves plans with the same weight quantizer (another activation or KV format is
     fine); True keeps the BF16 expert weights too, so any plan or BF16 can be served per call (one
-    engine for every arm of a run). ``compilation``: ``"none"``, ``"dynamo"`` or ``"inductor"`` (see
-    the module docstring). ``llm_kwargs`` go to ``vllm.LLM`` (the fixed ones above cannot be
-    overridden).
+    engine for every arm of a run). ``kv_store`` (:class:`~.kv_layout.KVStore`): ``"packed"`` holds
+    K/V as packed FP4 rows (~3.3x the tokens per KV budget; calls with the plan's K/V format only),
+    ``"values"`` the dequantized values in the model dtype (any plan per call); default packed for an
+    NVFP4/MXFP4 K/V plan without ``keep_bf16``, values otherwise. ``compilation``: ``"none"``,
+    ``"dynamo"`` or ``"inductor"`` (see the module docstring). ``llm_kwargs`` go to ``vllm.LLM`` (the
+    fixed ones above cannot be overridden).
     """
 
     name = "vllm"
@@ -123,9 +138,11 @@ class VLLMEngine:
         max_num_seqs: int = 16,
         seed: int = 0,
         compilation: str = "none",
+        kv_store: KVStore | str | None = None,
         **llm_kwargs,
     ) -> None:
         self.in_process = engine_env()
+        self.kv_store = resolve_kv_store(plan, keep_bf16, kv_store)
         from tracefp4.engines.vllm.plugin import register
 
         # Registers the plugin in this process without the entry point; a spawned worker registers it
@@ -150,7 +167,7 @@ class VLLMEngine:
             raise ValueError(f"VLLMEngine fixes {clash}; do not pass them")
         overrides = dict(llm_kwargs.pop("hf_overrides", None) or {})
         overrides["quantization_config"] = {"quant_method": "tracefp4", "plan": None if plan is None else plan.to_dict(),
-                                            "keep_bf16": bool(keep_bf16)}
+                                            "keep_bf16": bool(keep_bf16), "kv_store": self.kv_store.value}
         # Seeded sampling + chunked prefill crashes vLLM 0.32 on CPU (generator offset rewind):
         # whole prompts per step unless the caller decides otherwise.
         llm_kwargs.setdefault("enable_chunked_prefill", False)
@@ -193,6 +210,10 @@ class VLLMEngine:
             want = "BF16" if plan is None else f"expert weights quantized by {plan.weight_quantizer}"
             raise ValueError(f"this engine holds only its plan's prepared expert weights ({self.plan.weight_quantizer}); "
                              f"a call asking for {want} needs an engine built with keep_bf16=True")
+        if self.kv_store is KVStore.PACKED and (plan is None or plan.kv_cache is not self.plan.kv_cache):
+            raise ValueError(f"this engine's KV cache holds packed {self.plan.kv_cache.value} K/V rows; a call asking "
+                             f"for {'BF16' if plan is None else f'{plan.site_format(Site.K)} K/V'} needs an engine "
+                             "built with kv_store='values'")
         if guidance is not None and not isinstance(guidance, GuidedMode):
             raise ValueError(f"guidance must be a GuidedMode (GuidedMode.parse(name)), got {type(guidance).__name__}")
         prompt_ids = check_prompts(prompts, self.vocab)
@@ -265,6 +286,13 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.version = version
 
+    def kv_cache_size(self) -> dict[str, int]:
+        """The KV cache vLLM gave this engine: ``tokens``, the capacity it reports (blocks x block
+        size), and ``bytes``, what its cache tensors hold (so bytes per token is the layout's own)."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        return {"tokens": int(cache.num_gpu_blocks * cache.block_size),
+                "bytes": int(sum(self.llm.collective_rpc("tracefp4_kv_cache_bytes")))}
+
     def close(self) -> None:
         """Shut the engine down now (idempotent). vLLM's shutdown tears down process-wide state (its
         model-parallel groups), so an in-process engine must be closed before another is built in
@@ -276,12 +304,6 @@ class VLLMEngine:
         tmp, self._tmp = getattr(self, "_tmp", None), None
         if tmp is not None:
             tmp.cleanup()
-
-    def __enter__(self) -> VLLMEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # --- internals ------------------------------------------------------------------------------
 
@@ -355,7 +377,8 @@ class PlainVLLMEngine(VLLMEngine):
     kernels), what a user would run instead of an FP4 rollout. The baseline of ``tracefp4 bench
     rollout``; it samples exactly as :class:`VLLMEngine` does (seeded requests, processed log-probs,
     eager mode, no prefix caching) but computes in BF16 and records nothing, so it cannot feed a
-    TRACE trainer."""
+    TRACE trainer. (Our worker extension only adds methods by name, :meth:`kv_cache_size`'s.)
+    ``kv_cache_dtype="fp8"`` gives vLLM's own FP8 KV cache."""
 
     name = "vllm"
 
@@ -370,7 +393,7 @@ class PlainVLLMEngine(VLLMEngine):
         self._tmp = None
         self.llm = LLM(model=os.fspath(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        seed=seed, enforce_eager=True, enable_prefix_caching=False, logprobs_mode="processed_logprobs",
-                       skip_tokenizer_init=True, **llm_kwargs)
+                       skip_tokenizer_init=True, worker_extension_cls=EXTENSION, **llm_kwargs)
         self.plan = None
         self.keep_bf16 = True
         self.max_model_len = max_model_len
@@ -399,6 +422,15 @@ class PlainVLLMEngine(VLLMEngine):
 def engine_for(model, checkpoint: str | os.PathLike[str] | None, *, max_len: int, **kwargs) -> VLLMEngine:
     """A :class:`VLLMEngine` over ``model``'s weights: its checkpoint folder, or (a model built in
     memory) the model written to a temporary folder that lives as long as the engine."""
+    checkpoint, tmp, max_model_len = _engine_checkpoint(model, checkpoint, max_len)
+    engine = VLLMEngine(checkpoint, max_model_len=max_model_len, **kwargs)
+    engine._tmp = tmp
+    return engine
+
+
+def _engine_checkpoint(model, checkpoint, max_len: int):
+    """``(folder, temporary folder or None, max_model_len)`` for an engine over ``model``'s weights
+    (refusing a head dim vLLM's CPU attention lacks before vLLM starts)."""
     import tempfile
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
@@ -417,7 +449,40 @@ def engine_for(model, checkpoint: str | os.PathLike[str] | None, *, max_len: int
         tmp = tempfile.TemporaryDirectory(prefix="tracefp4-vllm-")
         model.save_pretrained(tmp.name)
         checkpoint = tmp.name
-    max_model_len = max(64, -(-max_len // 16) * 16)
-    engine = VLLMEngine(checkpoint, max_model_len=max_model_len, **kwargs)
-    engine._tmp = tmp
-    return engine
+    return checkpoint, tmp, max(64, -(-max_len // 16) * 16)
+
+
+class EnginePerPlan(_ClosedOnExit):
+    """A rollout engine that serves each call with a :class:`VLLMEngine` built for the call's plan,
+    with that engine's default KV store (packed FP4 K/V for an NVFP4/MXFP4 plan), holding one engine at
+    a time (vLLM allows one in-process engine): a call with another plan closes the held engine and
+    builds the next. For reports that run a few arms one after the other on one set of weights
+    (``tracefp4 mismatch --engine vllm``); weight pushes are not forwarded (build it on the weights)."""
+
+    name = "vllm"
+
+    def __init__(self, model, checkpoint: str | os.PathLike[str] | None, *, max_len: int, **kwargs) -> None:
+        self.checkpoint, self._tmp, self.max_model_len = _engine_checkpoint(model, checkpoint, max_len)
+        self.kwargs = kwargs
+        self.held: VLLMEngine | None = None
+
+    def generate(self, prompts, sampling: SamplingParams, *, plan: PrecisionPlan | None,
+                 guidance: GuidedMode | None = None, diagnostics: frozenset[int] = frozenset(),
+                 store: StoreTarget | None = None) -> RolloutOutput:
+        if self.held is None or self.held.plan != plan:
+            if self.held is not None:
+                self.held.close()
+            self.held = None  # a failed build must not leave the closed engine held
+            self.held = VLLMEngine(self.checkpoint, plan=plan, max_model_len=self.max_model_len, **self.kwargs)
+        return self.held.generate(prompts, sampling, plan=plan, guidance=guidance, diagnostics=diagnostics, store=store)
+
+    def load_weights(self, state, version: int) -> None:
+        raise NotImplementedError("EnginePerPlan serves the weights it was built on: build a new one")
+
+    def close(self) -> None:
+        held, self.held = self.held, None
+        if held is not None:
+            held.close()
+        tmp, self._tmp = self._tmp, None
+        if tmp is not None:
+            tmp.cleanup()

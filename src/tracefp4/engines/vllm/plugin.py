@@ -17,7 +17,9 @@ several times; it is idempotent. It
    head (``plan.quantizer("k"/"v")``) before they enter the cache, stored as the dequantized FP4
    values in the cache's dtype (as our ``FP4KVCache`` stores them), and recorded. The CPU attention reads K/V only from the cache (prefill too), so
    every position attends to FP4 K/V, as in our transformers path. vLLM calls that method from its
-   ``unified_kv_cache_update`` custom op, so it runs eagerly in compiled mode too;
+   ``unified_kv_cache_update`` custom op, so it runs eagerly in compiled mode too. (The quantization
+   config's ``kv_store="values"``; with ``"packed"`` the layers use :mod:`.kv_backend`, which
+   quantizes into a packed cache itself and is left unwrapped);
 5. makes the MoE layers whose routed experts use our method call vLLM's ``moe_forward`` custom op
    (:func:`install_moe_custom_op`), as vLLM does on GPU: on CPU vLLM calls the plain Python MoE
    forward, which ``torch.compile`` traces into, and our method (numba kernels, recording into Python

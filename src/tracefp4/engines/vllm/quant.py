@@ -16,11 +16,13 @@
   function our engine calls: ``expert_in`` and ``expert_mid`` quantized per row with
   ``plan.quantizer(site)``, the routing recorded, the top-k outputs summed in float32.
 * Every other linear layer (attention projections, router, shared experts, lm_head) stays
-  unquantized; attention gets no quant method (the cache stays in the model dtype, K/V are FP4
-  values written by :mod:`.plugin`'s wrapper).
+  unquantized. Attention gets no quant method; with ``kv_store`` ``packed`` its layers get the packed
+  FP4 KV backend (:mod:`.kv_backend`), with ``values`` the cache stays in the model dtype and holds
+  the FP4 values :mod:`.plugin`'s wrapper writes (:class:`~.kv_layout.KVStore`).
 
-The config: ``{"quant_method": "tracefp4", "plan": PrecisionPlan.to_dict() | null, "keep_bf16": bool}``
-(no plan entry: the default W4A4 NVFP4 plan; ``null``: BF16 unless a call says otherwise), e.g.
+The config: ``{"quant_method": "tracefp4", "plan": PrecisionPlan.to_dict() | null, "keep_bf16": bool,
+"kv_store": "packed" | "values"}`` (no plan entry: the default W4A4 NVFP4 plan; ``null``: BF16 unless
+a call says otherwise; no kv_store: :func:`~.kv_layout.resolve_kv_store`'s default), e.g.
 ``hf_overrides={"quantization_config": {...}}``; a :class:`~tracefp4.engines.vllm.engine.VLLMEngine`
 call may run another plan (or BF16) per call where the weights it needs are held.
 """
@@ -37,6 +39,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from vllm.model_executor.layers.attention import Attention  # noqa: E402
 from vllm.model_executor.layers.fused_moe import RoutedExperts  # noqa: E402
 from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig  # noqa: E402
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase  # noqa: E402
@@ -48,6 +51,7 @@ from vllm.model_executor.utils import set_weight_attrs  # noqa: E402
 from tracefp4.engines.experts import ExpertGEMM, PreparedWeight, choose_gemm, routed_experts  # noqa: E402
 from tracefp4.engines.experts.base import SILU_GATE  # noqa: E402
 from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
+from tracefp4.engines.vllm.kv_layout import KVStore, resolve_kv_store  # noqa: E402
 from tracefp4.engines.vllm.runtime import RUNTIME, layer_index  # noqa: E402
 from tracefp4.formats.quantizers import Quantizer  # noqa: E402
 
@@ -68,6 +72,7 @@ class TraceFP4Config(QuantizationConfig):
         plan = self.config.get("plan", PrecisionPlan().to_dict())
         self.plan = None if plan is None else PrecisionPlan(**plan)
         self.keep_bf16 = bool(self.config.get("keep_bf16", False))
+        self.kv_store = resolve_kv_store(self.plan, self.keep_bf16, self.config.get("kv_store"))
         RUNTIME.config_plan = self.plan
 
     def get_name(self) -> str:
@@ -96,6 +101,10 @@ class TraceFP4Config(QuantizationConfig):
             return TraceFP4MoEMethod(layer.moe_config, prefix, self.plan, keep_bf16=self.keep_bf16)
         if isinstance(layer, LinearBase):
             return UnquantizedLinearMethod()
+        if isinstance(layer, Attention) and self.kv_store is KVStore.PACKED:
+            from tracefp4.engines.vllm.kv_backend import install_packed_attention
+
+            install_packed_attention(layer, self.plan.kv_cache)
         return None
 
 

@@ -125,6 +125,10 @@ class TraceWorkerExtension:
             records = [{} for _ in records]
         return pack_records(records, diagnostics)
 
+    def tracefp4_kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache tensors this worker allocated (every layer's, K and V, as laid out)."""
+        return sum(t.numel() * t.element_size() for t in self.model_runner.kv_caches)
+
     def tracefp4_abort(self) -> None:
         RUNTIME.end()
 

@@ -516,11 +516,13 @@ def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:
                              (GAP_MEAN, "mean |Δlogp| per step (trainer vs rollout)", True),
                              (GAP_MAX, "max |Δlogp| per step (trainer vs rollout)", True),
                              ("is_truncated_frac", "share of tokens whose IS weight the cap truncates", False)):
+        drawn = {arm: c for arm, entry in summary["arms"].items()
+                 if (c := entry["curves"].get(key)) and c["step"] and not (logy and max(c["mean"]) <= 0)}
+        if not drawn:  # e.g. the paired differences of a matrix without a bf16 arm: no empty figure
+            continue
         fig, ax = plt.subplots(figsize=(7, 4))
-        for arm, entry in summary["arms"].items():
-            c = entry["curves"].get(key)
-            if not c or not c["step"] or (logy and max(c["mean"]) <= 0):
-                continue
+        for arm, c in drawn.items():
+            entry = summary["arms"][arm]
             style = ARM_STYLE.get(arm, {})
             ax.plot(c["step"], c["mean"], label=f"{arm} (n={len(entry['seeds'])})", linewidth=1.6, **style)
             # a t-interval of a positive quantity can reach below 0: on the log axis it is drawn from mean/10

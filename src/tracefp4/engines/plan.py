@@ -12,7 +12,7 @@ import functools
 from typing import Literal
 
 from tracefp4.formats.constants import NVFP4_BLOCK, Format, ScaleMode
-from tracefp4.formats.numerics import rac_channel_count
+from tracefp4.formats import rac_channel_count
 from tracefp4.formats.quantizers import (
     CompensatedNVFP4Quantizer,
     FP8Quantizer,

@@ -17,7 +17,7 @@ import torch
 
 from tracefp4.engines.path import PLAIN, ForwardPath
 from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.formats.numerics import straight_through
+from tracefp4.formats import straight_through
 from tracefp4.guidance.names import Site, record_prefix
 
 __all__ = ["BF16", "ForwardState", "quantize_kv", "quantize_site"]

@@ -67,8 +67,7 @@ from tracefp4.engines.protocol import RolloutOutput, SamplingParams
 from tracefp4.engines.rollout import generate
 from tracefp4.engines.trainer import TrainerOutput, code_mismatch, forward_logprobs, forward_rollout
 from tracefp4.files import atomic_write_json
-from tracefp4.formats.numerics import unpack_fp4
-from tracefp4.formats.reference import signed_index
+from tracefp4.formats import signed_index, unpack_fp4
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import layer_tag, parse_name
 from tracefp4.metrics import code_mismatch_rate, one_apart_share

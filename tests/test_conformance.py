@@ -1,4 +1,5 @@
-"""Every backend of every op against the readable reference, atol=0.
+"""Every backend of every op against the readable reference, atol=0: the dispatch tables' entries,
+and every code path (:class:`tracefp4.formats.clib.Impl`) of the C entry points this CPU runs.
 
 The cases walk :data:`tracefp4.formats.dispatch.TABLES`: one test per (op, backend) entry, so a
 backend added to a table is tested here or the coverage check below fails. Each case forces the
@@ -25,6 +26,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 import tracefp4.formats as formats  # noqa: E402
 from tracefp4.formats import clib, dispatch  # noqa: E402
 from tracefp4.formats import reference as ref  # noqa: E402
+from tracefp4.formats import reference_composite as refc  # noqa: E402
 from tracefp4.formats.dispatch import TABLES, Backend, Op  # noqa: E402
 
 from fp4data import bits, make_data  # noqa: E402
@@ -168,3 +170,72 @@ def test_backend_equals_the_reference(op: Op, backend: Backend):
         pytest.skip(reason)
     with formats.use_backend(backend):
         CASES[op](backend)
+
+
+# --- the C entry points, every implementation this CPU runs -------------------------------------
+# The C-only ops have one backend and several code paths (:class:`tracefp4.formats.clib.Impl`); each
+# path is held to the reference at atol=0 where the op's contract is exact: the site quantize always,
+# the GEMM on dyadic operands (every product and partial sum exact in float32; on other operands
+# its contract is a bound, tests/test_fp4_gemm.py), the combine and SiLU gate against torch's own
+# expression (their contract: torch's bits).
+
+
+def _impls(*extra: clib.Impl) -> list[clib.Impl]:
+    if not clib.available():
+        return []
+    return [clib.Impl.PORTABLE, *([clib.Impl.AVX512] if clib.has_avx512_bf16() else []),
+            *[i for i in extra if i is clib.Impl.AMX and clib.has_amx()]]
+
+
+def c_nvfp4_rows(impl: clib.Impl) -> None:
+    x = _x(16)
+    codes, scales, amax, values, _ = clib.nvfp4_rows(x, None, values=True, impl=impl)
+    want_codes, s8, want_amax = ref.quantize_nvfp4(x, per_row=True)
+    assert torch.equal(formats.unpack_fp4(codes), want_codes) and torch.equal(scales, s8.view(torch.uint8))
+    assert torch.equal(bits(amax), bits(want_amax.reshape(-1)))
+    want = ref.dequantize_nvfp4(want_codes, s8.to(torch.float32), want_amax).to(torch.bfloat16)
+    assert torch.equal(values.view(torch.int16), want.view(torch.int16))
+
+
+def c_grouped_gemm(impl: clib.Impl) -> None:
+    g = torch.Generator().manual_seed(2)
+    e, n, k = 3, 32, 64
+    codes = torch.randint(0, 256, (e, n, k // 2), generator=g).to(torch.uint8)
+    scales = torch.tensor([0x30, 0x38, 0x40], dtype=torch.uint8)[torch.randint(0, 3, (e, n, k // 16), generator=g)]
+    divisor = torch.tensor([1.0, 2.0, 0.5])  # E4M3 bytes of 0.5, 1, 2 and powers of two: exact
+    offsets = torch.tensor([0, 3, 3, 7])
+    x = (torch.randint(-8, 9, (7, k), generator=g).to(torch.float32) / 4).to(torch.bfloat16)
+    want = refc.grouped_gemm_reference(x, offsets, codes, scales, divisor, "nvfp4")
+    layouts = [clib.Layout.PANELS] if impl is clib.Impl.AMX else list(clib.Layout)
+    for layout in layouts:
+        kc, ks = clib.kernel_layout(codes, 16, layout), clib.kernel_scales(scales, layout)
+        got = clib.grouped_gemm(x, offsets, kc, ks, divisor, "nvfp4", layout=layout, impl=impl)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), layout
+        ids = torch.tensor([0, 0, 0, 2, 2, 2, 2])  # the same rows routed: the same numbers in pair order
+        routed = clib.routed_gemm(x, ids, kc, ks, divisor, "nvfp4", per_token=False, layout=layout, impl=impl)
+        assert torch.equal(routed.view(torch.int16), want.view(torch.int16)), layout
+
+
+def c_topk_combine(impl: clib.Impl) -> None:
+    g = torch.Generator().manual_seed(4)
+    out = torch.randn(9, 4, 48, generator=g).to(torch.bfloat16)
+    w = torch.rand(9, 4, generator=g)
+    want = (out.to(torch.float32) * w.unsqueeze(-1)).sum(dim=1).to(torch.bfloat16)
+    assert torch.equal(clib.topk_combine(out, w, impl=impl).view(torch.int16), want.view(torch.int16))
+
+
+def c_silu_gate(impl: clib.Impl) -> None:
+    x = (torch.randn(7, 96, generator=torch.Generator().manual_seed(6)) * 4).to(torch.bfloat16)
+    gate, up = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    assert torch.equal(clib.silu_gate(x, impl=impl).view(torch.int16), want.view(torch.int16))
+
+
+C_CASES = [(c_nvfp4_rows, i) for i in _impls()] + [(c_grouped_gemm, i) for i in _impls(clib.Impl.AMX)]
+C_CASES += [(c_topk_combine, i) for i in _impls()] + [(c_silu_gate, i) for i in _impls()]
+
+
+@pytest.mark.skipif(not C_CASES, reason="the C library is not built here")
+@pytest.mark.parametrize(("case", "impl"), C_CASES, ids=[f"{c.__name__[2:]}-{i.name.lower()}" for c, i in C_CASES])
+def test_c_entry_point_equals_the_reference(case, impl):
+    case(impl)

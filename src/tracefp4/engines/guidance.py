@@ -147,8 +147,8 @@ class TrainerGuidance(ForwardPath):
 
 def guided(quantizer: Quantizer, x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4 | FP8:
     """``x`` quantized on the hint's grid, each element rounded to the bracket member it names."""
-    if hint.fmt.value != quantizer.fmt:
-        raise ValueError(f"the record is {hint.fmt.value} but the precision plan says {quantizer.fmt}")
+    if hint.fmt is not quantizer.fmt:
+        raise ValueError(f"the record is {hint.fmt.value} but the precision plan says {quantizer.fmt.value}")
     if tuple(x.shape) != tuple(hint.shape):
         raise ValueError(
             f"hint shape mismatch: x has shape {tuple(x.shape)} but the hint was recorded for shape "

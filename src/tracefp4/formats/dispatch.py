@@ -114,16 +114,25 @@ def _takes(op: Op, b: Backend, args: tuple) -> bool:
     return take is None or take(*args)
 
 
+_CUDA_ORDER = (Backend.TRITON, Backend.TORCH)
+
+
 def implementation(op: Op, x: torch.Tensor, *args, what: str = "x") -> Callable:
     """The function that runs ``op`` on ``(x, *args)``: the first backend of the op's table, in the
-    order of x's device, that takes the input (:data:`TABLES`)."""
+    order of x's device, that takes the input (:data:`TABLES`). Asked once per op call, so kept to a
+    few dictionary lookups (a decode step's site is a few microseconds of work)."""
     table = TABLES[op]
-    backend(x, what)  # the device check every op makes
-    cuda = x.device.type == "cuda"
-    forced = None if cuda else _FORCED.get()
-    if forced in table and _takes(op, forced, (x, *args)):
-        return table[forced]
-    for b in (Backend.TRITON, Backend.TORCH) if cuda else _CPU_ORDER:
+    device = x.device.type
+    if device == "cpu":
+        forced = _FORCED.get()
+        if forced in table and _takes(op, forced, (x, *args)):
+            return table[forced]
+        order = _CPU_ORDER
+    elif device == "cuda":
+        order = _CUDA_ORDER
+    else:
+        backend(x, what)  # raises, naming the device
+    for b in order:
         if b in table and _takes(op, b, (x, *args)):
             return table[b]
     raise ValueError(f"{op.value}: no backend runs it on {x.device}")

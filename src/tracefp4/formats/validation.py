@@ -43,7 +43,8 @@ def check_hint(hint, name: str, owner: str, x: torch.Tensor, per_byte: int) -> N
     want = (*shape_tuple(x.shape[:-1]), x.shape[-1] // per_byte)
     if not isinstance(hint, torch.Tensor) or hint.dtype != torch.uint8 or shape_tuple(hint.shape) != want:
         raise ValueError(
-            f"{owner} {name}: expected uint8 of shape {want} for x of shape {shape_tuple(x.shape)}, got {describe(hint)}"
+            f"{owner} {name}: expected uint8 of shape {want} for x of shape {shape_tuple(x.shape)}, "
+            f"got {describe(hint)}"
         )
 
 

@@ -70,7 +70,7 @@ def pack(weight: torch.Tensor, quantizer: Quantizer, layout: clib.Layout | None 
     the ones it produces) as a :class:`PackedWeight` in ``layout`` (default: the one this CPU
     multiplies fastest, :func:`tracefp4.formats.clib.preferred_layout`)."""
     if not quantizer.fp4:
-        raise ValueError(f"packed experts need an FP4 weight quantizer, got {quantizer.fmt}")
+        raise ValueError(f"packed experts need an FP4 weight quantizer, got {quantizer.fmt.value}")
     if weight.dim() != 3 or weight.shape[1] % 4:
         raise ValueError(f"packed experts: expected [E, N, K] weights with N a multiple of 4, got {tuple(weight.shape)}")
     layout = clib.preferred_layout(weight.shape[1]) if layout is None else clib.Layout(layout)
@@ -80,7 +80,7 @@ def pack(weight: torch.Tensor, quantizer: Quantizer, layout: clib.Layout | None 
         raise ValueError(f"expert weight: {e}") from e
     scales = q.scales.view(torch.uint8) if q.scales.dtype == torch.float8_e4m3fn else q.scales
     return PackedWeight(clib.kernel_layout(q.codes, quantizer.block, layout), clib.kernel_scales(scales, layout),
-                        expert_divisor(q), Format(quantizer.fmt), layout)
+                        expert_divisor(q), quantizer.fmt, layout)
 
 
 class PackedCPUGEMM(ExpertGEMM):

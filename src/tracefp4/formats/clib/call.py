@@ -13,8 +13,8 @@ import torch
 from tracefp4.formats.clib.loader import library, unavailable_reason
 from tracefp4.formats.constants import E4M3_VALUES, E8M0_VALUES, Format
 
-__all__ = ["Impl", "SCALE_TABLES", "VECTOR_IMPLS", "call", "check_cpu", "describe", "first_bad", "impl_name", "impl_of", "threads_for",
-           "tracing"]
+__all__ = ["Impl", "NOT_RUN", "SCALE_TABLES", "VECTOR_IMPLS", "call", "check_cpu", "describe", "first_bad", "impl_name",
+           "impl_of", "threads_for", "tracing"]
 
 
 class Impl(enum.Enum):
@@ -82,13 +82,15 @@ def threads_for(threads: int | None, work: int = 0, grain: int = 0) -> int:
     return t
 
 
-def call(entry: str, *args, messages: dict[int, str] | None = None, explain: dict[int, Callable[[int], str]] | None = None,
-         index: ctypes.c_int64 | None = None, what: str = "", name: str | None = None) -> None:
+def call(entry: str, *args, messages: dict[int, str] | None = None,
+         explain: dict[int, Callable[[int], str]] | None = None, index: ctypes.c_int64 | None = None,
+         what: Callable[[], str] = str, name: str | None = None) -> None:
     """Run ``tfp4_<entry>`` on ``args``. RuntimeError without the library; ValueError on a nonzero
     return code: worded by ``explain[rc](index.value)`` where the kernel wrote the offending index to
     ``index`` (a :func:`first_bad` int64 passed among ``args`` by reference), else by ``messages`` (this
-    entry's codes) or the codes every entry shares, with ``what`` naming the operands and ``name``
-    the Python function (default: the entry)."""
+    entry's codes) or the codes every entry shares, with ``what()`` naming the operands (called only
+    then: formatting them costs a decode step's site a microsecond) and ``name`` the Python function
+    (default: the entry)."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"the tracefp4 CPU kernel library is unavailable: {unavailable_reason()}")
@@ -98,9 +100,11 @@ def call(entry: str, *args, messages: dict[int, str] | None = None, explain: dic
     if explain and rc in explain:
         raise ValueError(explain[rc](index.value))
     why = {**_COMMON, **(messages or {})}.get(rc, f"error {rc}")
-    raise ValueError(f"{name or entry}: {why} ({what})")
+    raise ValueError(f"{name or entry}: {why} ({what()})")
 
 
+#: The code of an entry point asked for a path this CPU lacks.
+NOT_RUN = {-1: "implementation not run by this CPU"}
 _COMMON = {-1: "shapes or an implementation this CPU or layout lacks", -3: "out of memory",
            -4: "thread start failed"}
 

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from tracefp4.formats.clib.call import Impl, call, impl_name, impl_of, threads_for, tracing
+from tracefp4.formats.clib.call import NOT_RUN, Impl, call, impl_name, impl_of, threads_for, tracing
 
 __all__ = ["silu_gate", "silu_table", "topk_combine"]
 
@@ -37,7 +37,7 @@ def topk_combine(out: torch.Tensor, weights: torch.Tensor, *, threads: int | Non
     res = torch.empty(n, h, dtype=torch.bfloat16)
     t = threads_for(threads) if n * k * h >= _ONE_THREAD_BELOW else 1
     call("topk_combine", out.data_ptr(), w.data_ptr(), n, k, h, res.data_ptr(), t, impl.value,
-         messages={-1: f"implementation {impl.name.lower()!r} not run by this CPU"}, what=f"out {tuple(out.shape)}")
+         messages=NOT_RUN, what=lambda: f"out {tuple(out.shape)}, impl {impl.name.lower()!r}")
     return res
 
 
@@ -71,5 +71,5 @@ def silu_gate(x: torch.Tensor, *, threads: int | None = None, impl: Impl | str =
     t = threads_for(threads) if x.numel() >= _ONE_THREAD_BELOW else 1
     table = silu_table()
     call("silu_gate", x.data_ptr(), rows, inter, table.data_ptr(), res.data_ptr(), t, impl.value,
-         messages={-1: f"implementation {impl.name.lower()!r} not run by this CPU"}, what=f"x {tuple(x.shape)}")
+         messages=NOT_RUN, what=lambda: f"x {tuple(x.shape)}, impl {impl.name.lower()!r}")
     return res

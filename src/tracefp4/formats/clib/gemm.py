@@ -100,7 +100,7 @@ def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor, sc
     call("grouped_gemm", x.data_ptr(), offsets.data_ptr(), codes.data_ptr(), scales.data_ptr(),
          SCALE_TABLES[fmt].ctypes.data, fmt.block, divisor.data_ptr(), out.data_ptr(), x.shape[0], e, n, k,
          _LAYOUT_IDS[layout], threads_for(threads), impl.value, messages=_MESSAGES,
-         what=f"x {tuple(x.shape)}, codes {tuple(codes.shape)}, impl {impl.name.lower()}, "
+         what=lambda: f"x {tuple(x.shape)}, codes {tuple(codes.shape)}, impl {impl.name.lower()}, "
               f"offsets {offsets.tolist()[:4]}...")
     return out
 
@@ -140,8 +140,8 @@ def routed_gemm(x: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scales:
     call("routed_gemm", x.data_ptr(), ids.data_ptr(), fanout, codes.data_ptr(), scales.data_ptr(),
          SCALE_TABLES[fmt].ctypes.data, fmt.block, divisor.data_ptr(), out.data_ptr(), pairs, e, n, k,
          _LAYOUT_IDS[layout], threads_for(threads), impl.value, ctypes.byref(bad), messages=_MESSAGES,
-         explain=out_of_range, index=bad, what=f"x {tuple(x.shape)}, codes {tuple(codes.shape)}, impl {impl.name.lower()}, "
-                                    f"{pairs} pairs")
+         explain=out_of_range, index=bad,
+         what=lambda: f"x {tuple(x.shape)}, codes {tuple(codes.shape)}, impl {impl.name.lower()}, {pairs} pairs")
     return out
 
 

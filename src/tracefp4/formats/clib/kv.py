@@ -170,5 +170,5 @@ def paged_attention(q: torch.Tensor, k: PackedKV, v: PackedKV, *, block_table: t
          block_table.shape[0], block_table.shape[1], seq_lens.data_ptr(), q_seq.data_ptr(), q_len.data_ptr(),
          float(scale), out.data_ptr(), threads_for(threads), impl.value, ctypes.byref(bad),
          messages=_MESSAGES, explain=_explain(seq_lens, q_seq, q_len, blocks, block_table.shape[1]), index=bad,
-         name="paged_attention", what=f"q {tuple(q.shape)}, impl {impl.name.lower()!r}")
+         name="paged_attention", what=lambda: f"q {tuple(q.shape)}, impl {impl.name.lower()!r}")
     return out

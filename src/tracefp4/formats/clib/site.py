@@ -17,7 +17,7 @@ import ctypes
 import numpy as np
 import torch
 
-from tracefp4.formats.clib.call import Impl, call, first_bad, impl_name, impl_of, threads_for, tracing
+from tracefp4.formats.clib.call import NOT_RUN, Impl, call, first_bad, impl_name, impl_of, threads_for, tracing
 from tracefp4.formats.clib.loader import library
 from tracefp4.formats.constants import NVFP4_BLOCK
 from tracefp4.formats.containers import NVFP4
@@ -89,13 +89,19 @@ def quantize_into(x: torch.Tensor, amax: torch.Tensor, codes: torch.Tensor, scal
         raise ValueError(f"quantize_into: operands do not fit bf16 rows of {x.shape[-1] if x.dim() else 0} elements "
                          f"(x {x.dtype} {tuple(x.shape)}, amax {tuple(amax.shape)}, codes {tuple(codes.shape)}, "
                          f"scales {tuple(scales.shape)})")
+    return _run(x, amax, codes, scales, values, own_amax, threads, impl)
+
+
+def _run(x: torch.Tensor, amax: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, values: torch.Tensor | None,
+         own_amax: bool, threads: int | None, impl: Impl) -> bool:
+    """The C pass on operands that fit (:func:`quantize_into`'s checks, or made to fit by the caller)."""
     k = x.shape[-1]
     r = x.numel() // k
     bad = first_bad()
     call("nvfp4_quantize", x.data_ptr(), r, k, amax.data_ptr(), int(own_amax), codes.data_ptr(), scales.data_ptr(),
          None if values is None else values.data_ptr(), threads_for(threads, 2 * r * k, GRAIN_BYTES), impl.value,
-         ctypes.byref(bad), messages={-1: f"implementation {impl.name.lower()!r} not run by this CPU"},
-         name="nvfp4_rows", what=f"x {tuple(x.shape)}")
+         ctypes.byref(bad), messages=NOT_RUN, name="nvfp4_rows",
+         what=lambda: f"x {tuple(x.shape)}, impl {impl.name.lower()!r}")
     return bad.value >= 0
 
 
@@ -119,6 +125,7 @@ def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool, va
     out = torch.empty(x.shape, dtype=torch.bfloat16) if values else None
     xd = x.detach().contiguous()
     row_amax = q.global_amax if amax is None else per_row_values(amax, x.shape)
-    if quantize_into(xd, row_amax, q.codes, q.scales, out, own_amax=amax is None):
+    # the outputs are made to fit here and x is validated bf16: no operand check on the hot path
+    if _run(xd, row_amax, q.codes, q.scales, out, amax is None, None, Impl.AUTO):
         raise_non_finite(xd, ~torch.isfinite(xd.reshape(-1, k)).all(dim=1))
     return q, out

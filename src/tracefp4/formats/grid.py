@@ -15,13 +15,14 @@ from tracefp4.formats.constants import (
     E2M1_MAX,
     E2M1_MIDPOINTS,
     E2M1_SIGN_BIT,
+    E4M3_MAX,
     E8M0_BIAS,
     FLOAT32_MAX,
     NVFP4_GLOBAL_NUMERATOR,
     Format,
 )
 
-__all__ = ["encode_factor", "grid_z", "midpoint_distance", "mx_scale_values", "nvfp4_global_encode_scale",
+__all__ = ["block_scale_unrounded", "encode_factor", "grid_z", "midpoint_distance", "mx_scale_values", "nvfp4_global_encode_scale",
            "rtn_e2m1"]
 
 _F32 = torch.float32
@@ -40,6 +41,17 @@ def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
         torch.tensor(FLOAT32_MAX, dtype=_F32, device=amax.device),
     )
     return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
+
+
+def block_scale_unrounded(block_amax: torch.Tensor, s_enc: torch.Tensor, per_max: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+    """NVFP4's block scale before its E4M3 cast: ``min(amax_b * (S_enc * per_max), 448)``, ``per_max``
+    ``1/6`` (the block maximum mapped to 6, the standard recipe; the float32 nearest 1/6) or any other
+    float32 factor broadcast against ``S_enc`` (Four over Six's ``1/4``), in the reference's order."""
+    if per_max is None:
+        dev = s_enc.device
+        per_max = torch.tensor(1.0, dtype=_F32, device=dev) / torch.tensor(E2M1_MAX, dtype=_F32, device=dev)
+    return torch.clamp(block_amax * (s_enc * per_max), max=E4M3_MAX)
 
 
 def encode_factor(s8: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from tracefp4.formats.constants import E2M1_MAX, E2M1_VALUES, E4M3_MAX, NVFP4_BLOCK
+from tracefp4.formats.constants import E2M1_MAX, E2M1_VALUES, NVFP4_BLOCK
 from tracefp4.formats.containers import NVFP4
-from tracefp4.formats.grid import encode_factor, nvfp4_global_encode_scale, rtn_e2m1
+from tracefp4.formats.grid import block_scale_unrounded, encode_factor, nvfp4_global_encode_scale, rtn_e2m1
 from tracefp4.formats.packing import pack_fp4
 from tracefp4.formats.rows import as_rows, per_row_values
 from tracefp4.formats.validation import raise_non_finite
@@ -49,9 +49,9 @@ def _4over6_rows(xr: torch.Tensor, s_enc: torch.Tensor) -> tuple[torch.Tensor, t
     dev = xr.device
     xb = xr.reshape(xr.shape[0], -1, NVFP4_BLOCK)  # [R, nb, 16]
     one_sixth = torch.tensor(1.0, dtype=_F32, device=dev) / torch.tensor(E2M1_MAX, dtype=_F32, device=dev)
-    per_max = torch.stack([s_enc * one_sixth, s_enc * torch.tensor(0.25, dtype=_F32, device=dev)], dim=-1)
-    decode = xb.abs().amax(dim=-1).unsqueeze(-1) * per_max  # [R, nb, 2]: candidates 6, 4
-    s8 = torch.clamp(decode, max=E4M3_MAX).to(torch.float8_e4m3fn)
+    per_max = torch.stack([one_sixth, torch.tensor(0.25, dtype=_F32, device=dev)])  # candidates 6, 4
+    s8 = block_scale_unrounded(xb.abs().amax(dim=-1).unsqueeze(-1), s_enc.unsqueeze(-1), per_max)  # [R, nb, 2]
+    s8 = s8.to(torch.float8_e4m3fn)
     s_enc_c = s_enc.unsqueeze(-1)  # [R, 1, 1]
     enc = encode_factor(s8, s_enc_c)
     z = torch.clamp(xb.unsqueeze(-2) * enc.unsqueeze(-1), -E2M1_MAX, E2M1_MAX)  # [R, nb, 2, 16]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from tracefp4.formats.constants import E2M1_MAX, E4M3_MAX, E4M3_MAX_CODE, NVFP4_BLOCK
-from tracefp4.formats.grid import grid_z, midpoint_distance
+from tracefp4.formats.constants import E4M3_MAX_CODE, NVFP4_BLOCK
+from tracefp4.formats.grid import block_scale_unrounded, grid_z, midpoint_distance
 from tracefp4.formats.grid import nvfp4_global_encode_scale as global_encode_scale
 from tracefp4.formats.grid import rtn_e2m1 as rtn_codes
 
@@ -24,10 +24,9 @@ def _e4m3_value(code: torch.Tensor) -> torch.Tensor:
 
 
 def unrounded_block_scale(x: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
-    """``clamp(amax_b * (S_enc * (1/6)), 448)`` before the E4M3 cast (the reference's operation order)."""
+    """``min(amax_b * (S_enc * (1/6)), 448)`` of each block of ``x``: its scale before the E4M3 cast."""
     block_amax = x.to(torch.float32).abs().reshape(*x.shape[:-1], -1, NVFP4_BLOCK).amax(dim=-1)
-    one_sixth = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(E2M1_MAX, dtype=torch.float32)
-    return torch.clamp(block_amax * (s_enc * one_sixth), max=E4M3_MAX)
+    return block_scale_unrounded(block_amax, s_enc)
 
 
 def scale_candidates(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ same command lines and JSON parsing, so the script itself is checked before a de
 What the ``kernels`` step checks:
 
 The kernels are reached the way every caller reaches them: the public ops of ``tracefp4`` on CUDA
-tensors (the one dispatch point in :mod:`tracefp4.formats.numerics` sends those to Triton).
+tensors (the one dispatch point, :mod:`tracefp4.formats.dispatch`, sends those to Triton).
 
 Correctness: every kernel (NVFP4 quantize per tensor / per row / given amax, MXFP4 quantize floor and
 rceil, NVFP4 and MXFP4 dequantize, guided quantize lsb and full for NVFP4 and MXFP4, lsb hint

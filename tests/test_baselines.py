@@ -16,8 +16,8 @@ from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import SamplingParams
 from tracefp4.engines.rollout import HomeEngine, generate
 from tracefp4.engines.sites import ForwardState, quantize_site
-from tracefp4.formats import numerics
-from tracefp4.formats import reference as ref
+import tracefp4.formats as formats
+from tracefp4.formats import reference_composite as refc
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import Site
 from tracefp4.rl import engine
@@ -54,22 +54,22 @@ def _same_nvfp4_ref(q: tf.NVFP4, r) -> bool:
 @pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
 def test_compensation_fast_equals_reference(kind, dtype, fraction):
     x = make_data(kind, dtype, 6, 64)
-    q = numerics.quantize_nvfp4_rac(x, fraction)
-    first, second, mask = ref.quantize_nvfp4_rac(x, fraction)
+    q = formats.quantize_nvfp4_rac(x, fraction)
+    first, second, mask = refc.quantize_nvfp4_rac(x, fraction)
     assert _same_nvfp4_ref(q.first, first) and _same_nvfp4_ref(q.residual, second)
-    assert torch.equal(bits(numerics.dequantize_nvfp4_rac(q)), bits(ref.dequantize_nvfp4_rac(first, second)))
+    assert torch.equal(bits(formats.dequantize_nvfp4_rac(q)), bits(refc.dequantize_nvfp4_rac(first, second)))
     # the residual pass lives on the chosen channels only: ceil(fraction * K) per row
     assert bool((tf.unpack_fp4(q.residual.codes)[~mask] & 0x7).eq(0).all())
-    assert bool((mask.sum(dim=-1) == numerics.rac_channel_count(64, fraction)).all())
+    assert bool((mask.sum(dim=-1) == formats.rac_channel_count(64, fraction)).all())
 
 
 def test_compensation_picks_the_largest_first_pass_errors_and_never_hurts():
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(32, 128, generator=g) * torch.rand(32, 1, generator=g) * 10).to(torch.bfloat16)
-    q = numerics.quantize_nvfp4_rac(x, 0.5)
+    q = formats.quantize_nvfp4_rac(x, 0.5)
     x1 = tf.dequantize(q.first)
     r = x.float() - x1
-    mask = ref.rac_channels(x, r, 0.5)
+    mask = refc.rac_channels(x, r, 0.5)
     # every chosen channel's error is at least every unchosen one's, row by row
     chosen = torch.where(mask, r.abs(), torch.full_like(r, float("inf"))).amin(dim=-1)
     unchosen = torch.where(mask, torch.zeros_like(r), r.abs()).amax(dim=-1)
@@ -77,7 +77,7 @@ def test_compensation_picks_the_largest_first_pass_errors_and_never_hurts():
     # Per element |x - v| <= |x - x1| + ulp(r) + ulp(v)/2: the second pass rounds r to nearest on a grid
     # holding 0, so |r - x2| <= |r| (a saturated block maximum lands below it); r = fl32(x - x1) and
     # v = fl32(x1 + x2) each add one float32 rounding.
-    v = numerics.dequantize_nvfp4_rac(q)
+    v = formats.dequantize_nvfp4_rac(q)
     ulp = lambda t: torch.nextafter(t.abs(), torch.tensor(float("inf"))) - t.abs()  # noqa: E731
     assert bool(((x.float() - v).abs() <= (x.float() - x1).abs() + ulp(r) + ulp(v) / 2).all())
     assert float((x.float() - v).square().sum()) < float((x.float() - x1).square().sum())
@@ -96,7 +96,7 @@ def test_compensated_quantizer_in_the_quads_plan():
     x = torch.randn(3, 2, 32, dtype=torch.bfloat16, requires_grad=True)
     out = quantize_site(ForwardState(PrecisionPlan.quads()), 0, Site.EXPERT_MID, x)
     # the GEMM consumes the compensated value (in x's dtype), with a straight-through gradient
-    assert torch.equal(out, numerics.dequantize_nvfp4_rac(qz.quantize(x.detach())).to(torch.bfloat16))
+    assert torch.equal(out, formats.dequantize_nvfp4_rac(qz.quantize(x.detach())).to(torch.bfloat16))
     out.sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))
     # W4A16: the trainer's activation and KV sites are BF16, untouched

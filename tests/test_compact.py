@@ -32,7 +32,7 @@ from tracefp4.guidance.compact import (
 from tracefp4.guidance.compact.grid import bf16_pattern, scale_candidates
 from tracefp4.formats.constants import Format, HintMode
 from tracefp4.guidance.hints import Hint, encode_hint, guided_quantize
-from tracefp4.formats.numerics import quantize_mxfp4, quantize_nvfp4, unpack_fp4
+from tracefp4.formats import quantize_mxfp4, quantize_nvfp4, unpack_fp4
 from tracefp4.guidance.store import StoreReader, StoreWriter, seal_step
 from test_coding import unsatisfiable_check
 

@@ -11,14 +11,14 @@ from tracefp4.engines.experts.base import SILU_GATE, ExpertGEMM
 from tracefp4.engines.experts.cpu_fp4 import pack
 from tracefp4.engines.experts.oracle import BACKENDS, first_supporting
 from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.formats import cgemm
+from tracefp4.formats import clib
 from tracefp4.formats.constants import Format
 
 PLANS = {"bf16": None, "w4a4": PrecisionPlan(), "w4a8": PrecisionPlan.w4a8(), "mxfp4": PrecisionPlan.mxfp4(),
          "fp8": PrecisionPlan.fp8()}
 FP4_PLANS = ("w4a4", "w4a8", "mxfp4")
 DENSE, PACKED = gemm_named("dense"), gemm_named("cpu_fp4")
-KERNEL = cgemm.available()
+KERNEL = clib.available()
 
 
 def _weight(e: int = 4, n: int = 32, k: int = 64, seed: int = 0) -> torch.Tensor:
@@ -43,7 +43,7 @@ def test_supports_answers_per_plan_device_dtype(plan, device, dtype, gradients, 
     fp4_rollout_here = plan in FP4_PLANS and not gradients and str(device) == "cpu" and dtype == torch.bfloat16
     assert PACKED.supports(PLANS[plan], device, dtype, gradients=gradients) == (fp4_rollout_here and KERNEL)
     asked = []
-    monkeypatch.setattr(cgemm, "available", lambda: asked.append(1) and False)
+    monkeypatch.setattr(clib, "available", lambda: asked.append(1) and False)
     assert not PACKED.supports(PLANS[plan], device, dtype, gradients=gradients)
     assert len(asked) == fp4_rollout_here
 
@@ -101,7 +101,7 @@ def test_dense_parameters_round_trip(plan):
                        DENSE.matmul(x, prepared, routing, per_token=True).view(torch.int16))
 
 
-@pytest.mark.parametrize("layout", list(cgemm.Layout))
+@pytest.mark.parametrize("layout", list(clib.Layout))
 @pytest.mark.parametrize("plan", FP4_PLANS)
 def test_packed_parameters_round_trip(plan, layout):
     """The packed weight as parameters (codes, scale bytes, divisor; the spec: format and layout) and
@@ -116,7 +116,7 @@ def test_packed_parameters_round_trip(plan, layout):
     assert torch.equal(back.standard_codes(), prepared.standard_codes())
 
 
-@pytest.mark.skipif(not KERNEL, reason=f"the C kernel is not built here: {cgemm.unavailable_reason()}")
+@pytest.mark.skipif(not KERNEL, reason=f"the C kernel is not built here: {clib.unavailable_reason()}")
 @pytest.mark.parametrize("plan", FP4_PLANS)
 def test_packed_weights_from_parameters_multiply_as_prepared(plan):
     """A forward through weights rebuilt from their parameters (what the vLLM method does every call)

@@ -8,7 +8,8 @@ import torch
 
 import tracefp4 as tf
 from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.formats import numerics
+import tracefp4.formats as formats
+from tracefp4.formats import torch_ops
 from tracefp4.formats import reference as ref
 from tracefp4.formats.quantizers import NVFP4Quantizer
 
@@ -46,7 +47,7 @@ def test_fast_equals_reference(kind, dtype, scope):
     kw = {"global_amax": torch.tensor(3.0) if kind == "saturating" else S_ENC_ONE} if scope == "given" else \
         {"per_row": scope == "row"}
     codes, s8, amax = ref.quantize_nvfp4_4over6(x, **kw)
-    q = numerics.quantize_nvfp4_4over6(x, **kw)
+    q = formats.quantize_nvfp4_4over6(x, **kw)
     assert torch.equal(tf.unpack_fp4(q.codes), codes)
     assert torch.equal(bits(q.scales), bits(s8))
     assert torch.equal(bits(q.global_amax.float()), bits(amax.float()))
@@ -54,24 +55,24 @@ def test_fast_equals_reference(kind, dtype, scope):
 
 def test_fast_path_in_chunks_of_rows(monkeypatch):
     x = make_data("heavy_tailed", torch.bfloat16, rows=12, cols=64).reshape(3, 4, 64)
-    whole = numerics.quantize_nvfp4_4over6(x)
-    monkeypatch.setattr(numerics, "_4OVER6_CHUNK", 100)  # one row of 64 per chunk
-    chunked = numerics.quantize_nvfp4_4over6(x)
+    whole = formats.quantize_nvfp4_4over6(x)
+    monkeypatch.setattr(torch_ops, "_4OVER6_CHUNK", 100)  # one row of 64 per chunk
+    chunked = formats.quantize_nvfp4_4over6(x)
     assert torch.equal(chunked.codes, whole.codes) and torch.equal(bits(chunked.scales), bits(whole.scales))
     assert chunked.codes.shape == (3, 4, 32) and chunked.scales.shape == (3, 4, 4)
 
 
 def test_fast_path_mixes_both_choices_and_lowers_the_error():
     x = make_data("randn", torch.float32, rows=32, cols=256)
-    q4, q6 = numerics.quantize_nvfp4_4over6(x, per_row=True), numerics.quantize_nvfp4(x, per_row=True)
+    q4, q6 = formats.quantize_nvfp4_4over6(x, per_row=True), formats.quantize_nvfp4(x, per_row=True)
     differs = (bits(q4.scales) != bits(q6.scales)).float().mean()
     # seeded data, elementwise arithmetic: the same on every machine; on Gaussian blocks either map
     # (max -> 4 or -> 6) wins often, so both must appear in a clear share of the 512 blocks
     assert 0.05 < differs < 0.95
-    err = lambda q: ((numerics.dequantize_nvfp4(q) - x) ** 2).sum()  # noqa: E731
+    err = lambda q: ((formats.dequantize_nvfp4(q) - x) ** 2).sum()  # noqa: E731
     assert err(q4) < err(q6)
     with pytest.raises(ValueError, match="not finite|non-finite|NaN|nan|inf"):
-        numerics.quantize_nvfp4_4over6(torch.tensor([[float("nan")] * 16]))
+        formats.quantize_nvfp4_4over6(torch.tensor([[float("nan")] * 16]))
 
 
 def test_quantizer_and_plan_option():
@@ -98,7 +99,7 @@ def test_guided_on_the_rollouts_grid_reproduces_its_codes(kind):
     x = make_data(kind, torch.bfloat16, rows=8, cols=128)
     q = quantizer.quantize(x)
     grid = quantizer.grid(q)
-    for hint in ({"lsb": numerics.lsb_bits(q.codes)}, {"codes": q.codes}):
+    for hint in ({"lsb": formats.lsb_bits(q.codes)}, {"codes": q.codes}):
         g = quantizer.guided_quantize(x, grid, **hint)
         assert torch.equal(g.codes, q.codes) and torch.equal(bits(g.scales), bits(q.scales))
     # round-to-nearest on the standard grid would not: the choice lives in the recorded scales

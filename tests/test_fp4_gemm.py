@@ -1,10 +1,10 @@
-"""The packed-FP4 grouped GEMM (tracefp4.formats.cgemm) against the readable reference.
+"""The packed-FP4 grouped GEMM (tracefp4.formats.clib) against the readable reference.
 
 Exactness: where every float32 partial sum is representable (small dyadic operands) any order of
 additions gives the exact sum, so the kernel must equal ``grouped_gemm_reference`` bit for bit
 (atol=0), on every code path of both layouts (``KERNELS``: the layout and the implementation forced;
 ``auto`` on the panels layout mixes AMX and AVX-512 by rows per expert). Elsewhere the only difference is the order of the float32
-additions, bounded for any order by ``gamma_(K-1) sum |x w|`` (``cgemm.accumulation_bound``), plus the
+additions, bounded for any order by ``gamma_(K-1) sum |x w|`` (``clib.accumulation_bound``), plus the
 float32 division (2^-24 relative) and the final bf16 rounding (2^-8 relative: bf16 keeps 8 significant
 bits, so round-to-nearest is off by at most half of 2^-7): the bound below.
 """
@@ -18,15 +18,15 @@ import sys
 import pytest
 import torch
 
-from tracefp4.formats import cgemm
-from tracefp4.formats import reference as ref
-from tracefp4.formats.numerics import nvfp4_global_encode_scale
+from tracefp4.formats import clib
+from tracefp4.formats import reference_composite as refc
+from tracefp4.formats import nvfp4_global_encode_scale
 from tracefp4.formats.quantizers import MXFP4Quantizer, NVFP4Quantizer
 
-pytestmark = pytest.mark.skipif(not cgemm.available(), reason=f"CPU kernel unavailable: {cgemm.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not clib.available(), reason=f"CPU kernel unavailable: {clib.unavailable_reason()}")
 
-IMPLS = ["portable"] + (["avx512_bf16"] if cgemm.available() and cgemm.has_avx512_bf16() else [])
-_AMX = cgemm.available() and cgemm.has_amx()
+IMPLS = ["portable"] + (["avx512_bf16"] if clib.available() and clib.has_avx512_bf16() else [])
+_AMX = clib.available() and clib.has_amx()
 #: (layout, impl) pairs that run here: every implementation of each layout
 KERNELS = ([("tiles", i) for i in IMPLS] + [("panels", i) for i in IMPLS]
            + ([("panels", "amx"), ("panels", "auto")] if _AMX else []))
@@ -53,9 +53,9 @@ def packed(w: torch.Tensor, fmt: str):
 
 def gemm(x, offs, codes, scales, divisor, fmt, *, kernel=("tiles", "auto"), **kw):
     """The kernel (layout, impl) on standard-layout codes and scales (converted to the layout here)."""
-    layout, impl = cgemm.Layout(kernel[0]), kernel[1]
+    layout, impl = clib.Layout(kernel[0]), kernel[1]
     block = 16 if fmt == "nvfp4" else 32
-    return cgemm.grouped_gemm(x, offs, cgemm.kernel_layout(codes, block, layout), cgemm.kernel_scales(scales, layout),
+    return clib.grouped_gemm(x, offs, clib.kernel_layout(codes, block, layout), clib.kernel_scales(scales, layout),
                               divisor, fmt, layout=layout, impl=impl, **kw)
 
 
@@ -69,17 +69,17 @@ def test_kernel_layout_is_a_byte_permutation_and_inverts(block, k):
         pytest.skip("K must be a multiple of the block")
     g = torch.Generator().manual_seed(k)
     codes = torch.randint(0, 256, (3, 32, k // 2), generator=g, dtype=torch.int64).to(torch.uint8)
-    kc = cgemm.kernel_layout(codes, block)
-    assert kc.shape == (3, 8, 4 * cgemm.code_bytes(k, block)) and cgemm.code_bytes(k, block) >= k // 2
-    assert torch.equal(cgemm.standard_layout(kc, k, block), codes)
-    pc = cgemm.kernel_layout(codes, block, cgemm.Layout.PANELS)
+    kc = clib.kernel_layout(codes, block)
+    assert kc.shape == (3, 8, 4 * clib.code_bytes(k, block)) and clib.code_bytes(k, block) >= k // 2
+    assert torch.equal(clib.standard_layout(kc, k, block), codes)
+    pc = clib.kernel_layout(codes, block, clib.Layout.PANELS)
     assert pc.shape == (3, 2, k // 4, 32) and pc[1, 1, 5, 2 * 3 + 1] == codes[1, 16 + 3, 2 * 5 + 1]
-    assert torch.equal(cgemm.standard_layout(pc, k, block, cgemm.Layout.PANELS), codes)
+    assert torch.equal(clib.standard_layout(pc, k, block, clib.Layout.PANELS), codes)
     scales = torch.randint(0, 256, (3, 32, k // block), generator=g, dtype=torch.int64).to(torch.uint8)
-    ps = cgemm.kernel_scales(scales, cgemm.Layout.PANELS)
+    ps = clib.kernel_scales(scales, clib.Layout.PANELS)
     assert ps.shape == (3, 2, k // block, 16) and ps[2, 0, 1, 7] == scales[2, 7, 1]
-    assert torch.equal(cgemm.standard_scales(ps, cgemm.Layout.PANELS), scales)
-    assert cgemm.kernel_scales(scales) is scales or torch.equal(cgemm.kernel_scales(scales), scales)
+    assert torch.equal(clib.standard_scales(ps, clib.Layout.PANELS), scales)
+    assert clib.kernel_scales(scales) is scales or torch.equal(clib.kernel_scales(scales), scales)
     # the same bytes (a permutation) and zeros for the padding: sorted, the padding comes first
     assert torch.equal(torch.sort(kc.reshape(-1)).values[kc.numel() - codes.numel():], torch.sort(codes.reshape(-1)).values)
     assert int((kc != 0).sum()) == int((codes != 0).sum())
@@ -115,7 +115,7 @@ def test_exact_where_the_sums_are_exact(kernel, fmt, counts, k):
     rows = int(offs[-1])
     x = (torch.randint(-8, 9, (rows, k), generator=g).to(torch.float32) / 4).to(torch.bfloat16)
     out = gemm(x, offs, codes, scales, divisor, fmt, kernel=kernel)
-    want = ref.grouped_gemm_reference(x, offs, codes, scales, divisor, fmt)
+    want = refc.grouped_gemm_reference(x, offs, codes, scales, divisor, fmt)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
@@ -137,8 +137,8 @@ def test_within_the_accumulation_bound_on_real_weights(kernel, fmt, counts, shap
     offs = offsets_of(COUNTS[counts])
     x = torch.randn(int(offs[-1]), k, generator=g).to(torch.bfloat16)
     out = gemm(x, offs, codes, scales, divisor, fmt, kernel=kernel)
-    exact = ref.grouped_gemm_exact(x, offs, codes, scales, divisor, fmt)
-    acc = cgemm.accumulation_bound(x, offs, ref.expert_weights(codes, scales, fmt), divisor)
+    exact = refc.grouped_gemm_exact(x, offs, codes, scales, divisor, fmt)
+    acc = clib.accumulation_bound(x, offs, refc.expert_weights(codes, scales, fmt), divisor)
     assert bool(((out.to(torch.float64) - exact).abs() <= bound(exact, acc)).all())
 
 
@@ -156,8 +156,8 @@ def test_subnormal_block_scales():
     x = torch.randn(30, k, generator=g).to(torch.bfloat16)
     codes, scales = torch.cat([codes, codes[:1]]), torch.cat([scales, scales[:1]])
     divisor = torch.cat([divisor, divisor[:1]])
-    exact = ref.grouped_gemm_exact(x, offs, codes, scales, divisor, "nvfp4")
-    acc = cgemm.accumulation_bound(x, offs, ref.expert_weights(codes, scales, "nvfp4"), divisor)
+    exact = refc.grouped_gemm_exact(x, offs, codes, scales, divisor, "nvfp4")
+    acc = clib.accumulation_bound(x, offs, refc.expert_weights(codes, scales, "nvfp4"), divisor)
     for kernel in KERNELS:
         out = gemm(x, offs, codes, scales, divisor, "nvfp4", kernel=kernel)
         assert bool(((out.to(torch.float64) - exact).abs() <= bound(exact, acc)).all()), kernel
@@ -177,7 +177,7 @@ def test_tiny_mxfp4_scales_are_not_flushed(kernel):
     offs = offsets_of([6, 5, 4])
     x = (torch.randint(-8, 9, (15, k), generator=g).to(torch.float32) / 4).to(torch.bfloat16)
     out = gemm(x, offs, codes, scales, torch.ones(e), "mxfp4", kernel=kernel)
-    want = ref.grouped_gemm_reference(x, offs, codes, scales, torch.ones(e), "mxfp4")
+    want = refc.grouped_gemm_reference(x, offs, codes, scales, torch.ones(e), "mxfp4")
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
     tiny = want[11:].float().abs()
     assert bool(((tiny > 0) & (tiny < 2.0**-126)).any()), "no subnormal output: the case does not test them"
@@ -200,7 +200,7 @@ def test_output_rounding_edge_cases(kernel, counts):
     x = (torch.randint(-8, 9, (rows, k), generator=g).to(torch.float32) / 4).to(torch.bfloat16)
     x[rows // 2, 5] = float("nan")
     out = gemm(x, offs, codes, scales, divisor, "nvfp4", kernel=kernel).view(torch.int16)
-    want = ref.grouped_gemm_reference(x, offs, codes, scales, divisor, "nvfp4").view(torch.int16)
+    want = refc.grouped_gemm_reference(x, offs, codes, scales, divisor, "nvfp4").view(torch.int16)
     finite = torch.ones(rows, dtype=torch.bool)
     finite[rows // 2] = False
     assert torch.equal(out[finite], want[finite])
@@ -225,28 +225,28 @@ def test_result_does_not_depend_on_the_thread_count(kernel):
 def test_bad_input_is_named():
     w = torch.randn(2, 16, 32).to(torch.bfloat16)
     codes, scales, divisor = packed(w, "nvfp4")
-    codes = cgemm.kernel_layout(codes, 16)
+    codes = clib.kernel_layout(codes, 16)
     x = torch.randn(3, 32).to(torch.bfloat16)
     with pytest.raises(ValueError, match="offsets not a non-decreasing"):
-        cgemm.grouped_gemm(x, torch.tensor([0, 2, 1]), codes, scales, divisor, "nvfp4")
+        clib.grouped_gemm(x, torch.tensor([0, 2, 1]), codes, scales, divisor, "nvfp4")
     with pytest.raises(ValueError, match="offsets not a non-decreasing"):
-        cgemm.grouped_gemm(x, torch.tensor([0, 1, 2]), codes, scales, divisor, "nvfp4")  # 2 rows of 3
+        clib.grouped_gemm(x, torch.tensor([0, 1, 2]), codes, scales, divisor, "nvfp4")  # 2 rows of 3
     with pytest.raises(ValueError, match="grouped_gemm x: expected a CPU torch.bfloat16"):
-        cgemm.grouped_gemm(x.float(), torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4")
+        clib.grouped_gemm(x.float(), torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4")
     with pytest.raises(ValueError, match=r"grouped_gemm codes: expected a CPU torch.uint8 tensor of shape \(2, 4, 512\)"):
-        cgemm.grouped_gemm(x, torch.tensor([0, 1, 3]), codes[..., :64], scales, divisor, "nvfp4")
+        clib.grouped_gemm(x, torch.tensor([0, 1, 3]), codes[..., :64], scales, divisor, "nvfp4")
     with pytest.raises(ValueError, match=r"grouped_gemm x: expected \[R, K\] with K a multiple of 16"):
-        cgemm.grouped_gemm(x[:, :8], torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4")
+        clib.grouped_gemm(x[:, :8], torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4")
     with pytest.raises(ValueError, match="grouped_gemm scales"):
-        cgemm.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales[..., :1], divisor, "nvfp4")
+        clib.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales[..., :1], divisor, "nvfp4")
     with pytest.raises(ValueError, match="grouped_gemm impl"):
-        cgemm.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4", impl="fast")
+        clib.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4", impl="fast")
     with pytest.raises(ValueError, match="'amx' multiplies the panels layout, got codes in the tiles layout"):
-        cgemm.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4", impl="amx")
+        clib.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4", impl="amx")
     with pytest.raises(ValueError, match=r"grouped_gemm codes: expected \[E, N/16, K/4, 32\] \(panels layout\)"):
-        cgemm.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4", layout=cgemm.Layout.PANELS)
+        clib.grouped_gemm(x, torch.tensor([0, 1, 3]), codes, scales, divisor, "nvfp4", layout=clib.Layout.PANELS)
     with pytest.raises(ValueError, match="the panels layout needs N a multiple of 16"):
-        cgemm.kernel_layout(torch.zeros(1, 8, 16, dtype=torch.uint8), 16, cgemm.Layout.PANELS)
+        clib.kernel_layout(torch.zeros(1, 8, 16, dtype=torch.uint8), 16, clib.Layout.PANELS)
 
 
 @pytest.mark.subprocess
@@ -254,14 +254,14 @@ def test_unavailable_kernel_is_reported_once_and_said_why(tmp_path):
     """TRACEFP4_CPU_KERNEL=0 (as on a machine without a compiler): available() is False, warns once
     with the reason, and the build command says the dense path is used."""
     code = ("import warnings; warnings.simplefilter('always');"
-            "from tracefp4.formats import cgemm;"
+            "from tracefp4.formats import clib;"
             "import sys\nwith warnings.catch_warnings(record=True) as w:\n"
-            "    a = cgemm.available(); b = cgemm.available()\n"
-            "print(a, b, len(w), cgemm.unavailable_reason())")
+            "    a = clib.available(); b = clib.available()\n"
+            "print(a, b, len(w), clib.unavailable_reason())")
     env = {**os.environ, "TRACEFP4_CPU_KERNEL": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.split()[:3] == ["False", "False", "1"] and "TRACEFP4_CPU_KERNEL=0" in out.stdout
-    built = subprocess.run([sys.executable, "-m", "tracefp4.formats.cgemm", "build"], env=env, capture_output=True,
+    built = subprocess.run([sys.executable, "-m", "tracefp4.formats.clib", "build"], env=env, capture_output=True,
                            text=True, timeout=300)
     assert built.returncode == 0 and "dense torch path" in built.stdout
 
@@ -272,7 +272,7 @@ def test_build_is_cached_and_published_whole(tmp_path):
     """A fresh cache folder: the first build compiles and publishes the library under its final name
     only when complete (no temporary left), the second finds it."""
     env = {**os.environ, "TRACEFP4_CACHE_DIR": str(tmp_path)}
-    code = "from tracefp4.formats import cgemm; print(cgemm.build())"
+    code = "from tracefp4.formats import clib; print(clib.build())"
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     path = first.stdout.strip()
@@ -294,34 +294,34 @@ def test_routed_form_is_the_grouped_gemm_of_the_sorted_pairs(kernel, fmt, tokens
     w = torch.randn(e, n, k, generator=g).to(torch.bfloat16)
     codes, scales, divisor = packed(w, fmt)
     block = 16 if fmt == "nvfp4" else 32
-    layout, impl = cgemm.Layout(kernel[0]), kernel[1]
-    kcodes, kscales = cgemm.kernel_layout(codes, block, layout), cgemm.kernel_scales(scales, layout)
+    layout, impl = clib.Layout(kernel[0]), kernel[1]
+    kcodes, kscales = clib.kernel_layout(codes, block, layout), clib.kernel_scales(scales, layout)
     ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(tokens)]) % 5  # experts 5-7 unused
     order = torch.argsort(ids.reshape(-1), stable=True)
     offs = offsets_of(torch.bincount(ids.reshape(-1), minlength=e).tolist())
     for per_token in (True, False):
         x = torch.randn(tokens if per_token else tokens * top_k, k, generator=g).to(torch.bfloat16)
         want = torch.empty(tokens * top_k, n, dtype=torch.bfloat16)
-        want[order] = cgemm.grouped_gemm(x[order // top_k if per_token else order], offs, kcodes, kscales, divisor, fmt,
+        want[order] = clib.grouped_gemm(x[order // top_k if per_token else order], offs, kcodes, kscales, divisor, fmt,
                                          layout=layout, impl=impl)
-        got = cgemm.routed_gemm(x, ids, kcodes, kscales, divisor, fmt, per_token=per_token, layout=layout, impl=impl)
+        got = clib.routed_gemm(x, ids, kcodes, kscales, divisor, fmt, per_token=per_token, layout=layout, impl=impl)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), per_token
 
 
 def test_routed_form_names_bad_input():
     w = torch.randn(2, 16, 32).to(torch.bfloat16)
     codes, scales, divisor = packed(w, "nvfp4")
-    codes = cgemm.kernel_layout(codes, 16)
+    codes = clib.kernel_layout(codes, 16)
     x = torch.randn(3, 32).to(torch.bfloat16)
     with pytest.raises(ValueError, match=r"expert index 2 of pair 3 \(token 1\) out of range \[0, 2\)"):
-        cgemm.routed_gemm(x, torch.tensor([[0, 1], [1, 2], [0, 0]]), codes, scales, divisor, "nvfp4", per_token=True)
+        clib.routed_gemm(x, torch.tensor([[0, 1], [1, 2], [0, 0]]), codes, scales, divisor, "nvfp4", per_token=True)
     with pytest.raises(ValueError, match=r"6 \(token, slot\) pairs need 3 rows of x \(one per token\), got 2"):
-        cgemm.routed_gemm(x[:2], torch.tensor([[0, 1], [1, 0], [0, 0]]), codes, scales, divisor, "nvfp4", per_token=True)
+        clib.routed_gemm(x[:2], torch.tensor([[0, 1], [1, 0], [0, 0]]), codes, scales, divisor, "nvfp4", per_token=True)
     with pytest.raises(ValueError, match=r"routed_gemm ids: expected a CPU int64 tensor"):
-        cgemm.routed_gemm(x, torch.tensor([[0, 1]], dtype=torch.int32), codes, scales, divisor, "nvfp4", per_token=True)
+        clib.routed_gemm(x, torch.tensor([[0, 1]], dtype=torch.int32), codes, scales, divisor, "nvfp4", per_token=True)
 
 
-@pytest.mark.parametrize("layout", list(cgemm.Layout))
+@pytest.mark.parametrize("layout", list(clib.Layout))
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_packed_weights_hold_the_quantizers_codes_in_either_layout(layout, fmt):
     """``pack`` (what both engines hold) in either layout: the quantizer's own codes and scale bytes
@@ -344,12 +344,12 @@ def test_preferred_layout_follows_the_cpu_and_can_be_forced(monkeypatch):
     """panels where the AMX path runs (and N allows it), tiles elsewhere; TRACEFP4_CPU_LAYOUT forces
     either and a bad value is named."""
     monkeypatch.delenv("TRACEFP4_CPU_LAYOUT", raising=False)
-    assert cgemm.preferred_layout(64) is (cgemm.Layout.PANELS if cgemm.has_amx() else cgemm.Layout.TILES)
-    assert cgemm.preferred_layout(36) is cgemm.Layout.TILES  # not a multiple of 16
+    assert clib.preferred_layout(64) is (clib.Layout.PANELS if clib.has_amx() else clib.Layout.TILES)
+    assert clib.preferred_layout(36) is clib.Layout.TILES  # not a multiple of 16
     monkeypatch.setenv("TRACEFP4_CPU_LAYOUT", "tiles")
-    assert cgemm.preferred_layout(64) is cgemm.Layout.TILES
+    assert clib.preferred_layout(64) is clib.Layout.TILES
     monkeypatch.setenv("TRACEFP4_CPU_LAYOUT", "panels")
-    assert cgemm.preferred_layout(64) is cgemm.Layout.PANELS
+    assert clib.preferred_layout(64) is clib.Layout.PANELS
     monkeypatch.setenv("TRACEFP4_CPU_LAYOUT", "rows")
     with pytest.raises(ValueError, match="TRACEFP4_CPU_LAYOUT: expected one of"):
-        cgemm.preferred_layout(64)
+        clib.preferred_layout(64)

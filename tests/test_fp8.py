@@ -20,9 +20,9 @@ from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import SamplingParams
 from tracefp4.engines.rollout import generate
 from tracefp4.engines.trainer import code_mismatch, forward_logprobs
-from tracefp4.formats import numerics
+import tracefp4.formats as formats
 from tracefp4.formats import reference as ref
-from tracefp4.formats.numerics import code_positions, fp8_lsb_bits, guided_fp8
+from tracefp4.formats import code_positions, fp8_lsb_bits, guided_fp8
 from tracefp4.formats.quantizers import FP8Quantizer, Grid
 from tracefp4.guidance.compact import GuidanceSpec, GuidedMode, encode_record
 
@@ -54,7 +54,7 @@ def test_quantize_fp8_equals_reference(kind, dtype):
     q = tf.quantize_fp8(x)
     codes, scale = ref.quantize_fp8(x)
     assert torch.equal(q.codes, codes) and torch.equal(bits(q.scale), bits(scale))
-    assert torch.equal(bits(numerics.dequantize_fp8(q)), bits(ref.dequantize_fp8(codes, scale)))
+    assert torch.equal(bits(formats.dequantize_fp8(q)), bits(ref.dequantize_fp8(codes, scale)))
 
 
 def _guided(train, roll, mode):
@@ -209,7 +209,7 @@ def test_fp8_grids_and_hints_are_validated():
     with pytest.raises(ValueError, match=r"non-finite input at index \(2, 5\)"):
         guided_fp8(bad, q.scale, codes=q.codes)
     with pytest.raises(ValueError, match="not an FP4 format"):
-        numerics.guided_codes(x, "fp8", q.scale, None, codes=q.codes)
+        formats.guided_codes(x, "fp8", q.scale, None, codes=q.codes)
     with pytest.raises(ValueError, match="compact modes are FP4's"):
         encode_record(x[:, None], tf.quantize_fp8(x[:, None]), GuidanceSpec.parse("lsb+parity"))
 
@@ -227,7 +227,7 @@ def test_fp8_plan_quantizers_and_per_channel_weights():
     assert torch.equal(q.scale, w.abs().amax(dim=-1, keepdim=True) / 448.0)
     prepared = DenseGEMM().prepare(w.to(torch.bfloat16), plan.weight_quantizer)
     assert prepared.values.dtype == torch.float32 and torch.equal(prepared.divisor, torch.ones(3))
-    assert torch.equal(prepared.values, numerics.dequantize_fp8(plan.weight_quantizer.quantize(w.to(torch.bfloat16))))
+    assert torch.equal(prepared.values, formats.dequantize_fp8(plan.weight_quantizer.quantize(w.to(torch.bfloat16))))
     wg = w.clone().requires_grad_(True)
     trained = DenseGEMM().prepare(wg, plan.weight_quantizer, gradients=True)
     trained.values.sum().backward()

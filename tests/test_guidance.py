@@ -99,7 +99,7 @@ def test_hint_sizes():
 def test_site_bytes_per_token_is_what_the_hint_packs(fmt, mode):
     """The planner's bytes per token of a full/lsb site are the Hint's own store bytes, FP8 included
     (its data is one byte per element for full, and its grid one float32 scale per row)."""
-    from tracefp4.formats.numerics import quantize_fp8
+    from tracefp4.formats import quantize_fp8
     from tracefp4.guidance.compact import site_bytes_per_token
 
     x = torch.randn(6, 3, 64)
@@ -302,7 +302,7 @@ def test_nan_amax_and_nan_scale_never_reach_the_kernels():
 
 
 def test_guided_codes_validates_grid_and_hint_data():
-    from tracefp4.formats.numerics import guided_codes
+    from tracefp4.formats import guided_codes
 
     x = torch.randn(4, 64)
     q = tf.quantize_nvfp4(x, per_row=True)

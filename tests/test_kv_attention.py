@@ -36,13 +36,13 @@ import numpy as np
 import pytest
 import torch
 
-from tracefp4.formats import cgemm, ckv, csite
+from tracefp4.formats import ckv, clib
 from tracefp4.formats.constants import Format
 from tracefp4.formats.quantizers import MXFP4Quantizer
 
-pytestmark = pytest.mark.skipif(not cgemm.available(), reason=f"CPU kernel unavailable: {cgemm.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not clib.available(), reason=f"CPU kernel unavailable: {clib.unavailable_reason()}")
 
-IMPLS = ["portable"] + (["avx512"] if cgemm.available() and cgemm.has_avx512_bf16() else [])
+IMPLS = ["portable"] + (["avx512"] if clib.available() and clib.has_avx512_bf16() else [])
 U = 2.0**-24
 #: kv_exp's relative error bound (Cephes' polynomial is within about 1 ulp; 8 ulp stated, checked below)
 EPS_EXP = 8 * U
@@ -80,7 +80,7 @@ def pack_nvfp4(x: torch.Tensor) -> tuple[ckv.PackedKV, torch.Tensor]:
     scales = torch.empty(slots, h, d // 16, dtype=torch.uint8)
     amax = torch.empty(slots, h, dtype=torch.float32)
     values = torch.empty_like(x)
-    csite.quantize_into(x, amax, codes, scales, values, own_amax=True)
+    clib.quantize_into(x, amax, codes, scales, values, own_amax=True)
     return ckv.PackedKV(codes, scales, amax), values
 
 

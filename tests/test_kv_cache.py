@@ -27,12 +27,12 @@ from tracefp4.engines.protocol import SamplingParams
 from tracefp4.engines.rollout import generate
 from tracefp4.engines.sites import ForwardState
 from tracefp4.engines.trainer import TrainerSpec, code_mismatch, forward_logprobs
-from tracefp4.formats import cgemm
+from tracefp4.formats import clib
 from tracefp4.formats.constants import HintMode
-from tracefp4.formats.numerics import dequantize
+from tracefp4.formats import dequantize
 from tracefp4.guidance.compact import GuidedMode
 
-needs_kernel = pytest.mark.skipif(not cgemm.available(), reason=f"CPU kernel unavailable: {cgemm.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(not clib.available(), reason=f"CPU kernel unavailable: {clib.unavailable_reason()}")
 
 #: 8 query heads on 2 KV heads (GQA 4:1), head dim 64 (a dim ckv's kernel is tested at)
 GQA = TinyMoESpec(hidden=64, heads=8, kv_heads=2, head_dim=64, vocab=32, init_std=0.1)

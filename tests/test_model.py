@@ -212,7 +212,7 @@ def test_expert_weights_per_expert_scale_with_straight_through_gradient(model: t
     """The trainer's expert weights: each expert's exact block values on its own global scale (the
     packed kernels' convention, ``dequantize == blocks / divisor`` in float32), and a GEMM through them
     passes the weight the gradient of ``x @ w.T``."""
-    from tracefp4.formats.numerics import dequantize_blocks
+    from tracefp4.formats import dequantize_blocks
 
     experts = moe_layers(model)[0].experts
     dense = gemm_named("dense")

@@ -241,12 +241,12 @@ def test_fake_quant_forward_and_identity_gradient(fmt, dtype):
 def test_straight_through_skips_autograd_without_grad_and_moves_value():
     x = torch.randn(2, 16, dtype=torch.bfloat16)
     v = torch.randn(2, 16, dtype=torch.float64)
-    y = tf.formats.numerics.straight_through(x, v)
+    y = tf.formats.straight_through(x, v)
     assert y.dtype == x.dtype and y.grad_fn is None and torch.equal(y, v.to(x.dtype))
     xg = x.clone().requires_grad_(True)
     with torch.no_grad():
-        assert tf.formats.numerics.straight_through(xg, v).grad_fn is None
-    y = tf.formats.numerics.straight_through(xg, v)
+        assert tf.formats.straight_through(xg, v).grad_fn is None
+    y = tf.formats.straight_through(xg, v)
     assert y.grad_fn is not None
     y.sum().backward()
     assert torch.equal(xg.grad, torch.ones_like(xg))
@@ -389,11 +389,12 @@ def test_serial_and_parallel_launches_give_the_same_bits(fmt):
     """A kernel called with one chunk runs its serial compilation (a parallel launch costs more than a
     small site's whole quantize); with more chunks the parallel one. Both walk the same rows: every
     output of each kernel is bit-identical whichever runs, for any chunk count."""
-    from tracefp4.formats import kernels, numerics
+    from tracefp4.formats import kernels
+    from tracefp4.formats.rows import kernel_rows
 
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(37, 256, generator=g) * torch.logspace(-3, 3, 37).unsqueeze(1)).to(torch.bfloat16)
-    rows = numerics.kernel_rows(x)
+    rows = kernel_rows(x)
     n, k = rows.shape
     outs = []
     for chunks in (1, 2, 5):

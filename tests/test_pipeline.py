@@ -12,7 +12,7 @@ from tracefp4.engines.protocol import SamplingParams
 from tracefp4.engines.rollout import HomeEngine
 from tracefp4.engines.sink import StoreTarget
 from tracefp4.engines.trainer import code_mismatch
-from tracefp4.formats.numerics import pack_fp4
+from tracefp4.formats import pack_fp4
 from tracefp4.guidance.store import StoreWriter, discard_step
 from tracefp4.rl import engine
 from tracefp4.rl.arms import make_arm

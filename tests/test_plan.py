@@ -11,7 +11,7 @@ import torch
 from tracefp4.cli import main
 from tracefp4.reports import capacity as planner
 from tracefp4.guidance.compact import CompactRecord, GuidanceSpec, rice_bits_per_entry, site_bytes_per_token
-from tracefp4.formats.numerics import quantize_nvfp4
+from tracefp4.formats import quantize_nvfp4
 from tracefp4.reports.capacity import PRESETS, ModelDims, plan, sparse_density
 
 STEP = dict(prompts=256, samples=16, tokens=32768)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tracefp4 as tf
-from tracefp4.formats import numerics
+import tracefp4.formats as formats
 from tracefp4.formats import reference as ref
 from tracefp4.formats.quantizers import FP8Quantizer, Grid, MXFP4Quantizer, NVFP4Quantizer, quantizer_for
 
@@ -97,14 +97,14 @@ def test_fp8_quantizer_five_ops():
     qz = FP8Quantizer()
     assert (qz.fmt, qz.block, qz.guidable) == ("fp8", 1, True)
     q = qz.quantize(x)
-    fn = numerics.quantize_fp8(x)
+    fn = formats.quantize_fp8(x)
     assert torch.equal(bits(q.data), bits(fn.data)) and torch.equal(q.scale, fn.scale)
     codes, scale = ref.quantize_fp8(x)
     assert torch.equal(q.codes, codes) and torch.equal(bits(q.scale), bits(scale))
-    assert torch.equal(qz.dequantize(q), numerics.dequantize_fp8(fn))
+    assert torch.equal(qz.dequantize(q), formats.dequantize_fp8(fn))
     assert qz.grid(q).scales is q.scale
     x_train = (x.float() * 1.01).to(x.dtype)
-    got = qz.guided_quantize(x_train, qz.grid(q), lsb=numerics.fp8_lsb_bits(q.codes))
+    got = qz.guided_quantize(x_train, qz.grid(q), lsb=formats.fp8_lsb_bits(q.codes))
     assert torch.equal(got.codes, ref.guided_quantize_fp8(x_train, q.scale, rollout_lsb=q.codes & 1))
     y = qz.fake_quant(x.clone().requires_grad_(True))
     assert y.dtype == x.dtype and torch.equal(y, qz.dequantize(q).to(x.dtype))

@@ -14,7 +14,7 @@ from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutEngine, RolloutOutput, SamplingParams
 from tracefp4.engines.rollout import HomeEngine, generate, sample
 from tracefp4.engines.trainer import code_mismatch, forward_logprobs, forward_rollout
-from tracefp4.formats.numerics import lsb_bits
+from tracefp4.formats import lsb_bits
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import Site, deeper_half, parse_name, record_prefix, routing_key
 

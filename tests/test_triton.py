@@ -3,7 +3,7 @@ with the CPU kernels checked exhaustively.
 
 The kernels are reached through the public ops (``tf.quantize_nvfp4`` ...), the path a CUDA tensor
 takes: on a GPU with CUDA tensors, without one with CPU tensors routed to the Triton kernels by
-:func:`tracefp4.formats.numerics.use_backend` (the one dispatch point).
+:func:`tracefp4.formats.dispatch.use_backend` (the one dispatch point).
 
 Without a CUDA device the Triton kernels run under Triton's CPU interpreter. The interpreter must be
 switched on (``TRITON_INTERPRET=1``) before triton is first imported, since triton's own library
@@ -29,7 +29,8 @@ import contextlib
 
 import fp4data
 import tracefp4 as tf
-from tracefp4.formats import kernels, numerics
+import tracefp4.formats as formats
+from tracefp4.formats import kernels
 from tracefp4.formats import reference as ref
 
 _CHILD_FLAG = "TRACEFP4_TRITON_FRESH_PROCESS"
@@ -89,7 +90,7 @@ def on_device(t: torch.Tensor) -> torch.Tensor:
 def triton_path():
     """The public ops on the Triton kernels: CUDA tensors go there anyway; CPU tensors (under the
     interpreter) are routed there inside this context."""
-    return numerics.use_backend("triton") if DEVICE == "cpu" else contextlib.nullcontext()
+    return formats.use_backend("triton") if DEVICE == "cpu" else contextlib.nullcontext()
 
 
 def make_data(kind: str, dtype: torch.dtype, rows: int = 12, cols: int = 96, seed: int = 0) -> torch.Tensor:
@@ -333,7 +334,7 @@ def test_triton_lsb_hint_packing(fmt):
         assert torch.equal(fast.data.cpu(), cpu.data)
         assert fast.mode is cpu.mode and fast.fmt is cpu.fmt
     with triton_path():
-        bits = numerics.lsb_bits(on_device(q.codes))
+        bits = formats.lsb_bits(on_device(q.codes))
     assert torch.equal(bits.cpu(), tf.encode_hint(q, "lsb").data)
 
 
@@ -384,9 +385,9 @@ def test_cpu_tensors_go_to_numba_and_never_import_triton():
     # the dispatch point sends CPU tensors to the numba kernels: triton stays unimported
     code = (
         "import sys, torch, tracefp4 as tf\n"
-        "from tracefp4.formats import numerics\n"
+        "import tracefp4.formats as formats\n"
         "x = torch.randn(4, 64)\n"
-        "assert numerics.backend(x) == 'numba'\n"
+        "assert formats.backend(x) == 'numba'\n"
         "q = tf.quantize_nvfp4(x, per_row=True); tf.dequantize(q)\n"
         "m = tf.quantize_mxfp4(x); tf.dequantize(m)\n"
         "tf.guided_quantize(x, tf.encode_hint(q, 'lsb')); tf.guided_quantize(x, tf.encode_hint(m, 'full'))\n"
@@ -402,12 +403,12 @@ def test_cpu_tensors_go_to_numba_and_never_import_triton():
 
 def test_backend_choice_and_override():
     x = torch.zeros(2, 32)
-    assert numerics.backend(x) == "numba"
-    with numerics.use_backend("triton"):
-        assert numerics.backend(x) == "triton"
-    assert numerics.backend(x) == "numba"
+    assert formats.backend(x) == "numba"
+    with formats.use_backend("triton"):
+        assert formats.backend(x) == "triton"
+    assert formats.backend(x) == "numba"
     with pytest.raises(ValueError, match="backend"):
-        with numerics.use_backend("cuda"):
+        with formats.use_backend("cuda"):
             pass
     with pytest.raises(ValueError, match="meta"):
         tf.quantize_nvfp4(torch.zeros(2, 32, device="meta"))

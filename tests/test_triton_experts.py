@@ -45,7 +45,7 @@ from tracefp4.engines.protocol import SamplingParams  # noqa: E402
 from tracefp4.engines.rollout import generate  # noqa: E402
 from tracefp4.engines.sites import ForwardState  # noqa: E402
 from tracefp4.engines.trainer import code_mismatch, forward_rollout  # noqa: E402
-from tracefp4.formats import cgemm, numerics  # noqa: E402
+from tracefp4.formats import clib, dispatch  # noqa: E402
 from tracefp4.formats import reference as ref  # noqa: E402
 from tracefp4.formats.constants import Format  # noqa: E402
 from tracefp4.formats.quantizers import MXFP4Quantizer, NVFP4Quantizer  # noqa: E402
@@ -75,7 +75,7 @@ def test_in_a_fresh_interpreter_process():
 
 def triton_path():
     """CPU tensors (under the interpreter) routed to the Triton kernels; CUDA tensors go there anyway."""
-    return numerics.use_backend("triton")
+    return dispatch.use_backend("triton")
 
 
 def routed(x, ids, e, codes, scales, divisor, fmt, *, per_token: bool):
@@ -149,7 +149,7 @@ def test_within_the_accumulation_bound_on_real_weights(fmt, counts):
     x = torch.randn(ids.numel(), k, generator=g).to(torch.bfloat16)
     out, grouped, _, offsets, inverse = routed(x, ids, e, codes, scales, divisor, fmt, per_token=False)
     exact = ref.grouped_gemm_exact(grouped, offsets, codes, scales, divisor, fmt)[inverse]
-    acc = cgemm.accumulation_bound(grouped, offsets, ref.expert_weights(codes, scales, fmt), divisor)[inverse]
+    acc = clib.accumulation_bound(grouped, offsets, ref.expert_weights(codes, scales, fmt), divisor)[inverse]
     assert bool(((out.to(torch.float64) - exact).abs() <= bound(exact, acc)).all())
 
 
@@ -367,7 +367,7 @@ def test_the_device_path_equals_the_dense_backend_on_exact_sums():
     for name, backend, device in (("triton_fp4", "triton", DEVICE), ("dense", "numba", "cpu")):
         gemm = gemm_named(name)
         state = ForwardState(plan, RolloutCapture())
-        with numerics.use_backend(backend):
+        with dispatch.use_backend(backend):
             prepared = [gemm.prepare(w.to(device), plan.weight_quantizer) for w in (gate_up, down)]
             args = (t.to(device) for t in (x, ids, weights))
             outs.append(routed_experts(state, 0, *args, *prepared, gemm, SILU_GATE).cpu())

@@ -29,7 +29,7 @@ from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
 from tracefp4.engines.protocol import SamplingParams  # noqa: E402
 from tracefp4.engines.trainer import code_mismatch, forward_rollout  # noqa: E402
 from tracefp4.guidance.compact import GuidedMode  # noqa: E402
-from tracefp4.formats import cgemm  # noqa: E402
+from tracefp4.formats import clib  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -121,8 +121,8 @@ def test_packed_engine_holds_no_bf16_experts(both, ckpt):
     for params in both["held"]:
         assert {dtype for dtype, _ in params.values()} == {"torch.uint8", "torch.float32"}, params
         assert params["w13_divisor"] == ("torch.float32", (e,))
-        layout = cgemm.preferred_layout(2 * i)  # the layout this CPU's kernel multiplies fastest
-        assert params["w13_weight_scale"] == ("torch.uint8", tuple(cgemm.kernel_scales(
+        layout = clib.preferred_layout(2 * i)  # the layout this CPU's kernel multiplies fastest
+        assert params["w13_weight_scale"] == ("torch.uint8", tuple(clib.kernel_scales(
             torch.zeros(e, 2 * i, h // 16, dtype=torch.uint8), layout).shape)), layout
         held = sum(torch.Size(shape).numel() * (4 if "float32" in d else 1) for d, shape in params.values())
         assert held / (e * 3 * i * h) < 0.6

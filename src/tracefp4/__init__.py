@@ -7,7 +7,7 @@ FP4 rollout path and a QAT trainer path, and GRPO on top.
 from tracefp4.formats.constants import Format, HintMode, ScaleMode
 from tracefp4.guidance.names import Site
 from tracefp4.guidance.hints import Hint, encode_hint, guided_fake_quant, guided_quantize, hint_cat
-from tracefp4.formats.numerics import (
+from tracefp4.formats import (
     FP8,
     MXFP4,
     NVFP4,

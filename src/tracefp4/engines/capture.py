@@ -32,7 +32,7 @@ import torch
 from tracefp4.engines.device_sites import StepChecks, site_values
 from tracefp4.engines.path import ForwardPath
 from tracefp4.formats.constants import HintMode
-from tracefp4.formats.numerics import FP8, MXFP4, NVFP4
+from tracefp4.formats import FP8, MXFP4, NVFP4
 from tracefp4.formats.quantizers import Quantizer
 from tracefp4.guidance.compact import CompactRecord, GuidanceSpec, GuidedMode
 from tracefp4.guidance.hints import Hint, encode_hint

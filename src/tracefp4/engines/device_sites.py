@@ -10,7 +10,7 @@ until then (they are gathered to the host once per rollout by the record assembl
 
 :func:`site_values` is what a rollout's site hook calls. On the Triton path (CUDA tensors, or CPU
 tensors routed to the Triton kernels under ``TRITON_INTERPRET=1`` by
-:func:`tracefp4.formats.numerics.use_backend`, which is how the tests run this very code without a
+:func:`tracefp4.formats.dispatch.use_backend`, which is how the tests run this very code without a
 GPU) the NVFP4 (standard recipe, per row or per tensor amax) and MXFP4 quantizers run the Triton
 kernels here with the check deferred; every other quantizer, and every CPU tensor, takes the
 quantizer's own path, which checks at once. Both give the same codes and values bit for bit.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from tracefp4.formats.constants import FLOAT32_MAX, MXFP4_BLOCK, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR, Format, ScaleMode
-from tracefp4.formats.numerics import MXFP4, NVFP4, as_rows, backend, check_input
+from tracefp4.formats import MXFP4, NVFP4, as_rows, backend, check_input
 from tracefp4.formats.quantizers import MXFP4Quantizer, NVFP4Quantizer, Quantizer
 
 __all__ = ["NON_FINITE", "StepChecks", "deferrable", "site_values"]
@@ -71,7 +71,7 @@ def deferrable(quantizer: Quantizer, x: torch.Tensor) -> bool:
 
 def _s_enc(amax: torch.Tensor) -> torch.Tensor:
     """``S_enc = 448*6/amax`` capped at FLT_MAX, 1 for amax 0, in float32 on amax's device: the recipe of
-    :func:`tracefp4.formats.numerics.nvfp4_global_encode_scale`, with its constants filled on the
+    :func:`tracefp4.formats.grid.nvfp4_global_encode_scale`, with its constants filled on the
     device instead of copied from the host (a host-to-device copy synchronises and cannot be captured
     in a CUDA graph). ``full_like / amax`` is IEEE division (``scalar / tensor`` would be a reciprocal
     times the scalar, off by an ulp); the site tests hold the two recipes equal bit for bit."""
@@ -80,7 +80,7 @@ def _s_enc(amax: torch.Tensor) -> torch.Tensor:
 
 
 def _nvfp4(tk, rows: torch.Tensor, per_row: bool, lead: torch.Size):
-    """(NVFP4 container, float32 values, bad [R]) of rows, as numerics' Triton path computes them."""
+    """(NVFP4 container, float32 values, bad [R]) of rows, as the formats' Triton path computes them."""
     n, k = rows.shape
     by_row = tk.row_amax(rows)  # a NaN/Inf row gets a finite amax here; the quantize pass flags it
     if per_row:

@@ -29,7 +29,7 @@ import torch
 from tracefp4.engines.path import ForwardPath
 from tracefp4.engines.rows import RowMap, scatter_rows
 from tracefp4.formats.constants import HintMode
-from tracefp4.formats.numerics import FP8, MXFP4, NVFP4
+from tracefp4.formats import FP8, MXFP4, NVFP4
 from tracefp4.formats.quantizers import Grid, Quantizer
 from tracefp4.guidance.compact import CompactRecord
 from tracefp4.guidance.hints import Hint
@@ -147,8 +147,8 @@ class TrainerGuidance(ForwardPath):
 
 def guided(quantizer: Quantizer, x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4 | FP8:
     """``x`` quantized on the hint's grid, each element rounded to the bracket member it names."""
-    if hint.fmt.value != quantizer.fmt:
-        raise ValueError(f"the record is {hint.fmt.value} but the precision plan says {quantizer.fmt}")
+    if hint.fmt is not quantizer.fmt:
+        raise ValueError(f"the record is {hint.fmt.value} but the precision plan says {quantizer.fmt.value}")
     if tuple(x.shape) != tuple(hint.shape):
         raise ValueError(
             f"hint shape mismatch: x has shape {tuple(x.shape)} but the hint was recorded for shape "

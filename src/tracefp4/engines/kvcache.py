@@ -38,7 +38,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from tracefp4.engines.sites import ForwardState, site_code
 from tracefp4.formats.ckv import PackedKV, available, paged_attention
-from tracefp4.formats.numerics import FP8, MXFP4, NVFP4, dequantize
+from tracefp4.formats import FP8, MXFP4, NVFP4, dequantize
 from tracefp4.guidance.names import Site
 
 __all__ = ["ATTENTION_PREFIX", "BLOCK_SIZE", "KV_LAYER_KWARG", "KVRead", "KVStorage", "PageTable", "QuantizedKV",

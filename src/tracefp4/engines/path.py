@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tracefp4.formats.numerics import MXFP4, NVFP4
+from tracefp4.formats import MXFP4, NVFP4
 from tracefp4.formats.quantizers import Quantizer
 
 if TYPE_CHECKING:  # the experts package imports the sites, which import this module

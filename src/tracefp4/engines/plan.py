@@ -12,7 +12,7 @@ import functools
 from typing import Literal
 
 from tracefp4.formats.constants import NVFP4_BLOCK, Format, ScaleMode
-from tracefp4.formats.numerics import rac_channel_count
+from tracefp4.formats import rac_channel_count
 from tracefp4.formats.quantizers import (
     CompensatedNVFP4Quantizer,
     FP8Quantizer,
@@ -152,7 +152,7 @@ class PrecisionPlan:
     def site_format(self, site: Site | str) -> str:
         """``"nvfp4"``, ``"mxfp4"``, ``"fp8"`` or ``"bf16"`` for an activation or KV site."""
         q = self.quantizer(site)
-        return BF16_SITE if q is None else q.fmt
+        return BF16_SITE if q is None else q.fmt.value
 
     def guidable(self, site: Site | str) -> bool:
         q = self.quantizer(site)

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tracefp4.formats.numerics import MXFP4, NVFP4
+from tracefp4.formats import MXFP4, NVFP4
 
 __all__ = ["RowMap", "select_rows", "scatter_rows"]
 

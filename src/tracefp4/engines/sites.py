@@ -17,7 +17,7 @@ import torch
 
 from tracefp4.engines.path import PLAIN, ForwardPath
 from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.formats.numerics import FP8, MXFP4, NVFP4, CompensatedNVFP4, straight_through
+from tracefp4.formats import FP8, MXFP4, NVFP4, CompensatedNVFP4, straight_through
 from tracefp4.formats.quantizers import Quantizer
 from tracefp4.guidance.names import Site, record_prefix
 

@@ -53,7 +53,7 @@ from tracefp4.engines.model import CACHE_KWARG, forward_state, model_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput
 from tracefp4.engines.rows import RowMap
-from tracefp4.formats.numerics import code_positions
+from tracefp4.formats import code_positions
 from tracefp4.guidance.compact import CompactRecord, read_record, record_cat
 from tracefp4.guidance.hints import Hint, record_format
 from tracefp4.guidance.names import Site, layer_tag, parse_name, record_prefix, routing_key

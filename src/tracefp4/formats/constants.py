@@ -23,9 +23,8 @@ E2M1_MAG_MASK = 0x7
 
 # --- E4M3 (FP8) block scale of NVFP4 ------------------------------------------------------------
 E4M3_MAX = 448.0
-#: Smallest positive E4M3 subnormal (2^-9). Our NVFP4 allows subnormal block scales; torchao floors
-#: them at 2^-6 (the smallest normal), a documented difference.
-E4M3_MIN_SUBNORMAL = 2.0**-9
+#: Our NVFP4 allows subnormal block scales (down to 2^-9); torchao floors them at 2^-6 (the smallest
+#: normal), a documented difference.
 E4M3_MIN_NORMAL = 2.0**-6
 TORCHAO_E4M3_SCALE_FLOOR = E4M3_MIN_NORMAL
 #: Bit pattern of 448, the largest finite E4M3 value (what a saturated block scale is stored as).

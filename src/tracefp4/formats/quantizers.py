@@ -17,11 +17,11 @@ caller ever branches on the format. Every quantizer offers the same six operatio
 
 FP8 E4M3 (W4A8 activations, the W8A8 plan) is guided the same way: adjacent E4M3 codes of one sign
 differ in their lowest code bit exactly as adjacent E2M1 codes do, so the same ``full``/``lsb`` hints
-name a bracket member on the E4M3 line (:func:`tracefp4.formats.numerics.guided_fp8`). The one
+name a bracket member on the E4M3 line (:func:`tracefp4.formats.fp8.guided_fp8`). The one
 quantizer that is not ``guidable`` is :class:`CompensatedNVFP4Quantizer` (QUADS' residual activation
 compensation: two passes, no single codeword to guide); it refuses ``guided_quantize`` and ``grid``.
 
-Every operation runs on the input's device (see :func:`tracefp4.formats.numerics.backend`) and
+Every operation runs on the input's device (see :mod:`tracefp4.formats.dispatch`) and
 validates the containers and grids it is given. :func:`quantize` and :func:`fake_quant` are the
 functional forms, one call per format, built on these objects.
 """
@@ -35,28 +35,16 @@ from typing import Literal
 import torch
 
 from tracefp4.formats.constants import MXFP4_BLOCK, NVFP4_BLOCK, Format, ScaleMode
-from tracefp4.formats.numerics import (
-    FP8,
-    MXFP4,
-    NVFP4,
-    CompensatedNVFP4,
-    as_rows,
-    dequantize_fp8,
-    dequantize_mxfp4,
-    dequantize_nvfp4,
-    dequantize_nvfp4_rac,
-    guided_codes,
-    guided_fp8,
-    quantize_nvfp4_rac,
-    rac_channel_count,
-    quantize_fp8,
-    quantize_dequantize_nvfp4,
-    quantize_mxfp4,
-    quantize_nvfp4,
-    quantize_nvfp4_4over6,
-    raise_non_finite,
-    straight_through,
-)
+from tracefp4.formats.containers import FP8, MXFP4, NVFP4, CompensatedNVFP4
+from tracefp4.formats.dequant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
+from tracefp4.formats.fp8 import guided_fp8, quantize_fp8
+from tracefp4.formats.guided import guided_codes
+from tracefp4.formats.mxfp4 import quantize_mxfp4
+from tracefp4.formats.nvfp4 import quantize_dequantize_nvfp4, quantize_nvfp4, quantize_nvfp4_4over6
+from tracefp4.formats.rac import dequantize_nvfp4_rac, quantize_nvfp4_rac, rac_channel_count
+from tracefp4.formats.rows import as_rows
+from tracefp4.formats.straight_through import straight_through
+from tracefp4.formats.validation import raise_non_finite
 
 __all__ = [
     "Grid",
@@ -88,14 +76,14 @@ class Grid:
 class Quantizer(abc.ABC):
     """One format, one scaling rule; see the module docstring for the six operations."""
 
-    fmt: str
+    fmt: Format
     block: int
     guidable: bool = True
 
     @property
     def fp4(self) -> bool:
         """4-bit codes two per byte (NVFP4, MXFP4): what the packed FP4 GEMM backends take."""
-        return Format(self.fmt).fp4
+        return self.fmt.fp4
 
     @abc.abstractmethod
     def quantize(self, x: torch.Tensor) -> NVFP4 | MXFP4 | FP8: ...
@@ -144,7 +132,7 @@ class NVFP4Quantizer(Quantizer):
     amax_scope: AmaxScope = "row"
     global_amax: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     block_max: int | str = 6
-    fmt = Format.NVFP4.value
+    fmt = Format.NVFP4
     block = NVFP4_BLOCK
 
     def __post_init__(self) -> None:
@@ -200,7 +188,7 @@ class MXFP4Quantizer(Quantizer):
     """MXFP4 (blocks of 32, E8M0 block exponents chosen by ``scale_mode``)."""
 
     scale_mode: ScaleMode = ScaleMode.FLOOR
-    fmt = Format.MXFP4.value
+    fmt = Format.MXFP4
     block = MXFP4_BLOCK
 
     def __post_init__(self) -> None:
@@ -235,7 +223,7 @@ class FP8Quantizer(Quantizer):
     ``[K]`` row). The grid a rollout records is the scale itself (4 bytes per row).
     """
 
-    fmt = Format.FP8.value
+    fmt = Format.FP8
     block = 1
 
     def quantize(self, x: torch.Tensor) -> FP8:
@@ -260,11 +248,11 @@ class FP8Quantizer(Quantizer):
 class CompensatedNVFP4Quantizer(Quantizer):
     """NVFP4 per row with residual activation compensation (QUADS, arXiv 2607.15810): the residual of
     the first pass is quantized to NVFP4 again on the ``ceil(fraction * K)`` channels of each row with
-    the largest first-pass error, and added back (:func:`tracefp4.formats.numerics.quantize_nvfp4_rac`).
+    the largest first-pass error, and added back (:func:`tracefp4.formats.rac.quantize_nvfp4_rac`).
     ``fraction``: the compensated share of channels, in (0, 1] (QUADS' default 0.5)."""
 
     fraction: float = 0.5
-    fmt = Format.NVFP4.value
+    fmt = Format.NVFP4
     block = NVFP4_BLOCK
     guidable = False
 

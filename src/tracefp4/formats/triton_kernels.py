@@ -2,7 +2,7 @@
 (lsb and full), lsb hint packing.
 
 The functions here take raw rows (``[R, K]`` tensors and per-row ``[R]`` quantities) and return raw
-tensors; :mod:`tracefp4.formats.numerics` validates the inputs, shapes the containers, and sends CUDA
+tensors; :mod:`tracefp4.formats` validates the inputs, shapes the containers, and sends CUDA
 tensors here through its one dispatch point. The results are bit for bit equal to the CPU kernels
 and to :mod:`tracefp4.formats.reference`. They take CUDA tensors; under Triton's interpreter
 (``TRITON_INTERPRET=1``, set before this module is imported) they take CPU tensors too, which is how

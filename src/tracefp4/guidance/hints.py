@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from tracefp4.formats.constants import Format, HintMode
-from tracefp4.formats.numerics import (
+from tracefp4.formats import (
     FP8,
     MXFP4,
     NVFP4,
@@ -110,7 +110,7 @@ class Hint:
         """Raise ValueError unless mode, format, data, scales and global amax agree.
 
         data: uint8 ``[..., K//8]`` (lsb) or ``[..., K//2]`` (full); scales and global amax as in
-        :func:`tracefp4.formats.numerics.check_grid` (no NaN scale codes; NVFP4 needs a finite
+        :func:`tracefp4.formats.validation.check_grid` (no NaN scale codes; NVFP4 needs a finite
         non-negative float32 amax, MXFP4 has none).
         """
         shape = self._check_kind()

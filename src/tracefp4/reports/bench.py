@@ -33,7 +33,7 @@ import torch
 
 from tracefp4.files import atomic_write_json
 from tracefp4.formats.constants import NVFP4_GLOBAL_NUMERATOR
-from tracefp4.formats.numerics import dequantize_nvfp4, quantize_nvfp4
+from tracefp4.formats import dequantize_nvfp4, quantize_nvfp4
 from tracefp4.guidance.hints import encode_hint, guided_quantize
 from tracefp4.reports.timing import time_rounds
 

@@ -205,9 +205,9 @@ def memory_probe(engine: str, ckpt: str, preset: str, modules: Sequence[str] = (
     out: dict = {"engine": engine, "expert_params": config_expert_params(config)}
     # everything imported before the first reading, so that only the engine's own memory is counted
     from tracefp4.engines.rollout import HomeEngine
-    from tracefp4.formats import cgemm
+    from tracefp4.formats import clib
 
-    cgemm.available()
+    clib.available()
     if _probe_kind(engine) is not EngineKind.HOME:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its memory is ours
         from tracefp4.engines.vllm.engine import engine_env

@@ -15,8 +15,7 @@ import torch
 
 from tracefp4.formats.constants import HintMode
 from tracefp4.guidance.hints import encode_hint, guided_quantize
-from tracefp4.formats.numerics import quantize_nvfp4, unpack_fp4
-from tracefp4.formats.reference import signed_index
+from tracefp4.formats import quantize_nvfp4, signed_index, unpack_fp4
 
 
 @dataclasses.dataclass

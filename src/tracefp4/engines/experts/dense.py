@@ -1,7 +1,7 @@
 """The dense backend: weights as values in memory, one torch matmul per expert with rows.
 
 BF16 (no quantizer): the parameter itself, ``F.linear`` in the model's dtype. FP4: the exact block
-values ``value(code) * scale`` (:func:`~tracefp4.formats.numerics.dequantize_blocks`, exact in bf16)
+values ``value(code) * scale`` (:func:`~tracefp4.formats.dequant.dequantize_blocks`, exact in bf16)
 and the expert's global divisor, multiplied in float32 and divided after the sum, so the result is
 the packed kernels' up to the order of the float32 additions (see :mod:`tracefp4.engines.experts`).
 FP8 (W8A8, one scale per output channel): the dequantized weight ``value(code) * scale`` in float32
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from tracefp4.engines.experts.base import ExpertGEMM, Routing, WeightParameters, check_parameter_names
 from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.formats.numerics import FP8, dequantize_blocks, dequantize_fp8, global_divisor, straight_through
+from tracefp4.formats import FP8, dequantize_blocks, dequantize_fp8, global_divisor, straight_through
 from tracefp4.formats.quantizers import Quantizer
 
 __all__ = ["DenseGEMM", "DenseWeight", "expert_divisor"]

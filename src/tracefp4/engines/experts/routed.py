@@ -6,7 +6,7 @@ import torch
 
 from tracefp4.engines.experts.base import Activation, ExpertGEMM, PreparedWeight, Routing
 from tracefp4.engines.sites import ForwardState, quantize_site
-from tracefp4.formats.numerics import backend
+from tracefp4.formats import backend
 from tracefp4.guidance.names import Site, layer_tag
 
 __all__ = ["routed_experts"]

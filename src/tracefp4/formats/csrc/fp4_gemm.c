@@ -12,7 +12,7 @@
  * float32 additions, of the division and of the final bf16 rounding (round-to-nearest-even,
  * subnormals kept, NaN -> 0x7FC0, as torch's cast).
  *
- * Two layouts of the codes (tracefp4.formats.cgemm.Layout), the same codes two per byte with the
+ * Two layouts of the codes (tracefp4.formats.clib.layout.Layout), the same codes two per byte with the
  * bytes permuted; each has its kernels in a file of its own, included here (one translation unit):
  *
  * tiles.h, for CPUs without AMX (AVX-512 BF16 or portable C): the blocks of a weight row are taken

@@ -1,7 +1,7 @@
 /* The routed experts' SiLU-gated activation: res[r, i] = bf16_rne( fl32(silu[g]) * fl32(u) ) for gate
  * g = x[r, i] and up u = x[r, inter + i] (the [gate; up] halves of one gate-up row), where silu[] is a
  * table of torch's own bf16 SiLU of every bf16 bit pattern, made by the caller with torch in this
- * process (tracefp4.formats.cgemm.silu_gate). So the result is bit for bit torch's
+ * process (tracefp4.formats.clib.combine.silu_gate). So the result is bit for bit torch's
  * F.silu(gate) * up, two ops each rounded to bf16 (the product of two bf16 values is exact in
  * float32, and its rounding here is torch's round-to-nearest-even), without an exponential here
  * that would have to match Sleef's to the last bit. The table has one entry of padding, so a

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from tracefp4.formats.constants import Format, HintMode
-from tracefp4.formats.numerics import MXFP4, NVFP4, pack_fp4, unpack_fp4
+from tracefp4.formats import MXFP4, NVFP4, pack_fp4, unpack_fp4
 from tracefp4.guidance.coding import pack_bits, unpack_bits
 from tracefp4.guidance.compact.codec import Geometry
 from tracefp4.guidance.compact.grid import global_encode_scale, grid_z, rtn_codes

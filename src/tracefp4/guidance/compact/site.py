@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from tracefp4.formats.constants import Format, HintMode
-from tracefp4.formats.numerics import MXFP4, NVFP4
+from tracefp4.formats import MXFP4, NVFP4
 from tracefp4.guidance.compact.codec import Geometry
 from tracefp4.guidance.compact.record import CompactRecord, compact_site_bytes
 from tracefp4.guidance.compact.spec import GuidanceSpec, parse_hint_mode

@@ -1,0 +1,5 @@
+import sys
+
+from tracefp4.formats.clib.loader import main
+
+sys.exit(main())

@@ -1,0 +1,103 @@
+"""The C entry points as ``torch.library`` custom ops (namespace ``tracefp4``), each with a fake
+implementation that gives the output's shape and dtype from the inputs', so ``torch.compile`` traces
+a model around them (the op stays one node of the graph; the C call runs when the graph does).
+
+The Python functions (:func:`~tracefp4.formats.clib.gemm.grouped_gemm` and the others) call these ops
+while ``torch.compile`` traces them and the C library directly otherwise (the op's dispatch costs
+microseconds a call that eager decoding does not pay). Enums travel as their names, ``threads`` 0
+meaning torch's count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tracefp4.formats.clib import combine, gemm, kv, site
+from tracefp4.formats.constants import NVFP4_BLOCK, Format
+
+__all__ = ["grouped_gemm", "nvfp4_rows", "paged_attention", "routed_gemm", "silu_gate", "topk_combine"]
+
+_NS = "tracefp4"
+
+
+def _threads(threads: int) -> int | None:
+    return threads or None
+
+
+@torch.library.custom_op(f"{_NS}::grouped_gemm", mutates_args=())
+def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                 divisor: torch.Tensor, fmt: str, layout: str, threads: int, impl: str) -> torch.Tensor:
+    return gemm.grouped_gemm(x, offsets, codes, scales, divisor, fmt, layout=layout, threads=_threads(threads),
+                             impl=impl)
+
+
+@grouped_gemm.register_fake
+def _(x, offsets, codes, scales, divisor, fmt, layout, threads, impl):
+    return x.new_empty((x.shape[0], gemm.gemm_out_features(codes, layout)), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op(f"{_NS}::routed_gemm", mutates_args=())
+def routed_gemm(x: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, divisor: torch.Tensor,
+                fmt: str, per_token: bool, layout: str, threads: int, impl: str) -> torch.Tensor:
+    return gemm.routed_gemm(x, ids, codes, scales, divisor, fmt, per_token=per_token, layout=layout,
+                            threads=_threads(threads), impl=impl)
+
+
+@routed_gemm.register_fake
+def _(x, ids, codes, scales, divisor, fmt, per_token, layout, threads, impl):
+    return x.new_empty((ids.numel(), gemm.gemm_out_features(codes, layout)), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op(f"{_NS}::topk_combine", mutates_args=())
+def topk_combine(out: torch.Tensor, weights: torch.Tensor, threads: int, impl: str) -> torch.Tensor:
+    return combine.topk_combine(out, weights, threads=_threads(threads), impl=impl)
+
+
+@topk_combine.register_fake
+def _(out, weights, threads, impl):
+    return out.new_empty((out.shape[0], out.shape[2]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op(f"{_NS}::silu_gate", mutates_args=())
+def silu_gate(x: torch.Tensor, threads: int, impl: str) -> torch.Tensor:
+    return combine.silu_gate(x, threads=_threads(threads), impl=impl)
+
+
+@silu_gate.register_fake
+def _(x, threads, impl):
+    return x.new_empty((x.shape[0], x.shape[1] // 2), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op(f"{_NS}::nvfp4_rows", mutates_args=())
+def nvfp4_rows(x: torch.Tensor, amax: torch.Tensor | None, threads: int, impl: str
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`~tracefp4.formats.clib.site.nvfp4_rows` with the values always made, ``bad`` a tensor
+    and a given amax copied (an op's outputs never alias its inputs)."""
+    codes, scales, row_amax, values, bad = site.nvfp4_rows(x, amax, values=True, threads=_threads(threads), impl=impl)
+    return codes, scales, row_amax if amax is None else row_amax.clone(), values, torch.from_numpy(bad)
+
+
+@nvfp4_rows.register_fake
+def _(x, amax, threads, impl):
+    r, k = x.shape
+    return (x.new_empty((r, k // 2), dtype=torch.uint8), x.new_empty((r, k // NVFP4_BLOCK), dtype=torch.uint8),
+            x.new_empty((r,), dtype=torch.float32), x.new_empty((r, k), dtype=torch.bfloat16),
+            x.new_empty((r,), dtype=torch.bool))
+
+
+@torch.library.custom_op(f"{_NS}::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, k_amax: torch.Tensor | None,
+                    v_codes: torch.Tensor, v_scales: torch.Tensor, v_amax: torch.Tensor | None, fmt: str,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, q_seq: torch.Tensor, q_len: torch.Tensor,
+                    block_size: int, scale: float, threads: int, impl: str) -> torch.Tensor:
+    f = Format(fmt)
+    return kv.paged_attention(q, kv.PackedKV(k_codes, k_scales, k_amax, f), kv.PackedKV(v_codes, v_scales, v_amax, f),
+                              block_table=block_table, seq_lens=seq_lens, q_seq=q_seq, q_len=q_len,
+                              block_size=block_size, scale=scale, threads=_threads(threads), impl=impl)
+
+
+@paged_attention.register_fake
+def _(q, k_codes, k_scales, k_amax, v_codes, v_scales, v_amax, fmt, block_table, seq_lens, q_seq, q_len, block_size,
+      scale, threads, impl):
+    return q.new_empty(q.shape, dtype=torch.float32)
+

@@ -56,6 +56,7 @@ else:
 
 tk = None
 if triton is not None and not _FRESH_PROCESS:
+    from tracefp4.formats import triton_device as td
     from tracefp4.formats import triton_kernels as tk
 
 needs_triton = pytest.mark.skipif(tk is None, reason=_SKIP_REASON or "triton kernels unavailable")
@@ -180,11 +181,11 @@ if tk is not None:  # defined only where the kernels can run (see the module doc
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        code, value = tk._e4m3_round(tl.minimum(x, 448.0))
+        code, value = td.e4m3_round(tl.minimum(x, 448.0))
         tl.store(e4m3_code_ptr + offs, code.to(tl.uint8), mask=mask)
         tl.store(e4m3_value_ptr + offs, value, mask=mask)
         m = tl.minimum(x, 6.0)
-        packed = tk._rtn_mag(x) | (tk._floor_mag(m) << 4) | (tk._ceil_mag(m) << 8)
+        packed = td.rtn_mag(x) | (td.floor_mag(m) << 4) | (td.ceil_mag(m) << 8)
         tl.store(mags_ptr + offs, packed.to(tl.int32), mask=mask)
 
 

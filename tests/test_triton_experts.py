@@ -46,7 +46,7 @@ from tracefp4.engines.rollout import generate  # noqa: E402
 from tracefp4.engines.sites import ForwardState  # noqa: E402
 from tracefp4.engines.trainer import code_mismatch, forward_rollout  # noqa: E402
 from tracefp4.formats import clib, dispatch  # noqa: E402
-from tracefp4.formats import reference as ref  # noqa: E402
+from tracefp4.formats import reference_composite as refc  # noqa: E402
 from tracefp4.formats.constants import Format  # noqa: E402
 from tracefp4.formats.quantizers import MXFP4Quantizer, NVFP4Quantizer  # noqa: E402
 from tracefp4.guidance.compact import GuidedMode  # noqa: E402
@@ -131,7 +131,7 @@ def test_exact_where_the_sums_are_exact(fmt, counts, k, per_token):
     rows = ids.shape[0] if per_token else ids.numel()
     x = (torch.randint(-8, 9, (rows, k), generator=g).to(torch.float32) / 4).to(torch.bfloat16)
     out, grouped, _, offsets, inverse = routed(x, ids, e, codes, scales, divisor, fmt, per_token=per_token)
-    want = ref.grouped_gemm_reference(grouped, offsets, codes, scales, divisor, fmt)[inverse]
+    want = refc.grouped_gemm_reference(grouped, offsets, codes, scales, divisor, fmt)[inverse]
     assert out.dtype == torch.bfloat16 and out.shape == (ids.numel(), n)
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
@@ -148,8 +148,8 @@ def test_within_the_accumulation_bound_on_real_weights(fmt, counts):
     ids = ids_for(COUNTS[counts], 1, seed=3)
     x = torch.randn(ids.numel(), k, generator=g).to(torch.bfloat16)
     out, grouped, _, offsets, inverse = routed(x, ids, e, codes, scales, divisor, fmt, per_token=False)
-    exact = ref.grouped_gemm_exact(grouped, offsets, codes, scales, divisor, fmt)[inverse]
-    acc = clib.accumulation_bound(grouped, offsets, ref.expert_weights(codes, scales, fmt), divisor)[inverse]
+    exact = refc.grouped_gemm_exact(grouped, offsets, codes, scales, divisor, fmt)[inverse]
+    acc = clib.accumulation_bound(grouped, offsets, refc.expert_weights(codes, scales, fmt), divisor)[inverse]
     assert bool(((out.to(torch.float64) - exact).abs() <= bound(exact, acc)).all())
 
 
@@ -168,7 +168,7 @@ def test_output_rounding_edge_cases_and_subnormal_scales():
     x = (torch.randint(-8, 9, (ids.numel(), k), generator=g).to(torch.float32) / 4).to(torch.bfloat16)
     x[4] = float("nan")
     out, grouped, order, offsets, inverse = routed(x, ids, e, codes, scales, divisor, "nvfp4", per_token=False)
-    want = ref.grouped_gemm_reference(grouped, offsets, codes, scales, divisor, "nvfp4")[inverse]
+    want = refc.grouped_gemm_reference(grouped, offsets, codes, scales, divisor, "nvfp4")[inverse]
     rows = torch.arange(ids.numel()) != 4
     assert torch.equal(out[rows].view(torch.int16), want[rows].view(torch.int16))
     assert bool((out[4].view(torch.int16) == 0x7FC0).all())  # the NaN the CPU backend writes
@@ -361,7 +361,7 @@ def test_the_device_path_equals_the_dense_backend_on_exact_sums():
     ids = torch.tensor([[0, 3], [3, 1], [2, 0], [1, 2], [3, 0]])
     weights = torch.full((5, 2), 0.5)
     codes, scales, _ = dyadic_weights(4, 64, 64, "mxfp4", g)
-    gate_up = ref.expert_weights(codes, scales, "mxfp4").to(torch.bfloat16)
+    gate_up = refc.expert_weights(codes, scales, "mxfp4").to(torch.bfloat16)
     down = gate_up[:, :, :32].contiguous()
     outs = []
     for name, backend, device in (("triton_fp4", "triton", DEVICE), ("dense", "numba", "cpu")):

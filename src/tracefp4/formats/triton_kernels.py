@@ -39,8 +39,21 @@ from tracefp4.formats.constants import (
     FLOAT32_MAX,
     MXFP4_BLOCK,
     NVFP4_BLOCK,
-    NVFP4_GLOBAL_NUMERATOR,
     Format,
+)
+
+from tracefp4.formats.triton_device import (
+    abs_bits,
+    ceil_mag,
+    div_rn,
+    e2m1_value,
+    e4m3_round,
+    encode_scale,
+    floor_mag,
+    pack_pairs,
+    rtn_mag,
+    sign_code_bit,
+    widen,
 )
 
 __all__ = [
@@ -60,7 +73,6 @@ _FINITE_LIMIT = 0x7F7FFFFF  # abs bit pattern of FLT_MAX: anything above is NaN 
 _E8M0_BIAS = tl.constexpr(E8M0_BIAS)
 _SIX = tl.constexpr(float(E2M1_MAX))
 _E4M3_MAX = tl.constexpr(float(E4M3_MAX))
-_NVFP4_NUMERATOR = tl.constexpr(float(NVFP4_GLOBAL_NUMERATOR))  # 448 * 6 = 2688, exact in float32
 
 #: No kernel here multiplies into an addition, so FMA contraction could not change a result; it is
 #: switched off anyway so that a future edit cannot silently break bit-exactness.
@@ -75,84 +87,6 @@ def interpreting() -> bool:
     return type(_nvfp4_kernel).__name__ == "InterpretedFunction"
 
 
-# --- device helpers ------------------------------------------------------------------------------
-
-
-@triton.jit
-def _widen(x):
-    """x as float32, exactly. A bf16 is the top half of a float32, so it is widened by a shift: the
-    interpreter's bf16 cast loses bf16 subnormals, and a shift cannot depend on a denormal mode."""
-    if x.dtype.is_bf16():
-        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _abs_bits(xf):
-    """float32 abs bit patterns; they order like the magnitudes and NaN/Inf lie above _FINITE_LIMIT."""
-    return xf.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-
-
-@triton.jit
-def _sign_code_bit(xf):
-    """8 where float32 xf's sign bit is set (-0.0 included), else 0."""
-    return (xf.to(tl.uint32, bitcast=True) >> 31) << 3
-
-
-@triton.jit
-def _rtn_mag(m):
-    """Magnitude code of m >= 0, nearest with ties to even (see kernels._rtn_mag)."""
-    c = (m > 0.25).to(tl.uint32) + (m >= 0.75).to(tl.uint32) + (m > 1.25).to(tl.uint32)
-    c += (m >= 1.75).to(tl.uint32) + (m > 2.5).to(tl.uint32) + (m >= 3.5).to(tl.uint32)
-    return c + (m > 5.0).to(tl.uint32)
-
-
-@triton.jit
-def _floor_mag(m):
-    c = (m >= 0.5).to(tl.uint32) + (m >= 1.0).to(tl.uint32) + (m >= 1.5).to(tl.uint32)
-    c += (m >= 2.0).to(tl.uint32) + (m >= 3.0).to(tl.uint32) + (m >= 4.0).to(tl.uint32)
-    return c + (m >= 6.0).to(tl.uint32)
-
-
-@triton.jit
-def _ceil_mag(m):
-    c = (m > 0.0).to(tl.uint32) + (m > 0.5).to(tl.uint32) + (m > 1.0).to(tl.uint32)
-    c += (m > 1.5).to(tl.uint32) + (m > 2.0).to(tl.uint32) + (m > 3.0).to(tl.uint32)
-    return c + (m > 4.0).to(tl.uint32)
-
-
-@triton.jit
-def _e4m3_round(v):
-    """(pattern, value) of float32 v in [0, 448] rounded to E4M3 (see kernels._e4m3_round)."""
-    bits = v.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
-    shifted = v + 16384.0  # 2^14: floats in [2^14, 2^15) are 2^-9 apart, the E4M3 subnormal step
-    normal = v >= 0.015625  # 2^-6, the smallest E4M3 normal
-    code = tl.where(normal, (rounded >> 20) - 960, shifted.to(tl.uint32, bitcast=True) - 0x46800000)
-    value = tl.where(normal, rounded.to(tl.float32, bitcast=True), shifted - 16384.0)
-    return code, value
-
-
-@triton.jit
-def _div(numerator: tl.constexpr, x):
-    """numerator / x, correctly rounded (a plain ``/`` may compile to an approximate division)."""
-    return tl.div_rn(tl.full(x.shape, numerator, tl.float32), x)
-
-
-@triton.jit
-def _s_enc(amax):
-    """``S_enc = 448*6/amax`` capped at FLT_MAX; amax 0 (or a quotient of 0) gives 1."""
-    s = tl.minimum(_div(_NVFP4_NUMERATOR, amax), _FLT_MAX)
-    return tl.where((amax == 0.0) | (s == 0.0), 1.0, s)
-
-
-@triton.jit
-def _pack_pairs(codes, BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
-    """[BLOCKS, BLOCK] codes -> [BLOCKS, BLOCK // 2] bytes, element 2i in the low nibble."""
-    even, odd = tl.split(tl.reshape(codes, (BLOCKS, BLOCK // 2, 2)))
-    return (even | (odd << 4)).to(tl.uint8)
-
-
 # --- kernels -------------------------------------------------------------------------------------
 # Programs own BLOCKS consecutive blocks of one row: grid (rows, cdiv(blocks_per_row, BLOCKS)). Each
 # writes one flag, bad[row, program], set when its slice holds a NaN or Inf.
@@ -165,7 +99,7 @@ def _row_amax_kernel(x_ptr, amax_ptr, K, TILE: tl.constexpr):
     for k0 in range(0, K, TILE):
         offs = k0 + tl.arange(0, TILE)
         x = tl.load(x_ptr + r * K + offs, mask=offs < K, other=0.0)
-        top = tl.maximum(top, _abs_bits(_widen(x)))
+        top = tl.maximum(top, abs_bits(widen(x)))
     m = tl.max(top, axis=0)  # a NaN/Inf row is clamped here; the quantize pass flags it
     tl.store(amax_ptr + r, tl.minimum(m, _FINITE_LIMIT).to(tl.float32, bitcast=True))
 
@@ -173,7 +107,7 @@ def _row_amax_kernel(x_ptr, amax_ptr, K, TILE: tl.constexpr):
 @triton.jit
 def _flag_non_finite(x, bad_ptr):
     r = tl.program_id(0).to(tl.int64)
-    top = tl.max(tl.max(_abs_bits(x), axis=1), axis=0)
+    top = tl.max(tl.max(abs_bits(x), axis=1), axis=0)
     tl.store(bad_ptr + r * tl.num_programs(1) + tl.program_id(1), (top > _FINITE_LIMIT).to(tl.int8))
 
 
@@ -184,16 +118,16 @@ def _nvfp4_kernel(x_ptr, amax_ptr, codes_ptr, scales_ptr, bad_ptr, K, BLOCKS: tl
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     in_row = b < nb
     i = tl.arange(0, 16)
-    x = _widen(tl.load(x_ptr + r * K + b[:, None] * 16 + i[None, :], mask=in_row[:, None], other=0.0))
+    x = widen(tl.load(x_ptr + r * K + b[:, None] * 16 + i[None, :], mask=in_row[:, None], other=0.0))
     _flag_non_finite(x, bad_ptr)
     mag = tl.abs(x)
-    s_enc = _s_enc(tl.load(amax_ptr + r))
+    s_enc = encode_scale(tl.load(amax_ptr + r))
     d = tl.minimum(tl.max(mag, axis=1) * (s_enc * _ONE_SIXTH), _E4M3_MAX)  # clamp before the cast
-    s8, s8_value = _e4m3_round(d)
-    enc = tl.minimum(_div(1.0, s8_value * _div(1.0, s_enc)), _FLT_MAX)
-    codes = _rtn_mag(mag * enc[:, None]) | _sign_code_bit(x)  # |x * enc| == |x| * enc exactly
+    s8, s8_value = e4m3_round(d)
+    enc = tl.minimum(div_rn(1.0, s8_value * div_rn(1.0, s_enc)), _FLT_MAX)
+    codes = rtn_mag(mag * enc[:, None]) | sign_code_bit(x)  # |x * enc| == |x| * enc exactly
     j = tl.arange(0, 8)
-    tl.store(codes_ptr + r * (K // 2) + b[:, None] * 8 + j[None, :], _pack_pairs(codes, BLOCKS, 16),
+    tl.store(codes_ptr + r * (K // 2) + b[:, None] * 8 + j[None, :], pack_pairs(codes, BLOCKS, 16),
              mask=in_row[:, None])
     tl.store(scales_ptr + r * nb + b, s8.to(tl.uint8), mask=in_row)
 
@@ -208,14 +142,14 @@ def _guided_kernel(x_ptr, scales_ptr, values_ptr, s_dec_ptr, hint_ptr, codes_ptr
     i = tl.arange(0, BLOCK)
     elem = b[:, None] * BLOCK + i[None, :]  # element index within the row
     mask = in_row[:, None]
-    x = _widen(tl.load(x_ptr + r * K + elem, mask=mask, other=0.0))
+    x = widen(tl.load(x_ptr + r * K + elem, mask=mask, other=0.0))
     _flag_non_finite(x, bad_ptr)
     scale = tl.load(values_ptr + tl.load(scales_ptr + r * nb + b, mask=in_row, other=0).to(tl.int32))
-    enc = tl.minimum(_div(1.0, scale * tl.load(s_dec_ptr + r)), _FLT_MAX)
+    enc = tl.minimum(div_rn(1.0, scale * tl.load(s_dec_ptr + r)), _FLT_MAX)
     m = tl.minimum(tl.abs(x) * enc[:, None], _SIX)
-    lo = _floor_mag(m)
-    hi = _ceil_mag(m)  # == lo on a codeword, so no hint can move it
-    sign = _sign_code_bit(x)
+    lo = floor_mag(m)
+    hi = ceil_mag(m)  # == lo on a codeword, so no hint can move it
+    sign = sign_code_bit(x)
     if FULL:
         byte = tl.load(hint_ptr + r * (K // 2) + elem // 2, mask=mask, other=0).to(tl.uint32)
         rc = (byte >> ((elem % 2) * 4).to(tl.uint32)) & 15
@@ -227,7 +161,7 @@ def _guided_kernel(x_ptr, scales_ptr, values_ptr, s_dec_ptr, hint_ptr, codes_ptr
         up = (lo & 1) != ((byte >> (elem % 8).to(tl.uint32)) & 1)
     codes = tl.where(up, hi, lo) | sign
     j = tl.arange(0, BLOCK // 2)
-    tl.store(codes_ptr + r * (K // 2) + b[:, None] * (BLOCK // 2) + j[None, :], _pack_pairs(codes, BLOCKS, BLOCK),
+    tl.store(codes_ptr + r * (K // 2) + b[:, None] * (BLOCK // 2) + j[None, :], pack_pairs(codes, BLOCKS, BLOCK),
              mask=mask)
 
 
@@ -268,28 +202,17 @@ def _mxfp4_kernel(x_ptr, codes_ptr, scales_ptr, bad_ptr, K, BLOCKS: tl.constexpr
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     in_row = b < nb
     i = tl.arange(0, 32)
-    x = _widen(tl.load(x_ptr + r * K + b[:, None] * 32 + i[None, :], mask=in_row[:, None], other=0.0))
+    x = widen(tl.load(x_ptr + r * K + b[:, None] * 32 + i[None, :], mask=in_row[:, None], other=0.0))
     _flag_non_finite(x, bad_ptr)
-    top = tl.minimum(tl.max(_abs_bits(x), axis=1), _FINITE_LIMIT)  # a bad block still computes in range
+    top = tl.minimum(tl.max(abs_bits(x), axis=1), _FINITE_LIMIT)  # a bad block still computes in range
     e = _mx_exponent(top.to(tl.float32, bitcast=True), RCEIL)
     # 2^-e as a float32 pattern: e is in [-127, 126], so the biased field 127 - e is a normal one
     enc = ((-e + _E8M0_BIAS).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
-    codes = _rtn_mag(tl.abs(x) * enc[:, None]) | _sign_code_bit(x)  # a power of two: |x * enc| == |x| * enc
+    codes = rtn_mag(tl.abs(x) * enc[:, None]) | sign_code_bit(x)  # a power of two: |x * enc| == |x| * enc
     j = tl.arange(0, 16)
-    tl.store(codes_ptr + r * (K // 2) + b[:, None] * 16 + j[None, :], _pack_pairs(codes, BLOCKS, 32),
+    tl.store(codes_ptr + r * (K // 2) + b[:, None] * 16 + j[None, :], pack_pairs(codes, BLOCKS, 32),
              mask=in_row[:, None])
     tl.store(scales_ptr + r * nb + b, (e + _E8M0_BIAS).to(tl.uint8), mask=in_row)
-
-
-@triton.jit
-def _e2m1_value(code):
-    """float32 value of 4-bit codes (uint32), built as bits like kernels._e2m1_value: from magnitude
-    code 2 up, exponent (c >> 1) - 1 and mantissa bit c & 1; codes 0 and 1 are 0 and 0.5; bit 3 is
-    the float's sign bit."""
-    mag = code & 7
-    normal = ((126 + (mag >> 1)) << 23) | ((mag & 1) << 22)
-    bits = tl.where(mag >= 2, normal, mag * 0x3F000000)  # 0x3f000000 is 0.5
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -305,7 +228,7 @@ def _dequant_kernel(codes_ptr, scales_ptr, values_ptr, div_ptr, out_ptr, K,
     byte = tl.load(codes_ptr + r * (K // 2) + elem // 2, mask=mask, other=0).to(tl.uint32)
     code = (byte >> ((elem % 2) * 4).to(tl.uint32)) & 15
     scale = tl.load(values_ptr + tl.load(scales_ptr + r * nb + b, mask=in_row, other=0).to(tl.int32))
-    v = _e2m1_value(code) * scale[:, None]  # exact: 2 significant bits times a scale's 4
+    v = e2m1_value(code) * scale[:, None]  # exact: 2 significant bits times a scale's 4
     out = tl.div_rn(v, tl.broadcast_to(tl.load(div_ptr + r), v.shape))
     tl.store(out_ptr + r * K + elem, out, mask=mask)
 

@@ -240,7 +240,7 @@ def test_guidance_removes_code_mismatches_under_decode_drift(
     """Incremental decode vs full-sequence forward: QAT's round-to-nearest picks other codewords at the
     guided sites, TRACE far fewer; guiding every layer removes them and closes the log-prob gap.
 
-    What is guaranteed (tests/test_guidance.py checks it exactly): guided rounding reproduces the
+    What is guaranteed (tests/test_guided_rounding.py checks it exactly): guided rounding reproduces the
     rollout's code wherever the trainer's value lies in the bracket that holds it, i.e. within one
     grid step of it on the rollout's grid. With full records on every layer the only drift left is
     BF16 op ordering, far below an FP4 step, so no code differs (exactly 0, asserted). On the deeper

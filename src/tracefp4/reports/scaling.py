@@ -593,7 +593,8 @@ def _plot_axes(rep: Mapping[str, Any], path: Path, plt, colors: Mapping[str, str
                 ax.set_title(title, fontsize=9)
                 ax.grid(alpha=0.3)
     # the |Δlogp| panel has every arm (BF16 and the zero-mismatch arms have no point on the log-scale code panel)
-    axs[1][0].legend(fontsize=7, title="solid: trained, dashed: random", title_fontsize=7)
+    if axs[1][0].get_legend_handles_labels()[0]:  # labels come from trained points; a random-only grid has none
+        axs[1][0].legend(fontsize=7, title="solid: trained, dashed: random", title_fontsize=7)
     fig.suptitle("train–rollout mismatch against depth, width and completion length (star grid)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

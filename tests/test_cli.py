@@ -38,6 +38,28 @@ def test_bench_numerics_json(tmp_path):
     for key in ["nvfp4_quantize_s", "torchao_nvfp4_quantize_s", "copy_s", "guided_quantize_s", "encode_hint_s"]:
         assert key in res
     assert res["nvfp4_quantize_s"] > 0 and res["copy_s"] > 0
+    assert res["targets"] == []  # the targets are set for 4096x4096: none at other shapes
+
+
+def test_bench_numerics_targets_are_in_each_result():
+    """The targets travel with the result they judge: the bound, the ratio measured in that run, met or
+    not (synthetic timings in binary fractions; no timing is measured here)."""
+    from tracefp4.reports.bench import NUMERICS_TARGETS, TARGET_SHAPE, _add_ratios, _targets, format_numerics
+
+    res = {"shape": list(TARGET_SHAPE), "dtype": "bfloat16", "threads": 2, "copy_s": 1.0, "copy_into_s": 1.0,
+           "nvfp4_quantize_s": 1.5, "nvfp4_quantize_per_row_s": 1.25, "nvfp4_dequantize_s": 1.0,
+           "guided_quantize_s": 1.5, "guided_quantize_full_s": 2.0, "encode_hint_s": 0.25,
+           "torchao_nvfp4_quantize_s": 150.0, "torchao_bit_exact": True}
+    _add_ratios(res)
+    res["targets"] = _targets(res)
+    got = {t["ratio"]: (t["value"], t["met"]) for t in res["targets"]}
+    assert set(got) == set(NUMERICS_TARGETS)
+    assert got["quantize_per_row_over_copy"] == (1.25, False) and got["quantize_over_copy"] == (1.5, True)
+    assert got["guided_full_over_copy"] == (2.0, False) and got["encode_hint_over_copy"] == (0.25, True)
+    assert got["torchao_over_quantize"] == (100.0, True)
+    out = format_numerics(res)
+    assert "quantize_per_row_over_copy 1.25 (<= 1.1: MISSED)" in out
+    assert "torchao_over_quantize 100.00 (>= 80.0: ok)" in out
 
 
 def _installed_script() -> str:

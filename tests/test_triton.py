@@ -28,6 +28,7 @@ import torch
 import contextlib
 
 import fp4data
+from fresh_interpreter import run_in_fresh_interpreter
 import tracefp4 as tf
 import tracefp4.formats as formats
 from tracefp4.formats import kernels
@@ -69,13 +70,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.triton
 @pytest.mark.skipif(not _FRESH_PROCESS, reason="the Triton tests run in this process")
 def test_triton_kernels_in_a_fresh_interpreter_process():
-    assert os.environ.get(_CHILD_FLAG) != "1", "the fresh process could not enable the interpreter either"
-    env = {**os.environ, "TRITON_INTERPRET": "1", _CHILD_FLAG: "1"}
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
-    cmd += ["-k", "not fresh_interpreter_process"]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    proc = run_in_fresh_interpreter(__file__, _CHILD_FLAG, timeout=1800)
     summary = proc.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, proc.stdout[-2000:]
 

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +32,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 
 import triton.language as tl  # noqa: E402
 
+from fresh_interpreter import run_in_fresh_interpreter  # noqa: E402
 from test_fp4_gemm import COUNTS, bound, packed  # noqa: E402
 from tracefp4.engines.capture import RolloutCapture  # noqa: E402
 from tracefp4.engines.device_sites import NON_FINITE, StepChecks, site_values  # noqa: E402
@@ -64,13 +63,7 @@ pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWar
 @pytest.mark.subprocess
 @pytest.mark.skipif(not _FRESH_PROCESS, reason="the tests run in this process")
 def test_in_a_fresh_interpreter_process():
-    assert os.environ.get(_CHILD_FLAG) != "1", "the fresh process could not enable the interpreter either"
-    env = {**os.environ, "TRITON_INTERPRET": "1", _CHILD_FLAG: "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
-           "-k", "not fresh_interpreter_process"]
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
-                          timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    run_in_fresh_interpreter(__file__, _CHILD_FLAG, timeout=1200)
 
 
 def triton_path():

@@ -1,0 +1,25 @@
+"""Running a Triton test file again in a fresh Python process with Triton's interpreter enabled.
+
+The interpreter (``TRITON_INTERPRET=1``) only takes effect if it is set before triton's first import;
+when another test file imported triton first (torchao does), a Triton test file runs itself in a child
+process instead. ``child_flag`` marks the child so it never recurses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_in_fresh_interpreter(test_file: str, child_flag: str, timeout: float) -> subprocess.CompletedProcess:
+    """pytest on ``test_file`` (all but its fresh-process test) in a child process with the interpreter
+    on; asserts the child could enable it and that its tests passed; returns the finished process."""
+    assert os.environ.get(child_flag) != "1", "the fresh process could not enable the interpreter either"
+    env = {**os.environ, "TRITON_INTERPRET": "1", child_flag: "1"}
+    path = Path(test_file).resolve()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path),
+           "-k", "not fresh_interpreter_process"]
+    proc = subprocess.run(cmd, cwd=path.parents[1], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    return proc

@@ -7,6 +7,11 @@ offline, a ``datasets.Dataset`` of the task's prompts, the task's reward as a TR
     python examples/trl_grpo_trace.py --mode qat --max-steps 20 --json runs/trl-qat.json
     python examples/trl_grpo_trace.py --mode trace --guidance full --max-steps 20 --json runs/trl-full.json
     python examples/trl_grpo_trace.py --mode trace --max-steps 20 --json runs/trl-lsb.json   # lsb, deeper half
+    python examples/trl_grpo_trace.py --mode bf16 --max-steps 20 --json runs/trl-bf16.json   # the BF16 reference
+
+TRL's own importance-sampling knobs pass through: ``--is-level sequence`` (its ``importance_sampling_level``)
+and ``--no-is-correction`` (``vllm_importance_sampling_correction=False``: rollout samples taken as
+on-policy; TRL then skips its old-log-prob forward, and tracefp4 runs one for its ``trace/*`` metrics).
 
 The runs share the warm-started model folder (``--model-dir``, built on first use with ``--seed``), so
 arms of one seed start from the same weights and see the same prompts. ``--json`` writes TRL's log
@@ -27,7 +32,8 @@ from pathlib import Path
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=("qat", "trace"), default="trace", help="trainer forward (default trace)")
+    p.add_argument("--mode", choices=("qat", "trace", "bf16"), default="trace",
+                   help="trainer forward (default trace); bf16: BF16 rollout and trainer, the reference")
     p.add_argument("--guidance", default="lsb", help="what the rollout records in trace mode (default lsb: the low "
                    "code bit on the deeper half of the layers; full: whole codes on every layer)")
     p.add_argument("--plan", default="nvfp4", help="precision plan: nvfp4, 4over6, mxfp4, w4a8 (default nvfp4)")
@@ -42,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warm-start-steps", type=int, default=150, help="supervised steps before GRPO (default 150)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--is-level", choices=("token", "sequence"), default="token",
+                   help="TRL's importance_sampling_level (default token)")
+    p.add_argument("--no-is-correction", action="store_true",
+                   help="vllm_importance_sampling_correction=False: no train-rollout importance correction")
     return p.parse_args(argv)
 
 
@@ -113,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         trace_mode=args.mode,
         trace_guidance=args.guidance,
         trace_plan=args.plan,
+        importance_sampling_level=args.is_level,
+        vllm_importance_sampling_correction=not args.no_is_correction,
     )
     trainer = TraceGRPOTrainer(model=str(folder), reward_funcs=task_reward, args=config, train_dataset=dataset,
                                processing_class=tokenizer)
@@ -121,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
     finally:
         trainer.close()
-    print(f"{args.max_steps} GRPO steps ({args.mode}{'' if args.mode == 'qat' else ' ' + args.guidance}, {engine}) "
+    print(f"{args.max_steps} GRPO steps ({args.mode}{' ' + args.guidance if args.mode == 'trace' else ''}, {engine}) "
           f"in {time.perf_counter() - t0:.0f} s")
     rows = [r for r in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in r]
     for key in ("sampling/sampling_logp_difference/mean", "trace/code_mismatch", "reward"):
@@ -130,9 +142,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {key}: mean {sum(vals) / len(vals):.6g} over {len(vals)} steps")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        meta = {"mode": args.mode, "guidance": None if args.mode == "qat" else args.guidance, "plan": args.plan,
-                "engine": engine, "task": args.task, "seed": args.seed, "max_steps": args.max_steps}
-        Path(args.json).write_text(json.dumps({"run": meta, "log_history": trainer.state.log_history}, indent=1))
+        meta = {"mode": args.mode, "guidance": args.guidance if args.mode == "trace" else None,
+                "plan": None if args.mode == "bf16" else args.plan, "engine": engine, "task": args.task,
+                "seed": args.seed, "max_steps": args.max_steps, "importance_sampling_level": args.is_level,
+                "vllm_importance_sampling_correction": not args.no_is_correction}
+        out = Path(args.json)
+        tmp = out.with_name(out.name + ".tmp")  # renamed into place: a killed run leaves no half-written file
+        tmp.write_text(json.dumps({"run": meta, "log_history": trainer.state.log_history}, indent=1))
+        os.replace(tmp, out)
     return 0
 
 

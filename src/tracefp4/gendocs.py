@@ -6,7 +6,8 @@ Each page is a pure function of its source, so a results JSON edited without ``m
 as a difference:
 
 * ``docs/results/<name>.md``: each experiment JSON through ``rl.experiment.format_summary``, the
-  scaling JSON through ``reports.scaling.format_scaling``;
+  scaling JSON through ``reports.scaling.format_scaling``, a TRL study's through
+  ``reports.trl_study.format_trl_study``;
 * ``docs/concepts/arms.md``: the arm table ``rl.arms.ARMS``;
 * ``docs/performance/rollout.md``: one row per date, CPU, commit, preset, batch and engine of
   ``docs/results/bench-rollout/*.json``;
@@ -54,6 +55,11 @@ def results_page(path: Path) -> str:
         from tracefp4.reports.scaling import format_scaling
 
         title, table, cpu = "Scaling of the mismatch with depth, width and length", format_scaling(data), None
+    elif data.get("kind") == "trl-study":
+        from tracefp4.reports.trl_study import format_trl_study
+
+        title, table, cpu = f"TRL study `{data['name']}`", format_trl_study(data), \
+            (data.get("environment") or {}).get("cpu_model", "not recorded in the JSON")
     else:
         from tracefp4.rl.experiment import format_summary
 

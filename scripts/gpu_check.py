@@ -320,6 +320,7 @@ def check_kernels(args) -> int:
 
 def check_graph(args) -> int:
     """The ``graph`` step (in its own process): see the module docstring."""
+    from tracefp4.engines import cuda_graph
     from tracefp4.engines.capture import RolloutCapture
     from tracefp4.engines.experts import gemm_named, routed_experts
     from tracefp4.engines.experts.base import SILU_GATE
@@ -340,16 +341,7 @@ def check_graph(args) -> int:
     def run():
         return routed_experts(state, 0, x, ids, weights, *prepared, gemm, SILU_GATE)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        eager = run()  # warm-up off the capture stream, as graph capture requires
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, eager, captured = cuda_graph.capture(run)
     same = torch.equal(captured.view(torch.int16), eager.view(torch.int16))
     state.path.checks.raise_if_any()
     eager_s, replay_s = _cuda_time(run, args.repeats), _cuda_time(graph.replay, args.repeats)

@@ -34,6 +34,7 @@ import triton.language as tl  # noqa: E402
 
 from fresh_interpreter import run_in_fresh_interpreter  # noqa: E402
 from test_fp4_gemm import COUNTS, bound, packed  # noqa: E402
+from tracefp4.engines import cuda_graph  # noqa: E402
 from tracefp4.engines.capture import RolloutCapture  # noqa: E402
 from tracefp4.engines.device_sites import NON_FINITE, StepChecks, site_values  # noqa: E402
 from tracefp4.engines.experts import Routing, gemm_named, routed_experts  # noqa: E402
@@ -402,16 +403,7 @@ def test_a_decode_layer_replays_in_a_cuda_graph():
     """Captured once, replayed: the same bits as the eager layer on the same inputs."""
     _, run = decode_layer("triton_fp4", "cuda")
     eager = run()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()  # warm-up on a side stream, as CUDA graph capture requires
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    graph.replay()
-    torch.cuda.synchronize()
+    _, _, captured = cuda_graph.capture(run)
     assert torch.equal(captured.view(torch.int16), eager.view(torch.int16))
 
 

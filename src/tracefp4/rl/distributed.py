@@ -68,7 +68,7 @@ from tracefp4.rl import engine
 from tracefp4.rl.arms import Arm
 from tracefp4.rl.config import RLConfig
 from tracefp4.rl.optim import BETAS
-from tracefp4.rl.update import Minibatch, Reducer, minibatch_loss, minibatch_order
+from tracefp4.rl.update import Reducer, minibatch_loss, minibatch_order, take
 
 __all__ = ["TrainerGroup", "TrainerRank", "init_distributed", "rank_share", "shard_model", "sharded_update"]
 
@@ -188,7 +188,7 @@ def sharded_update(model: PreTrainedModel, opt: torch.optim.Optimizer, arm: Arm,
         if not share:
             raise ValueError(f"rank {rank}: no trajectory in a minibatch of {len(idx)} (trainer_world_size "
                              f"must be at most the minibatch size)")
-        loss, st = minibatch_loss(model, arm, cfg, _minibatch(batch, share, read_records(share)), reducer)
+        loss, st = minibatch_loss(model, arm, cfg, take(batch, share, read_records(share)), reducer)
         (loss * world).backward()  # FSDP averages over ranks: times N makes it the sum of the shares
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
@@ -198,13 +198,6 @@ def sharded_update(model: PreTrainedModel, opt: torch.optim.Optimizer, arm: Arm,
             stats[k] = stats.get(k, 0.0) + v / cfg.updates_per_step
     model.eval()
     return {"grad_norm": sum(norms) / len(norms), **stats}
-
-
-def _minibatch(batch: dict[str, Any], share: list[int], records: list) -> Minibatch:
-    pick = (lambda k: batch[k][share] if k in batch else None)
-    return Minibatch([batch["token_ids"][b] for b in share], [batch["prompt_lens"][b] for b in share], records,
-                     pick("logp_old"), pick("logp_rollout"), pick("advantages"), batch["mask"].shape[1],
-                     pick("top_ids"), pick("top_logp_rollout"))
 
 
 # --- full state, gathered (collectives: every rank calls these in the same order) -----------------

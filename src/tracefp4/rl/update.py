@@ -12,7 +12,8 @@ is its share of the minibatch's loss and every statistic is the minibatch's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -55,13 +56,24 @@ class Minibatch:
     top_logp_rollout: torch.Tensor | None = None
 
 
+def take(fields: Mapping[str, Any], idx: Sequence[int], records: list) -> Minibatch:
+    """Trajectories ``idx`` of a batch given by its fields' names (a :class:`Batch`'s, or the job an
+    FSDP rank receives, which carries the same names), with their ``records``; an absent or None
+    per-token field (the Score Centering ones for other arms) stays None."""
+    rows = list(idx)
+
+    def pick(name: str) -> torch.Tensor | None:
+        t = fields.get(name)
+        return None if t is None else t[rows]
+
+    return Minibatch([fields["token_ids"][b] for b in rows], [fields["prompt_lens"][b] for b in rows], records,
+                     pick("logp_old"), pick("logp_rollout"), pick("advantages"), fields["mask"].shape[1],
+                     pick("top_ids"), pick("top_logp_rollout"))
+
+
 def select(batch: Batch, idx: Sequence[int], records: list | None = None) -> Minibatch:
     """Trajectories ``idx`` of ``batch`` (with ``records`` if given, else the batch's own)."""
-    pick = (lambda t: None if t is None else t[list(idx)])
-    return Minibatch([batch.token_ids[b] for b in idx], [batch.prompt_lens[b] for b in idx],
-                     records if records is not None else [batch.records[b] for b in idx],
-                     batch.logp_old[list(idx)], batch.logp_rollout[list(idx)], batch.advantages[list(idx)],
-                     batch.width, pick(batch.top_ids), pick(batch.top_logp_rollout))
+    return take(vars(batch), idx, records if records is not None else [batch.records[b] for b in idx])
 
 
 def update(model: PreTrainedModel, opt: MasterWeightAdamW, arm: Arm, cfg: RLConfig, batch: Batch) -> dict[str, float]:

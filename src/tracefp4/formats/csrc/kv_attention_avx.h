@@ -115,15 +115,27 @@ AVXINL int kv_pairs_avx(const kv_job_t *j, const uint8_t *scales, int count, __m
     return 1;
 }
 
+/* The values of `count` (<= 8) blocks of `groups` x 16 codes each from their quotient pairs: per
+ * block its table (the pair lane each code's magnitude is a multiple of, times sign * 2^k), then a
+ * lookup per 16 codes. `groups` is a constant at each call, so the loops unroll. */
+AVXINL void kv_blocks_avx(const uint8_t *codes, __m512 pairs, int count, float *row, const int groups) {
+    const __m512i lane = _mm512_loadu_si512(KV_PAIR_LANE);
+    const __m512 factor = _mm512_loadu_ps(KV_PAIR_FACTOR);
+#pragma GCC unroll 8
+    for (int b = 0; b < count; b++) {
+        const __m512 tbl = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(b)), pairs), factor);
+        for (int u = 0; u < groups; u++)
+            _mm512_storeu_ps(row + (b * groups + u) * 16, _mm512_permutexvar_ps(kv_nibbles_avx(codes + (b * groups + u) * 8), tbl));
+    }
+}
+
 /* One packed row -> d float32 values, one division per 8 blocks (the header comment's identity);
  * a row it does not hold for goes to kv_decode_avx. The job's fields are read into locals once: the
  * library is built with -fno-strict-aliasing, so each store to `row` would otherwise reload them. */
 AVX512 static void kv_decode_fast_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales,
                                       const float *amax, float *row) {
     const __m512 s_enc = _mm512_set1_ps(amax ? sq_s_enc(*amax) : 1.0f);
-    const __m512i lane = _mm512_loadu_si512(KV_PAIR_LANE);
-    const __m512 factor = _mm512_loadu_ps(KV_PAIR_FACTOR);
-    const int fblock = j->fblock, groups = fblock / 16;
+    const int fblock = j->fblock;
     const int blocks = (int)(j->d / fblock);
     for (int b8 = 0; b8 < blocks; b8 += 8) {
         const int count = blocks - b8 < 8 ? blocks - b8 : 8;
@@ -132,12 +144,8 @@ AVX512 static void kv_decode_fast_avx(const kv_job_t *j, const uint8_t *codes, c
             kv_decode_avx(j, codes, scales, amax, row);
             return;
         }
-        for (int b = 0; b < count; b++) {
-            const __m512 tbl = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(b)), pairs), factor);
-            const uint8_t *c = codes + (b8 + b) * (fblock / 2);
-            float *out = row + (b8 + b) * fblock;
-            for (int u = 0; u < groups; u++) _mm512_storeu_ps(out + 16 * u, _mm512_permutexvar_ps(kv_nibbles_avx(c + 8 * u), tbl));
-        }
+        if (fblock == 16) kv_blocks_avx(codes + b8 * 8, pairs, count, row + b8 * 16, 1);
+        else kv_blocks_avx(codes + b8 * 16, pairs, count, row + b8 * 32, 2);
     }
 }
 

@@ -170,3 +170,37 @@ def test_bench_system_pairs_ratios_within_rounds():
         assert 0 < lo <= res[key] <= hi
     text = format_system(res)
     assert "ratios per round" in text and "target <= 1.05" in text and "target <= 1.1" in text
+
+
+def test_bench_attention_keys_and_agreement():
+    """``bench attention`` at a tiny shape: both sides timed per context, and the two outputs agree
+    (they attend over the same rows: rounding only)."""
+    from tracefp4.reports.bench_attention import bench_attention, format_attention
+
+    res = bench_attention(contexts=(40, 128), batch=2, heads=4, kv_heads=2, head_dim=64, repeats=2)
+    name = res["attention_machine"]["bf16_impl"]
+    assert name in ("vllm_bf16", "sdpa_bf16")
+    for c in (40, 128):
+        assert res[f"attention_s_per_step.fp4.{c}"] > 0 and res[f"attention_s_per_step.{name}.{c}"] > 0
+        assert res[f"attention_ratio.fp4_over_bf16.{c}"] > 0
+        assert res[f"attention_max_rel_diff.{c}"] < 2e-2  # BF16 output rounding, 2^-8, and the fp32 orders
+        assert res[f"attention_kv_bytes.fp4.{c}"] < 0.35 * res[f"attention_kv_bytes.{name}.{c}"]
+    assert "target <= 1.0" in format_attention(res)
+
+
+def test_bench_attention_cli(tmp_path):
+    path = tmp_path / "attn.json"
+    assert main(["bench", "attention", "--context", "32", "--batch", "1", "--heads", "2", "--kv-heads", "1",
+                 "--head-dim", "64", "--repeats", "1", "--json", str(path)]) == 0
+    res = json.loads(path.read_text())
+    assert "attention_ratio.fp4_over_bf16.32" in res and "cpu_model" in res["attention_machine"]
+
+
+def test_bench_attention_without_vllm_compares_against_sdpa(monkeypatch):
+    """Where vLLM's op cannot be called, the BF16 side is torch's SDPA, and the keys say so."""
+    from tracefp4.reports import bench_attention as ba
+
+    monkeypatch.setattr(ba, "_vllm_ops", lambda: None)
+    res = ba.bench_attention(contexts=(33,), batch=2, heads=4, kv_heads=1, head_dim=64, fmt="mxfp4", repeats=1)
+    assert res["attention_machine"]["bf16_impl"] == "sdpa_bf16"
+    assert "attention_s_per_step.sdpa_bf16.33" in res and res["attention_max_rel_diff.33"] < 2e-2

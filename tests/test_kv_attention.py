@@ -259,3 +259,39 @@ def test_kernel_disabled_raises_runtime_error():
             "else:\n    raise SystemExit('no error')\n")
     env = {**os.environ, "TRACEFP4_CPU_KERNEL": "0"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+
+
+def rare_scales_case(fmt: str):
+    """A cache whose scale bytes and amaxes reach where the AVX-512 path's one-division decoding does
+    not hold (quotients near either end of float32's normal range, negative E4M3 scales, bytes above
+    the bit-decoded range): it falls back per row, and must still give the portable path's bits."""
+    g = torch.Generator().manual_seed(5)
+    slots, hkv, d = 64, 2, 128
+    block = 16 if fmt == "nvfp4" else 32
+    codes = torch.randint(0, 256, (2, slots, hkv, d // 2), generator=g, dtype=torch.uint8)
+    if fmt == "nvfp4":  # all finite E4M3 bytes (0x7F and 0xFF are NaN), negative ones included
+        scales = torch.randint(0, 0x7F, (2, slots, hkv, d // block), generator=g, dtype=torch.uint8)
+        scales |= (torch.rand(scales.shape, generator=g) < 0.1).to(torch.uint8) << 7
+        amax = torch.exp(torch.randn(2, slots, hkv, generator=g) * 30).clamp(1e-38, 3e38)
+        amax[:, :32] = torch.exp(torch.randn(2, 32, hkv, generator=g) - 83)  # sequence 0: subnormal quotients
+        amax[:, 32::7] = 0.0  # (amax 0: no divisor)
+        make = lambda i: ckv.PackedKV(codes[i], scales[i], amax[i].float())  # noqa: E731
+    else:  # sequence 0: exponents whose halves are subnormal; sequence 1: ordinary ones
+        scales = torch.randint(110, 140, (2, slots, hkv, d // block), generator=g, dtype=torch.uint8)
+        scales[:, :32] = torch.randint(0, 4, (2, 32, hkv, d // block), generator=g, dtype=torch.uint8)
+        make = lambda i: ckv.PackedKV(codes[i], scales[i], None, Format.MXFP4)  # noqa: E731
+    table = torch.arange(slots // 16, dtype=torch.int32).reshape(2, 2)
+    lens = torch.tensor([32, 29], dtype=torch.int32)
+    q = torch.randn(2, hkv * 8, d, generator=g).to(torch.bfloat16)
+    return q, make(0), make(1), table, lens, torch.arange(2, dtype=torch.int32), lens.clone(), 16
+
+
+@pytest.mark.skipif(len(IMPLS) < 2, reason="no AVX-512 BF16 on this CPU")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_rare_scales_give_the_same_bits_on_both_paths(fmt):
+    case = rare_scales_case(fmt)
+    a, b = run(*case, 0.09, impl="portable"), run(*case, 0.09, impl="avx512")
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    if fmt == "mxfp4":
+        want, atol = reference(*case, 0.09)
+        assert torch.all((b.double() - want).abs() <= atol)

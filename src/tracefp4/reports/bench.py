@@ -463,7 +463,7 @@ def _add_size_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_commands(bsub) -> None:
-    """Add ``numerics``, ``all`` and ``rollout`` to a ``bench`` subparsers object (the ``tracefp4`` CLI's)."""
+    """Add ``numerics``, ``all``, ``rollout`` and ``attention`` to a ``bench`` subparsers object (the ``tracefp4`` CLI's)."""
     bn = bsub.add_parser(
         "numerics",
         help="quantize / dequantize / hints / guided rounding vs a tensor copy and torchao",
@@ -478,9 +478,11 @@ def add_bench_commands(bsub) -> None:
     )
     _add_size_args(ba)
     ba.set_defaults(func=cmd_all)
+    from tracefp4.reports.bench_attention import add_attention_command
     from tracefp4.reports.bench_rollout import add_rollout_command
 
     add_rollout_command(bsub, _write_json)
+    add_attention_command(bsub, _write_json)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,9 @@
  * exp is a Cephes-style polynomial (kv_exp) made of float32 additions and multiplications only, so
  * the portable C and AVX-512 paths run the same operations in the same order and give the same bits
  * (the library is compiled in ISO C mode: no contraction into fused multiply-adds). Each output is
- * computed by one thread in that fixed order, so the thread count does not change a bit either. */
+ * computed by one thread in that fixed order, so the thread count does not change a bit either. The
+ * AVX-512 path (kv_attention_avx.h) lays the same operations out for throughput: one division per
+ * row's tables, the 16 keys' trees summed side by side, K and V loads shared by two query heads. */
 #ifndef TFP4_KV_ATTENTION_H
 #define TFP4_KV_ATTENTION_H
 #include "fp4_common.h"
@@ -45,6 +47,7 @@ typedef struct {
     float *out;
     int64_t hq, hkv, d, max_blocks;
     int block_size, fblock, avx;
+    int scale_bits; /* kv_scale_bits_match: the AVX-512 path may decode scale bytes by their bits */
     float scale;
 } kv_job_t;
 
@@ -75,6 +78,19 @@ static inline float kv_tree16(const float *a) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
+/* Whether the scale table holds what the bytes' bits say (E4M3 for 16-element blocks: bytes below
+ * 0x7F, subnormals m * 2^-9; E8M0 for 32: 2^(b - 127), bytes below 0xFF), bit for bit: then the
+ * AVX-512 path decodes scales without a table lookup (a gather) and gives the same values. */
+static int kv_scale_bits_match(const float *lut, int fblock) {
+    for (uint32_t b = 0; b < (fblock == 16 ? 0x7Fu : 0xFFu); b++) {
+        float want;
+        if (fblock == 16) want = b < 8 ? (float)b * 0x1p-9f : sq_float(b << 20) * 0x1p120f;
+        else want = sq_float(b ? b << 23 : 0x00400000u);
+        if (memcmp(&want, lut + b, sizeof want)) return 0;
+    }
+    return 1;
+}
+
 /* The slot of key i of sequence seq. */
 static inline int64_t kv_slot(const kv_job_t *j, int64_t seq, int64_t i) {
     return (int64_t)j->table[seq * j->max_blocks + i / j->block_size] * j->block_size + i % j->block_size;
@@ -100,14 +116,25 @@ static void kv_decode_portable(const kv_job_t *j, const uint8_t *codes, const ui
     }
 }
 
+/* The cache rows (slot * hkv + h) of keys k0 .. k0+n-1 of sequence seq: consecutive slots when the
+ * chunk lies in one block (block sizes that are multiples of 16), else looked up key by key. */
+static inline void kv_chunk_rows(const kv_job_t *j, int64_t seq, int64_t k0, int n, int64_t h, int64_t *r) {
+    if (k0 / j->block_size == (k0 + n - 1) / j->block_size) {
+        const int64_t first = kv_slot(j, seq, k0);
+        for (int i = 0; i < n; i++) r[i] = (first + i) * j->hkv + h;
+        return;
+    }
+    for (int i = 0; i < n; i++) r[i] = kv_slot(j, seq, k0 + i) * j->hkv + h;
+}
+
 /* Decode the chunk's n K and V rows of KV head h into kb, vb [16, d]. */
-static void kv_decode_chunk(const kv_job_t *j, int64_t seq, int64_t k0, int n, int64_t h, float *kb, float *vb,
-                            void (*decode)(const kv_job_t *, const uint8_t *, const uint8_t *, const float *, float *)) {
+static void kv_decode_chunk(const kv_job_t *j, int64_t seq, int64_t k0, int n, int64_t h, float *kb, float *vb) {
     const int64_t half = j->d / 2, nsc = j->d / j->fblock;
+    int64_t r[KV_CHUNK];
+    kv_chunk_rows(j, seq, k0, n, h, r);
     for (int i = 0; i < n; i++) {
-        const int64_t r = kv_slot(j, seq, k0 + i) * j->hkv + h;
-        decode(j, j->kc + r * half, j->ks + r * nsc, j->ka ? j->ka + r : NULL, kb + i * j->d);
-        decode(j, j->vc + r * half, j->vs + r * nsc, j->va ? j->va + r : NULL, vb + i * j->d);
+        kv_decode_portable(j, j->kc + r[i] * half, j->ks + r[i] * nsc, j->ka ? j->ka + r[i] : NULL, kb + i * j->d);
+        kv_decode_portable(j, j->vc + r[i] * half, j->vs + r[i] * nsc, j->va ? j->va + r[i] : NULL, vb + i * j->d);
     }
 }
 
@@ -136,7 +163,7 @@ static void kv_item_portable(const kv_job_t *j, int64_t row, int64_t h, float *m
     memset(acc, 0, sizeof(float) * (size_t)(g_count * d));
     for (int64_t k0 = 0; k0 < len; k0 += KV_CHUNK) {
         const int n = len - k0 < KV_CHUNK ? (int)(len - k0) : KV_CHUNK;
-        kv_decode_chunk(j, seq, k0, n, h, kb, vb, kv_decode_portable);
+        kv_decode_chunk(j, seq, k0, n, h, kb, vb);
         for (int64_t g = 0; g < g_count; g++) {
             for (int i = 0; i < n; i++) {
                 for (int c = 0; c < 16; c++) lane[c] = 0.0f;
@@ -155,104 +182,13 @@ static void kv_item_portable(const kv_job_t *j, int64_t row, int64_t h, float *m
     for (int64_t e = 0; e < g_count * d; e++) out[e] = len ? acc[e] / l[e / d] : 0.0f;
 }
 
-#if defined(__x86_64__)
-AVXINL float kv_tree16_avx(__m512 v) {
-    __m256 b = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
-    __m128 e = _mm_add_ps(c, _mm_movehl_ps(c, c)); /* lanes 0, 1: (c0 + c2), (c1 + c3) */
-    return _mm_cvtss_f32(_mm_add_ss(e, _mm_shuffle_ps(e, e, 1)));
-}
-
-/* The 16 blocks' worth of... one row: per 16 elements, the block's table by one vector
- * multiplication, division and rounding, then vpermps by the 16 code nibbles. */
-AVX512 static void kv_decode_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales, const float *amax,
-                                 float *row) {
-    const __m512 s_enc = _mm512_set1_ps(amax ? sq_s_enc(*amax) : 1.0f), e2m1 = _mm512_loadu_ps(E2M1);
-    const __m128i nib = _mm_set1_epi8(15);
-    __m512 tbl = _mm512_setzero_ps();
-    for (int64_t e = 0; e < j->d; e += 16) {
-        if (e % j->fblock == 0) {
-            __m512i b = _mm512_castps_si512(_mm512_div_ps(_mm512_mul_ps(e2m1, _mm512_set1_ps(j->lut[scales[e / j->fblock]])), s_enc));
-            b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))));
-            tbl = _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xffff0000u))); /* finite: no NaN case */
-        }
-        const __m128i by = _mm_loadl_epi64((const __m128i *)(codes + e / 2));
-        const __m128i idx = _mm_unpacklo_epi8(_mm_and_si128(by, nib), _mm_and_si128(_mm_srli_epi16(by, 4), nib));
-        _mm512_storeu_ps(row + e, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(idx), tbl));
-    }
-}
-
-/* kv_exp on 16 lanes, the same operations. */
-AVXINL __m512 kv_exp_avx(__m512 x) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, _mm512_set1_ps(12582912.0f)), _mm512_set1_ps(12582912.0f));
-    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
-}
-
-/* One (query row, KV head) item on the AVX-512 path (d a multiple of 16). */
-AVX512 static void kv_item_avx(const kv_job_t *j, int64_t row, int64_t h, float *mem) {
-    const int64_t d = j->d, g_count = j->hq / j->hkv, seq = j->q_seq[row], len = j->q_len[row];
-    float *q = mem, *acc = q + g_count * d, *kb = acc + g_count * d, *vb = kb + KV_CHUNK * d;
-    float m[KV_MAX_GROUP], l[KV_MAX_GROUP];
-    for (int64_t g = 0; g < g_count; g++) {
-        for (int64_t e = 0; e < d; e += 16)
-            _mm512_storeu_ps(q + g * d + e, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                _mm256_loadu_si256((const __m256i *)(j->q + (row * j->hq + h * g_count + g) * d + e))), 16)));
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)(g_count * d));
-    for (int64_t k0 = 0; k0 < len; k0 += KV_CHUNK) {
-        const int n = len - k0 < KV_CHUNK ? (int)(len - k0) : KV_CHUNK;
-        kv_decode_chunk(j, seq, k0, n, h, kb, vb, kv_decode_avx);
-        for (int64_t g = 0; g < g_count; g++) {
-            float s[16] = {0};
-            for (int i = 0; i < n; i++) {
-                __m512 a = _mm512_setzero_ps();
-                for (int64_t e = 0; e < d; e += 16)
-                    a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_loadu_ps(q + g * d + e), _mm512_loadu_ps(kb + i * d + e)));
-                s[i] = kv_tree16_avx(a) * j->scale;
-            }
-            float mx = m[g];
-            for (int i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
-            const float alpha = kv_exp(m[g] - mx);
-            const __mmask16 live = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
-            const __m512 pv = _mm512_maskz_mov_ps(live, kv_exp_avx(_mm512_sub_ps(_mm512_loadu_ps(s), _mm512_set1_ps(mx))));
-            float p[16];
-            _mm512_storeu_ps(p, pv);
-            m[g] = mx;
-            l[g] = l[g] * alpha + kv_tree16_avx(pv);
-            for (int64_t e = 0; e < d; e += 16) {
-                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + g * d + e), _mm512_set1_ps(alpha));
-                for (int i = 0; i < n; i++) a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_set1_ps(p[i]), _mm512_loadu_ps(vb + i * d + e)));
-                _mm512_storeu_ps(acc + g * d + e, a);
-            }
-        }
-    }
-    float *out = j->out + (row * j->hq + h * g_count) * d;
-    for (int64_t g = 0; g < g_count; g++) {
-        const __m512 lv = _mm512_set1_ps(l[g]);
-        for (int64_t e = 0; e < d; e += 16)
-            _mm512_storeu_ps(out + g * d + e, len ? _mm512_div_ps(_mm512_loadu_ps(acc + g * d + e), lv) : _mm512_setzero_ps());
-    }
-}
-#endif
+#include "kv_attention_avx.h"
 
 /* Items [lo, hi) of (query row, KV head) pairs, row-major. Returns 0 or -3 (out of memory). */
 static int kv_run(const kv_job_t *j, int64_t lo, int64_t hi) {
     const int64_t g_count = j->hq / j->hkv;
-    float *mem = malloc(sizeof(float) * (size_t)((2 * g_count + 2 * KV_CHUNK) * j->d));
+    /* zeroed: the AVX-512 path scores all 16 rows of a chunk and needs the unused ones finite */
+    float *mem = calloc((size_t)((2 * g_count + 2 * KV_CHUNK) * j->d), sizeof(float));
     if (!mem) return -3;
     for (int64_t it = lo; it < hi; it++) {
 #if defined(__x86_64__)

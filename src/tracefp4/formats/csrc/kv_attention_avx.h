@@ -1,0 +1,329 @@
+/* The AVX-512 path of kv_attention.h: the operations of the portable path, in the same order, 16
+ * lanes wide (the header comment there defines them). Laid out for throughput rather than as a
+ * transcription of the portable loops:
+ *
+ * - A row is decoded with one vector division instead of one per 16 elements: an E2M1 value is
+ *   sign * 2^k * m with m in {1, 1.5} and k in {-1 .. 2}, and scaling by 2^k commutes with float32
+ *   division's rounding and with the bf16 rounding wherever no value leaves the normal range, so
+ *   bf16(fl32(e2m1 * scale) / S_enc) = sign * 2^k * bf16(fl32(m * scale) / S_enc). The row's 8 (or
+ *   16) blocks' two quotients each fill the 16 lanes of one division; a row whose quotients come
+ *   near either end of the normal range (|t| outside [2^-125, 2^125], or not finite) is decoded by
+ *   the per-block division instead, so the values are the portable path's in every case.
+ * - The 16 keys of a chunk are scored side by side (16 accumulators over d) and their 16 lane trees
+ *   summed together by a transpose-and-add network that pairs the same lanes as kv_tree16.
+ * - p . v keeps up to 128 output elements of a head in registers across the chunk's keys.
+ */
+#ifndef TFP4_KV_ATTENTION_AVX_H
+#define TFP4_KV_ATTENTION_AVX_H
+#if defined(__x86_64__)
+
+AVXINL float kv_tree16_avx(__m512 v) {
+    __m256 b = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+    __m128 e = _mm_add_ps(c, _mm_movehl_ps(c, c)); /* lanes 0, 1: (c0 + c2), (c1 + c3) */
+    return _mm_cvtss_f32(_mm_add_ss(e, _mm_shuffle_ps(e, e, 1)));
+}
+
+/* kv_tree16 of 16 vectors at once: lane j of the result is kv_tree16(a[j]). Each level adds the
+ * lanes kv_tree16 pairs at that level (i + i+8, i + i+4, i + i+2, i + i+1), packing two vectors'
+ * halves into one; the lanes come out in the order KV_TREE_ORDER undoes. */
+static const int32_t KV_TREE_ORDER[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+AVXINL __m512 kv_tree16x16_avx(const __m512 *a) {
+    __m512 x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++)
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++)
+        y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[i], x[i + 4], 0x88), _mm512_shuffle_f32x4(x[i], x[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++)
+        z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[i], y[i + 2], 0x44), _mm512_shuffle_ps(y[i], y[i + 2], 0xEE));
+    const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_loadu_si512(KV_TREE_ORDER), w);
+}
+
+/* float32 lanes -> bf16 values (round to nearest even on the bits; the lanes are finite). */
+AVXINL __m512 kv_bf16_avx(__m512 v) {
+    __m512i b = _mm512_castps_si512(v);
+    b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))));
+    return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* One block's table by its own division (the slow but general way). */
+AVXINL __m512 kv_table_avx(float scale, __m512 s_enc) {
+    return kv_bf16_avx(_mm512_div_ps(_mm512_mul_ps(_mm512_loadu_ps(E2M1), _mm512_set1_ps(scale)), s_enc));
+}
+
+/* 16 code nibbles from 8 bytes as vpermps indices: lane 2i holds byte i (vpermps reads bits 0-3,
+ * its low nibble), lane 2i+1 byte i >> 4 (the upper half of the 64-bit lane byte i << 28 fills). */
+AVXINL __m512i kv_nibbles_avx(const uint8_t *codes) {
+    const __m512i q = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)codes));
+    return _mm512_or_si512(q, _mm512_slli_epi64(q, 28));
+}
+
+/* One packed row -> d float32 values, a division per block (any scales). */
+AVX512 static void kv_decode_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales, const float *amax,
+                                 float *row) {
+    const __m512 s_enc = _mm512_set1_ps(amax ? sq_s_enc(*amax) : 1.0f);
+    __m512 tbl = _mm512_setzero_ps();
+    for (int64_t e = 0; e < j->d; e += 16) {
+        if (e % j->fblock == 0) tbl = kv_table_avx(j->lut[scales[e / j->fblock]], s_enc);
+        _mm512_storeu_ps(row + e, _mm512_permutexvar_ps(kv_nibbles_avx(codes + e / 2), tbl));
+    }
+}
+
+/* E2M1 code c = sign * 2^k * m: the lane (0: m = 1, 8: m = 1.5) of its block's quotient pair and
+ * the factor sign * 2^k (0 and -0 for the zero codes). */
+static const int32_t KV_PAIR_LANE[16] = {0, 0, 0, 8, 0, 8, 0, 8, 0, 0, 0, 8, 0, 8, 0, 8};
+static const float KV_PAIR_FACTOR[16] = {0.0f, 0.5f, 1.0f, 1.0f, 2.0f, 2.0f, 4.0f, 4.0f,
+                                         -0.0f, -0.5f, -1.0f, -1.0f, -2.0f, -2.0f, -4.0f, -4.0f};
+
+/* `count` (<= 8) block scales from their bytes in lanes 0 .. count-1 and again in lanes 8 .. (by
+ * the bits, as scales16: E4M3 below 0x7F, E8M0 below 0xFF, where kv_scale_bits_match checked the
+ * table), or through the table where a byte is outside that range. */
+AVXINL __m512 kv_scales_avx(const kv_job_t *j, const uint8_t *scales, int count) {
+    const __mmask16 m = (__mmask16)((1u << count) - 1u);
+    const __m512i bytes = _mm512_permutexvar_epi32(_mm512_set_epi32(7, 6, 5, 4, 3, 2, 1, 0, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                   _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, scales)));
+    const __mmask16 lanes = (__mmask16)(m | (m << 8));
+    const int nv = j->fblock == 16;
+    if (j->scale_bits && !_mm512_mask_cmpge_epi32_mask(lanes, bytes, _mm512_set1_epi32(nv ? 0x7F : 0xFF))) {
+        if (nv) {
+            __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bytes, 20)), _mm512_set1_ps(0x1p120f));
+            const __mmask16 sub = _mm512_mask_cmplt_epi32_mask(lanes, bytes, _mm512_set1_epi32(8));
+            if (sub) v = _mm512_mask_mul_ps(v, sub, _mm512_cvtepi32_ps(bytes), _mm512_set1_ps(0x1p-9f));
+            return _mm512_maskz_mov_ps(lanes, v);
+        }
+        __m512i bits = _mm512_slli_epi32(bytes, 23);
+        bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(bytes, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+        return _mm512_maskz_mov_ps(lanes, _mm512_castsi512_ps(bits));
+    }
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, bytes, j->lut, 4);
+}
+
+/* The quotient pairs of `count` (<= 8) blocks: lane i bf16(fl32(scale_i / S_enc)), lane 8 + i
+ * bf16(fl32(1.5 scale_i) / S_enc). Returns 0 where a quotient is not zero and outside
+ * [2^-125, 2^125] (or not finite): there scaling by 1/2 .. 4 could leave the normal range. */
+AVXINL int kv_pairs_avx(const kv_job_t *j, const uint8_t *scales, int count, __m512 s_enc, int divide, __m512 *pairs) {
+    __m512 t = kv_scales_avx(j, scales, count);
+    t = _mm512_mask_mul_ps(t, 0xFF00, t, _mm512_set1_ps(1.5f)); /* exact: a scale has at most 4 significant bits */
+    if (divide) t = _mm512_div_ps(t, s_enc);
+    const __m512i mag = _mm512_and_si512(_mm512_castps_si512(t), _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 normal = _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(0x01000000)) &
+                             _mm512_cmple_epu32_mask(mag, _mm512_set1_epi32(0x7e000000));
+    if ((__mmask16)(normal | _mm512_cmpeq_epi32_mask(mag, _mm512_setzero_si512())) != 0xFFFF) return 0;
+    *pairs = kv_bf16_avx(t);
+    return 1;
+}
+
+/* The values of `count` (<= 8) blocks of `groups` x 16 codes each from their quotient pairs: per
+ * block its table (the pair lane each code's magnitude is a multiple of, times sign * 2^k), then a
+ * lookup per 16 codes. `groups` is a constant at each call, so the loops unroll. */
+AVXINL void kv_blocks_avx(const uint8_t *codes, __m512 pairs, int count, float *row, const int groups) {
+    const __m512i lane = _mm512_loadu_si512(KV_PAIR_LANE);
+    const __m512 factor = _mm512_loadu_ps(KV_PAIR_FACTOR);
+#pragma GCC unroll 8
+    for (int b = 0; b < count; b++) {
+        const __m512 tbl = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(b)), pairs), factor);
+        for (int u = 0; u < groups; u++)
+            _mm512_storeu_ps(row + (b * groups + u) * 16, _mm512_permutexvar_ps(kv_nibbles_avx(codes + (b * groups + u) * 8), tbl));
+    }
+}
+
+/* One packed row -> d float32 values, one division per 8 blocks (the header comment's identity);
+ * a row it does not hold for goes to kv_decode_avx. The job's fields are read into locals once: the
+ * library is built with -fno-strict-aliasing, so each store to `row` would otherwise reload them. */
+AVX512 static void kv_decode_fast_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales,
+                                      const float *amax, float *row) {
+    const __m512 s_enc = _mm512_set1_ps(amax ? sq_s_enc(*amax) : 1.0f);
+    const int fblock = j->fblock;
+    const int blocks = (int)(j->d / fblock);
+    for (int b8 = 0; b8 < blocks; b8 += 8) {
+        const int count = blocks - b8 < 8 ? blocks - b8 : 8;
+        __m512 pairs;
+        if (!kv_pairs_avx(j, scales + b8, count, s_enc, amax != NULL, &pairs)) {
+            kv_decode_avx(j, codes, scales, amax, row);
+            return;
+        }
+        if (fblock == 16) kv_blocks_avx(codes + b8 * 8, pairs, count, row + b8 * 16, 1);
+        else kv_blocks_avx(codes + b8 * 16, pairs, count, row + b8 * 32, 2);
+    }
+}
+
+/* kv_exp on 16 lanes, the same operations. */
+AVXINL __m512 kv_exp_avx(__m512 x) {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, _mm512_set1_ps(12582912.0f)), _mm512_set1_ps(12582912.0f));
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+}
+
+/* The chunk's 16 scores of `heads` (1 or 2) query heads (q rows d apart) into s[heads]: per head
+ * and key 16 lane sums over d in steps of 16, as the portable lanes, then kv_tree16x16 and the scale.
+ * Two heads take the keys 8 at a time so that each k load serves both (16 accumulators either way:
+ * the loads from L1, not the arithmetic, bound this loop). Rows of kb past the chunk's keys hold
+ * finite values; their lanes are not used. */
+AVXINL void kv_scores_avx(const float *q, const float *kb, int64_t d, float scale, const int heads, __m512 *s) {
+    const int per = 16 / heads;
+    __m512 a[2][16];
+    for (int k0 = 0; k0 < 16; k0 += per) {
+        __m512 x[16];
+        for (int i = 0; i < 16; i++) x[i] = _mm512_setzero_ps();
+        for (int64_t e = 0; e < d; e += 16) {
+            __m512 qv[2];
+            for (int h = 0; h < heads; h++) qv[h] = _mm512_loadu_ps(q + h * d + e);
+            for (int i = 0; i < per; i++) {
+                const __m512 k = _mm512_loadu_ps(kb + (k0 + i) * d + e);
+                for (int h = 0; h < heads; h++) x[h * per + i] = _mm512_add_ps(x[h * per + i], _mm512_mul_ps(qv[h], k));
+            }
+        }
+        for (int h = 0; h < heads; h++)
+            for (int i = 0; i < per; i++) a[h][k0 + i] = x[h * per + i];
+    }
+    for (int h = 0; h < heads; h++) s[h] = _mm512_mul_ps(kv_tree16x16_avx(a[h]), _mm512_set1_ps(scale));
+}
+
+/* acc[e .. e + 16 nv) of `heads` query heads (rows d apart; weights p[h * 16 + i], alpha[h]):
+ * acc * alpha + p_0 v_0 + ... + p_(n-1) v_(n-1), per element in that order, held in registers
+ * across the keys; each v load serves every head (nv * heads <= 16 accumulators). */
+AVXINL void kv_pv_avx(float *acc, const float *vb, int64_t d, const float *p, int n, const float *alpha, int64_t e,
+                      const int nv, const int heads) {
+    __m512 a[16];
+    for (int h = 0; h < heads; h++)
+        for (int v = 0; v < nv; v++)
+            a[h * nv + v] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * d + e + 16 * v), _mm512_set1_ps(alpha[h]));
+    for (int i = 0; i < n; i++) {
+        __m512 w[2];
+        for (int h = 0; h < heads; h++) w[h] = _mm512_set1_ps(p[h * 16 + i]);
+        for (int v = 0; v < nv; v++) {
+            const __m512 x = _mm512_loadu_ps(vb + i * d + e + 16 * v);
+            for (int h = 0; h < heads; h++) a[h * nv + v] = _mm512_add_ps(a[h * nv + v], _mm512_mul_ps(w[h], x));
+        }
+    }
+    for (int h = 0; h < heads; h++)
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(acc + h * d + e + 16 * v, a[h * nv + v]);
+}
+
+/* The heads' accumulators over the chunk, 128 / heads, then 64 / heads, then 16 elements at a time. */
+AVXINL void kv_pv_heads_avx(float *acc, const float *vb, int64_t d, const float *p, int n, const float *alpha,
+                            const int heads) {
+    int64_t e = 0;
+    for (; e + 128 / heads <= d; e += 128 / heads) kv_pv_avx(acc, vb, d, p, n, alpha, e, 8 / heads, heads);
+    for (; e + 64 / heads <= d; e += 64 / heads) kv_pv_avx(acc, vb, d, p, n, alpha, e, 4 / heads, heads);
+    for (; e < d; e += 16) kv_pv_avx(acc, vb, d, p, n, alpha, e, 1, heads);
+}
+
+/* The softmax step of one query head over a chunk of n keys with scores s: updates m and l, writes
+ * the weights into p[16], returns alpha. The maximum skips NaN lanes, as the portable comparison. */
+AVXINL float kv_softmax_avx(__m512 s, int n, float *m, float *l, float *p) {
+    const __mmask16 live = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+    const float top = _mm512_mask_reduce_max_ps(live & _mm512_cmp_ps_mask(s, s, _CMP_ORD_Q), s);
+    const float mx = top > *m ? top : *m;
+    const float alpha = kv_exp(*m - mx);
+    const __m512 pv = _mm512_maskz_mov_ps(live, kv_exp_avx(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+    _mm512_storeu_ps(p, pv);
+    *m = mx;
+    *l = *l * alpha + kv_tree16_avx(pv);
+    return alpha;
+}
+
+/* `heads` (1 or 2) consecutive query heads from g over the decoded chunk: scores, softmax, p . v. */
+AVXINL void kv_heads_avx(const kv_job_t *j, const float *q, const float *kb, const float *vb, int n, int64_t g,
+                         float *m, float *l, float *acc, const int heads) {
+    const int64_t d = j->d;
+    __m512 s[2];
+    float p[32], alpha[2];
+    kv_scores_avx(q + g * d, kb, d, j->scale, heads, s);
+    for (int h = 0; h < heads; h++) alpha[h] = kv_softmax_avx(s[h], n, &m[g + h], &l[g + h], p + 16 * h);
+    kv_pv_heads_avx(acc + g * d, vb, d, p, n, alpha, heads);
+}
+
+/* The item's G query rows as float32, and its softmax state reset. */
+AVXINL void kv_item_start_avx(const kv_job_t *j, int64_t row, int64_t h, float *q, float *acc, float *m, float *l) {
+    const int64_t d = j->d, g_count = j->hq / j->hkv;
+    for (int64_t g = 0; g < g_count; g++) {
+        for (int64_t e = 0; e < d; e += 16)
+            _mm512_storeu_ps(q + g * d + e, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256((const __m256i *)(j->q + (row * j->hq + h * g_count + g) * d + e))), 16)));
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(g_count * d));
+}
+
+/* Asks for the cache lines of rows r[0 .. n) (codes, scales, amaxes of K and V) ahead of their
+ * decoding: a row is one or two lines, 256 bytes or more from the next row of the item, and the
+ * work on a chunk is too long for the out-of-order window to reach a later chunk's loads. */
+AVXINL void kv_prefetch_rows(const kv_job_t *j, const int64_t *r, int n) {
+    const int64_t half = j->d / 2, nsc = j->d / j->fblock;
+    for (int i = 0; i < n; i++) {
+        for (int64_t b = 0; b < half; b += 64) {
+            _mm_prefetch((const char *)(j->kc + r[i] * half + b), _MM_HINT_T0);
+            _mm_prefetch((const char *)(j->vc + r[i] * half + b), _MM_HINT_T0);
+        }
+        _mm_prefetch((const char *)(j->ks + r[i] * nsc), _MM_HINT_T0);
+        _mm_prefetch((const char *)(j->vs + r[i] * nsc), _MM_HINT_T0);
+        if (j->ka) {
+            _mm_prefetch((const char *)(j->ka + r[i]), _MM_HINT_T0);
+            _mm_prefetch((const char *)(j->va + r[i]), _MM_HINT_T0);
+        }
+    }
+}
+
+/* How many chunks ahead of the one being decoded the rows are asked for (of 1, 2, 4 and 8, 2 measured
+ * fastest at 16K keys, by a few percent). */
+#define KV_AHEAD 2
+
+/* kv_prefetch_rows for the chunk of keys k0 .. of sequence seq (len keys). */
+AVXINL void kv_prefetch_chunk(const kv_job_t *j, int64_t seq, int64_t k0, int64_t len, int64_t h) {
+    int64_t r[KV_CHUNK];
+    const int n = len - k0 < KV_CHUNK ? (int)(len - k0) : KV_CHUNK;
+    kv_chunk_rows(j, seq, k0, n, h, r);
+    kv_prefetch_rows(j, r, n);
+}
+
+/* One (query row, KV head) item on the AVX-512 path (d a multiple of 16; kb zeroed by kv_run). */
+AVX512 static void kv_item_avx(const kv_job_t *j, int64_t row, int64_t h, float *mem) {
+    const int64_t d = j->d, g_count = j->hq / j->hkv, seq = j->q_seq[row], len = j->q_len[row];
+    const int64_t half = d / 2, nsc = d / j->fblock;
+    float *q = mem, *acc = q + g_count * d, *kb = acc + g_count * d, *vb = kb + KV_CHUNK * d;
+    float m[KV_MAX_GROUP], l[KV_MAX_GROUP];
+    int64_t r[KV_CHUNK], ahead[KV_CHUNK];
+    kv_item_start_avx(j, row, h, q, acc, m, l);
+    for (int64_t k0 = 0; k0 < KV_AHEAD * KV_CHUNK && k0 < len; k0 += KV_CHUNK) kv_prefetch_chunk(j, seq, k0, len, h);
+    for (int64_t k0 = 0; k0 < len; k0 += KV_CHUNK) {
+        const int n = len - k0 < KV_CHUNK ? (int)(len - k0) : KV_CHUNK;
+        const int64_t later = k0 + KV_AHEAD * KV_CHUNK;
+        const int n_ahead = later >= len ? 0 : len - later < KV_CHUNK ? (int)(len - later) : KV_CHUNK;
+        if (n_ahead) kv_chunk_rows(j, seq, later, n_ahead, h, ahead);
+        kv_chunk_rows(j, seq, k0, n, h, r);
+        for (int i = 0; i < n; i++) {
+            /* one row's lines at a time: a chunk's 50-odd lines at once measured 7-10% slower (more
+             * misses in flight than the core tracks) */
+            if (i < n_ahead) kv_prefetch_rows(j, ahead + i, 1);
+            kv_decode_fast_avx(j, j->kc + r[i] * half, j->ks + r[i] * nsc, j->ka ? j->ka + r[i] : NULL, kb + i * d);
+            kv_decode_fast_avx(j, j->vc + r[i] * half, j->vs + r[i] * nsc, j->va ? j->va + r[i] : NULL, vb + i * d);
+        }
+        if (n_ahead > n) kv_prefetch_rows(j, ahead + n, n_ahead - n);
+        int64_t g = 0;
+        for (; g + 2 <= g_count; g += 2) kv_heads_avx(j, q, kb, vb, n, g, m, l, acc, 2);
+        if (g < g_count) kv_heads_avx(j, q, kb, vb, n, g, m, l, acc, 1);
+    }
+    float *out = j->out + (row * j->hq + h * g_count) * d;
+    for (int64_t g = 0; g < g_count; g++) {
+        const __m512 lv = _mm512_set1_ps(l[g]);
+        for (int64_t e = 0; e < d; e += 16)
+            _mm512_storeu_ps(out + g * d + e, len ? _mm512_div_ps(_mm512_loadu_ps(acc + g * d + e), lv) : _mm512_setzero_ps());
+    }
+}
+#endif
+#endif

@@ -25,6 +25,8 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 
 import tracefp4.formats as formats  # noqa: E402
 from tracefp4.formats import clib, dispatch  # noqa: E402
+from tracefp4.formats.clib import quant  # noqa: E402
+from tracefp4.formats.grid import nvfp4_global_encode_scale  # noqa: E402
 from tracefp4.formats import reference as ref  # noqa: E402
 from tracefp4.formats import reference_composite as refc  # noqa: E402
 from tracefp4.formats.dispatch import TABLES, Backend, Op  # noqa: E402
@@ -73,9 +75,7 @@ def _check_nvfp4(q, codes, s8, amax) -> None:
 
 def case_quantize_nvfp4(b: Backend) -> None:
     x = _x(16)
-    scopes = [dict(per_row=True), dict(global_amax=torch.full((6, 1), 3.0))]
-    if b is not Backend.C:  # a per-tensor amax is a two-pass job: the C entry does not take it
-        scopes.append({})
+    scopes = [dict(per_row=True), dict(global_amax=torch.full((6, 1), 3.0)), {}]
     for kw in scopes:
         amax = kw.get("global_amax")
         _chose(Op.QUANTIZE_NVFP4, b, x, amax, kw.get("per_row", False), True)
@@ -231,8 +231,45 @@ def c_silu_gate(impl: clib.Impl) -> None:
     assert torch.equal(clib.silu_gate(x, impl=impl).view(torch.int16), want.view(torch.int16))
 
 
+def c_tensor_amax(impl: clib.Impl) -> None:
+    for dtype in (torch.bfloat16, torch.float32):
+        x = _x(16, dtype, rows=37)
+        want = x.abs().amax().to(torch.float32)
+        assert torch.equal(bits(quant.tensor_amax(x, impl=impl)), bits(want))
+
+
+def c_dequantize_rows(impl: clib.Impl) -> None:
+    for q in _quantized():
+        div = torch.logspace(-3, 3, q.codes.shape[0]).to(torch.float32)  # row divisors other than S_enc
+        got = quant.dequantize_rows(q.codes, q.scales.view(torch.uint8), q.fmt, div, impl=impl)
+        nv = q.fmt.value == "nvfp4"
+        scale = q.scales.to(torch.float32) if nv else ref.mx_scale(q.scales)
+        want = ref.e2m1_value(formats.unpack_fp4(q.codes)) * scale.repeat_interleave(q.fmt.block, dim=-1)
+        assert torch.equal(bits(got), bits(want / div.unsqueeze(1))), q.fmt
+
+
+def c_guided_rows(impl: clib.Impl) -> None:
+    for q in _quantized():
+        x = (formats.dequantize(q) * 1.3).to(torch.bfloat16)
+        x[0, :5] = -x[0, :5]  # signs against the rollout's
+        rollout = formats.unpack_fp4(q.codes)
+        nv = q.fmt.value == "nvfp4"
+        s_dec = (1.0 / nvfp4_global_encode_scale(q.global_amax)).reshape(-1) if nv else torch.ones(q.shape[0])
+        for hint, want_hint in ((q.codes, dict(rollout_codes=rollout)), (_low_bits(q), dict(rollout_lsb=rollout & 1))):
+            want = (ref.guided_quantize_nvfp4(x, q.scales, q.global_amax, **want_hint) if nv
+                    else ref.guided_quantize_mxfp4(x, q.scales, **want_hint))
+            got, bad = quant.guided_rows(x, q.scales.view(torch.uint8), q.fmt, s_dec, hint, hint is q.codes, impl=impl)
+            assert torch.equal(formats.unpack_fp4(got), want) and not bad.any(), q.fmt
+
+
+def c_lsb_rows(impl: clib.Impl) -> None:
+    for q in _quantized():
+        assert torch.equal(quant.lsb_rows(q.codes, impl=impl), _low_bits(q))
+
+
 C_CASES = [(c_nvfp4_rows, i) for i in _impls()] + [(c_grouped_gemm, i) for i in _impls(clib.Impl.AMX)]
 C_CASES += [(c_topk_combine, i) for i in _impls()] + [(c_silu_gate, i) for i in _impls()]
+C_CASES += [(c, i) for c in (c_tensor_amax, c_dequantize_rows, c_guided_rows, c_lsb_rows) for i in _impls()]
 
 
 @pytest.mark.skipif(not C_CASES, reason="the C library is not built here")

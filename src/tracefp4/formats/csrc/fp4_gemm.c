@@ -49,13 +49,15 @@
  * depend on the thread count (it may depend on how many rows share the expert: that picks the path).
  *
  * The library also holds the one-pass kernels of a rollout's other steps: the sites' NVFP4
- * quantization (site_quant.h), the top-k combine (combine.h), the SiLU gate (silu_gate.h) and
+ * quantization (site_quant.h), the other CPU quantizers (cpu_quant.h: the per-tensor amax pass,
+ * dequantization, guided rounding, the low-bit hint), the top-k combine (combine.h), the SiLU gate (silu_gate.h) and
  * attention over a packed FP4 K/V cache (kv_attention.h).
  */
 #define _DEFAULT_SOURCE /* syscall() */
 #include "fp4_common.h"
 #include "panels.h"
 #include "site_quant.h"
+#include "cpu_quant.h"
 #include "combine.h"
 #include "silu_gate.h"
 #include "kv_attention.h"
@@ -353,6 +355,125 @@ int tfp4_nvfp4_quantize(const uint16_t *x, int64_t rows, int64_t k, float *amax,
     }
     for (int t = 0; t < threads && *bad < 0; t++) *bad = jobs[t].bad;
     return rc;
+}
+
+/* The thread count of a call over `items` independent items: at least 1, at most one an item. */
+static int cq_threads(int threads, int64_t items) {
+    if (threads < 1 || items < 2) return 1;
+    if (threads > items) threads = (int)items;
+    return threads > MAX_THREADS ? MAX_THREADS : threads;
+}
+
+/* The per-tensor amax pass (cpu_quant.h): the largest abs pattern of n bf16 (f32 = 0) or float32
+ * (f32 = 1) elements into *top (above the format's largest finite pattern: a NaN or Inf). The
+ * elements are split in contiguous ranges over `threads` OpenMP threads; a max does not depend on
+ * the split. impl as tfp4_nvfp4_quantize's. Returns 0 or -1. */
+int tfp4_abs_max(const void *x, int64_t n, int f32, int threads, int impl, uint32_t *top) {
+    const int avx = one_pass_avx(impl);
+    if (n < 0 || avx < 0) return -1;
+    threads = cq_threads(threads, n / 4096);
+    const int64_t size = f32 ? 4 : 2;
+    uint32_t m = 0;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(max : m) if (threads > 1)
+#endif
+    for (int t = 0; t < threads; t++) {
+        const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
+        const char *p = (const char *)x + lo * size;
+        uint32_t v;
+#if defined(__x86_64__)
+        if (avx) v = cq_abs_max_avx(p, hi - lo, f32);
+        else
+#endif
+            v = cq_abs_max_portable(p, hi - lo, f32);
+        m = v > m ? v : m;
+    }
+    *top = m;
+    return 0;
+}
+
+/* Dequantization (cpu_quant.h): code rows [rows, k/2], scale bytes [rows, k/block] (block 16 or 32)
+ * with their float32 values `lut` [256], row divisors [rows] -> float32 [rows, k]. Rows are split
+ * over `threads` OpenMP threads. impl as tfp4_nvfp4_quantize's. Returns 0 or -1. */
+int tfp4_dequantize(const uint8_t *codes, const uint8_t *scales, const float *lut, const float *row_div, int64_t rows,
+                    int64_t k, int block, float *out, int threads, int impl) {
+    const int avx = one_pass_avx(impl);
+    if (rows < 0 || k <= 0 || (block != 16 && block != 32) || k % block || avx < 0) return -1;
+    threads = cq_threads(threads, rows);
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *c = codes + r * (k / 2), *s = scales + r * (k / block);
+#if defined(__x86_64__)
+        if (avx) {
+            cq_dequant_row_avx(c, s, lut, row_div[r], k, block, out + r * k);
+            continue;
+        }
+#endif
+        cq_dequant_row_portable(c, s, lut, row_div[r], k, block, out + r * k);
+    }
+    return 0;
+}
+
+/* Guided rounding (cpu_quant.h) of bf16 rows x [rows, k] on the grid of scale bytes [rows, k/block]
+ * (values `lut` [256]) and s_dec [rows]; hint: low-bit rows [rows, k/8] (full = 0) or the rollout's
+ * code rows [rows, k/2] (full = 1) -> code rows [rows, k/2], and bad [rows] (1 where the row holds a
+ * NaN or Inf: its codes are garbage, the caller refuses it). Rows in contiguous ranges over `threads`
+ * OpenMP threads. impl as tfp4_nvfp4_quantize's. Returns 0, -1 or -3 (out of memory). */
+int tfp4_guided(const uint16_t *x, const uint8_t *scales, const float *lut, const float *s_dec, const uint8_t *hint,
+                int full, int64_t rows, int64_t k, int block, uint8_t *codes, uint8_t *bad, int threads, int impl) {
+    const int avx = one_pass_avx(impl);
+    if (rows < 0 || k <= 0 || (block != 16 && block != 32) || k % block || avx < 0) return -1;
+    threads = cq_threads(threads, rows);
+    const int64_t nb = k / block, hint_bytes = full ? k / 2 : k / 8;
+    int rc = 0;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(min : rc) if (threads > 1)
+#endif
+    for (int t = 0; t < threads; t++) {
+        float *enc = malloc((size_t)nb * sizeof(float));
+        if (!enc) {
+            rc = -3;
+            continue;
+        }
+        for (int64_t r = rows * t / threads; r < rows * (t + 1) / threads; r++) {
+            cq_encode_factors(scales + r * nb, lut, s_dec[r], nb, enc);
+            uint32_t top;
+#if defined(__x86_64__)
+            if (avx) top = cq_guided_row_avx(x + r * k, enc, k, block, hint + r * hint_bytes, full, codes + r * (k / 2));
+            else
+#endif
+                top = cq_guided_row_portable(x + r * k, enc, k, block, hint + r * hint_bytes, full, codes + r * (k / 2));
+            bad[r] = top > SQ_LIMIT;
+        }
+        free(enc);
+    }
+    return rc;
+}
+
+/* The low magnitude bits of packed codes (cpu_quant.h): n code bytes (a multiple of 4) -> n/4 bytes,
+ * element 8j+i in bit i of byte j. Split in contiguous ranges over `threads` OpenMP threads.
+ * impl as tfp4_nvfp4_quantize's. Returns 0 or -1. */
+int tfp4_lsb_bits(const uint8_t *codes, int64_t n, uint8_t *bits, int threads, int impl) {
+    const int avx = one_pass_avx(impl);
+    if (n < 0 || n % 4 || avx < 0) return -1;
+    const int64_t nout = n / 4;
+    threads = cq_threads(threads, nout / 4096);
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#endif
+    for (int t = 0; t < threads; t++) {
+        const int64_t lo = nout * t / threads, hi = nout * (t + 1) / threads;
+#if defined(__x86_64__)
+        if (avx) {
+            cq_lsb_bmi2(codes + 4 * lo, hi - lo, bits + lo);
+            continue;
+        }
+#endif
+        cq_lsb_portable(codes + 4 * lo, hi - lo, bits + lo);
+    }
+    return 0;
 }
 
 /* The top-k combine (combine.h): out bf16 [n, k, h], w float32 [n, k] -> res bf16 [n, h]; impl as

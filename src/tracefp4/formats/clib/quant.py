@@ -1,0 +1,192 @@
+"""The CPU quantizers on the C library besides the sites' per-row NVFP4 (``csrc/cpu_quant.h``): NVFP4
+with a per-tensor amax (an amax pass, then the site kernel on that amax), dequantization of NVFP4 and
+MXFP4 rows to float32, guided rounding from an ``lsb`` or ``full`` hint, and the low-bit hint's packing.
+
+Each is the numba kernel's float32 arithmetic, operation for operation (tests/test_cquant.py and
+tests/test_conformance.py compare them bit for bit), AVX-512 where the CPU has it, portable C
+elsewhere, on torch's OpenMP threads. The dispatch (:mod:`tracefp4.formats.dispatch`) sends CPU input
+here where :func:`supports_nvfp4` / :func:`supports_guided` take it and the library is built; the row
+functions (``*_rows``, :func:`abs_max`) take ``threads`` and ``impl`` for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from tracefp4.formats.clib import site
+from tracefp4.formats.clib.call import SCALE_TABLES, Impl, call, impl_name, impl_of, threads_for, tracing
+from tracefp4.formats.clib.loader import library
+from tracefp4.formats.constants import Format
+from tracefp4.formats.containers import NVFP4
+from tracefp4.formats.rows import as_rows
+from tracefp4.formats.validation import raise_non_finite
+
+__all__ = ["GRAIN_BYTES", "abs_max", "amax_pass", "dequantize", "dequantize_rows", "guided_codes", "guided_rows", "lsb_bits",
+           "lsb_rows", "quantize_nvfp4", "supports_guided", "supports_nvfp4", "tensor_amax"]
+
+#: Bytes of input or output per thread before a call splits its work over threads (a fork of torch's
+#: awake OpenMP threads costs a few microseconds; 64 KiB is tens of microseconds of work).
+GRAIN_BYTES = 64 << 10
+
+#: The largest finite abs pattern of each input dtype (above it: NaN or Inf), and the shift that makes
+#: a pattern a float32's.
+_LIMIT = {torch.bfloat16: (0x7F7F, 16), torch.float32: (0x7F7FFFFF, 0)}
+
+
+def _threads(threads: int | None, nbytes: int) -> int:
+    return threads_for(threads, nbytes, GRAIN_BYTES)
+
+
+def abs_max(x: torch.Tensor, *, threads: int | None = None, impl: Impl | str = "auto") -> int:
+    """The largest abs bit pattern of a contiguous CPU bf16 or float32 tensor ``x`` (0 when empty):
+    above the dtype's largest finite pattern where ``x`` holds a NaN or Inf."""
+    impl = impl_of("abs_max", impl)
+    if x.dtype not in _LIMIT or not x.is_cpu or not x.is_contiguous():
+        raise ValueError(f"abs_max x: expected a contiguous CPU bf16 or float32 tensor, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    top = ctypes.c_uint32(0)
+    call("abs_max", x.data_ptr(), x.numel(), int(x.dtype == torch.float32), _threads(threads, x.nbytes), impl.value,
+         ctypes.byref(top), what=lambda: f"x {tuple(x.shape)}, impl {impl.name.lower()!r}")
+    return top.value
+
+
+def amax_pass(x: torch.Tensor, *, threads: int | None = None, impl: Impl | str = "auto"
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(float32 max |x| (0-d; 0 when empty; NaN/Inf count as the largest finite value), bool 0-d:
+    whether x holds a NaN or Inf)`` of a bf16 or float32 CPU tensor."""
+    if tracing():
+        return torch.ops.tracefp4.tensor_amax(x, threads or 0, impl_name(impl))
+    top = abs_max(x.detach().contiguous(), threads=threads, impl=impl)
+    limit, shift = _LIMIT[x.dtype]
+    amax = torch.from_numpy(np.array([min(top, limit) << shift], dtype=np.uint32).view(np.float32)).reshape(())
+    return amax, torch.tensor(top > limit)
+
+
+def tensor_amax(x: torch.Tensor, *, threads: int | None = None, impl: Impl | str = "auto") -> torch.Tensor:
+    """float32 ``max |x|`` of a bf16 or float32 CPU tensor (0-d; 0 when empty), the amax of a per-tensor
+    quantize; ValueError naming the first NaN or Inf, as every quantizer refuses them."""
+    amax, bad = amax_pass(x, threads=threads, impl=impl)
+    if bad:
+        raise_non_finite(x, ~torch.isfinite(as_rows(x)).all(dim=1))
+    return amax
+
+
+def supports_nvfp4(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool) -> bool:
+    """Whether :func:`quantize_nvfp4` takes this input: bf16 CPU rows with any amax scope (the
+    per-row kernel, after an amax pass for a per-tensor amax), and the library built."""
+    return site.supports_nvfp4(x, amax, True)
+
+
+def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool, values: bool
+                   ) -> tuple[NVFP4, torch.Tensor | None]:
+    """The dispatch's C entry for NVFP4: a per-tensor amax (``amax`` None, not ``per_row``) is found by
+    one vectorised pass over x (the numba path keeps block amaxes instead; the amax is the same
+    float32), and the rows then quantize on it as on any given amax."""
+    if amax is None and not per_row:
+        amax = tensor_amax(x)
+    return site.quantize_nvfp4(x, amax, per_row, values)
+
+
+def dequantize_rows(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Format | str, row_div: torch.Tensor, *,
+                    threads: int | None = None, impl: Impl | str = "auto") -> torch.Tensor:
+    """float32 ``(value(code) * scale) / row_div[row]`` of code rows uint8 ``[R, K/2]`` with scale bytes
+    uint8 ``[R, K/block]`` (E4M3 for NVFP4, E8M0 for MXFP4) and float32 divisors ``[R]``: ``[R, K]``."""
+    fmt = Format(fmt)
+    if tracing():
+        return torch.ops.tracefp4.dequantize_rows(rows, scale_rows, fmt.value, row_div, threads or 0, impl_name(impl))
+    impl = impl_of("dequantize_rows", impl)
+    r, k = _code_rows("dequantize_rows", rows, scale_rows, fmt)
+    row_div = _row_floats("dequantize_rows", "row_div", row_div, r)
+    out = torch.empty(r, k, dtype=torch.float32)
+    call("dequantize", rows.data_ptr(), scale_rows.data_ptr(), SCALE_TABLES[fmt].ctypes.data, row_div.data_ptr(), r, k,
+         fmt.block, out.data_ptr(), _threads(threads, out.nbytes), impl.value,
+         what=lambda: f"codes {tuple(rows.shape)}, impl {impl.name.lower()!r}")
+    return out
+
+
+def _code_rows(entry: str, rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Format) -> tuple[int, int]:
+    """``(R, K)`` of code rows and their scale rows, or ValueError naming the operand that does not fit."""
+    if not fmt.fp4:
+        raise ValueError(f"{entry} fmt: expected nvfp4 or mxfp4, got {fmt.value}")
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or not rows.is_cpu or not rows.is_contiguous():
+        raise ValueError(f"{entry} codes: expected contiguous CPU uint8 [R, K/2], got {rows.dtype} {tuple(rows.shape)}")
+    r, k = rows.shape[0], 2 * rows.shape[1]
+    if (scale_rows.dtype != torch.uint8 or tuple(scale_rows.shape) != (r, k // fmt.block) or k % fmt.block or not k
+            or not scale_rows.is_cpu or not scale_rows.is_contiguous()):
+        raise ValueError(f"{entry} scales: expected contiguous CPU uint8 [{r}, {k // fmt.block}] (K = {k} a positive "
+                         f"multiple of {fmt.block}), got {scale_rows.dtype} {tuple(scale_rows.shape)}")
+    return r, k
+
+
+def _row_floats(entry: str, name: str, t: torch.Tensor, r: int) -> torch.Tensor:
+    if t.dtype != torch.float32 or t.numel() != r or not t.is_cpu:
+        raise ValueError(f"{entry} {name}: expected CPU float32 [{r}], got {t.dtype} {tuple(t.shape)} on {t.device}")
+    return t.contiguous()
+
+
+def dequantize(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Format, row_div: torch.Tensor) -> torch.Tensor:
+    """The dispatch's C entry for :data:`~tracefp4.formats.dispatch.Op.DEQUANTIZE` (validated rows)."""
+    return dequantize_rows(rows, scale_rows, fmt, row_div)
+
+
+def guided_rows(x: torch.Tensor, scale_rows: torch.Tensor, fmt: Format | str, s_dec: torch.Tensor,
+                hint_rows: torch.Tensor, full: bool, *, threads: int | None = None, impl: Impl | str = "auto"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Guided codes of bf16 rows ``x [R, K]`` on the grid ``(scale_rows [R, K/block] uint8, s_dec [R])``,
+    each element the member of its bracket the hint names: ``hint_rows`` uint8 low bits ``[R, K/8]``,
+    or the rollout's code rows ``[R, K/2]`` when ``full``. Returns ``(codes [R, K/2] uint8, bad [R]
+    bool)``, ``bad`` flagging rows with a NaN or Inf (their codes are garbage; the caller refuses them)."""
+    fmt = Format(fmt)
+    if tracing():
+        return torch.ops.tracefp4.guided_rows(x, scale_rows, fmt.value, s_dec, hint_rows, full, threads or 0,
+                                              impl_name(impl))
+    impl = impl_of("guided_rows", impl)
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or not x.is_contiguous():
+        raise ValueError(f"guided_rows x: expected contiguous CPU bf16 [R, K], got {x.dtype} {tuple(x.shape)}")
+    codes = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.uint8)
+    r, k = _code_rows("guided_rows", codes, scale_rows, fmt)
+    s_dec = _row_floats("guided_rows", "s_dec", s_dec, r)
+    hint_shape = (r, k // 2 if full else k // 8)
+    if hint_rows.dtype != torch.uint8 or tuple(hint_rows.shape) != hint_shape or not hint_rows.is_contiguous():
+        raise ValueError(f"guided_rows hint: expected contiguous uint8 {hint_shape}, got {hint_rows.dtype} "
+                         f"{tuple(hint_rows.shape)}")
+    bad = torch.empty(r, dtype=torch.bool)
+    call("guided", x.data_ptr(), scale_rows.data_ptr(), SCALE_TABLES[fmt].ctypes.data, s_dec.data_ptr(),
+         hint_rows.data_ptr(), int(full), r, k, fmt.block, codes.data_ptr(), bad.data_ptr(),
+         _threads(threads, x.nbytes), impl.value, what=lambda: f"x {tuple(x.shape)}, impl {impl.name.lower()!r}")
+    return codes, bad
+
+
+def supports_guided(x: torch.Tensor, *args) -> bool:
+    """Whether :func:`guided_codes` takes this input: bf16 on the CPU, and the library built."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and library() is not None
+
+
+def guided_codes(x: torch.Tensor, fmt: Format, scale_rows: torch.Tensor, s_dec: torch.Tensor, hint_rows: torch.Tensor,
+                 full: bool) -> tuple[torch.Tensor, np.ndarray]:
+    """The dispatch's C entry for :data:`~tracefp4.formats.dispatch.Op.GUIDED` (validated operands)."""
+    codes, bad = guided_rows(as_rows(x), scale_rows, fmt, s_dec, hint_rows.contiguous(), full)
+    return codes, bad.numpy()
+
+
+def lsb_rows(rows: torch.Tensor, *, threads: int | None = None, impl: Impl | str = "auto") -> torch.Tensor:
+    """Code rows uint8 ``[R, K/2]`` -> their low magnitude bits, eight per byte ``[R, K/8]``."""
+    if tracing():
+        return torch.ops.tracefp4.lsb_bits(rows, threads or 0, impl_name(impl))
+    impl = impl_of("lsb_rows", impl)
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] % 4 or not rows.is_cpu or not rows.is_contiguous():
+        raise ValueError(f"lsb_rows codes: expected contiguous CPU uint8 [R, K/2] with K/2 % 4 == 0, got "
+                         f"{rows.dtype} {tuple(rows.shape)}")
+    out = torch.empty(rows.shape[0], rows.shape[1] // 4, dtype=torch.uint8)
+    # a few bit operations a byte: one thread keeps up with memory until the codes are large
+    call("lsb_bits", rows.data_ptr(), rows.numel(), out.data_ptr(), threads_for(threads, rows.nbytes, 16 * GRAIN_BYTES),
+         impl.value, what=lambda: f"codes {tuple(rows.shape)}, impl {impl.name.lower()!r}")
+    return out
+
+
+def lsb_bits(rows: torch.Tensor) -> torch.Tensor:
+    """The dispatch's C entry for :data:`~tracefp4.formats.dispatch.Op.LSB_BITS`."""
+    return lsb_rows(rows)

@@ -1,0 +1,217 @@
+/* The CPU quantizers besides the sites' per-row NVFP4 (site_quant.h): the amax pass of a per-tensor
+ * quantize, dequantization of NVFP4/MXFP4 rows to float32, guided rounding from a rollout's hint, and
+ * the packing of codes' low bits into a hint.
+ *
+ * Each is the numba kernel of the same name (tracefp4/formats/kernels.py: dequantize, guided_lsb,
+ * guided_full, pack_lsb, nvfp4_block_amax) operation for operation in IEEE float32, with no
+ * contraction (no a * b + c is ever written), so the bits are the numba kernel's and the readable
+ * reference's:
+ *
+ *   dequantize: out = (e2m1(code) * lut[scale byte]) / row_div[row]
+ *   guided:     enc = min(1 / (lut[scale byte] * s_dec[row]), FLT_MAX); m = min(|x| * enc, 6);
+ *               lo = the largest code whose value is <= m, inexact = m is no code value;
+ *               lsb:  code = lo + (inexact & ((lo ^ bit) & 1))       (the bracket member with the hint's low bit)
+ *               full: code = lo + (inexact & (rc_mag > lo) & same_sign) (the member nearer the rollout code)
+ *               with x's sign bit as the code's.
+ *
+ * Blocks are 16 (NVFP4) or 32 (MXFP4) elements, so every kernel walks a row in groups of 16 elements
+ * (8 code bytes), each group inside one block. Rows are independent: a row's bits do not depend on
+ * how the rows are split over threads. */
+#ifndef TFP4_CPU_QUANT_H
+#define TFP4_CPU_QUANT_H
+#include "site_quant.h"
+
+/* --- the per-tensor amax pass: the largest abs pattern of n bf16 (f32 = 0) or float32 elements --- */
+
+static uint32_t cq_abs_max_portable(const void *x, int64_t n, int f32) {
+    uint32_t m = 0;
+    if (f32) {
+        const uint32_t *p = x;
+        for (int64_t i = 0; i < n; i++) m = (p[i] & 0x7FFFFFFFu) > m ? (p[i] & 0x7FFFFFFFu) : m;
+    } else {
+        const uint16_t *p = x;
+        for (int64_t i = 0; i < n; i++) m = (p[i] & 0x7FFFu) > m ? (p[i] & 0x7FFFu) : m;
+    }
+    return m;
+}
+
+#if defined(__x86_64__)
+/* Four independent accumulators hide the max's latency; the tail is a masked load. */
+AVX512 static uint32_t cq_abs_max_avx(const void *x, int64_t n, int f32) {
+    const int64_t lanes = f32 ? 16 : 32; /* elements per 512-bit vector */
+    const __m512i mask = f32 ? _mm512_set1_epi32(0x7FFFFFFF) : _mm512_set1_epi16(0x7FFF);
+    const char *p = x;
+    const int64_t bytes = n * (f32 ? 4 : 2);
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 256 <= bytes; i += 256) {
+        __m512i v0 = _mm512_and_si512(_mm512_loadu_si512(p + i), mask);
+        __m512i v1 = _mm512_and_si512(_mm512_loadu_si512(p + i + 64), mask);
+        __m512i v2 = _mm512_and_si512(_mm512_loadu_si512(p + i + 128), mask);
+        __m512i v3 = _mm512_and_si512(_mm512_loadu_si512(p + i + 192), mask);
+        if (f32) {
+            a0 = _mm512_max_epu32(a0, v0), a1 = _mm512_max_epu32(a1, v1);
+            a2 = _mm512_max_epu32(a2, v2), a3 = _mm512_max_epu32(a3, v3);
+        } else {
+            a0 = _mm512_max_epu16(a0, v0), a1 = _mm512_max_epu16(a1, v1);
+            a2 = _mm512_max_epu16(a2, v2), a3 = _mm512_max_epu16(a3, v3);
+        }
+    }
+    for (; i < bytes; i += 64) {
+        const int64_t left = (bytes - i) / (f32 ? 4 : 2);
+        const __mmask64 m = left >= lanes ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+        __m512i v = f32 ? _mm512_maskz_loadu_epi32((__mmask16)m, p + i) : _mm512_maskz_loadu_epi16((__mmask32)m, p + i);
+        v = _mm512_and_si512(v, mask);
+        a0 = f32 ? _mm512_max_epu32(a0, v) : _mm512_max_epu16(a0, v);
+    }
+    if (f32) return (uint32_t)_mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_max_epu32(a0, a1), _mm512_max_epu32(a2, a3)));
+    __m512i a = _mm512_max_epu16(_mm512_max_epu16(a0, a1), _mm512_max_epu16(a2, a3));
+    /* the 32 words as two halves of 16 dwords */
+    __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(a)), hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(a, 1));
+    return (uint32_t)_mm512_reduce_max_epu32(_mm512_max_epu32(lo, hi));
+}
+#endif
+
+/* --- dequantize: code rows [R, K/2] and scale bytes [R, K/block] -> float32 [R, K] --- */
+
+static void cq_dequant_row_portable(const uint8_t *codes, const uint8_t *scales, const float *lut, float div, int64_t k,
+                                    int block, float *out) {
+    for (int64_t g = 0; g < k / 16; g++) {
+        const float mult = lut[scales[16 * g / block]];
+        for (int i = 0; i < 8; i++) {
+            const uint8_t byte = codes[8 * g + i];
+            out[16 * g + 2 * i] = (E2M1[byte & 15] * mult) / div;
+            out[16 * g + 2 * i + 1] = (E2M1[byte >> 4] * mult) / div;
+        }
+    }
+}
+
+#if defined(__x86_64__)
+/* 8 code bytes -> 16 dword lanes holding their nibbles in element order (lane 2i: byte i's low). */
+AVXINL __m512i cq_nibbles16(const uint8_t *codes) {
+    __m512i v = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)codes));
+    return _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi64(15)), _mm512_slli_epi64(_mm512_srli_epi64(v, 4), 32));
+}
+
+AVX512 static void cq_dequant_row_avx(const uint8_t *codes, const uint8_t *scales, const float *lut, float div, int64_t k,
+                                      int block, float *out) {
+    const __m512 table = _mm512_loadu_ps(E2M1), d = _mm512_set1_ps(div);
+    for (int64_t g = 0; g < k / 16; g++) {
+        __m512 v = _mm512_permutexvar_ps(cq_nibbles16(codes + 8 * g), table);
+        v = _mm512_mul_ps(v, _mm512_set1_ps(lut[scales[16 * g / block]]));
+        _mm512_storeu_ps(out + 16 * g, _mm512_div_ps(v, d));
+    }
+}
+#endif
+
+/* --- guided rounding of bf16 rows on a stored grid --- */
+
+/* The largest magnitude code whose value is <= m (m in [0, 6]) and whether m is no code value
+ * (kernels.py: _floor_mag_bits): from 1 up the exponent and the top mantissa bit. */
+static inline uint32_t cq_floor_mag(float m, uint32_t *inexact) {
+    const uint32_t bits = sq_bits(m);
+    if (m >= 1.0f) {
+        *inexact = (bits & 0x3FFFFFu) != 0;
+        return (bits >> 22) - 252u;
+    }
+    *inexact = (m != 0.0f) & (m != 0.5f);
+    return m >= 0.5f;
+}
+
+/* The encode factor of each block of a row: min(1 / (scale * s_dec), FLT_MAX). */
+static void cq_encode_factors(const uint8_t *scales, const float *lut, float s_dec, int64_t nb, float *enc) {
+    for (int64_t b = 0; b < nb; b++) enc[b] = sq_min(1.0f / (lut[scales[b]] * s_dec), FLT_MAX);
+}
+
+/* One row; hint: the row's low-bit hints [K/8] (full = 0) or the rollout's codes [K/2] (full = 1).
+ * Returns the row's largest abs pattern (above 0x7F7F: a NaN or Inf). */
+static uint32_t cq_guided_row_portable(const uint16_t *x, const float *enc, int64_t k, int block, const uint8_t *hint,
+                                       int full, uint8_t *codes) {
+    uint32_t top = 0;
+    for (int64_t e = 0; e < k; e++) {
+        const uint32_t a = x[e] & 0x7FFFu, sign = (x[e] >> 15) & 1u;
+        top = a > top ? a : top;
+        uint32_t inexact, lo = cq_floor_mag(sq_min(sq_float(a << 16) * enc[e / block], 6.0f), &inexact);
+        uint32_t up;
+        if (full) {
+            const uint32_t rc = (hint[e / 2] >> (4 * (e & 1))) & 15u;
+            up = inexact & ((rc & 7u) > lo) & ((rc >> 3) == sign);
+        } else {
+            up = inexact & ((lo ^ (hint[e / 8] >> (e % 8))) & 1u);
+        }
+        const uint32_t c = (lo + up) | (sign << 3);
+        if (e & 1) codes[e / 2] |= (uint8_t)(c << 4);
+        else codes[e / 2] = (uint8_t)(c & 15u);
+    }
+    return top;
+}
+
+#if defined(__x86_64__)
+AVX512 static uint32_t cq_guided_row_avx(const uint16_t *x, const float *enc, int64_t k, int block, const uint8_t *hint,
+                                         int full, uint8_t *codes) {
+    const __m512i one = _mm512_set1_epi32(1), lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i top = _mm512_setzero_si512();
+    for (int64_t g = 0; g < k / 16; g++) {
+        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16 * g)));
+        const __m512i a = _mm512_and_si512(w, _mm512_set1_epi32(0x7FFF)), sign = _mm512_srli_epi32(w, 15);
+        top = _mm512_max_epu32(top, a);
+        const __m512 m = _mm512_min_ps(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
+                                                     _mm512_set1_ps(enc[16 * g / block])),
+                                       _mm512_set1_ps(6.0f));
+        const __m512i bits = _mm512_castps_si512(m);
+        const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.0f), _CMP_GE_OQ);
+        const __mmask16 half = _mm512_cmp_ps_mask(m, _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+        /* below 1: lo = (m >= 0.5), inexact unless m is 0 or 0.5 */
+        __m512i lo = _mm512_mask_blend_epi32(big, _mm512_maskz_mov_epi32(half, one),
+                                             _mm512_sub_epi32(_mm512_srli_epi32(bits, 22), _mm512_set1_epi32(252)));
+        const __mmask16 inexact =
+            (big & _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x3FFFFF))) |
+            (~big & _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_NEQ_UQ) & _mm512_cmp_ps_mask(m, _mm512_set1_ps(0.5f), _CMP_NEQ_UQ));
+        __mmask16 up;
+        if (full) {
+            const __m512i rc = cq_nibbles16(hint + 8 * g);
+            up = inexact & _mm512_cmpgt_epu32_mask(_mm512_and_si512(rc, _mm512_set1_epi32(7)), lo) &
+                 _mm512_cmpeq_epi32_mask(_mm512_srli_epi32(rc, 3), sign);
+        } else {
+            uint16_t h;
+            memcpy(&h, hint + 2 * g, 2);
+            const __m512i bit = _mm512_srlv_epi32(_mm512_set1_epi32(h), lane);
+            up = inexact & _mm512_test_epi32_mask(_mm512_xor_si512(lo, bit), one);
+        }
+        __m512i code = _mm512_or_si512(_mm512_mask_add_epi32(lo, up, lo, one), _mm512_slli_epi32(sign, 3));
+        /* element 2i in the low nibble of byte i: each 64-bit lane's high code moves to bits 4..7 */
+        _mm512_mask_cvtepi64_storeu_epi8(codes + 8 * g, 0xFF, _mm512_or_si512(code, _mm512_srli_epi64(code, 28)));
+    }
+    return (uint32_t)_mm512_reduce_max_epu32(top);
+}
+#endif
+
+/* --- the low magnitude bit of packed codes, eight per byte: out byte j from code bytes 4j..4j+3 --- */
+
+static void cq_lsb_portable(const uint8_t *codes, int64_t nout, uint8_t *bits) {
+    for (int64_t j = 0; j < nout; j++) {
+        uint32_t t;
+        memcpy(&t, codes + 4 * j, 4);
+        /* bits 0, 4, .., 28 (element order) gathered to 0..7 in three shifts */
+        t &= 0x11111111u;
+        t = (t | (t >> 3)) & 0x03030303u;
+        t = (t | (t >> 6)) & 0x000F000Fu;
+        bits[j] = (uint8_t)((t | (t >> 12)) & 0xFFu);
+    }
+}
+
+#if defined(__x86_64__)
+/* pext gathers the 16 low bits of 8 code bytes at once (every CPU with AVX-512 BF16 has BMI2). */
+__attribute__((target("bmi2"))) static void cq_lsb_bmi2(const uint8_t *codes, int64_t nout, uint8_t *bits) {
+    int64_t j = 0;
+    for (; j + 2 <= nout; j += 2) {
+        uint64_t t;
+        memcpy(&t, codes + 4 * j, 8);
+        const uint16_t b = (uint16_t)_pext_u64(t, 0x1111111111111111ull);
+        memcpy(bits + j, &b, 2);
+    }
+    if (j < nout) cq_lsb_portable(codes + 4 * j, nout - j, bits + j);
+}
+#endif
+
+#endif

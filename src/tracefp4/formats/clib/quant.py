@@ -19,9 +19,9 @@ import torch
 from tracefp4.formats.clib import site
 from tracefp4.formats.clib.call import SCALE_TABLES, Impl, call, impl_name, impl_of, threads_for, tracing
 from tracefp4.formats.clib.loader import library
-from tracefp4.formats.constants import Format
+from tracefp4.formats.constants import NVFP4_BLOCK, Format
 from tracefp4.formats.containers import NVFP4
-from tracefp4.formats.rows import as_rows
+from tracefp4.formats.rows import as_rows, per_row_values
 from tracefp4.formats.validation import raise_non_finite
 
 __all__ = ["GRAIN_BYTES", "abs_max", "amax_pass", "dequantize", "dequantize_rows", "guided_codes", "guided_rows", "lsb_bits",
@@ -34,6 +34,18 @@ GRAIN_BYTES = 64 << 10
 #: The largest finite abs pattern of each input dtype (above it: NaN or Inf), and the shift that makes
 #: a pattern a float32's.
 _LIMIT = {torch.bfloat16: (0x7F7F, 16), torch.float32: (0x7F7FFFFF, 0)}
+
+
+#: numpy's dtype of each output dtype.
+_NUMPY = {torch.uint8: np.uint8, torch.float32: np.float32, torch.bool: np.bool_, torch.bfloat16: np.uint16}
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An output tensor in numpy's memory: numpy asks the kernel for huge pages for a large array
+    (madvise), torch's allocator does not, and a fresh 64 MB float32 output then costs a page fault
+    every 4 KiB, more than the kernel's own work (the numba path's outputs are numpy's too)."""
+    out = torch.from_numpy(np.empty(shape, dtype=_NUMPY[dtype]))
+    return out.view(torch.bfloat16) if dtype == torch.bfloat16 else out
 
 
 def _threads(threads: int | None, nbytes: int) -> int:
@@ -84,10 +96,19 @@ def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool, va
                    ) -> tuple[NVFP4, torch.Tensor | None]:
     """The dispatch's C entry for NVFP4: a per-tensor amax (``amax`` None, not ``per_row``) is found by
     one vectorised pass over x (the numba path keeps block amaxes instead; the amax is the same
-    float32), and the rows then quantize on it as on any given amax."""
-    if amax is None and not per_row:
-        amax = tensor_amax(x)
-    return site.quantize_nvfp4(x, amax, per_row, values)
+    float32), and the rows then quantize on it as on any given amax, into outputs in numpy's memory
+    (a per-tensor quantize is the trainer's and the store's: large tensors)."""
+    if amax is not None or per_row:
+        return site.quantize_nvfp4(x, amax, per_row, values)
+    xd = x.detach().contiguous()
+    amax = tensor_amax(xd)
+    lead, k = x.shape[:-1], x.shape[-1]
+    q = NVFP4(codes=_empty((*lead, k // 2), torch.uint8),
+              scales=_empty((*lead, k // NVFP4_BLOCK), torch.uint8).view(torch.float8_e4m3fn), global_amax=amax)
+    out = _empty(tuple(x.shape), torch.bfloat16) if values else None
+    # NaN and Inf were refused by the amax pass
+    site.quantize_into(xd, per_row_values(amax, x.shape), q.codes, q.scales, out, own_amax=False)
+    return q, out
 
 
 def dequantize_rows(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Format | str, row_div: torch.Tensor, *,
@@ -100,7 +121,7 @@ def dequantize_rows(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Format | 
     impl = impl_of("dequantize_rows", impl)
     r, k = _code_rows("dequantize_rows", rows, scale_rows, fmt)
     row_div = _row_floats("dequantize_rows", "row_div", row_div, r)
-    out = torch.empty(r, k, dtype=torch.float32)
+    out = _empty((r, k), torch.float32)
     call("dequantize", rows.data_ptr(), scale_rows.data_ptr(), SCALE_TABLES[fmt].ctypes.data, row_div.data_ptr(), r, k,
          fmt.block, out.data_ptr(), _threads(threads, out.nbytes), impl.value,
          what=lambda: f"codes {tuple(rows.shape)}, impl {impl.name.lower()!r}")
@@ -146,14 +167,14 @@ def guided_rows(x: torch.Tensor, scale_rows: torch.Tensor, fmt: Format | str, s_
     impl = impl_of("guided_rows", impl)
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or not x.is_contiguous():
         raise ValueError(f"guided_rows x: expected contiguous CPU bf16 [R, K], got {x.dtype} {tuple(x.shape)}")
-    codes = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.uint8)
+    codes = _empty((x.shape[0], x.shape[1] // 2), torch.uint8)
     r, k = _code_rows("guided_rows", codes, scale_rows, fmt)
     s_dec = _row_floats("guided_rows", "s_dec", s_dec, r)
     hint_shape = (r, k // 2 if full else k // 8)
     if hint_rows.dtype != torch.uint8 or tuple(hint_rows.shape) != hint_shape or not hint_rows.is_contiguous():
         raise ValueError(f"guided_rows hint: expected contiguous uint8 {hint_shape}, got {hint_rows.dtype} "
                          f"{tuple(hint_rows.shape)}")
-    bad = torch.empty(r, dtype=torch.bool)
+    bad = _empty((r,), torch.bool)
     call("guided", x.data_ptr(), scale_rows.data_ptr(), SCALE_TABLES[fmt].ctypes.data, s_dec.data_ptr(),
          hint_rows.data_ptr(), int(full), r, k, fmt.block, codes.data_ptr(), bad.data_ptr(),
          _threads(threads, x.nbytes), impl.value, what=lambda: f"x {tuple(x.shape)}, impl {impl.name.lower()!r}")
@@ -180,7 +201,7 @@ def lsb_rows(rows: torch.Tensor, *, threads: int | None = None, impl: Impl | str
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] % 4 or not rows.is_cpu or not rows.is_contiguous():
         raise ValueError(f"lsb_rows codes: expected contiguous CPU uint8 [R, K/2] with K/2 % 4 == 0, got "
                          f"{rows.dtype} {tuple(rows.shape)}")
-    out = torch.empty(rows.shape[0], rows.shape[1] // 4, dtype=torch.uint8)
+    out = _empty((rows.shape[0], rows.shape[1] // 4), torch.uint8)
     # a few bit operations a byte: one thread keeps up with memory until the codes are large
     call("lsb_bits", rows.data_ptr(), rows.numel(), out.data_ptr(), threads_for(threads, rows.nbytes, 16 * GRAIN_BYTES),
          impl.value, what=lambda: f"codes {tuple(rows.shape)}, impl {impl.name.lower()!r}")

@@ -467,7 +467,7 @@ int tfp4_lsb_bits(const uint8_t *codes, int64_t n, uint8_t *bits, int threads, i
         const int64_t lo = nout * t / threads, hi = nout * (t + 1) / threads;
 #if defined(__x86_64__)
         if (avx) {
-            cq_lsb_bmi2(codes + 4 * lo, hi - lo, bits + lo);
+            cq_lsb_avx(codes + 4 * lo, hi - lo, bits + lo);
             continue;
         }
 #endif

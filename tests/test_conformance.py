@@ -74,16 +74,15 @@ def _check_nvfp4(q, codes, s8, amax) -> None:
 
 
 def case_quantize_nvfp4(b: Backend) -> None:
-    x = _x(16)
-    scopes = [dict(per_row=True), dict(global_amax=torch.full((6, 1), 3.0)), {}]
-    for kw in scopes:
-        amax = kw.get("global_amax")
-        _chose(Op.QUANTIZE_NVFP4, b, x, amax, kw.get("per_row", False), True)
-        q, values = formats.quantize_dequantize_nvfp4(x, **kw)
-        codes, s8, want_amax = ref.quantize_nvfp4(x, global_amax=amax, per_row=kw.get("per_row", False))
-        _check_nvfp4(q, codes, s8, want_amax)
-        want = ref.dequantize_nvfp4(codes, s8.to(torch.float32), want_amax).to(x.dtype)
-        assert torch.equal(values.view(torch.int16), want.view(torch.int16))
+    for x in (_x(16), _x(16, torch.float32)):
+        for kw in (dict(per_row=True), dict(global_amax=torch.full((6, 1), 3.0)), {}):
+            amax = kw.get("global_amax")
+            _chose(Op.QUANTIZE_NVFP4, b, x, amax, kw.get("per_row", False), True)
+            q, values = formats.quantize_dequantize_nvfp4(x, **kw)
+            codes, s8, want_amax = ref.quantize_nvfp4(x, global_amax=amax, per_row=kw.get("per_row", False))
+            _check_nvfp4(q, codes, s8, want_amax)
+            want = ref.dequantize_nvfp4(codes, s8.to(torch.float32), want_amax).to(x.dtype)
+            assert torch.equal(bits(values), bits(want))
 
 
 def case_quantize_nvfp4_4over6(b: Backend) -> None:
@@ -231,6 +230,16 @@ def c_silu_gate(impl: clib.Impl) -> None:
     assert torch.equal(clib.silu_gate(x, impl=impl).view(torch.int16), want.view(torch.int16))
 
 
+def c_nvfp4_rows_float32(impl: clib.Impl) -> None:
+    x = _x(16, torch.float32)
+    amax = torch.empty(x.shape[0])
+    codes, scales = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.uint8), torch.empty(6, 3, dtype=torch.uint8)
+    assert not clib.quantize_into(x, amax, codes, scales, None, own_amax=True, impl=impl)
+    want_codes, s8, want_amax = ref.quantize_nvfp4(x, per_row=True)
+    assert torch.equal(formats.unpack_fp4(codes), want_codes) and torch.equal(scales, s8.view(torch.uint8))
+    assert torch.equal(bits(amax), bits(want_amax.reshape(-1)))
+
+
 def c_tensor_amax(impl: clib.Impl) -> None:
     for dtype in (torch.bfloat16, torch.float32):
         x = _x(16, dtype, rows=37)
@@ -269,7 +278,7 @@ def c_lsb_rows(impl: clib.Impl) -> None:
 
 C_CASES = [(c_nvfp4_rows, i) for i in _impls()] + [(c_grouped_gemm, i) for i in _impls(clib.Impl.AMX)]
 C_CASES += [(c_topk_combine, i) for i in _impls()] + [(c_silu_gate, i) for i in _impls()]
-C_CASES += [(c, i) for c in (c_tensor_amax, c_dequantize_rows, c_guided_rows, c_lsb_rows) for i in _impls()]
+C_CASES += [(c, i) for c in (c_nvfp4_rows_float32, c_tensor_amax, c_dequantize_rows, c_guided_rows, c_lsb_rows) for i in _impls()]
 
 
 @pytest.mark.skipif(not C_CASES, reason="the C library is not built here")

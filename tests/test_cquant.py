@@ -105,11 +105,12 @@ def test_per_tensor_quantize_refuses_non_finite_as_numba(bad):
 
 
 def test_inputs_the_c_entries_do_not_take_fall_back_to_numba():
-    """float16 and float32 input quantizes, and guided-rounds, on the numba kernels."""
+    """float16 quantizes, and float16 and float32 guided-round, on the numba kernels."""
+    x = _data("randn", 32, dtype=torch.float16)
+    for amax, per_row in ((None, False), (None, True)):
+        assert dispatch.implementation(Op.QUANTIZE_NVFP4, x, amax, per_row, False) is numba_quantize()
     for dtype in (torch.float16, torch.float32):
         x = _data("randn", 32, dtype=dtype)
-        for amax, per_row in ((None, False), (None, True)):
-            assert dispatch.implementation(Op.QUANTIZE_NVFP4, x, amax, per_row, False) is numba_quantize()
         assert dispatch.implementation(Op.GUIDED, x) is TABLES[Op.GUIDED][Backend.NUMBA]
         q = formats.quantize_nvfp4(x)
         assert torch.equal(formats.guided_codes(x, "nvfp4", q.scales, q.global_amax, codes=q.codes).codes, q.codes)
@@ -117,6 +118,57 @@ def test_inputs_the_c_entries_do_not_take_fall_back_to_numba():
 
 def numba_quantize():
     return TABLES[Op.QUANTIZE_NVFP4][Backend.NUMBA]
+
+
+# --- float32 rows on the site kernel ------------------------------------------------------------
+
+
+def _c_rows32(x: torch.Tensor, amax: torch.Tensor | None, impl: str):
+    """The site kernel's (codes, scale bytes, amax) of float32 rows, on one code path."""
+    r, k = x.shape
+    a = torch.empty(r) if amax is None else amax.clone()
+    codes, scales = torch.empty(r, k // 2, dtype=torch.uint8), torch.empty(r, k // 16, dtype=torch.uint8)
+    bad = clib.quantize_into(x, a, codes, scales, None, own_amax=amax is None, impl=impl)
+    return codes, scales, a, bad
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", WIDTHS + [4112])
+@pytest.mark.parametrize("scope", ["own", "given"])
+def test_float32_rows_equal_numba(impl, kind, k, scope):
+    x = _data(kind, k, dtype=torch.float32)
+    amax = x.abs().amax(dim=1) * 0.75 if scope == "given" else None
+    codes, scales, a, bad = _c_rows32(x, amax, impl)
+    want = _numba(formats.quantize_nvfp4, x, global_amax=None if amax is None else amax.unsqueeze(1),
+                  per_row=amax is None)
+    assert torch.equal(codes, want.codes) and torch.equal(scales, want.scales.view(torch.uint8)) and not bad
+    assert torch.equal(bits(a), bits(want.global_amax.reshape(-1)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("per_row", [False, True], ids=["per_tensor", "per_row"])
+def test_float32_quantize_goes_to_c_and_equals_numba(kind, per_row):
+    x = _data(kind, 96, dtype=torch.float32)
+    assert dispatch.implementation(Op.QUANTIZE_NVFP4, x, None, per_row, True) is TABLES[Op.QUANTIZE_NVFP4][Backend.C]
+    q, values = formats.quantize_dequantize_nvfp4(x, per_row=per_row)
+    want, want_values = _numba(formats.quantize_dequantize_nvfp4, x, per_row=per_row)
+    assert torch.equal(q.codes, want.codes) and torch.equal(q.scales.view(torch.uint8), want.scales.view(torch.uint8))
+    assert torch.equal(bits(q.global_amax), bits(want.global_amax)) and q.global_amax.shape == want.global_amax.shape
+    assert torch.equal(bits(values), bits(want_values))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_float32_rows_flag_non_finite(impl, bad):
+    x = _data("randn", 64, dtype=torch.float32)
+    x[5, 9] = bad
+    assert _c_rows32(x, None, impl)[3]
+    with pytest.raises(ValueError) as c_err:
+        formats.quantize_nvfp4(x, per_row=True)
+    with pytest.raises(ValueError) as numba_err:
+        _numba(formats.quantize_nvfp4, x, per_row=True)
+    assert str(c_err.value) == str(numba_err.value) and "(5, 9)" in str(c_err.value)
 
 
 # --- dequantize, guided rounding, the low-bit hint ------------------------------------------------

@@ -41,6 +41,7 @@ _SIGNATURES = {
     "tfp4_grouped_gemm": [_P, _P, _P, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT, _INT],
     "tfp4_routed_gemm": [_P, _P, _I64, _P, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT, _INT, _P],
     "tfp4_nvfp4_quantize": [_P, _I64, _I64, _P, _INT, _P, _P, _P, _INT, _INT, _P],
+    "tfp4_nvfp4_quantize_f32": [_P, _I64, _I64, _P, _INT, _P, _P, _INT, _INT, _P],
     "tfp4_abs_max": [_P, _I64, _INT, _INT, _INT, _P],
     "tfp4_dequantize": [_P, _P, _P, _P, _I64, _I64, _INT, _P, _INT, _INT],
     "tfp4_guided": [_P, _P, _P, _P, _P, _INT, _I64, _I64, _INT, _P, _P, _INT, _INT],

@@ -87,8 +87,8 @@ def tensor_amax(x: torch.Tensor, *, threads: int | None = None, impl: Impl | str
 
 
 def supports_nvfp4(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool) -> bool:
-    """Whether :func:`quantize_nvfp4` takes this input: bf16 CPU rows with any amax scope (the
-    per-row kernel, after an amax pass for a per-tensor amax), and the library built."""
+    """Whether :func:`quantize_nvfp4` takes this input: bf16 or float32 CPU rows with any amax scope
+    (the per-row kernel, after an amax pass for a per-tensor amax), and the library built."""
     return site.supports_nvfp4(x, amax, True)
 
 
@@ -105,7 +105,7 @@ def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool, va
     lead, k = x.shape[:-1], x.shape[-1]
     q = NVFP4(codes=_empty((*lead, k // 2), torch.uint8),
               scales=_empty((*lead, k // NVFP4_BLOCK), torch.uint8).view(torch.float8_e4m3fn), global_amax=amax)
-    out = _empty(tuple(x.shape), torch.bfloat16) if values else None
+    out = _empty(tuple(x.shape), torch.bfloat16) if values and x.dtype == torch.bfloat16 else None
     # NaN and Inf were refused by the amax pass
     site.quantize_into(xd, per_row_values(amax, x.shape), q.codes, q.scales, out, own_amax=False)
     return q, out

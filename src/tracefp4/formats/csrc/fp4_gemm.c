@@ -319,18 +319,18 @@ int tfp4_routed_gemm(const uint16_t *x, const int64_t *ids, int64_t fanout, cons
     return rc;
 }
 
-/* NVFP4 quantization of bf16 rows x [rows, k] (site_quant.h): codes [rows, k/2], E4M3 scale bytes
+/* NVFP4 quantization of bf16 (or, f32, float32) rows x [rows, k] (site_quant.h): codes [rows, k/2], E4M3 scale bytes
  * [rows, k/16], the row amaxes (own_amax: found and written; else read) and, unless values is NULL,
- * the dequantized rows in bf16 [rows, k]. impl: 0 the best this CPU runs, 1 portable C, 2 AVX-512.
+ * the dequantized rows in bf16 [rows, k] (bf16 input only). impl: 0 the best this CPU runs, 1 portable C, 2 AVX-512.
  * Rows are split in contiguous ranges over `threads` OpenMP threads (one where built without
  * OpenMP); each row is computed the same way whatever the split. *bad: the first row holding a NaN
  * or Inf, or -1. Returns 0, -1 (k not a multiple of 16, or an implementation this CPU lacks) or -3
  * (out of memory). */
-int tfp4_nvfp4_quantize(const uint16_t *x, int64_t rows, int64_t k, float *amax, int own_amax, uint8_t *codes,
-                        uint8_t *scales, uint16_t *values, int threads, int impl, int64_t *bad) {
+static int nvfp4_quantize(const void *x, int f32, int64_t rows, int64_t k, float *amax, int own_amax, uint8_t *codes,
+                          uint8_t *scales, uint16_t *values, int threads, int impl, int64_t *bad) {
     *bad = -1;
     const int avx = one_pass_avx(impl);
-    if (k <= 0 || k % 16 || rows < 0 || avx < 0) return -1;
+    if (k <= 0 || k % 16 || rows < 0 || avx < 0 || (f32 && values)) return -1;
     if (threads < 1) threads = 1;
     if (threads > rows) threads = rows > 0 ? (int)rows : 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
@@ -339,7 +339,7 @@ int tfp4_nvfp4_quantize(const uint16_t *x, int64_t rows, int64_t k, float *amax,
 #endif
     sq_job_t jobs[MAX_THREADS];
     for (int t = 0; t < threads; t++)
-        jobs[t] = (sq_job_t){x, k, rows * t / threads, rows * (t + 1) / threads, amax, own_amax, avx,
+        jobs[t] = (sq_job_t){x, f32, k, rows * t / threads, rows * (t + 1) / threads, amax, own_amax, avx,
                              codes, scales, values, -1};
     int rc = 0;
     if (threads == 1) {
@@ -355,6 +355,17 @@ int tfp4_nvfp4_quantize(const uint16_t *x, int64_t rows, int64_t k, float *amax,
     }
     for (int t = 0; t < threads && *bad < 0; t++) *bad = jobs[t].bad;
     return rc;
+}
+
+int tfp4_nvfp4_quantize(const uint16_t *x, int64_t rows, int64_t k, float *amax, int own_amax, uint8_t *codes,
+                        uint8_t *scales, uint16_t *values, int threads, int impl, int64_t *bad) {
+    return nvfp4_quantize(x, 0, rows, k, amax, own_amax, codes, scales, values, threads, impl, bad);
+}
+
+/* tfp4_nvfp4_quantize of float32 rows: codes and scales only. */
+int tfp4_nvfp4_quantize_f32(const float *x, int64_t rows, int64_t k, float *amax, int own_amax, uint8_t *codes,
+                            uint8_t *scales, int threads, int impl, int64_t *bad) {
+    return nvfp4_quantize(x, 1, rows, k, amax, own_amax, codes, scales, NULL, threads, impl, bad);
 }
 
 /* The thread count of a call over `items` independent items: at least 1, at most one an item. */

@@ -62,6 +62,25 @@ def test_per_tensor_quantize_equals_numba(kind, k):
     assert torch.equal(values.view(torch.int16), want_values.view(torch.int16))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", [16, 48, 4112])
+def test_per_tensor_paths_and_threads_equal_numba(impl, dtype, kind, k):
+    """Both passes on each code path and 1, 2 and 5 threads (the block amaxes of pass one feed pass two)."""
+    x = _data(kind, k, rows=23, dtype=dtype)
+    want, want_values = _numba(formats.quantize_dequantize_nvfp4, x)
+    for threads in (1, 2, 5):
+        q, values = quant.quantize_nvfp4_tensor(x, values=True, threads=threads, impl=impl)
+        assert torch.equal(q.codes, want.codes) and torch.equal(q.scales.view(torch.uint8),
+                                                                 want.scales.view(torch.uint8))
+        assert torch.equal(bits(q.global_amax), bits(want.global_amax))
+        if dtype == torch.bfloat16:
+            assert torch.equal(values.view(torch.int16), want_values.view(torch.int16))
+        else:
+            assert values is None
+
+
 def test_all_zero_tensor_has_amax_zero():
     x = torch.zeros(3, 32, dtype=torch.bfloat16)
     x[1, 5] = -0.0

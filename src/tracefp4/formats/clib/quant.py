@@ -25,7 +25,7 @@ from tracefp4.formats.rows import as_rows, per_row_values
 from tracefp4.formats.validation import raise_non_finite
 
 __all__ = ["GRAIN_BYTES", "abs_max", "amax_pass", "dequantize", "dequantize_rows", "guided_codes", "guided_rows", "lsb_bits",
-           "lsb_rows", "quantize_nvfp4", "supports_guided", "supports_nvfp4", "tensor_amax"]
+           "lsb_rows", "quantize_nvfp4", "quantize_nvfp4_tensor", "supports_guided", "supports_nvfp4", "tensor_amax"]
 
 #: Bytes of input or output per thread before a call splits its work over threads (a fork of torch's
 #: awake OpenMP threads costs a few microseconds; 64 KiB is tens of microseconds of work).
@@ -94,20 +94,43 @@ def supports_nvfp4(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool) ->
 
 def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool, values: bool
                    ) -> tuple[NVFP4, torch.Tensor | None]:
-    """The dispatch's C entry for NVFP4: a per-tensor amax (``amax`` None, not ``per_row``) is found by
-    one vectorised pass over x (the numba path keeps block amaxes instead; the amax is the same
-    float32), and the rows then quantize on it as on any given amax, into outputs in numpy's memory
-    (a per-tensor quantize is the trainer's and the store's: large tensors)."""
+    """The dispatch's C entry for NVFP4: the site kernel for each row's own or a given amax;
+    :func:`quantize_nvfp4_tensor` for a per-tensor amax (``amax`` None, not ``per_row``)."""
     if amax is not None or per_row:
         return site.quantize_nvfp4(x, amax, per_row, values)
+    return quantize_nvfp4_tensor(x, values=values)
+
+
+def quantize_nvfp4_tensor(x: torch.Tensor, *, values: bool = False, threads: int | None = None,
+                          impl: Impl | str = "auto") -> tuple[NVFP4, torch.Tensor | None]:
+    """NVFP4 of a bf16 or float32 CPU tensor on its own amax, in two passes as the numba path: the
+    blocks' amaxes and the largest (the global amax must be known before the first scale), then the
+    site kernel on that amax reading the kept block amaxes (1/16 of the elements) instead of finding
+    them again. The outputs live in numpy's memory (:func:`_empty`: a per-tensor quantize is the
+    trainer's and the store's, of large tensors). ``values``: the dequantized bf16 (bf16 input only).
+    ValueError naming the first NaN or Inf."""
+    impl = impl_of("quantize_nvfp4_tensor", impl)
     xd = x.detach().contiguous()
-    amax = tensor_amax(xd)
     lead, k = x.shape[:-1], x.shape[-1]
+    if xd.dtype not in _LIMIT or not xd.is_cpu or not k or k % NVFP4_BLOCK:
+        raise ValueError(f"quantize_nvfp4_tensor x: expected CPU bf16 or float32 [..., K] with K a multiple of "
+                         f"{NVFP4_BLOCK}, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    r, f32 = xd.numel() // k, int(xd.dtype == torch.float32)
+    block_amax, top = np.empty(r * k // NVFP4_BLOCK, dtype=np.uint32), ctypes.c_uint32(0)
+    n = _threads(threads, xd.nbytes)
+    what = lambda: f"x {tuple(x.shape)}, impl {impl.name.lower()!r}"  # noqa: E731
+    call("block_amax", xd.data_ptr(), f32, r, k, block_amax.ctypes.data, n, impl.value, ctypes.byref(top), what=what)
+    limit, shift = _LIMIT[xd.dtype]
+    if top.value > limit:
+        raise_non_finite(xd, ~torch.isfinite(xd.reshape(r, k)).all(dim=1))
+    amax = torch.from_numpy(np.array([top.value << shift], dtype=np.uint32).view(np.float32)).reshape(())
     q = NVFP4(codes=_empty((*lead, k // 2), torch.uint8),
               scales=_empty((*lead, k // NVFP4_BLOCK), torch.uint8).view(torch.float8_e4m3fn), global_amax=amax)
-    out = _empty(tuple(x.shape), torch.bfloat16) if values and x.dtype == torch.bfloat16 else None
-    # NaN and Inf were refused by the amax pass
-    site.quantize_into(xd, per_row_values(amax, x.shape), q.codes, q.scales, out, own_amax=False)
+    out = _empty(tuple(x.shape), torch.bfloat16) if values and not f32 else None
+    row_amax = per_row_values(amax, x.shape)  # held here: the call reads it
+    call("nvfp4_quantize_blocks", xd.data_ptr(), f32, r, k, row_amax.data_ptr(),
+         block_amax.ctypes.data, q.codes.data_ptr(), q.scales.data_ptr(), None if out is None else out.data_ptr(), n,
+         impl.value, what=what)
     return q, out
 
 

@@ -319,6 +319,13 @@ int tfp4_routed_gemm(const uint16_t *x, const int64_t *ids, int64_t fanout, cons
     return rc;
 }
 
+/* The thread count of a call over `items` independent items: at least 1, at most one an item. */
+static int cq_threads(int threads, int64_t items) {
+    if (threads < 1 || items < 2) return 1;
+    if (threads > items) threads = (int)items;
+    return threads > MAX_THREADS ? MAX_THREADS : threads;
+}
+
 /* NVFP4 quantization of bf16 (or, f32, float32) rows x [rows, k] (site_quant.h): codes [rows, k/2], E4M3 scale bytes
  * [rows, k/16], the row amaxes (own_amax: found and written; else read) and, unless values is NULL,
  * the dequantized rows in bf16 [rows, k] (bf16 input only). impl: 0 the best this CPU runs, 1 portable C, 2 AVX-512.
@@ -326,8 +333,9 @@ int tfp4_routed_gemm(const uint16_t *x, const int64_t *ids, int64_t fanout, cons
  * OpenMP); each row is computed the same way whatever the split. *bad: the first row holding a NaN
  * or Inf, or -1. Returns 0, -1 (k not a multiple of 16, or an implementation this CPU lacks) or -3
  * (out of memory). */
-static int nvfp4_quantize(const void *x, int f32, int64_t rows, int64_t k, float *amax, int own_amax, uint8_t *codes,
-                          uint8_t *scales, uint16_t *values, int threads, int impl, int64_t *bad) {
+static int nvfp4_quantize(const void *x, int f32, int64_t rows, int64_t k, float *amax, int own_amax,
+                          const uint32_t *bm_in, uint8_t *codes, uint8_t *scales, uint16_t *values, int threads,
+                          int impl, int64_t *bad) {
     *bad = -1;
     const int avx = one_pass_avx(impl);
     if (k <= 0 || k % 16 || rows < 0 || avx < 0 || (f32 && values)) return -1;
@@ -340,7 +348,7 @@ static int nvfp4_quantize(const void *x, int f32, int64_t rows, int64_t k, float
     sq_job_t jobs[MAX_THREADS];
     for (int t = 0; t < threads; t++)
         jobs[t] = (sq_job_t){x, f32, k, rows * t / threads, rows * (t + 1) / threads, amax, own_amax, avx,
-                             codes, scales, values, -1};
+                             bm_in, codes, scales, values, -1};
     int rc = 0;
     if (threads == 1) {
         rc = sq_run(&jobs[0]);
@@ -359,20 +367,51 @@ static int nvfp4_quantize(const void *x, int f32, int64_t rows, int64_t k, float
 
 int tfp4_nvfp4_quantize(const uint16_t *x, int64_t rows, int64_t k, float *amax, int own_amax, uint8_t *codes,
                         uint8_t *scales, uint16_t *values, int threads, int impl, int64_t *bad) {
-    return nvfp4_quantize(x, 0, rows, k, amax, own_amax, codes, scales, values, threads, impl, bad);
+    return nvfp4_quantize(x, 0, rows, k, amax, own_amax, NULL, codes, scales, values, threads, impl, bad);
 }
 
 /* tfp4_nvfp4_quantize of float32 rows: codes and scales only. */
 int tfp4_nvfp4_quantize_f32(const float *x, int64_t rows, int64_t k, float *amax, int own_amax, uint8_t *codes,
                             uint8_t *scales, int threads, int impl, int64_t *bad) {
-    return nvfp4_quantize(x, 1, rows, k, amax, own_amax, codes, scales, NULL, threads, impl, bad);
+    return nvfp4_quantize(x, 1, rows, k, amax, own_amax, NULL, codes, scales, NULL, threads, impl, bad);
 }
 
-/* The thread count of a call over `items` independent items: at least 1, at most one an item. */
-static int cq_threads(int threads, int64_t items) {
-    if (threads < 1 || items < 2) return 1;
-    if (threads > items) threads = (int)items;
-    return threads > MAX_THREADS ? MAX_THREADS : threads;
+/* The two passes of a per-tensor NVFP4 quantize of bf16 (f32 = 0) or float32 rows x [rows, k].
+ * tfp4_block_amax: every block's amax pattern into block_amax [rows, k/16] and the largest into *top
+ * (above the format's largest finite pattern: a NaN or Inf; the caller refuses it before pass two).
+ * tfp4_nvfp4_quantize_blocks: tfp4_nvfp4_quantize on the given row amaxes, the blocks' amaxes read
+ * from block_amax instead of found again. Rows split over `threads` OpenMP threads; impl as
+ * tfp4_nvfp4_quantize's. Return 0, -1 or -3. */
+int tfp4_block_amax(const void *x, int f32, int64_t rows, int64_t k, uint32_t *block_amax, int threads, int impl,
+                    uint32_t *top) {
+    const int avx = one_pass_avx(impl);
+    if (k <= 0 || k % 16 || rows < 0 || avx < 0) return -1;
+    threads = cq_threads(threads, rows);
+    const int64_t nb = k / 16;
+    uint32_t m = 0;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(max : m) if (threads > 1)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *x16 = (const uint16_t *)x + r * k;
+        const uint32_t *x32 = (const uint32_t *)x + r * k;
+        uint32_t v;
+#if defined(__x86_64__)
+        if (avx) v = f32 ? sq_block_amax_avx32(x32, nb, block_amax + r * nb) : sq_block_amax_avx(x16, nb, block_amax + r * nb);
+        else
+#endif
+            v = f32 ? sq_block_amax_portable32(x32, nb, block_amax + r * nb)
+                    : sq_block_amax_portable(x16, nb, block_amax + r * nb);
+        m = v > m ? v : m;
+    }
+    *top = m;
+    return 0;
+}
+
+int tfp4_nvfp4_quantize_blocks(const void *x, int f32, int64_t rows, int64_t k, float *amax, const uint32_t *block_amax,
+                               uint8_t *codes, uint8_t *scales, uint16_t *values, int threads, int impl) {
+    int64_t bad;
+    return nvfp4_quantize(x, f32, rows, k, amax, 0, block_amax, codes, scales, values, threads, impl, &bad);
 }
 
 /* The per-tensor amax pass (cpu_quant.h): the largest abs pattern of n bf16 (f32 = 0) or float32

@@ -270,10 +270,12 @@ enum { SQ_CHUNK_BLOCKS = 256, SQ_ARRAYS = 8 };
  * run over the chunk's blocks, not row by row: a short row (K/V: 4 blocks) would otherwise wait on
  * its own chain of divisions (S_enc, the scales, the encode factors) before its first code. */
 AVX512 static void sq_chunk_avx(const void *xv, int f32, int64_t k, int64_t r0, int64_t r1, float *amax, int own_amax,
-                                uint8_t *codes, uint8_t *scales, uint16_t *values, float *mem, int64_t *bad) {
+                                const uint32_t *bm_in, uint8_t *codes, uint8_t *scales, uint16_t *values, float *mem,
+                                int64_t *bad) {
     const int64_t nb = k / 16, blocks = (r1 - r0) * nb;
     const int64_t cap = blocks + 16;
-    uint32_t *bm = (uint32_t *)mem;
+    /* the block amaxes of the amax pass (only read from here on), or this chunk's own */
+    uint32_t *bm = bm_in ? (uint32_t *)(uintptr_t)(bm_in + r0 * nb) : (uint32_t *)mem;
     float *factor = mem + cap, *s_dec = mem + 2 * cap, *s_enc = mem + 3 * cap, *sv = mem + 4 * cap, *enc = mem + 5 * cap,
           *q1 = mem + 6 * cap, *q15 = mem + 7 * cap;
     const uint16_t *x = (const uint16_t *)xv + (f32 ? 0 : r0 * k);
@@ -281,9 +283,11 @@ AVX512 static void sq_chunk_avx(const void *xv, int f32, int64_t k, int64_t r0, 
     const uint32_t limit = f32 ? SQ_LIMIT32 : SQ_LIMIT;
     for (int64_t r = r0; r < r1; r++) {
         const int64_t g = (r - r0) * nb;
-        uint32_t top = f32 ? sq_block_amax_avx32(x32 + g * 16, nb, bm + g) : sq_block_amax_avx(x + g * 16, nb, bm + g);
-        if (top > limit && *bad < 0) *bad = r;
-        if (own_amax) amax[r] = sq_float((top < limit ? top : limit) << (f32 ? 0 : 16));
+        if (!bm_in) {
+            uint32_t top = f32 ? sq_block_amax_avx32(x32 + g * 16, nb, bm + g) : sq_block_amax_avx(x + g * 16, nb, bm + g);
+            if (top > limit && *bad < 0) *bad = r;
+            if (own_amax) amax[r] = sq_float((top < limit ? top : limit) << (f32 ? 0 : 16));
+        }
         const float se = sq_s_enc(amax[r]);
         const __m512 f = _mm512_set1_ps(se * (1.0f / 6.0f)), d = _mm512_set1_ps(1.0f / se), e = _mm512_set1_ps(se);
         for (int64_t b = 0; b < nb; b += 16) {
@@ -319,6 +323,7 @@ typedef struct {
     int64_t k, lo, hi;
     float *amax;
     int own_amax, avx;
+    const uint32_t *bm_in; /* block amax patterns [rows, k/16] of an amax pass (the caller checked them), or NULL */
     uint8_t *codes, *scales;
     uint16_t *values;
     int64_t bad; /* first non-finite row of this range, or -1 */
@@ -327,9 +332,13 @@ typedef struct {
 /* One float32 row on the portable path. */
 static void sq_row32(sq_job_t *j, int64_t r, uint32_t *bm) {
     const uint32_t *x = (const uint32_t *)j->x + r * j->k;
-    uint32_t top = sq_block_amax_portable32(x, j->k / 16, bm);
-    if (top > SQ_LIMIT32 && j->bad < 0) j->bad = r;
-    if (j->own_amax) j->amax[r] = sq_float(top < SQ_LIMIT32 ? top : SQ_LIMIT32);
+    if (j->bm_in) {
+        bm = (uint32_t *)(uintptr_t)(j->bm_in + r * (j->k / 16));
+    } else {
+        uint32_t top = sq_block_amax_portable32(x, j->k / 16, bm);
+        if (top > SQ_LIMIT32 && j->bad < 0) j->bad = r;
+        if (j->own_amax) j->amax[r] = sq_float(top < SQ_LIMIT32 ? top : SQ_LIMIT32);
+    }
     sq_row_portable32(x, j->k, j->amax[r], bm, j->codes + r * (j->k / 2), j->scales + r * (j->k / 16));
 }
 
@@ -341,7 +350,8 @@ static int sq_run(sq_job_t *j) {
         float *mem = malloc((size_t)SQ_ARRAYS * (size_t)(per_chunk * nb + 16) * sizeof(float));
         if (!mem) return -3;
         for (int64_t r = j->lo; r < j->hi; r += per_chunk)
-            sq_chunk_avx(j->x, j->f32, j->k, r, r + per_chunk < j->hi ? r + per_chunk : j->hi, j->amax, j->own_amax, j->codes,
+            sq_chunk_avx(j->x, j->f32, j->k, r, r + per_chunk < j->hi ? r + per_chunk : j->hi, j->amax, j->own_amax, j->bm_in,
+                         j->codes,
                          j->scales, j->values, mem, &j->bad);
         free(mem);
         return 0;
@@ -355,10 +365,13 @@ static int sq_run(sq_job_t *j) {
             continue;
         }
         const uint16_t *x = (const uint16_t *)j->x + r * j->k;
-        uint32_t top = sq_block_amax_portable(x, nb, bm);
-        if (top > SQ_LIMIT && j->bad < 0) j->bad = r;
-        if (j->own_amax) j->amax[r] = sq_float((top < SQ_LIMIT ? top : SQ_LIMIT) << 16);
-        sq_row_portable(x, j->k, j->amax[r], bm, j->codes + r * (j->k / 2), j->scales + r * nb,
+        const uint32_t *rbm = j->bm_in ? j->bm_in + r * nb : bm;
+        if (!j->bm_in) {
+            uint32_t top = sq_block_amax_portable(x, nb, bm);
+            if (top > SQ_LIMIT && j->bad < 0) j->bad = r;
+            if (j->own_amax) j->amax[r] = sq_float((top < SQ_LIMIT ? top : SQ_LIMIT) << 16);
+        }
+        sq_row_portable(x, j->k, j->amax[r], rbm, j->codes + r * (j->k / 2), j->scales + r * nb,
                         j->values ? j->values + r * j->k : NULL);
     }
     free(bm);

@@ -287,3 +287,28 @@ def test_portable_and_avx512_paths_agree(threads):
                      quant.guided_rows(x, s8, "nvfp4", _s_dec(q), q.codes, True, **kw)[0], quant.lsb_rows(q.codes, **kw))
     a, b = out.values()
     assert a[0] == b[0] and all(torch.equal(bits(u), bits(v)) for u, v in zip(a[1:], b[1:]))
+
+
+# --- the rollout's recording path ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["lsb", "full"])
+def test_recording_encodes_hints_on_the_c_kernels(monkeypatch, mode):
+    """A captured site's hint (engines/capture.py: RawCapture, encoded when the records are assembled)
+    packs its low bits on the C kernel through the dispatch, with numba's bytes; guided rounding from
+    it runs in C too."""
+    from tracefp4.engines.capture import RawCapture
+    from tracefp4.formats.constants import HintMode
+    from tracefp4.guidance.hints import guided_quantize
+
+    x = _data("heavy_tailed", 64, rows=12)
+    q = formats.quantize_nvfp4(x, per_row=True)
+    calls = []
+    for name in ("lsb_rows", "guided_rows"):
+        real = getattr(quant, name)
+        monkeypatch.setattr(quant, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    hint = RawCapture(q, HintMode(mode)).hint()
+    assert calls == (["lsb_rows"] if mode == "lsb" else [])
+    want = _numba(lambda: RawCapture(q, HintMode(mode)).hint())
+    assert torch.equal(hint.data, want.data)
+    assert torch.equal(guided_quantize(x, hint).codes, q.codes) and calls[-1] == "guided_rows"

@@ -93,12 +93,12 @@ def case_quantize_nvfp4_4over6(b: Backend) -> None:
 
 
 def case_quantize_mxfp4(b: Backend) -> None:
-    x = _x(32)
-    for mode in ("floor", "rceil"):
-        _chose(Op.QUANTIZE_MXFP4, b, x, mode == "rceil")
-        q = formats.quantize_mxfp4(x, scale_mode=mode)
-        codes, biased = ref.quantize_mxfp4(x, scale_mode=mode)
-        assert torch.equal(formats.unpack_fp4(q.codes), codes) and torch.equal(q.scales, biased)
+    for x in (_x(32), _x(32, torch.float32)):
+        for mode in ("floor", "rceil"):
+            _chose(Op.QUANTIZE_MXFP4, b, x, mode == "rceil")
+            q = formats.quantize_mxfp4(x, scale_mode=mode)
+            codes, biased = ref.quantize_mxfp4(x, scale_mode=mode)
+            assert torch.equal(formats.unpack_fp4(q.codes), codes) and torch.equal(q.scales, biased)
 
 
 def _quantized():
@@ -271,6 +271,15 @@ def c_guided_rows(impl: clib.Impl) -> None:
             assert torch.equal(formats.unpack_fp4(got), want) and not bad.any(), q.fmt
 
 
+def c_mxfp4_rows(impl: clib.Impl) -> None:
+    for x in (_x(32), _x(32, torch.float32)):
+        for mode in ("floor", "rceil"):
+            codes, biased, bad = quant.mxfp4_rows(x, mode == "rceil", impl=impl)
+            want_codes, want_biased = ref.quantize_mxfp4(x, scale_mode=mode)
+            assert torch.equal(formats.unpack_fp4(codes), want_codes) and torch.equal(biased, want_biased)
+            assert not bad.any()
+
+
 def c_lsb_rows(impl: clib.Impl) -> None:
     for q in _quantized():
         assert torch.equal(quant.lsb_rows(q.codes, impl=impl), _low_bits(q))
@@ -278,7 +287,7 @@ def c_lsb_rows(impl: clib.Impl) -> None:
 
 C_CASES = [(c_nvfp4_rows, i) for i in _impls()] + [(c_grouped_gemm, i) for i in _impls(clib.Impl.AMX)]
 C_CASES += [(c_topk_combine, i) for i in _impls()] + [(c_silu_gate, i) for i in _impls()]
-C_CASES += [(c, i) for c in (c_nvfp4_rows_float32, c_tensor_amax, c_dequantize_rows, c_guided_rows, c_lsb_rows) for i in _impls()]
+C_CASES += [(c, i) for c in (c_nvfp4_rows_float32, c_mxfp4_rows, c_tensor_amax, c_dequantize_rows, c_guided_rows, c_lsb_rows) for i in _impls()]
 
 
 @pytest.mark.skipif(not C_CASES, reason="the C library is not built here")

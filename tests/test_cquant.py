@@ -190,6 +190,56 @@ def test_float32_rows_flag_non_finite(impl, bad):
     assert str(c_err.value) == str(numba_err.value) and "(5, 9)" in str(c_err.value)
 
 
+# --- MXFP4 ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", [32, 96, 1056])
+def test_mxfp4_equals_numba(impl, dtype, kind, k):
+    x = _data(kind, k, dtype=dtype)
+    for mode in ("floor", "rceil"):
+        want = _numba(formats.quantize_mxfp4, x, scale_mode=mode)
+        for threads in (1, 2, 5):
+            codes, scales, bad = quant.mxfp4_rows(x, mode == "rceil", threads=threads, impl=impl)
+            assert torch.equal(codes, want.codes) and torch.equal(scales, want.scales) and not bad.any()
+        assert dispatch.implementation(Op.QUANTIZE_MXFP4, x, mode == "rceil") is TABLES[Op.QUANTIZE_MXFP4][Backend.C]
+        q = formats.quantize_mxfp4(x, scale_mode=mode)
+        assert torch.equal(q.codes, want.codes) and torch.equal(q.scales, want.scales)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mxfp4_extreme_exponents_equal_numba(impl):
+    """Block amaxes from float32 subnormals (exponent clamped at -127, 2^127 encode factors) to the
+    largest floats (+127), and exact powers of two at the RCEIL boundary (amax / 6 a power of two)."""
+    x = torch.zeros(6, 64)
+    x[0] = torch.logspace(-45, -38, 64)
+    x[1] = torch.logspace(30, 38, 64) * 3.0
+    x[2, :32] = 6.0 * 2.0 ** torch.arange(-16, 16).float()
+    x[3, 32:] = -1e-40
+    x[4] = 3e38  # bf16 rounds it to 2.99e38: finite
+    x[5, 7] = -0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        for rceil in (False, True):
+            want = _numba(formats.quantize_mxfp4, xd, scale_mode="rceil" if rceil else "floor")
+            codes, scales, _ = quant.mxfp4_rows(xd, rceil, impl=impl)
+            assert torch.equal(codes, want.codes) and torch.equal(scales, want.scales), (dtype, rceil)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_mxfp4_refuses_non_finite_as_numba(bad):
+    x = _data("randn", 64)
+    x[2, 40] = bad
+    with pytest.raises(ValueError) as c_err:
+        formats.quantize_mxfp4(x)
+    with pytest.raises(ValueError) as numba_err:
+        _numba(formats.quantize_mxfp4, x)
+    assert str(c_err.value) == str(numba_err.value) and "(2, 40)" in str(c_err.value)
+    assert dispatch.implementation(Op.QUANTIZE_MXFP4, x.half(), False) is TABLES[Op.QUANTIZE_MXFP4][Backend.NUMBA]
+
+
 # --- dequantize, guided rounding, the low-bit hint ------------------------------------------------
 
 

@@ -3,9 +3,10 @@
 Every public op validates its input and then asks :func:`implementation` for the function that runs
 it on the input's device. CUDA tensors go to Triton (:mod:`tracefp4.formats.triton_ops`); CPU tensors
 to the C library where it takes the input (:mod:`tracefp4.formats.clib.quant`: NVFP4 quantize of bf16
-with any amax scope, dequantize, guided rounding of bf16, the low-bit hint's packing), else to numba
-(:mod:`tracefp4.formats.numba_ops`); an op with no kernel runs as torch on any device (:mod:`tracefp4.formats.torch_ops`). All are bit for
-bit equal to the readable reference (tests/test_conformance.py walks every entry of every table);
+and float32 with any amax scope, MXFP4 of bf16 and float32, dequantize, guided rounding of bf16, the
+low-bit hint's packing), else to numba (:mod:`tracefp4.formats.numba_ops`); an op with no kernel runs
+as torch on any device (:mod:`tracefp4.formats.torch_ops`). All are bit for bit equal to the readable
+reference (tests/test_conformance.py walks every entry of every table);
 nothing is copied to the host to be quantized.
 """
 
@@ -67,7 +68,8 @@ TABLES: dict[Op, dict[Backend, Callable]] = {
     Op.QUANTIZE_NVFP4: {Backend.C: c_quant.quantize_nvfp4, Backend.NUMBA: numba_ops.quantize_nvfp4,
                         Backend.TRITON: triton_ops.quantize_nvfp4},
     Op.QUANTIZE_NVFP4_4OVER6: {Backend.TORCH: torch_ops.quantize_nvfp4_4over6},
-    Op.QUANTIZE_MXFP4: {Backend.NUMBA: numba_ops.quantize_mxfp4, Backend.TRITON: triton_ops.quantize_mxfp4},
+    Op.QUANTIZE_MXFP4: {Backend.C: c_quant.quantize_mxfp4, Backend.NUMBA: numba_ops.quantize_mxfp4,
+                        Backend.TRITON: triton_ops.quantize_mxfp4},
     Op.DEQUANTIZE: {Backend.C: c_quant.dequantize, Backend.NUMBA: numba_ops.dequantize,
                     Backend.TRITON: triton_ops.dequantize},
     Op.GUIDED: {Backend.C: c_quant.guided_codes, Backend.NUMBA: numba_ops.guided_codes,
@@ -83,6 +85,7 @@ def _built(*args) -> bool:
 #: Backends that take only some inputs of an op: a predicate over the op's arguments.
 _TAKES: dict[tuple[Op, Backend], Callable[..., bool]] = {
     (Op.QUANTIZE_NVFP4, Backend.C): lambda x, amax, per_row, values: c_quant.supports_nvfp4(x, amax, per_row),
+    (Op.QUANTIZE_MXFP4, Backend.C): c_quant.supports_mxfp4,
     (Op.DEQUANTIZE, Backend.C): _built,
     (Op.GUIDED, Backend.C): c_quant.supports_guided,
     (Op.LSB_BITS, Backend.C): _built,

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from tracefp4.formats.clib import combine, gemm, kv, quant, site
-from tracefp4.formats.constants import NVFP4_BLOCK, Format
+from tracefp4.formats.constants import MXFP4_BLOCK, NVFP4_BLOCK, Format
 
-__all__ = ["dequantize_rows", "grouped_gemm", "guided_rows", "lsb_bits", "nvfp4_rows", "paged_attention", "routed_gemm",
-           "silu_gate", "tensor_amax", "topk_combine"]
+__all__ = ["dequantize_rows", "grouped_gemm", "guided_rows", "lsb_bits", "mxfp4_rows", "nvfp4_rows", "paged_attention",
+           "routed_gemm", "silu_gate", "tensor_amax", "topk_combine"]
 
 _NS = "tracefp4"
 
@@ -96,6 +96,19 @@ def tensor_amax(x: torch.Tensor, threads: int, impl: str) -> tuple[torch.Tensor,
 @tensor_amax.register_fake
 def _(x, threads, impl):
     return x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.bool)
+
+
+@torch.library.custom_op(f"{_NS}::mxfp4_rows", mutates_args=())
+def mxfp4_rows(x: torch.Tensor, rceil: bool, threads: int, impl: str
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quant.mxfp4_rows(x, rceil, threads=_threads(threads), impl=impl)
+
+
+@mxfp4_rows.register_fake
+def _(x, rceil, threads, impl):
+    r, k = x.shape
+    return (x.new_empty((r, k // 2), dtype=torch.uint8), x.new_empty((r, k // MXFP4_BLOCK), dtype=torch.uint8),
+            x.new_empty((r,), dtype=torch.bool))
 
 
 @torch.library.custom_op(f"{_NS}::dequantize_rows", mutates_args=())

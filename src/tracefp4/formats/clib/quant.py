@@ -1,12 +1,14 @@
 """The CPU quantizers on the C library besides the sites' per-row NVFP4 (``csrc/cpu_quant.h``): NVFP4
-with a per-tensor amax (an amax pass, then the site kernel on that amax), dequantization of NVFP4 and
-MXFP4 rows to float32, guided rounding from an ``lsb`` or ``full`` hint, and the low-bit hint's packing.
+with a per-tensor amax (a block-amax pass, then the site kernel on that amax), MXFP4, dequantization
+of NVFP4 and MXFP4 rows to float32, guided rounding from an ``lsb`` or ``full`` hint, and the low-bit
+hint's packing.
 
 Each is the numba kernel's float32 arithmetic, operation for operation (tests/test_cquant.py and
 tests/test_conformance.py compare them bit for bit), AVX-512 where the CPU has it, portable C
 elsewhere, on torch's OpenMP threads. The dispatch (:mod:`tracefp4.formats.dispatch`) sends CPU input
-here where :func:`supports_nvfp4` / :func:`supports_guided` take it and the library is built; the row
-functions (``*_rows``, :func:`abs_max`) take ``threads`` and ``impl`` for tests and benchmarks.
+here where :func:`supports_nvfp4` / :func:`supports_mxfp4` / :func:`supports_guided` take it and the
+library is built; the row functions (``*_rows``, :func:`abs_max`, :func:`quantize_nvfp4_tensor`) take
+``threads`` and ``impl`` for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import torch
 from tracefp4.formats.clib import site
 from tracefp4.formats.clib.call import SCALE_TABLES, Impl, call, impl_name, impl_of, threads_for, tracing
 from tracefp4.formats.clib.loader import library
-from tracefp4.formats.constants import NVFP4_BLOCK, Format
-from tracefp4.formats.containers import NVFP4
+from tracefp4.formats.constants import MXFP4_BLOCK, NVFP4_BLOCK, Format
+from tracefp4.formats.containers import MXFP4, NVFP4
 from tracefp4.formats.rows import as_rows, per_row_values
 from tracefp4.formats.validation import raise_non_finite
 
-__all__ = ["GRAIN_BYTES", "abs_max", "amax_pass", "dequantize", "dequantize_rows", "guided_codes", "guided_rows", "lsb_bits",
-           "lsb_rows", "quantize_nvfp4", "quantize_nvfp4_tensor", "supports_guided", "supports_nvfp4", "tensor_amax"]
+__all__ = ["GRAIN_BYTES", "abs_max", "amax_pass", "dequantize", "dequantize_rows", "guided_codes", "guided_rows",
+           "lsb_bits", "lsb_rows", "mxfp4_rows", "quantize_mxfp4", "quantize_nvfp4", "quantize_nvfp4_tensor", "supports_guided",
+           "supports_mxfp4", "supports_nvfp4", "tensor_amax"]
 
 #: Bytes of input or output per thread before a call splits its work over threads (a fork of torch's
 #: awake OpenMP threads costs a few microseconds; 64 KiB is tens of microseconds of work).
@@ -132,6 +135,40 @@ def quantize_nvfp4_tensor(x: torch.Tensor, *, values: bool = False, threads: int
          block_amax.ctypes.data, q.codes.data_ptr(), q.scales.data_ptr(), None if out is None else out.data_ptr(), n,
          impl.value, what=what)
     return q, out
+
+
+def mxfp4_rows(x: torch.Tensor, rceil: bool, *, threads: int | None = None, impl: Impl | str = "auto"
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MXFP4 of bf16 or float32 rows ``x [R, K]`` (K a multiple of 32): ``(codes [R, K/2], biased E8M0
+    exponents [R, K/32], bad [R] bool)``, ``bad`` flagging rows with a NaN or Inf (their outputs are
+    garbage; the caller refuses them). ``rceil``: the RCEIL scale rule, else floor (see ScaleMode)."""
+    if tracing():
+        return torch.ops.tracefp4.mxfp4_rows(x, rceil, threads or 0, impl_name(impl))
+    impl = impl_of("mxfp4_rows", impl)
+    if (x.dtype not in _LIMIT or x.dim() != 2 or not x.shape[1] or x.shape[1] % MXFP4_BLOCK or not x.is_cpu
+            or not x.is_contiguous()):
+        raise ValueError(f"mxfp4_rows x: expected contiguous CPU bf16 or float32 [R, K] with K a positive multiple of "
+                         f"{MXFP4_BLOCK}, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    r, k = x.shape
+    codes, scales = _empty((r, k // 2), torch.uint8), _empty((r, k // MXFP4_BLOCK), torch.uint8)
+    bad = _empty((r,), torch.bool)
+    call("mxfp4_quantize", x.data_ptr(), int(x.dtype == torch.float32), r, k, int(rceil), codes.data_ptr(),
+         scales.data_ptr(), bad.data_ptr(), _threads(threads, x.nbytes), impl.value,
+         what=lambda: f"x {tuple(x.shape)}, impl {impl.name.lower()!r}")
+    return codes, scales, bad
+
+
+def supports_mxfp4(x: torch.Tensor, rceil: bool) -> bool:
+    """Whether :func:`quantize_mxfp4` takes this input: bf16 or float32 on the CPU, and the library built."""
+    return x.dtype in _LIMIT and x.device.type == "cpu" and library() is not None
+
+
+def quantize_mxfp4(x: torch.Tensor, rceil: bool) -> MXFP4:
+    """The dispatch's C entry for :data:`~tracefp4.formats.dispatch.Op.QUANTIZE_MXFP4` (validated x)."""
+    codes, scales, bad = mxfp4_rows(as_rows(x), rceil)
+    raise_non_finite(x, bad.numpy())
+    lead = x.shape[:-1]
+    return MXFP4(codes.reshape(*lead, codes.shape[-1]), scales.reshape(*lead, scales.shape[-1]))
 
 
 def dequantize_rows(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Format | str, row_div: torch.Tensor, *,

@@ -214,4 +214,83 @@ AVX512 static void cq_lsb_avx(const uint8_t *codes, int64_t nout, uint8_t *bits)
 }
 #endif
 
+/* --- MXFP4 quantize of bf16 or float32 rows (kernels.py: mxfp4_quantize): per block of 32, the E8M0
+ * exponent of its amax (_mx_exponent), then every code rounded to nearest on 2^-e. --- */
+
+/* frexp's exponent of a float32 f > 0 (f = mant * 2^ex, mant in [0.5, 1)) and whether mant is 0.5,
+ * from the bits (subnormals: the top set bit of the mantissa). */
+static inline int cq_frexp(float f, int *half) {
+    const uint32_t b = sq_bits(f) & 0x7FFFFFFFu, e = b >> 23, m = b & 0x7FFFFFu;
+    if (e) {
+        *half = m == 0;
+        return (int)e - 126;
+    }
+    *half = (m & (m - 1u)) == 0;
+    return (32 - __builtin_clz(m)) - 149;
+}
+
+/* The unbiased E8M0 exponent of a block with amax `amax`, in [-127, 127]: floor, the OCP rule
+ * (exponent of amax less E2M1's emax 2), or rceil, the smallest e with amax / 6 <= 2^e. */
+static inline int cq_mx_exponent(float amax, int rceil) {
+    int half, e;
+    if (amax == 0.0f) return -127;
+    if (rceil) {
+        const float t = amax / 6.0f;
+        if (t == 0.0f) return -127;
+        const int ex = cq_frexp(t, &half);
+        e = half ? ex - 1 : ex;
+    } else {
+        e = cq_frexp(amax, &half) - 1 - 2;
+    }
+    return e < -127 ? -127 : (e > 127 ? 127 : e);
+}
+
+/* Block b's scale byte from the two 16-element amax patterns bm[2b], bm[2b + 1]; returns 2^-e. */
+static inline float cq_mx_scale(const uint32_t *bm, int64_t b, int f32, int rceil, uint8_t *scale) {
+    const uint32_t limit = f32 ? SQ_LIMIT32 : SQ_LIMIT;
+    uint32_t a = bm[2 * b] > bm[2 * b + 1] ? bm[2 * b] : bm[2 * b + 1];
+    a = a < limit ? a : limit; /* a NaN's block computes in range (its row is refused) */
+    const int e = cq_mx_exponent(sq_float(f32 ? a : a << 16), rceil);
+    *scale = (uint8_t)(e + 127);
+    return sq_float(e < 127 ? (uint32_t)(127 - e) << 23 : 0x00200000u); /* 2^-e; 2^-127 is subnormal */
+}
+
+/* One row; bm: scratch [k/16]. Returns the row's largest abs pattern. */
+static uint32_t cq_mx_row_portable(const void *xv, int f32, int64_t k, int rceil, uint32_t *bm, uint8_t *codes,
+                                   uint8_t *scales) {
+    const uint16_t *x = xv;
+    const uint32_t *x32 = xv;
+    const uint32_t top = f32 ? sq_block_amax_portable32(x32, k / 16, bm) : sq_block_amax_portable(x, k / 16, bm);
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float enc = cq_mx_scale(bm, b, f32, rceil, scales + b);
+        for (int64_t e = 32 * b; e < 32 * b + 32; e += 2) {
+            uint32_t c[2];
+            for (int h = 0; h < 2; h++) {
+                const uint32_t w = f32 ? x32[e + h] : x[e + h];
+                const float mag = f32 ? sq_float(w & 0x7FFFFFFFu) : sq_float((w & 0x7FFFu) << 16);
+                c[h] = (sq_e2m1(mag * enc) & 7u) | ((w >> (f32 ? 28 : 12)) & 8u);
+            }
+            codes[e / 2] = (uint8_t)(c[0] | (c[1] << 4));
+        }
+    }
+    return top;
+}
+
+#if defined(__x86_64__)
+AVX512 static uint32_t cq_mx_row_avx(const void *xv, int f32, int64_t k, int rceil, uint32_t *bm, uint8_t *codes,
+                                     uint8_t *scales) {
+    const uint16_t *x = xv;
+    const uint32_t *x32 = xv;
+    const uint32_t top = f32 ? sq_block_amax_avx32(x32, k / 16, bm) : sq_block_amax_avx(x, k / 16, bm);
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float enc = cq_mx_scale(bm, b, f32, rceil, scales + b);
+        for (int64_t g = 2 * b; g < 2 * b + 2; g++) {
+            if (f32) sq_block16_32(x32 + 16 * g, enc, codes + 8 * g);
+            else sq_block16(x + 16 * g, enc, _mm512_setzero_si512(), codes + 8 * g, NULL);
+        }
+    }
+    return top;
+}
+#endif
+
 #endif

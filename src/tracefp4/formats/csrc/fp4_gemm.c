@@ -502,6 +502,43 @@ int tfp4_guided(const uint16_t *x, const uint8_t *scales, const float *lut, cons
     return rc;
 }
 
+/* MXFP4 quantization (cpu_quant.h) of bf16 (f32 = 0) or float32 rows x [rows, k] (k a multiple of 32):
+ * codes [rows, k/2], biased E8M0 exponents [rows, k/32] (rceil: the RCEIL rule, else floor) and
+ * bad [rows] (1 where the row holds a NaN or Inf: its outputs are garbage, the caller refuses it).
+ * Rows in contiguous ranges over `threads` OpenMP threads. impl as tfp4_nvfp4_quantize's.
+ * Returns 0, -1 or -3 (out of memory). */
+int tfp4_mxfp4_quantize(const void *x, int f32, int64_t rows, int64_t k, int rceil, uint8_t *codes, uint8_t *scales,
+                        uint8_t *bad, int threads, int impl) {
+    const int avx = one_pass_avx(impl);
+    if (rows < 0 || k <= 0 || k % 32 || avx < 0) return -1;
+    threads = cq_threads(threads, rows);
+    const uint32_t limit = f32 ? SQ_LIMIT32 : SQ_LIMIT;
+    const int64_t size = f32 ? 4 : 2;
+    int rc = 0;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(min : rc) if (threads > 1)
+#endif
+    for (int t = 0; t < threads; t++) {
+        uint32_t *bm = malloc((size_t)(k / 16) * sizeof(uint32_t));
+        if (!bm) {
+            rc = -3;
+            continue;
+        }
+        for (int64_t r = rows * t / threads; r < rows * (t + 1) / threads; r++) {
+            const char *xr = (const char *)x + r * k * size;
+            uint32_t top;
+#if defined(__x86_64__)
+            if (avx) top = cq_mx_row_avx(xr, f32, k, rceil, bm, codes + r * (k / 2), scales + r * (k / 32));
+            else
+#endif
+                top = cq_mx_row_portable(xr, f32, k, rceil, bm, codes + r * (k / 2), scales + r * (k / 32));
+            bad[r] = top > limit;
+        }
+        free(bm);
+    }
+    return rc;
+}
+
 /* The low magnitude bits of packed codes (cpu_quant.h): n code bytes (a multiple of 4) -> n/4 bytes,
  * element 8j+i in bit i of byte j. Split in contiguous ranges over `threads` OpenMP threads.
  * impl as tfp4_nvfp4_quantize's. Returns 0 or -1. */

@@ -53,6 +53,10 @@ def _opcheck_cases():
         "guided_rows_full": (torch.ops.tracefp4.guided_rows, (rows, scales8, "nvfp4", torch.rand(4), codes8, True, 0,
                                                                "auto")),
         "lsb_bits": (torch.ops.tracefp4.lsb_bits, (codes8, 0, "auto")),
+        "fp8_rows": (torch.ops.tracefp4.fp8_rows, (rows, 0, "auto")),
+        "fp8_rows_float32": (torch.ops.tracefp4.fp8_rows, (rows.float(), 0, "auto")),
+        # codes & 0xFE: no NaN code (opcheck compares outputs with ==)
+        "fp8_dequantize_rows": (torch.ops.tracefp4.fp8_dequantize_rows, (codes8 & 0xFE, torch.rand(4), 0, "auto")),
         "mxfp4_rows": (torch.ops.tracefp4.mxfp4_rows, (rows, False, 0, "auto")),
         "mxfp4_rows_rceil_float32": (torch.ops.tracefp4.mxfp4_rows, (rows.float(), True, 0, "auto")),
     }

@@ -147,6 +147,21 @@ def case_guided(b: Backend) -> None:
             assert torch.equal(formats.unpack_fp4(got.codes), want), (fmt, hint)
 
 
+def case_quantize_fp8(b: Backend) -> None:
+    for x in (_x(16), _x(16, torch.float32)):
+        _chose(Op.QUANTIZE_FP8, b, x)
+        q = formats.quantize_fp8(x)
+        codes, scale = ref.quantize_fp8(x)
+        assert torch.equal(q.data.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(bits(q.scale), bits(scale))
+
+
+def case_dequantize_fp8(b: Backend) -> None:
+    q = formats.quantize_fp8(_x(16))
+    _chose(Op.DEQUANTIZE_FP8, b, q.data.view(torch.uint8))
+    want = ref.dequantize_fp8(q.data.view(torch.uint8), q.scale)
+    assert torch.equal(bits(formats.dequantize(q)), bits(want))
+
+
 CASES = {
     Op.QUANTIZE_NVFP4: case_quantize_nvfp4,
     Op.QUANTIZE_NVFP4_4OVER6: case_quantize_nvfp4_4over6,
@@ -154,6 +169,8 @@ CASES = {
     Op.DEQUANTIZE: case_dequantize,
     Op.GUIDED: case_guided,
     Op.LSB_BITS: case_lsb_bits,
+    Op.QUANTIZE_FP8: case_quantize_fp8,
+    Op.DEQUANTIZE_FP8: case_dequantize_fp8,
 }
 ENTRIES = [(op, b) for op, table in TABLES.items() for b in table]
 
@@ -280,6 +297,16 @@ def c_mxfp4_rows(impl: clib.Impl) -> None:
             assert not bad.any()
 
 
+def c_fp8_rows(impl: clib.Impl) -> None:
+    for x in (_x(16), _x(16, torch.float32)):
+        codes, scale, bad = quant.fp8_rows(x, impl=impl)
+        want_codes, want_scale = ref.quantize_fp8(x)
+        assert torch.equal(codes, want_codes.view(torch.uint8)) and torch.equal(bits(scale), bits(want_scale.reshape(-1)))
+        assert torch.equal(bits(quant.fp8_dequantize_rows(codes, scale, impl=impl)),
+                           bits(ref.dequantize_fp8(want_codes, want_scale)))
+        assert not bad.any()
+
+
 def c_lsb_rows(impl: clib.Impl) -> None:
     for q in _quantized():
         assert torch.equal(quant.lsb_rows(q.codes, impl=impl), _low_bits(q))
@@ -287,7 +314,7 @@ def c_lsb_rows(impl: clib.Impl) -> None:
 
 C_CASES = [(c_nvfp4_rows, i) for i in _impls()] + [(c_grouped_gemm, i) for i in _impls(clib.Impl.AMX)]
 C_CASES += [(c_topk_combine, i) for i in _impls()] + [(c_silu_gate, i) for i in _impls()]
-C_CASES += [(c, i) for c in (c_nvfp4_rows_float32, c_mxfp4_rows, c_tensor_amax, c_dequantize_rows, c_guided_rows, c_lsb_rows) for i in _impls()]
+C_CASES += [(c, i) for c in (c_nvfp4_rows_float32, c_mxfp4_rows, c_fp8_rows, c_tensor_amax, c_dequantize_rows, c_guided_rows, c_lsb_rows) for i in _impls()]
 
 
 @pytest.mark.skipif(not C_CASES, reason="the C library is not built here")

@@ -240,6 +240,55 @@ def test_mxfp4_refuses_non_finite_as_numba(bad):
     assert dispatch.implementation(Op.QUANTIZE_MXFP4, x.half(), False) is TABLES[Op.QUANTIZE_MXFP4][Backend.NUMBA]
 
 
+# --- FP8 E4M3 ------------------------------------------------------------------------------------
+
+
+def _torch(fn, *args, **kw):
+    with formats.use_backend(Backend.TORCH):
+        return fn(*args, **kw)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", [16, 48, 1056, 8, 1063])
+def test_fp8_equals_torch(impl, dtype, kind, k):
+    """Codes and row scales as torch's ops make them (the vector loop, its scalar tail, zero rows,
+    E4M3 subnormals), on 1, 2 and 5 threads; the dequantize of every result too."""
+    x = _data(kind if k % 16 == 0 else "heavy_tailed", k, dtype=dtype)  # some kinds need whole blocks
+    want = _torch(formats.quantize_fp8, x)
+    for threads in (1, 2, 5):
+        codes, scale, bad = quant.fp8_rows(x, threads=threads, impl=impl)
+        assert torch.equal(codes, want.data.view(torch.uint8)) and torch.equal(bits(scale), bits(want.scale.reshape(-1)))
+        got = quant.fp8_dequantize_rows(codes, scale, threads=threads, impl=impl)
+        assert torch.equal(bits(got), bits(_torch(formats.dequantize, want))) and not bad.any()
+    assert dispatch.implementation(Op.QUANTIZE_FP8, x) is TABLES[Op.QUANTIZE_FP8][Backend.C]
+    q = formats.quantize_fp8(x)
+    assert torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and q.scale.shape == want.scale.shape
+    assert torch.equal(bits(formats.dequantize(q)), bits(_torch(formats.dequantize, q)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp8_dequantize_takes_every_code(impl):
+    """All 256 bytes, NaN codes included, as torch widens them."""
+    codes = torch.arange(256, dtype=torch.uint8).reshape(8, 32)
+    scale = torch.tensor([1.0, 0.5, 3.0, 1e-30, 7.0, 1e30, 0.1, 2.0**-140])
+    want = codes.view(torch.float8_e4m3fn).float() * scale.unsqueeze(1)
+    assert torch.equal(bits(quant.fp8_dequantize_rows(codes, scale, impl=impl)), bits(want))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_fp8_refuses_non_finite_as_torch(bad):
+    x = _data("randn", 64)
+    x[3, 3] = bad
+    with pytest.raises(ValueError) as c_err:
+        formats.quantize_fp8(x)
+    with pytest.raises(ValueError) as torch_err:
+        _torch(formats.quantize_fp8, x)
+    assert str(c_err.value) == str(torch_err.value)
+    assert dispatch.implementation(Op.QUANTIZE_FP8, x.half()) is TABLES[Op.QUANTIZE_FP8][Backend.TORCH]
+
+
 # --- dequantize, guided rounding, the low-bit hint ------------------------------------------------
 
 

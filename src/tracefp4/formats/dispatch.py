@@ -4,10 +4,11 @@ Every public op validates its input and then asks :func:`implementation` for the
 it on the input's device. CUDA tensors go to Triton (:mod:`tracefp4.formats.triton_ops`); CPU tensors
 to the C library where it takes the input (:mod:`tracefp4.formats.clib.quant`: NVFP4 quantize of bf16
 and float32 with any amax scope, MXFP4 of bf16 and float32, dequantize, guided rounding of bf16, the
-low-bit hint's packing), else to numba (:mod:`tracefp4.formats.numba_ops`); an op with no kernel runs
-as torch on any device (:mod:`tracefp4.formats.torch_ops`). All are bit for bit equal to the readable
-reference (tests/test_conformance.py walks every entry of every table);
-nothing is copied to the host to be quantized.
+low-bit hint's packing, FP8 E4M3 quantize of bf16 and float32 and dequantize), else to numba
+(:mod:`tracefp4.formats.numba_ops`); an op with no kernel runs as torch on any device
+(:mod:`tracefp4.formats.torch_ops`). All are bit for bit equal to the readable reference
+(tests/test_conformance.py walks every entry of every table); nothing is copied to the host to be
+quantized.
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ class Op(enum.Enum):
     LSB_BITS = "lsb_bits"
     """``(code rows [R, K/2]) -> bit rows [R, K/8]``."""
 
+    QUANTIZE_FP8 = "quantize_fp8"
+    """``(x) -> FP8`` (E4M3 codes, float32 ``amax/448`` per row); ValueError on NaN/Inf."""
+
+    DEQUANTIZE_FP8 = "dequantize_fp8"
+    """``(E4M3 code rows [R, K] uint8, scale [R] float32) -> float32 [R, K]``."""
+
 
 TABLES: dict[Op, dict[Backend, Callable]] = {
     Op.QUANTIZE_NVFP4: {Backend.C: c_quant.quantize_nvfp4, Backend.NUMBA: numba_ops.quantize_nvfp4,
@@ -75,6 +82,8 @@ TABLES: dict[Op, dict[Backend, Callable]] = {
     Op.GUIDED: {Backend.C: c_quant.guided_codes, Backend.NUMBA: numba_ops.guided_codes,
                 Backend.TRITON: triton_ops.guided_codes},
     Op.LSB_BITS: {Backend.C: c_quant.lsb_bits, Backend.NUMBA: numba_ops.lsb_bits, Backend.TRITON: triton_ops.lsb_bits},
+    Op.QUANTIZE_FP8: {Backend.C: c_quant.quantize_fp8, Backend.TORCH: torch_ops.quantize_fp8},
+    Op.DEQUANTIZE_FP8: {Backend.C: c_quant.dequantize_fp8, Backend.TORCH: torch_ops.dequantize_fp8},
 }
 
 
@@ -89,6 +98,8 @@ _TAKES: dict[tuple[Op, Backend], Callable[..., bool]] = {
     (Op.DEQUANTIZE, Backend.C): _built,
     (Op.GUIDED, Backend.C): c_quant.supports_guided,
     (Op.LSB_BITS, Backend.C): _built,
+    (Op.QUANTIZE_FP8, Backend.C): c_quant.supports_fp8,
+    (Op.DEQUANTIZE_FP8, Backend.C): _built,
 }
 #: The CPU's order of preference (the first backend of an op's table that takes the input).
 _CPU_ORDER = (Backend.C, Backend.NUMBA, Backend.TORCH)

@@ -48,6 +48,8 @@ _SIGNATURES = {
     "tfp4_dequantize": [_P, _P, _P, _P, _I64, _I64, _INT, _P, _INT, _INT],
     "tfp4_guided": [_P, _P, _P, _P, _P, _INT, _I64, _I64, _INT, _P, _P, _INT, _INT],
     "tfp4_lsb_bits": [_P, _I64, _P, _INT, _INT],
+    "tfp4_fp8_quantize": [_P, _INT, _I64, _I64, _P, _P, _P, _INT, _INT],
+    "tfp4_fp8_dequantize": [_P, _P, _P, _I64, _I64, _P, _INT, _INT],
     "tfp4_mxfp4_quantize": [_P, _INT, _I64, _I64, _INT, _P, _P, _P, _INT, _INT],
     "tfp4_topk_combine": [_P, _P, _I64, _I64, _I64, _P, _INT, _INT],
     "tfp4_silu_gate": [_P, _I64, _I64, _P, _P, _INT, _INT],

@@ -15,8 +15,8 @@ import torch
 from tracefp4.formats.clib import combine, gemm, kv, quant, site
 from tracefp4.formats.constants import MXFP4_BLOCK, NVFP4_BLOCK, Format
 
-__all__ = ["dequantize_rows", "grouped_gemm", "guided_rows", "lsb_bits", "mxfp4_rows", "nvfp4_rows", "paged_attention",
-           "routed_gemm", "silu_gate", "tensor_amax", "topk_combine"]
+__all__ = ["dequantize_rows", "fp8_dequantize_rows", "fp8_rows", "grouped_gemm", "guided_rows", "lsb_bits",
+           "mxfp4_rows", "nvfp4_rows", "paged_attention", "routed_gemm", "silu_gate", "tensor_amax", "topk_combine"]
 
 _NS = "tracefp4"
 
@@ -109,6 +109,28 @@ def _(x, rceil, threads, impl):
     r, k = x.shape
     return (x.new_empty((r, k // 2), dtype=torch.uint8), x.new_empty((r, k // MXFP4_BLOCK), dtype=torch.uint8),
             x.new_empty((r,), dtype=torch.bool))
+
+
+@torch.library.custom_op(f"{_NS}::fp8_rows", mutates_args=())
+def fp8_rows(x: torch.Tensor, threads: int, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quant.fp8_rows(x, threads=_threads(threads), impl=impl)
+
+
+@fp8_rows.register_fake
+def _(x, threads, impl):
+    r, k = x.shape
+    return (x.new_empty((r, k), dtype=torch.uint8), x.new_empty((r,), dtype=torch.float32),
+            x.new_empty((r,), dtype=torch.bool))
+
+
+@torch.library.custom_op(f"{_NS}::fp8_dequantize_rows", mutates_args=())
+def fp8_dequantize_rows(rows: torch.Tensor, scale: torch.Tensor, threads: int, impl: str) -> torch.Tensor:
+    return quant.fp8_dequantize_rows(rows, scale, threads=_threads(threads), impl=impl)
+
+
+@fp8_dequantize_rows.register_fake
+def _(rows, scale, threads, impl):
+    return rows.new_empty(rows.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{_NS}::dequantize_rows", mutates_args=())

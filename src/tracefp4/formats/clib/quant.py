@@ -1,7 +1,7 @@
 """The CPU quantizers on the C library besides the sites' per-row NVFP4 (``csrc/cpu_quant.h``): NVFP4
 with a per-tensor amax (a block-amax pass, then the site kernel on that amax), MXFP4, dequantization
-of NVFP4 and MXFP4 rows to float32, guided rounding from an ``lsb`` or ``full`` hint, and the low-bit
-hint's packing.
+of NVFP4 and MXFP4 rows to float32, guided rounding from an ``lsb`` or ``full`` hint, the low-bit
+hint's packing, and FP8 E4M3 quantize and dequantize.
 
 Each is the numba kernel's float32 arithmetic, operation for operation (tests/test_cquant.py and
 tests/test_conformance.py compare them bit for bit), AVX-512 where the CPU has it, portable C
@@ -22,13 +22,14 @@ from tracefp4.formats.clib import site
 from tracefp4.formats.clib.call import SCALE_TABLES, Impl, call, impl_name, impl_of, threads_for, tracing
 from tracefp4.formats.clib.loader import library
 from tracefp4.formats.constants import MXFP4_BLOCK, NVFP4_BLOCK, Format
-from tracefp4.formats.containers import MXFP4, NVFP4
+from tracefp4.formats.containers import FP8, MXFP4, NVFP4
 from tracefp4.formats.rows import as_rows, per_row_values
-from tracefp4.formats.validation import raise_non_finite
+from tracefp4.formats.validation import FP8_NON_FINITE, raise_non_finite
 
-__all__ = ["GRAIN_BYTES", "abs_max", "amax_pass", "dequantize", "dequantize_rows", "guided_codes", "guided_rows",
-           "lsb_bits", "lsb_rows", "mxfp4_rows", "quantize_mxfp4", "quantize_nvfp4", "quantize_nvfp4_tensor", "supports_guided",
-           "supports_mxfp4", "supports_nvfp4", "tensor_amax"]
+__all__ = ["GRAIN_BYTES", "abs_max", "amax_pass", "dequantize", "dequantize_fp8", "dequantize_rows",
+           "fp8_dequantize_rows", "fp8_rows", "guided_codes", "guided_rows", "lsb_bits", "lsb_rows", "mxfp4_rows",
+           "quantize_fp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_nvfp4_tensor", "supports_fp8",
+           "supports_guided", "supports_mxfp4", "supports_nvfp4", "tensor_amax"]
 
 #: Bytes of input or output per thread before a call splits its work over threads (a fork of torch's
 #: awake OpenMP threads costs a few microseconds; 64 KiB is tens of microseconds of work).
@@ -271,3 +272,65 @@ def lsb_rows(rows: torch.Tensor, *, threads: int | None = None, impl: Impl | str
 def lsb_bits(rows: torch.Tensor) -> torch.Tensor:
     """The dispatch's C entry for :data:`~tracefp4.formats.dispatch.Op.LSB_BITS`."""
     return lsb_rows(rows)
+
+
+#: float32 value of every E4M3 byte, as torch widens it (the FP8 dequantize's table).
+_E4M3_FLOAT = np.ascontiguousarray(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy())
+
+
+def fp8_rows(x: torch.Tensor, *, threads: int | None = None, impl: Impl | str = "auto"
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 E4M3 of bf16 or float32 rows ``x [R, K]``: ``(codes [R, K] uint8, scale [R] float32 (amax/448,
+    1 for a zero row), bad [R] bool)``, ``bad`` flagging rows with a NaN or Inf (their outputs are
+    garbage; the caller refuses them)."""
+    if tracing():
+        return torch.ops.tracefp4.fp8_rows(x, threads or 0, impl_name(impl))
+    impl = impl_of("fp8_rows", impl)
+    if x.dtype not in _LIMIT or x.dim() != 2 or not x.shape[1] or not x.is_cpu or not x.is_contiguous():
+        raise ValueError(f"fp8_rows x: expected contiguous CPU bf16 or float32 [R, K], got {x.dtype} {tuple(x.shape)} "
+                         f"on {x.device}")
+    r, k = x.shape
+    codes, scale, bad = _empty((r, k), torch.uint8), _empty((r,), torch.float32), _empty((r,), torch.bool)
+    call("fp8_quantize", x.data_ptr(), int(x.dtype == torch.float32), r, k, codes.data_ptr(), scale.data_ptr(),
+         bad.data_ptr(), _threads(threads, x.nbytes), impl.value,
+         what=lambda: f"x {tuple(x.shape)}, impl {impl.name.lower()!r}")
+    return codes, scale, bad
+
+
+def supports_fp8(x: torch.Tensor) -> bool:
+    """Whether :func:`quantize_fp8` takes this input: bf16 or float32 on the CPU, and the library built."""
+    return x.dtype in _LIMIT and x.device.type == "cpu" and library() is not None
+
+
+def quantize_fp8(x: torch.Tensor) -> FP8:
+    """The dispatch's C entry for :data:`~tracefp4.formats.dispatch.Op.QUANTIZE_FP8` (validated x); a NaN
+    or Inf is refused with the torch path's words."""
+    codes, scale, bad = fp8_rows(as_rows(x))
+    if bad.numpy().any():
+        raise ValueError(FP8_NON_FINITE)
+    lead = (*x.shape[:-1], 1)
+    return FP8(codes.view(torch.float8_e4m3fn).reshape(x.shape), scale.reshape(lead))
+
+
+def fp8_dequantize_rows(rows: torch.Tensor, scale: torch.Tensor, *, threads: int | None = None,
+                        impl: Impl | str = "auto") -> torch.Tensor:
+    """float32 ``value(code) * scale[row]`` of E4M3 code rows uint8 ``[R, K]`` (values as torch widens
+    E4M3, NaN codes included) with float32 row scales ``[R]``."""
+    if tracing():
+        return torch.ops.tracefp4.fp8_dequantize_rows(rows, scale, threads or 0, impl_name(impl))
+    impl = impl_of("fp8_dequantize_rows", impl)
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or not rows.shape[1] or not rows.is_cpu or not rows.is_contiguous():
+        raise ValueError(f"fp8_dequantize_rows codes: expected contiguous CPU uint8 [R, K], got {rows.dtype} "
+                         f"{tuple(rows.shape)}")
+    r, k = rows.shape
+    scale = _row_floats("fp8_dequantize_rows", "scale", scale, r)
+    out = _empty((r, k), torch.float32)
+    call("fp8_dequantize", rows.data_ptr(), _E4M3_FLOAT.ctypes.data, scale.data_ptr(), r, k, out.data_ptr(),
+         _threads(threads, out.nbytes), impl.value,
+         what=lambda: f"codes {tuple(rows.shape)}, impl {impl.name.lower()!r}")
+    return out
+
+
+def dequantize_fp8(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The dispatch's C entry for :data:`~tracefp4.formats.dispatch.Op.DEQUANTIZE_FP8`."""
+    return fp8_dequantize_rows(rows, scale)

@@ -293,4 +293,76 @@ AVX512 static uint32_t cq_mx_row_avx(const void *xv, int f32, int64_t k, int rce
 }
 #endif
 
+/* --- FP8 E4M3 with one float32 scale per row (formats/fp8.py: quantize_fp8; reference.py:
+ * quantize_fp8): scale = amax / 448 (1 for an all-zero row), code = e4m3_rne(min(|x| / scale, 448))
+ * with x's sign bit (torch's clamp, then its cast: the clamp keeps a -0.0). --- */
+
+/* One row of bf16 (f32 = 0) or float32 -> k E4M3 codes and the row's scale; returns the row's
+ * largest abs pattern (above the format's largest finite one: a NaN or Inf). */
+static uint32_t cq_fp8_row_portable(const void *xv, int f32, int64_t k, uint8_t *codes, float *scale) {
+    const uint16_t *x = xv;
+    const uint32_t *x32 = xv;
+    const uint32_t top = cq_abs_max_portable(xv, k, f32), limit = f32 ? SQ_LIMIT32 : SQ_LIMIT;
+    const float amax = sq_float((top < limit ? top : limit) << (f32 ? 0 : 16));
+    const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+    *scale = s;
+    for (int64_t e = 0; e < k; e++) {
+        const uint32_t w = f32 ? x32[e] : (uint32_t)x[e] << 16;
+        float v;
+        codes[e] = (uint8_t)(sq_e4m3(sq_min(sq_float(w & 0x7FFFFFFFu) / s, 448.0f), &v) | ((w >> 24) & 0x80u));
+    }
+    return top;
+}
+
+#if defined(__x86_64__)
+AVX512 static uint32_t cq_fp8_row_avx(const void *xv, int f32, int64_t k, uint8_t *codes, float *scale) {
+    const uint32_t top = cq_abs_max_avx(xv, k, f32), limit = f32 ? SQ_LIMIT32 : SQ_LIMIT;
+    const float amax = sq_float((top < limit ? top : limit) << (f32 ? 0 : 16));
+    const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+    *scale = s;
+    int64_t e = 0;
+    for (; e + 16 <= k; e += 16) {
+        const __m512i w = f32 ? _mm512_loadu_si512((const uint32_t *)xv + e)
+                              : _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)xv + e))), 16);
+        /* min(|x| / s, 448): vminps returns its second operand unless the first is smaller, as sq_min */
+        const __m512 v = _mm512_min_ps(_mm512_div_ps(_mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(0x7FFFFFFF))),
+                                                     _mm512_set1_ps(s)),
+                                       _mm512_set1_ps(448.0f));
+        const __m512i bits = _mm512_castps_si512(v);
+        const __m512i rounded = _mm512_and_si512(
+            _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFFF),
+                                                    _mm512_and_si512(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(1)))),
+            _mm512_set1_epi32((int)0xFFF00000u));
+        const __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(v, _mm512_set1_ps(0x1p14f))),
+                                             _mm512_set1_epi32(0x46800000));
+        __m512i code = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, _mm512_set1_ps(0x1p-6f), _CMP_GE_OQ), sub,
+                                               _mm512_sub_epi32(_mm512_srli_epi32(rounded, 20), _mm512_set1_epi32(120 << 3)));
+        code = _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi32(w, 24), _mm512_set1_epi32(0x80)));
+        _mm_storeu_si128((__m128i *)(codes + e), _mm512_cvtepi32_epi8(code));
+    }
+    for (; e < k; e++) { /* the tail: the scalar rule */
+        const uint32_t w = f32 ? ((const uint32_t *)xv)[e] : (uint32_t)((const uint16_t *)xv)[e] << 16;
+        float v;
+        codes[e] = (uint8_t)(sq_e4m3(sq_min(sq_float(w & 0x7FFFFFFFu) / s, 448.0f), &v) | ((w >> 24) & 0x80u));
+    }
+    return top;
+}
+#endif
+
+/* FP8 dequantize: value(code) * scale, the values from `lut` [256] (torch's own widening of E4M3). */
+static void cq_fp8_dequant_row_portable(const uint8_t *codes, const float *lut, float scale, int64_t k, float *out) {
+    for (int64_t e = 0; e < k; e++) out[e] = lut[codes[e]] * scale;
+}
+
+#if defined(__x86_64__)
+AVX512 static void cq_fp8_dequant_row_avx(const uint8_t *codes, const float *lut, float scale, int64_t k, float *out) {
+    int64_t e = 0;
+    for (; e + 16 <= k; e += 16) {
+        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + e)));
+        _mm512_storeu_ps(out + e, _mm512_mul_ps(_mm512_i32gather_ps(idx, lut, 4), _mm512_set1_ps(scale)));
+    }
+    cq_fp8_dequant_row_portable(codes + e, lut, scale, k - e, out + e);
+}
+#endif
+
 #endif

@@ -539,6 +539,54 @@ int tfp4_mxfp4_quantize(const void *x, int f32, int64_t rows, int64_t k, int rce
     return rc;
 }
 
+/* FP8 E4M3 (cpu_quant.h) of bf16 (f32 = 0) or float32 rows x [rows, k]: codes [rows, k], the row
+ * scales [rows] and bad [rows] (1 where the row holds a NaN or Inf: its outputs are garbage, the
+ * caller refuses it). Rows over `threads` OpenMP threads; impl as tfp4_nvfp4_quantize's. Returns 0 or -1. */
+int tfp4_fp8_quantize(const void *x, int f32, int64_t rows, int64_t k, uint8_t *codes, float *scale, uint8_t *bad,
+                      int threads, int impl) {
+    const int avx = one_pass_avx(impl);
+    if (rows < 0 || k <= 0 || avx < 0) return -1;
+    threads = cq_threads(threads, rows);
+    const uint32_t limit = f32 ? SQ_LIMIT32 : SQ_LIMIT;
+    const int64_t size = f32 ? 4 : 2;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const char *xr = (const char *)x + r * k * size;
+        uint32_t top;
+#if defined(__x86_64__)
+        if (avx) top = cq_fp8_row_avx(xr, f32, k, codes + r * k, scale + r);
+        else
+#endif
+            top = cq_fp8_row_portable(xr, f32, k, codes + r * k, scale + r);
+        bad[r] = top > limit;
+    }
+    return 0;
+}
+
+/* FP8 dequantize (cpu_quant.h): codes [rows, k] with the float32 value of each code `lut` [256] and
+ * the row scales [rows] -> float32 [rows, k]. Rows over `threads` OpenMP threads. Returns 0 or -1. */
+int tfp4_fp8_dequantize(const uint8_t *codes, const float *lut, const float *scale, int64_t rows, int64_t k, float *out,
+                        int threads, int impl) {
+    const int avx = one_pass_avx(impl);
+    if (rows < 0 || k <= 0 || avx < 0) return -1;
+    threads = cq_threads(threads, rows);
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+#if defined(__x86_64__)
+        if (avx) {
+            cq_fp8_dequant_row_avx(codes + r * k, lut, scale[r], k, out + r * k);
+            continue;
+        }
+#endif
+        cq_fp8_dequant_row_portable(codes + r * k, lut, scale[r], k, out + r * k);
+    }
+    return 0;
+}
+
 /* The low magnitude bits of packed codes (cpu_quant.h): n code bytes (a multiple of 4) -> n/4 bytes,
  * element 8j+i in bit i of byte j. Split in contiguous ranges over `threads` OpenMP threads.
  * impl as tfp4_nvfp4_quantize's. Returns 0 or -1. */

@@ -109,13 +109,12 @@ AVX512 static void cq_dequant_row_avx(const uint8_t *codes, const uint8_t *scale
 /* The largest magnitude code whose value is <= m (m in [0, 6]) and whether m is no code value
  * (kernels.py: _floor_mag_bits): from 1 up the exponent and the top mantissa bit. */
 static inline uint32_t cq_floor_mag(float m, uint32_t *inexact) {
-    const uint32_t bits = sq_bits(m);
-    if (m >= 1.0f) {
-        *inexact = (bits & 0x3FFFFFu) != 0;
-        return (bits >> 22) - 252u;
-    }
-    *inexact = (m != 0.0f) & (m != 0.5f);
-    return m >= 0.5f;
+    /* both forms, then a select: a branch on m >= 1 would be mispredicted about every other element */
+    const uint32_t bits = sq_bits(m), big = m >= 1.0f;
+    const uint32_t lo_big = (bits >> 22) - 252u, in_big = (bits & 0x3FFFFFu) != 0;
+    const uint32_t lo_small = m >= 0.5f, in_small = (m != 0.0f) & (m != 0.5f);
+    *inexact = big ? in_big : in_small;
+    return big ? lo_big : lo_small;
 }
 
 /* The encode factor of each block of a row: min(1 / (scale * s_dec), FLT_MAX). */
@@ -123,25 +122,31 @@ static void cq_encode_factors(const uint8_t *scales, const float *lut, float s_d
     for (int64_t b = 0; b < nb; b++) enc[b] = sq_min(1.0f / (lut[scales[b]] * s_dec), FLT_MAX);
 }
 
-/* One row; hint: the row's low-bit hints [K/8] (full = 0) or the rollout's codes [K/2] (full = 1).
+/* One element's code (sign included) from its bf16 pattern w, encode factor and hint: the low bit
+ * wanted (full = 0) or the rollout's 4-bit code (full = 1). */
+static inline uint32_t cq_guided_code(uint32_t w, float enc, uint32_t hint, int full) {
+    const uint32_t a = w & 0x7FFFu, sign = (w >> 15) & 1u;
+    uint32_t inexact, lo = cq_floor_mag(sq_min(sq_float(a << 16) * enc, 6.0f), &inexact);
+    const uint32_t up = full ? inexact & ((hint & 7u) > lo) & ((hint >> 3) == sign) : inexact & ((lo ^ hint) & 1u);
+    return (lo + up) | (sign << 3);
+}
+
+/* One row, a group of 16 elements (8 code bytes, 2 hint bytes) at a time: each group lies in one
+ * block; hint: the row's low-bit hints [K/8] (full = 0) or the rollout's codes [K/2] (full = 1).
  * Returns the row's largest abs pattern (above 0x7F7F: a NaN or Inf). */
 static uint32_t cq_guided_row_portable(const uint16_t *x, const float *enc, int64_t k, int block, const uint8_t *hint,
                                        int full, uint8_t *codes) {
     uint32_t top = 0;
-    for (int64_t e = 0; e < k; e++) {
-        const uint32_t a = x[e] & 0x7FFFu, sign = (x[e] >> 15) & 1u;
-        top = a > top ? a : top;
-        uint32_t inexact, lo = cq_floor_mag(sq_min(sq_float(a << 16) * enc[e / block], 6.0f), &inexact);
-        uint32_t up;
-        if (full) {
-            const uint32_t rc = (hint[e / 2] >> (4 * (e & 1))) & 15u;
-            up = inexact & ((rc & 7u) > lo) & ((rc >> 3) == sign);
-        } else {
-            up = inexact & ((lo ^ (hint[e / 8] >> (e % 8))) & 1u);
+    for (int64_t g = 0; g < k / 16; g++) {
+        const float e = enc[16 * g / block];
+        const uint32_t bits = (uint32_t)hint[2 * g] | ((uint32_t)hint[2 * g + 1] << 8);
+        for (int i = 0; i < 8; i++) {
+            const uint32_t w0 = x[16 * g + 2 * i], w1 = x[16 * g + 2 * i + 1];
+            top = (w0 & 0x7FFFu) > top ? (w0 & 0x7FFFu) : top;
+            top = (w1 & 0x7FFFu) > top ? (w1 & 0x7FFFu) : top;
+            const uint32_t h0 = full ? hint[8 * g + i] & 15u : bits >> (2 * i), h1 = full ? hint[8 * g + i] >> 4 : bits >> (2 * i + 1);
+            codes[8 * g + i] = (uint8_t)(cq_guided_code(w0, e, h0, full) | (cq_guided_code(w1, e, h1, full) << 4));
         }
-        const uint32_t c = (lo + up) | (sign << 3);
-        if (e & 1) codes[e / 2] |= (uint8_t)(c << 4);
-        else codes[e / 2] = (uint8_t)(c & 15u);
     }
     return top;
 }
@@ -149,7 +154,7 @@ static uint32_t cq_guided_row_portable(const uint16_t *x, const float *enc, int6
 #if defined(__x86_64__)
 AVX512 static uint32_t cq_guided_row_avx(const uint16_t *x, const float *enc, int64_t k, int block, const uint8_t *hint,
                                          int full, uint8_t *codes) {
-    const __m512i one = _mm512_set1_epi32(1), lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i one = _mm512_set1_epi32(1);
     __m512i top = _mm512_setzero_si512();
     for (int64_t g = 0; g < k / 16; g++) {
         const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16 * g)));
@@ -173,10 +178,9 @@ AVX512 static uint32_t cq_guided_row_avx(const uint16_t *x, const float *enc, in
             up = inexact & _mm512_cmpgt_epu32_mask(_mm512_and_si512(rc, _mm512_set1_epi32(7)), lo) &
                  _mm512_cmpeq_epi32_mask(_mm512_srli_epi32(rc, 3), sign);
         } else {
-            uint16_t h;
+            uint16_t h; /* the group's 16 hint bits are a lane mask as they are */
             memcpy(&h, hint + 2 * g, 2);
-            const __m512i bit = _mm512_srlv_epi32(_mm512_set1_epi32(h), lane);
-            up = inexact & _mm512_test_epi32_mask(_mm512_xor_si512(lo, bit), one);
+            up = inexact & (_mm512_test_epi32_mask(lo, one) ^ (__mmask16)h);
         }
         __m512i code = _mm512_or_si512(_mm512_mask_add_epi32(lo, up, lo, one), _mm512_slli_epi32(sign, 3));
         /* element 2i in the low nibble of byte i: each 64-bit lane's high code moves to bits 4..7 */

@@ -51,6 +51,8 @@ def _skip_reason(b: Backend) -> str | None:
         return _triton_skip()
     if b is Backend.C and not clib.available():
         return f"the C library is not built here: {clib.unavailable_reason()}"
+    if b is Backend.C and not quant.runs_vector():
+        return "the dispatch takes the C entries where the library runs its AVX-512 paths (quant.runs_vector)"
     return None
 
 

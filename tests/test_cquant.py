@@ -18,6 +18,9 @@ from tracefp4.formats.dispatch import TABLES, Backend, Op
 pytestmark = pytest.mark.skipif(not clib.available(), reason=f"CPU kernel unavailable: {clib.unavailable_reason()}")
 
 IMPLS = ["portable"] + (["avx512"] if clib.available() and clib.has_avx512_bf16() else [])
+#: The dispatch takes the C entries where the library runs its AVX-512 paths (quant.runs_vector).
+needs_vector = pytest.mark.skipif(not (clib.available() and quant.runs_vector()),
+                                  reason="the dispatch keeps numba where the C library runs only portable C")
 #: K: one NVFP4 block; three (K % 32 == 16); an MXFP4-able row; a wide one
 WIDTHS = [16, 48, 64, 1056]
 FORMATS = ["nvfp4", "mxfp4"]
@@ -50,6 +53,7 @@ def _low_bits(q) -> torch.Tensor:
 # --- the per-tensor NVFP4 quantize ---------------------------------------------------------------
 
 
+@needs_vector
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("k", WIDTHS)
 def test_per_tensor_quantize_equals_numba(kind, k):
@@ -139,6 +143,23 @@ def numba_quantize():
     return TABLES[Op.QUANTIZE_NVFP4][Backend.NUMBA]
 
 
+def test_without_the_vector_paths_the_dispatch_keeps_numba(monkeypatch):
+    """Where the library runs only portable C (slower than numba), every new C entry declines; the
+    sites' per-row bf16 NVFP4 stays in C, as before."""
+    monkeypatch.setattr(quant, "_vector_paths", lambda: False)
+    x = _data("randn", 64)
+    q = _numba(formats.quantize_nvfp4, x)
+    assert dispatch.implementation(Op.QUANTIZE_NVFP4, x, None, True, True) is TABLES[Op.QUANTIZE_NVFP4][Backend.C]
+    assert dispatch.implementation(Op.QUANTIZE_NVFP4, x, None, False, True) is numba_quantize()
+    assert dispatch.implementation(Op.QUANTIZE_NVFP4, x.float(), None, True, True) is numba_quantize()
+    assert dispatch.implementation(Op.QUANTIZE_MXFP4, x, False) is TABLES[Op.QUANTIZE_MXFP4][Backend.NUMBA]
+    assert dispatch.implementation(Op.GUIDED, x) is TABLES[Op.GUIDED][Backend.NUMBA]
+    assert dispatch.implementation(Op.DEQUANTIZE, q.codes) is TABLES[Op.DEQUANTIZE][Backend.NUMBA]
+    assert dispatch.implementation(Op.LSB_BITS, q.codes) is TABLES[Op.LSB_BITS][Backend.NUMBA]
+    assert dispatch.implementation(Op.QUANTIZE_FP8, x) is TABLES[Op.QUANTIZE_FP8][Backend.TORCH]
+    assert dispatch.implementation(Op.DEQUANTIZE_FP8, q.codes) is TABLES[Op.DEQUANTIZE_FP8][Backend.TORCH]
+
+
 # --- float32 rows on the site kernel ------------------------------------------------------------
 
 
@@ -165,6 +186,7 @@ def test_float32_rows_equal_numba(impl, kind, k, scope):
     assert torch.equal(bits(a), bits(want.global_amax.reshape(-1)))
 
 
+@needs_vector
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("per_row", [False, True], ids=["per_tensor", "per_row"])
 def test_float32_quantize_goes_to_c_and_equals_numba(kind, per_row):
@@ -204,7 +226,8 @@ def test_mxfp4_equals_numba(impl, dtype, kind, k):
         for threads in (1, 2, 5):
             codes, scales, bad = quant.mxfp4_rows(x, mode == "rceil", threads=threads, impl=impl)
             assert torch.equal(codes, want.codes) and torch.equal(scales, want.scales) and not bad.any()
-        assert dispatch.implementation(Op.QUANTIZE_MXFP4, x, mode == "rceil") is TABLES[Op.QUANTIZE_MXFP4][Backend.C]
+        chosen = dispatch.implementation(Op.QUANTIZE_MXFP4, x, mode == "rceil")
+        assert chosen is TABLES[Op.QUANTIZE_MXFP4][Backend.C if quant.runs_vector() else Backend.NUMBA]
         q = formats.quantize_mxfp4(x, scale_mode=mode)
         assert torch.equal(q.codes, want.codes) and torch.equal(q.scales, want.scales)
 
@@ -262,7 +285,8 @@ def test_fp8_equals_torch(impl, dtype, kind, k):
         assert torch.equal(codes, want.data.view(torch.uint8)) and torch.equal(bits(scale), bits(want.scale.reshape(-1)))
         got = quant.fp8_dequantize_rows(codes, scale, threads=threads, impl=impl)
         assert torch.equal(bits(got), bits(_torch(formats.dequantize, want))) and not bad.any()
-    assert dispatch.implementation(Op.QUANTIZE_FP8, x) is TABLES[Op.QUANTIZE_FP8][Backend.C]
+    chosen = dispatch.implementation(Op.QUANTIZE_FP8, x)
+    assert chosen is TABLES[Op.QUANTIZE_FP8][Backend.C if quant.runs_vector() else Backend.TORCH]
     q = formats.quantize_fp8(x)
     assert torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and q.scale.shape == want.scale.shape
     assert torch.equal(bits(formats.dequantize(q)), bits(_torch(formats.dequantize, q)))
@@ -391,6 +415,7 @@ def test_portable_and_avx512_paths_agree(threads):
 # --- the rollout's recording path ---------------------------------------------------------------
 
 
+@needs_vector
 @pytest.mark.parametrize("mode", ["lsb", "full"])
 def test_recording_encodes_hints_on_the_c_kernels(monkeypatch, mode):
     """A captured site's hint (engines/capture.py: RawCapture, encoded when the records are assembled)

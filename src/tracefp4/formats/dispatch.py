@@ -4,7 +4,8 @@ Every public op validates its input and then asks :func:`implementation` for the
 it on the input's device. CUDA tensors go to Triton (:mod:`tracefp4.formats.triton_ops`); CPU tensors
 to the C library where it takes the input (:mod:`tracefp4.formats.clib.quant`: NVFP4 quantize of bf16
 and float32 with any amax scope, MXFP4 of bf16 and float32, dequantize, guided rounding of bf16, the
-low-bit hint's packing, FP8 E4M3 quantize of bf16 and float32 and dequantize), else to numba
+low-bit hint's packing, FP8 E4M3 quantize of bf16 and float32 and dequantize; beyond the sites' bf16
+NVFP4 only where the library runs its AVX-512 paths), else to numba
 (:mod:`tracefp4.formats.numba_ops`); an op with no kernel runs as torch on any device
 (:mod:`tracefp4.formats.torch_ops`). All are bit for bit equal to the readable reference
 (tests/test_conformance.py walks every entry of every table); nothing is copied to the host to be
@@ -21,7 +22,6 @@ from collections.abc import Callable
 import torch
 
 from tracefp4.formats import numba_ops, torch_ops, triton_ops
-from tracefp4.formats.clib import loader as c_loader
 from tracefp4.formats.clib import quant as c_quant
 
 __all__ = ["TABLES", "Backend", "Op", "backend", "implementation", "use_backend"]
@@ -87,19 +87,15 @@ TABLES: dict[Op, dict[Backend, Callable]] = {
 }
 
 
-def _built(*args) -> bool:
-    return c_loader.library() is not None
-
-
 #: Backends that take only some inputs of an op: a predicate over the op's arguments.
 _TAKES: dict[tuple[Op, Backend], Callable[..., bool]] = {
     (Op.QUANTIZE_NVFP4, Backend.C): lambda x, amax, per_row, values: c_quant.supports_nvfp4(x, amax, per_row),
     (Op.QUANTIZE_MXFP4, Backend.C): c_quant.supports_mxfp4,
-    (Op.DEQUANTIZE, Backend.C): _built,
+    (Op.DEQUANTIZE, Backend.C): c_quant.runs_vector,
     (Op.GUIDED, Backend.C): c_quant.supports_guided,
-    (Op.LSB_BITS, Backend.C): _built,
+    (Op.LSB_BITS, Backend.C): c_quant.runs_vector,
     (Op.QUANTIZE_FP8, Backend.C): c_quant.supports_fp8,
-    (Op.DEQUANTIZE_FP8, Backend.C): _built,
+    (Op.DEQUANTIZE_FP8, Backend.C): c_quant.runs_vector,
 }
 #: The CPU's order of preference (the first backend of an op's table that takes the input).
 _CPU_ORDER = (Backend.C, Backend.NUMBA, Backend.TORCH)

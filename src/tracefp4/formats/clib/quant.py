@@ -7,20 +7,22 @@ Each is the numba kernel's float32 arithmetic, operation for operation (tests/te
 tests/test_conformance.py compare them bit for bit), AVX-512 where the CPU has it, portable C
 elsewhere, on torch's OpenMP threads. The dispatch (:mod:`tracefp4.formats.dispatch`) sends CPU input
 here where :func:`supports_nvfp4` / :func:`supports_mxfp4` / :func:`supports_guided` take it and the
-library is built; the row functions (``*_rows``, :func:`abs_max`, :func:`quantize_nvfp4_tensor`) take
-``threads`` and ``impl`` for tests and benchmarks.
+library runs its AVX-512 paths (:func:`runs_vector`: the portable C is slower than numba); the row
+functions (``*_rows``, :func:`abs_max`, :func:`quantize_nvfp4_tensor`) take ``threads`` and ``impl``
+for tests and benchmarks.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 import torch
 
 from tracefp4.formats.clib import site
 from tracefp4.formats.clib.call import SCALE_TABLES, Impl, call, impl_name, impl_of, threads_for, tracing
-from tracefp4.formats.clib.loader import library
+from tracefp4.formats.clib.loader import has_avx512_bf16, library
 from tracefp4.formats.constants import MXFP4_BLOCK, NVFP4_BLOCK, Format
 from tracefp4.formats.containers import FP8, MXFP4, NVFP4
 from tracefp4.formats.rows import as_rows, per_row_values
@@ -28,7 +30,7 @@ from tracefp4.formats.validation import FP8_NON_FINITE, raise_non_finite
 
 __all__ = ["GRAIN_BYTES", "abs_max", "amax_pass", "dequantize", "dequantize_fp8", "dequantize_rows",
            "fp8_dequantize_rows", "fp8_rows", "guided_codes", "guided_rows", "lsb_bits", "lsb_rows", "mxfp4_rows",
-           "quantize_fp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_nvfp4_tensor", "supports_fp8",
+           "quantize_fp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_nvfp4_tensor", "runs_vector", "supports_fp8",
            "supports_guided", "supports_mxfp4", "supports_nvfp4", "tensor_amax"]
 
 #: Bytes of input or output per thread before a call splits its work over threads (a fork of torch's
@@ -50,6 +52,20 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     every 4 KiB, more than the kernel's own work (the numba path's outputs are numpy's too)."""
     out = torch.from_numpy(np.empty(shape, dtype=_NUMPY[dtype]))
     return out.view(torch.bfloat16) if dtype == torch.bfloat16 else out
+
+
+def runs_vector(*args) -> bool:
+    """Whether the dispatch takes these entries here (any arguments: a predicate of the tables): where
+    the library runs its AVX-512 paths. Its portable C is scalar code, 2 to 15 times slower than the
+    numba kernels LLVM vectorises (one thread, 4096x4096 bf16: guided 100 ms against 7, dequantize 20
+    against 12), so elsewhere numba keeps the ops (the portable path stays for tests and
+    ``impl="portable"``, with the same bits)."""
+    return _vector_paths()
+
+
+@functools.cache
+def _vector_paths() -> bool:
+    return library() is not None and has_avx512_bf16()
 
 
 def _threads(threads: int | None, nbytes: int) -> int:
@@ -91,9 +107,12 @@ def tensor_amax(x: torch.Tensor, *, threads: int | None = None, impl: Impl | str
 
 
 def supports_nvfp4(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool) -> bool:
-    """Whether :func:`quantize_nvfp4` takes this input: bf16 or float32 CPU rows with any amax scope
-    (the per-row kernel, after an amax pass for a per-tensor amax), and the library built."""
-    return site.supports_nvfp4(x, amax, True)
+    """Whether :func:`quantize_nvfp4` takes this input: bf16 rows with their own or a given amax where
+    the library is built (the sites' kernel, as before); float32 rows and per-tensor amaxes where it
+    runs its AVX-512 paths (:func:`runs_vector`)."""
+    if x.dtype == torch.bfloat16 and (per_row or amax is not None):
+        return site.supports_nvfp4(x, amax, per_row)
+    return site.supports_nvfp4(x, amax, True) and runs_vector()
 
 
 def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool, values: bool
@@ -160,8 +179,9 @@ def mxfp4_rows(x: torch.Tensor, rceil: bool, *, threads: int | None = None, impl
 
 
 def supports_mxfp4(x: torch.Tensor, rceil: bool) -> bool:
-    """Whether :func:`quantize_mxfp4` takes this input: bf16 or float32 on the CPU, and the library built."""
-    return x.dtype in _LIMIT and x.device.type == "cpu" and library() is not None
+    """Whether :func:`quantize_mxfp4` takes this input: bf16 or float32 on the CPU, where the library
+    runs its AVX-512 paths (:func:`runs_vector`)."""
+    return x.dtype in _LIMIT and x.device.type == "cpu" and runs_vector()
 
 
 def quantize_mxfp4(x: torch.Tensor, rceil: bool) -> MXFP4:
@@ -243,8 +263,9 @@ def guided_rows(x: torch.Tensor, scale_rows: torch.Tensor, fmt: Format | str, s_
 
 
 def supports_guided(x: torch.Tensor, *args) -> bool:
-    """Whether :func:`guided_codes` takes this input: bf16 on the CPU, and the library built."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and library() is not None
+    """Whether :func:`guided_codes` takes this input: bf16 on the CPU, where the library runs its
+    AVX-512 paths (:func:`runs_vector`)."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and runs_vector()
 
 
 def guided_codes(x: torch.Tensor, fmt: Format, scale_rows: torch.Tensor, s_dec: torch.Tensor, hint_rows: torch.Tensor,
@@ -298,8 +319,9 @@ def fp8_rows(x: torch.Tensor, *, threads: int | None = None, impl: Impl | str = 
 
 
 def supports_fp8(x: torch.Tensor) -> bool:
-    """Whether :func:`quantize_fp8` takes this input: bf16 or float32 on the CPU, and the library built."""
-    return x.dtype in _LIMIT and x.device.type == "cpu" and library() is not None
+    """Whether :func:`quantize_fp8` takes this input: bf16 or float32 on the CPU, where the library runs
+    its AVX-512 paths (:func:`runs_vector`)."""
+    return x.dtype in _LIMIT and x.device.type == "cpu" and runs_vector()
 
 
 def quantize_fp8(x: torch.Tensor) -> FP8:

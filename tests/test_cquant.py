@@ -144,8 +144,8 @@ def numba_quantize():
 
 
 def test_without_the_vector_paths_the_dispatch_keeps_numba(monkeypatch):
-    """Where the library runs only portable C (slower than numba), every new C entry declines; the
-    sites' per-row bf16 NVFP4 stays in C, as before."""
+    """Where the library runs only portable C (slower than numba), the new NVFP4/MXFP4 C entries
+    decline; the sites' per-row bf16 NVFP4 stays in C, as before, and FP8 too (faster than torch's ops)."""
     monkeypatch.setattr(quant, "_vector_paths", lambda: False)
     x = _data("randn", 64)
     q = _numba(formats.quantize_nvfp4, x)
@@ -156,8 +156,8 @@ def test_without_the_vector_paths_the_dispatch_keeps_numba(monkeypatch):
     assert dispatch.implementation(Op.GUIDED, x) is TABLES[Op.GUIDED][Backend.NUMBA]
     assert dispatch.implementation(Op.DEQUANTIZE, q.codes) is TABLES[Op.DEQUANTIZE][Backend.NUMBA]
     assert dispatch.implementation(Op.LSB_BITS, q.codes) is TABLES[Op.LSB_BITS][Backend.NUMBA]
-    assert dispatch.implementation(Op.QUANTIZE_FP8, x) is TABLES[Op.QUANTIZE_FP8][Backend.TORCH]
-    assert dispatch.implementation(Op.DEQUANTIZE_FP8, q.codes) is TABLES[Op.DEQUANTIZE_FP8][Backend.TORCH]
+    assert dispatch.implementation(Op.QUANTIZE_FP8, x) is TABLES[Op.QUANTIZE_FP8][Backend.C]
+    assert dispatch.implementation(Op.DEQUANTIZE_FP8, q.codes) is TABLES[Op.DEQUANTIZE_FP8][Backend.C]
 
 
 # --- float32 rows on the site kernel ------------------------------------------------------------
@@ -285,8 +285,7 @@ def test_fp8_equals_torch(impl, dtype, kind, k):
         assert torch.equal(codes, want.data.view(torch.uint8)) and torch.equal(bits(scale), bits(want.scale.reshape(-1)))
         got = quant.fp8_dequantize_rows(codes, scale, threads=threads, impl=impl)
         assert torch.equal(bits(got), bits(_torch(formats.dequantize, want))) and not bad.any()
-    chosen = dispatch.implementation(Op.QUANTIZE_FP8, x)
-    assert chosen is TABLES[Op.QUANTIZE_FP8][Backend.C if quant.runs_vector() else Backend.TORCH]
+    assert dispatch.implementation(Op.QUANTIZE_FP8, x) is TABLES[Op.QUANTIZE_FP8][Backend.C]
     q = formats.quantize_fp8(x)
     assert torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and q.scale.shape == want.scale.shape
     assert torch.equal(bits(formats.dequantize(q)), bits(_torch(formats.dequantize, q)))

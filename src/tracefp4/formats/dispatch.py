@@ -5,7 +5,7 @@ it on the input's device. CUDA tensors go to Triton (:mod:`tracefp4.formats.trit
 to the C library where it takes the input (:mod:`tracefp4.formats.clib.quant`: NVFP4 quantize of bf16
 and float32 with any amax scope, MXFP4 of bf16 and float32, dequantize, guided rounding of bf16, the
 low-bit hint's packing, FP8 E4M3 quantize of bf16 and float32 and dequantize; beyond the sites' bf16
-NVFP4 only where the library runs its AVX-512 paths), else to numba
+NVFP4 and FP8, only where the library runs its AVX-512 paths), else to numba
 (:mod:`tracefp4.formats.numba_ops`); an op with no kernel runs as torch on any device
 (:mod:`tracefp4.formats.torch_ops`). All are bit for bit equal to the readable reference
 (tests/test_conformance.py walks every entry of every table); nothing is copied to the host to be
@@ -95,7 +95,7 @@ _TAKES: dict[tuple[Op, Backend], Callable[..., bool]] = {
     (Op.GUIDED, Backend.C): c_quant.supports_guided,
     (Op.LSB_BITS, Backend.C): c_quant.runs_vector,
     (Op.QUANTIZE_FP8, Backend.C): c_quant.supports_fp8,
-    (Op.DEQUANTIZE_FP8, Backend.C): c_quant.runs_vector,
+    (Op.DEQUANTIZE_FP8, Backend.C): c_quant.built,
 }
 #: The CPU's order of preference (the first backend of an op's table that takes the input).
 _CPU_ORDER = (Backend.C, Backend.NUMBA, Backend.TORCH)

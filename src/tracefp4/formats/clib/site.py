@@ -93,8 +93,8 @@ def quantize_into(x: torch.Tensor, amax: torch.Tensor, codes: torch.Tensor, scal
     impl = impl_of("nvfp4_rows", impl)
     if not _fits(x, amax, codes, scales, values):
         raise ValueError(f"quantize_into: operands do not fit bf16 (or float32, no values) rows of "
-                         f"{x.shape[-1] if x.dim() else 0} elements (x {x.dtype} {tuple(x.shape)}, amax {tuple(amax.shape)}, codes {tuple(codes.shape)}, "
-                         f"scales {tuple(scales.shape)})")
+                         f"{x.shape[-1] if x.dim() else 0} elements (x {x.dtype} {tuple(x.shape)}, amax "
+                         f"{tuple(amax.shape)}, codes {tuple(codes.shape)}, scales {tuple(scales.shape)})")
     return _run(x, amax, codes, scales, values, own_amax, threads, impl)
 
 

@@ -36,6 +36,8 @@ def _opcheck_cases():
     ids = torch.tensor([[0, 2], [1, 0], [2, 2], [0, 1], [1, 1]])
     out = torch.randn(5, 2, 24, generator=_G).to(torch.bfloat16)
     rows = torch.randn(4, 32, generator=_G).to(torch.bfloat16)
+    codes8 = torch.randint(0, 256, (4, 16), generator=_G).to(torch.uint8)
+    scales8 = torch.randint(0, 0x7F, (4, 2), generator=_G).to(torch.uint8)
     return {
         "grouped_gemm": (torch.ops.tracefp4.grouped_gemm, (x, offsets, codes, scales, divisor, "nvfp4", "tiles", 0, "auto")),
         "routed_gemm": (torch.ops.tracefp4.routed_gemm, (x, ids, codes, scales, divisor, "nvfp4", True, "tiles", 0, "auto")),
@@ -43,6 +45,20 @@ def _opcheck_cases():
         "silu_gate": (torch.ops.tracefp4.silu_gate, (torch.randn(3, 48, generator=_G).to(torch.bfloat16), 0, "auto")),
         "nvfp4_rows": (torch.ops.tracefp4.nvfp4_rows, (rows, None, 0, "auto")),
         "nvfp4_rows_given_amax": (torch.ops.tracefp4.nvfp4_rows, (rows, torch.full((4,), 2.0), 0, "auto")),
+        "tensor_amax": (torch.ops.tracefp4.tensor_amax, (rows, 0, "auto")),
+        "tensor_amax_float32": (torch.ops.tracefp4.tensor_amax, (rows.float(), 0, "auto")),
+        "dequantize_rows": (torch.ops.tracefp4.dequantize_rows, (codes8, scales8, "nvfp4", torch.rand(4), 0, "auto")),
+        "guided_rows_lsb": (torch.ops.tracefp4.guided_rows, (rows, scales8, "nvfp4", torch.rand(4), codes8[:, :4].contiguous(), False,
+                                                              0, "auto")),
+        "guided_rows_full": (torch.ops.tracefp4.guided_rows, (rows, scales8, "nvfp4", torch.rand(4), codes8, True, 0,
+                                                               "auto")),
+        "lsb_bits": (torch.ops.tracefp4.lsb_bits, (codes8, 0, "auto")),
+        "fp8_rows": (torch.ops.tracefp4.fp8_rows, (rows, 0, "auto")),
+        "fp8_rows_float32": (torch.ops.tracefp4.fp8_rows, (rows.float(), 0, "auto")),
+        # codes & 0xFE: no NaN code (opcheck compares outputs with ==)
+        "fp8_dequantize_rows": (torch.ops.tracefp4.fp8_dequantize_rows, (codes8 & 0xFE, torch.rand(4), 0, "auto")),
+        "mxfp4_rows": (torch.ops.tracefp4.mxfp4_rows, (rows, False, 0, "auto")),
+        "mxfp4_rows_rceil_float32": (torch.ops.tracefp4.mxfp4_rows, (rows.float(), True, 0, "auto")),
     }
 
 

@@ -25,6 +25,8 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 
 import tracefp4.formats as formats  # noqa: E402
 from tracefp4.formats import clib, dispatch  # noqa: E402
+from tracefp4.formats.clib import quant  # noqa: E402
+from tracefp4.formats.grid import nvfp4_global_encode_scale  # noqa: E402
 from tracefp4.formats import reference as ref  # noqa: E402
 from tracefp4.formats import reference_composite as refc  # noqa: E402
 from tracefp4.formats.dispatch import TABLES, Backend, Op  # noqa: E402
@@ -49,6 +51,8 @@ def _skip_reason(b: Backend) -> str | None:
         return _triton_skip()
     if b is Backend.C and not clib.available():
         return f"the C library is not built here: {clib.unavailable_reason()}"
+    if b is Backend.C and not quant.runs_vector():
+        return "the dispatch takes the C entries where the library runs its AVX-512 paths (quant.runs_vector)"
     return None
 
 
@@ -72,18 +76,15 @@ def _check_nvfp4(q, codes, s8, amax) -> None:
 
 
 def case_quantize_nvfp4(b: Backend) -> None:
-    x = _x(16)
-    scopes = [dict(per_row=True), dict(global_amax=torch.full((6, 1), 3.0))]
-    if b is not Backend.C:  # a per-tensor amax is a two-pass job: the C entry does not take it
-        scopes.append({})
-    for kw in scopes:
-        amax = kw.get("global_amax")
-        _chose(Op.QUANTIZE_NVFP4, b, x, amax, kw.get("per_row", False), True)
-        q, values = formats.quantize_dequantize_nvfp4(x, **kw)
-        codes, s8, want_amax = ref.quantize_nvfp4(x, global_amax=amax, per_row=kw.get("per_row", False))
-        _check_nvfp4(q, codes, s8, want_amax)
-        want = ref.dequantize_nvfp4(codes, s8.to(torch.float32), want_amax).to(x.dtype)
-        assert torch.equal(values.view(torch.int16), want.view(torch.int16))
+    for x in (_x(16), _x(16, torch.float32)):
+        for kw in (dict(per_row=True), dict(global_amax=torch.full((6, 1), 3.0)), {}):
+            amax = kw.get("global_amax")
+            _chose(Op.QUANTIZE_NVFP4, b, x, amax, kw.get("per_row", False), True)
+            q, values = formats.quantize_dequantize_nvfp4(x, **kw)
+            codes, s8, want_amax = ref.quantize_nvfp4(x, global_amax=amax, per_row=kw.get("per_row", False))
+            _check_nvfp4(q, codes, s8, want_amax)
+            want = ref.dequantize_nvfp4(codes, s8.to(torch.float32), want_amax).to(x.dtype)
+            assert torch.equal(bits(values), bits(want))
 
 
 def case_quantize_nvfp4_4over6(b: Backend) -> None:
@@ -94,12 +95,12 @@ def case_quantize_nvfp4_4over6(b: Backend) -> None:
 
 
 def case_quantize_mxfp4(b: Backend) -> None:
-    x = _x(32)
-    for mode in ("floor", "rceil"):
-        _chose(Op.QUANTIZE_MXFP4, b, x, mode == "rceil")
-        q = formats.quantize_mxfp4(x, scale_mode=mode)
-        codes, biased = ref.quantize_mxfp4(x, scale_mode=mode)
-        assert torch.equal(formats.unpack_fp4(q.codes), codes) and torch.equal(q.scales, biased)
+    for x in (_x(32), _x(32, torch.float32)):
+        for mode in ("floor", "rceil"):
+            _chose(Op.QUANTIZE_MXFP4, b, x, mode == "rceil")
+            q = formats.quantize_mxfp4(x, scale_mode=mode)
+            codes, biased = ref.quantize_mxfp4(x, scale_mode=mode)
+            assert torch.equal(formats.unpack_fp4(q.codes), codes) and torch.equal(q.scales, biased)
 
 
 def _quantized():
@@ -148,6 +149,21 @@ def case_guided(b: Backend) -> None:
             assert torch.equal(formats.unpack_fp4(got.codes), want), (fmt, hint)
 
 
+def case_quantize_fp8(b: Backend) -> None:
+    for x in (_x(16), _x(16, torch.float32)):
+        _chose(Op.QUANTIZE_FP8, b, x)
+        q = formats.quantize_fp8(x)
+        codes, scale = ref.quantize_fp8(x)
+        assert torch.equal(q.data.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(bits(q.scale), bits(scale))
+
+
+def case_dequantize_fp8(b: Backend) -> None:
+    q = formats.quantize_fp8(_x(16))
+    _chose(Op.DEQUANTIZE_FP8, b, q.data.view(torch.uint8))
+    want = ref.dequantize_fp8(q.data.view(torch.uint8), q.scale)
+    assert torch.equal(bits(formats.dequantize(q)), bits(want))
+
+
 CASES = {
     Op.QUANTIZE_NVFP4: case_quantize_nvfp4,
     Op.QUANTIZE_NVFP4_4OVER6: case_quantize_nvfp4_4over6,
@@ -155,6 +171,8 @@ CASES = {
     Op.DEQUANTIZE: case_dequantize,
     Op.GUIDED: case_guided,
     Op.LSB_BITS: case_lsb_bits,
+    Op.QUANTIZE_FP8: case_quantize_fp8,
+    Op.DEQUANTIZE_FP8: case_dequantize_fp8,
 }
 ENTRIES = [(op, b) for op, table in TABLES.items() for b in table]
 
@@ -231,8 +249,74 @@ def c_silu_gate(impl: clib.Impl) -> None:
     assert torch.equal(clib.silu_gate(x, impl=impl).view(torch.int16), want.view(torch.int16))
 
 
+def c_nvfp4_rows_float32(impl: clib.Impl) -> None:
+    x = _x(16, torch.float32)
+    amax = torch.empty(x.shape[0])
+    codes, scales = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.uint8), torch.empty(6, 3, dtype=torch.uint8)
+    assert not clib.quantize_into(x, amax, codes, scales, None, own_amax=True, impl=impl)
+    want_codes, s8, want_amax = ref.quantize_nvfp4(x, per_row=True)
+    assert torch.equal(formats.unpack_fp4(codes), want_codes) and torch.equal(scales, s8.view(torch.uint8))
+    assert torch.equal(bits(amax), bits(want_amax.reshape(-1)))
+
+
+def c_tensor_amax(impl: clib.Impl) -> None:
+    for dtype in (torch.bfloat16, torch.float32):
+        x = _x(16, dtype, rows=37)
+        want = x.abs().amax().to(torch.float32)
+        assert torch.equal(bits(quant.tensor_amax(x, impl=impl)), bits(want))
+
+
+def c_dequantize_rows(impl: clib.Impl) -> None:
+    for q in _quantized():
+        div = torch.logspace(-3, 3, q.codes.shape[0]).to(torch.float32)  # row divisors other than S_enc
+        got = quant.dequantize_rows(q.codes, q.scales.view(torch.uint8), q.fmt, div, impl=impl)
+        nv = q.fmt.value == "nvfp4"
+        scale = q.scales.to(torch.float32) if nv else ref.mx_scale(q.scales)
+        want = ref.e2m1_value(formats.unpack_fp4(q.codes)) * scale.repeat_interleave(q.fmt.block, dim=-1)
+        assert torch.equal(bits(got), bits(want / div.unsqueeze(1))), q.fmt
+
+
+def c_guided_rows(impl: clib.Impl) -> None:
+    for q in _quantized():
+        x = (formats.dequantize(q) * 1.3).to(torch.bfloat16)
+        x[0, :5] = -x[0, :5]  # signs against the rollout's
+        rollout = formats.unpack_fp4(q.codes)
+        nv = q.fmt.value == "nvfp4"
+        s_dec = (1.0 / nvfp4_global_encode_scale(q.global_amax)).reshape(-1) if nv else torch.ones(q.shape[0])
+        for hint, want_hint in ((q.codes, dict(rollout_codes=rollout)), (_low_bits(q), dict(rollout_lsb=rollout & 1))):
+            want = (ref.guided_quantize_nvfp4(x, q.scales, q.global_amax, **want_hint) if nv
+                    else ref.guided_quantize_mxfp4(x, q.scales, **want_hint))
+            got, bad = quant.guided_rows(x, q.scales.view(torch.uint8), q.fmt, s_dec, hint, hint is q.codes, impl=impl)
+            assert torch.equal(formats.unpack_fp4(got), want) and not bad.any(), q.fmt
+
+
+def c_mxfp4_rows(impl: clib.Impl) -> None:
+    for x in (_x(32), _x(32, torch.float32)):
+        for mode in ("floor", "rceil"):
+            codes, biased, bad = quant.mxfp4_rows(x, mode == "rceil", impl=impl)
+            want_codes, want_biased = ref.quantize_mxfp4(x, scale_mode=mode)
+            assert torch.equal(formats.unpack_fp4(codes), want_codes) and torch.equal(biased, want_biased)
+            assert not bad.any()
+
+
+def c_fp8_rows(impl: clib.Impl) -> None:
+    for x in (_x(16), _x(16, torch.float32)):
+        codes, scale, bad = quant.fp8_rows(x, impl=impl)
+        want_codes, want_scale = ref.quantize_fp8(x)
+        assert torch.equal(codes, want_codes.view(torch.uint8)) and torch.equal(bits(scale), bits(want_scale.reshape(-1)))
+        assert torch.equal(bits(quant.fp8_dequantize_rows(codes, scale, impl=impl)),
+                           bits(ref.dequantize_fp8(want_codes, want_scale)))
+        assert not bad.any()
+
+
+def c_lsb_rows(impl: clib.Impl) -> None:
+    for q in _quantized():
+        assert torch.equal(quant.lsb_rows(q.codes, impl=impl), _low_bits(q))
+
+
 C_CASES = [(c_nvfp4_rows, i) for i in _impls()] + [(c_grouped_gemm, i) for i in _impls(clib.Impl.AMX)]
 C_CASES += [(c_topk_combine, i) for i in _impls()] + [(c_silu_gate, i) for i in _impls()]
+C_CASES += [(c, i) for c in (c_nvfp4_rows_float32, c_mxfp4_rows, c_fp8_rows, c_tensor_amax, c_dequantize_rows, c_guided_rows, c_lsb_rows) for i in _impls()]
 
 
 @pytest.mark.skipif(not C_CASES, reason="the C library is not built here")

@@ -58,7 +58,10 @@ def global_divisor(q: NVFP4 | MXFP4) -> torch.Tensor:
 def dequantize_fp8(q: FP8) -> torch.Tensor:
     """float32 ``value(code) * scale`` of an FP8 container, on its device."""
     expect(q, FP8).check()
-    return q.data.to(torch.float32) * q.scale
+    rows = as_rows(q.data.view(torch.uint8))
+    scale = q.scale.to(torch.float32).reshape(rows.shape[0]).contiguous()
+    out = implementation(Op.DEQUANTIZE_FP8, rows, what="data")(rows, scale)
+    return out.reshape(q.data.shape)
 
 
 def dequantize_mxfp4(q: MXFP4) -> torch.Tensor:

@@ -2,11 +2,14 @@
 
 Every public op validates its input and then asks :func:`implementation` for the function that runs
 it on the input's device. CUDA tensors go to Triton (:mod:`tracefp4.formats.triton_ops`); CPU tensors
-to the C library where it takes the input (:mod:`tracefp4.formats.clib.site`: bf16 rows with their own
-or a given amax, what every rollout site quantizes), else to numba (:mod:`tracefp4.formats.numba_ops`);
-an op with no kernel runs as torch on any device (:mod:`tracefp4.formats.torch_ops`). All are bit for
-bit equal to the readable reference (tests/test_conformance.py walks every entry of every table);
-nothing is copied to the host to be quantized.
+to the C library where it takes the input (:mod:`tracefp4.formats.clib.quant`: NVFP4 quantize of bf16
+and float32 with any amax scope, MXFP4 of bf16 and float32, dequantize, guided rounding of bf16, the
+low-bit hint's packing, FP8 E4M3 quantize of bf16 and float32 and dequantize; beyond the sites' bf16
+NVFP4 and FP8, only where the library runs its AVX-512 paths), else to numba
+(:mod:`tracefp4.formats.numba_ops`); an op with no kernel runs as torch on any device
+(:mod:`tracefp4.formats.torch_ops`). All are bit for bit equal to the readable reference
+(tests/test_conformance.py walks every entry of every table); nothing is copied to the host to be
+quantized.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from tracefp4.formats import numba_ops, torch_ops, triton_ops
-from tracefp4.formats.clib import site as c_site
+from tracefp4.formats.clib import quant as c_quant
 
 __all__ = ["TABLES", "Backend", "Op", "backend", "implementation", "use_backend"]
 
@@ -61,19 +64,38 @@ class Op(enum.Enum):
     LSB_BITS = "lsb_bits"
     """``(code rows [R, K/2]) -> bit rows [R, K/8]``."""
 
+    QUANTIZE_FP8 = "quantize_fp8"
+    """``(x) -> FP8`` (E4M3 codes, float32 ``amax/448`` per row); ValueError on NaN/Inf."""
+
+    DEQUANTIZE_FP8 = "dequantize_fp8"
+    """``(E4M3 code rows [R, K] uint8, scale [R] float32) -> float32 [R, K]``."""
+
 
 TABLES: dict[Op, dict[Backend, Callable]] = {
-    Op.QUANTIZE_NVFP4: {Backend.C: c_site.quantize_nvfp4, Backend.NUMBA: numba_ops.quantize_nvfp4,
+    Op.QUANTIZE_NVFP4: {Backend.C: c_quant.quantize_nvfp4, Backend.NUMBA: numba_ops.quantize_nvfp4,
                         Backend.TRITON: triton_ops.quantize_nvfp4},
     Op.QUANTIZE_NVFP4_4OVER6: {Backend.TORCH: torch_ops.quantize_nvfp4_4over6},
-    Op.QUANTIZE_MXFP4: {Backend.NUMBA: numba_ops.quantize_mxfp4, Backend.TRITON: triton_ops.quantize_mxfp4},
-    Op.DEQUANTIZE: {Backend.NUMBA: numba_ops.dequantize, Backend.TRITON: triton_ops.dequantize},
-    Op.GUIDED: {Backend.NUMBA: numba_ops.guided_codes, Backend.TRITON: triton_ops.guided_codes},
-    Op.LSB_BITS: {Backend.NUMBA: numba_ops.lsb_bits, Backend.TRITON: triton_ops.lsb_bits},
+    Op.QUANTIZE_MXFP4: {Backend.C: c_quant.quantize_mxfp4, Backend.NUMBA: numba_ops.quantize_mxfp4,
+                        Backend.TRITON: triton_ops.quantize_mxfp4},
+    Op.DEQUANTIZE: {Backend.C: c_quant.dequantize, Backend.NUMBA: numba_ops.dequantize,
+                    Backend.TRITON: triton_ops.dequantize},
+    Op.GUIDED: {Backend.C: c_quant.guided_codes, Backend.NUMBA: numba_ops.guided_codes,
+                Backend.TRITON: triton_ops.guided_codes},
+    Op.LSB_BITS: {Backend.C: c_quant.lsb_bits, Backend.NUMBA: numba_ops.lsb_bits, Backend.TRITON: triton_ops.lsb_bits},
+    Op.QUANTIZE_FP8: {Backend.C: c_quant.quantize_fp8, Backend.TORCH: torch_ops.quantize_fp8},
+    Op.DEQUANTIZE_FP8: {Backend.C: c_quant.dequantize_fp8, Backend.TORCH: torch_ops.dequantize_fp8},
 }
+
+
 #: Backends that take only some inputs of an op: a predicate over the op's arguments.
 _TAKES: dict[tuple[Op, Backend], Callable[..., bool]] = {
-    (Op.QUANTIZE_NVFP4, Backend.C): lambda x, amax, per_row, values: c_site.supports_nvfp4(x, amax, per_row),
+    (Op.QUANTIZE_NVFP4, Backend.C): lambda x, amax, per_row, values: c_quant.supports_nvfp4(x, amax, per_row),
+    (Op.QUANTIZE_MXFP4, Backend.C): c_quant.supports_mxfp4,
+    (Op.DEQUANTIZE, Backend.C): c_quant.runs_vector,
+    (Op.GUIDED, Backend.C): c_quant.supports_guided,
+    (Op.LSB_BITS, Backend.C): c_quant.runs_vector,
+    (Op.QUANTIZE_FP8, Backend.C): c_quant.supports_fp8,
+    (Op.DEQUANTIZE_FP8, Backend.C): c_quant.built,
 }
 #: The CPU's order of preference (the first backend of an op's table that takes the input).
 _CPU_ORDER = (Backend.C, Backend.NUMBA, Backend.TORCH)

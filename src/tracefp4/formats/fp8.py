@@ -1,6 +1,7 @@
 """FP8 E4M3 with a per-row scale (W4A8 activations, the KV cache, W8A8 weights): quantize, the low-bit
-hint and rollout-guided rounding on a given row scale. A handful of elementwise torch ops, the same
-on every device: no kernel of ours is needed."""
+hint and rollout-guided rounding on a given row scale. The quantize runs as one C pass on the CPU
+(:mod:`tracefp4.formats.clib.quant`) and as a handful of elementwise torch ops elsewhere; the hint and
+the guided rounding are torch's ops on every device."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from tracefp4.formats.constants import E4M3_MAG_MASK, E4M3_MAX, E4M3_MAX_CODE, E4M3_VALUES, SUPPORTED_DTYPES, Format
 from tracefp4.formats.containers import FP8
-from tracefp4.formats.dispatch import backend
+from tracefp4.formats.dispatch import Op, backend, implementation
 from tracefp4.formats.rows import as_rows
 from tracefp4.formats.validation import check_grid, check_hint, describe, raise_non_finite
 
@@ -16,17 +17,10 @@ __all__ = ["fp8_lsb_bits", "guided_fp8", "quantize_fp8"]
 
 
 def quantize_fp8(x: torch.Tensor) -> FP8:
-    """FP8 E4M3 with one float32 scale ``amax/448`` per row, on x's device.
-
-    """
+    """FP8 E4M3 with one float32 scale ``amax/448`` per row, on x's device (the C library's pass where it
+    takes x, else torch's ops: the same bits)."""
     _check_x(x)
-    xf = x.detach().to(torch.float32)
-    if not bool(torch.isfinite(xf).all()):
-        raise ValueError("x: non-finite input; NaN/Inf is a bug upstream and is never encoded")
-    amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    # Clamp before the cast: older CPU casts turn overflow into NaN instead of saturating.
-    return FP8((xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale)
+    return implementation(Op.QUANTIZE_FP8, x)(x)
 
 
 def fp8_lsb_bits(codes: torch.Tensor) -> torch.Tensor:

@@ -1,19 +1,19 @@
 """The torch backend: ops written as vectorised torch on any device, where no kernel of ours exists
-(NVFP4 with the "Four over Six" block scales). Each function has the signature of its op's table in
-:mod:`tracefp4.formats.dispatch`."""
+(NVFP4 with the "Four over Six" block scales; FP8 E4M3 where the CPU library does not run it).
+Each function has the signature of its op's table in :mod:`tracefp4.formats.dispatch`."""
 
 from __future__ import annotations
 
 import torch
 
-from tracefp4.formats.constants import E2M1_MAX, E2M1_VALUES, NVFP4_BLOCK
-from tracefp4.formats.containers import NVFP4
+from tracefp4.formats.constants import E2M1_MAX, E2M1_VALUES, E4M3_MAX, NVFP4_BLOCK
+from tracefp4.formats.containers import FP8, NVFP4
 from tracefp4.formats.grid import block_scale_unrounded, encode_factor, nvfp4_global_encode_scale, rtn_e2m1
 from tracefp4.formats.packing import pack_fp4
 from tracefp4.formats.rows import as_rows, per_row_values
-from tracefp4.formats.validation import raise_non_finite
+from tracefp4.formats.validation import FP8_NON_FINITE, raise_non_finite
 
-__all__ = ["quantize_nvfp4_4over6"]
+__all__ = ["dequantize_fp8", "quantize_fp8", "quantize_nvfp4_4over6"]
 
 _F32 = torch.float32
 _E2M1_SIGNED = tuple(E2M1_VALUES) + tuple(-v for v in E2M1_VALUES)  # value of codes 0..15
@@ -67,3 +67,19 @@ def _4over6_rows(xr: torch.Tensor, s_enc: torch.Tensor) -> tuple[torch.Tensor, t
     scales = torch.where(four_wins, s8u[..., 1], s8u[..., 0])
     chosen = torch.where(four_wins.unsqueeze(-1), codes[..., 1, :], codes[..., 0, :])
     return chosen.reshape(xr.shape), scales
+
+
+def quantize_fp8(x: torch.Tensor) -> FP8:
+    """FP8 E4M3 of validated ``x`` with one float32 scale ``amax/448`` per row (1 for a zero row)."""
+    xf = x.detach().to(_F32)
+    if not bool(torch.isfinite(xf).all()):
+        raise ValueError(FP8_NON_FINITE)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # Clamp before the cast: older CPU casts turn overflow into NaN instead of saturating.
+    return FP8((xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale)
+
+
+def dequantize_fp8(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``value(code) * scale[row]`` of E4M3 code rows uint8 ``[R, K]``."""
+    return rows.view(torch.float8_e4m3fn).to(_F32) * scale.unsqueeze(-1)

@@ -14,8 +14,8 @@ from tracefp4.formats import kernels
 from tracefp4.formats.constants import E4M3_MAG_MASK, E4M3_NAN_CODE, E8M0_NAN, FLOAT32_MAX, SUPPORTED_DTYPES, Format
 from tracefp4.formats.rows import as_rows, numpy_of
 
-__all__ = ["check_codes", "check_global_amax", "check_grid", "check_hint", "check_input", "describe", "expect",
-           "raise_non_finite", "shape_tuple"]
+__all__ = ["FP8_NON_FINITE", "check_codes", "check_global_amax", "check_grid", "check_hint", "check_input", "describe",
+           "expect", "raise_non_finite", "shape_tuple"]
 
 _SCALE_DTYPE = {Format.NVFP4: torch.float8_e4m3fn, Format.MXFP4: torch.uint8}
 
@@ -181,6 +181,10 @@ def _check_fp8_scale(scale, global_amax, lead: tuple[int, ...], owner: str, devi
         raise ValueError(f"{owner} global_amax: expected None for fp8 (the row scale is the grid), got {describe(global_amax)}")
     if not bool(((scale > 0) & (scale <= FLOAT32_MAX)).all()):
         raise ValueError(f"{owner} scales: an FP8 row scale must be finite and positive")
+
+
+#: What an FP8 quantize says of a NaN or Inf (every backend alike: its row scale is found first).
+FP8_NON_FINITE = "x: non-finite input; NaN/Inf is a bug upstream and is never encoded"
 
 
 def raise_non_finite(x: torch.Tensor, bad, what: str = "x") -> None:

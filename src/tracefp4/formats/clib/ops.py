@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from tracefp4.formats.clib import combine, gemm, kv, site
-from tracefp4.formats.constants import NVFP4_BLOCK, Format
+from tracefp4.formats.clib import combine, gemm, kv, quant, site
+from tracefp4.formats.constants import MXFP4_BLOCK, NVFP4_BLOCK, Format
 
-__all__ = ["grouped_gemm", "nvfp4_rows", "paged_attention", "routed_gemm", "silu_gate", "topk_combine"]
+__all__ = ["dequantize_rows", "fp8_dequantize_rows", "fp8_rows", "grouped_gemm", "guided_rows", "lsb_bits",
+           "mxfp4_rows", "nvfp4_rows", "paged_attention", "routed_gemm", "silu_gate", "tensor_amax", "topk_combine"]
 
 _NS = "tracefp4"
 
@@ -83,6 +84,86 @@ def _(x, amax, threads, impl):
     return (x.new_empty((r, k // 2), dtype=torch.uint8), x.new_empty((r, k // NVFP4_BLOCK), dtype=torch.uint8),
             x.new_empty((r,), dtype=torch.float32), x.new_empty((r, k), dtype=torch.bfloat16),
             x.new_empty((r,), dtype=torch.bool))
+
+
+@torch.library.custom_op(f"{_NS}::tensor_amax", mutates_args=())
+def tensor_amax(x: torch.Tensor, threads: int, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-tensor amax pass: ``(max |x| float32 0-d, whether x holds a NaN or Inf: bool 0-d)``; the
+    caller refuses the latter (an op cannot raise from inside a traced graph's data)."""
+    return quant.amax_pass(x, threads=_threads(threads), impl=impl)
+
+
+@tensor_amax.register_fake
+def _(x, threads, impl):
+    return x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.bool)
+
+
+@torch.library.custom_op(f"{_NS}::mxfp4_rows", mutates_args=())
+def mxfp4_rows(x: torch.Tensor, rceil: bool, threads: int, impl: str
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quant.mxfp4_rows(x, rceil, threads=_threads(threads), impl=impl)
+
+
+@mxfp4_rows.register_fake
+def _(x, rceil, threads, impl):
+    r, k = x.shape
+    return (x.new_empty((r, k // 2), dtype=torch.uint8), x.new_empty((r, k // MXFP4_BLOCK), dtype=torch.uint8),
+            x.new_empty((r,), dtype=torch.bool))
+
+
+@torch.library.custom_op(f"{_NS}::fp8_rows", mutates_args=())
+def fp8_rows(x: torch.Tensor, threads: int, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quant.fp8_rows(x, threads=_threads(threads), impl=impl)
+
+
+@fp8_rows.register_fake
+def _(x, threads, impl):
+    r, k = x.shape
+    return (x.new_empty((r, k), dtype=torch.uint8), x.new_empty((r,), dtype=torch.float32),
+            x.new_empty((r,), dtype=torch.bool))
+
+
+@torch.library.custom_op(f"{_NS}::fp8_dequantize_rows", mutates_args=())
+def fp8_dequantize_rows(rows: torch.Tensor, scale: torch.Tensor, threads: int, impl: str) -> torch.Tensor:
+    return quant.fp8_dequantize_rows(rows, scale, threads=_threads(threads), impl=impl)
+
+
+@fp8_dequantize_rows.register_fake
+def _(rows, scale, threads, impl):
+    return rows.new_empty(rows.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_NS}::dequantize_rows", mutates_args=())
+def dequantize_rows(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: str, row_div: torch.Tensor, threads: int,
+                    impl: str) -> torch.Tensor:
+    return quant.dequantize_rows(rows, scale_rows, fmt, row_div, threads=_threads(threads), impl=impl)
+
+
+@dequantize_rows.register_fake
+def _(rows, scale_rows, fmt, row_div, threads, impl):
+    return rows.new_empty((rows.shape[0], rows.shape[1] * 2), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_NS}::guided_rows", mutates_args=())
+def guided_rows(x: torch.Tensor, scale_rows: torch.Tensor, fmt: str, s_dec: torch.Tensor, hint_rows: torch.Tensor,
+                full: bool, threads: int, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return quant.guided_rows(x, scale_rows, fmt, s_dec, hint_rows, full, threads=_threads(threads), impl=impl)
+
+
+@guided_rows.register_fake
+def _(x, scale_rows, fmt, s_dec, hint_rows, full, threads, impl):
+    return (x.new_empty((x.shape[0], x.shape[1] // 2), dtype=torch.uint8),
+            x.new_empty((x.shape[0],), dtype=torch.bool))
+
+
+@torch.library.custom_op(f"{_NS}::lsb_bits", mutates_args=())
+def lsb_bits(rows: torch.Tensor, threads: int, impl: str) -> torch.Tensor:
+    return quant.lsb_rows(rows, threads=_threads(threads), impl=impl)
+
+
+@lsb_bits.register_fake
+def _(rows, threads, impl):
+    return rows.new_empty((rows.shape[0], rows.shape[1] // 4), dtype=torch.uint8)
 
 
 @torch.library.custom_op(f"{_NS}::paged_attention", mutates_args=())

@@ -65,12 +65,17 @@ def nvfp4_rows(x: torch.Tensor, amax: torch.Tensor | None, *, values: bool, thre
     return codes, scales, amax, out, bad
 
 
+#: The entry point of each input dtype (float32 rows: codes and scales, no values, as the numba kernel).
+_ENTRY = {torch.bfloat16: "nvfp4_quantize", torch.float32: "nvfp4_quantize_f32"}
+
+
 def _fits(x: torch.Tensor, amax: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
           values: torch.Tensor | None) -> bool:
     k = x.shape[-1] if x.dim() else 0
     r = x.numel() // k if k else 0
     outs = (amax, codes, scales) if values is None else (amax, codes, scales, values)
-    return not (x.dtype != torch.bfloat16 or not k or k % NVFP4_BLOCK or not x.is_contiguous() or not x.is_cpu
+    return not (x.dtype not in _ENTRY or (x.dtype == torch.float32 and values is not None) or not k
+                or k % NVFP4_BLOCK or not x.is_contiguous() or not x.is_cpu
                 or not all(t.is_cpu and t.is_contiguous() for t in outs) or amax.numel() != r
                 or codes.numel() != r * k // 2 or scales.numel() != r * k // NVFP4_BLOCK or scales.element_size() != 1
                 or amax.dtype != torch.float32 or (values is not None and values.numel() != r * k))
@@ -81,14 +86,15 @@ def quantize_into(x: torch.Tensor, amax: torch.Tensor, codes: torch.Tensor, scal
                   impl: Impl | str = "auto") -> bool:
     """The pass of :func:`nvfp4_rows` into tensors the caller made, in whatever shapes it wants them
     (a site's ``[..., K/2]`` codes, ``[..., K/16]`` scales of any one-byte dtype, ``[..., 1]`` amax:
-    the hot path then needs no views): all contiguous on the CPU, ``x`` bf16 with K (its last dim) a
-    multiple of 16, holding R rows' worth of elements each (``amax`` R, read unless ``own_amax``).
+    the hot path then needs no views): all contiguous on the CPU, ``x`` bf16 (or float32, without
+    ``values``) with K (its last dim) a multiple of 16, holding R rows' worth of elements each
+    (``amax`` R, read unless ``own_amax``).
     Returns whether some row held a NaN or Inf (its outputs are garbage; the caller refuses it)."""
     impl = impl_of("nvfp4_rows", impl)
     if not _fits(x, amax, codes, scales, values):
-        raise ValueError(f"quantize_into: operands do not fit bf16 rows of {x.shape[-1] if x.dim() else 0} elements "
-                         f"(x {x.dtype} {tuple(x.shape)}, amax {tuple(amax.shape)}, codes {tuple(codes.shape)}, "
-                         f"scales {tuple(scales.shape)})")
+        raise ValueError(f"quantize_into: operands do not fit bf16 (or float32, no values) rows of "
+                         f"{x.shape[-1] if x.dim() else 0} elements (x {x.dtype} {tuple(x.shape)}, amax "
+                         f"{tuple(amax.shape)}, codes {tuple(codes.shape)}, scales {tuple(scales.shape)})")
     return _run(x, amax, codes, scales, values, own_amax, threads, impl)
 
 
@@ -98,18 +104,18 @@ def _run(x: torch.Tensor, amax: torch.Tensor, codes: torch.Tensor, scales: torch
     k = x.shape[-1]
     r = x.numel() // k
     bad = first_bad()
-    call("nvfp4_quantize", x.data_ptr(), r, k, amax.data_ptr(), int(own_amax), codes.data_ptr(), scales.data_ptr(),
-         None if values is None else values.data_ptr(), threads_for(threads, 2 * r * k, GRAIN_BYTES), impl.value,
-         ctypes.byref(bad), messages=NOT_RUN, name="nvfp4_rows",
-         what=lambda: f"x {tuple(x.shape)}, impl {impl.name.lower()!r}")
+    out = () if x.dtype == torch.float32 else (None if values is None else values.data_ptr(),)
+    call(_ENTRY[x.dtype], x.data_ptr(), r, k, amax.data_ptr(), int(own_amax), codes.data_ptr(), scales.data_ptr(),
+         *out, threads_for(threads, x.element_size() * r * k, GRAIN_BYTES), impl.value, ctypes.byref(bad),
+         messages=NOT_RUN, name="nvfp4_rows", what=lambda: f"x {tuple(x.shape)}, impl {impl.name.lower()!r}")
     return bad.value >= 0
 
 
 def supports_nvfp4(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool) -> bool:
-    """Whether :func:`quantize_nvfp4` takes this input: bf16 CPU rows, each with its own or a given
-    amax (a per-tensor amax needs a pass over the whole tensor first: the numba kernels), and the
-    library built."""
-    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[-1] > 0
+    """Whether :func:`quantize_nvfp4` takes this input: bf16 or float32 CPU rows, each with its own or a
+    given amax (a per-tensor amax needs a pass over the whole tensor first:
+    :func:`tracefp4.formats.clib.quant.quantize_nvfp4`), and the library built."""
+    return (x.dtype in _ENTRY and x.device.type == "cpu" and x.shape[-1] > 0
             and (per_row or amax is not None) and library() is not None)
 
 
@@ -117,7 +123,9 @@ def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor | None, per_row: bool, va
                    ) -> tuple[NVFP4, torch.Tensor | None]:
     """The dispatch's C entry for NVFP4 (validated ``x``; ``amax`` validated, or None for each row's
     own): the outputs made in their final shapes and dtypes, so no view is needed after the pass (a
-    decode step's site is a few microseconds of work, and every tensor op here costs one)."""
+    decode step's site is a few microseconds of work, and every tensor op here costs one). float32
+    input gives no values (as the numba kernel)."""
+    values = values and x.dtype == torch.bfloat16
     lead, k = x.shape[:-1], x.shape[-1]
     q = NVFP4(codes=torch.empty(*lead, k // 2, dtype=torch.uint8),
               scales=torch.empty(*lead, k // NVFP4_BLOCK, dtype=torch.float8_e4m3fn),

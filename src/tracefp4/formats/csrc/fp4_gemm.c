@@ -49,13 +49,15 @@
  * depend on the thread count (it may depend on how many rows share the expert: that picks the path).
  *
  * The library also holds the one-pass kernels of a rollout's other steps: the sites' NVFP4
- * quantization (site_quant.h), the top-k combine (combine.h), the SiLU gate (silu_gate.h) and
+ * quantization (site_quant.h), the other CPU quantizers (cpu_quant.h: the per-tensor amax pass,
+ * dequantization, guided rounding, the low-bit hint), the top-k combine (combine.h), the SiLU gate (silu_gate.h) and
  * attention over a packed FP4 K/V cache (kv_attention.h).
  */
 #define _DEFAULT_SOURCE /* syscall() */
 #include "fp4_common.h"
 #include "panels.h"
 #include "site_quant.h"
+#include "cpu_quant.h"
 #include "combine.h"
 #include "silu_gate.h"
 #include "kv_attention.h"
@@ -317,18 +319,26 @@ int tfp4_routed_gemm(const uint16_t *x, const int64_t *ids, int64_t fanout, cons
     return rc;
 }
 
-/* NVFP4 quantization of bf16 rows x [rows, k] (site_quant.h): codes [rows, k/2], E4M3 scale bytes
+/* The thread count of a call over `items` independent items: at least 1, at most one an item. */
+static int cq_threads(int threads, int64_t items) {
+    if (threads < 1 || items < 2) return 1;
+    if (threads > items) threads = (int)items;
+    return threads > MAX_THREADS ? MAX_THREADS : threads;
+}
+
+/* NVFP4 quantization of bf16 (or, f32, float32) rows x [rows, k] (site_quant.h): codes [rows, k/2], E4M3 scale bytes
  * [rows, k/16], the row amaxes (own_amax: found and written; else read) and, unless values is NULL,
- * the dequantized rows in bf16 [rows, k]. impl: 0 the best this CPU runs, 1 portable C, 2 AVX-512.
+ * the dequantized rows in bf16 [rows, k] (bf16 input only). impl: 0 the best this CPU runs, 1 portable C, 2 AVX-512.
  * Rows are split in contiguous ranges over `threads` OpenMP threads (one where built without
  * OpenMP); each row is computed the same way whatever the split. *bad: the first row holding a NaN
  * or Inf, or -1. Returns 0, -1 (k not a multiple of 16, or an implementation this CPU lacks) or -3
  * (out of memory). */
-int tfp4_nvfp4_quantize(const uint16_t *x, int64_t rows, int64_t k, float *amax, int own_amax, uint8_t *codes,
-                        uint8_t *scales, uint16_t *values, int threads, int impl, int64_t *bad) {
+static int nvfp4_quantize(const void *x, int f32, int64_t rows, int64_t k, float *amax, int own_amax,
+                          const uint32_t *bm_in, uint8_t *codes, uint8_t *scales, uint16_t *values, int threads,
+                          int impl, int64_t *bad) {
     *bad = -1;
     const int avx = one_pass_avx(impl);
-    if (k <= 0 || k % 16 || rows < 0 || avx < 0) return -1;
+    if (k <= 0 || k % 16 || rows < 0 || avx < 0 || (f32 && values)) return -1;
     if (threads < 1) threads = 1;
     if (threads > rows) threads = rows > 0 ? (int)rows : 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
@@ -337,8 +347,8 @@ int tfp4_nvfp4_quantize(const uint16_t *x, int64_t rows, int64_t k, float *amax,
 #endif
     sq_job_t jobs[MAX_THREADS];
     for (int t = 0; t < threads; t++)
-        jobs[t] = (sq_job_t){x, k, rows * t / threads, rows * (t + 1) / threads, amax, own_amax, avx,
-                             codes, scales, values, -1};
+        jobs[t] = (sq_job_t){x, f32, k, rows * t / threads, rows * (t + 1) / threads, amax, own_amax, avx,
+                             bm_in, codes, scales, values, -1};
     int rc = 0;
     if (threads == 1) {
         rc = sq_run(&jobs[0]);
@@ -353,6 +363,252 @@ int tfp4_nvfp4_quantize(const uint16_t *x, int64_t rows, int64_t k, float *amax,
     }
     for (int t = 0; t < threads && *bad < 0; t++) *bad = jobs[t].bad;
     return rc;
+}
+
+int tfp4_nvfp4_quantize(const uint16_t *x, int64_t rows, int64_t k, float *amax, int own_amax, uint8_t *codes,
+                        uint8_t *scales, uint16_t *values, int threads, int impl, int64_t *bad) {
+    return nvfp4_quantize(x, 0, rows, k, amax, own_amax, NULL, codes, scales, values, threads, impl, bad);
+}
+
+/* tfp4_nvfp4_quantize of float32 rows: codes and scales only. */
+int tfp4_nvfp4_quantize_f32(const float *x, int64_t rows, int64_t k, float *amax, int own_amax, uint8_t *codes,
+                            uint8_t *scales, int threads, int impl, int64_t *bad) {
+    return nvfp4_quantize(x, 1, rows, k, amax, own_amax, NULL, codes, scales, NULL, threads, impl, bad);
+}
+
+/* The two passes of a per-tensor NVFP4 quantize of bf16 (f32 = 0) or float32 rows x [rows, k].
+ * tfp4_block_amax: every block's amax pattern into block_amax [rows, k/16] and the largest into *top
+ * (above the format's largest finite pattern: a NaN or Inf; the caller refuses it before pass two).
+ * tfp4_nvfp4_quantize_blocks: tfp4_nvfp4_quantize on the given row amaxes, the blocks' amaxes read
+ * from block_amax instead of found again. Rows split over `threads` OpenMP threads; impl as
+ * tfp4_nvfp4_quantize's. Return 0, -1 or -3. */
+int tfp4_block_amax(const void *x, int f32, int64_t rows, int64_t k, uint32_t *block_amax, int threads, int impl,
+                    uint32_t *top) {
+    const int avx = one_pass_avx(impl);
+    if (k <= 0 || k % 16 || rows < 0 || avx < 0) return -1;
+    threads = cq_threads(threads, rows);
+    const int64_t nb = k / 16;
+    uint32_t m = 0;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(max : m) if (threads > 1)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *x16 = (const uint16_t *)x + r * k;
+        const uint32_t *x32 = (const uint32_t *)x + r * k;
+        uint32_t v;
+#if defined(__x86_64__)
+        if (avx) v = f32 ? sq_block_amax_avx32(x32, nb, block_amax + r * nb) : sq_block_amax_avx(x16, nb, block_amax + r * nb);
+        else
+#endif
+            v = f32 ? sq_block_amax_portable32(x32, nb, block_amax + r * nb)
+                    : sq_block_amax_portable(x16, nb, block_amax + r * nb);
+        m = v > m ? v : m;
+    }
+    *top = m;
+    return 0;
+}
+
+int tfp4_nvfp4_quantize_blocks(const void *x, int f32, int64_t rows, int64_t k, float *amax, const uint32_t *block_amax,
+                               uint8_t *codes, uint8_t *scales, uint16_t *values, int threads, int impl) {
+    int64_t bad;
+    return nvfp4_quantize(x, f32, rows, k, amax, 0, block_amax, codes, scales, values, threads, impl, &bad);
+}
+
+/* The per-tensor amax pass (cpu_quant.h): the largest abs pattern of n bf16 (f32 = 0) or float32
+ * (f32 = 1) elements into *top (above the format's largest finite pattern: a NaN or Inf). The
+ * elements are split in contiguous ranges over `threads` OpenMP threads; a max does not depend on
+ * the split. impl as tfp4_nvfp4_quantize's. Returns 0 or -1. */
+int tfp4_abs_max(const void *x, int64_t n, int f32, int threads, int impl, uint32_t *top) {
+    const int avx = one_pass_avx(impl);
+    if (n < 0 || avx < 0) return -1;
+    threads = cq_threads(threads, n / 4096);
+    const int64_t size = f32 ? 4 : 2;
+    uint32_t m = 0;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(max : m) if (threads > 1)
+#endif
+    for (int t = 0; t < threads; t++) {
+        const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
+        const char *p = (const char *)x + lo * size;
+        uint32_t v;
+#if defined(__x86_64__)
+        if (avx) v = cq_abs_max_avx(p, hi - lo, f32);
+        else
+#endif
+            v = cq_abs_max_portable(p, hi - lo, f32);
+        m = v > m ? v : m;
+    }
+    *top = m;
+    return 0;
+}
+
+/* Dequantization (cpu_quant.h): code rows [rows, k/2], scale bytes [rows, k/block] (block 16 or 32)
+ * with their float32 values `lut` [256], row divisors [rows] -> float32 [rows, k]. Rows are split
+ * over `threads` OpenMP threads. impl as tfp4_nvfp4_quantize's. Returns 0 or -1. */
+int tfp4_dequantize(const uint8_t *codes, const uint8_t *scales, const float *lut, const float *row_div, int64_t rows,
+                    int64_t k, int block, float *out, int threads, int impl) {
+    const int avx = one_pass_avx(impl);
+    if (rows < 0 || k <= 0 || (block != 16 && block != 32) || k % block || avx < 0) return -1;
+    threads = cq_threads(threads, rows);
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *c = codes + r * (k / 2), *s = scales + r * (k / block);
+#if defined(__x86_64__)
+        if (avx) {
+            cq_dequant_row_avx(c, s, lut, row_div[r], k, block, out + r * k);
+            continue;
+        }
+#endif
+        cq_dequant_row_portable(c, s, lut, row_div[r], k, block, out + r * k);
+    }
+    return 0;
+}
+
+/* Guided rounding (cpu_quant.h) of bf16 rows x [rows, k] on the grid of scale bytes [rows, k/block]
+ * (values `lut` [256]) and s_dec [rows]; hint: low-bit rows [rows, k/8] (full = 0) or the rollout's
+ * code rows [rows, k/2] (full = 1) -> code rows [rows, k/2], and bad [rows] (1 where the row holds a
+ * NaN or Inf: its codes are garbage, the caller refuses it). Rows in contiguous ranges over `threads`
+ * OpenMP threads. impl as tfp4_nvfp4_quantize's. Returns 0, -1 or -3 (out of memory). */
+int tfp4_guided(const uint16_t *x, const uint8_t *scales, const float *lut, const float *s_dec, const uint8_t *hint,
+                int full, int64_t rows, int64_t k, int block, uint8_t *codes, uint8_t *bad, int threads, int impl) {
+    const int avx = one_pass_avx(impl);
+    if (rows < 0 || k <= 0 || (block != 16 && block != 32) || k % block || avx < 0) return -1;
+    threads = cq_threads(threads, rows);
+    const int64_t nb = k / block, hint_bytes = full ? k / 2 : k / 8;
+    int rc = 0;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(min : rc) if (threads > 1)
+#endif
+    for (int t = 0; t < threads; t++) {
+        float *enc = malloc((size_t)nb * sizeof(float));
+        if (!enc) {
+            rc = -3;
+            continue;
+        }
+        for (int64_t r = rows * t / threads; r < rows * (t + 1) / threads; r++) {
+            cq_encode_factors(scales + r * nb, lut, s_dec[r], nb, enc);
+            uint32_t top;
+#if defined(__x86_64__)
+            if (avx) top = cq_guided_row_avx(x + r * k, enc, k, block, hint + r * hint_bytes, full, codes + r * (k / 2));
+            else
+#endif
+                top = cq_guided_row_portable(x + r * k, enc, k, block, hint + r * hint_bytes, full, codes + r * (k / 2));
+            bad[r] = top > SQ_LIMIT;
+        }
+        free(enc);
+    }
+    return rc;
+}
+
+/* MXFP4 quantization (cpu_quant.h) of bf16 (f32 = 0) or float32 rows x [rows, k] (k a multiple of 32):
+ * codes [rows, k/2], biased E8M0 exponents [rows, k/32] (rceil: the RCEIL rule, else floor) and
+ * bad [rows] (1 where the row holds a NaN or Inf: its outputs are garbage, the caller refuses it).
+ * Rows in contiguous ranges over `threads` OpenMP threads. impl as tfp4_nvfp4_quantize's.
+ * Returns 0, -1 or -3 (out of memory). */
+int tfp4_mxfp4_quantize(const void *x, int f32, int64_t rows, int64_t k, int rceil, uint8_t *codes, uint8_t *scales,
+                        uint8_t *bad, int threads, int impl) {
+    const int avx = one_pass_avx(impl);
+    if (rows < 0 || k <= 0 || k % 32 || avx < 0) return -1;
+    threads = cq_threads(threads, rows);
+    const uint32_t limit = f32 ? SQ_LIMIT32 : SQ_LIMIT;
+    const int64_t size = f32 ? 4 : 2;
+    int rc = 0;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(min : rc) if (threads > 1)
+#endif
+    for (int t = 0; t < threads; t++) {
+        uint32_t *bm = malloc((size_t)(k / 16) * sizeof(uint32_t));
+        if (!bm) {
+            rc = -3;
+            continue;
+        }
+        for (int64_t r = rows * t / threads; r < rows * (t + 1) / threads; r++) {
+            const char *xr = (const char *)x + r * k * size;
+            uint32_t top;
+#if defined(__x86_64__)
+            if (avx) top = cq_mx_row_avx(xr, f32, k, rceil, bm, codes + r * (k / 2), scales + r * (k / 32));
+            else
+#endif
+                top = cq_mx_row_portable(xr, f32, k, rceil, bm, codes + r * (k / 2), scales + r * (k / 32));
+            bad[r] = top > limit;
+        }
+        free(bm);
+    }
+    return rc;
+}
+
+/* FP8 E4M3 (cpu_quant.h) of bf16 (f32 = 0) or float32 rows x [rows, k]: codes [rows, k], the row
+ * scales [rows] and bad [rows] (1 where the row holds a NaN or Inf: its outputs are garbage, the
+ * caller refuses it). Rows over `threads` OpenMP threads; impl as tfp4_nvfp4_quantize's. Returns 0 or -1. */
+int tfp4_fp8_quantize(const void *x, int f32, int64_t rows, int64_t k, uint8_t *codes, float *scale, uint8_t *bad,
+                      int threads, int impl) {
+    const int avx = one_pass_avx(impl);
+    if (rows < 0 || k <= 0 || avx < 0) return -1;
+    threads = cq_threads(threads, rows);
+    const uint32_t limit = f32 ? SQ_LIMIT32 : SQ_LIMIT;
+    const int64_t size = f32 ? 4 : 2;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const char *xr = (const char *)x + r * k * size;
+        uint32_t top;
+#if defined(__x86_64__)
+        if (avx) top = cq_fp8_row_avx(xr, f32, k, codes + r * k, scale + r);
+        else
+#endif
+            top = cq_fp8_row_portable(xr, f32, k, codes + r * k, scale + r);
+        bad[r] = top > limit;
+    }
+    return 0;
+}
+
+/* FP8 dequantize (cpu_quant.h): codes [rows, k] with the float32 value of each code `lut` [256] and
+ * the row scales [rows] -> float32 [rows, k]. Rows over `threads` OpenMP threads. Returns 0 or -1. */
+int tfp4_fp8_dequantize(const uint8_t *codes, const float *lut, const float *scale, int64_t rows, int64_t k, float *out,
+                        int threads, int impl) {
+    const int avx = one_pass_avx(impl);
+    if (rows < 0 || k <= 0 || avx < 0) return -1;
+    threads = cq_threads(threads, rows);
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+#if defined(__x86_64__)
+        if (avx) {
+            cq_fp8_dequant_row_avx(codes + r * k, lut, scale[r], k, out + r * k);
+            continue;
+        }
+#endif
+        cq_fp8_dequant_row_portable(codes + r * k, lut, scale[r], k, out + r * k);
+    }
+    return 0;
+}
+
+/* The low magnitude bits of packed codes (cpu_quant.h): n code bytes (a multiple of 4) -> n/4 bytes,
+ * element 8j+i in bit i of byte j. Split in contiguous ranges over `threads` OpenMP threads.
+ * impl as tfp4_nvfp4_quantize's. Returns 0 or -1. */
+int tfp4_lsb_bits(const uint8_t *codes, int64_t n, uint8_t *bits, int threads, int impl) {
+    const int avx = one_pass_avx(impl);
+    if (n < 0 || n % 4 || avx < 0) return -1;
+    const int64_t nout = n / 4;
+    threads = cq_threads(threads, nout / 4096);
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#endif
+    for (int t = 0; t < threads; t++) {
+        const int64_t lo = nout * t / threads, hi = nout * (t + 1) / threads;
+#if defined(__x86_64__)
+        if (avx) {
+            cq_lsb_avx(codes + 4 * lo, hi - lo, bits + lo);
+            continue;
+        }
+#endif
+        cq_lsb_portable(codes + 4 * lo, hi - lo, bits + lo);
+    }
+    return 0;
 }
 
 /* The top-k combine (combine.h): out bf16 [n, k, h], w float32 [n, k] -> res bf16 [n, h]; impl as

@@ -13,13 +13,16 @@
  *   value     = bf16_rne((e2m1(code) * scale[b]) / S_enc)
  *
  * A row holding a NaN or Inf is reported (the call returns the first such row, the caller refuses
- * it); its outputs are garbage computed in range. K is a multiple of 16. */
+ * it); its outputs are garbage computed in range. K is a multiple of 16. float32 rows (a per-tensor
+ * quantize's weights and gradients) take the same passes on 32-bit patterns, codes and scales only
+ * (the numba kernel writes values for bf16 input only). */
 #ifndef TFP4_SITE_QUANT_H
 #define TFP4_SITE_QUANT_H
 #include "fp4_common.h"
 #include <float.h>
 
 #define SQ_LIMIT 0x7F7Fu /* the largest finite bf16 abs pattern */
+#define SQ_LIMIT32 0x7F7FFFFFu /* the largest finite float32 abs pattern */
 
 static inline uint32_t sq_bits(float f) {
     uint32_t u;
@@ -99,6 +102,36 @@ static void sq_row_portable(const uint16_t *x, int64_t k, float amax, const uint
     }
 }
 
+/* float32 rows: block amax patterns of 32 bits (as the abs values' float32 bits). */
+static uint32_t sq_block_amax_portable32(const uint32_t *x, int64_t nb, uint32_t *bm) {
+    uint32_t top = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        uint32_t m = 0;
+        for (int i = 0; i < 16; i++) m = (x[16 * b + i] & 0x7FFFFFFFu) > m ? (x[16 * b + i] & 0x7FFFFFFFu) : m;
+        bm[b] = m;
+        top = m > top ? m : top;
+    }
+    return top;
+}
+
+static void sq_row_portable32(const uint32_t *x, int64_t k, float amax, const uint32_t *bm, uint8_t *codes,
+                              uint8_t *scales) {
+    const float s_enc = sq_s_enc(amax), factor = s_enc * (1.0f / 6.0f), s_dec = 1.0f / s_enc;
+    for (int64_t b = 0; b < k / 16; b++) {
+        float scale;
+        scales[b] = (uint8_t)sq_e4m3(sq_min(sq_float(bm[b] < SQ_LIMIT32 ? bm[b] : SQ_LIMIT32) * factor, 448.0f), &scale);
+        const float enc = sq_min(1.0f / (scale * s_dec), FLT_MAX);
+        for (int i = 0; i < 8; i++) {
+            uint32_t c[2];
+            for (int h = 0; h < 2; h++) {
+                uint32_t w = x[16 * b + 2 * i + h];
+                c[h] = (sq_e2m1(sq_float(w & 0x7FFFFFFFu) * enc) & 7u) | ((w >> 28) & 8u);
+            }
+            codes[8 * b + i] = (uint8_t)(c[0] | (c[1] << 4));
+        }
+    }
+}
+
 #if defined(__x86_64__)
 /* 16 blocks' amax patterns at once would need a transpose; a block's 16 elements reduce in-lane. */
 AVX512 static uint32_t sq_block_amax_avx(const uint16_t *x, int64_t nb, uint32_t *bm) {
@@ -128,13 +161,26 @@ AVX512 static uint32_t sq_block_amax_avx(const uint16_t *x, int64_t nb, uint32_t
     return top;
 }
 
+/* float32 rows: a block is one 512-bit load. */
+AVX512 static uint32_t sq_block_amax_avx32(const uint32_t *x, int64_t nb, uint32_t *bm) {
+    uint32_t top = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        uint32_t m = (uint32_t)_mm512_reduce_max_epu32(_mm512_and_si512(_mm512_loadu_si512(x + 16 * b),
+                                                                        _mm512_set1_epi32(0x7FFFFFFF)));
+        bm[b] = m;
+        top = m > top ? m : top;
+    }
+    return top;
+}
+
 /* The scale pass for up to 16 blocks: pattern bytes, float32 scale values and encode factors. */
-AVXINL void sq_scales16(const uint32_t *bm, int count, const float *factor, const float *s_dec, const float *s_enc,
-                         uint8_t *scales, float *sv, float *enc, float *q1, float *q15) {
+AVXINL void sq_scales16(const uint32_t *bm, int count, int f32, const float *factor, const float *s_dec,
+                         const float *s_enc, uint8_t *scales, float *sv, float *enc, float *q1, float *q15) {
     const __mmask16 m = count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
-    __m512i a = _mm512_min_epu32(_mm512_maskz_loadu_epi32(m, bm), _mm512_set1_epi32(SQ_LIMIT));
+    __m512i a = _mm512_min_epu32(_mm512_maskz_loadu_epi32(m, bm), _mm512_set1_epi32((int)(f32 ? SQ_LIMIT32 : SQ_LIMIT)));
+    if (!f32) a = _mm512_slli_epi32(a, 16); /* bf16 patterns: the top half of a float32's */
     /* min(amax * factor, 448): vminps returns its second operand unless the first is smaller, as sq_min */
-    __m512 d = _mm512_min_ps(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_maskz_loadu_ps(m, factor)),
+    __m512 d = _mm512_min_ps(_mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_maskz_loadu_ps(m, factor)),
                              _mm512_set1_ps(448.0f));
     __m512i bits = _mm512_castps_si512(d);
     __m512i rounded = _mm512_and_si512(
@@ -159,10 +205,8 @@ AVXINL void sq_scales16(const uint32_t *bm, int count, const float *factor, cons
     }
 }
 
-/* 16 bf16 elements of one block -> 8 code bytes and (values) their 16 dequantized bf16. */
-AVXINL void sq_block16(const uint16_t *x, float enc, __m512i table, uint8_t *codes, uint16_t *values) {
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
-    __m512 mag = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x7FFF)), 16));
+/* 16 elements' abs values (float32 lanes) and sign bits (bit 3 of each lane) -> their codes. */
+AVXINL __m512i sq_codes16(__m512 mag, __m512i signs, float enc) {
     __m512 m = _mm512_min_ps(_mm512_mul_ps(mag, _mm512_set1_ps(enc)), _mm512_set1_ps(6.0f));
     __m512i bits = _mm512_castps_si512(m);
     __m512i normal = _mm512_sub_epi32(
@@ -172,11 +216,28 @@ AVXINL void sq_block16(const uint16_t *x, float enc, __m512i table, uint8_t *cod
         _mm512_set1_epi32(252));
     __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(m, _mm512_set1_ps(0x1p22f))), _mm512_set1_epi32(0x4A800000));
     __m512i code = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(m, _mm512_set1_ps(1.0f), _CMP_GE_OQ), sub, normal);
-    code = _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi32(w, 12), _mm512_set1_epi32(8)));
-    /* element 2i in the low nibble of byte i: each 64-bit lane's high code moves to bits 4..7 */
-    __m512i pairs = _mm512_or_si512(code, _mm512_srli_epi64(code, 28));
-    _mm512_mask_cvtepi64_storeu_epi8(codes, 0xFF, pairs);
+    return _mm512_or_si512(code, _mm512_and_si512(signs, _mm512_set1_epi32(8)));
+}
+
+/* element 2i in the low nibble of byte i: each 64-bit lane's high code moves to bits 4..7 */
+AVXINL void sq_store_codes16(__m512i code, uint8_t *codes) {
+    _mm512_mask_cvtepi64_storeu_epi8(codes, 0xFF, _mm512_or_si512(code, _mm512_srli_epi64(code, 28)));
+}
+
+/* 16 bf16 elements of one block -> 8 code bytes and (values) their 16 dequantized bf16. */
+AVXINL void sq_block16(const uint16_t *x, float enc, __m512i table, uint8_t *codes, uint16_t *values) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
+    __m512 mag = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x7FFF)), 16));
+    __m512i code = sq_codes16(mag, _mm512_srli_epi32(w, 12), enc);
+    sq_store_codes16(code, codes);
     if (values) _mm256_storeu_si256((__m256i *)values, _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(code, table)));
+}
+
+/* 16 float32 elements of one block -> 8 code bytes. */
+AVXINL void sq_block16_32(const uint32_t *x, float enc, uint8_t *codes) {
+    __m512i w = _mm512_loadu_si512(x);
+    __m512 mag = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(0x7FFFFFFF)));
+    sq_store_codes16(sq_codes16(mag, _mm512_srli_epi32(w, 28), enc), codes);
 }
 
 /* bf16 bits (in 32-bit lanes) of (e2m1(c) * scale) / S_enc for the 16 codes c: a block's values.
@@ -208,19 +269,25 @@ enum { SQ_CHUNK_BLOCKS = 256, SQ_ARRAYS = 8 };
 /* Rows [r0, r1) (whole rows of one chunk, at most max(SQ_CHUNK_BLOCKS, K/16) blocks). The passes
  * run over the chunk's blocks, not row by row: a short row (K/V: 4 blocks) would otherwise wait on
  * its own chain of divisions (S_enc, the scales, the encode factors) before its first code. */
-AVX512 static void sq_chunk_avx(const uint16_t *x, int64_t k, int64_t r0, int64_t r1, float *amax, int own_amax,
-                                uint8_t *codes, uint8_t *scales, uint16_t *values, float *mem, int64_t *bad) {
+AVX512 static void sq_chunk_avx(const void *xv, int f32, int64_t k, int64_t r0, int64_t r1, float *amax, int own_amax,
+                                const uint32_t *bm_in, uint8_t *codes, uint8_t *scales, uint16_t *values, float *mem,
+                                int64_t *bad) {
     const int64_t nb = k / 16, blocks = (r1 - r0) * nb;
     const int64_t cap = blocks + 16;
-    uint32_t *bm = (uint32_t *)mem;
+    /* the block amaxes of the amax pass (only read from here on), or this chunk's own */
+    uint32_t *bm = bm_in ? (uint32_t *)(uintptr_t)(bm_in + r0 * nb) : (uint32_t *)mem;
     float *factor = mem + cap, *s_dec = mem + 2 * cap, *s_enc = mem + 3 * cap, *sv = mem + 4 * cap, *enc = mem + 5 * cap,
           *q1 = mem + 6 * cap, *q15 = mem + 7 * cap;
-    x += r0 * k;
+    const uint16_t *x = (const uint16_t *)xv + (f32 ? 0 : r0 * k);
+    const uint32_t *x32 = (const uint32_t *)xv + (f32 ? r0 * k : 0);
+    const uint32_t limit = f32 ? SQ_LIMIT32 : SQ_LIMIT;
     for (int64_t r = r0; r < r1; r++) {
         const int64_t g = (r - r0) * nb;
-        uint32_t top = sq_block_amax_avx(x + g * 16, nb, bm + g);
-        if (top > SQ_LIMIT && *bad < 0) *bad = r;
-        if (own_amax) amax[r] = sq_float((top < SQ_LIMIT ? top : SQ_LIMIT) << 16);
+        if (!bm_in) {
+            uint32_t top = f32 ? sq_block_amax_avx32(x32 + g * 16, nb, bm + g) : sq_block_amax_avx(x + g * 16, nb, bm + g);
+            if (top > limit && *bad < 0) *bad = r;
+            if (own_amax) amax[r] = sq_float((top < limit ? top : limit) << (f32 ? 0 : 16));
+        }
         const float se = sq_s_enc(amax[r]);
         const __m512 f = _mm512_set1_ps(se * (1.0f / 6.0f)), d = _mm512_set1_ps(1.0f / se), e = _mm512_set1_ps(se);
         for (int64_t b = 0; b < nb; b += 16) {
@@ -233,11 +300,15 @@ AVX512 static void sq_chunk_avx(const uint16_t *x, int64_t k, int64_t r0, int64_
     scales += r0 * nb;
     for (int64_t g = 0; g < blocks; g += 16) {
         const int count = blocks - g < 16 ? (int)(blocks - g) : 16;
-        sq_scales16(bm + g, count, factor + g, s_dec + g, s_enc + g, scales + g, sv + g, enc + g, values ? q1 + g : NULL,
+        sq_scales16(bm + g, count, f32, factor + g, s_dec + g, s_enc + g, scales + g, sv + g, enc + g, values ? q1 + g : NULL,
                     q15 + g);
     }
     codes += r0 * (k / 2);
     if (values) values += r0 * k;
+    if (f32) { /* no values: the numba kernel writes them for bf16 input only */
+        for (int64_t g = 0; g < blocks; g++) sq_block16_32(x32 + 16 * g, enc[g], codes + 8 * g);
+        return;
+    }
     for (int64_t g = 0; g < blocks; g++) {
         __m512i table = values ? sq_value_table(q1[g], q15[g], sv[g], s_enc[g], q1[g] < 0x1p-124f && q1[g] != 0.0f)
                                : _mm512_setzero_si512();
@@ -247,14 +318,29 @@ AVX512 static void sq_chunk_avx(const uint16_t *x, int64_t k, int64_t r0, int64_
 #endif
 
 typedef struct {
-    const uint16_t *x;
+    const void *x; /* bf16 bits, or float32 (f32) */
+    int f32;
     int64_t k, lo, hi;
     float *amax;
     int own_amax, avx;
+    const uint32_t *bm_in; /* block amax patterns [rows, k/16] of an amax pass (the caller checked them), or NULL */
     uint8_t *codes, *scales;
     uint16_t *values;
     int64_t bad; /* first non-finite row of this range, or -1 */
 } sq_job_t;
+
+/* One float32 row on the portable path. */
+static void sq_row32(sq_job_t *j, int64_t r, uint32_t *bm) {
+    const uint32_t *x = (const uint32_t *)j->x + r * j->k;
+    if (j->bm_in) {
+        bm = (uint32_t *)(uintptr_t)(j->bm_in + r * (j->k / 16));
+    } else {
+        uint32_t top = sq_block_amax_portable32(x, j->k / 16, bm);
+        if (top > SQ_LIMIT32 && j->bad < 0) j->bad = r;
+        if (j->own_amax) j->amax[r] = sq_float(top < SQ_LIMIT32 ? top : SQ_LIMIT32);
+    }
+    sq_row_portable32(x, j->k, j->amax[r], bm, j->codes + r * (j->k / 2), j->scales + r * (j->k / 16));
+}
 
 static int sq_run(sq_job_t *j) {
     const int64_t nb = j->k / 16;
@@ -264,7 +350,8 @@ static int sq_run(sq_job_t *j) {
         float *mem = malloc((size_t)SQ_ARRAYS * (size_t)(per_chunk * nb + 16) * sizeof(float));
         if (!mem) return -3;
         for (int64_t r = j->lo; r < j->hi; r += per_chunk)
-            sq_chunk_avx(j->x, j->k, r, r + per_chunk < j->hi ? r + per_chunk : j->hi, j->amax, j->own_amax, j->codes,
+            sq_chunk_avx(j->x, j->f32, j->k, r, r + per_chunk < j->hi ? r + per_chunk : j->hi, j->amax, j->own_amax, j->bm_in,
+                         j->codes,
                          j->scales, j->values, mem, &j->bad);
         free(mem);
         return 0;
@@ -273,11 +360,18 @@ static int sq_run(sq_job_t *j) {
     uint32_t *bm = malloc((size_t)(nb ? nb : 1) * sizeof(uint32_t)); /* a row's block amaxes */
     if (!bm) return -3;
     for (int64_t r = j->lo; r < j->hi; r++) {
-        const uint16_t *x = j->x + r * j->k;
-        uint32_t top = sq_block_amax_portable(x, nb, bm);
-        if (top > SQ_LIMIT && j->bad < 0) j->bad = r;
-        if (j->own_amax) j->amax[r] = sq_float((top < SQ_LIMIT ? top : SQ_LIMIT) << 16);
-        sq_row_portable(x, j->k, j->amax[r], bm, j->codes + r * (j->k / 2), j->scales + r * nb,
+        if (j->f32) {
+            sq_row32(j, r, bm);
+            continue;
+        }
+        const uint16_t *x = (const uint16_t *)j->x + r * j->k;
+        const uint32_t *rbm = j->bm_in ? j->bm_in + r * nb : bm;
+        if (!j->bm_in) {
+            uint32_t top = sq_block_amax_portable(x, nb, bm);
+            if (top > SQ_LIMIT && j->bad < 0) j->bad = r;
+            if (j->own_amax) j->amax[r] = sq_float((top < SQ_LIMIT ? top : SQ_LIMIT) << 16);
+        }
+        sq_row_portable(x, j->k, j->amax[r], rbm, j->codes + r * (j->k / 2), j->scales + r * nb,
                         j->values ? j->values + r * j->k : NULL);
     }
     free(bm);

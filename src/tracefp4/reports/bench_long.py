@@ -18,7 +18,7 @@ packed FP4 K/V read by the C kernel, including at prefill: so it runs at the sho
 Figures (all in one JSON; ``<ctx>`` is the context, prompt plus generated tokens):
 
 * ``rollout_tokens_per_s.<engine>.<mode>.<ctx>``: **decode** tokens/s with prefill excluded, at the
-  preset's first batch (``...@b<batch>`` for every batch run). The prompts have ``ctx - n`` tokens
+  first batch the cells list for that context (``...@b<batch>`` for every batch run). The prompts have ``ctx - n`` tokens
   (``n = --new-tokens``); the engine is stepped one forward at a time (vLLM: ``LLMEngine.step``; ours:
   :func:`~tracefp4.engines.rollout.decode_one_token`) and only steps in which every sequence decodes
   one token and none prefills are timed: ``n`` of them per sequence, split into ``--repeats`` equal
@@ -30,27 +30,34 @@ Figures (all in one JSON; ``<ctx>`` is the context, prompt plus generated tokens
   prefill over its slots), and ``kv_capacity_tokens.vllm.<mode>``: vLLM's reported capacity (blocks x
   block size) at the decode servers' one KV budget (``kv_budget_bytes``).
 * The **capacity run**: a KV budget of exactly ``--capacity-fit`` (8) whole requests of vLLM's BF16
-  engine (its measured bytes per token times the requests' blocks), a queue of ``--capacity-requests``
-  (32) requests of ``--capacity-output`` new tokens (default 512, not the issue's 1K, to keep the run
-  within minutes) after 64-token prompts, all submitted at once; vLLM schedules what fits (and
-  preempts what stops fitting). ``capacity_tokens_per_s.vllm.<mode>``: generated tokens over the wall
-  time to the last one; ``capacity_peak_running.vllm.<mode>``: the most requests running in one step
-  once the cache has filled (from the first preemption on; every step if none was preempted: with
-  short prompts vLLM first admits every request whose prompt fits, so a peak over the whole run is
-  the queue in every mode); ``capacity_mean_running``, ``capacity_preemptions`` and
-  ``capacity_kv_tokens`` (vLLM's capacity at that budget) beside them. The running count is read
-  from vLLM's scheduler after each step.
+  engine (its measured bytes per token times the requests' blocks, plus the one block vLLM's pool
+  holds back), a queue of ``--capacity-requests`` (32) requests of ``--capacity-output`` new tokens
+  (default 256, not the issue's 1K, to keep the run within minutes) after 64-token prompts, all
+  submitted at once; vLLM schedules what fits (and preempts what stops fitting).
+  ``capacity_tokens_per_s.vllm.<mode>``: generated tokens over the wall time to the last one;
+  ``capacity_peak_running.vllm.<mode>``: the most requests running in one step, read from vLLM's
+  scheduler after each step (from the first preemption on, if any: once the cache has filled);
+  ``capacity_mean_running``, ``capacity_preemptions`` and ``capacity_kv_tokens`` (vLLM's capacity at
+  that budget) beside them.
 * ``decode_time_share.<engine>.<mode>`` = {experts, attention, sites, rest}: where ``--profile-steps``
   decode steps go at the largest context an engine runs (``decode_time_share_context.<engine>``),
   from ``torch.profiler``: each op's own time goes to the innermost region it runs in: ``sites``
-  (``tracefp4::site``, every quantization site), ``experts`` (vLLM's ``moe_forward`` op; our MoE
-  experts modules), ``attention`` (vLLM's attention and cache-write ops; our attention function);
+  (``tracefp4::site``, every quantization site), ``experts`` (vLLM's ``moe_forward`` op, router
+  included, or its BF16 ``cpu_fused_moe`` kernel; our MoE experts modules), ``attention`` (vLLM's attention and cache-write ops; our attention function);
   ``rest`` is the steps' wall time less those three (norms, projections, sampling, the profiler).
 
-The default run (contexts 1K and 4K at batches 8 and 32, 16K at batch 8; home at 1K, batch 8;
-3 repeats; the capacity run) is sized for ~15 minutes on 2 quiet cores: the 16K prefills (8 per
-vLLM mode) are most of it. ``--contexts``/``--batch`` replace the cells (every context at every
-batch); the JSON's ``cells`` lists what ran.
+The default run (contexts 1K at batches 8 and 32, 4K at batch 8, 16K at batch 1; our engine at 1K,
+batch 8; the capacity run) is sized for ~15 minutes on 2 quiet cores with ``--repeats 3``: the
+prefills are most of it (measured on 2 shared cores of an AMD EPYC: a 2K prompt ~1.5 s in vLLM's
+BF16 engine, ~2.5x that in the packed FP4 one, whose prompt attention dequantizes and runs SDPA in
+float32; attention grows with the square of the prompt, so one 16K prompt is ~50 s in BF16 and ~2
+minutes in FP4 and trace_lsb each). 16K at batch 8, where the issue sets the decode target, is 8
+such prompts per mode (~50 minutes): ``--contexts 16384 --batch 8``. ``--contexts``/``--batch``
+replace the cells (every context at every batch); the JSON's ``cells`` lists what ran and
+``targets_not_run`` the targets whose cell did not. Prefix caching would not shorten this honestly:
+our vLLM engine turns it off (a cached block is never recomputed, so never recorded), and prompts
+sharing their blocks would have every sequence of a batch read one copy of its K/V, out of cache,
+which is not the long-context decode being measured.
 """
 
 from __future__ import annotations
@@ -96,13 +103,13 @@ class LongConfig:
     """What ``--preset long`` runs (the defaults are the preset's; the module docstring says why)."""
 
     spec: TinyMoESpec = dataclasses.field(default_factory=lambda: dataclasses.replace(LONG_MOE))
-    cells: tuple[tuple[int, int], ...] = ((1024, 8), (1024, 32), (4096, 8), (4096, 32), (16384, 8))
+    cells: tuple[tuple[int, int], ...] = ((1024, 8), (1024, 32), (4096, 8), (16384, 1))
     home_contexts: tuple[int, ...] = (1024,)
     new_tokens: int = 32
     repeats: int = 3
     capacity_fit: int = 8
     capacity_requests: int = 32
-    capacity_output: int = 512
+    capacity_output: int = 256
     profile_steps: int = 4
     seed: int = 0
 
@@ -121,6 +128,10 @@ class LongConfig:
     @property
     def primary_batch(self) -> int:
         return self.cells[0][1]
+
+    def first_batch(self, context: int) -> int:
+        """The batch of the first cell at ``context`` (its figures' plain key)."""
+        return next(b for c, b in self.cells if c == context)
 
     @property
     def batches(self) -> tuple[int, ...]:
@@ -181,7 +192,9 @@ def long_targets(res: dict) -> list[dict]:
 # --- profiling: where decode time goes -------------------------------------------------------------
 
 #: Profiler region names per category, innermost wins (a site inside the experts is a site).
-_REGIONS = {"sites": ("tracefp4::site",), "experts": ("vllm::moe_forward", "tracefp4::experts"),
+_REGIONS = {"sites": ("tracefp4::site",),
+            # vLLM's own BF16 experts run as one op outside moe_forward; ours inside it (router included)
+            "experts": ("vllm::moe_forward", "_C::cpu_fused_moe", "tracefp4::experts"),
             "attention": ("vllm::unified_attention_with_output", "vllm::unified_kv_cache_update",
                           "tracefp4::attention")}
 
@@ -527,7 +540,7 @@ def bench_long(engines: Sequence[str], cfg: LongConfig = LongConfig(),
             for mode in HOME_MODES:
                 say(f"home {mode}: context {ctx}, batch {batch}")
                 r = home_decode(model, mode, batch, ctx, common, (ctx, batch) == profiled)
-                _record(res, "home", mode, ctx, batch, r["rate"], cfg.primary_batch)
+                _record(res, "home", mode, ctx, batch, r["rate"], cfg.first_batch(ctx))
                 res[f"kv_bytes_per_token.home.{mode}"] = r["kv_bytes_per_token"]
                 if "share" in r:
                     res[f"decode_time_share.home.{mode}"] = r["share"]
@@ -536,14 +549,18 @@ def bench_long(engines: Sequence[str], cfg: LongConfig = LongConfig(),
         with tempfile.TemporaryDirectory(prefix="tracefp4-long-") as ckpt:
             model.save_pretrained(ckpt)
             _vllm_cells(ckpt, cfg, common, res, say)
-    res["targets"] = long_targets(res) if spec == LONG_MOE else []
     res["preset_shapes"] = spec == LONG_MOE
+    res["targets"] = long_targets(res) if res["preset_shapes"] else []
+    if res["preset_shapes"]:  # a target whose cell did not run (e.g. 16K at batch 8, out of the default run)
+        done = {t["target"] for t in res["targets"]}
+        res["targets_not_run"] = [label for label, *_ in LONG_TARGETS if label not in done]
     return res
 
 
-def _record(res: dict, engine: str, mode: str, ctx: int, batch: int, rate: float, primary: int) -> None:
+def _record(res: dict, engine: str, mode: str, ctx: int, batch: int, rate: float, first: int) -> None:
+    """The cell's rate under ``...<ctx>@b<batch>``, and under ``...<ctx>`` at the context's first batch."""
     res[f"rollout_tokens_per_s.{engine}.{mode}.{ctx}@b{batch}"] = rate
-    if batch == primary:
+    if batch == first:
         res[f"rollout_tokens_per_s.{engine}.{mode}.{ctx}"] = rate
 
 
@@ -587,7 +604,7 @@ def _vllm_cells(ckpt: str, cfg: LongConfig, common: dict, res: dict, say) -> Non
                 say(f"vllm {mode}: context {ctx}, batch {batch} (prefill {batch} x {ctx - cfg.new_tokens} tokens)")
                 r = servers[engine].ask(cmd="decode", mode=mode, batch=batch, context=ctx,
                                         profile=(ctx, batch) == profiled)
-                _record(res, "vllm", mode, ctx, batch, r["rate"], cfg.primary_batch)
+                _record(res, "vllm", mode, ctx, batch, r["rate"], cfg.first_batch(ctx))
                 if "share" in r:
                     res[f"decode_time_share.vllm.{mode}"] = r["share"]
                     res["decode_time_share_context.vllm"] = ctx
@@ -656,6 +673,10 @@ def format_long(res: dict) -> str:
     for t in res.get("targets", []):
         sym = ">=" if t["kind"] == "min" else "<="
         lines.append(f"target {t['target']}: {t['value']:.3f} ({sym} {t['bound']}: {'ok' if t['met'] else 'MISSED'})")
+    for label in res.get("targets_not_run", []):
+        lines.append(f"target {label}: not run (its cell or engine was not in this run)")
+    if not res.get("preset_shapes", True):
+        lines.append("no targets: the long preset's targets are set for its own shapes, not these")
     return "\n".join(lines)
 
 

@@ -569,18 +569,26 @@ def add_rollout_command(bsub, write_json: Callable[[str | None, dict], None]) ->
                    "with --engines home --no-memory)")
     b.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
     long = b.add_argument_group("--preset long (tracefp4.reports.bench_long; --batch and --new-tokens apply too)")
+    d = LongConfig()  # the help shows the preset's own defaults
+    cells = ", ".join(f"{c} x {b}" for c, b in d.cells)
     long.add_argument("--contexts", help="comma-separated contexts (prompt + generated) run at every --batch "
-                      "(default: the preset's cells, 1K and 4K at batches 8 and 32, 16K at batch 8)")
-    long.add_argument("--home-contexts", help="comma-separated contexts our engine runs too (default 1024)")
-    long.add_argument("--capacity-output", type=int, help="new tokens per capacity-run request (default 512)")
-    long.add_argument("--capacity-requests", type=int, help="capacity-run queue (default 32)")
+                      f"(default: the preset's cells, context x batch: {cells})")
+    long.add_argument("--home-contexts", help="comma-separated contexts our engine runs too (default "
+                      f"{','.join(map(str, d.home_contexts))})")
+    long.add_argument("--capacity-output", type=int, help=f"new tokens per capacity-run request (default "
+                      f"{d.capacity_output})")
+    long.add_argument("--capacity-requests", type=int, help=f"capacity-run queue (default {d.capacity_requests})")
     long.add_argument("--capacity-fit", type=int, help="requests vLLM's BF16 engine holds at the capacity budget "
-                      "(default 8)")
-    long.add_argument("--profile-steps", type=int, help="decode steps profiled at the largest context (default 4)")
+                      f"(default {d.capacity_fit})")
+    long.add_argument("--profile-steps", type=int, help="decode steps profiled at the largest context (default "
+                      f"{d.profile_steps})")
 
     def run(args: argparse.Namespace) -> int:
         spec = preset_spec(args.preset, **{f: getattr(args, f) for _, f, _ in _SHAPE_FLAGS})  # refusals name the option
         if args.preset == "long":
+            if args.device != "cpu":
+                raise ValueError(f"--preset long runs vLLM's CPU build and our engine on the CPU, not --device "
+                                 f"{args.device}")
             res = bench_long([e.strip() for e in args.engines.split(",") if e.strip()], long_config(args, spec),
                              progress=lambda msg: print(msg, file=sys.stderr, flush=True))
             print(format_long(res))

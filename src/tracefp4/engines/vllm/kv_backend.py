@@ -275,9 +275,12 @@ def prompt_attention(q: torch.Tensor, k: ckv.PackedKV, v: ckv.PackedKV, table: t
     rows = [ckv.dequantize_rows(ckv.PackedKV(p.codes[idx], p.scales[idx], None if p.amax is None else p.amax[idx],
                                              p.fmt)).float().transpose(0, 1) for p in (k, v)]
     r = q.shape[0]
-    causal = pos[None, :] <= (seq_len - r + torch.arange(r))[:, None]
-    out = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1), rows[0], rows[1], attn_mask=causal,
-                                                           scale=scale, enable_gqa=True)
+    if r == seq_len:  # a whole prompt: SDPA's own causal mask (its fused path; a mask tensor would be R x R)
+        mask = None
+    else:
+        mask = pos[None, :] <= (seq_len - r + torch.arange(r))[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1), rows[0], rows[1], attn_mask=mask,
+                                                           is_causal=mask is None, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
 
 

@@ -18,13 +18,17 @@ packed FP4 K/V read by the C kernel, including at prefill: so it runs at the sho
 Figures (all in one JSON; ``<ctx>`` is the context, prompt plus generated tokens):
 
 * ``rollout_tokens_per_s.<engine>.<mode>.<ctx>``: **decode** tokens/s with prefill excluded, at the
-  first batch the cells list for that context (``...@b<batch>`` for every batch run). The prompts have ``ctx - n`` tokens
-  (``n = --new-tokens``); the engine is stepped one forward at a time (vLLM: ``LLMEngine.step``; ours:
+  first batch the cells list for that context (``...@b<batch>`` for every batch run). The engine is
+  stepped one forward at a time (vLLM: ``LLMEngine.step``; ours:
   :func:`~tracefp4.engines.rollout.decode_one_token`) and only steps in which every sequence decodes
-  one token and none prefills are timed: ``n`` of them per sequence, split into ``--repeats`` equal
-  runs of steps whose median rate is reported. A rollout's recording runs as in any rollout (the
-  trace modes record their guidance every step); assembling the records afterwards is not decode
-  and is left out (the vLLM engines drop them).
+  one token and none prefills are timed: ``n = --new-tokens`` of them per mode, in ``--repeats``
+  equal runs of steps whose median rate is reported; the prompts stop that many steps short of the
+  context. Our vLLM engine runs ``fp4`` and ``trace_lsb`` over one prefill, alternating runs of
+  steps and switching the recording between them (the cached K/V codes are the same in both modes;
+  only what is recorded differs): one prefill per engine and cell, not per mode, and the two modes
+  timed side by side. A rollout's recording runs as in any rollout (trace_lsb records its guidance
+  every step); assembling the records afterwards is not decode and is left out (the vLLM engines
+  drop them). Our engine prefills per mode.
 * ``kv_bytes_per_token.<engine>.<mode>``: the bytes of the engine's own KV cache tensors over the
   tokens they hold (vLLM: its cache tensors over its reported capacity; ours: the cache after a
   prefill over its slots), and ``kv_capacity_tokens.vllm.<mode>``: vLLM's reported capacity (blocks x
@@ -48,11 +52,13 @@ Figures (all in one JSON; ``<ctx>`` is the context, prompt plus generated tokens
 
 The default run (contexts 1K at batches 8 and 32, 4K at batch 8, 16K at batch 1; our engine at 1K,
 batch 8; the capacity run) is sized for ~15 minutes on 2 quiet cores with ``--repeats 3``: the
-prefills are most of it (measured on 2 shared cores of an AMD EPYC: a 2K prompt ~1.5 s in vLLM's
-BF16 engine, ~2.5x that in the packed FP4 one, whose prompt attention dequantizes and runs SDPA in
-float32; attention grows with the square of the prompt, so one 16K prompt is ~50 s in BF16 and ~2
-minutes in FP4 and trace_lsb each). 16K at batch 8, where the issue sets the decode target, is 8
-such prompts per mode (~50 minutes): ``--contexts 16384 --batch 8``. ``--contexts``/``--batch``
+prefills are most of it. Measured on 2 shared cores of an AMD EPYC, a prompt costs vLLM's BF16
+engine ~1.2 s per 2K tokens of projections and experts plus ~0.75 s x (length / 2K)^2 of attention
+(one 16K prompt ~1 minute), vLLM's FP8-KV engine ~1.2x that and our FP4 engine ~2.2x (its prompt
+attention dequantizes and runs SDPA in float32), once for fp4 and trace_lsb together: ~10 minutes
+of prefill in all, plus three engine builds, the capacity run and our engine's cell (~1 minute
+each). 16K at batch 8, where the issue sets the decode target, is 8 such 16K prompts per engine: that
+cell alone, ``--contexts 16384 --batch 8``, is a ~40-minute run. ``--contexts``/``--batch``
 replace the cells (every context at every batch); the JSON's ``cells`` lists what ran and
 ``targets_not_run`` the targets whose cell did not. Prefix caching would not shorten this honestly:
 our vLLM engine turns it off (a cached block is never recomputed, so never recorded), and prompts
@@ -75,6 +81,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tracefp4.engines.factory import EngineKind
 from tracefp4.engines.model import TinyMoESpec, from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.guidance.compact import GuidedMode
@@ -117,9 +124,10 @@ class LongConfig:
         if not self.cells:
             raise ValueError("long preset: no (context, batch) cell to run")
         for ctx, batch in self.cells:
-            if batch < 1 or ctx <= self.new_tokens:
-                raise ValueError(f"long preset: context {ctx} must exceed --new-tokens {self.new_tokens} and batch "
-                                 f"{batch} be at least 1")
+            # our vLLM engine decodes fp4 and trace_lsb in turn after one prefill: 2 x new_tokens steps
+            if batch < 1 or ctx <= 2 * self.new_tokens:
+                raise ValueError(f"long preset: context {ctx} must exceed 2 x --new-tokens {self.new_tokens} (fp4 "
+                                 f"and trace_lsb decode in turn) and batch {batch} be at least 1")
         if self.new_tokens < self.repeats:
             raise ValueError(f"--new-tokens {self.new_tokens}: at least one timed step per repeat ({self.repeats})")
         if self.capacity_fit < 1 or self.capacity_requests < 1 or self.capacity_output < 1:
@@ -145,7 +153,7 @@ class LongConfig:
     def max_len(self) -> int:
         """The engines' max_model_len: the longest context, the stagger of the batch (the first sequence
         decodes while the others prefill) and the profiled steps, in whole blocks of 16."""
-        longest = max(c + b for c, b in self.cells) + self.profile_steps + 2
+        longest = max(c + b for c, b in self.cells) + 2 * self.profile_steps + 2
         return -(-longest // 16) * 16
 
 
@@ -269,12 +277,8 @@ class _Stepper:
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
-        self.e, self.recording = e, e.plan is not None
-        if self.recording:  # our engine: the mode's recording, as a rollout of that mode records
-            fp4, guidance = ROLLOUT_MODES.get(mode, (False, None))
-            if not fp4:
-                raise ValueError(f"mode {mode}: our FP4 engine serves fp4 and trace modes")
-            e.llm.collective_rpc("tracefp4_begin", args=(e.plan.to_dict(), guidance, [], e.n_layers))
+        self.e, self.recording = e, False
+        self.record(mode)
         self.engine = e.llm.llm_engine
         self.scheduler = self.engine.engine_core.engine_core.scheduler  # in-process engine core
         self.count = len(prompts)
@@ -283,6 +287,21 @@ class _Stepper:
             self.engine.add_request(f"long-{seed}-{i}", TokensPrompt(prompt_token_ids=p),
                                     VSP(max_tokens=max_tokens, temperature=1.0, seed=seed + i, ignore_eos=True,
                                         detokenize=False))
+
+    def record(self, mode: str) -> None:
+        """From the next step on, record as a rollout of ``mode`` records (our engine; vLLM's own
+        engines record nothing). The stored K/V codes do not depend on the mode, only what is kept."""
+        if self.e.plan is None:
+            if mode not in VLLM_MODES or VLLM_MODES[mode] == "vllm-fp4":
+                raise ValueError(f"mode {mode}: vLLM's own engines serve bf16 and fp8kv")
+            return
+        fp4, guidance = ROLLOUT_MODES.get(mode, (False, None))
+        if not fp4:
+            raise ValueError(f"mode {mode}: our FP4 engine serves fp4 and trace modes")
+        if self.recording:
+            self.e.llm.collective_rpc("tracefp4_abort")
+        self.e.llm.collective_rpc("tracefp4_begin", args=(self.e.plan.to_dict(), guidance, [], self.e.n_layers))
+        self.recording = True
 
     def step(self) -> None:
         for out in self.engine.step():
@@ -310,26 +329,35 @@ class _Stepper:
             self.e.llm.collective_rpc("tracefp4_abort")
 
 
-def vllm_decode(e, mode: str, batch: int, context: int, cfg: dict, profile: bool) -> dict:
-    """One decode cell on a built engine (see the module docstring): the timed steps' rate and, with
-    ``profile``, the time shares of a few more steps."""
+def vllm_decode(e, modes: Sequence[str], batch: int, context: int, cfg: dict, profile: bool) -> dict:
+    """One decode cell on a built engine (see the module docstring) for ``modes`` of that engine,
+    over one prefill: ``new_tokens`` timed steps per mode, in ``repeats`` runs that alternate the
+    modes (the recording switched between runs). Returns ``rates`` per mode and, with ``profile``,
+    ``shares`` of a few more steps per mode."""
     n, repeats, steps = cfg["new_tokens"], cfg["repeats"], cfg["profile_steps"] if profile else 0
-    prompts = _prompts(batch, context - n, cfg["vocab"], cfg["seed"])
-    st = _Stepper(e, mode, prompts, n + batch + steps + 1, cfg["seed"])
+    k = len(modes)
+    # the prompts end n*k tokens short of the context: the timed steps run up to it
+    prompts = _prompts(batch, context - n * k, cfg["vocab"], cfg["seed"])
+    st = _Stepper(e, modes[0], prompts, (n + steps) * k + batch + 1, cfg["seed"])
     try:
         while not st.prefilled():  # prefills (a decode may run beside one: not timed)
             st.step()
-        times: list[float] = []
-        while len(times) < n:
-            if len(st.running) != batch:
-                raise RuntimeError(f"{mode} at context {context}: {len(st.running)} of {batch} sequences running "
-                                   "(the KV budget is too small)")
-            t0 = time.perf_counter()
-            st.step()
-            times.append(time.perf_counter() - t0)
-        out = {"rate": _median_rate(times, batch, repeats)}
-        if steps:
-            out["share"] = _profiled(st.step, steps)
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        size = n // repeats
+        for r in range(repeats):
+            for mode in modes:
+                st.record(mode)
+                for _ in range(size if r < repeats - 1 else n - size * (repeats - 1)):
+                    if len(st.running) != batch:
+                        raise RuntimeError(f"{mode} at context {context}: {len(st.running)} of {batch} sequences "
+                                           "running (the KV budget is too small)")
+                    t0 = time.perf_counter()
+                    st.step()
+                    times[mode].append(time.perf_counter() - t0)
+        out: dict = {"rates": {m: _median_rate(t, batch, repeats) for m, t in times.items()}, "shares": {}}
+        for mode in modes if steps else ():
+            st.record(mode)
+            out["shares"][mode] = _profiled(st.step, steps)
     finally:
         st.close()
     return out
@@ -376,15 +404,15 @@ def serve(engine: str, ckpt: str, build: dict) -> None:
     e = _vllm_engine(engine, ckpt, build["max_len"], build["max_seqs"], build["kv_bytes"])
     try:
         # warm-up: a short generation per mode (first-use costs: kernels, buffers)
-        for mode in [m for m, eng in VLLM_MODES.items() if eng == engine]:
-            vllm_decode(e, mode, 1, 64 + build["new_tokens"], {**build, "repeats": 1}, profile=False)
+        modes = [m for m, eng in VLLM_MODES.items() if eng == engine]
+        vllm_decode(e, modes, 1, 64 + build["new_tokens"] * len(modes), {**build, "repeats": 1}, profile=False)
         print(_MARK + json.dumps({"ready": True}), file=out, flush=True)
         for line in sys.stdin:
             cmd = json.loads(line)
             if cmd["cmd"] == "quit":
                 break
             if cmd["cmd"] == "decode":
-                ans = vllm_decode(e, cmd["mode"], cmd["batch"], cmd["context"], build, cmd["profile"])
+                ans = vllm_decode(e, cmd["modes"], cmd["batch"], cmd["context"], build, cmd["profile"])
             elif cmd["cmd"] == "capacity":
                 ans = vllm_capacity(e, cmd["mode"], build)
             elif cmd["cmd"] == "kv":
@@ -521,11 +549,13 @@ def bench_long(engines: Sequence[str], cfg: LongConfig = LongConfig(),
                progress: Callable[[str], None] | None = None) -> dict:
     """The long preset's figures (module docstring) for ``engines`` (``home``, ``vllm``)."""
     say = progress or (lambda msg: None)
+    kinds = {EngineKind.parse(e, "--engines") for e in engines}  # a ValueError names a bad one
     spec = cfg.spec
     common = {"new_tokens": cfg.new_tokens, "repeats": cfg.repeats, "profile_steps": cfg.profile_steps,
               "vocab": spec.vocab, "seed": cfg.seed, "capacity_requests": cfg.capacity_requests,
               "capacity_output": cfg.capacity_output}
-    res: dict = {"preset": "long", "model": dataclasses.asdict(spec), "resized": RESIZED,
+    resized = RESIZED if spec == LONG_MOE else "the command line's shapes (see model), not the long preset's"
+    res: dict = {"preset": "long", "model": dataclasses.asdict(spec), "resized": resized,
                  "cells": [list(c) for c in cfg.cells], "home_contexts": list(cfg.home_contexts),
                  "new_tokens": cfg.new_tokens, "repeats": cfg.repeats, "threads": torch.get_num_threads(),
                  "batches": sorted({b for _, b in cfg.cells}), "contexts": list(cfg.contexts),
@@ -533,7 +563,7 @@ def bench_long(engines: Sequence[str], cfg: LongConfig = LongConfig(),
     say(f"long preset: building the model (hidden {spec.hidden}, {spec.layers} layer(s), attention {spec.heads} x "
         f"{spec.head_dim}, {spec.kv_heads} KV heads)")
     model = from_config(spec.config(max_positions=cfg.max_len + 64), seed=cfg.seed)
-    if "home" in engines:
+    if EngineKind.HOME in kinds:
         home_cells = [(c, b) for c, b in cfg.cells if c in cfg.home_contexts]
         profiled = profile_cell(home_cells, cfg.primary_batch)
         for ctx, batch in home_cells:
@@ -545,7 +575,7 @@ def bench_long(engines: Sequence[str], cfg: LongConfig = LongConfig(),
                 if "share" in r:
                     res[f"decode_time_share.home.{mode}"] = r["share"]
                     res["decode_time_share_context.home"] = ctx
-    if "vllm" in engines:
+    if EngineKind.VLLM in kinds:
         with tempfile.TemporaryDirectory(prefix="tracefp4-long-") as ckpt:
             model.save_pretrained(ckpt)
             _vllm_cells(ckpt, cfg, common, res, say)
@@ -582,7 +612,7 @@ def profile_cell(cells: Sequence[tuple[int, int]], primary: int) -> tuple[int, i
 
 def _vllm_cells(ckpt: str, cfg: LongConfig, common: dict, res: dict, say) -> None:
     # one KV budget for every decode server: the largest cell in BF16, with room for the blocks' rounding
-    tokens = max(b * (c + b + cfg.profile_steps + 2 + 128) for c, b in cfg.cells)
+    tokens = max(b * (c + b + 2 * cfg.profile_steps + 2 + 128) for c, b in cfg.cells)
     budget = int(tokens * _bf16_bytes_per_token(cfg.spec) * 1.1)
     res["kv_budget_bytes"] = budget
     build = {**common, "max_len": cfg.max_len, "max_seqs": max(b for _, b in cfg.cells), "kv_bytes": budget}
@@ -600,13 +630,15 @@ def _vllm_cells(ckpt: str, cfg: LongConfig, common: dict, res: dict, say) -> Non
                 bf16_per_token, block = kv["bytes"] / kv["tokens"], kv["block_size"]
         profiled = profile_cell(cfg.cells, cfg.primary_batch)
         for ctx, batch in cfg.cells:
-            for mode, engine in VLLM_MODES.items():  # the modes side by side in each cell (the machine drifts)
-                say(f"vllm {mode}: context {ctx}, batch {batch} (prefill {batch} x {ctx - cfg.new_tokens} tokens)")
-                r = servers[engine].ask(cmd="decode", mode=mode, batch=batch, context=ctx,
-                                        profile=(ctx, batch) == profiled)
-                _record(res, "vllm", mode, ctx, batch, r["rate"], cfg.first_batch(ctx))
-                if "share" in r:
-                    res[f"decode_time_share.vllm.{mode}"] = r["share"]
+            for engine, srv in servers.items():  # the engines side by side in each cell (the machine drifts)
+                modes = [m for m, e in VLLM_MODES.items() if e == engine]
+                say(f"vllm {'/'.join(modes)}: context {ctx}, batch {batch} (one prefill of {batch} x "
+                    f"{ctx - cfg.new_tokens * len(modes)} tokens)")
+                r = srv.ask(cmd="decode", modes=modes, batch=batch, context=ctx, profile=(ctx, batch) == profiled)
+                for mode, rate in r["rates"].items():
+                    _record(res, "vllm", mode, ctx, batch, rate, cfg.first_batch(ctx))
+                for mode, share in r["shares"].items():
+                    res[f"decode_time_share.vllm.{mode}"] = share
                     res["decode_time_share_context.vllm"] = ctx
     finally:
         for srv in servers.values():

@@ -132,6 +132,10 @@ def test_long_targets_are_ratios_of_the_figures_run_and_name_those_not_run():
     lsb = got["decode at 1024@b8: vllm trace_lsb / vllm fp4"]
     assert lsb["value"] == pytest.approx(0.9) and not lsb["met"]
     assert len(got) == 2 and len(LONG_TARGETS) == 8
+    res.update({"capacity_tokens_per_s.vllm.fp4": 300.0, "capacity_tokens_per_s.vllm.bf16": 100.0})
+    assert "capacity run tokens/s: vllm fp4 / vllm bf16" in {t["target"] for t in long_targets(res)}
+    # another queue than the one the capacity targets are set for: not evaluated
+    assert not any(t["target"].startswith("capacity") for t in long_targets(res, capacity=False))
 
 
 def test_decode_time_shares_go_to_the_innermost_region():
@@ -166,7 +170,8 @@ def test_long_preset_through_the_command_line(tmp_path, capsys):
     assert res["cells"] == [[64, 2]] and res["model"]["head_dim"] == 128 and "command line" in res["resized"]
     for engine, modes in (("home", ("bf16", "fp4", "trace_lsb")), ("vllm", ("bf16", "fp8kv", "fp4", "trace_lsb"))):
         for mode in modes:
-            assert res[f"rollout_tokens_per_s.{engine}.{mode}.64"] == res[f"rollout_tokens_per_s.{engine}.{mode}.64@b2"] > 0
+            plain, at_batch = (res[f"rollout_tokens_per_s.{engine}.{mode}.64{b}"] for b in ("", "@b2"))
+            assert plain == at_batch > 0
             share = res[f"decode_time_share.{engine}.{mode}"]
             assert set(share) == {"experts", "attention", "sites", "rest"} and share["attention"] > 0
         assert res[f"decode_time_share_context.{engine}"] == 64

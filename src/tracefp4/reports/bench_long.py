@@ -47,18 +47,19 @@ Figures (all in one JSON; ``<ctx>`` is the context, prompt plus generated tokens
   decode steps go at the largest context an engine runs (``decode_time_share_context.<engine>``),
   from ``torch.profiler``: each op's own time goes to the innermost region it runs in: ``sites``
   (``tracefp4::site``, every quantization site), ``experts`` (vLLM's ``moe_forward`` op, router
-  included, or its BF16 ``cpu_fused_moe`` kernel; our MoE experts modules), ``attention`` (vLLM's attention and cache-write ops; our attention function);
+  included, or its BF16 ``cpu_fused_moe`` kernel; our MoE experts modules), ``attention`` (vLLM's
+  attention and cache-write ops; our attention function);
   ``rest`` is the steps' wall time less those three (norms, projections, sampling, the profiler).
 
 The default run (contexts 1K at batches 8 and 32, 4K at batch 8, 16K at batch 1; our engine at 1K,
 batch 8; the capacity run) is sized for ~15 minutes on 2 quiet cores with ``--repeats 3``: the
-prefills are most of it. Measured on 2 shared cores of an AMD EPYC, a prompt costs vLLM's BF16
-engine ~1.2 s per 2K tokens of projections and experts plus ~0.75 s x (length / 2K)^2 of attention
-(one 16K prompt ~1 minute), vLLM's FP8-KV engine ~1.2x that and our FP4 engine ~2.2x (its prompt
-attention dequantizes and runs SDPA in float32), once for fp4 and trace_lsb together: ~10 minutes
-of prefill in all, plus three engine builds, the capacity run and our engine's cell (~1 minute
-each). 16K at batch 8, where the issue sets the decode target, is 8 such 16K prompts per engine: that
-cell alone, ``--contexts 16384 --batch 8``, is a ~40-minute run. ``--contexts``/``--batch``
+prefills are most of it. Measured on 2 shared cores of an AMD EPYC, one 4K prompt with its decode
+steps takes 2.8 s in vLLM's BF16 engine, 4.0 s with its FP8 K/V and 16 s in our FP4 engine (fp4 and
+trace_lsb together; its prompt attention dequantizes and runs SDPA in float32); attention grows with
+the square of the prompt, to about a minute per 16K prompt in BF16 and two in FP4. That is ~9
+minutes of prefill in all, plus three engine builds, the capacity run and our engine's cell (about
+a minute each). 16K at batch 8, where the issue sets the decode target, is 8 such prompts per
+engine: that cell alone, ``--contexts 16384 --batch 8``, is a ~40-minute run. ``--contexts``/``--batch``
 replace the cells (every context at every batch); the JSON's ``cells`` lists what ran and
 ``targets_not_run`` the targets whose cell did not. Prefix caching would not shorten this honestly:
 our vLLM engine turns it off (a cached block is never recomputed, so never recorded), and prompts
@@ -178,10 +179,11 @@ LONG_TARGETS = [
 ]
 
 
-def long_targets(res: dict) -> list[dict]:
+def long_targets(res: dict, capacity: bool = True) -> list[dict]:
     """The targets whose figures the run has, plus ``trace_lsb >= 0.926x fp4`` at every context and
-    batch each engine ran."""
-    rows = list(LONG_TARGETS)
+    batch each engine ran; ``capacity`` False leaves the capacity run's out (set for a queue of 32
+    requests of which BF16 holds 8, not for another)."""
+    rows = [t for t in LONG_TARGETS if capacity or not t[1].startswith("capacity_")]
     for key in sorted(k for k in res if k.startswith("rollout_tokens_per_s.") and ".fp4." in k and "@b" in k):
         engine, rest = key.split(".")[1], key.split(".fp4.")[1]
         rows.append((f"decode at {rest}: {engine} trace_lsb / {engine} fp4", key.replace(".fp4.", ".trace_lsb."), key,
@@ -580,7 +582,8 @@ def bench_long(engines: Sequence[str], cfg: LongConfig = LongConfig(),
             model.save_pretrained(ckpt)
             _vllm_cells(ckpt, cfg, common, res, say)
     res["preset_shapes"] = spec == LONG_MOE
-    res["targets"] = long_targets(res) if res["preset_shapes"] else []
+    capacity = (cfg.capacity_fit, cfg.capacity_requests) == (LongConfig().capacity_fit, LongConfig().capacity_requests)
+    res["targets"] = long_targets(res, capacity) if res["preset_shapes"] else []
     if res["preset_shapes"]:  # a target whose cell did not run (e.g. 16K at batch 8, out of the default run)
         done = {t["target"] for t in res["targets"]}
         res["targets_not_run"] = [label for label, *_ in LONG_TARGETS if label not in done]

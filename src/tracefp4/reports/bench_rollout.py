@@ -619,8 +619,9 @@ def long_config(args: argparse.Namespace, spec: TinyMoESpec) -> LongConfig:
     if args.contexts or args.batch:
         contexts = _ints(args.contexts, "--contexts") if args.contexts else base.contexts
         cells = tuple((c, b) for b in (args.batch or base.batches) for c in contexts)
-    given = {"new_tokens": args.new_tokens, "capacity_output": args.capacity_output, "profile_steps": args.profile_steps,
-             "capacity_requests": args.capacity_requests, "capacity_fit": args.capacity_fit}
+    given = {"new_tokens": args.new_tokens, "capacity_output": args.capacity_output,
+             "profile_steps": args.profile_steps, "capacity_requests": args.capacity_requests,
+             "capacity_fit": args.capacity_fit}
     home = _ints(args.home_contexts, "--home-contexts") if args.home_contexts else base.home_contexts
     return dataclasses.replace(base, spec=spec, cells=cells, repeats=args.repeats, home_contexts=home,
                                **{k: v for k, v in given.items() if v is not None})

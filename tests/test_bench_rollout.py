@@ -85,3 +85,106 @@ def test_vllm_kv_cache_figures_come_from_the_engines(tmp_path):
     assert abs(tokens["fp4"] * 80 - tokens["bf16"] * 256) <= block * 256
     assert abs(tokens["fp4"] * 80 - tokens["fp8kv"] * 128) <= block * 128
     assert res["kv_cache_bytes.vllm.fp4"] == tokens["fp4"] * 80
+
+
+# --- the long preset (tracefp4.reports.bench_long) -------------------------------------------------
+
+LONG_TINY = ["--preset", "long", "--layers", "1", "--hidden", "64", "--experts", "4", "--top-k", "2", "--expert-dim", "32",
+             "--heads", "4", "--kv-heads", "1", "--head-dim", "128", "--contexts", "64", "--home-contexts", "64",
+             "--batch", "2", "--new-tokens", "4", "--repeats", "2", "--capacity-output", "16", "--capacity-requests", "3",
+             "--capacity-fit", "1", "--profile-steps", "2"]
+
+
+def _long_args(*extra: str):
+    import argparse
+
+    from tracefp4.reports.bench_rollout import add_rollout_command
+
+    p = argparse.ArgumentParser()
+    add_rollout_command(p.add_subparsers(), lambda path, res: None)
+    return p.parse_args(["rollout", *extra])
+
+
+def test_long_cells_come_from_the_command_line_or_the_preset():
+    from tracefp4.reports.bench_long import LONG_MOE, LongConfig
+    from tracefp4.reports.bench_rollout import long_config
+
+    cfg = long_config(_long_args("--preset", "long"), LONG_MOE)
+    assert cfg.cells == LongConfig().cells and cfg.repeats == 1 and cfg.spec == LONG_MOE
+    cfg = long_config(_long_args("--preset", "long", "--contexts", "1024,4096", "--batch", "8", "--batch", "32",
+                                 "--capacity-output", "1024", "--repeats", "3"), LONG_MOE)
+    assert cfg.cells == ((1024, 8), (4096, 8), (1024, 32), (4096, 32))
+    assert cfg.capacity_output == 1024 and cfg.repeats == 3 and cfg.first_batch(4096) == 8
+    with pytest.raises(ValueError, match="--contexts: expected comma-separated integers"):
+        long_config(_long_args("--preset", "long", "--contexts", "1K"), LONG_MOE)
+    with pytest.raises(ValueError, match="context 16 must exceed 2 x --new-tokens 32"):
+        LongConfig(cells=((16, 8),))
+
+
+def test_long_targets_are_ratios_of_the_figures_run_and_name_those_not_run():
+    from tracefp4.reports.bench_long import LONG_TARGETS, long_targets
+
+    res = {"kv_bytes_per_token.vllm.fp4": 152.0, "kv_bytes_per_token.vllm.bf16": 512.0,
+           "rollout_tokens_per_s.vllm.fp4.1024@b8": 100.0, "rollout_tokens_per_s.vllm.trace_lsb.1024@b8": 90.0}
+    got = {t["target"]: t for t in long_targets(res)}
+    kv = got["KV bytes per token: vllm fp4 / vllm bf16"]
+    assert kv["value"] == pytest.approx(152 / 512) and kv["kind"] == "max" and kv["met"]
+    lsb = got["decode at 1024@b8: vllm trace_lsb / vllm fp4"]
+    assert lsb["value"] == pytest.approx(0.9) and not lsb["met"]
+    assert len(got) == 2 and len(LONG_TARGETS) == 8
+    res.update({"capacity_tokens_per_s.vllm.fp4": 300.0, "capacity_tokens_per_s.vllm.bf16": 100.0})
+    assert "capacity run tokens/s: vllm fp4 / vllm bf16" in {t["target"] for t in long_targets(res)}
+    # another queue than the one the capacity targets are set for: not evaluated
+    assert not any(t["target"].startswith("capacity") for t in long_targets(res, capacity=False))
+
+
+def test_decode_time_shares_go_to_the_innermost_region():
+    from types import SimpleNamespace as Ev
+
+    from tracefp4.reports.bench_long import profile_cell, share_of_events
+
+    moe = Ev(name="vllm::moe_forward", cpu_parent=None, self_cpu_time_total=100_000)
+    site = Ev(name="tracefp4::site", cpu_parent=moe, self_cpu_time_total=50_000)
+    mm = Ev(name="aten::mm", cpu_parent=site, self_cpu_time_total=50_000)  # inside a site inside the experts
+    attn = Ev(name="vllm::unified_attention_with_output", cpu_parent=None, self_cpu_time_total=200_000)
+    other = Ev(name="aten::add", cpu_parent=None, self_cpu_time_total=10_000)
+    share = share_of_events([moe, site, mm, attn, other], wall_s=1.0)
+    assert share == pytest.approx({"experts": 0.1, "sites": 0.1, "attention": 0.2, "rest": 0.6})
+    assert profile_cell([(1024, 8), (16384, 1), (16384, 8)], 8) == (16384, 8)
+    assert profile_cell([(1024, 8), (16384, 2), (16384, 1)], 8) == (16384, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.subprocess
+def test_long_preset_through_the_command_line(tmp_path, capsys):
+    """The long preset's path at a tiny size (head dim 128, one KV head, one layer): every figure's
+    key, and the KV bytes per token of the engines' own caches: BF16 2 x 128 x 2 = 512, vLLM's FP8
+    256, packed NVFP4 K and V rows 2 x (64 + 8 + 4) = 152 (0.297x)."""
+    pytest.importorskip("vllm")
+    if not __import__("torch").cpu._is_avx512_supported():
+        pytest.skip("vLLM's FP8 KV cache on CPU needs AVX-512")
+    path = tmp_path / "long.json"
+    assert main(["bench", "rollout", *LONG_TINY, "--engines", "home,vllm", "--json", str(path)]) == 0
+    res = json.loads(path.read_text())
+    assert res["cells"] == [[64, 2]] and res["model"]["head_dim"] == 128 and "command line" in res["resized"]
+    for engine, modes in (("home", ("bf16", "fp4", "trace_lsb")), ("vllm", ("bf16", "fp8kv", "fp4", "trace_lsb"))):
+        for mode in modes:
+            plain, at_batch = (res[f"rollout_tokens_per_s.{engine}.{mode}.64{b}"] for b in ("", "@b2"))
+            assert plain == at_batch > 0
+            share = res[f"decode_time_share.{engine}.{mode}"]
+            assert set(share) == {"experts", "attention", "sites", "rest"} and share["attention"] > 0
+        assert res[f"decode_time_share_context.{engine}"] == 64
+    per_token = {k.split(".", 1)[1]: v for k, v in res.items() if k.startswith("kv_bytes_per_token.")}
+    assert per_token == {"home.bf16": 512, "home.fp4": 152, "home.trace_lsb": 152, "vllm.bf16": 512,
+                         "vllm.fp8kv": 256, "vllm.fp4": 152, "vllm.trace_lsb": 152}
+    tokens = {m: res[f"kv_capacity_tokens.vllm.{m}"] for m in ("bf16", "fp8kv", "fp4")}
+    block = 128  # one budget: the capacities in the inverse ratio of the bytes, less a block of rounding
+    assert abs(tokens["fp4"] * 152 - tokens["bf16"] * 512) <= block * 512
+    for mode in ("bf16", "fp8kv", "fp4", "trace_lsb"):
+        assert res[f"capacity_tokens_per_s.vllm.{mode}"] > 0
+        assert res[f"capacity_kv_tokens.vllm.{mode}"] >= block
+    # the budget holds exactly one BF16 request (of one block): one at a time; FP4 holds all three
+    assert res["capacity_peak_running.vllm.bf16"] == 1 and res["capacity_peak_running.vllm.fp4"] == 3
+    assert res["preset_shapes"] is False and res["targets"] == []
+    assert "no targets" in capsys.readouterr().out

@@ -51,12 +51,15 @@ def _code(state: ForwardState, layer: int, site: Site, x: torch.Tensor, quantize
     """The code of ``x`` at ``site`` and its value where the path gives one (None: the caller
     dequantizes), recorded by the path: the one place a site is quantized."""
     name = record_prefix(layer, site)
-    try:
-        if not quantizer.guidable:  # compensated NVFP4 (QUADS): two passes, nothing recorded or guided
-            return quantizer.quantize(x.detach()), None
-        return state.path.site(layer, name, x, quantizer)
-    except ValueError as e:
-        raise ValueError(f"site {name}: {e}") from e
+    # a profiler region (a few microseconds when no profiler runs): ``bench rollout --preset long``
+    # reports the share of decode time the sites take from it
+    with torch.profiler.record_function("tracefp4::site"):
+        try:
+            if not quantizer.guidable:  # compensated NVFP4 (QUADS): two passes, nothing recorded or guided
+                return quantizer.quantize(x.detach()), None
+            return state.path.site(layer, name, x, quantizer)
+        except ValueError as e:
+            raise ValueError(f"site {name}: {e}") from e
 
 
 def quantize_site(state: ForwardState, layer: int, site: Site, x: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,7 @@ from tracefp4.engines.model import TinyMoESpec, from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutEngine, SamplingParams
 from tracefp4.guidance.compact import GuidedMode
+from tracefp4.reports.bench_long import LONG_MOE, LongConfig, bench_long, format_long
 from tracefp4.rl.arms import ROLLOUT_MODES
 
 __all__ = ["BANDWIDTH_MOE", "MID_MOE", "PRESETS", "Preset", "bench_rollout", "format_rollout",
@@ -83,7 +84,9 @@ class Preset:
     prompt_len: int = 16
 
 
-PRESETS = {"mid": Preset(MID_MOE, (64,), 128), "bandwidth": Preset(BANDWIDTH_MOE, (8, 32), 32)}
+PRESETS = {"mid": Preset(MID_MOE, (64,), 128), "bandwidth": Preset(BANDWIDTH_MOE, (8, 32), 32),
+           # long contexts: its own run (:mod:`tracefp4.reports.bench_long`), here for its model's shapes
+           "long": Preset(LONG_MOE, LongConfig().batches, LongConfig().new_tokens)}
 
 #: Targets per preset, as (description, key, bound): a ratio of two throughputs must reach the bound,
 #: or (memory) a figure stay below it.
@@ -302,6 +305,8 @@ def bench_rollout(engines: Sequence[str] = ("home", "vllm"), *, preset: str = "m
     if device != "cpu" and (memory or "vllm" in engines):
         raise ValueError(f"device {device!r}: our engine alone (--engines home --no-memory); the memory "
                          "probes and the vLLM servers run the CPU build")
+    if preset == "long":
+        raise ValueError("the long preset has its own run: tracefp4.reports.bench_long.bench_long")
     say = progress or (lambda msg: None)
     p = PRESETS[preset]
     spec = spec or p.spec
@@ -563,9 +568,32 @@ def add_rollout_command(bsub, write_json: Callable[[str | None, dict], None]) ->
     b.add_argument("--device", default="cpu", help="where our engine runs: cpu, or cuda (the Triton kernels; "
                    "with --engines home --no-memory)")
     b.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
+    long = b.add_argument_group("--preset long (tracefp4.reports.bench_long; --batch and --new-tokens apply too)")
+    d = LongConfig()  # the help shows the preset's own defaults
+    cells = ", ".join(f"{c} x {b}" for c, b in d.cells)
+    long.add_argument("--contexts", help="comma-separated contexts (prompt + generated) run at every --batch "
+                      f"(default: the preset's cells, context x batch: {cells})")
+    long.add_argument("--home-contexts", help="comma-separated contexts our engine runs too (default "
+                      f"{','.join(map(str, d.home_contexts))})")
+    long.add_argument("--capacity-output", type=int, help=f"new tokens per capacity-run request (default "
+                      f"{d.capacity_output})")
+    long.add_argument("--capacity-requests", type=int, help=f"capacity-run queue (default {d.capacity_requests})")
+    long.add_argument("--capacity-fit", type=int, help="requests vLLM's BF16 engine holds at the capacity budget "
+                      f"(default {d.capacity_fit})")
+    long.add_argument("--profile-steps", type=int, help="decode steps profiled at the largest context (default "
+                      f"{d.profile_steps})")
 
     def run(args: argparse.Namespace) -> int:
         spec = preset_spec(args.preset, **{f: getattr(args, f) for _, f, _ in _SHAPE_FLAGS})  # refusals name the option
+        if args.preset == "long":
+            if args.device != "cpu":
+                raise ValueError(f"--preset long runs vLLM's CPU build and our engine on the CPU, not --device "
+                                 f"{args.device}")
+            res = bench_long([e.strip() for e in args.engines.split(",") if e.strip()], long_config(args, spec),
+                             progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+            print(format_long(res))
+            write_json(args.json, res)
+            return 0
         res = bench_rollout([e.strip() for e in args.engines.split(",") if e.strip()], preset=args.preset,
                             batches=args.batch, new_tokens=args.new_tokens, repeats=args.repeats, spec=spec,
                             memory=not args.no_memory, progress=lambda msg: print(msg, file=sys.stderr, flush=True),
@@ -575,6 +603,28 @@ def add_rollout_command(bsub, write_json: Callable[[str | None, dict], None]) ->
         return 0
 
     b.set_defaults(func=run)
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+
+
+def long_config(args: argparse.Namespace, spec: TinyMoESpec) -> LongConfig:
+    """The long preset's run from ``bench rollout``'s options (unset ones: the preset's)."""
+    base = LongConfig()
+    cells = base.cells
+    if args.contexts or args.batch:
+        contexts = _ints(args.contexts, "--contexts") if args.contexts else base.contexts
+        cells = tuple((c, b) for b in (args.batch or base.batches) for c in contexts)
+    given = {"new_tokens": args.new_tokens, "capacity_output": args.capacity_output,
+             "profile_steps": args.profile_steps, "capacity_requests": args.capacity_requests,
+             "capacity_fit": args.capacity_fit}
+    home = _ints(args.home_contexts, "--home-contexts") if args.home_contexts else base.home_contexts
+    return dataclasses.replace(base, spec=spec, cells=cells, repeats=args.repeats, home_contexts=home,
+                               **{k: v for k, v in given.items() if v is not None})
 
 
 def main(argv: list[str] | None = None) -> int:

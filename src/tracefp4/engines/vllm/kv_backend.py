@@ -272,13 +272,19 @@ def prompt_attention(q: torch.Tensor, k: ckv.PackedKV, v: ckv.PackedKV, table: t
     which SDPA's blocked GEMMs do many times faster than the kernel's row-at-a-time loop."""
     pos = torch.arange(seq_len)
     idx = table.to(torch.int64)[pos // block_size] * block_size + pos % block_size
+    # [1, heads, tokens, D]: SDPA's fused CPU (flash) kernel takes 4-D inputs only; 3-D ones go to its
+    # math path, which holds the [Hq, R, seq_len] scores (measured: 4.9 GB and 7x the time at R = 4K)
     rows = [ckv.dequantize_rows(ckv.PackedKV(p.codes[idx], p.scales[idx], None if p.amax is None else p.amax[idx],
-                                             p.fmt)).float().transpose(0, 1) for p in (k, v)]
+                                             p.fmt)).float().transpose(0, 1).unsqueeze(0) for p in (k, v)]
     r = q.shape[0]
-    causal = pos[None, :] <= (seq_len - r + torch.arange(r))[:, None]
-    out = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1), rows[0], rows[1], attn_mask=causal,
-                                                           scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    if r == seq_len:  # a whole prompt: SDPA's own causal mask (no R x R mask tensor)
+        mask = None
+    else:
+        mask = pos[None, :] <= (seq_len - r + torch.arange(r))[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1).unsqueeze(0), rows[0], rows[1],
+                                                           attn_mask=mask, is_causal=mask is None, scale=scale,
+                                                           enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 def install_packed_attention(layer, fmt: Format) -> None:

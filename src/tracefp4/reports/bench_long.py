@@ -1,0 +1,730 @@
+"""``tracefp4 bench rollout --preset long``: decode speed at long contexts, KV bytes and capacity, per engine and mode.
+
+What the FP4 KV cache is for: long rollouts, where the KV cache sets both the bytes every decode step
+reads and how many sequences fit a KV budget at once. The model (:data:`LONG_MOE`) has the bandwidth
+preset's attention (32 query heads, 4 KV heads, head dim 128: Qwen3-30B-A3B's) but one decoder
+layer, hidden 1024 and 32 experts top-4 of dim 384: a 16K-token prefill is ~2.2 TFLOP of attention
+per sequence and layer whatever the rest of the model, ~50 s on 2 cores, and every (mode, sequence)
+needs its own; the JSON's ``model`` and ``resized`` say so. Random weights, random prompts, no stop
+token.
+
+Modes and engines (each vLLM engine in a server process of its own, see :class:`LongServer`):
+``vllm.bf16`` vLLM's own unquantized engine, ``vllm.fp8kv`` the same with ``kv_cache_dtype="fp8"``
+(BF16 experts: what a user would pick instead), ``vllm.fp4`` and ``vllm.trace_lsb`` our plugin's engine
+(packed FP4 experts, packed NVFP4 K/V), ``home.bf16``/``home.fp4``/``home.trace_lsb`` our engine (its
+packed FP4 K/V read by the C kernel, including at prefill: so it runs at the short contexts only,
+``--home-contexts``).
+
+Figures (all in one JSON; ``<ctx>`` is the context, prompt plus generated tokens):
+
+* ``rollout_tokens_per_s.<engine>.<mode>.<ctx>``: **decode** tokens/s with prefill excluded, at the
+  first batch the cells list for that context (``...@b<batch>`` for every batch run). The engine is
+  stepped one forward at a time (vLLM: ``LLMEngine.step``; ours:
+  :func:`~tracefp4.engines.rollout.decode_one_token`) and only steps in which every sequence decodes
+  one token and none prefills are timed: ``n = --new-tokens`` of them per mode, in ``--repeats``
+  equal runs of steps whose median rate is reported; the prompts stop that many steps short of the
+  context. Our vLLM engine runs ``fp4`` and ``trace_lsb`` over one prefill, alternating runs of
+  steps and switching the recording between them (the cached K/V codes are the same in both modes;
+  only what is recorded differs): one prefill per engine and cell, not per mode, and the two modes
+  timed side by side. A rollout's recording runs as in any rollout (trace_lsb records its guidance
+  every step); assembling the records afterwards is not decode and is left out (the vLLM engines
+  drop them). Our engine prefills per mode.
+* ``kv_bytes_per_token.<engine>.<mode>``: the bytes of the engine's own KV cache tensors over the
+  tokens they hold (vLLM: its cache tensors over its reported capacity; ours: the cache after a
+  prefill over its slots), and ``kv_capacity_tokens.vllm.<mode>``: vLLM's reported capacity (blocks x
+  block size) at the decode servers' one KV budget (``kv_budget_bytes``).
+* The **capacity run**: a KV budget of exactly ``--capacity-fit`` (8) whole requests of vLLM's BF16
+  engine (its measured bytes per token times the requests' blocks, plus the one block vLLM's pool
+  holds back), a queue of ``--capacity-requests`` (32) requests of ``--capacity-output`` new tokens
+  (default 256, not the issue's 1K, to keep the run within minutes) after 64-token prompts, all
+  submitted at once; vLLM schedules what fits (and preempts what stops fitting).
+  ``capacity_tokens_per_s.vllm.<mode>``: generated tokens over the wall time to the last one;
+  ``capacity_peak_running.vllm.<mode>``: the most requests running in one step, read from vLLM's
+  scheduler after each step (from the first preemption on, if any: once the cache has filled);
+  ``capacity_mean_running``, ``capacity_preemptions`` and ``capacity_kv_tokens`` (vLLM's capacity at
+  that budget) beside them.
+* ``decode_time_share.<engine>.<mode>`` = {experts, attention, sites, rest}: where ``--profile-steps``
+  decode steps go at the largest context an engine runs (``decode_time_share_context.<engine>``),
+  from ``torch.profiler``: each op's own time goes to the innermost region it runs in: ``sites``
+  (``tracefp4::site``, every quantization site), ``experts`` (vLLM's ``moe_forward`` op, router
+  included, or its BF16 ``cpu_fused_moe`` kernel; our MoE experts modules), ``attention`` (vLLM's
+  attention and cache-write ops; our attention function);
+  ``rest`` is the steps' wall time less those three (norms, projections, sampling, the profiler).
+
+The default run (contexts 1K at batches 8 and 32, 4K at batch 8, 16K at batch 1; our engine at 1K,
+batch 8; the capacity run) is sized for ~15 minutes on 2 quiet cores with ``--repeats 3``: the
+prefills are most of it. Measured on 2 shared cores of an AMD EPYC, one 4K prompt with its decode
+steps takes 2.8 s in vLLM's BF16 engine, 4.0 s with its FP8 K/V and 16 s in our FP4 engine (fp4 and
+trace_lsb together; its prompt attention dequantizes and runs SDPA in float32); attention grows with
+the square of the prompt, to about a minute per 16K prompt in BF16 and two in FP4. That is ~9
+minutes of prefill in all, plus three engine builds, the capacity run and our engine's cell (about
+a minute each). 16K at batch 8, where the issue sets the decode target, is 8 such prompts per
+engine: that cell alone, ``--contexts 16384 --batch 8``, is a ~40-minute run. ``--contexts``/``--batch``
+replace the cells (every context at every batch); the JSON's ``cells`` lists what ran and
+``targets_not_run`` the targets whose cell did not. Prefix caching would not shorten this honestly:
+our vLLM engine turns it off (a cached block is never recomputed, so never recorded), and prompts
+sharing their blocks would have every sequence of a batch read one copy of its K/V, out of cache,
+which is not the long-context decode being measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tracefp4.engines.factory import EngineKind
+from tracefp4.engines.model import TinyMoESpec, from_config
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.guidance.compact import GuidedMode
+from tracefp4.rl.arms import ROLLOUT_MODES
+
+__all__ = ["LONG_MOE", "LONG_TARGETS", "LongConfig", "LongServer", "bench_long", "format_long", "long_targets",
+           "profile_cell", "share_of_events"]
+
+#: The bandwidth preset's attention (32 x 128 query heads, 4 KV heads) on a smaller rest of the model.
+LONG_MOE = TinyMoESpec(hidden=1024, layers=1, experts=32, top_k=4, moe_intermediate=384, heads=32, kv_heads=4,
+                       head_dim=128, vocab=1024, init_std=0.02)
+RESIZED = ("1 decoder layer (not 48), hidden 1024 (not 2048), 32 experts top-4 of dim 384 (not 128 top-8 of 768), "
+           "the attention shape kept (32 query heads, 4 KV heads, head dim 128): each 16K-token prefill is ~2.2 TFLOP "
+           "of attention per sequence and layer (~50 s on 2 cores), so one layer and a lighter MoE keep the default "
+           "run near 15 minutes; the KV figures per layer and the attention's share of decode are those of the full "
+           "shape, the experts' share is smaller than at the real model's size")
+#: The vLLM modes and the server (engine) each runs on.
+VLLM_MODES = {"bf16": "vllm-bf16", "fp8kv": "vllm-fp8kv", "fp4": "vllm-fp4", "trace_lsb": "vllm-fp4"}
+HOME_MODES = ("bf16", "fp4", "trace_lsb")
+#: Capacity run prompts: long enough to be a prompt, short beside the outputs.
+CAPACITY_PROMPT = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class LongConfig:
+    """What ``--preset long`` runs (the defaults are the preset's; the module docstring says why)."""
+
+    spec: TinyMoESpec = dataclasses.field(default_factory=lambda: dataclasses.replace(LONG_MOE))
+    cells: tuple[tuple[int, int], ...] = ((1024, 8), (1024, 32), (4096, 8), (16384, 1))
+    home_contexts: tuple[int, ...] = (1024,)
+    new_tokens: int = 32
+    repeats: int = 3
+    capacity_fit: int = 8
+    capacity_requests: int = 32
+    capacity_output: int = 256
+    profile_steps: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.cells:
+            raise ValueError("long preset: no (context, batch) cell to run")
+        for ctx, batch in self.cells:
+            # our vLLM engine decodes fp4 and trace_lsb in turn after one prefill: 2 x new_tokens steps
+            if batch < 1 or ctx <= 2 * self.new_tokens:
+                raise ValueError(f"long preset: context {ctx} must exceed 2 x --new-tokens {self.new_tokens} (fp4 "
+                                 f"and trace_lsb decode in turn) and batch {batch} be at least 1")
+        if self.new_tokens < self.repeats:
+            raise ValueError(f"--new-tokens {self.new_tokens}: at least one timed step per repeat ({self.repeats})")
+        if self.capacity_fit < 1 or self.capacity_requests < 1 or self.capacity_output < 1:
+            raise ValueError("capacity run: --capacity-fit, --capacity-requests and --capacity-output must be >= 1")
+
+    @property
+    def primary_batch(self) -> int:
+        return self.cells[0][1]
+
+    def first_batch(self, context: int) -> int:
+        """The batch of the first cell at ``context`` (its figures' plain key)."""
+        return next(b for c, b in self.cells if c == context)
+
+    @property
+    def batches(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(b for _, b in self.cells))
+
+    @property
+    def contexts(self) -> tuple[int, ...]:
+        return tuple(sorted({c for c, _ in self.cells}))
+
+    @property
+    def max_len(self) -> int:
+        """The engines' max_model_len: the longest context, the stagger of the batch (the first sequence
+        decodes while the others prefill) and the profiled steps, in whole blocks of 16."""
+        longest = max(c + b for c, b in self.cells) + 2 * self.profile_steps + 2
+        return -(-longest // 16) * 16
+
+
+#: (description, key of the numerator, key of the denominator, bound, kind): ratios of two figures.
+LONG_TARGETS = [
+    ("KV bytes per token: vllm fp4 / vllm bf16", "kv_bytes_per_token.vllm.fp4", "kv_bytes_per_token.vllm.bf16", 0.31,
+     "max"),
+    ("KV bytes per token: vllm fp4 / vllm fp8kv", "kv_bytes_per_token.vllm.fp4", "kv_bytes_per_token.vllm.fp8kv", 0.62,
+     "max"),
+    ("KV capacity tokens at one budget: vllm fp4 / vllm bf16", "kv_capacity_tokens.vllm.fp4",
+     "kv_capacity_tokens.vllm.bf16", 3.2, "min"),
+    ("decode at 16K, batch 8: vllm fp4 / vllm bf16", "rollout_tokens_per_s.vllm.fp4.16384@b8",
+     "rollout_tokens_per_s.vllm.bf16.16384@b8", 1.3, "min"),
+    ("decode at 16K, batch 8: vllm fp4 / vllm fp8kv", "rollout_tokens_per_s.vllm.fp4.16384@b8",
+     "rollout_tokens_per_s.vllm.fp8kv.16384@b8", 1.2, "min"),
+    ("capacity run tokens/s: vllm fp4 / vllm bf16", "capacity_tokens_per_s.vllm.fp4", "capacity_tokens_per_s.vllm.bf16",
+     2.5, "min"),
+    ("capacity run tokens/s: vllm fp4 / vllm fp8kv", "capacity_tokens_per_s.vllm.fp4",
+     "capacity_tokens_per_s.vllm.fp8kv", 1.6, "min"),
+    ("capacity run peak running: vllm fp4 / vllm bf16", "capacity_peak_running.vllm.fp4",
+     "capacity_peak_running.vllm.bf16", 3.0, "min"),
+]
+
+
+def long_targets(res: dict, capacity: bool = True) -> list[dict]:
+    """The targets whose figures the run has, plus ``trace_lsb >= 0.926x fp4`` at every context and
+    batch each engine ran; ``capacity`` False leaves the capacity run's out (set for a queue of 32
+    requests of which BF16 holds 8, not for another)."""
+    rows = [t for t in LONG_TARGETS if capacity or not t[1].startswith("capacity_")]
+    for key in sorted(k for k in res if k.startswith("rollout_tokens_per_s.") and ".fp4." in k and "@b" in k):
+        engine, rest = key.split(".")[1], key.split(".fp4.")[1]
+        rows.append((f"decode at {rest}: {engine} trace_lsb / {engine} fp4", key.replace(".fp4.", ".trace_lsb."), key,
+                     0.926, "min"))
+    out = []
+    for label, num, den, bound, kind in rows:
+        a, b = res.get(num), res.get(den)
+        if a is None or b is None or not b:
+            continue
+        value = a / b
+        out.append({"target": label, "value": value, "bound": bound, "kind": kind,
+                    "met": value >= bound if kind == "min" else value <= bound})
+    return out
+
+
+# --- profiling: where decode time goes -------------------------------------------------------------
+
+#: Profiler region names per category, innermost wins (a site inside the experts is a site).
+_REGIONS = {"sites": ("tracefp4::site",),
+            # vLLM's own BF16 experts run as one op outside moe_forward; ours inside it (router included)
+            "experts": ("vllm::moe_forward", "_C::cpu_fused_moe", "tracefp4::experts"),
+            "attention": ("vllm::unified_attention_with_output", "vllm::unified_kv_cache_update",
+                          "tracefp4::attention")}
+
+
+def share_of_events(events, wall_s: float) -> dict[str, float]:
+    """``{experts, attention, sites, rest}`` fractions of ``wall_s`` from a profiler's events: each
+    event's own (self) CPU time goes to the innermost enclosing region of a category; ``rest`` is the
+    wall time the categories do not account for."""
+    names = {n: cat for cat, ns in _REGIONS.items() for n in ns}
+    acc = dict.fromkeys(_REGIONS, 0.0)
+    for ev in events:
+        node, cat = ev, None
+        while node is not None and cat is None:
+            cat = names.get(node.name)
+            node = node.cpu_parent
+        if cat is not None:
+            acc[cat] += ev.self_cpu_time_total / 1e6
+    share = {k: v / wall_s for k, v in acc.items()}
+    share["rest"] = max(0.0, 1.0 - sum(share.values()))
+    return share
+
+
+def _profiled(step: Callable[[], None], steps: int) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall = time.perf_counter() - t0
+    return share_of_events(prof.events(), wall)
+
+
+# --- prompts ---------------------------------------------------------------------------------------
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + length * 31 + batch)
+    return torch.randint(3, vocab, (batch, length), generator=g).tolist()
+
+
+def _median_rate(step_times: list[float], tokens_per_step: int, repeats: int) -> float:
+    """Tokens/s of ``repeats`` equal runs of consecutive steps, median."""
+    size = len(step_times) // repeats
+    runs = [step_times[i * size:(i + 1) * size] for i in range(repeats)]
+    return statistics.median(tokens_per_step * len(r) / sum(r) for r in runs)
+
+
+# --- vLLM, server side -----------------------------------------------------------------------------
+
+
+def _vllm_engine(engine: str, ckpt: str, max_len: int, max_seqs: int, kv_bytes: int):
+    from tracefp4.engines.vllm.engine import PlainVLLMEngine, VLLMEngine
+
+    # max_num_batched_tokens: one whole prompt per step (no chunked prefill, see VLLMEngine)
+    common = dict(max_model_len=max_len, max_num_seqs=max_seqs, kv_cache_memory_bytes=int(kv_bytes),
+                  max_num_batched_tokens=max(max_len, 2048))
+    if engine == "vllm-bf16":
+        return PlainVLLMEngine(ckpt, **common)
+    if engine == "vllm-fp8kv":
+        return PlainVLLMEngine(ckpt, kv_cache_dtype="fp8", **common)
+    if engine == "vllm-fp4":
+        return VLLMEngine(ckpt, plan=PrecisionPlan(), **common)
+    raise ValueError(f"unknown long-preset engine {engine!r}; expected one of {sorted(set(VLLM_MODES.values()))}")
+
+
+class _Stepper:
+    """Requests submitted to a vLLM engine and stepped one forward at a time, with the plugin's
+    recording begun for the mode (the records are dropped afterwards: assembling them is not decode)."""
+
+    def __init__(self, e, mode: str, prompts: list[list[int]], max_tokens: int, seed: int) -> None:
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        self.e, self.recording = e, False
+        self.record(mode)
+        self.engine = e.llm.llm_engine
+        self.scheduler = self.engine.engine_core.engine_core.scheduler  # in-process engine core
+        self.count = len(prompts)
+        self.generated: dict[str, int] = {}  # tokens so far, by the outputs' request id
+        for i, p in enumerate(prompts):
+            self.engine.add_request(f"long-{seed}-{i}", TokensPrompt(prompt_token_ids=p),
+                                    VSP(max_tokens=max_tokens, temperature=1.0, seed=seed + i, ignore_eos=True,
+                                        detokenize=False))
+
+    def record(self, mode: str) -> None:
+        """From the next step on, record as a rollout of ``mode`` records (our engine; vLLM's own
+        engines record nothing). The stored K/V codes do not depend on the mode, only what is kept."""
+        if self.e.plan is None:
+            if mode not in VLLM_MODES or VLLM_MODES[mode] == "vllm-fp4":
+                raise ValueError(f"mode {mode}: vLLM's own engines serve bf16 and fp8kv")
+            return
+        fp4, guidance = ROLLOUT_MODES.get(mode, (False, None))
+        if not fp4:
+            raise ValueError(f"mode {mode}: our FP4 engine serves fp4 and trace modes")
+        if self.recording:
+            self.e.llm.collective_rpc("tracefp4_abort")
+        self.e.llm.collective_rpc("tracefp4_begin", args=(self.e.plan.to_dict(), guidance, [], self.e.n_layers))
+        self.recording = True
+
+    def step(self) -> None:
+        for out in self.engine.step():
+            self.generated[out.request_id] = len(out.outputs[0].token_ids)
+
+    def prefilled(self) -> bool:
+        """Every request has its first token (no prompt left to run)."""
+        return len(self.generated) == self.count and min(self.generated.values()) > 0
+
+    @property
+    def running(self) -> set[str]:
+        return {r.request_id for r in self.scheduler.running}
+
+    @property
+    def waiting(self) -> set[str]:
+        return {r.request_id for r in self.scheduler.waiting}
+
+    def unfinished(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def close(self) -> None:
+        while self.unfinished():  # nothing left behind for the next run
+            self.step()
+        if self.recording:
+            self.e.llm.collective_rpc("tracefp4_abort")
+
+
+def vllm_decode(e, modes: Sequence[str], batch: int, context: int, cfg: dict, profile: bool) -> dict:
+    """One decode cell on a built engine (see the module docstring) for ``modes`` of that engine,
+    over one prefill: ``new_tokens`` timed steps per mode, in ``repeats`` runs that alternate the
+    modes (the recording switched between runs). Returns ``rates`` per mode and, with ``profile``,
+    ``shares`` of a few more steps per mode."""
+    n, repeats, steps = cfg["new_tokens"], cfg["repeats"], cfg["profile_steps"] if profile else 0
+    k = len(modes)
+    # the prompts end n*k tokens short of the context: the timed steps run up to it
+    prompts = _prompts(batch, context - n * k, cfg["vocab"], cfg["seed"])
+    st = _Stepper(e, modes[0], prompts, (n + steps) * k + batch + 1, cfg["seed"])
+    try:
+        while not st.prefilled():  # prefills (a decode may run beside one: not timed)
+            st.step()
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        size = n // repeats
+        for r in range(repeats):
+            for mode in modes:
+                st.record(mode)
+                for _ in range(size if r < repeats - 1 else n - size * (repeats - 1)):
+                    if len(st.running) != batch:
+                        raise RuntimeError(f"{mode} at context {context}: {len(st.running)} of {batch} sequences "
+                                           "running (the KV budget is too small)")
+                    t0 = time.perf_counter()
+                    st.step()
+                    times[mode].append(time.perf_counter() - t0)
+        out: dict = {"rates": {m: _median_rate(t, batch, repeats) for m, t in times.items()}, "shares": {}}
+        for mode in modes if steps else ():
+            st.record(mode)
+            out["shares"][mode] = _profiled(st.step, steps)
+    finally:
+        st.close()
+    return out
+
+
+def vllm_capacity(e, mode: str, cfg: dict) -> dict:
+    """The capacity run on an engine built with the capacity budget (see the module docstring)."""
+    prompts = _prompts(cfg["capacity_requests"], CAPACITY_PROMPT, cfg["vocab"], cfg["seed"] + 1)
+    st = _Stepper(e, mode, prompts, cfg["capacity_output"], cfg["seed"])
+    counts, preempted, full_from = [], 0, None
+    t0 = time.perf_counter()
+    try:
+        before: set[str] = set()
+        while st.unfinished():
+            st.step()
+            now = st.running
+            lost = (before - now) & st.waiting  # left the running set unfinished: preempted
+            if lost:
+                preempted += len(lost)
+                full_from = len(counts) if full_from is None else full_from
+            counts.append(len(now))
+            before = now
+        wall = time.perf_counter() - t0
+    finally:
+        st.close()
+    tokens = sum(st.generated.values())
+    held = counts[full_from or 0:] or [0]
+    return {"tokens_per_s": tokens / wall, "peak_running": max(held), "mean_running": statistics.fmean(counts),
+            "preemptions": preempted, "tokens": tokens}
+
+
+_MARK = "@tracefp4-long "
+
+
+def serve(engine: str, ckpt: str, build: dict) -> None:
+    """The server side of :class:`LongServer`: JSON commands on stdin (``decode``, ``capacity``,
+    ``kv``, ``quit``), one marked JSON answer each on stdout."""
+    from tracefp4.engines.vllm.engine import engine_env
+
+    engine_env()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever else writes to stdout goes to stderr
+    sys.stdout = sys.stderr
+    e = _vllm_engine(engine, ckpt, build["max_len"], build["max_seqs"], build["kv_bytes"])
+    try:
+        # warm-up: a short generation per mode (first-use costs: kernels, buffers)
+        modes = [m for m, eng in VLLM_MODES.items() if eng == engine]
+        vllm_decode(e, modes, 1, 64 + build["new_tokens"] * len(modes), {**build, "repeats": 1}, profile=False)
+        print(_MARK + json.dumps({"ready": True}), file=out, flush=True)
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["cmd"] == "quit":
+                break
+            if cmd["cmd"] == "decode":
+                ans = vllm_decode(e, cmd["modes"], cmd["batch"], cmd["context"], build, cmd["profile"])
+            elif cmd["cmd"] == "capacity":
+                ans = vllm_capacity(e, cmd["mode"], build)
+            elif cmd["cmd"] == "kv":
+                ans = {**e.kv_cache_size(), "block_size": int(e.llm.llm_engine.vllm_config.cache_config.block_size)}
+            else:
+                raise ValueError(f"long server: unknown command {cmd['cmd']!r}")
+            print(_MARK + json.dumps(ans), file=out, flush=True)
+    finally:
+        e.close()
+
+
+class LongServer:
+    """A vLLM engine of the long preset in a process of its own (``python -m
+    tracefp4.reports.bench_long serve ENGINE CKPT BUILD_JSON``): vLLM keeps process-wide state, so
+    each engine needs its own process, and with all of them built first their cells can be run side
+    by side (the machine's speed drifts over minutes). Commands and answers are JSON lines."""
+
+    def __init__(self, engine: str, ckpt: str, build: dict) -> None:
+        cmd = [sys.executable, "-m", "tracefp4.reports.bench_long", "serve", engine, ckpt, json.dumps(build)]
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        self.engine = engine
+        self.log = tempfile.TemporaryFile(mode="w+")  # the server's stderr, quoted when it fails
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=env)
+        self._read()  # {"ready": true} once built and warmed up
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:  # libraries may print to stdout at import: only marked lines count
+            if line.startswith(_MARK):
+                return json.loads(line[len(_MARK):])
+        rc = self.proc.wait()
+        self.log.seek(0)
+        raise RuntimeError(f"long bench server {self.engine} exited ({rc}):\n{self.log.read()[-3000:]}")
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            self.proc.stdin.flush()
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+# --- our engine ------------------------------------------------------------------------------------
+
+
+class _HomeRegions:
+    """Profiler regions around our engine's experts (each MoE block's ``experts`` module) and its
+    attention function, for :func:`share_of_events` (installed for the profiled steps only)."""
+
+    def __init__(self, model) -> None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from tracefp4.engines.model import moe_layers
+
+        self.model, self.table = model, ALL_ATTENTION_FUNCTIONS
+        self.impl = model.config._attn_implementation
+        self.experts = [m.experts for m in moe_layers(model)]
+        self.hooks, self.open, self.saved = [], [], None
+
+    def __enter__(self):
+        from torch.autograd.profiler import record_function
+
+        def pre(module, args):
+            self.open.append(record_function("tracefp4::experts").__enter__())
+
+        def post(module, args, out):
+            self.open.pop().__exit__(None, None, None)
+
+        for m in self.experts:
+            self.hooks += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+        self.saved = self.table[self.impl]
+        base = self.saved
+
+        def attention(*args, **kwargs):
+            with record_function("tracefp4::attention"):
+                return base(*args, **kwargs)
+
+        self.table[self.impl] = attention
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.table[self.impl] = self.saved
+
+
+def home_decode(model, mode: str, batch: int, context: int, cfg: dict, profile: bool) -> dict:
+    """One decode cell of our engine: prefill (untimed), then ``new_tokens`` timed decode steps; the
+    bytes per token of the cache it built and, with ``profile``, the time shares of a few more steps."""
+    from tracefp4.engines.capture import RolloutCapture
+    from tracefp4.engines.model import model_layers
+    from tracefp4.engines.protocol import SamplingParams
+    from tracefp4.engines.rollout import decode_one_token, prefill
+
+    n, steps = cfg["new_tokens"], cfg["profile_steps"] if profile else 0
+    fp4, guidance = ROLLOUT_MODES[mode]
+    plan = PrecisionPlan() if fp4 else None
+    capture = RolloutCapture.of(GuidedMode.parse(guidance) if guidance else None, frozenset(), model_layers(model)[0])
+    prompts = [torch.tensor(p) for p in _prompts(batch, context - n, cfg["vocab"], cfg["seed"])]
+    sampling = SamplingParams(max_new_tokens=n + steps + 1, temperature=1.0, seed=cfg["seed"])
+    g = torch.Generator().manual_seed(cfg["seed"])
+    with torch.no_grad():
+        st, logits = prefill(model, plan, capture, prompts, 0)
+        out = {"kv_bytes_per_token": st.cache.kv_bytes_per_token()}
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            logits = decode_one_token(st, logits, sampling, g)
+            times.append(time.perf_counter() - t0)
+        out["rate"] = _median_rate(times, batch, cfg["repeats"])
+        if steps:
+            box = [logits]
+
+            def step() -> None:
+                box[0] = decode_one_token(st, box[0], sampling, g)
+
+            with _HomeRegions(model):
+                out["share"] = _profiled(step, steps)
+    return out
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+def bench_long(engines: Sequence[str], cfg: LongConfig = LongConfig(),
+               progress: Callable[[str], None] | None = None) -> dict:
+    """The long preset's figures (module docstring) for ``engines`` (``home``, ``vllm``)."""
+    say = progress or (lambda msg: None)
+    kinds = {EngineKind.parse(e, "--engines") for e in engines}  # a ValueError names a bad one
+    spec = cfg.spec
+    common = {"new_tokens": cfg.new_tokens, "repeats": cfg.repeats, "profile_steps": cfg.profile_steps,
+              "vocab": spec.vocab, "seed": cfg.seed, "capacity_requests": cfg.capacity_requests,
+              "capacity_output": cfg.capacity_output}
+    resized = RESIZED if spec == LONG_MOE else "the command line's shapes (see model), not the long preset's"
+    res: dict = {"preset": "long", "model": dataclasses.asdict(spec), "resized": resized,
+                 "cells": [list(c) for c in cfg.cells], "home_contexts": list(cfg.home_contexts),
+                 "new_tokens": cfg.new_tokens, "repeats": cfg.repeats, "threads": torch.get_num_threads(),
+                 "batches": sorted({b for _, b in cfg.cells}), "contexts": list(cfg.contexts),
+                 "decode_timing": "stepped engine; steps with every sequence decoding, prefill excluded"}
+    say(f"long preset: building the model (hidden {spec.hidden}, {spec.layers} layer(s), attention {spec.heads} x "
+        f"{spec.head_dim}, {spec.kv_heads} KV heads)")
+    model = from_config(spec.config(max_positions=cfg.max_len + 64), seed=cfg.seed)
+    if EngineKind.HOME in kinds:
+        home_cells = [(c, b) for c, b in cfg.cells if c in cfg.home_contexts]
+        profiled = profile_cell(home_cells, cfg.primary_batch)
+        for ctx, batch in home_cells:
+            for mode in HOME_MODES:
+                say(f"home {mode}: context {ctx}, batch {batch}")
+                r = home_decode(model, mode, batch, ctx, common, (ctx, batch) == profiled)
+                _record(res, "home", mode, ctx, batch, r["rate"], cfg.first_batch(ctx))
+                res[f"kv_bytes_per_token.home.{mode}"] = r["kv_bytes_per_token"]
+                if "share" in r:
+                    res[f"decode_time_share.home.{mode}"] = r["share"]
+                    res["decode_time_share_context.home"] = ctx
+    if EngineKind.VLLM in kinds:
+        with tempfile.TemporaryDirectory(prefix="tracefp4-long-") as ckpt:
+            model.save_pretrained(ckpt)
+            _vllm_cells(ckpt, cfg, common, res, say)
+    res["preset_shapes"] = spec == LONG_MOE
+    capacity = (cfg.capacity_fit, cfg.capacity_requests) == (LongConfig().capacity_fit, LongConfig().capacity_requests)
+    res["targets"] = long_targets(res, capacity) if res["preset_shapes"] else []
+    if res["preset_shapes"]:  # a target whose cell did not run (e.g. 16K at batch 8, out of the default run)
+        done = {t["target"] for t in res["targets"]}
+        res["targets_not_run"] = [label for label, *_ in LONG_TARGETS if label not in done]
+    return res
+
+
+def _record(res: dict, engine: str, mode: str, ctx: int, batch: int, rate: float, first: int) -> None:
+    """The cell's rate under ``...<ctx>@b<batch>``, and under ``...<ctx>`` at the context's first batch."""
+    res[f"rollout_tokens_per_s.{engine}.{mode}.{ctx}@b{batch}"] = rate
+    if batch == first:
+        res[f"rollout_tokens_per_s.{engine}.{mode}.{ctx}"] = rate
+
+
+def _bf16_bytes_per_token(spec: TinyMoESpec) -> int:
+    """BF16 K and V per token over all layers: only to size the decode servers' budget (the figures
+    reported are measured from the caches)."""
+    return spec.layers * spec.kv_heads * spec.head_dim * 2 * 2
+
+
+def profile_cell(cells: Sequence[tuple[int, int]], primary: int) -> tuple[int, int] | None:
+    """The cell whose decode time is broken down: the largest context, at the primary batch if it
+    ran there, else at its smallest batch."""
+    if not cells:
+        return None
+    ctx = max(c for c, _ in cells)
+    batches = [b for c, b in cells if c == ctx]
+    return ctx, primary if primary in batches else min(batches)
+
+
+def _vllm_cells(ckpt: str, cfg: LongConfig, common: dict, res: dict, say) -> None:
+    # one KV budget for every decode server: the largest cell in BF16, with room for the blocks' rounding
+    tokens = max(b * (c + b + 2 * cfg.profile_steps + 2 + 128) for c, b in cfg.cells)
+    budget = int(tokens * _bf16_bytes_per_token(cfg.spec) * 1.1)
+    res["kv_budget_bytes"] = budget
+    build = {**common, "max_len": cfg.max_len, "max_seqs": max(b for _, b in cfg.cells), "kv_bytes": budget}
+    servers: dict[str, LongServer] = {}
+    try:
+        for engine in dict.fromkeys(VLLM_MODES.values()):
+            say(f"vllm: building {engine} (a server process)")
+            servers[engine] = LongServer(engine, ckpt, build)
+        for engine, srv in servers.items():
+            kv = srv.ask(cmd="kv")
+            for mode in (m for m, e in VLLM_MODES.items() if e == engine):
+                res[f"kv_capacity_tokens.vllm.{mode}"] = kv["tokens"]
+                res[f"kv_bytes_per_token.vllm.{mode}"] = kv["bytes"] / kv["tokens"]
+            if engine == "vllm-bf16":
+                bf16_per_token, block = kv["bytes"] / kv["tokens"], kv["block_size"]
+        profiled = profile_cell(cfg.cells, cfg.primary_batch)
+        for ctx, batch in cfg.cells:
+            for engine, srv in servers.items():  # the engines side by side in each cell (the machine drifts)
+                modes = [m for m, e in VLLM_MODES.items() if e == engine]
+                say(f"vllm {'/'.join(modes)}: context {ctx}, batch {batch} (one prefill of {batch} x "
+                    f"{ctx - cfg.new_tokens * len(modes)} tokens)")
+                r = srv.ask(cmd="decode", modes=modes, batch=batch, context=ctx, profile=(ctx, batch) == profiled)
+                for mode, rate in r["rates"].items():
+                    _record(res, "vllm", mode, ctx, batch, rate, cfg.first_batch(ctx))
+                for mode, share in r["shares"].items():
+                    res[f"decode_time_share.vllm.{mode}"] = share
+                    res["decode_time_share_context.vllm"] = ctx
+    finally:
+        for srv in servers.values():
+            srv.close()
+    # the capacity run: a budget of exactly capacity_fit whole requests (in whole blocks) of the BF16 engine
+    # (plus the one block vLLM's block pool holds back as its null block)
+    need = -(-(CAPACITY_PROMPT + cfg.capacity_output) // block) * block
+    cap_budget = int((cfg.capacity_fit * need + block) * bf16_per_token)
+    res["capacity_budget_bytes"] = cap_budget
+    res["capacity_requests"], res["capacity_output"], res["capacity_prompt"] = (
+        cfg.capacity_requests, cfg.capacity_output, CAPACITY_PROMPT)
+    cap_build = {**common, "max_len": -(-(CAPACITY_PROMPT + cfg.capacity_output + 16) // 16) * 16,
+                 "max_seqs": cfg.capacity_requests, "kv_bytes": cap_budget, "new_tokens": min(cfg.new_tokens, 8)}
+    for engine in dict.fromkeys(VLLM_MODES.values()):
+        say(f"capacity run: {engine}, {cfg.capacity_requests} requests of {cfg.capacity_output} tokens, "
+            f"{cap_budget / 2**20:.1f} MiB of KV")
+        srv = LongServer(engine, ckpt, cap_build)
+        try:
+            kv = srv.ask(cmd="kv")
+            for mode in (m for m, e in VLLM_MODES.items() if e == engine):
+                r = srv.ask(cmd="capacity", mode=mode)
+                res[f"capacity_tokens_per_s.vllm.{mode}"] = r["tokens_per_s"]
+                res[f"capacity_peak_running.vllm.{mode}"] = r["peak_running"]
+                res[f"capacity_mean_running.vllm.{mode}"] = r["mean_running"]
+                res[f"capacity_preemptions.vllm.{mode}"] = r["preemptions"]
+                res[f"capacity_kv_tokens.vllm.{mode}"] = kv["tokens"]
+                say(f"capacity run {mode}: {r['tokens_per_s']:.1f} tokens/s, peak {r['peak_running']} running, "
+                    f"{r['preemptions']} preemptions")
+        finally:
+            srv.close()
+
+
+def format_long(res: dict) -> str:
+    m = res["model"]
+    lines = [f"long-context rollouts: attention {m['heads']} x {m['head_dim']} ({m['kv_heads']} KV heads), "
+             f"{m['layers']} layer(s), MoE hidden {m['hidden']}, {m['experts']} experts top-{m['top_k']} of dim "
+             f"{m['moe_intermediate']} (resized: see the JSON); decode tokens/s, prefill excluded, median of "
+             f"{res['repeats']} runs of steps; {res['threads']} torch threads"]
+    for engine in ("home", "vllm"):
+        for ctx, batch in res["cells"]:
+            vals = {mode: res.get(f"rollout_tokens_per_s.{engine}.{mode}.{ctx}@b{batch}")
+                    for mode in ("bf16", "fp8kv", "fp4", "trace_lsb")}
+            if all(v is None for v in vals.values()):
+                continue
+            row = "".join(f"  {mode} {v:9.1f}" for mode, v in vals.items() if v is not None)
+            lines.append(f"{engine:<5} context {ctx:>6} batch {batch:>3}:{row}")
+    kv = sorted(k.split(".", 1)[1] for k in res if k.startswith("kv_bytes_per_token."))
+    if kv:
+        lines.append("KV bytes per token (the caches' own tensors): " + ", ".join(
+            f"{k} {res['kv_bytes_per_token.' + k]:.0f}" for k in kv))
+    cap = sorted(k.split(".", 1)[1] for k in res if k.startswith("kv_capacity_tokens."))
+    if cap:
+        lines.append(f"KV capacity at {res['kv_budget_bytes'] / 2**20:.0f} MiB (vLLM's report): " + ", ".join(
+            f"{k} {res['kv_capacity_tokens.' + k]}" for k in cap))
+    for k in sorted(k.split(".", 1)[1] for k in res if k.startswith("capacity_tokens_per_s.")):
+        lines.append(f"capacity run {k}: {res['capacity_tokens_per_s.' + k]:.1f} tokens/s, peak "
+                     f"{res['capacity_peak_running.' + k]} running (mean {res['capacity_mean_running.' + k]:.1f}), "
+                     f"{res['capacity_preemptions.' + k]} preemptions")
+    for k in sorted(k.split(".", 1)[1] for k in res if k.startswith("decode_time_share.")):
+        s = res["decode_time_share." + k]
+        ctx = res[f"decode_time_share_context.{k.split('.')[0]}"]
+        lines.append(f"decode time at {ctx}, {k}: " + ", ".join(f"{c} {s[c]:.0%}" for c in
+                                                                ("experts", "attention", "sites", "rest")))
+    for t in res.get("targets", []):
+        sym = ">=" if t["kind"] == "min" else "<="
+        lines.append(f"target {t['target']}: {t['value']:.3f} ({sym} {t['bound']}: {'ok' if t['met'] else 'MISSED'})")
+    for label in res.get("targets_not_run", []):
+        lines.append(f"target {label}: not run (its cell or engine was not in this run)")
+    if not res.get("preset_shapes", True):
+        lines.append("no targets: the long preset's targets are set for its own shapes, not these")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tracefp4.reports.bench_long serve ENGINE CKPT BUILD_JSON`` (a :class:`LongServer`)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) == 4 and args[0] == "serve":
+        serve(args[1], args[2], json.loads(args[3]))
+        return 0
+    print("usage: python -m tracefp4.reports.bench_long serve vllm-bf16|vllm-fp8kv|vllm-fp4 CKPT BUILD_JSON",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,6 +11,7 @@ of it, is the path's site hook.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -21,7 +22,7 @@ from tracefp4.formats import FP8, MXFP4, NVFP4, CompensatedNVFP4, straight_throu
 from tracefp4.formats.quantizers import Quantizer
 from tracefp4.guidance.names import Site, record_prefix
 
-__all__ = ["BF16", "ForwardState", "quantize_kv", "quantize_site", "site_code"]
+__all__ = ["BF16", "ForwardState", "quantize_kv", "quantize_site", "site_code", "site_regions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,15 +52,37 @@ def _code(state: ForwardState, layer: int, site: Site, x: torch.Tensor, quantize
     """The code of ``x`` at ``site`` and its value where the path gives one (None: the caller
     dequantizes), recorded by the path: the one place a site is quantized."""
     name = record_prefix(layer, site)
-    # a profiler region (a few microseconds when no profiler runs): ``bench rollout --preset long``
-    # reports the share of decode time the sites take from it
+    if not _regions:
+        return _run_site(state, layer, name, x, quantizer)
     with torch.profiler.record_function("tracefp4::site"):
-        try:
-            if not quantizer.guidable:  # compensated NVFP4 (QUADS): two passes, nothing recorded or guided
-                return quantizer.quantize(x.detach()), None
-            return state.path.site(layer, name, x, quantizer)
-        except ValueError as e:
-            raise ValueError(f"site {name}: {e}") from e
+        return _run_site(state, layer, name, x, quantizer)
+
+
+def _run_site(state: ForwardState, layer: int, name: str, x: torch.Tensor, quantizer):
+    try:
+        if not quantizer.guidable:  # compensated NVFP4 (QUADS): two passes, nothing recorded or guided
+            return quantizer.quantize(x.detach()), None
+        return state.path.site(layer, name, x, quantizer)
+    except ValueError as e:
+        raise ValueError(f"site {name}: {e}") from e
+
+
+#: Whether each site runs inside a ``tracefp4::site`` profiler region (:func:`site_regions`). Off by
+#: default: a region costs microseconds per site even with no profiler running, on every decode step.
+_regions = False
+
+
+@contextlib.contextmanager
+def site_regions():
+    """Mark every site as a ``tracefp4::site`` profiler region inside the block (in every thread:
+    vLLM's engine steps run the model where the caller does not), for a profile of where decode time
+    goes (``bench rollout --preset long``)."""
+    global _regions
+    saved, _regions = _regions, True
+    try:
+        yield
+    finally:
+        _regions = saved
 
 
 def quantize_site(state: ForwardState, layer: int, site: Site, x: torch.Tensor) -> torch.Tensor:

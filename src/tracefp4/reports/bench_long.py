@@ -230,7 +230,9 @@ def share_of_events(events, wall_s: float) -> dict[str, float]:
 def _profiled(step: Callable[[], None], steps: int) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    from tracefp4.engines.sites import site_regions
+
+    with site_regions(), profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             step()

@@ -327,18 +327,26 @@ AVXINL void kv_pv_heads_avx(float *acc, const float *vb, int64_t d, const float 
     for (; e < d; e += 16) kv_pv_avx(acc, vb, d, p, n, alpha, e, 1, heads);
 }
 
-/* The softmax step of one query head over a chunk of n keys with scores s: updates m and l, writes
- * the weights into p[16], returns alpha. The maximum skips NaN lanes, as the portable comparison. */
-AVXINL float kv_softmax_avx(__m512 s, int n, float *m, float *l, float *p) {
+/* The softmax step of `heads` query heads over a chunk of n keys with scores s[heads]: updates m
+ * and l, writes the weights into p[16 * heads] and the heads' alphas into alpha[heads]. The maximum
+ * skips NaN lanes, as the portable comparison; the alphas take one kv_exp_avx for all the heads
+ * (lane for lane kv_exp's operations, so kv_exp's values). */
+AVXINL void kv_softmax_avx(const __m512 *s, int n, float *m, float *l, float *p, float *alpha, const int heads) {
     const __mmask16 live = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
-    const float top = _mm512_mask_reduce_max_ps(live & _mm512_cmp_ps_mask(s, s, _CMP_ORD_Q), s);
-    const float mx = top > *m ? top : *m;
-    const float alpha = kv_exp(*m - mx);
-    const __m512 pv = _mm512_maskz_mov_ps(live, kv_exp_avx(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
-    _mm512_storeu_ps(p, pv);
-    *m = mx;
-    *l = *l * alpha + kv_tree16_avx(pv);
-    return alpha;
+    const __mmask16 lanes = (__mmask16)((1u << heads) - 1u);
+    float mx[4];
+    for (int h = 0; h < heads; h++) {
+        const float top = _mm512_mask_reduce_max_ps(live & _mm512_cmp_ps_mask(s[h], s[h], _CMP_ORD_Q), s[h]);
+        mx[h] = top > m[h] ? top : m[h];
+    }
+    _mm512_mask_storeu_ps(alpha, lanes, kv_exp_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, m),
+                                                                 _mm512_maskz_loadu_ps(lanes, mx))));
+    for (int h = 0; h < heads; h++) {
+        const __m512 pv = _mm512_maskz_mov_ps(live, kv_exp_avx(_mm512_sub_ps(s[h], _mm512_set1_ps(mx[h]))));
+        _mm512_storeu_ps(p + 16 * h, pv);
+        m[h] = mx[h];
+        l[h] = l[h] * alpha[h] + kv_tree16_avx(pv);
+    }
 }
 
 /* `heads` (1, 2 or 4) consecutive query heads from g over the decoded chunk: scores, softmax, p . v. */
@@ -348,7 +356,7 @@ AVXINL void kv_heads_avx(const kv_job_t *j, const uint16_t *q, const uint16_t *k
     __m512 s[4];
     float p[64], alpha[4];
     kv_scores_avx(q + g * dp, kb, dp, j->scale, heads, s);
-    for (int h = 0; h < heads; h++) alpha[h] = kv_softmax_avx(s[h], n, &m[g + h], &l[g + h], p + 16 * h);
+    kv_softmax_avx(s, n, m + g, l + g, p, alpha, heads);
     kv_pv_heads_avx(acc + g * d, vb, d, p, n, alpha, heads);
 }
 

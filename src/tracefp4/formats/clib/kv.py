@@ -9,7 +9,8 @@ stores them (:func:`dequantize_rows`):
     NVFP4: bf16( fl32( e2m1(code) * e4m3(scale) ) / S_enc(amax) )      MXFP4: e2m1(code) * 2^(scale - 127)
 
 and the result is attention over them up to the order of the float32 additions and the float32
-exponential (the C file gives the order; tests/test_kv_attention.py the bound). Layout as vLLM's
+exponential (the portable C path defines the order; the AVX-512 path fuses the q . k and p . v
+accumulations, deterministic per machine; tests/test_kv_attention.py gives the bound both meet). Layout as vLLM's
 paged cache: slots ``num_blocks * block_size``, ``block_table [seqs, max_blocks]`` int32, ``seq_lens``
 ``[seqs]`` int32. Query row r (``q [R, Hq, D]``) attends to keys ``0 .. q_len[r] - 1`` of sequence
 ``q_seq[r]``: decode gives each sequence one row with ``q_len`` its length; a prompt (prefill runs
@@ -40,7 +41,7 @@ from tracefp4.formats.containers import MXFP4, NVFP4
 from tracefp4.formats.constants import Format
 from tracefp4.formats.dequant import dequantize_mxfp4, dequantize_nvfp4
 
-__all__ = ["HEAD_DIMS", "PackedKV", "available", "dequantize_rows", "paged_attention"]
+__all__ = ["HEAD_DIMS", "PackedKV", "available", "decode_rows", "dequantize_rows", "paged_attention"]
 
 #: Head dims the kernel takes (multiples of 16 up to 256; these are the tested ones).
 HEAD_DIMS = (64, 128, 256)
@@ -100,6 +101,23 @@ def dequantize_rows(kv: PackedKV) -> torch.Tensor:
         return dequantize_mxfp4(MXFP4(kv.codes, kv.scales.view(torch.uint8))).to(torch.bfloat16)
     q = NVFP4(kv.codes, kv.scales.view(torch.float8_e4m3fn), kv.amax.unsqueeze(-1))
     return dequantize_nvfp4(q).to(torch.bfloat16)
+
+
+def decode_rows(kv: PackedKV, *, key: bool = True, impl: Impl | str = "auto") -> torch.Tensor:
+    """The rows as :func:`paged_attention` decodes them, bf16 ``[slots, Hkv, D]``: as K rows (``key``;
+    the AVX-512 path decodes those straight to bf16) or V rows (float32 there), on path ``impl``.
+    Equal to :func:`dequantize_rows` bit for bit on every path: the tests check the decode stage apart
+    from the arithmetic after it, which differs between the paths by rounding."""
+    kv.check("decode_rows kv")
+    impl = impl_of("decode_rows", impl)
+    codes, scales = kv.codes.contiguous(), kv.scales.contiguous()
+    amax = None if kv.amax is None else kv.amax.contiguous()
+    slots, hkv, d = codes.shape[0], codes.shape[1], kv.head_dim
+    out = torch.empty(slots, hkv, d, dtype=torch.bfloat16)
+    call("kv_decode_rows", codes.data_ptr(), scales.data_ptr(), None if amax is None else amax.data_ptr(), slots * hkv,
+         d, SCALE_TABLES[kv.fmt].ctypes.data, kv.fmt.block, int(key), impl.value, out.data_ptr(),
+         messages=_MESSAGES, name="decode_rows", what=lambda: f"kv {tuple(codes.shape)}, impl {impl.name.lower()!r}")
+    return out
 
 
 def _int32(name: str, t: object, dim: int) -> torch.Tensor:

@@ -55,6 +55,7 @@ _SIGNATURES = {
     "tfp4_silu_gate": [_P, _I64, _I64, _P, _P, _INT, _INT],
     "tfp4_kv_attention": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _INT, _I64, _INT, _P, _I64, _I64,
                           _P, _P, _P, ctypes.c_float, _P, _INT, _INT, _P],
+    "tfp4_kv_decode_rows": [_P, _P, _P, _I64, _I64, _P, _INT, _INT, _INT, _P],
     "tfp4_has_avx512bf16": [],
     "tfp4_has_amx": [],
 }

@@ -656,6 +656,25 @@ int tfp4_silu_gate(const uint16_t *x, int64_t rows, int64_t inter, const uint16_
     return 0;
 }
 
+/* The rows the attention kernel reads, as it decodes them (kv_attention.h): `rows` packed rows (codes
+ * [rows, d/2], scale bytes [rows, d/fblock] through `lut`, amaxes [rows] or NULL) -> bf16 bits
+ * [rows, d]. `key` 1 decodes as K rows (the AVX-512 path's bf16 decoding), 0 as V rows (its float32
+ * decoding); the portable path has one. For the tests: the decode stage is exact on both paths, the
+ * arithmetic after it is not the same. Returns 0, -1 (shapes or implementation) or -3 (memory). */
+int tfp4_kv_decode_rows(const uint8_t *codes, const uint8_t *scales, const float *amax, int64_t rows, int64_t d,
+                        const float *lut, int fblock, int key, int impl, uint16_t *out) {
+    const int avx = one_pass_avx(impl);
+    if (rows < 0 || d < 16 || d > KV_MAX_DIM || d % 16 || (fblock != 16 && fblock != 32) || d % fblock || avx < 0)
+        return -1;
+    kv_job_t j = {.lut = lut, .d = d, .fblock = fblock, .avx = avx, .scale_bits = kv_scale_bits_match(lut, fblock)};
+    float *row = malloc(sizeof(float) * (size_t)d);
+    if (!row) return -3;
+    for (int64_t r = 0; r < rows; r++)
+        kv_decode_row(&j, codes + r * d / 2, scales + r * (d / fblock), amax ? amax + r : NULL, key, row, out + r * d);
+    free(row);
+    return 0;
+}
+
 /* Attention over a packed FP4 K/V cache (kv_attention.h): q bf16 [rows, hq, d]; per slot and KV head
  * the K and V rows' codes [slots, hkv, d/2], scale bytes [slots, hkv, d/fblock] (values through
  * `lut`) and amaxes [slots, hkv] (NULL: no divisor, MXFP4); table int32 [seqs, max_blocks],

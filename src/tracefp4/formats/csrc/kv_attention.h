@@ -23,12 +23,23 @@
  *   l     = l * alpha + tree_sum(p)            acc[d] = acc[d] * alpha + p_0 v_0[d] + p_1 v_1[d] + ...
  *   out   = acc / l                            (0 for a row with no keys)
  *
- * exp is a Cephes-style polynomial (kv_exp) made of float32 additions and multiplications only, so
- * the portable C and AVX-512 paths run the same operations in the same order and give the same bits
- * (the library is compiled in ISO C mode: no contraction into fused multiply-adds). Each output is
- * computed by one thread in that fixed order, so the thread count does not change a bit either. The
- * AVX-512 path (kv_attention_avx.h) lays the same operations out for throughput: one division per
- * row's tables, the 16 keys' trees summed side by side, K and V loads shared by two query heads. */
+ * exp is a Cephes-style polynomial (kv_exp) made of float32 additions and multiplications only.
+ *
+ * This portable path is the readable definition: every operation above as written, in that order
+ * (the library is compiled in ISO C mode, so nothing is contracted into fused multiply-adds). The
+ * AVX-512 path (kv_attention_avx.h) computes the same attention over the same decoded rows (bit for
+ * bit) with fused or paired float32 accumulation where that pays: q . k by vdpbf16ps (two exact
+ * bf16 products added per lane and instruction), p . v by fused multiply-adds; the decode, exp,
+ * softmax, l, the trees, the scale and the division are the same operations in the same order.
+ * So the two paths differ by rounding only, within a bound of the same kind as the one both are
+ * tested against (each score and sum passes through no more roundings than on this path; the
+ * derivation is in kv_attention_avx.h and beside the atol in tests/test_kv_attention.py).
+ *
+ * On either path each output is computed by one thread in a fixed order, so the thread count does
+ * not change a bit, and repeated calls give the same bits; the AVX-512 path's roundings are those
+ * of its instructions' definitions, the same on every run of a given machine. That path also lays
+ * the work out for throughput: one division per row's tables, the 16 keys' trees summed side by
+ * side, K and V loads shared by up to four query heads. */
 #ifndef TFP4_KV_ATTENTION_H
 #define TFP4_KV_ATTENTION_H
 #include "fp4_common.h"
@@ -184,11 +195,29 @@ static void kv_item_portable(const kv_job_t *j, int64_t row, int64_t h, float *m
 
 #include "kv_attention_avx.h"
 
+/* One packed row as the path of `j` decodes it (as a K row when `key`: the AVX-512 path's bf16
+ * decoding) -> d bf16 bits in `out` (`row`: d floats of room). For tfp4_kv_decode_rows. */
+static void kv_decode_row(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales, const float *amax, int key,
+                          float *row, uint16_t *out) {
+#if defined(__x86_64__)
+    if (j->avx && key) {
+        kv_decode_bf16_avx(j, codes, scales, amax, row, out);
+        return;
+    }
+    if (j->avx) kv_decode_fast_avx(j, codes, scales, amax, row);
+    else
+#endif
+        kv_decode_portable(j, codes, scales, amax, row);
+    for (int64_t e = 0; e < j->d; e++) out[e] = bf16_rne(row[e]); /* exact: the values are bf16 */
+}
+
 /* Items [lo, hi) of (query row, KV head) pairs, row-major. Returns 0 or -3 (out of memory). */
 static int kv_run(const kv_job_t *j, int64_t lo, int64_t hi) {
     const int64_t g_count = j->hq / j->hkv;
-    /* zeroed: the AVX-512 path scores all 16 rows of a chunk and needs the unused ones finite */
-    float *mem = calloc((size_t)((2 * g_count + 2 * KV_CHUNK) * j->d), sizeof(float));
+    /* q, acc, the chunk's K and V rows, and a spare row (the AVX-512 path's float32 K row before its
+     * bf16 packing); zeroed: that path scores all 16 rows of a chunk and needs the unused ones finite,
+     * and reads its bf16 rows' zero padding */
+    float *mem = calloc((size_t)((2 * g_count + 2 * KV_CHUNK + 1) * j->d), sizeof(float));
     if (!mem) return -3;
     for (int64_t it = lo; it < hi; it++) {
 #if defined(__x86_64__)

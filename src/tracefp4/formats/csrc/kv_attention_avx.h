@@ -1,6 +1,28 @@
-/* The AVX-512 path of kv_attention.h: the operations of the portable path, in the same order, 16
- * lanes wide (the header comment there defines them). Laid out for throughput rather than as a
- * transcription of the portable loops:
+/* The AVX-512 path of kv_attention.h: the attention the portable path defines (the header comment
+ * there), over the same decoded K/V rows bit for bit, with two accumulations fused or paired:
+ *
+ * - q . k by vdpbf16ps. q is bf16 and every decoded K value is bf16-exact, so the K rows are packed
+ *   to bf16 (their bits, no rounding) and each instruction adds, per float32 lane i, the products of
+ *   elements 2i+1 and 2i of a 32-element step: both exact (8-bit significands), each added with one
+ *   round-to-nearest-even. Lane i sums d = 32t + 2i, 32t + 2i + 1 (the portable lane d mod 16): the
+ *   same D/16 additions a lane, grouped differently, then the same tree and scale. The instruction
+ *   reads bf16 subnormals as zero and flushes subnormal sums to zero.
+ * - p . v by fused multiply-adds: acc[d] = fma(p_i, v_i[d], acc[d]), one rounding a term instead of
+ *   the product's and the sum's.
+ *
+ * The error this adds, against the exact attention over the decoded rows: a score passes through
+ * D/16 + 5 <= D + 1 roundings a term (the portable path's count), and a numerator term through no
+ * more than on the portable path (a fused term skips its product's rounding), so the relative
+ * bounds tests/test_kv_attention.py derives (gamma_(D+1) on a score, gamma_(L+C+5) on the sums) hold
+ * for both paths. The flushing adds an absolute error per score below
+ * 2 scale D 2^-126 (1 + max|q| + max|k|): D inputs that may read as zero, each product then below
+ * 2^-126 times the other factor, and D sums that may flush, each by less than 2^-126; the factor 2
+ * covers the later roundings (the portable path's underflowing products, 2^-150 each, lie within
+ * it too). Both paths are within that bound of the exact result, so within twice it of each other.
+ * The result is deterministic: a fixed sequence of instructions whose roundings are defined, the
+ * same bits on every call and at every thread count on a given machine.
+ *
+ * Laid out for throughput rather than as a transcription of the portable loops:
  *
  * - A row is decoded with one vector division instead of one per 16 elements: an E2M1 value is
  *   sign * 2^k * m with m in {1, 1.5} and k in {-1 .. 2}, and scaling by 2^k commutes with float32
@@ -9,6 +31,8 @@
  *   16) blocks' two quotients each fill the 16 lanes of one division; a row whose quotients come
  *   near either end of the normal range (|t| outside [2^-125, 2^125], or not finite) is decoded by
  *   the per-block division instead, so the values are the portable path's in every case.
+ * - K rows are decoded straight to bf16 (a 32-word table per two 16-code blocks, one vpermw per 32
+ *   codes: half the lookups and stores of float32 rows, which V keeps for p . v).
  * - The 16 keys of a chunk are scored side by side (16 accumulators over d) and their 16 lane trees
  *   summed together by a transpose-and-add network that pairs the same lanes as kv_tree16.
  * - p . v keeps up to 128 output elements of a head in registers across the chunk's keys.
@@ -115,25 +139,86 @@ AVXINL int kv_pairs_avx(const kv_job_t *j, const uint8_t *scales, int count, __m
     return 1;
 }
 
+/* The upper 16-bit halves of two vectors' 32 floats (vpermt2w's indices): their bf16 bits when the
+ * floats are bf16-exact, taken by a permutation (vcvtne2ps2bf16 would flush subnormals to zero). */
+static const uint16_t KV_ODD_WORDS[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+                                          33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+
+/* A decoded float32 row (bf16-exact values) -> its bf16 bits, zero-padded to dp: the upper halves
+ * of the floats, taken by a permutation (no conversion instruction: those flush subnormals). */
+AVXINL void kv_pack_bf16_avx(const float *row, int64_t d, uint16_t *out) {
+    const __m512i idx = _mm512_loadu_si512(KV_ODD_WORDS);
+    int64_t e = 0;
+    for (; e + 32 <= d; e += 32)
+        _mm512_storeu_si512(out + e, _mm512_permutex2var_epi16(_mm512_castps_si512(_mm512_loadu_ps(row + e)), idx,
+                                                               _mm512_castps_si512(_mm512_loadu_ps(row + e + 16))));
+    if (e < d) /* 16 left: the padding's 16 words stay the zeros kv_run allocated */
+        _mm256_storeu_si256((__m256i *)(out + e), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(row + e)), 16)));
+}
+
+/* Block b's table from its quotient pairs: per code the pair lane its magnitude is a multiple of,
+ * times sign * 2^k. */
+AVXINL __m512 kv_pair_table_avx(__m512 pairs, int b) {
+    const __m512i lane = _mm512_add_epi32(_mm512_loadu_si512(KV_PAIR_LANE), _mm512_set1_epi32(b));
+    return _mm512_mul_ps(_mm512_permutexvar_ps(lane, pairs), _mm512_loadu_ps(KV_PAIR_FACTOR));
+}
+
 /* The values of `count` (<= 8) blocks of `groups` x 16 codes each from their quotient pairs: per
- * block its table (the pair lane each code's magnitude is a multiple of, times sign * 2^k), then a
- * lookup per 16 codes. `groups` is a constant at each call, so the loops unroll. */
+ * block its table, then a lookup per 16 codes. `groups` is a constant at each call, so the loops
+ * unroll. */
 AVXINL void kv_blocks_avx(const uint8_t *codes, __m512 pairs, int count, float *row, const int groups) {
-    const __m512i lane = _mm512_loadu_si512(KV_PAIR_LANE);
-    const __m512 factor = _mm512_loadu_ps(KV_PAIR_FACTOR);
 #pragma GCC unroll 8
     for (int b = 0; b < count; b++) {
-        const __m512 tbl = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(b)), pairs), factor);
+        const __m512 tbl = kv_pair_table_avx(pairs, b);
         for (int u = 0; u < groups; u++)
             _mm512_storeu_ps(row + (b * groups + u) * 16, _mm512_permutexvar_ps(kv_nibbles_avx(codes + (b * groups + u) * 8), tbl));
     }
 }
 
-/* One packed row -> d float32 values, one division per 8 blocks (the header comment's identity);
- * a row it does not hold for goes to kv_decode_avx. The job's fields are read into locals once: the
- * library is built with -fno-strict-aliasing, so each store to `row` would otherwise reload them. */
-AVX512 static void kv_decode_fast_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales,
-                                      const float *amax, float *row) {
+/* 32 code nibbles from 16 bytes as vpermw indices into a 32-word table: word 2i holds byte i & 15,
+ * word 2i+1 byte i >> 4 (dword i is byte i | byte i << 12, masked), plus `upper` (16 or 0) in the
+ * words of bytes 8 .. 15: which half of the table they read. */
+AVXINL __m512i kv_nibbles32_avx(const uint8_t *codes, int upper) {
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    const __m512i idx = _mm512_ternarylogic_epi32(x, _mm512_slli_epi32(x, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+    return upper ? _mm512_mask_or_epi32(idx, 0xFF00, idx, _mm512_set1_epi32(0x00100010)) : idx;
+}
+
+/* kv_blocks_avx to bf16 (a 32-word table per two 16-code blocks, or per 32-code block: one vpermw
+ * per 32 codes). */
+AVXINL void kv_blocks_bf16_avx(const uint8_t *codes, __m512 pairs, int count, uint16_t *row, const int groups) {
+    const __m512i odd = _mm512_loadu_si512(KV_ODD_WORDS);
+    if (groups == 2) {
+#pragma GCC unroll 8
+        for (int b = 0; b < count; b++) {
+            const __m512i t = _mm512_castps_si512(kv_pair_table_avx(pairs, b));
+            _mm512_storeu_si512(row + b * 32, _mm512_permutexvar_epi16(kv_nibbles32_avx(codes + b * 16, 0),
+                                                                       _mm512_permutex2var_epi16(t, odd, t)));
+        }
+        return;
+    }
+    int b = 0;
+#pragma GCC unroll 4
+    for (; b + 2 <= count; b += 2) {
+        const __m512i t = _mm512_permutex2var_epi16(_mm512_castps_si512(kv_pair_table_avx(pairs, b)), odd,
+                                                    _mm512_castps_si512(kv_pair_table_avx(pairs, b + 1)));
+        _mm512_storeu_si512(row + b * 16, _mm512_permutexvar_epi16(kv_nibbles32_avx(codes + b * 8, 1), t));
+    }
+    if (b < count) { /* an odd last block: its 16 codes (8 bytes) as the lower half */
+        const __m512i t = _mm512_castps_si512(kv_pair_table_avx(pairs, b));
+        const __m512i x = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + b * 8)));
+        const __m512i idx = _mm512_ternarylogic_epi32(x, _mm512_slli_epi32(x, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+        _mm256_storeu_si256((__m256i *)(row + b * 16),
+                            _mm512_castsi512_si256(_mm512_permutexvar_epi16(idx, _mm512_permutex2var_epi16(t, odd, t))));
+    }
+}
+
+/* One packed row -> d float32 values (`bf16` 0) or d bf16 values into `packed` (`bf16` 1), one
+ * division per 8 blocks (the header comment's identity); a row it does not hold for goes to
+ * kv_decode_avx (into `row`, then packed). The job's fields are read into locals once: the library
+ * is built with -fno-strict-aliasing, so each store would otherwise reload them. */
+AVXINL void kv_decode_row_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales, const float *amax,
+                              float *row, uint16_t *packed, const int bf16) {
     const __m512 s_enc = _mm512_set1_ps(amax ? sq_s_enc(*amax) : 1.0f);
     const int fblock = j->fblock;
     const int blocks = (int)(j->d / fblock);
@@ -142,11 +227,26 @@ AVX512 static void kv_decode_fast_avx(const kv_job_t *j, const uint8_t *codes, c
         __m512 pairs;
         if (!kv_pairs_avx(j, scales + b8, count, s_enc, amax != NULL, &pairs)) {
             kv_decode_avx(j, codes, scales, amax, row);
+            if (bf16) kv_pack_bf16_avx(row, j->d, packed);
             return;
         }
-        if (fblock == 16) kv_blocks_avx(codes + b8 * 8, pairs, count, row + b8 * 16, 1);
+        if (bf16 && fblock == 16) kv_blocks_bf16_avx(codes + b8 * 8, pairs, count, packed + b8 * 16, 1);
+        else if (bf16) kv_blocks_bf16_avx(codes + b8 * 16, pairs, count, packed + b8 * 32, 2);
+        else if (fblock == 16) kv_blocks_avx(codes + b8 * 8, pairs, count, row + b8 * 16, 1);
         else kv_blocks_avx(codes + b8 * 16, pairs, count, row + b8 * 32, 2);
     }
+}
+
+/* A V row: d float32 values. */
+AVX512 static void kv_decode_fast_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales,
+                                      const float *amax, float *row) {
+    kv_decode_row_avx(j, codes, scales, amax, row, NULL, 0);
+}
+
+/* A K row: d bf16 values (`tmp`, d floats, for the rows that take the per-block division). */
+AVX512 static void kv_decode_bf16_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales,
+                                      const float *amax, float *tmp, uint16_t *packed) {
+    kv_decode_row_avx(j, codes, scales, amax, tmp, packed, 1);
 }
 
 /* kv_exp on 16 lanes, the same operations. */
@@ -167,23 +267,27 @@ AVXINL __m512 kv_exp_avx(__m512 x) {
     return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
 }
 
-/* The chunk's 16 scores of `heads` (1 or 2) query heads (q rows d apart) into s[heads]: per head
- * and key 16 lane sums over d in steps of 16, as the portable lanes, then kv_tree16x16 and the scale.
- * Two heads take the keys 8 at a time so that each k load serves both (16 accumulators either way:
- * the loads from L1, not the arithmetic, bound this loop). Rows of kb past the chunk's keys hold
- * finite values; their lanes are not used. */
-AVXINL void kv_scores_avx(const float *q, const float *kb, int64_t d, float scale, const int heads, __m512 *s) {
+/* The row length of the bf16 q and K rows: d rounded up to vdpbf16ps's 32 (the padding zero). */
+static inline int64_t kv_padded(int64_t d) { return (d + 31) / 32 * 32; }
+
+/* The chunk's 16 scores of `heads` (1, 2 or 4) query heads (bf16 q rows dp apart) into s[heads]: per
+ * head and key 16 lane sums over d, lane i taking the pairs d = 32t + 2i, 32t + 2i + 1 by vdpbf16ps
+ * (both products exact, each added with one rounding), then kv_tree16x16 and the scale. The heads
+ * take the keys 16 / heads at a time so that each k load serves all of them (16 accumulators either
+ * way; four heads measured 3-4% faster than two). The rows are zero-padded to dp (a multiple of 32)
+ * and rows of kb past the chunk's keys hold finite values whose lanes are not used. */
+AVXINL void kv_scores_avx(const uint16_t *q, const uint16_t *kb, int64_t dp, float scale, const int heads, __m512 *s) {
     const int per = 16 / heads;
-    __m512 a[2][16];
+    __m512 a[4][16];
     for (int k0 = 0; k0 < 16; k0 += per) {
         __m512 x[16];
         for (int i = 0; i < 16; i++) x[i] = _mm512_setzero_ps();
-        for (int64_t e = 0; e < d; e += 16) {
-            __m512 qv[2];
-            for (int h = 0; h < heads; h++) qv[h] = _mm512_loadu_ps(q + h * d + e);
+        for (int64_t e = 0; e < dp; e += 32) {
+            __m512bh qv[4];
+            for (int h = 0; h < heads; h++) qv[h] = (__m512bh)_mm512_loadu_si512(q + h * dp + e);
             for (int i = 0; i < per; i++) {
-                const __m512 k = _mm512_loadu_ps(kb + (k0 + i) * d + e);
-                for (int h = 0; h < heads; h++) x[h * per + i] = _mm512_add_ps(x[h * per + i], _mm512_mul_ps(qv[h], k));
+                const __m512bh k = (__m512bh)_mm512_loadu_si512(kb + (k0 + i) * dp + e);
+                for (int h = 0; h < heads; h++) x[h * per + i] = _mm512_dpbf16_ps(x[h * per + i], qv[h], k);
             }
         }
         for (int h = 0; h < heads; h++)
@@ -193,8 +297,9 @@ AVXINL void kv_scores_avx(const float *q, const float *kb, int64_t d, float scal
 }
 
 /* acc[e .. e + 16 nv) of `heads` query heads (rows d apart; weights p[h * 16 + i], alpha[h]):
- * acc * alpha + p_0 v_0 + ... + p_(n-1) v_(n-1), per element in that order, held in registers
- * across the keys; each v load serves every head (nv * heads <= 16 accumulators). */
+ * acc * alpha + p_0 v_0 + ... + p_(n-1) v_(n-1), per element in that order, each term added by a
+ * fused multiply-add (one rounding instead of two), held in registers across the keys; each v load
+ * serves every head (nv * heads <= 16 accumulators). */
 AVXINL void kv_pv_avx(float *acc, const float *vb, int64_t d, const float *p, int n, const float *alpha, int64_t e,
                       const int nv, const int heads) {
     __m512 a[16];
@@ -202,11 +307,11 @@ AVXINL void kv_pv_avx(float *acc, const float *vb, int64_t d, const float *p, in
         for (int v = 0; v < nv; v++)
             a[h * nv + v] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * d + e + 16 * v), _mm512_set1_ps(alpha[h]));
     for (int i = 0; i < n; i++) {
-        __m512 w[2];
+        __m512 w[4];
         for (int h = 0; h < heads; h++) w[h] = _mm512_set1_ps(p[h * 16 + i]);
         for (int v = 0; v < nv; v++) {
             const __m512 x = _mm512_loadu_ps(vb + i * d + e + 16 * v);
-            for (int h = 0; h < heads; h++) a[h * nv + v] = _mm512_add_ps(a[h * nv + v], _mm512_mul_ps(w[h], x));
+            for (int h = 0; h < heads; h++) a[h * nv + v] = _mm512_fmadd_ps(w[h], x, a[h * nv + v]);
         }
     }
     for (int h = 0; h < heads; h++)
@@ -222,38 +327,44 @@ AVXINL void kv_pv_heads_avx(float *acc, const float *vb, int64_t d, const float 
     for (; e < d; e += 16) kv_pv_avx(acc, vb, d, p, n, alpha, e, 1, heads);
 }
 
-/* The softmax step of one query head over a chunk of n keys with scores s: updates m and l, writes
- * the weights into p[16], returns alpha. The maximum skips NaN lanes, as the portable comparison. */
-AVXINL float kv_softmax_avx(__m512 s, int n, float *m, float *l, float *p) {
+/* The softmax step of `heads` query heads over a chunk of n keys with scores s[heads]: updates m
+ * and l, writes the weights into p[16 * heads] and the heads' alphas into alpha[heads]. The maximum
+ * skips NaN lanes, as the portable comparison; the alphas take one kv_exp_avx for all the heads
+ * (lane for lane kv_exp's operations, so kv_exp's values). */
+AVXINL void kv_softmax_avx(const __m512 *s, int n, float *m, float *l, float *p, float *alpha, const int heads) {
     const __mmask16 live = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
-    const float top = _mm512_mask_reduce_max_ps(live & _mm512_cmp_ps_mask(s, s, _CMP_ORD_Q), s);
-    const float mx = top > *m ? top : *m;
-    const float alpha = kv_exp(*m - mx);
-    const __m512 pv = _mm512_maskz_mov_ps(live, kv_exp_avx(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
-    _mm512_storeu_ps(p, pv);
-    *m = mx;
-    *l = *l * alpha + kv_tree16_avx(pv);
-    return alpha;
+    const __mmask16 lanes = (__mmask16)((1u << heads) - 1u);
+    float mx[4];
+    for (int h = 0; h < heads; h++) {
+        const float top = _mm512_mask_reduce_max_ps(live & _mm512_cmp_ps_mask(s[h], s[h], _CMP_ORD_Q), s[h]);
+        mx[h] = top > m[h] ? top : m[h];
+    }
+    _mm512_mask_storeu_ps(alpha, lanes, kv_exp_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, m),
+                                                                 _mm512_maskz_loadu_ps(lanes, mx))));
+    for (int h = 0; h < heads; h++) {
+        const __m512 pv = _mm512_maskz_mov_ps(live, kv_exp_avx(_mm512_sub_ps(s[h], _mm512_set1_ps(mx[h]))));
+        _mm512_storeu_ps(p + 16 * h, pv);
+        m[h] = mx[h];
+        l[h] = l[h] * alpha[h] + kv_tree16_avx(pv);
+    }
 }
 
-/* `heads` (1 or 2) consecutive query heads from g over the decoded chunk: scores, softmax, p . v. */
-AVXINL void kv_heads_avx(const kv_job_t *j, const float *q, const float *kb, const float *vb, int n, int64_t g,
+/* `heads` (1, 2 or 4) consecutive query heads from g over the decoded chunk: scores, softmax, p . v. */
+AVXINL void kv_heads_avx(const kv_job_t *j, const uint16_t *q, const uint16_t *kb, const float *vb, int n, int64_t g,
                          float *m, float *l, float *acc, const int heads) {
-    const int64_t d = j->d;
-    __m512 s[2];
-    float p[32], alpha[2];
-    kv_scores_avx(q + g * d, kb, d, j->scale, heads, s);
-    for (int h = 0; h < heads; h++) alpha[h] = kv_softmax_avx(s[h], n, &m[g + h], &l[g + h], p + 16 * h);
+    const int64_t d = j->d, dp = kv_padded(d);
+    __m512 s[4];
+    float p[64], alpha[4];
+    kv_scores_avx(q + g * dp, kb, dp, j->scale, heads, s);
+    kv_softmax_avx(s, n, m + g, l + g, p, alpha, heads);
     kv_pv_heads_avx(acc + g * d, vb, d, p, n, alpha, heads);
 }
 
-/* The item's G query rows as float32, and its softmax state reset. */
-AVXINL void kv_item_start_avx(const kv_job_t *j, int64_t row, int64_t h, float *q, float *acc, float *m, float *l) {
-    const int64_t d = j->d, g_count = j->hq / j->hkv;
+/* The item's G query rows (bf16, dp apart; the padding stays kv_run's zeros), its softmax state reset. */
+AVXINL void kv_item_start_avx(const kv_job_t *j, int64_t row, int64_t h, uint16_t *q, float *acc, float *m, float *l) {
+    const int64_t d = j->d, dp = kv_padded(d), g_count = j->hq / j->hkv;
     for (int64_t g = 0; g < g_count; g++) {
-        for (int64_t e = 0; e < d; e += 16)
-            _mm512_storeu_ps(q + g * d + e, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                _mm256_loadu_si256((const __m256i *)(j->q + (row * j->hq + h * g_count + g) * d + e))), 16)));
+        memcpy(q + g * dp, j->q + (row * j->hq + h * g_count + g) * d, sizeof(uint16_t) * (size_t)d);
         m[g] = -INFINITY;
         l[g] = 0.0f;
     }
@@ -291,11 +402,27 @@ AVXINL void kv_prefetch_chunk(const kv_job_t *j, int64_t seq, int64_t k0, int64_
     kv_prefetch_rows(j, r, n);
 }
 
-/* One (query row, KV head) item on the AVX-512 path (d a multiple of 16; kb zeroed by kv_run). */
+/* The chunk's n K rows (bf16, dp apart, through the float32 row `tmp`) and V rows (float32) of
+ * rows r, decoded one row at a time with the next chunks' row `ahead[i]` asked for meanwhile: a
+ * chunk's 50-odd lines at once measured 7-10% slower (more misses in flight than the core tracks). */
+AVXINL void kv_decode_rows_avx(const kv_job_t *j, const int64_t *r, int n, const int64_t *ahead, int n_ahead,
+                               uint16_t *kb, float *vb, float *tmp) {
+    const int64_t d = j->d, dp = kv_padded(d), half = d / 2, nsc = d / j->fblock;
+    for (int i = 0; i < n; i++) {
+        if (i < n_ahead) kv_prefetch_rows(j, ahead + i, 1);
+        kv_decode_bf16_avx(j, j->kc + r[i] * half, j->ks + r[i] * nsc, j->ka ? j->ka + r[i] : NULL, tmp, kb + i * dp);
+        kv_decode_fast_avx(j, j->vc + r[i] * half, j->vs + r[i] * nsc, j->va ? j->va + r[i] : NULL, vb + i * d);
+    }
+    if (n_ahead > n) kv_prefetch_rows(j, ahead + n, n_ahead - n);
+}
+
+/* One (query row, KV head) item on the AVX-512 path (d a multiple of 16; mem zeroed by kv_run). */
 AVX512 static void kv_item_avx(const kv_job_t *j, int64_t row, int64_t h, float *mem) {
     const int64_t d = j->d, g_count = j->hq / j->hkv, seq = j->q_seq[row], len = j->q_len[row];
-    const int64_t half = d / 2, nsc = d / j->fblock;
-    float *q = mem, *acc = q + g_count * d, *kb = acc + g_count * d, *vb = kb + KV_CHUNK * d;
+    /* kv_run's regions: q and kb hold bf16 rows (half the floats' room, padding included), tmp the
+     * extra row at the end */
+    uint16_t *q = (uint16_t *)mem, *kb = (uint16_t *)(mem + 2 * g_count * d);
+    float *acc = mem + g_count * d, *vb = mem + (2 * g_count + KV_CHUNK) * d, *tmp = vb + KV_CHUNK * d;
     float m[KV_MAX_GROUP], l[KV_MAX_GROUP];
     int64_t r[KV_CHUNK], ahead[KV_CHUNK];
     kv_item_start_avx(j, row, h, q, acc, m, l);
@@ -306,15 +433,9 @@ AVX512 static void kv_item_avx(const kv_job_t *j, int64_t row, int64_t h, float 
         const int n_ahead = later >= len ? 0 : len - later < KV_CHUNK ? (int)(len - later) : KV_CHUNK;
         if (n_ahead) kv_chunk_rows(j, seq, later, n_ahead, h, ahead);
         kv_chunk_rows(j, seq, k0, n, h, r);
-        for (int i = 0; i < n; i++) {
-            /* one row's lines at a time: a chunk's 50-odd lines at once measured 7-10% slower (more
-             * misses in flight than the core tracks) */
-            if (i < n_ahead) kv_prefetch_rows(j, ahead + i, 1);
-            kv_decode_fast_avx(j, j->kc + r[i] * half, j->ks + r[i] * nsc, j->ka ? j->ka + r[i] : NULL, kb + i * d);
-            kv_decode_fast_avx(j, j->vc + r[i] * half, j->vs + r[i] * nsc, j->va ? j->va + r[i] : NULL, vb + i * d);
-        }
-        if (n_ahead > n) kv_prefetch_rows(j, ahead + n, n_ahead - n);
+        kv_decode_rows_avx(j, r, n, ahead, n_ahead, kb, vb, tmp);
         int64_t g = 0;
+        for (; g + 4 <= g_count; g += 4) kv_heads_avx(j, q, kb, vb, n, g, m, l, acc, 4);
         for (; g + 2 <= g_count; g += 2) kv_heads_avx(j, q, kb, vb, n, g, m, l, acc, 2);
         if (g < g_count) kv_heads_avx(j, q, kb, vb, n, g, m, l, acc, 1);
     }

@@ -251,12 +251,108 @@ def rollout_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+NUMERIC_COLUMNS = (("per row", "quantize_per_row_over_copy"), ("per tensor", "quantize_over_copy"),
+                   ("dequantize", "dequantize_over_copy"), ("guided lsb", "guided_over_copy"),
+                   ("guided full", "guided_full_over_copy"), ("encode_hint", "encode_hint_over_copy"))
+
+
+def _met(value: float | None, target: Mapping[str, Any] | None, fmt: str = ".2f") -> str:
+    if value is None:
+        return "-"
+    return f"{value:{fmt}}" + ("" if target is None or target.get("met") is None else (" ✓" if target["met"] else " ✗"))
+
+
+def _bench_all_rows(path: Path) -> list[str]:
+    d = json.loads(path.read_text())
+    targets = {t["ratio"]: t for t in d.get("targets", [])}
+    cpu = (d.get("environment") or {}).get("cpu_model", "not recorded")
+    cells = [_met(d.get(k), targets.get(k)) for _, k in NUMERIC_COLUMNS]
+    ao = d.get("torchao_over_quantize")
+    return [f"| `{path.stem}` | {cpu} | {d['copy_ref_s'] * 1e3 if 'copy_ref_s' in d else d['copy_s'] * 1e3:.2f} | "
+            + " | ".join(cells) + f" | {_met(ao, targets.get('torchao_over_quantize'), '.0f')} | "
+            f"{d['rollout_record_over_plain']:.3f} | {d['train_step_trace_over_qat']:.3f} |"]
+
+
+def _attention_rows(path: Path) -> list[str]:
+    d = json.loads(path.read_text())
+    m = d.get("attention_machine", {})
+    ctxs = sorted({int(k.rsplit(".", 1)[1]) for k in d if k.startswith("attention_s_per_step.fp4.")})
+    ref = m.get("bf16_impl", "vllm_bf16")
+    return [f"| `{path.stem}` | {m.get('cpu_model', '?')} | {c} | {d[f'attention_s_per_step.fp4.{c}'] * 1e3:.2f} | "
+            f"{d[f'attention_s_per_step.{ref}.{c}'] * 1e3:.2f} ({ref}) | {d[f'attention_ratio.fp4_over_bf16.{c}']:.3f} | "
+            f"{d[f'attention_kv_bytes.fp4.{c}'] / d[f'attention_kv_bytes.{ref}.{c}']:.3f} |" for c in ctxs]
+
+
+LONG_MODES = ("bf16", "fp8kv", "fp4", "trace_lsb")
+
+
+def _long_section(path: Path) -> list[str]:
+    """A ``bench rollout --preset long`` file: decode tokens/s per cell and mode, KV bytes, capacity, the
+    capacity run, where decode time goes, the targets."""
+    d = json.loads(path.read_text())
+    cpu = (d.get("environment") or {}).get("cpu_model", "not recorded in the JSON")
+    out = [f"### `{path.stem}` ({cpu}, {d['threads']} threads)", "", f"Model: {d['resized']}.", "",
+           "| engine | context | batch | " + " | ".join(LONG_MODES) + " |", "|" + "---|" * (3 + len(LONG_MODES))]
+    cells = sorted({tuple(k.split(".", 2)[1:]) for k in d if k.startswith("rollout_tokens_per_s.") and "@b" in k})
+    order = sorted({(e, r.split(".", 1)[1]) for e, r in cells},
+                   key=lambda c: (c[0], *map(int, c[1].split("@b"))))
+    for engine, rest in order:
+        ctx, batch = rest.split("@b")
+        vals = [d.get(f"rollout_tokens_per_s.{engine}.{m}.{rest}") for m in LONG_MODES]
+        out.append(f"| {engine} | {ctx} | {batch} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in vals) + " |")
+    out += ["", "| vLLM | " + " | ".join(LONG_MODES) + " |", "|" + "---|" * (1 + len(LONG_MODES))]
+    for label, key, fmt in (("KV bytes per token", "kv_bytes_per_token", ".0f"),
+                            ("KV capacity tokens", "kv_capacity_tokens", ".0f"),
+                            ("capacity run tokens/s", "capacity_tokens_per_s", ".1f"),
+                            ("capacity run peak running", "capacity_peak_running", ".0f")):
+        vals = [d.get(f"{key}.vllm.{m}") for m in LONG_MODES]
+        out.append(f"| {label} | " + " | ".join("-" if v is None else format(v, fmt) for v in vals) + " |")
+    out += ["", "Decode time at the longest context run (experts / attention / sites / rest):", ""]
+    for k in sorted(k for k in d if k.startswith("decode_time_share.")):
+        sh = d[k]
+        ctx = d.get(f"decode_time_share_context.{k.split('.')[1]}")
+        out.append(f"* {k.split('.', 1)[1]} at {ctx}: " + ", ".join(f"{n} {sh[n]:.0%}" for n in
+                                                                   ("experts", "attention", "sites", "rest")))
+    out += ["", "Targets: " + "; ".join(f"{t['target']} (bound {t['bound']}): "
+                                          f"{t['value']:.3f} ({'met' if t['met'] else 'missed'})"
+                                          for t in d.get("targets", []) if t.get("value") is not None), ""]
+    return out
+
+
+def bench_page() -> str:
+    """The CPU benchmark runs committed under docs/results/bench-all/ and bench-attention/, one row each."""
+    lines = [GENERATED.format(source="docs/results/bench-{all,attention,long}/*.json"), "",
+             "# CPU benchmark runs", "",
+             "`tracefp4 bench all --json` and `tracefp4 bench attention --json` runs as committed, one row per file "
+             "(medians of interleaved rounds; ✓/✗: the run's own target judgement, see "
+             "[numerics performance](numerics.md) and [CPU kernels](cpu-kernels.md)). Quantizer columns are "
+             "times over a copy of the same 4096x4096 bf16 tensor (the faster of `x.clone()` and a copy into a "
+             "buffer, where the run recorded both).", "",
+             "## Quantizers and guidance cost (`bench all`)", "",
+             "| run | CPU | copy ms | " + " | ".join(n for n, _ in NUMERIC_COLUMNS)
+             + " | torchao / ours | record / plain rollout | trace / qat train step |",
+             "|" + "---|" * (6 + len(NUMERIC_COLUMNS))]
+    for p in sorted((ROOT / "docs/results/bench-all").glob("*.json")):
+        lines += _bench_all_rows(p)
+    lines += ["", "## Decode attention over packed K/V (`bench attention`)", "",
+              "| run | CPU | context | fp4 ms | bf16 ms | fp4 / bf16 | KV bytes fp4 / bf16 |", "|" + "---|" * 7]
+    for p in sorted((ROOT / "docs/results/bench-attention").glob("*.json")):
+        lines += _attention_rows(p)
+    lines += ["", "## Long-output rollouts (`bench rollout --preset long`)", "",
+              "Decode tokens/s at each context (prefill excluded), the KV cache per token and capacity from the "
+              "engines, a capacity run at one KV budget.", ""]
+    for p in sorted((ROOT / "docs/results/bench-long").glob("*.json")):
+        lines += _long_section(p)
+    return "\n".join(lines) + "\n"
+
+
 def pages() -> dict[str, str]:
     """Every generated page: path relative to the checkout -> its text."""
     out = {f"docs/results/{p.stem}.md": results_page(p) for p in sorted((ROOT / "docs/results").glob("*.json"))}
     out["docs/results/README.md"] = results_index(out)
     out["docs/concepts/arms.md"] = arms_page()
     out["docs/performance/rollout.md"] = rollout_page()
+    out["docs/performance/bench-runs.md"] = bench_page()
     out["docs/reference/cli.md"] = cli_page()
     out["README.md"] = collapse_block(headline((ROOT / "README.md").read_text()))
     out["docs/reference/metrics.md"] = metrics_page()

@@ -86,6 +86,7 @@ from tracefp4.engines.factory import EngineKind
 from tracefp4.engines.model import TinyMoESpec, from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.guidance.compact import GuidedMode
+from tracefp4.provenance import environment
 from tracefp4.rl.arms import ROLLOUT_MODES
 
 __all__ = ["LONG_MOE", "LONG_TARGETS", "LongConfig", "LongServer", "bench_long", "format_long", "long_targets",
@@ -563,7 +564,7 @@ def bench_long(engines: Sequence[str], cfg: LongConfig = LongConfig(),
                  "cells": [list(c) for c in cfg.cells], "home_contexts": list(cfg.home_contexts),
                  "new_tokens": cfg.new_tokens, "repeats": cfg.repeats, "threads": torch.get_num_threads(),
                  "batches": sorted({b for _, b in cfg.cells}), "contexts": list(cfg.contexts),
-                 "decode_timing": "stepped engine; steps with every sequence decoding, prefill excluded"}
+                 "decode_timing": "stepped engine; steps with every sequence decoding, prefill excluded", "environment": environment()}
     say(f"long preset: building the model (hidden {spec.hidden}, {spec.layers} layer(s), attention {spec.heads} x "
         f"{spec.head_dim}, {spec.kv_heads} KV heads)")
     model = from_config(spec.config(max_positions=cfg.max_len + 64), seed=cfg.seed)

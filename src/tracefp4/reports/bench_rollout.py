@@ -62,6 +62,7 @@ from tracefp4.engines.model import TinyMoESpec, from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutEngine, SamplingParams
 from tracefp4.guidance.compact import GuidedMode
+from tracefp4.provenance import environment
 from tracefp4.reports.bench_long import LONG_MOE, LongConfig, bench_long, format_long
 from tracefp4.rl.arms import ROLLOUT_MODES
 
@@ -319,7 +320,7 @@ def bench_rollout(engines: Sequence[str] = ("home", "vllm"), *, preset: str = "m
     prompts = [torch.randint(3, spec.vocab, (p.prompt_len,), generator=g).tolist() for _ in range(max(batches))]
     res: dict = {"preset": preset, "model": dataclasses.asdict(spec), "batches": list(batches), "new_tokens": new_tokens,
                  "prompt_len": p.prompt_len, "repeats": repeats, "threads": torch.get_num_threads(), "device": device,
-                 "expert_params": expert_params(spec)}
+                 "expert_params": expert_params(spec), "environment": environment()}
     with tempfile.TemporaryDirectory(prefix="tracefp4-bench-") as ckpt:
         if EngineKind.VLLM in _kinds(engines) or memory:
             say("writing the checkpoint")

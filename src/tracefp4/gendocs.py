@@ -151,7 +151,7 @@ def _collapse_rows(data: Mapping[str, Any]) -> list[str]:
     for arm, e in data["arms"].items():
         final = e.get(f"final_{metric}")
         masked = e.get("mean_is_seq_masked_frac") if "mask" in data["is_mode"] else e.get("mean_is_seq_truncated_frac")
-        shared = "-" if not data["is_mode"].startswith("sequence") or masked is None else f"{masked:.2g}"
+        shared = "-" if not data["is_mode"].startswith("sequence") else _ci(masked, ".2f")
         collapsed = e.get("collapse_by", {}).get(metric, {})
         rows.append(f"| `{data['is_mode']}` | {arm} | {len(e['seeds'])} | "
                     f"{_ci(final, '.3f')} | "

@@ -69,12 +69,9 @@ which is not the long-context decode being measured.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -87,6 +84,7 @@ from tracefp4.engines.model import TinyMoESpec, from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.provenance import environment
+from tracefp4.reports.bench_pipe import ServerProcess, answer_channel
 from tracefp4.rl.arms import ROLLOUT_MODES
 
 __all__ = ["LONG_MOE", "LONG_TARGETS", "LongConfig", "LongServer", "bench_long", "format_long", "long_targets",
@@ -394,24 +392,19 @@ def vllm_capacity(e, mode: str, cfg: dict) -> dict:
             "preemptions": preempted, "tokens": tokens}
 
 
-_MARK = "@tracefp4-long "
-
-
 def serve(engine: str, ckpt: str, build: dict) -> None:
     """The server side of :class:`LongServer`: JSON commands on stdin (``decode``, ``capacity``,
     ``kv``, ``quit``), one marked JSON answer each on stdout."""
     from tracefp4.engines.vllm.engine import engine_env
 
     engine_env()
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # whatever else writes to stdout goes to stderr
-    sys.stdout = sys.stderr
+    answer = answer_channel()
     e = _vllm_engine(engine, ckpt, build["max_len"], build["max_seqs"], build["kv_bytes"])
     try:
         # warm-up: a short generation per mode (first-use costs: kernels, buffers)
         modes = [m for m, eng in VLLM_MODES.items() if eng == engine]
         vllm_decode(e, modes, 1, 64 + build["new_tokens"] * len(modes), {**build, "repeats": 1}, profile=False)
-        print(_MARK + json.dumps({"ready": True}), file=out, flush=True)
+        answer({"ready": True})
         for line in sys.stdin:
             cmd = json.loads(line)
             if cmd["cmd"] == "quit":
@@ -424,7 +417,7 @@ def serve(engine: str, ckpt: str, build: dict) -> None:
                 ans = {**e.kv_cache_size(), "block_size": int(e.llm.llm_engine.vllm_config.cache_config.block_size)}
             else:
                 raise ValueError(f"long server: unknown command {cmd['cmd']!r}")
-            print(_MARK + json.dumps(ans), file=out, flush=True)
+            answer(ans)
     finally:
         e.close()
 
@@ -436,36 +429,16 @@ class LongServer:
     by side (the machine's speed drifts over minutes). Commands and answers are JSON lines."""
 
     def __init__(self, engine: str, ckpt: str, build: dict) -> None:
-        cmd = [sys.executable, "-m", "tracefp4.reports.bench_long", "serve", engine, ckpt, json.dumps(build)]
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        self.engine = engine
-        self.log = tempfile.TemporaryFile(mode="w+")  # the server's stderr, quoted when it fails
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env=env)
-        self._read()  # {"ready": true} once built and warmed up
-
-    def _read(self) -> dict:
-        for line in self.proc.stdout:  # libraries may print to stdout at import: only marked lines count
-            if line.startswith(_MARK):
-                return json.loads(line[len(_MARK):])
-        rc = self.proc.wait()
-        self.log.seek(0)
-        raise RuntimeError(f"long bench server {self.engine} exited ({rc}):\n{self.log.read()[-3000:]}")
+        self.server = ServerProcess("tracefp4.reports.bench_long", ["serve", engine, ckpt, json.dumps(build)],
+                                    f"long {engine}")
+        self.server.read()  # {"ready": true} once built and warmed up
 
     def ask(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
+        self.server.send(json.dumps(cmd))
+        return self.server.read()
 
     def close(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-            self.proc.stdin.flush()
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        self.server.close(json.dumps({"cmd": "quit"}))
 
 
 # --- our engine ------------------------------------------------------------------------------------

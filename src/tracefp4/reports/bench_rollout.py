@@ -63,6 +63,7 @@ from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutEngine, SamplingParams
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.provenance import environment
+from tracefp4.reports.bench_pipe import ServerProcess, answer_channel
 from tracefp4.reports.bench_long import LONG_MOE, LongConfig, bench_long, format_long
 from tracefp4.rl.arms import ROLLOUT_MODES
 
@@ -346,44 +347,18 @@ class _EngineServer:
     cross the pipe."""
 
     def __init__(self, engine: str, ckpt: str, prompts: list[list[int]], new_tokens: int, max_model_len: int) -> None:
-        cmd = [sys.executable, "-m", "tracefp4.reports.bench_rollout", "serve", engine, ckpt, str(new_tokens),
-               str(max_model_len)]
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        self.engine = engine
-        self.log = tempfile.TemporaryFile(mode="w+")  # the server's stderr, quoted when it fails
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env=env)
-        self._send(json.dumps(prompts))
-        self._read()  # {"ready": true} once built and warmed up
-
-    def _send(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def _read(self) -> dict:
-        for line in self.proc.stdout:  # libraries may print to stdout at import: only marked lines count
-            if line.startswith(_MARK):
-                return json.loads(line[len(_MARK):])
-        rc = self.proc.wait()
-        self.log.seek(0)
-        raise RuntimeError(f"bench server {self.engine} exited ({rc}):\n{self.log.read()[-3000:]}")
+        self.server = ServerProcess("tracefp4.reports.bench_rollout",
+                                    ["serve", engine, ckpt, str(new_tokens), str(max_model_len)], engine,
+                                    env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
+        self.server.send(json.dumps(prompts))
+        self.server.read()  # {"ready": true} once built and warmed up
 
     def time(self, mode: str) -> float:
-        self._send(mode)
-        return float(self._read()["seconds"])
+        self.server.send(mode)
+        return float(self.server.read()["seconds"])
 
     def close(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self._send("quit")
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-
-
-_MARK = "@tracefp4-bench "
+        self.server.close("quit")
 
 
 def serve(engine: str, ckpt: str, new_tokens: int, max_model_len: int) -> None:
@@ -397,13 +372,11 @@ def serve(engine: str, ckpt: str, new_tokens: int, max_model_len: int) -> None:
     plan = PrecisionPlan()
     e = PlainVLLMEngine(ckpt, **common) if engine == "vllm-bf16" else VLLMEngine(ckpt, plan=plan, **common)
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0)
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # whatever else writes to stdout goes to stderr
-    sys.stdout = sys.stderr
+    answer = answer_channel()
     modes = ("bf16",) if engine == "vllm-bf16" else ("fp4", "trace_lsb", "trace_full")
     for mode in modes:  # warm-up at the timed batch (vLLM compiles per batch shape; first-use costs go here)
         _call(e, mode, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0), prompts, plan)
-    print(_MARK + json.dumps({"ready": True}), file=out, flush=True)
+    answer({"ready": True})
     try:
         for line in sys.stdin:
             mode = line.strip()
@@ -411,7 +384,7 @@ def serve(engine: str, ckpt: str, new_tokens: int, max_model_len: int) -> None:
                 break
             if mode not in modes:
                 raise ValueError(f"bench server {engine}: unknown mode {mode!r}; serves {modes}")
-            print(_MARK + json.dumps({"seconds": _call(e, mode, sampling, prompts, plan)}), file=out, flush=True)
+            answer({"seconds": _call(e, mode, sampling, prompts, plan)})
     finally:
         e.close()
 

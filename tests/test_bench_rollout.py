@@ -138,6 +138,18 @@ def test_long_targets_are_ratios_of_the_figures_run_and_name_those_not_run():
     assert not any(t["target"].startswith("capacity") for t in long_targets(res, capacity=False))
 
 
+def test_the_capacity_budget_shrinks_by_the_overshoot_in_whole_blocks():
+    from tracefp4.reports.bench_long import shrunk_budget
+
+    block, need = 16, 320  # 320-token requests: 20 blocks each
+    start = 8 * need + block  # 8 whole requests and vLLM's null block
+    # 14 ran at once: 8/14 of the 160 usable blocks is 91.4, rounded down to 91, plus the null block
+    assert shrunk_budget(start, 14, 8, block, need + block) == 91 * block + block
+    assert shrunk_budget(start, 8, 8, block, need + block) == start  # within the fit: unchanged
+    # never below one whole request and the null block
+    assert shrunk_budget(2 * need + block, 32, 1, block, need + block) == need + block
+
+
 def test_decode_time_shares_go_to_the_innermost_region():
     from types import SimpleNamespace as Ev
 
@@ -189,5 +201,9 @@ def test_long_preset_through_the_command_line(tmp_path, capsys):
     # grow, so how many BF16 ones ran at once depends on its admission, not on the budget alone
     assert res["capacity_peak_running.vllm.fp4"] == 3 and res["capacity_preemptions.vllm.fp4"] == 0
     assert 1 <= res["capacity_peak_running.vllm.bf16"] <= 3
+    # the budget starts at its floor (one whole request), so there is nothing to shrink: one BF16 run
+    trail = res["capacity_calibration"]
+    assert len(trail) == 1 and trail[0]["budget_bytes"] == res["capacity_budget_bytes"]
+    assert trail[0]["peak_running"] == res["capacity_peak_running.vllm.bf16"]
     assert res["preset_shapes"] is False and res["targets"] == []
     assert "no targets" in capsys.readouterr().out

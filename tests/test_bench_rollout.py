@@ -153,7 +153,8 @@ def test_the_capacity_budget_shrinks_by_the_overshoot_in_whole_blocks():
 def test_decode_time_shares_go_to_the_innermost_region():
     from types import SimpleNamespace as Ev
 
-    from tracefp4.reports.bench_long import profile_cell, share_of_events
+    from tracefp4.reports.bench_long import profile_cell
+    from tracefp4.reports.decode_timing import share_of_events
 
     moe = Ev(name="vllm::moe_forward", cpu_parent=None, self_cpu_time_total=100_000)
     site = Ev(name="tracefp4::site", cpu_parent=moe, self_cpu_time_total=50_000)

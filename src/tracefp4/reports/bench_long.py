@@ -8,7 +8,7 @@ per sequence and layer whatever the rest of the model, ~50 s on 2 cores, and eve
 needs its own; the JSON's ``model`` and ``resized`` say so. Random weights, random prompts, no stop
 token.
 
-Modes and engines (each vLLM engine in a server process of its own, see :class:`LongServer`):
+Modes and engines (each vLLM engine in a server process of its own, see :class:`tracefp4.reports.long_server.LongServer`):
 ``vllm.bf16`` vLLM's own unquantized engine, ``vllm.fp8kv`` the same with ``kv_cache_dtype="fp8"``
 (BF16 experts: what a user would pick instead), ``vllm.fp4`` and ``vllm.trace_lsb`` our plugin's engine
 (packed FP4 experts, packed NVFP4 K/V), ``home.bf16``/``home.fp4``/``home.trace_lsb`` our engine (its
@@ -74,9 +74,6 @@ which is not the long-context decode being measured.
 from __future__ import annotations
 
 import dataclasses
-import json
-import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -88,11 +85,12 @@ from tracefp4.engines.model import TinyMoESpec, from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.provenance import environment
-from tracefp4.reports.bench_pipe import ServerProcess, answer_channel
+from tracefp4.reports.decode_timing import median_rate, profiled, random_prompts
+from tracefp4.reports.long_server import CAPACITY_PROMPT, VLLM_MODES, LongServer
 from tracefp4.rl.arms import ROLLOUT_MODES
 
-__all__ = ["LONG_MOE", "LONG_TARGETS", "LongConfig", "LongServer", "bench_long", "format_long", "long_targets",
-           "profile_cell", "share_of_events"]
+__all__ = ["LONG_MOE", "LONG_TARGETS", "LongConfig", "bench_long", "format_long", "long_targets", "profile_cell",
+           "shrunk_budget"]
 
 #: The bandwidth preset's attention (32 x 128 query heads, 4 KV heads) on a smaller rest of the model.
 LONG_MOE = TinyMoESpec(hidden=1024, layers=1, experts=32, top_k=4, moe_intermediate=384, heads=32, kv_heads=4,
@@ -102,11 +100,7 @@ RESIZED = ("1 decoder layer (not 48), hidden 1024 (not 2048), 32 experts top-4 o
            "of attention per sequence and layer (~50 s on 2 cores), so one layer and a lighter MoE keep the default "
            "run near 15 minutes; the KV figures per layer and the attention's share of decode are those of the full "
            "shape, the experts' share is smaller than at the real model's size")
-#: The vLLM modes and the server (engine) each runs on.
-VLLM_MODES = {"bf16": "vllm-bf16", "fp8kv": "vllm-fp8kv", "fp4": "vllm-fp4", "trace_lsb": "vllm-fp4"}
 HOME_MODES = ("bf16", "fp4", "trace_lsb")
-#: Capacity run prompts: long enough to be a prompt, short beside the outputs.
-CAPACITY_PROMPT = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,255 +196,12 @@ def long_targets(res: dict, capacity: bool = True) -> list[dict]:
     return out
 
 
-# --- profiling: where decode time goes -------------------------------------------------------------
-
-#: Profiler region names per category, innermost wins (a site inside the experts is a site).
-_REGIONS = {"sites": ("tracefp4::site",),
-            # vLLM's own BF16 experts run as one op outside moe_forward; ours inside it (router included)
-            "experts": ("vllm::moe_forward", "_C::cpu_fused_moe", "tracefp4::experts"),
-            "attention": ("vllm::unified_attention_with_output", "vllm::unified_kv_cache_update",
-                          "tracefp4::attention")}
-
-
-def share_of_events(events, wall_s: float) -> dict[str, float]:
-    """``{experts, attention, sites, rest}`` fractions of ``wall_s`` from a profiler's events: each
-    event's own (self) CPU time goes to the innermost enclosing region of a category; ``rest`` is the
-    wall time the categories do not account for."""
-    names = {n: cat for cat, ns in _REGIONS.items() for n in ns}
-    acc = dict.fromkeys(_REGIONS, 0.0)
-    for ev in events:
-        node, cat = ev, None
-        while node is not None and cat is None:
-            cat = names.get(node.name)
-            node = node.cpu_parent
-        if cat is not None:
-            acc[cat] += ev.self_cpu_time_total / 1e6
-    share = {k: v / wall_s for k, v in acc.items()}
-    share["rest"] = max(0.0, 1.0 - sum(share.values()))
-    return share
-
-
-def _profiled(step: Callable[[], None], steps: int) -> dict[str, float]:
-    from torch.profiler import ProfilerActivity, profile
-
-    from tracefp4.engines.sites import site_regions
-
-    with site_regions(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        wall = time.perf_counter() - t0
-    return share_of_events(prof.events(), wall)
-
-
-# --- prompts ---------------------------------------------------------------------------------------
-
-
-def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed * 1_000_003 + length * 31 + batch)
-    return torch.randint(3, vocab, (batch, length), generator=g).tolist()
-
-
-def _median_rate(step_times: list[float], tokens_per_step: int, repeats: int) -> float:
-    """Tokens/s of ``repeats`` equal runs of consecutive steps, median."""
-    size = len(step_times) // repeats
-    runs = [step_times[i * size:(i + 1) * size] for i in range(repeats)]
-    return statistics.median(tokens_per_step * len(r) / sum(r) for r in runs)
-
-
-# --- vLLM, server side -----------------------------------------------------------------------------
-
-
-def _vllm_engine(engine: str, ckpt: str, max_len: int, max_seqs: int, kv_bytes: int):
-    from tracefp4.engines.vllm.engine import PlainVLLMEngine, VLLMEngine
-
-    # max_num_batched_tokens: one whole prompt per step (no chunked prefill, see VLLMEngine)
-    common = dict(max_model_len=max_len, max_num_seqs=max_seqs, kv_cache_memory_bytes=int(kv_bytes),
-                  max_num_batched_tokens=max(max_len, 2048))
-    if engine == "vllm-bf16":
-        return PlainVLLMEngine(ckpt, **common)
-    if engine == "vllm-fp8kv":
-        return PlainVLLMEngine(ckpt, kv_cache_dtype="fp8", **common)
-    if engine == "vllm-fp4":
-        return VLLMEngine(ckpt, plan=PrecisionPlan(), **common)
-    raise ValueError(f"unknown long-preset engine {engine!r}; expected one of {sorted(set(VLLM_MODES.values()))}")
-
-
-class _Stepper:
-    """Requests submitted to a vLLM engine and stepped one forward at a time, with the plugin's
-    recording begun for the mode (the records are dropped afterwards: assembling them is not decode)."""
-
-    def __init__(self, e, mode: str, prompts: list[list[int]], max_tokens: int, seed: int) -> None:
-        from vllm import SamplingParams as VSP
-        from vllm.inputs import TokensPrompt
-
-        self.e, self.recording = e, False
-        self.record(mode)
-        self.engine = e.llm.llm_engine
-        self.scheduler = self.engine.engine_core.engine_core.scheduler  # in-process engine core
-        self.count = len(prompts)
-        self.generated: dict[str, int] = {}  # tokens so far, by the outputs' request id
-        for i, p in enumerate(prompts):
-            self.engine.add_request(f"long-{seed}-{i}", TokensPrompt(prompt_token_ids=p),
-                                    VSP(max_tokens=max_tokens, temperature=1.0, seed=seed + i, ignore_eos=True,
-                                        detokenize=False))
-
-    def record(self, mode: str) -> None:
-        """From the next step on, record as a rollout of ``mode`` records (our engine; vLLM's own
-        engines record nothing). The stored K/V codes do not depend on the mode, only what is kept."""
-        if self.e.plan is None:
-            if mode not in VLLM_MODES or VLLM_MODES[mode] == "vllm-fp4":
-                raise ValueError(f"mode {mode}: vLLM's own engines serve bf16 and fp8kv")
-            return
-        fp4, guidance = ROLLOUT_MODES.get(mode, (False, None))
-        if not fp4:
-            raise ValueError(f"mode {mode}: our FP4 engine serves fp4 and trace modes")
-        if self.recording:
-            self.e.llm.collective_rpc("tracefp4_abort")
-        self.e.llm.collective_rpc("tracefp4_begin", args=(self.e.plan.to_dict(), guidance, [], self.e.n_layers))
-        self.recording = True
-
-    def step(self) -> None:
-        for out in self.engine.step():
-            self.generated[out.request_id] = len(out.outputs[0].token_ids)
-
-    def prefilled(self) -> bool:
-        """Every request has its first token (no prompt left to run)."""
-        return len(self.generated) == self.count and min(self.generated.values()) > 0
-
-    @property
-    def running(self) -> set[str]:
-        return {r.request_id for r in self.scheduler.running}
-
-    @property
-    def waiting(self) -> set[str]:
-        return {r.request_id for r in self.scheduler.waiting}
-
-    def unfinished(self) -> bool:
-        return self.engine.has_unfinished_requests()
-
-    def close(self) -> None:
-        while self.unfinished():  # nothing left behind for the next run
-            self.step()
-        if self.recording:
-            self.e.llm.collective_rpc("tracefp4_abort")
-
-
-def vllm_decode(e, modes: Sequence[str], batch: int, context: int, cfg: dict, profile: bool) -> dict:
-    """One decode cell on a built engine (see the module docstring) for ``modes`` of that engine,
-    over one prefill: ``new_tokens`` timed steps per mode, in ``repeats`` runs that alternate the
-    modes (the recording switched between runs). Returns ``rates`` per mode and, with ``profile``,
-    ``shares`` of a few more steps per mode."""
-    n, repeats, steps = cfg["new_tokens"], cfg["repeats"], cfg["profile_steps"] if profile else 0
-    k = len(modes)
-    # the prompts end n*k tokens short of the context: the timed steps run up to it
-    prompts = _prompts(batch, context - n * k, cfg["vocab"], cfg["seed"])
-    st = _Stepper(e, modes[0], prompts, (n + steps) * k + batch + 1, cfg["seed"])
-    try:
-        while not st.prefilled():  # prefills (a decode may run beside one: not timed)
-            st.step()
-        times: dict[str, list[float]] = {m: [] for m in modes}
-        size = n // repeats
-        for r in range(repeats):
-            for mode in modes:
-                st.record(mode)
-                for _ in range(size if r < repeats - 1 else n - size * (repeats - 1)):
-                    if len(st.running) != batch:
-                        raise RuntimeError(f"{mode} at context {context}: {len(st.running)} of {batch} sequences "
-                                           "running (the KV budget is too small)")
-                    t0 = time.perf_counter()
-                    st.step()
-                    times[mode].append(time.perf_counter() - t0)
-        out: dict = {"rates": {m: _median_rate(t, batch, repeats) for m, t in times.items()}, "shares": {}}
-        for mode in modes if steps else ():
-            st.record(mode)
-            out["shares"][mode] = _profiled(st.step, steps)
-    finally:
-        st.close()
-    return out
-
-
-def vllm_capacity(e, mode: str, cfg: dict) -> dict:
-    """The capacity run on an engine built with the capacity budget (see the module docstring)."""
-    prompts = _prompts(cfg["capacity_requests"], CAPACITY_PROMPT, cfg["vocab"], cfg["seed"] + 1)
-    st = _Stepper(e, mode, prompts, cfg["capacity_output"], cfg["seed"])
-    counts, preempted, full_from = [], 0, None
-    t0 = time.perf_counter()
-    try:
-        before: set[str] = set()
-        while st.unfinished():
-            st.step()
-            now = st.running
-            lost = (before - now) & st.waiting  # left the running set unfinished: preempted
-            if lost:
-                preempted += len(lost)
-                full_from = len(counts) if full_from is None else full_from
-            counts.append(len(now))
-            before = now
-        wall = time.perf_counter() - t0
-    finally:
-        st.close()
-    tokens = sum(st.generated.values())
-    held = counts[full_from or 0:] or [0]
-    return {"tokens_per_s": tokens / wall, "peak_running": max(held), "mean_running": statistics.fmean(counts),
-            "preemptions": preempted, "tokens": tokens}
-
-
-def serve(engine: str, ckpt: str, build: dict) -> None:
-    """The server side of :class:`LongServer`: JSON commands on stdin (``decode``, ``capacity``,
-    ``kv``, ``quit``), one marked JSON answer each on stdout."""
-    from tracefp4.engines.vllm.engine import engine_env
-
-    engine_env()
-    answer = answer_channel()
-    e = _vllm_engine(engine, ckpt, build["max_len"], build["max_seqs"], build["kv_bytes"])
-    try:
-        # warm-up: a short generation per mode (first-use costs: kernels, buffers)
-        modes = [m for m, eng in VLLM_MODES.items() if eng == engine]
-        vllm_decode(e, modes, 1, 64 + build["new_tokens"] * len(modes), {**build, "repeats": 1}, profile=False)
-        answer({"ready": True})
-        for line in sys.stdin:
-            cmd = json.loads(line)
-            if cmd["cmd"] == "quit":
-                break
-            if cmd["cmd"] == "decode":
-                ans = vllm_decode(e, cmd["modes"], cmd["batch"], cmd["context"], build, cmd["profile"])
-            elif cmd["cmd"] == "capacity":
-                ans = vllm_capacity(e, cmd["mode"], build)
-            elif cmd["cmd"] == "kv":
-                ans = {**e.kv_cache_size(), "block_size": int(e.llm.llm_engine.vllm_config.cache_config.block_size)}
-            else:
-                raise ValueError(f"long server: unknown command {cmd['cmd']!r}")
-            answer(ans)
-    finally:
-        e.close()
-
-
-class LongServer:
-    """A vLLM engine of the long preset in a process of its own (``python -m
-    tracefp4.reports.bench_long serve ENGINE CKPT BUILD_JSON``): vLLM keeps process-wide state, so
-    each engine needs its own process, and with all of them built first their cells can be run side
-    by side (the machine's speed drifts over minutes). Commands and answers are JSON lines."""
-
-    def __init__(self, engine: str, ckpt: str, build: dict) -> None:
-        self.server = ServerProcess("tracefp4.reports.bench_long", ["serve", engine, ckpt, json.dumps(build)],
-                                    f"long {engine}")
-        self.server.read()  # {"ready": true} once built and warmed up
-
-    def ask(self, **cmd) -> dict:
-        self.server.send(json.dumps(cmd))
-        return self.server.read()
-
-    def close(self) -> None:
-        self.server.close(json.dumps({"cmd": "quit"}))
-
-
 # --- our engine ------------------------------------------------------------------------------------
 
 
 class _HomeRegions:
     """Profiler regions around our engine's experts (each MoE block's ``experts`` module) and its
-    attention function, for :func:`share_of_events` (installed for the profiled steps only)."""
+    attention function, for :func:`tracefp4.reports.decode_timing.share_of_events` (installed for the profiled steps only)."""
 
     def __init__(self, model) -> None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -501,7 +252,7 @@ def home_decode(model, mode: str, batch: int, context: int, cfg: dict, profile: 
     fp4, guidance = ROLLOUT_MODES[mode]
     plan = PrecisionPlan() if fp4 else None
     capture = RolloutCapture.of(GuidedMode.parse(guidance) if guidance else None, frozenset(), model_layers(model)[0])
-    prompts = [torch.tensor(p) for p in _prompts(batch, context - n, cfg["vocab"], cfg["seed"])]
+    prompts = [torch.tensor(p) for p in random_prompts(batch, context - n, cfg["vocab"], cfg["seed"])]
     sampling = SamplingParams(max_new_tokens=n + steps + 1, temperature=1.0, seed=cfg["seed"])
     g = torch.Generator().manual_seed(cfg["seed"])
     with torch.no_grad():
@@ -512,7 +263,7 @@ def home_decode(model, mode: str, batch: int, context: int, cfg: dict, profile: 
             t0 = time.perf_counter()
             logits = decode_one_token(st, logits, sampling, g)
             times.append(time.perf_counter() - t0)
-        out["rate"] = _median_rate(times, batch, cfg["repeats"])
+        out["rate"] = median_rate(times, batch, cfg["repeats"])
         if steps:
             box = [logits]
 
@@ -520,7 +271,7 @@ def home_decode(model, mode: str, batch: int, context: int, cfg: dict, profile: 
                 box[0] = decode_one_token(st, box[0], sampling, g)
 
             with _HomeRegions(model):
-                out["share"] = _profiled(step, steps)
+                out["share"] = profiled(step, steps)
     return out
 
 
@@ -731,18 +482,3 @@ def format_long(res: dict) -> str:
     if not res.get("preset_shapes", True):
         lines.append("no targets: the long preset's targets are set for its own shapes, not these")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m tracefp4.reports.bench_long serve ENGINE CKPT BUILD_JSON`` (a :class:`LongServer`)."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) == 4 and args[0] == "serve":
-        serve(args[1], args[2], json.loads(args[3]))
-        return 0
-    print("usage: python -m tracefp4.reports.bench_long serve vllm-bf16|vllm-fp8kv|vllm-fp4 CKPT BUILD_JSON",
-          file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -32,7 +32,12 @@
  *   near either end of the normal range (|t| outside [2^-125, 2^125], or not finite) is decoded by
  *   the per-block division instead, so the values are the portable path's in every case.
  * - K rows are decoded straight to bf16 (a 32-word table per two 16-code blocks, one vpermw per 32
- *   codes: half the lookups and stores of float32 rows, which V keeps for p . v).
+ *   codes: half the lookups and stores of float32 rows, which V keeps for p . v). The tables are
+ *   built in bf16 bits: scaling by sign * 2^k is an addition to the sign and exponent fields of the
+ *   quotient's bits when both it and the result are normal (the range above), so a table is one
+ *   permutation of the quotients' words and one addition (kv_word_table_avx), 4% of the attention's
+ *   time at 16K keys over the float32 tables it replaced. Zero or negative quotients (a zero or a
+ *   negative scale: the zero codes' signs then depend on it) take the float32 tables.
  * - The 16 keys of a chunk are scored side by side (16 accumulators over d) and their 16 lane trees
  *   summed together by a transpose-and-add network that pairs the same lanes as kv_tree16.
  * - p . v keeps up to 128 output elements of a head in registers across the chunk's keys.
@@ -124,19 +129,23 @@ AVXINL __m512 kv_scales_avx(const kv_job_t *j, const uint8_t *scales, int count)
     return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, bytes, j->lut, 4);
 }
 
-/* The quotient pairs of `count` (<= 8) blocks: lane i bf16(fl32(scale_i / S_enc)), lane 8 + i
- * bf16(fl32(1.5 scale_i) / S_enc). Returns 0 where a quotient is not zero and outside
- * [2^-125, 2^125] (or not finite): there scaling by 1/2 .. 4 could leave the normal range. */
-AVXINL int kv_pairs_avx(const kv_job_t *j, const uint8_t *scales, int count, __m512 s_enc, int divide, __m512 *pairs) {
+/* The quotient pairs of `count` (<= 8) blocks, before their bf16 rounding: lane i fl32(scale_i /
+ * S_enc), lane 8 + i fl32(1.5 scale_i) / S_enc. Returns 0 where a quotient is not zero and outside
+ * [2^-125, 2^125] in magnitude (or not finite): there scaling by 1/2 .. 4 could leave the normal
+ * range; 2 where one of the blocks' quotients is zero or negative (a negative E4M3 byte: the zero
+ * codes' signs then follow the scale's, which kv_word_table_avx's masking does not give); else 1. */
+AVXINL int kv_pairs_avx(const kv_job_t *j, const uint8_t *scales, int count, __m512 s_enc, int divide, __m512 *quot) {
     __m512 t = kv_scales_avx(j, scales, count);
     t = _mm512_mask_mul_ps(t, 0xFF00, t, _mm512_set1_ps(1.5f)); /* exact: a scale has at most 4 significant bits */
     if (divide) t = _mm512_div_ps(t, s_enc);
     const __m512i mag = _mm512_and_si512(_mm512_castps_si512(t), _mm512_set1_epi32(0x7fffffff));
     const __mmask16 normal = _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(0x01000000)) &
                              _mm512_cmple_epu32_mask(mag, _mm512_set1_epi32(0x7e000000));
-    if ((__mmask16)(normal | _mm512_cmpeq_epi32_mask(mag, _mm512_setzero_si512())) != 0xFFFF) return 0;
-    *pairs = kv_bf16_avx(t);
-    return 1;
+    const __mmask16 zero = _mm512_cmpeq_epi32_mask(mag, _mm512_setzero_si512());
+    if ((__mmask16)(normal | zero) != 0xFFFF) return 0;
+    *quot = t;
+    const __mmask16 m = (__mmask16)((1u << count) - 1u);
+    return _mm512_mask_cmple_epi32_mask((__mmask16)(m | m << 8), _mm512_castps_si512(t), _mm512_setzero_si512()) ? 2 : 1;
 }
 
 /* The upper 16-bit halves of two vectors' 32 floats (vpermt2w's indices): their bf16 bits when the
@@ -213,6 +222,43 @@ AVXINL void kv_blocks_bf16_avx(const uint8_t *codes, __m512 pairs, int count, ui
     }
 }
 
+/* E2M1 code c = sign * 2^k * m as bf16 bits: the bits of its m's quotient (pair lane KV_PAIR_LANE[c])
+ * plus k in the exponent field and the sign, modulo 2^16: exact where the quotient and the value are
+ * normal, which kv_pairs_avx checked (|quotient| in [2^-125, 2^125], k in -1 .. 2). Word w of a
+ * table is code w mod 16 of block b (w < 16) or b + 1; the zero codes are masked to 0 and get +-0. */
+static const uint16_t KV_WORD_LANE[32] = {0, 0, 0, 8, 0, 8, 0, 8, 0, 0, 0, 8, 0, 8, 0, 8,
+                                          1, 1, 1, 9, 1, 9, 1, 9, 1, 1, 1, 9, 1, 9, 1, 9};
+static const uint16_t KV_WORD_OFFSET[32] = {0, 0xFF80, 0, 0, 0x80, 0x80, 0x100, 0x100,
+                                            0x8000, 0x7F80, 0x8000, 0x8000, 0x8080, 0x8080, 0x8100, 0x8100,
+                                            0, 0xFF80, 0, 0, 0x80, 0x80, 0x100, 0x100,
+                                            0x8000, 0x7F80, 0x8000, 0x8000, 0x8080, 0x8080, 0x8100, 0x8100};
+
+/* Blocks b and b + 1's 32-word table from the quotients' bf16 words (lanes as kv_pairs_avx's): two
+ * instructions where kv_pair_table_avx takes five for the same values. */
+AVXINL __m512i kv_word_table_avx(__m512i words, int b) {
+    const __m512i lane = _mm512_add_epi16(_mm512_loadu_si512(KV_WORD_LANE), _mm512_set1_epi16((short)b));
+    return _mm512_add_epi16(_mm512_maskz_permutexvar_epi16(0xFEFEFEFEu, lane, words), _mm512_loadu_si512(KV_WORD_OFFSET));
+}
+
+/* kv_blocks_bf16_avx through kv_word_table_avx (nonzero normal quotients only). */
+AVXINL void kv_blocks_words_avx(const uint8_t *codes, __m512i words, int count, uint16_t *row, const int groups) {
+    if (groups == 2) { /* 32-code blocks: the indices stay below 16, block b's half of the table */
+#pragma GCC unroll 8
+        for (int b = 0; b < count; b++)
+            _mm512_storeu_si512(row + b * 32, _mm512_permutexvar_epi16(kv_nibbles32_avx(codes + b * 16, 0), kv_word_table_avx(words, b)));
+        return;
+    }
+    int b = 0;
+#pragma GCC unroll 4
+    for (; b + 2 <= count; b += 2)
+        _mm512_storeu_si512(row + b * 16, _mm512_permutexvar_epi16(kv_nibbles32_avx(codes + b * 8, 1), kv_word_table_avx(words, b)));
+    if (b < count) { /* an odd last block: its 16 codes (8 bytes) read the lower half */
+        const __m512i x = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + b * 8)));
+        const __m512i idx = _mm512_ternarylogic_epi32(x, _mm512_slli_epi32(x, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+        _mm256_storeu_si256((__m256i *)(row + b * 16), _mm512_castsi512_si256(_mm512_permutexvar_epi16(idx, kv_word_table_avx(words, b))));
+    }
+}
+
 /* One packed row -> d float32 values (`bf16` 0) or d bf16 values into `packed` (`bf16` 1), one
  * division per 8 blocks (the header comment's identity); a row it does not hold for goes to
  * kv_decode_avx (into `row`, then packed). The job's fields are read into locals once: the library
@@ -224,12 +270,20 @@ AVXINL void kv_decode_row_avx(const kv_job_t *j, const uint8_t *codes, const uin
     const int blocks = (int)(j->d / fblock);
     for (int b8 = 0; b8 < blocks; b8 += 8) {
         const int count = blocks - b8 < 8 ? blocks - b8 : 8;
-        __m512 pairs;
-        if (!kv_pairs_avx(j, scales + b8, count, s_enc, amax != NULL, &pairs)) {
+        __m512 quot;
+        const int ok = kv_pairs_avx(j, scales + b8, count, s_enc, amax != NULL, &quot);
+        if (!ok) {
             kv_decode_avx(j, codes, scales, amax, row);
             if (bf16) kv_pack_bf16_avx(row, j->d, packed);
             return;
         }
+        if (bf16 && ok == 1) {
+            /* normal quotients: vcvtneps2bf16 rounds them as kv_bf16_avx does (it flushes subnormals only) */
+            const __m512i words = _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(quot));
+            kv_blocks_words_avx(codes + b8 * (fblock / 2), words, count, packed + b8 * fblock, fblock == 16 ? 1 : 2);
+            continue;
+        }
+        const __m512 pairs = kv_bf16_avx(quot);
         if (bf16 && fblock == 16) kv_blocks_bf16_avx(codes + b8 * 8, pairs, count, packed + b8 * 16, 1);
         else if (bf16) kv_blocks_bf16_avx(codes + b8 * 16, pairs, count, packed + b8 * 32, 2);
         else if (fblock == 16) kv_blocks_avx(codes + b8 * 8, pairs, count, row + b8 * 16, 1);

@@ -36,8 +36,10 @@
  *   built in bf16 bits: scaling by sign * 2^k is an addition to the sign and exponent fields of the
  *   quotient's bits when both it and the result are normal (the range above), so a table is one
  *   permutation of the quotients' words and one addition (kv_word_table_avx), 4% of the attention's
- *   time at 16K keys over the float32 tables it replaced. Zero or negative quotients (a zero or a
- *   negative scale: the zero codes' signs then depend on it) take the float32 tables.
+ *   time at 16K keys over the float32 tables it replaced. V rows take the same word tables and widen
+ *   the looked-up words to float32 (vpunpck*wd with zeros: a bf16 word's float32 value, exact).
+ *   Zero or negative quotients (a zero or a negative scale: the zero codes' signs then depend on it)
+ *   take the float32 tables.
  * - The 16 keys of a chunk are scored side by side (16 accumulators over d) and their 16 lane trees
  *   summed together by a transpose-and-add network that pairs the same lanes as kv_tree16.
  * - p . v keeps up to 128 output elements of a head in registers across the chunk's keys.
@@ -259,6 +261,39 @@ AVXINL void kv_blocks_words_avx(const uint8_t *codes, __m512i words, int count, 
     }
 }
 
+/* The dword order, per 128-bit lane L, of the code bytes 2L, 2L+1, 8+2L, 9+2L: vpermw then puts the
+ * values of elements 4L .. 4L+3 in the words vpunpcklwd widens and 16+4L .. 16+4L+3 in those
+ * vpunpckhwd widens, so the two widenings come out in element order. */
+static const uint8_t KV_WIDEN_BYTES[16] = {0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15};
+
+/* 32 codes from 16 bytes looked up in a 32-word table (bytes 8 .. 15 in its upper half when `upper`)
+ * -> 32 float32 values: a bf16 word widened is its float32 value. */
+AVXINL void kv_widen32_avx(const uint8_t *codes, __m512i table, int upper, float *row) {
+    const __m128i bytes = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)codes), _mm_loadu_si128((const __m128i *)KV_WIDEN_BYTES));
+    const __m512i x = _mm512_cvtepu8_epi32(bytes);
+    __m512i idx = _mm512_ternarylogic_epi32(x, _mm512_slli_epi32(x, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+    if (upper) idx = _mm512_mask_or_epi32(idx, 0xCCCC, idx, _mm512_set1_epi32(0x00100010));
+    const __m512i w = _mm512_permutexvar_epi16(idx, table);
+    _mm512_storeu_si512(row, _mm512_unpacklo_epi16(_mm512_setzero_si512(), w));
+    _mm512_storeu_si512(row + 16, _mm512_unpackhi_epi16(_mm512_setzero_si512(), w));
+}
+
+/* kv_blocks_avx through kv_word_table_avx (nonzero normal quotients only; an odd last 16-code block
+ * through its float32 table). */
+AVXINL void kv_blocks_words_f32_avx(const uint8_t *codes, __m512i words, __m512 quot, int count, float *row,
+                                    const int groups) {
+    if (groups == 2) {
+#pragma GCC unroll 8
+        for (int b = 0; b < count; b++) kv_widen32_avx(codes + b * 16, kv_word_table_avx(words, b), 0, row + b * 32);
+        return;
+    }
+    int b = 0;
+#pragma GCC unroll 4
+    for (; b + 2 <= count; b += 2) kv_widen32_avx(codes + b * 8, kv_word_table_avx(words, b), 1, row + b * 16);
+    if (b < count)
+        _mm512_storeu_ps(row + b * 16, _mm512_permutexvar_ps(kv_nibbles_avx(codes + b * 8), kv_pair_table_avx(kv_bf16_avx(quot), b)));
+}
+
 /* One packed row -> d float32 values (`bf16` 0) or d bf16 values into `packed` (`bf16` 1), one
  * division per 8 blocks (the header comment's identity); a row it does not hold for goes to
  * kv_decode_avx (into `row`, then packed). The job's fields are read into locals once: the library
@@ -277,10 +312,11 @@ AVXINL void kv_decode_row_avx(const kv_job_t *j, const uint8_t *codes, const uin
             if (bf16) kv_pack_bf16_avx(row, j->d, packed);
             return;
         }
-        if (bf16 && ok == 1) {
+        if (ok == 1) {
             /* normal quotients: vcvtneps2bf16 rounds them as kv_bf16_avx does (it flushes subnormals only) */
             const __m512i words = _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(quot));
-            kv_blocks_words_avx(codes + b8 * (fblock / 2), words, count, packed + b8 * fblock, fblock == 16 ? 1 : 2);
+            if (bf16) kv_blocks_words_avx(codes + b8 * (fblock / 2), words, count, packed + b8 * fblock, fblock / 16);
+            else kv_blocks_words_f32_avx(codes + b8 * (fblock / 2), words, quot, count, row + b8 * fblock, fblock / 16);
             continue;
         }
         const __m512 pairs = kv_bf16_avx(quot);

@@ -113,16 +113,16 @@ static const float KV_PAIR_FACTOR[16] = {0.0f, 0.5f, 1.0f, 1.0f, 2.0f, 2.0f, 4.0
  * table), or through the table where a byte is outside that range. */
 AVXINL __m512 kv_scales_avx(const kv_job_t *j, const uint8_t *scales, int count) {
     const __mmask16 m = (__mmask16)((1u << count) - 1u);
-    const __m512i bytes = _mm512_permutexvar_epi32(_mm512_set_epi32(7, 6, 5, 4, 3, 2, 1, 0, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                   _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, scales)));
+    const __m128i x = _mm_maskz_loadu_epi8(m, scales); /* the byte checks on these 16 bytes, not 16 dwords */
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(x, x));
     const __mmask16 lanes = (__mmask16)(m | (m << 8));
     const int nv = j->fblock == 16;
-    if (j->scale_bits && !_mm512_mask_cmpge_epi32_mask(lanes, bytes, _mm512_set1_epi32(nv ? 0x7F : 0xFF))) {
-        if (nv) {
+    if (j->scale_bits && !_mm_mask_cmpge_epu8_mask(m, x, _mm_set1_epi8((char)(nv ? 0x7F : 0xFF)))) {
+        if (nv) { /* lanes past count hold zero bytes: zero scales */
             __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bytes, 20)), _mm512_set1_ps(0x1p120f));
-            const __mmask16 sub = _mm512_mask_cmplt_epi32_mask(lanes, bytes, _mm512_set1_epi32(8));
-            if (sub) v = _mm512_mask_mul_ps(v, sub, _mm512_cvtepi32_ps(bytes), _mm512_set1_ps(0x1p-9f));
-            return _mm512_maskz_mov_ps(lanes, v);
+            const __mmask16 sub = _mm_mask_cmplt_epu8_mask(m, x, _mm_set1_epi8(8));
+            if (sub) v = _mm512_mask_mul_ps(v, (__mmask16)(sub | sub << 8), _mm512_cvtepi32_ps(bytes), _mm512_set1_ps(0x1p-9f));
+            return v;
         }
         __m512i bits = _mm512_slli_epi32(bytes, 23);
         bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(bytes, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
@@ -140,14 +140,17 @@ AVXINL int kv_pairs_avx(const kv_job_t *j, const uint8_t *scales, int count, __m
     __m512 t = kv_scales_avx(j, scales, count);
     t = _mm512_mask_mul_ps(t, 0xFF00, t, _mm512_set1_ps(1.5f)); /* exact: a scale has at most 4 significant bits */
     if (divide) t = _mm512_div_ps(t, s_enc);
-    const __m512i mag = _mm512_and_si512(_mm512_castps_si512(t), _mm512_set1_epi32(0x7fffffff));
+    *quot = t;
+    const __mmask16 m = (__mmask16)((1u << count) - 1u), lanes = (__mmask16)(m | m << 8);
+    const __m512i bits = _mm512_castps_si512(t);
+    /* the common case in two comparisons: every block's quotients positive and in range (signed, so
+     * a negative one is not) */
+    const __mmask16 low = _mm512_mask_cmpge_epi32_mask(lanes, bits, _mm512_set1_epi32(0x01000000));
+    if (_mm512_mask_cmple_epi32_mask(low, bits, _mm512_set1_epi32(0x7e000000)) == lanes) return 1;
+    const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
     const __mmask16 normal = _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(0x01000000)) &
                              _mm512_cmple_epu32_mask(mag, _mm512_set1_epi32(0x7e000000));
-    const __mmask16 zero = _mm512_cmpeq_epi32_mask(mag, _mm512_setzero_si512());
-    if ((__mmask16)(normal | zero) != 0xFFFF) return 0;
-    *quot = t;
-    const __mmask16 m = (__mmask16)((1u << count) - 1u);
-    return _mm512_mask_cmple_epi32_mask((__mmask16)(m | m << 8), _mm512_castps_si512(t), _mm512_setzero_si512()) ? 2 : 1;
+    return (__mmask16)(normal | _mm512_cmpeq_epi32_mask(mag, _mm512_setzero_si512())) != 0xFFFF ? 0 : 2;
 }
 
 /* The upper 16-bit halves of two vectors' 32 floats (vpermt2w's indices): their bf16 bits when the

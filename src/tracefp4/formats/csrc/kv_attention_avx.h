@@ -503,8 +503,8 @@ AVXINL void kv_decode_rows_avx(const kv_job_t *j, const int64_t *r, int n, const
     const int64_t d = j->d, dp = kv_padded(d), half = d / 2, nsc = d / j->fblock;
     for (int i = 0; i < n; i++) {
         if (i < n_ahead) kv_prefetch_rows(j, ahead + i, 1);
-        kv_decode_bf16_avx(j, j->kc + r[i] * half, j->ks + r[i] * nsc, j->ka ? j->ka + r[i] : NULL, tmp, kb + i * dp);
-        kv_decode_fast_avx(j, j->vc + r[i] * half, j->vs + r[i] * nsc, j->va ? j->va + r[i] : NULL, vb + i * d);
+        kv_decode_row_avx(j, j->kc + r[i] * half, j->ks + r[i] * nsc, j->ka ? j->ka + r[i] : NULL, tmp, kb + i * dp, 1);
+        kv_decode_row_avx(j, j->vc + r[i] * half, j->vs + r[i] * nsc, j->va ? j->va + r[i] : NULL, vb + i * d, NULL, 0);
     }
     if (n_ahead > n) kv_prefetch_rows(j, ahead + n, n_ahead - n);
 }

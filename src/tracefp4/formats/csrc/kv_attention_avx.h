@@ -56,18 +56,25 @@ AVXINL float kv_tree16_avx(__m512 v) {
 }
 
 /* kv_tree16 of 16 vectors at once: lane j of the result is kv_tree16(a[j]). Each level adds the
- * lanes kv_tree16 pairs at that level (i + i+8, i + i+4, i + i+2, i + i+1), packing two vectors'
- * halves into one; the lanes come out in the order KV_TREE_ORDER undoes. */
-static const int32_t KV_TREE_ORDER[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+ * lanes kv_tree16 pairs at that level (i + i+8, i + i+4, i + i+2, i + i+1; a pair's two operands
+ * may come in either order, which changes no bit), packing two vectors' halves into one: one
+ * operand a blend of the two vectors, the other a permutation (at the first three levels; a blend
+ * is cheaper than the second permutation it replaces, 1-2% of the attention). The lanes come out in
+ * the order KV_TREE_ORDER undoes. */
+static const int32_t KV_TREE_ORDER[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+/* Level 2's permutation: the 128-bit quarters (x_i 1, x_i+4 0, x_i 3, x_i+4 2), against the blend's
+ * (x_i 0, x_i+4 1, x_i 2, x_i+4 3). */
+static const int32_t KV_TREE_SWAP[16] = {4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27};
 
 AVXINL __m512 kv_tree16x16_avx(const __m512 *a) {
     __m512 x[8], y[4], z[2];
+    const __m512i swap = _mm512_loadu_si512(KV_TREE_SWAP);
     for (int i = 0; i < 8; i++)
-        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+        x[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, a[i], a[i + 8]), _mm512_shuffle_f32x4(a[i], a[i + 8], 0x4E));
     for (int i = 0; i < 4; i++)
-        y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[i], x[i + 4], 0x88), _mm512_shuffle_f32x4(x[i], x[i + 4], 0xDD));
+        y[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xF0F0, x[i], x[i + 4]), _mm512_permutex2var_ps(x[i], swap, x[i + 4]));
     for (int i = 0; i < 2; i++)
-        z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[i], y[i + 2], 0x44), _mm512_shuffle_ps(y[i], y[i + 2], 0xEE));
+        z[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xCCCC, y[i], y[i + 2]), _mm512_shuffle_ps(y[i], y[i + 2], 0x4E));
     const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
     return _mm512_permutexvar_ps(_mm512_loadu_si512(KV_TREE_ORDER), w);
 }

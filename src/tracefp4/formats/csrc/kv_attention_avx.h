@@ -99,9 +99,9 @@ AVXINL __m512i kv_nibbles_avx(const uint8_t *codes) {
 }
 
 /* One packed row -> d float32 values, a division per block (any scales). */
-AVX512 static void kv_decode_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales, const float *amax,
+AVX512 static void kv_decode_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales, float s_enc1,
                                  float *row) {
-    const __m512 s_enc = _mm512_set1_ps(amax ? sq_s_enc(*amax) : 1.0f);
+    const __m512 s_enc = _mm512_set1_ps(s_enc1); /* 1 without an amax: dividing by it is exact */
     __m512 tbl = _mm512_setzero_ps();
     for (int64_t e = 0; e < j->d; e += 16) {
         if (e % j->fblock == 0) tbl = kv_table_avx(j->lut[scales[e / j->fblock]], s_enc);
@@ -308,17 +308,17 @@ AVXINL void kv_blocks_words_f32_avx(const uint8_t *codes, __m512i words, __m512 
  * division per 8 blocks (the header comment's identity); a row it does not hold for goes to
  * kv_decode_avx (into `row`, then packed). The job's fields are read into locals once: the library
  * is built with -fno-strict-aliasing, so each store would otherwise reload them. */
-AVXINL void kv_decode_row_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales, const float *amax,
+AVXINL void kv_decode_row_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales, float s_enc1, int divide,
                               float *row, uint16_t *packed, const int bf16) {
-    const __m512 s_enc = _mm512_set1_ps(amax ? sq_s_enc(*amax) : 1.0f);
+    const __m512 s_enc = _mm512_set1_ps(s_enc1);
     const int fblock = j->fblock;
     const int blocks = (int)(j->d / fblock);
     for (int b8 = 0; b8 < blocks; b8 += 8) {
         const int count = blocks - b8 < 8 ? blocks - b8 : 8;
         __m512 quot;
-        const int ok = kv_pairs_avx(j, scales + b8, count, s_enc, amax != NULL, &quot);
+        const int ok = kv_pairs_avx(j, scales + b8, count, s_enc, divide, &quot);
         if (!ok) {
-            kv_decode_avx(j, codes, scales, amax, row);
+            kv_decode_avx(j, codes, scales, s_enc1, row);
             if (bf16) kv_pack_bf16_avx(row, j->d, packed);
             return;
         }
@@ -340,13 +340,13 @@ AVXINL void kv_decode_row_avx(const kv_job_t *j, const uint8_t *codes, const uin
 /* A V row: d float32 values. */
 AVX512 static void kv_decode_fast_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales,
                                       const float *amax, float *row) {
-    kv_decode_row_avx(j, codes, scales, amax, row, NULL, 0);
+    kv_decode_row_avx(j, codes, scales, amax ? sq_s_enc(*amax) : 1.0f, amax != NULL, row, NULL, 0);
 }
 
 /* A K row: d bf16 values (`tmp`, d floats, for the rows that take the per-block division). */
 AVX512 static void kv_decode_bf16_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales,
                                       const float *amax, float *tmp, uint16_t *packed) {
-    kv_decode_row_avx(j, codes, scales, amax, tmp, packed, 1);
+    kv_decode_row_avx(j, codes, scales, amax ? sq_s_enc(*amax) : 1.0f, amax != NULL, tmp, packed, 1);
 }
 
 /* kv_exp on 16 lanes, the same operations. */
@@ -502,6 +502,16 @@ AVXINL void kv_prefetch_chunk(const kv_job_t *j, int64_t seq, int64_t k0, int64_
     kv_prefetch_rows(j, r, n);
 }
 
+/* sq_s_enc of a K and a V row's amaxes in lanes 0 and 1, the same operations (min(2688 / amax,
+ * FLT_MAX), a NaN staying; 1 where amax or that is 0): one division for the two. */
+AVXINL __m128 kv_s_enc2_avx(float ka, float va) {
+    const __m128 a = _mm_set_ps(1.0f, 1.0f, va, ka);
+    __m128 s = _mm_div_ps(_mm_set1_ps(2688.0f), a);
+    s = _mm_mask_mov_ps(s, _mm_cmp_ps_mask(_mm_set1_ps(FLT_MAX), s, _CMP_LT_OQ), _mm_set1_ps(FLT_MAX));
+    const __mmask8 one = (__mmask8)(_mm_cmp_ps_mask(a, _mm_setzero_ps(), _CMP_EQ_OQ) | _mm_cmp_ps_mask(s, _mm_setzero_ps(), _CMP_EQ_OQ));
+    return _mm_mask_mov_ps(s, one, _mm_set1_ps(1.0f));
+}
+
 /* The chunk's n K rows (bf16, dp apart, through the float32 row `tmp`) and V rows (float32) of
  * rows r, decoded one row at a time with the next chunks' row `ahead[i]` asked for meanwhile: a
  * chunk's 50-odd lines at once measured 7-10% slower (more misses in flight than the core tracks). */
@@ -510,8 +520,10 @@ AVXINL void kv_decode_rows_avx(const kv_job_t *j, const int64_t *r, int n, const
     const int64_t d = j->d, dp = kv_padded(d), half = d / 2, nsc = d / j->fblock;
     for (int i = 0; i < n; i++) {
         if (i < n_ahead) kv_prefetch_rows(j, ahead + i, 1);
-        kv_decode_row_avx(j, j->kc + r[i] * half, j->ks + r[i] * nsc, j->ka ? j->ka + r[i] : NULL, tmp, kb + i * dp, 1);
-        kv_decode_row_avx(j, j->vc + r[i] * half, j->vs + r[i] * nsc, j->va ? j->va + r[i] : NULL, vb + i * d, NULL, 0);
+        const __m128 se = j->ka ? kv_s_enc2_avx(j->ka[r[i]], j->va[r[i]]) : _mm_set1_ps(1.0f);
+        kv_decode_row_avx(j, j->kc + r[i] * half, j->ks + r[i] * nsc, _mm_cvtss_f32(se), j->ka != NULL, tmp, kb + i * dp, 1);
+        kv_decode_row_avx(j, j->vc + r[i] * half, j->vs + r[i] * nsc, _mm_cvtss_f32(_mm_movehdup_ps(se)), j->ka != NULL,
+                          vb + i * d, NULL, 0);
     }
     if (n_ahead > n) kv_prefetch_rows(j, ahead + n, n_ahead - n);
 }

@@ -45,9 +45,9 @@
  * - p . v keeps up to 128 output elements of a head in registers across the chunk's keys.
  *
  * Where a key's time goes (8 query heads a KV head of 128, one Zen 4 core, 4K-16K keys; each stage
- * timed alone): decoding its K row 16 ns and its V row 19 (of which 5.5 each the quotient pairs),
- * q . k 17 (the tree 4 of it), softmax 7, p . v 21 (its 64 fused multiply-adds at one a cycle);
- * together 71-75, the stages overlapping a little. It is bound by the vector instructions' count
+ * timed alone): decoding its K row 16 ns and its V row 19 (of which 5.5 each the quotient pairs,
+ * before kv_pairs2_avx took both rows' at once), q . k 17 (the tree 4 of it), softmax 7, p . v 21
+ * (its 64 fused multiply-adds at one a cycle); together 66-70, the stages overlapping a little. It is bound by the vector instructions' count
  * (about two a cycle), not by memory. Decoding the next chunk in pieces between the current chunk's
  * q . k and p . v (double-buffered) measured 4% slower; so did p . v over eight heads at once and
  * broadcasts folded into the fused multiply-adds.
@@ -520,15 +520,59 @@ AVXINL __m128 kv_s_enc2_avx(float ka, float va) {
     return _mm_mask_mov_ps(s, one, _mm_set1_ps(1.0f));
 }
 
+/* Whether all 16 quotients are positive and within [2^-125, 2^125] (signed comparisons on the bits:
+ * a negative one is not): the word tables' case. */
+AVXINL int kv_normal_avx(__m512 t) {
+    const __m512i bits = _mm512_castps_si512(t);
+    const __mmask16 low = _mm512_cmpge_epi32_mask(bits, _mm512_set1_epi32(0x01000000));
+    return _mm512_mask_cmple_epi32_mask(low, bits, _mm512_set1_epi32(0x7e000000)) == 0xFFFF;
+}
+
+/* kv_pairs_avx's words for 8 blocks of a K row and of a V row at once (NVFP4, E4M3 scales by their
+ * bits, S_enc in lanes 0 and 1 of se): lanes 0-7 of one division K's scale_i / S_enc and 8-15 V's,
+ * of the other the same for 1.5 scale_i, so the two rows share one byte check, one conversion and
+ * the two divisions (2% of the attention over a row at a time). Returns 0 where either row is not
+ * the word tables' case (kv_decode_row_avx then decodes both rows). */
+AVXINL int kv_pairs2_avx(const uint8_t *ks, const uint8_t *vs, __m128 se, __m512i *wk, __m512i *wv) {
+    const __m128i x = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)ks), _mm_loadl_epi64((const __m128i *)vs));
+    if (_mm_cmpge_epu8_mask(x, _mm_set1_epi8(0x7F))) return 0;
+    const __m512i bytes = _mm512_cvtepu8_epi32(x);
+    __m512 t = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bytes, 20)), _mm512_set1_ps(0x1p120f));
+    const __mmask16 sub = _mm_cmplt_epu8_mask(x, _mm_set1_epi8(8));
+    if (sub) t = _mm512_mask_mul_ps(t, sub, _mm512_cvtepi32_ps(bytes), _mm512_set1_ps(0x1p-9f));
+    const __m512 s_enc = _mm512_mask_blend_ps(0xFF00, _mm512_broadcastss_ps(se), _mm512_broadcastss_ps(_mm_movehdup_ps(se)));
+    const __m512 t1 = _mm512_div_ps(t, s_enc), t15 = _mm512_div_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.5f)), s_enc);
+    if (!kv_normal_avx(t1) || !kv_normal_avx(t15)) return 0;
+    const __m256i w1 = (__m256i)_mm512_cvtneps_pbh(t1), w15 = (__m256i)_mm512_cvtneps_pbh(t15);
+    *wk = _mm512_zextsi256_si512(_mm256_permute2x128_si256(w1, w15, 0x20));
+    *wv = _mm512_zextsi256_si512(_mm256_permute2x128_si256(w1, w15, 0x31));
+    return 1;
+}
+
+/* Row r's K (bf16) and V (float32) rows through kv_pairs2_avx, 8 blocks at a time; 0 where a group
+ * of blocks is not the word tables' case. */
+AVXINL int kv_decode_pair_avx(const kv_job_t *j, int64_t r, __m128 se, uint16_t *kb, float *vb) {
+    const int64_t half = j->d / 2, nsc = j->d / 16;
+    for (int64_t b8 = 0; b8 < nsc; b8 += 8) {
+        __m512i wk, wv;
+        if (!kv_pairs2_avx(j->ks + r * nsc + b8, j->vs + r * nsc + b8, se, &wk, &wv)) return 0;
+        kv_blocks_words_avx(j->kc + r * half + b8 * 8, wk, 8, kb + b8 * 16, 1);
+        kv_blocks_words_f32_avx(j->vc + r * half + b8 * 8, wv, _mm512_setzero_ps(), 8, vb + b8 * 16, 1);
+    }
+    return 1;
+}
+
 /* The chunk's n K rows (bf16, dp apart, through the float32 row `tmp`) and V rows (float32) of
  * rows r, decoded one row at a time with the next chunks' row `ahead[i]` asked for meanwhile: a
  * chunk's 50-odd lines at once measured 7-10% slower (more misses in flight than the core tracks). */
 AVXINL void kv_decode_rows_avx(const kv_job_t *j, const int64_t *r, int n, const int64_t *ahead, int n_ahead,
                                uint16_t *kb, float *vb, float *tmp) {
     const int64_t d = j->d, dp = kv_padded(d), half = d / 2, nsc = d / j->fblock;
+    const int paired = j->ka && j->fblock == 16 && j->scale_bits && nsc % 8 == 0;
     for (int i = 0; i < n; i++) {
         if (i < n_ahead) kv_prefetch_rows(j, ahead + i, 1);
         const __m128 se = j->ka ? kv_s_enc2_avx(j->ka[r[i]], j->va[r[i]]) : _mm_set1_ps(1.0f);
+        if (paired && kv_decode_pair_avx(j, r[i], se, kb + i * dp, vb + i * d)) continue;
         kv_decode_row_avx(j, j->kc + r[i] * half, j->ks + r[i] * nsc, _mm_cvtss_f32(se), j->ka != NULL, tmp, kb + i * dp, 1);
         kv_decode_row_avx(j, j->vc + r[i] * half, j->vs + r[i] * nsc, _mm_cvtss_f32(_mm_movehdup_ps(se)), j->ka != NULL,
                           vb + i * d, NULL, 0);

@@ -447,8 +447,11 @@ AVXINL void kv_softmax_avx(const __m512 *s, int n, float *m, float *l, float *p,
         const float top = _mm512_mask_reduce_max_ps(live & _mm512_cmp_ps_mask(s[h], s[h], _CMP_ORD_Q), s[h]);
         mx[h] = top > m[h] ? top : m[h];
     }
-    _mm512_mask_storeu_ps(alpha, lanes, kv_exp_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, m),
-                                                                 _mm512_maskz_loadu_ps(lanes, mx))));
+    int same = 1; /* no new maximum (most chunks): alpha = kv_exp(+0) = 1 exactly, no exp to compute */
+    for (int h = 0; h < heads; h++) same &= mx[h] == m[h] && m[h] > -INFINITY;
+    if (same) _mm512_mask_storeu_ps(alpha, lanes, _mm512_set1_ps(1.0f));
+    else _mm512_mask_storeu_ps(alpha, lanes, kv_exp_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, m),
+                                                                      _mm512_maskz_loadu_ps(lanes, mx))));
     for (int h = 0; h < heads; h++) {
         const __m512 pv = _mm512_maskz_mov_ps(live, kv_exp_avx(_mm512_sub_ps(s[h], _mm512_set1_ps(mx[h]))));
         _mm512_storeu_ps(p + 16 * h, pv);

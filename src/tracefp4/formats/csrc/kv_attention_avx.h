@@ -407,13 +407,16 @@ AVXINL void kv_scores_avx(const uint16_t *q, const uint16_t *kb, int64_t dp, flo
 /* acc[e .. e + 16 nv) of `heads` query heads (rows d apart; weights p[h * 16 + i], alpha[h]):
  * acc * alpha + p_0 v_0 + ... + p_(n-1) v_(n-1), per element in that order, each term added by a
  * fused multiply-add (one rounding instead of two), held in registers across the keys; each v load
- * serves every head (nv * heads <= 16 accumulators). */
+ * serves every head (nv * heads <= 16 accumulators). alpha NULL: every alpha 1, acc taken as it is
+ * (acc * 1 is acc, bit for bit; the multiplications are on the pipes the multiply-adds need). */
 AVXINL void kv_pv_avx(float *acc, const float *vb, int64_t d, const float *p, int n, const float *alpha, int64_t e,
                       const int nv, const int heads) {
     __m512 a[16];
     for (int h = 0; h < heads; h++)
-        for (int v = 0; v < nv; v++)
-            a[h * nv + v] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * d + e + 16 * v), _mm512_set1_ps(alpha[h]));
+        for (int v = 0; v < nv; v++) {
+            a[h * nv + v] = _mm512_loadu_ps(acc + h * d + e + 16 * v);
+            if (alpha) a[h * nv + v] = _mm512_mul_ps(a[h * nv + v], _mm512_set1_ps(alpha[h]));
+        }
     for (int i = 0; i < n; i++) {
         __m512 w[4];
         for (int h = 0; h < heads; h++) w[h] = _mm512_set1_ps(p[h * 16 + i]);
@@ -438,8 +441,8 @@ AVXINL void kv_pv_heads_avx(float *acc, const float *vb, int64_t d, const float 
 /* The softmax step of `heads` query heads over a chunk of n keys with scores s[heads]: updates m
  * and l, writes the weights into p[16 * heads] and the heads' alphas into alpha[heads]. The maximum
  * skips NaN lanes, as the portable comparison; the alphas take one kv_exp_avx for all the heads
- * (lane for lane kv_exp's operations, so kv_exp's values). */
-AVXINL void kv_softmax_avx(const __m512 *s, int n, float *m, float *l, float *p, float *alpha, const int heads) {
+ * (lane for lane kv_exp's operations, so kv_exp's values). Returns whether every alpha is 1. */
+AVXINL int kv_softmax_avx(const __m512 *s, int n, float *m, float *l, float *p, float *alpha, const int heads) {
     const __mmask16 live = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
     const __mmask16 lanes = (__mmask16)((1u << heads) - 1u);
     float mx[4];
@@ -458,6 +461,7 @@ AVXINL void kv_softmax_avx(const __m512 *s, int n, float *m, float *l, float *p,
         m[h] = mx[h];
         l[h] = l[h] * alpha[h] + kv_tree16_avx(pv);
     }
+    return same;
 }
 
 /* `heads` (1, 2 or 4) consecutive query heads from g over the decoded chunk: scores, softmax, p . v. */
@@ -467,8 +471,8 @@ AVXINL void kv_heads_avx(const kv_job_t *j, const uint16_t *q, const uint16_t *k
     __m512 s[4];
     float p[64], alpha[4];
     kv_scores_avx(q + g * dp, kb, dp, j->scale, heads, s);
-    kv_softmax_avx(s, n, m + g, l + g, p, alpha, heads);
-    kv_pv_heads_avx(acc + g * d, vb, d, p, n, alpha, heads);
+    const int same = kv_softmax_avx(s, n, m + g, l + g, p, alpha, heads);
+    kv_pv_heads_avx(acc + g * d, vb, d, p, n, same ? NULL : alpha, heads); /* acc * 1 is acc, bit for bit */
 }
 
 /* The item's G query rows (bf16, dp apart; the padding stays kv_run's zeros), its softmax state reset. */

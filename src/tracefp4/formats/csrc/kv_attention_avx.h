@@ -32,10 +32,25 @@
  *   near either end of the normal range (|t| outside [2^-125, 2^125], or not finite) is decoded by
  *   the per-block division instead, so the values are the portable path's in every case.
  * - K rows are decoded straight to bf16 (a 32-word table per two 16-code blocks, one vpermw per 32
- *   codes: half the lookups and stores of float32 rows, which V keeps for p . v).
+ *   codes: half the lookups and stores of float32 rows, which V keeps for p . v). The tables are
+ *   built in bf16 bits: scaling by sign * 2^k is an addition to the sign and exponent fields of the
+ *   quotient's bits when both it and the result are normal (the range above), so a table is one
+ *   permutation of the quotients' words and one addition (kv_word_table_avx), 4% of the attention's
+ *   time at 16K keys over the float32 tables it replaced. V rows take the same word tables and widen
+ *   the looked-up words to float32 (vpunpck*wd with zeros: a bf16 word's float32 value, exact).
+ *   Zero or negative quotients (a zero or a negative scale: the zero codes' signs then depend on it)
+ *   take the float32 tables.
  * - The 16 keys of a chunk are scored side by side (16 accumulators over d) and their 16 lane trees
  *   summed together by a transpose-and-add network that pairs the same lanes as kv_tree16.
  * - p . v keeps up to 128 output elements of a head in registers across the chunk's keys.
+ *
+ * Where a key's time goes (8 query heads a KV head of 128, one Zen 4 core, 4K-16K keys; each stage
+ * timed alone): decoding its K row 16 ns and its V row 19 (of which 5.5 each the quotient pairs,
+ * before kv_pairs2_avx took both rows' at once), q . k 17 (the tree 4 of it), softmax 7, p . v 21
+ * (its 64 fused multiply-adds at one a cycle); together 66-70, the stages overlapping a little. It is bound by the vector instructions' count
+ * (about two a cycle), not by memory. Decoding the next chunk in pieces between the current chunk's
+ * q . k and p . v (double-buffered) measured 4% slower; so did p . v over eight heads at once and
+ * broadcasts folded into the fused multiply-adds.
  */
 #ifndef TFP4_KV_ATTENTION_AVX_H
 #define TFP4_KV_ATTENTION_AVX_H
@@ -49,18 +64,25 @@ AVXINL float kv_tree16_avx(__m512 v) {
 }
 
 /* kv_tree16 of 16 vectors at once: lane j of the result is kv_tree16(a[j]). Each level adds the
- * lanes kv_tree16 pairs at that level (i + i+8, i + i+4, i + i+2, i + i+1), packing two vectors'
- * halves into one; the lanes come out in the order KV_TREE_ORDER undoes. */
-static const int32_t KV_TREE_ORDER[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+ * lanes kv_tree16 pairs at that level (i + i+8, i + i+4, i + i+2, i + i+1; a pair's two operands
+ * may come in either order, which changes no bit), packing two vectors' halves into one: one
+ * operand a blend of the two vectors, the other a permutation (at the first three levels; a blend
+ * is cheaper than the second permutation it replaces, 1-2% of the attention). The lanes come out in
+ * the order KV_TREE_ORDER undoes. */
+static const int32_t KV_TREE_ORDER[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+/* Level 2's permutation: the 128-bit quarters (x_i 1, x_i+4 0, x_i 3, x_i+4 2), against the blend's
+ * (x_i 0, x_i+4 1, x_i 2, x_i+4 3). */
+static const int32_t KV_TREE_SWAP[16] = {4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27};
 
 AVXINL __m512 kv_tree16x16_avx(const __m512 *a) {
     __m512 x[8], y[4], z[2];
+    const __m512i swap = _mm512_loadu_si512(KV_TREE_SWAP);
     for (int i = 0; i < 8; i++)
-        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+        x[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, a[i], a[i + 8]), _mm512_shuffle_f32x4(a[i], a[i + 8], 0x4E));
     for (int i = 0; i < 4; i++)
-        y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[i], x[i + 4], 0x88), _mm512_shuffle_f32x4(x[i], x[i + 4], 0xDD));
+        y[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xF0F0, x[i], x[i + 4]), _mm512_permutex2var_ps(x[i], swap, x[i + 4]));
     for (int i = 0; i < 2; i++)
-        z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[i], y[i + 2], 0x44), _mm512_shuffle_ps(y[i], y[i + 2], 0xEE));
+        z[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xCCCC, y[i], y[i + 2]), _mm512_shuffle_ps(y[i], y[i + 2], 0x4E));
     const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
     return _mm512_permutexvar_ps(_mm512_loadu_si512(KV_TREE_ORDER), w);
 }
@@ -85,9 +107,9 @@ AVXINL __m512i kv_nibbles_avx(const uint8_t *codes) {
 }
 
 /* One packed row -> d float32 values, a division per block (any scales). */
-AVX512 static void kv_decode_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales, const float *amax,
+AVX512 static void kv_decode_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales, float s_enc1,
                                  float *row) {
-    const __m512 s_enc = _mm512_set1_ps(amax ? sq_s_enc(*amax) : 1.0f);
+    const __m512 s_enc = _mm512_set1_ps(s_enc1); /* 1 without an amax: dividing by it is exact */
     __m512 tbl = _mm512_setzero_ps();
     for (int64_t e = 0; e < j->d; e += 16) {
         if (e % j->fblock == 0) tbl = kv_table_avx(j->lut[scales[e / j->fblock]], s_enc);
@@ -106,16 +128,16 @@ static const float KV_PAIR_FACTOR[16] = {0.0f, 0.5f, 1.0f, 1.0f, 2.0f, 2.0f, 4.0
  * table), or through the table where a byte is outside that range. */
 AVXINL __m512 kv_scales_avx(const kv_job_t *j, const uint8_t *scales, int count) {
     const __mmask16 m = (__mmask16)((1u << count) - 1u);
-    const __m512i bytes = _mm512_permutexvar_epi32(_mm512_set_epi32(7, 6, 5, 4, 3, 2, 1, 0, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                   _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, scales)));
+    const __m128i x = _mm_maskz_loadu_epi8(m, scales); /* the byte checks on these 16 bytes, not 16 dwords */
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(x, x));
     const __mmask16 lanes = (__mmask16)(m | (m << 8));
     const int nv = j->fblock == 16;
-    if (j->scale_bits && !_mm512_mask_cmpge_epi32_mask(lanes, bytes, _mm512_set1_epi32(nv ? 0x7F : 0xFF))) {
-        if (nv) {
+    if (j->scale_bits && !_mm_mask_cmpge_epu8_mask(m, x, _mm_set1_epi8((char)(nv ? 0x7F : 0xFF)))) {
+        if (nv) { /* lanes past count hold zero bytes: zero scales */
             __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bytes, 20)), _mm512_set1_ps(0x1p120f));
-            const __mmask16 sub = _mm512_mask_cmplt_epi32_mask(lanes, bytes, _mm512_set1_epi32(8));
-            if (sub) v = _mm512_mask_mul_ps(v, sub, _mm512_cvtepi32_ps(bytes), _mm512_set1_ps(0x1p-9f));
-            return _mm512_maskz_mov_ps(lanes, v);
+            const __mmask16 sub = _mm_mask_cmplt_epu8_mask(m, x, _mm_set1_epi8(8));
+            if (sub) v = _mm512_mask_mul_ps(v, (__mmask16)(sub | sub << 8), _mm512_cvtepi32_ps(bytes), _mm512_set1_ps(0x1p-9f));
+            return v;
         }
         __m512i bits = _mm512_slli_epi32(bytes, 23);
         bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(bytes, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
@@ -124,19 +146,26 @@ AVXINL __m512 kv_scales_avx(const kv_job_t *j, const uint8_t *scales, int count)
     return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, bytes, j->lut, 4);
 }
 
-/* The quotient pairs of `count` (<= 8) blocks: lane i bf16(fl32(scale_i / S_enc)), lane 8 + i
- * bf16(fl32(1.5 scale_i) / S_enc). Returns 0 where a quotient is not zero and outside
- * [2^-125, 2^125] (or not finite): there scaling by 1/2 .. 4 could leave the normal range. */
-AVXINL int kv_pairs_avx(const kv_job_t *j, const uint8_t *scales, int count, __m512 s_enc, int divide, __m512 *pairs) {
+/* The quotient pairs of `count` (<= 8) blocks, before their bf16 rounding: lane i fl32(scale_i /
+ * S_enc), lane 8 + i fl32(1.5 scale_i) / S_enc. Returns 0 where a quotient is not zero and outside
+ * [2^-125, 2^125] in magnitude (or not finite): there scaling by 1/2 .. 4 could leave the normal
+ * range; 2 where one of the blocks' quotients is zero or negative (a negative E4M3 byte: the zero
+ * codes' signs then follow the scale's, which kv_word_table_avx's masking does not give); else 1. */
+AVXINL int kv_pairs_avx(const kv_job_t *j, const uint8_t *scales, int count, __m512 s_enc, int divide, __m512 *quot) {
     __m512 t = kv_scales_avx(j, scales, count);
     t = _mm512_mask_mul_ps(t, 0xFF00, t, _mm512_set1_ps(1.5f)); /* exact: a scale has at most 4 significant bits */
     if (divide) t = _mm512_div_ps(t, s_enc);
-    const __m512i mag = _mm512_and_si512(_mm512_castps_si512(t), _mm512_set1_epi32(0x7fffffff));
+    *quot = t;
+    const __mmask16 m = (__mmask16)((1u << count) - 1u), lanes = (__mmask16)(m | m << 8);
+    const __m512i bits = _mm512_castps_si512(t);
+    /* the common case in two comparisons: every block's quotients positive and in range (signed, so
+     * a negative one is not) */
+    const __mmask16 low = _mm512_mask_cmpge_epi32_mask(lanes, bits, _mm512_set1_epi32(0x01000000));
+    if (_mm512_mask_cmple_epi32_mask(low, bits, _mm512_set1_epi32(0x7e000000)) == lanes) return 1;
+    const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
     const __mmask16 normal = _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(0x01000000)) &
                              _mm512_cmple_epu32_mask(mag, _mm512_set1_epi32(0x7e000000));
-    if ((__mmask16)(normal | _mm512_cmpeq_epi32_mask(mag, _mm512_setzero_si512())) != 0xFFFF) return 0;
-    *pairs = kv_bf16_avx(t);
-    return 1;
+    return (__mmask16)(normal | _mm512_cmpeq_epi32_mask(mag, _mm512_setzero_si512())) != 0xFFFF ? 0 : 2;
 }
 
 /* The upper 16-bit halves of two vectors' 32 floats (vpermt2w's indices): their bf16 bits when the
@@ -213,23 +242,102 @@ AVXINL void kv_blocks_bf16_avx(const uint8_t *codes, __m512 pairs, int count, ui
     }
 }
 
+/* E2M1 code c = sign * 2^k * m as bf16 bits: the bits of its m's quotient (pair lane KV_PAIR_LANE[c])
+ * plus k in the exponent field and the sign, modulo 2^16: exact where the quotient and the value are
+ * normal, which kv_pairs_avx checked (|quotient| in [2^-125, 2^125], k in -1 .. 2). Word w of a
+ * table is code w mod 16 of block b (w < 16) or b + 1; the zero codes are masked to 0 and get +-0. */
+static const uint16_t KV_WORD_LANE[32] = {0, 0, 0, 8, 0, 8, 0, 8, 0, 0, 0, 8, 0, 8, 0, 8,
+                                          1, 1, 1, 9, 1, 9, 1, 9, 1, 1, 1, 9, 1, 9, 1, 9};
+static const uint16_t KV_WORD_OFFSET[32] = {0, 0xFF80, 0, 0, 0x80, 0x80, 0x100, 0x100,
+                                            0x8000, 0x7F80, 0x8000, 0x8000, 0x8080, 0x8080, 0x8100, 0x8100,
+                                            0, 0xFF80, 0, 0, 0x80, 0x80, 0x100, 0x100,
+                                            0x8000, 0x7F80, 0x8000, 0x8000, 0x8080, 0x8080, 0x8100, 0x8100};
+
+/* Blocks b and b + 1's 32-word table from the quotients' bf16 words (lanes as kv_pairs_avx's): two
+ * instructions where kv_pair_table_avx takes five for the same values. */
+AVXINL __m512i kv_word_table_avx(__m512i words, int b) {
+    const __m512i lane = _mm512_add_epi16(_mm512_loadu_si512(KV_WORD_LANE), _mm512_set1_epi16((short)b));
+    return _mm512_add_epi16(_mm512_maskz_permutexvar_epi16(0xFEFEFEFEu, lane, words), _mm512_loadu_si512(KV_WORD_OFFSET));
+}
+
+/* kv_blocks_bf16_avx through kv_word_table_avx (nonzero normal quotients only). */
+AVXINL void kv_blocks_words_avx(const uint8_t *codes, __m512i words, int count, uint16_t *row, const int groups) {
+    if (groups == 2) { /* 32-code blocks: the indices stay below 16, block b's half of the table */
+#pragma GCC unroll 8
+        for (int b = 0; b < count; b++)
+            _mm512_storeu_si512(row + b * 32, _mm512_permutexvar_epi16(kv_nibbles32_avx(codes + b * 16, 0), kv_word_table_avx(words, b)));
+        return;
+    }
+    int b = 0;
+#pragma GCC unroll 4
+    for (; b + 2 <= count; b += 2)
+        _mm512_storeu_si512(row + b * 16, _mm512_permutexvar_epi16(kv_nibbles32_avx(codes + b * 8, 1), kv_word_table_avx(words, b)));
+    if (b < count) { /* an odd last block: its 16 codes (8 bytes) read the lower half */
+        const __m512i x = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + b * 8)));
+        const __m512i idx = _mm512_ternarylogic_epi32(x, _mm512_slli_epi32(x, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+        _mm256_storeu_si256((__m256i *)(row + b * 16), _mm512_castsi512_si256(_mm512_permutexvar_epi16(idx, kv_word_table_avx(words, b))));
+    }
+}
+
+/* The dword order, per 128-bit lane L, of the code bytes 2L, 2L+1, 8+2L, 9+2L: vpermw then puts the
+ * values of elements 4L .. 4L+3 in the words vpunpcklwd widens and 16+4L .. 16+4L+3 in those
+ * vpunpckhwd widens, so the two widenings come out in element order. */
+static const uint8_t KV_WIDEN_BYTES[16] = {0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15};
+
+/* 32 codes from 16 bytes looked up in a 32-word table (bytes 8 .. 15 in its upper half when `upper`)
+ * -> 32 float32 values: a bf16 word widened is its float32 value. */
+AVXINL void kv_widen32_avx(const uint8_t *codes, __m512i table, int upper, float *row) {
+    const __m128i bytes = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)codes), _mm_loadu_si128((const __m128i *)KV_WIDEN_BYTES));
+    const __m512i x = _mm512_cvtepu8_epi32(bytes);
+    __m512i idx = _mm512_ternarylogic_epi32(x, _mm512_slli_epi32(x, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+    if (upper) idx = _mm512_mask_or_epi32(idx, 0xCCCC, idx, _mm512_set1_epi32(0x00100010));
+    const __m512i w = _mm512_permutexvar_epi16(idx, table);
+    _mm512_storeu_si512(row, _mm512_unpacklo_epi16(_mm512_setzero_si512(), w));
+    _mm512_storeu_si512(row + 16, _mm512_unpackhi_epi16(_mm512_setzero_si512(), w));
+}
+
+/* kv_blocks_avx through kv_word_table_avx (nonzero normal quotients only; an odd last 16-code block
+ * through its float32 table). */
+AVXINL void kv_blocks_words_f32_avx(const uint8_t *codes, __m512i words, __m512 quot, int count, float *row,
+                                    const int groups) {
+    if (groups == 2) {
+#pragma GCC unroll 8
+        for (int b = 0; b < count; b++) kv_widen32_avx(codes + b * 16, kv_word_table_avx(words, b), 0, row + b * 32);
+        return;
+    }
+    int b = 0;
+#pragma GCC unroll 4
+    for (; b + 2 <= count; b += 2) kv_widen32_avx(codes + b * 8, kv_word_table_avx(words, b), 1, row + b * 16);
+    if (b < count)
+        _mm512_storeu_ps(row + b * 16, _mm512_permutexvar_ps(kv_nibbles_avx(codes + b * 8), kv_pair_table_avx(kv_bf16_avx(quot), b)));
+}
+
 /* One packed row -> d float32 values (`bf16` 0) or d bf16 values into `packed` (`bf16` 1), one
  * division per 8 blocks (the header comment's identity); a row it does not hold for goes to
  * kv_decode_avx (into `row`, then packed). The job's fields are read into locals once: the library
  * is built with -fno-strict-aliasing, so each store would otherwise reload them. */
-AVXINL void kv_decode_row_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales, const float *amax,
+AVXINL void kv_decode_row_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales, float s_enc1, int divide,
                               float *row, uint16_t *packed, const int bf16) {
-    const __m512 s_enc = _mm512_set1_ps(amax ? sq_s_enc(*amax) : 1.0f);
+    const __m512 s_enc = _mm512_set1_ps(s_enc1);
     const int fblock = j->fblock;
     const int blocks = (int)(j->d / fblock);
     for (int b8 = 0; b8 < blocks; b8 += 8) {
         const int count = blocks - b8 < 8 ? blocks - b8 : 8;
-        __m512 pairs;
-        if (!kv_pairs_avx(j, scales + b8, count, s_enc, amax != NULL, &pairs)) {
-            kv_decode_avx(j, codes, scales, amax, row);
+        __m512 quot;
+        const int ok = kv_pairs_avx(j, scales + b8, count, s_enc, divide, &quot);
+        if (!ok) {
+            kv_decode_avx(j, codes, scales, s_enc1, row);
             if (bf16) kv_pack_bf16_avx(row, j->d, packed);
             return;
         }
+        if (ok == 1) {
+            /* normal quotients: vcvtneps2bf16 rounds them as kv_bf16_avx does (it flushes subnormals only) */
+            const __m512i words = _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(quot));
+            if (bf16) kv_blocks_words_avx(codes + b8 * (fblock / 2), words, count, packed + b8 * fblock, fblock / 16);
+            else kv_blocks_words_f32_avx(codes + b8 * (fblock / 2), words, quot, count, row + b8 * fblock, fblock / 16);
+            continue;
+        }
+        const __m512 pairs = kv_bf16_avx(quot);
         if (bf16 && fblock == 16) kv_blocks_bf16_avx(codes + b8 * 8, pairs, count, packed + b8 * 16, 1);
         else if (bf16) kv_blocks_bf16_avx(codes + b8 * 16, pairs, count, packed + b8 * 32, 2);
         else if (fblock == 16) kv_blocks_avx(codes + b8 * 8, pairs, count, row + b8 * 16, 1);
@@ -240,13 +348,13 @@ AVXINL void kv_decode_row_avx(const kv_job_t *j, const uint8_t *codes, const uin
 /* A V row: d float32 values. */
 AVX512 static void kv_decode_fast_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales,
                                       const float *amax, float *row) {
-    kv_decode_row_avx(j, codes, scales, amax, row, NULL, 0);
+    kv_decode_row_avx(j, codes, scales, amax ? sq_s_enc(*amax) : 1.0f, amax != NULL, row, NULL, 0);
 }
 
 /* A K row: d bf16 values (`tmp`, d floats, for the rows that take the per-block division). */
 AVX512 static void kv_decode_bf16_avx(const kv_job_t *j, const uint8_t *codes, const uint8_t *scales,
                                       const float *amax, float *tmp, uint16_t *packed) {
-    kv_decode_row_avx(j, codes, scales, amax, tmp, packed, 1);
+    kv_decode_row_avx(j, codes, scales, amax ? sq_s_enc(*amax) : 1.0f, amax != NULL, tmp, packed, 1);
 }
 
 /* kv_exp on 16 lanes, the same operations. */
@@ -299,13 +407,16 @@ AVXINL void kv_scores_avx(const uint16_t *q, const uint16_t *kb, int64_t dp, flo
 /* acc[e .. e + 16 nv) of `heads` query heads (rows d apart; weights p[h * 16 + i], alpha[h]):
  * acc * alpha + p_0 v_0 + ... + p_(n-1) v_(n-1), per element in that order, each term added by a
  * fused multiply-add (one rounding instead of two), held in registers across the keys; each v load
- * serves every head (nv * heads <= 16 accumulators). */
+ * serves every head (nv * heads <= 16 accumulators). alpha NULL: every alpha 1, acc taken as it is
+ * (acc * 1 is acc, bit for bit; the multiplications are on the pipes the multiply-adds need). */
 AVXINL void kv_pv_avx(float *acc, const float *vb, int64_t d, const float *p, int n, const float *alpha, int64_t e,
                       const int nv, const int heads) {
     __m512 a[16];
     for (int h = 0; h < heads; h++)
-        for (int v = 0; v < nv; v++)
-            a[h * nv + v] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * d + e + 16 * v), _mm512_set1_ps(alpha[h]));
+        for (int v = 0; v < nv; v++) {
+            a[h * nv + v] = _mm512_loadu_ps(acc + h * d + e + 16 * v);
+            if (alpha) a[h * nv + v] = _mm512_mul_ps(a[h * nv + v], _mm512_set1_ps(alpha[h]));
+        }
     for (int i = 0; i < n; i++) {
         __m512 w[4];
         for (int h = 0; h < heads; h++) w[h] = _mm512_set1_ps(p[h * 16 + i]);
@@ -330,8 +441,8 @@ AVXINL void kv_pv_heads_avx(float *acc, const float *vb, int64_t d, const float 
 /* The softmax step of `heads` query heads over a chunk of n keys with scores s[heads]: updates m
  * and l, writes the weights into p[16 * heads] and the heads' alphas into alpha[heads]. The maximum
  * skips NaN lanes, as the portable comparison; the alphas take one kv_exp_avx for all the heads
- * (lane for lane kv_exp's operations, so kv_exp's values). */
-AVXINL void kv_softmax_avx(const __m512 *s, int n, float *m, float *l, float *p, float *alpha, const int heads) {
+ * (lane for lane kv_exp's operations, so kv_exp's values). Returns whether every alpha is 1. */
+AVXINL int kv_softmax_avx(const __m512 *s, int n, float *m, float *l, float *p, float *alpha, const int heads) {
     const __mmask16 live = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
     const __mmask16 lanes = (__mmask16)((1u << heads) - 1u);
     float mx[4];
@@ -339,14 +450,18 @@ AVXINL void kv_softmax_avx(const __m512 *s, int n, float *m, float *l, float *p,
         const float top = _mm512_mask_reduce_max_ps(live & _mm512_cmp_ps_mask(s[h], s[h], _CMP_ORD_Q), s[h]);
         mx[h] = top > m[h] ? top : m[h];
     }
-    _mm512_mask_storeu_ps(alpha, lanes, kv_exp_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, m),
-                                                                 _mm512_maskz_loadu_ps(lanes, mx))));
+    int same = 1; /* no new maximum (most chunks): alpha = kv_exp(+0) = 1 exactly, no exp to compute */
+    for (int h = 0; h < heads; h++) same &= mx[h] == m[h] && m[h] > -INFINITY;
+    if (same) _mm512_mask_storeu_ps(alpha, lanes, _mm512_set1_ps(1.0f));
+    else _mm512_mask_storeu_ps(alpha, lanes, kv_exp_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, m),
+                                                                      _mm512_maskz_loadu_ps(lanes, mx))));
     for (int h = 0; h < heads; h++) {
         const __m512 pv = _mm512_maskz_mov_ps(live, kv_exp_avx(_mm512_sub_ps(s[h], _mm512_set1_ps(mx[h]))));
         _mm512_storeu_ps(p + 16 * h, pv);
         m[h] = mx[h];
         l[h] = l[h] * alpha[h] + kv_tree16_avx(pv);
     }
+    return same;
 }
 
 /* `heads` (1, 2 or 4) consecutive query heads from g over the decoded chunk: scores, softmax, p . v. */
@@ -356,8 +471,8 @@ AVXINL void kv_heads_avx(const kv_job_t *j, const uint16_t *q, const uint16_t *k
     __m512 s[4];
     float p[64], alpha[4];
     kv_scores_avx(q + g * dp, kb, dp, j->scale, heads, s);
-    kv_softmax_avx(s, n, m + g, l + g, p, alpha, heads);
-    kv_pv_heads_avx(acc + g * d, vb, d, p, n, alpha, heads);
+    const int same = kv_softmax_avx(s, n, m + g, l + g, p, alpha, heads);
+    kv_pv_heads_avx(acc + g * d, vb, d, p, n, same ? NULL : alpha, heads); /* acc * 1 is acc, bit for bit */
 }
 
 /* The item's G query rows (bf16, dp apart; the padding stays kv_run's zeros), its softmax state reset. */
@@ -402,16 +517,72 @@ AVXINL void kv_prefetch_chunk(const kv_job_t *j, int64_t seq, int64_t k0, int64_
     kv_prefetch_rows(j, r, n);
 }
 
+/* sq_s_enc of a K and a V row's amaxes in lanes 0 and 1, the same operations (min(2688 / amax,
+ * FLT_MAX), a NaN staying; 1 where amax or that is 0): one division for the two. */
+AVXINL __m128 kv_s_enc2_avx(float ka, float va) {
+    const __m128 a = _mm_set_ps(1.0f, 1.0f, va, ka);
+    __m128 s = _mm_div_ps(_mm_set1_ps(2688.0f), a);
+    s = _mm_mask_mov_ps(s, _mm_cmp_ps_mask(_mm_set1_ps(FLT_MAX), s, _CMP_LT_OQ), _mm_set1_ps(FLT_MAX));
+    const __mmask8 one = (__mmask8)(_mm_cmp_ps_mask(a, _mm_setzero_ps(), _CMP_EQ_OQ) | _mm_cmp_ps_mask(s, _mm_setzero_ps(), _CMP_EQ_OQ));
+    return _mm_mask_mov_ps(s, one, _mm_set1_ps(1.0f));
+}
+
+/* Whether all 16 quotients are positive and within [2^-125, 2^125] (signed comparisons on the bits:
+ * a negative one is not): the word tables' case. */
+AVXINL int kv_normal_avx(__m512 t) {
+    const __m512i bits = _mm512_castps_si512(t);
+    const __mmask16 low = _mm512_cmpge_epi32_mask(bits, _mm512_set1_epi32(0x01000000));
+    return _mm512_mask_cmple_epi32_mask(low, bits, _mm512_set1_epi32(0x7e000000)) == 0xFFFF;
+}
+
+/* kv_pairs_avx's words for 8 blocks of a K row and of a V row at once (NVFP4, E4M3 scales by their
+ * bits, S_enc in lanes 0 and 1 of se): lanes 0-7 of one division K's scale_i / S_enc and 8-15 V's,
+ * of the other the same for 1.5 scale_i, so the two rows share one byte check, one conversion and
+ * the two divisions (2% of the attention over a row at a time). Returns 0 where either row is not
+ * the word tables' case (kv_decode_row_avx then decodes both rows). */
+AVXINL int kv_pairs2_avx(const uint8_t *ks, const uint8_t *vs, __m128 se, __m512i *wk, __m512i *wv) {
+    const __m128i x = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)ks), _mm_loadl_epi64((const __m128i *)vs));
+    if (_mm_cmpge_epu8_mask(x, _mm_set1_epi8(0x7F))) return 0;
+    const __m512i bytes = _mm512_cvtepu8_epi32(x);
+    __m512 t = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bytes, 20)), _mm512_set1_ps(0x1p120f));
+    const __mmask16 sub = _mm_cmplt_epu8_mask(x, _mm_set1_epi8(8));
+    if (sub) t = _mm512_mask_mul_ps(t, sub, _mm512_cvtepi32_ps(bytes), _mm512_set1_ps(0x1p-9f));
+    const __m512 s_enc = _mm512_mask_blend_ps(0xFF00, _mm512_broadcastss_ps(se), _mm512_broadcastss_ps(_mm_movehdup_ps(se)));
+    const __m512 t1 = _mm512_div_ps(t, s_enc), t15 = _mm512_div_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.5f)), s_enc);
+    if (!kv_normal_avx(t1) || !kv_normal_avx(t15)) return 0;
+    const __m256i w1 = (__m256i)_mm512_cvtneps_pbh(t1), w15 = (__m256i)_mm512_cvtneps_pbh(t15);
+    *wk = _mm512_zextsi256_si512(_mm256_permute2x128_si256(w1, w15, 0x20));
+    *wv = _mm512_zextsi256_si512(_mm256_permute2x128_si256(w1, w15, 0x31));
+    return 1;
+}
+
+/* Row r's K (bf16) and V (float32) rows through kv_pairs2_avx, 8 blocks at a time; 0 where a group
+ * of blocks is not the word tables' case. */
+AVXINL int kv_decode_pair_avx(const kv_job_t *j, int64_t r, __m128 se, uint16_t *kb, float *vb) {
+    const int64_t half = j->d / 2, nsc = j->d / 16;
+    for (int64_t b8 = 0; b8 < nsc; b8 += 8) {
+        __m512i wk, wv;
+        if (!kv_pairs2_avx(j->ks + r * nsc + b8, j->vs + r * nsc + b8, se, &wk, &wv)) return 0;
+        kv_blocks_words_avx(j->kc + r * half + b8 * 8, wk, 8, kb + b8 * 16, 1);
+        kv_blocks_words_f32_avx(j->vc + r * half + b8 * 8, wv, _mm512_setzero_ps(), 8, vb + b8 * 16, 1);
+    }
+    return 1;
+}
+
 /* The chunk's n K rows (bf16, dp apart, through the float32 row `tmp`) and V rows (float32) of
  * rows r, decoded one row at a time with the next chunks' row `ahead[i]` asked for meanwhile: a
  * chunk's 50-odd lines at once measured 7-10% slower (more misses in flight than the core tracks). */
 AVXINL void kv_decode_rows_avx(const kv_job_t *j, const int64_t *r, int n, const int64_t *ahead, int n_ahead,
                                uint16_t *kb, float *vb, float *tmp) {
     const int64_t d = j->d, dp = kv_padded(d), half = d / 2, nsc = d / j->fblock;
+    const int paired = j->ka && j->fblock == 16 && j->scale_bits && nsc % 8 == 0;
     for (int i = 0; i < n; i++) {
         if (i < n_ahead) kv_prefetch_rows(j, ahead + i, 1);
-        kv_decode_bf16_avx(j, j->kc + r[i] * half, j->ks + r[i] * nsc, j->ka ? j->ka + r[i] : NULL, tmp, kb + i * dp);
-        kv_decode_fast_avx(j, j->vc + r[i] * half, j->vs + r[i] * nsc, j->va ? j->va + r[i] : NULL, vb + i * d);
+        const __m128 se = j->ka ? kv_s_enc2_avx(j->ka[r[i]], j->va[r[i]]) : _mm_set1_ps(1.0f);
+        if (paired && kv_decode_pair_avx(j, r[i], se, kb + i * dp, vb + i * d)) continue;
+        kv_decode_row_avx(j, j->kc + r[i] * half, j->ks + r[i] * nsc, _mm_cvtss_f32(se), j->ka != NULL, tmp, kb + i * dp, 1);
+        kv_decode_row_avx(j, j->vc + r[i] * half, j->vs + r[i] * nsc, _mm_cvtss_f32(_mm_movehdup_ps(se)), j->ka != NULL,
+                          vb + i * d, NULL, 0);
     }
     if (n_ahead > n) kv_prefetch_rows(j, ahead + n, n_ahead - n);
 }

@@ -31,6 +31,7 @@ import torch
 
 from tracefp4.engines.device_sites import StepChecks, site_values
 from tracefp4.engines.path import ForwardPath
+from tracefp4.engines.rows import host_cat, take_rows
 from tracefp4.formats.constants import HintMode
 from tracefp4.formats import FP8, MXFP4, NVFP4
 from tracefp4.formats.quantizers import Quantizer
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from tracefp4.engines.experts.base import ExpertGEMM, PreparedWeight
     from tracefp4.engines.experts.cache import PreparedCache
 
-__all__ = ["ForwardRecord", "RawCapture", "RolloutCapture", "storable", "take_rows"]
+__all__ = ["ForwardRecord", "RawCapture", "RolloutCapture", "trajectory_tensors"]
 
 
 @dataclasses.dataclass
@@ -78,8 +79,8 @@ class RawCapture:
         """Concatenated along rows, on the host (records go to the store from there)."""
         parts = [self.q, *(o.q for o in others)]
         fields = dataclasses.fields(self.q)
-        return RawCapture(type(self.q)(**{f.name: torch.cat([getattr(p, f.name) for p in parts]).cpu()
-                                          for f in fields}), self.mode)
+        return RawCapture(type(self.q)(**{f.name: host_cat([getattr(p, f.name) for p in parts]) for f in fields}),
+                          self.mode)
 
     def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         return self.hint().to_tensors(prefix)
@@ -91,21 +92,19 @@ class RawCapture:
         return None
 
 
-def take_rows(t: torch.Tensor, index) -> torch.Tensor:
-    """``t[index]``; a 1-D integer index as ``index_select``, the same rows: indexing gathers element
-    by element on the thread pool, ``index_select`` copies whole rows (a rollout's assembly gathers
-    every site's rows, 15x faster so on the CPU)."""
-    if isinstance(index, torch.Tensor) and index.dim() == 1 and not index.is_floating_point() \
-            and index.dtype != torch.bool:
-        return t.index_select(0, index)
-    return t[index]
-
-
-def storable(record: SiteRecord) -> SiteRecord:
-    """``record`` in the kind the store keeps: a :class:`RawCapture` encoded into its :class:`Hint`
-    (encode a rollout's capture once, before cutting it into trajectories: a Hint's rows are views,
-    a capture's are encoded again for every piece), any other record as it is."""
-    return record.hint() if isinstance(record, RawCapture) else record
+def trajectory_tensors(record: SiteRecord, prefix: str, counts: list[int]) -> list[dict[str, torch.Tensor]]:
+    """The store's tensors of each trajectory of ``record``, whose rows hold ``counts`` rows of each
+    trajectory in turn. A :class:`RawCapture` is encoded once and its Hint's tensors, every one per
+    row, are cut into views (encoding it per trajectory cost a rollout's assembly more than all the
+    rest); any other record is cut first (a compact record's streams and syndromes are per trajectory)."""
+    if isinstance(record, RawCapture):
+        pieces = {key: t.split(counts) for key, t in record.to_tensors(prefix).items()}
+        return [{key: p[b] for key, p in pieces.items()} for b in range(len(counts))]
+    out, start = [], 0
+    for c in counts:
+        out.append(record.select(slice(start, start + c)).to_tensors(prefix))
+        start += c
+    return out
 
 
 @dataclasses.dataclass

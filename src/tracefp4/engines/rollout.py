@@ -45,10 +45,11 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from tracefp4.engines.capture import ForwardRecord, RolloutCapture, storable, take_rows
+from tracefp4.engines.capture import ForwardRecord, RolloutCapture, trajectory_tensors
 from tracefp4.engines.model import CACHE_KWARG, FP4KVCache, forward_state, model_layers, moe_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts, check_top_logprobs
+from tracefp4.engines.rows import host_cat, take_rows
 from tracefp4.engines.sink import StoreTarget, write_records
 from tracefp4.guidance.compact import GuidedMode, record_cat
 from tracefp4.guidance.names import routing_key
@@ -221,23 +222,21 @@ class _Gather:
         key = tuple(sizes)
         if key not in self._index:
             starts = [0, *itertools.accumulate(sizes[:-1])]
-            self._index[key] = torch.cat([r + start for r, start in zip(self.rows, starts)])[self.order]
+            self._index[key] = take_rows(host_cat([r + start for r, start in zip(self.rows, starts)]), self.order)
         return self._index[key]
 
 
 def _site_records(steps: list[ForwardStep], field: str, gather: _Gather, counts: list[int]
                   ) -> list[dict[str, torch.Tensor]]:
     """The site records of each step's ``field`` (guidance or diagnostics) per trajectory, in position
-    order: each site's records concatenated, gathered and made storable once (a raw capture's encoding
-    per trajectory cost more than the rest of the assembly), then cut into views per trajectory."""
+    order: each site's records concatenated over the steps and gathered once, then cut per trajectory
+    (:func:`~tracefp4.engines.capture.trajectory_tensors`)."""
     out: list[dict[str, torch.Tensor]] = [{} for _ in counts]
     for name in getattr(steps[0].record, field):
         parts = [getattr(s.record, field)[name] for s in steps]
-        record = storable(record_cat(parts).select(gather.index([p.rows for p in parts])))
-        start = 0
-        for b, c in enumerate(counts):
-            out[b].update(record.select(slice(start, start + c)).to_tensors(name))
-            start += c
+        record = record_cat(parts).select(gather.index([p.rows for p in parts]))
+        for rec, tensors in zip(out, trajectory_tensors(record, name, counts)):
+            rec.update(tensors)
     return out
 
 
@@ -248,7 +247,7 @@ def _routing_records(
     dtype = torch.uint8 if n_experts <= 256 else torch.int32
     for layer in steps[0].record.routing:
         parts = [s.record.routing[layer] for s in steps]
-        routing = take_rows(torch.cat(parts).cpu(), gather.index([int(p.shape[0]) for p in parts])).to(dtype)
+        routing = take_rows(host_cat(parts), gather.index([int(p.shape[0]) for p in parts])).to(dtype)
         _split({routing_key(layer): routing}, counts, out)
     return out
 

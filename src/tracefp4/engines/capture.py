@@ -31,7 +31,7 @@ import torch
 
 from tracefp4.engines.device_sites import StepChecks, site_values
 from tracefp4.engines.path import ForwardPath
-from tracefp4.engines.rows import host_cat, take_rows
+from tracefp4.engines.rows import take_rows
 from tracefp4.formats.constants import HintMode
 from tracefp4.formats import FP8, MXFP4, NVFP4
 from tracefp4.formats.quantizers import Quantizer
@@ -79,8 +79,8 @@ class RawCapture:
         """Concatenated along rows, on the host (records go to the store from there)."""
         parts = [self.q, *(o.q for o in others)]
         fields = dataclasses.fields(self.q)
-        return RawCapture(type(self.q)(**{f.name: host_cat([getattr(p, f.name) for p in parts]) for f in fields}),
-                          self.mode)
+        return RawCapture(type(self.q)(**{f.name: torch.cat([getattr(p, f.name) for p in parts]).cpu()
+                                          for f in fields}), self.mode)
 
     def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         return self.hint().to_tensors(prefix)

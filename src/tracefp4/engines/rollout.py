@@ -49,7 +49,7 @@ from tracefp4.engines.capture import ForwardRecord, RolloutCapture, trajectory_t
 from tracefp4.engines.model import CACHE_KWARG, FP4KVCache, forward_state, model_layers, moe_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts, check_top_logprobs
-from tracefp4.engines.rows import host_cat, take_rows
+from tracefp4.engines.rows import take_rows
 from tracefp4.engines.sink import StoreTarget, write_records
 from tracefp4.guidance.compact import GuidedMode, record_cat
 from tracefp4.guidance.names import routing_key
@@ -222,7 +222,7 @@ class _Gather:
         key = tuple(sizes)
         if key not in self._index:
             starts = [0, *itertools.accumulate(sizes[:-1])]
-            self._index[key] = take_rows(host_cat([r + start for r, start in zip(self.rows, starts)]), self.order)
+            self._index[key] = take_rows(torch.cat([r + start for r, start in zip(self.rows, starts)]), self.order)
         return self._index[key]
 
 
@@ -247,7 +247,7 @@ def _routing_records(
     dtype = torch.uint8 if n_experts <= 256 else torch.int32
     for layer in steps[0].record.routing:
         parts = [s.record.routing[layer] for s in steps]
-        routing = take_rows(host_cat(parts), gather.index([int(p.shape[0]) for p in parts])).to(dtype)
+        routing = take_rows(torch.cat(parts).cpu(), gather.index([int(p.shape[0]) for p in parts])).to(dtype)
         _split({routing_key(layer): routing}, counts, out)
     return out
 

@@ -445,3 +445,36 @@ def test_home_engine_is_a_rollout_engine(model: torch.nn.Module) -> None:
         generate(model, PROMPTS[:1], SAMPLING, guidance=LSB)
     with pytest.raises(ValueError, match="diagnostic layers"):
         generate(model, PROMPTS[:1], SAMPLING, plan=FP4, diagnostics=frozenset({4}))
+
+
+@pytest.mark.parametrize("mode", ["lsb@all", "full", "sparse(0.02)+parity+amax:lo3@all"])
+def test_records_equal_each_trajectorys_steps_recorded_alone(model: torch.nn.Module, mode: str) -> None:
+    """The assembly (each site concatenated, gathered and encoded once, then cut per trajectory)
+    gives every trajectory exactly what its own rows of each forward, in chronological order, make
+    as one record; with a batch that shrinks (stop tokens) and diagnostics."""
+    from tracefp4.engines.capture import RolloutCapture
+    from tracefp4.engines.rollout import assemble_records, decode_n_tokens, prefill
+    from tracefp4.guidance.compact import record_cat
+
+    sampling = SamplingParams(max_new_tokens=24, seed=0, stop_token_ids=[4, 9, 17])
+    capture = RolloutCapture.of(GuidedMode.parse(mode), DEEPER, 4)
+    with torch.no_grad():
+        st, logits = prefill(model, FP4, capture, PROMPTS, 0)
+        decode_n_tokens(st, logits, sampling, torch.Generator().manual_seed(sampling.seed))
+    lengths = [p + len(c) for p, c in zip(st.prompt_lens, st.completions)]
+    assert len({len(c) for c in st.completions}) > 1  # the batch shrank
+    records, diagnostics = assemble_records(st.steps, lengths, 8, capture)
+    for b in range(len(PROMPTS)):
+        mine = [(s, s.rows[s.traj == b]) for s in st.steps]
+        want = {routing_key(layer): torch.cat([s.record.routing[layer][r] for s, r in mine]).to(torch.uint8)
+                for layer in st.steps[0].record.routing}
+        for name in st.steps[0].record.guidance:
+            want.update(record_cat([s.record.guidance[name].select(r) for s, r in mine]).to_tensors(name))
+        diag = {}
+        for name in st.steps[0].record.diagnostics:
+            diag.update(record_cat([s.record.diagnostics[name].select(r) for s, r in mine]).to_tensors(name))
+        for got, expect in ((records[b], want), (diagnostics[b], diag)):
+            assert list(got) == list(expect)
+            for key, t in got.items():
+                assert t.dtype == expect[key].dtype and t.shape[0] == lengths[b], key
+                assert torch.equal(t.view(torch.uint8), expect[key].view(torch.uint8)), key

@@ -17,7 +17,7 @@ from tracefp4.engines.path import PLAIN, weights_may_be_freed
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import SamplingParams
 from tracefp4.engines.rollout import generate
-from tracefp4.engines.rows import RowMap
+from tracefp4.engines.rows import RowMap, take_rows
 from tracefp4.engines.trainer import TrainerSpec, code_mismatch, forward_logprobs, token_logprobs, trainer_forward
 from tracefp4.formats.constants import HintMode
 from tracefp4.guidance.compact import GuidedMode
@@ -135,6 +135,18 @@ def test_row_maps() -> None:
         RowMap.of(torch.tensor([[0, 0]]), torch.tensor([[0, 2]]), [2])
     with pytest.raises(ValueError, match="do not cover"):
         RowMap(torch.zeros(3), torch.zeros(3), (3,), (2, 2))
+
+
+def test_take_rows_is_indexing() -> None:
+    """The assembly's row gather gives indexing's tensor (float8 too); masks, slices and scalars index."""
+    index = torch.tensor([4, 0, 3, 3, 1])
+    for dtype in (torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int64):
+        t = torch.randn(5, 2, 3, generator=torch.Generator().manual_seed(0)).mul(50).to(dtype)
+        for i in (index, index.int()):
+            taken = take_rows(t, i)
+            assert taken.dtype == dtype and torch.equal(taken.view(torch.uint8), t[index].view(torch.uint8))
+    t = torch.arange(5.0)
+    assert torch.equal(take_rows(t, t > 2), t[t > 2]) and torch.equal(take_rows(t, slice(1, 3)), t[1:3])
 
 
 def test_a_row_map_must_fit_the_forward(full_rollout) -> None:

@@ -31,6 +31,7 @@ import torch
 
 from tracefp4.engines.device_sites import StepChecks, site_values
 from tracefp4.engines.path import ForwardPath
+from tracefp4.engines.rows import take_rows
 from tracefp4.formats.constants import HintMode
 from tracefp4.formats import FP8, MXFP4, NVFP4
 from tracefp4.formats.quantizers import Quantizer
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from tracefp4.engines.experts.base import ExpertGEMM, PreparedWeight
     from tracefp4.engines.experts.cache import PreparedCache
 
-__all__ = ["ForwardRecord", "RawCapture", "RolloutCapture"]
+__all__ = ["ForwardRecord", "RawCapture", "RolloutCapture", "trajectory_tensors"]
 
 
 @dataclasses.dataclass
@@ -58,6 +59,10 @@ class RawCapture:
         return encode_hint(self.q, self.mode)
 
     @property
+    def rows(self) -> int:
+        return int(self.q.codes.shape[0])
+
+    @property
     def nbytes(self) -> int:
         return self.hint().nbytes
 
@@ -67,8 +72,8 @@ class RawCapture:
     def select(self, index) -> RawCapture:
         if isinstance(index, torch.Tensor):
             index = index.to(self.q.codes.device)
-        return RawCapture(type(self.q)(**{f.name: getattr(self.q, f.name)[index] for f in dataclasses.fields(self.q)}),
-                          self.mode)
+        return RawCapture(type(self.q)(**{f.name: take_rows(getattr(self.q, f.name), index)
+                                          for f in dataclasses.fields(self.q)}), self.mode)
 
     def cat(self, others: list[RawCapture]) -> RawCapture:
         """Concatenated along rows, on the host (records go to the store from there)."""
@@ -85,6 +90,21 @@ class RawCapture:
 
     def kept_elements(self) -> None:
         return None
+
+
+def trajectory_tensors(record: SiteRecord, prefix: str, counts: list[int]) -> list[dict[str, torch.Tensor]]:
+    """The store's tensors of each trajectory of ``record``, whose rows hold ``counts`` rows of each
+    trajectory in turn. A :class:`RawCapture` is encoded once and its Hint's tensors, every one per
+    row, are cut into views (encoding it per trajectory cost a rollout's assembly more than all the
+    rest); any other record is cut first (a compact record's streams and syndromes are per trajectory)."""
+    if isinstance(record, RawCapture):
+        pieces = {key: t.split(counts) for key, t in record.to_tensors(prefix).items()}
+        return [{key: p[b] for key, p in pieces.items()} for b in range(len(counts))]
+    out, start = [], 0
+    for c in counts:
+        out.append(record.select(slice(start, start + c)).to_tensors(prefix))
+        start += c
+    return out
 
 
 @dataclasses.dataclass

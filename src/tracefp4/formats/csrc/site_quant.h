@@ -150,7 +150,7 @@ AVXINL __m512i sq_block_amax16_avx(const uint16_t *x, uint32_t *bm) {
     /* lane j: dword t block j+4t (2 words each) */
     const __m512 e = _mm512_castsi512_ps(l2[0]), f = _mm512_castsi512_ps(l2[1]);
     __m512i m = _mm512_max_epu16(_mm512_castps_si512(_mm512_shuffle_ps(e, f, _MM_SHUFFLE(2, 0, 2, 0))),
-                        _mm512_castps_si512(_mm512_shuffle_ps(e, f, _MM_SHUFFLE(3, 1, 3, 1))));
+                                 _mm512_castps_si512(_mm512_shuffle_ps(e, f, _MM_SHUFFLE(3, 1, 3, 1))));
     m = _mm512_max_epu32(_mm512_and_si512(m, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(m, 16));
     /* dword 4j+t holds block j+4t: block b from dword 4(b%4) + b/4 */
     m = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), m);
@@ -287,7 +287,8 @@ AVXINL __m512i sq_e2m1_16(__m512 m) {
  * 16-bit words, 32 at a time; unpacking the words under zeros makes float32 lanes directly, lanes
  * [0-3, 8-11, 16-19, 24-27] (lo) and [4-7, 12-15, 20-23, 28-31] (hi) of the 32, so in both vectors
  * lanes 0-7 are block 0 and 8-15 block 1 (the encode factor vector is enc[0] x 8, enc[1] x 8), and
- * packus puts the two vectors' codes back in element order as words (codes <= 259: no saturation). */
+ * packus puts the two vectors' codes back in element order as words (every code is below 2^10, even
+ * a refused row's NaN one: nothing saturates). */
 AVXINL void sq_pair32(const uint16_t *x, const float *enc, uint8_t *codes) {
     const __m512i w = _mm512_loadu_si512(x), zero = _mm512_setzero_si512();
     const __m512i a = _mm512_and_si512(w, _mm512_set1_epi16(0x7FFF));
@@ -300,6 +301,19 @@ AVXINL void sq_pair32(const uint16_t *x, const float *enc, uint8_t *codes) {
     c = _mm512_ternarylogic_epi32(c, _mm512_srli_epi16(w, 12), _mm512_set1_epi16(8), 0xF8);
     /* element 2i in the low nibble of byte i: dword i = word 2i + 16 * word 2i+1, then its low byte */
     _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(_mm512_madd_epi16(c, _mm512_set1_epi32(0x00100001))));
+}
+
+/* A chunk's codes (no values), `blocks` blocks of bf16 x with their encode factors: two blocks a
+ * load, a single-block tail. */
+AVXINL void sq_codes_chunk(const uint16_t *x, int64_t blocks, const float *enc, uint8_t *codes) {
+    int64_t g = 0;
+    for (; g + 2 <= blocks; g += 2) {
+        /* the next chunk's line, a line a pair: its amax pass then finds it in cache, its DRAM reads
+         * overlapped with this chunk's arithmetic (past the last row: a prefetch does not fault) */
+        _mm_prefetch((const char *)(x + 16 * (g + blocks)), _MM_HINT_T0);
+        sq_pair32(x + 16 * g, enc + g, codes + 8 * g);
+    }
+    if (g < blocks) sq_block16(x + 16 * g, enc[g], _mm512_setzero_si512(), codes + 8 * g, NULL);
 }
 
 /* bf16 bits (in 32-bit lanes) of (e2m1(c) * scale) / S_enc for the 16 codes c: a block's values.
@@ -372,14 +386,7 @@ AVX512 static void sq_chunk_avx(const void *xv, int f32, int64_t k, int64_t r0, 
         return;
     }
     if (!values) {
-        int64_t g = 0;
-        for (; g + 2 <= blocks; g += 2) {
-            /* the next chunk's line, a line a pair: its amax pass then finds it in cache, its DRAM
-             * reads overlapped with this chunk's arithmetic (past the last row: a prefetch does not fault) */
-            _mm_prefetch((const char *)(x + 16 * (g + blocks)), _MM_HINT_T0);
-            sq_pair32(x + 16 * g, enc + g, codes + 8 * g);
-        }
-        if (g < blocks) sq_block16(x + 16 * g, enc[g], _mm512_setzero_si512(), codes + 8 * g, NULL);
+        sq_codes_chunk(x, blocks, enc, codes);
         return;
     }
     for (int64_t g = 0; g < blocks; g++) {

@@ -344,6 +344,30 @@ def test_guided_equals_numba(impl, fmt, kind, full):
     assert torch.equal(formats.guided_codes(x, fmt, q.scales, amax, **hint).codes, want)  # the dispatch's C entry
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("full", [False, True], ids=["lsb", "full"])
+def test_guided_every_bf16_pattern_equals_numba(impl, fmt, full):
+    """Every finite bf16 pattern, both signs, on its own per-row grid with random hints (every
+    bracket, exact code value, 0.25 and 6 meets both hint bits and rollout codes of both signs).
+    NVFP4 rows of 3 groups of 16: the AVX path's two-groups-a-load loop and its single-group tail."""
+    k = 48 if fmt == "nvfp4" else 64
+    pats = torch.arange(0, 0x7F80, dtype=torch.int32)
+    pats = torch.cat([pats, pats | 0x8000]).to(torch.int16)
+    x = pats[: pats.numel() // k * k].view(torch.bfloat16).reshape(-1, k)
+    g = torch.Generator().manual_seed(5)
+    hint = torch.randint(0, 256, (x.shape[0], k // 2 if full else k // 8), generator=g, dtype=torch.uint8)
+    if fmt == "nvfp4":
+        q = _numba(formats.quantize_nvfp4, x, per_row=True)
+        s_dec = (1.0 / formats.nvfp4_global_encode_scale(q.global_amax)).reshape(-1).contiguous()
+        amax = q.global_amax
+    else:
+        q, s_dec, amax = _numba(formats.quantize_mxfp4, x), torch.ones(x.shape[0]), None
+    want = _numba(formats.guided_codes, x, fmt, q.scales, amax, **({"codes": hint} if full else {"lsb": hint})).codes
+    got, bad = quant.guided_rows(x, q.scales.view(torch.uint8), fmt, s_dec, hint, full, impl=impl)
+    assert torch.equal(got, want) and not bad.any()
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
 @pytest.mark.parametrize("full", [False, True], ids=["lsb", "full"])
 def test_guided_refuses_non_finite_as_numba(bad, full):

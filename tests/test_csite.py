@@ -66,6 +66,24 @@ def test_equals_the_reference(impl, kind):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("amax", [None, 1.0, 448.0 * 6, 3e38, 1e-30], ids=["own", "one", "max_scale", "huge", "tiny"])
+def test_every_bf16_pattern_codes_only(impl, amax):
+    """Every finite bf16 pattern, both signs, codes and scales only (the AVX path's two-blocks-a-load
+    loop, which values=True does not take): each row a run of consecutive patterns, so every E2M1
+    tie, binade edge and subnormal meets many encode factors; an odd block count leaves one block
+    for the single-block tail."""
+    pats = torch.arange(0, 0x7F80, dtype=torch.int32)
+    pats = torch.cat([pats, pats | 0x8000]).to(torch.int16)
+    x = pats[: pats.numel() // 48 * 48].view(torch.bfloat16).reshape(-1, 48)
+    given = None if amax is None else torch.full((x.shape[0],), amax)
+    codes, scales, a, values, bad = clib.nvfp4_rows(x, given, values=False, impl=impl)
+    want = numba_rows(x, given)
+    assert values is None and not bad.any()
+    assert np.array_equal(codes.numpy(), want[0]) and np.array_equal(scales.numpy(), want[1])
+    assert np.array_equal(a.numpy().view(np.uint32), want[2].view(np.uint32))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_tiny_scales_divide_every_value(impl):
     """Blocks whose scale over S_enc is below 2^-124 (bf16 values near float32's subnormals) take the
     division for every value instead of the power-of-two shortcut; both give the numba kernel's bits."""

@@ -312,3 +312,24 @@ def test_guided_codes_validates_grid_and_hint_data():
         guided_codes(x, "nvfp4", q.scales[:, :2], q.global_amax, codes=q.codes)
     with pytest.raises(ValueError, match="exactly one"):
         guided_codes(x, "nvfp4", q.scales, q.global_amax)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_checked_scale_copy_is_a_clone_and_refuses_nan_as_check_grid(fmt):
+    """The one-pass copy and NaN check of a grid's scales: the same bytes and dtype in fresh memory, and
+    a NaN code refused with check_grid's words (naming the first)."""
+    from tracefp4.formats.validation import check_grid, checked_scale_copy
+
+    x = torch.randn(5, 64)
+    q = tf.quantize_nvfp4(x, per_row=True) if fmt == "nvfp4" else tf.quantize_mxfp4(x)
+    copy = checked_scale_copy(fmt, q.scales, "grid")
+    assert copy.dtype == q.scales.dtype and copy.data_ptr() != q.scales.data_ptr()
+    assert torch.equal(copy.view(torch.uint8), q.scales.view(torch.uint8))
+    raw = q.scales.view(torch.uint8).clone()
+    raw[3, 1], raw[4, 0] = (0xFF, 0x7F) if fmt == "nvfp4" else (0xFF, 0xFF)
+    bad = raw if fmt == "mxfp4" else raw.view(torch.float8_e4m3fn)
+    with pytest.raises(ValueError) as want:
+        check_grid(fmt, bad, q.global_amax if fmt == "nvfp4" else None, x.shape, "grid")
+    with pytest.raises(ValueError) as got:
+        checked_scale_copy(fmt, bad, "grid")
+    assert str(got.value) == str(want.value) and "(3, 1)" in str(got.value)

@@ -52,10 +52,12 @@ class NVFP4(_PackedFP4):
         return cls(codes.reshape(*lead, codes.shape[-1]),
                    scales.view(torch.float8_e4m3fn).reshape(*lead, scales.shape[-1]), global_amax)
 
-    def check(self) -> "NVFP4":
-        """Raise ValueError unless codes, scales and global amax agree (see :func:`check_grid`)."""
+    def check(self, *, scan_scales: bool = True) -> "NVFP4":
+        """Raise ValueError unless codes, scales and global amax agree (see :func:`check_grid`, which
+        takes ``scan_scales``)."""
         check_codes(self.codes, NVFP4_BLOCK, "NVFP4")
-        check_grid(Format.NVFP4, self.scales, self.global_amax, self.shape, "NVFP4", device=self.codes.device)
+        check_grid(Format.NVFP4, self.scales, self.global_amax, self.shape, "NVFP4", device=self.codes.device,
+                   scan_scales=scan_scales)
         return self
 
 
@@ -81,10 +83,11 @@ class MXFP4(_PackedFP4):
         """A container of a kernel's 2-D outputs for a tensor with leading dims ``lead``."""
         return cls(codes.reshape(*lead, codes.shape[-1]), scales.reshape(*lead, scales.shape[-1]))
 
-    def check(self) -> "MXFP4":
-        """Raise ValueError unless codes and scales agree (see :func:`check_grid`)."""
+    def check(self, *, scan_scales: bool = True) -> "MXFP4":
+        """Raise ValueError unless codes and scales agree (see :func:`check_grid`, which takes
+        ``scan_scales``)."""
         check_codes(self.codes, MXFP4_BLOCK, "MXFP4")
-        check_grid(Format.MXFP4, self.scales, None, self.shape, "MXFP4", device=self.codes.device)
+        check_grid(Format.MXFP4, self.scales, None, self.shape, "MXFP4", device=self.codes.device, scan_scales=scan_scales)
         return self
 
 

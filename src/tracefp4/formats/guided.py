@@ -9,7 +9,8 @@ from tracefp4.formats.containers import MXFP4, NVFP4
 from tracefp4.formats.dispatch import Op, implementation
 from tracefp4.formats.grid import nvfp4_global_encode_scale
 from tracefp4.formats.rows import as_rows, per_row_values, row_count
-from tracefp4.formats.validation import check_grid, check_hint, check_input, describe, raise_non_finite
+from tracefp4.formats.validation import (check_grid, check_hint, check_input, checked_scale_copy, describe,
+                                        raise_non_finite)
 
 __all__ = ["clone_scales", "guided_codes", "lsb_bits"]
 
@@ -68,12 +69,13 @@ def guided_codes(
     if (codes is None) == (lsb is None):
         raise ValueError("guided_codes: give exactly one of codes (full) or lsb")
     check_input(x, fmt.block)
-    check_grid(fmt, scales, global_amax, x.shape, owner)
+    check_grid(fmt, scales, global_amax, x.shape, owner, scan_scales=False)
     full = codes is not None
     hint = codes if full else lsb
     check_hint(hint, "codes" if full else "lsb", owner, x, 2 if full else 8)
     dev = x.device
-    scales = scales.to(dev)
+    # the result's scales: copied with the NaN check in one pass, before the kernel reads them
+    scales = checked_scale_copy(fmt, scales.to(dev), owner)
     if fmt is Format.NVFP4:
         global_amax = global_amax.to(dev)
     s_dec = _decode_divisors(x, fmt, global_amax)
@@ -83,5 +85,5 @@ def guided_codes(
     raise_non_finite(x, bad)
     codes_t = out.reshape(*x.shape[:-1], out.shape[-1])
     if fmt is Format.NVFP4:
-        return NVFP4(codes_t, clone_scales(scales), global_amax.clone())
-    return MXFP4(codes_t, clone_scales(scales))
+        return NVFP4(codes_t, scales, global_amax.clone())
+    return MXFP4(codes_t, scales)

@@ -73,6 +73,7 @@ __all__ = [
     "guided_full",
     "pack_lsb",
     "count_masked",
+    "copy_count_masked",
 ]
 
 # Threading layer: workqueue, unless the user chose one (NUMBA_THREADING_LAYER). numba's OpenMP layer
@@ -781,4 +782,16 @@ def count_masked(raw, mask, value):
     n = 0
     for i in range(raw.shape[0]):
         n += np.int64((raw[i] & mask) == value)
+    return n
+
+
+@numba.njit(nogil=True, cache=True)
+def copy_count_masked(raw, out, mask, value):
+    """:func:`count_masked` of ``raw`` while copying it into ``out`` (u8, 1-D, as long): a grid's scale
+    bytes validated and cloned in one pass over them instead of two (one of them from memory)."""
+    n = 0
+    for i in range(raw.shape[0]):
+        b = raw[i]
+        out[i] = b
+        n += np.int64((b & mask) == value)
     return n

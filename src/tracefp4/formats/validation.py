@@ -14,8 +14,8 @@ from tracefp4.formats import kernels
 from tracefp4.formats.constants import E4M3_MAG_MASK, E4M3_NAN_CODE, E8M0_NAN, FLOAT32_MAX, SUPPORTED_DTYPES, Format
 from tracefp4.formats.rows import as_rows, numpy_of
 
-__all__ = ["FP8_NON_FINITE", "check_codes", "check_global_amax", "check_grid", "check_hint", "check_input", "describe",
-           "expect", "raise_non_finite", "shape_tuple"]
+__all__ = ["FP8_NON_FINITE", "check_codes", "check_global_amax", "check_grid", "check_hint", "check_input",
+           "checked_scale_copy", "describe", "expect", "raise_non_finite", "shape_tuple"]
 
 _SCALE_DTYPE = {Format.NVFP4: torch.float8_e4m3fn, Format.MXFP4: torch.uint8}
 
@@ -121,6 +121,23 @@ def _check_scale_codes(fmt: Format, scales: torch.Tensor, owner: str) -> None:
     )
 
 
+def checked_scale_copy(fmt: Format | str, scales: torch.Tensor, owner: str = "grid") -> torch.Tensor:
+    """A copy of a grid's scales whose dtype and shape were checked (``check_grid(..., scan_scales=False)``),
+    refusing NaN codes with :func:`check_grid`'s words. On the CPU the copy and the NaN count are one
+    pass over the bytes (a clone after a check reads them twice, the first time from memory)."""
+    fmt = Format(fmt)
+    if scales.device.type != "cpu":
+        _check_scale_codes(fmt, scales, owner)
+        return scales.clone()
+    raw = numpy_of(scales.view(torch.uint8))
+    out = np.empty_like(raw)
+    mask, value = _NAN_SCALE[fmt]
+    if kernels.copy_count_masked(raw.reshape(-1), out.reshape(-1), np.uint8(mask), np.uint8(value)):
+        _check_scale_codes(fmt, scales, owner)  # raises, naming the first
+    copy = torch.from_numpy(out)
+    return copy if scales.dtype == torch.uint8 else copy.view(scales.dtype)
+
+
 def check_grid(
     fmt: Format | str,
     scales,
@@ -129,13 +146,15 @@ def check_grid(
     owner: str = "grid",
     *,
     device: torch.device | None = None,
+    scan_scales: bool = True,
 ) -> None:
     """Raise ValueError unless ``(scales, global_amax)`` is a valid grid for a tensor of ``shape``.
 
     scales: ``[..., K/block]`` over ``shape``'s leading dims, float8_e4m3fn (NVFP4) or uint8 (MXFP4),
     no NaN codes; on ``device`` when one is given. global_amax: NVFP4 only, float32, a scalar or
     ``[..., 1]``, finite and non-negative; None for MXFP4. Shapes and dtypes cost nothing; the NaN
-    check is one vectorised pass over the scales (1/16 or 1/32 of the elements).
+    check is one vectorised pass over the scales (1/16 or 1/32 of the elements); ``scan_scales=False``
+    leaves it to the caller's :func:`checked_scale_copy` (one pass that also copies them).
     """
     fmt = Format(fmt)
     shape = shape_tuple(shape)
@@ -153,7 +172,8 @@ def check_grid(
         )
     if device is not None and scales.device != device:
         raise ValueError(f"{owner} scales: expected device {device} (where the codes are), got {scales.device}")
-    _check_scale_codes(fmt, scales, owner)
+    if scan_scales:
+        _check_scale_codes(fmt, scales, owner)
     if fmt is Format.MXFP4:
         if global_amax is not None:
             raise ValueError(f"{owner} global_amax: expected None for mxfp4 (E8M0 scales are absolute), got {describe(global_amax)}")

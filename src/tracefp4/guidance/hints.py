@@ -30,7 +30,6 @@ from tracefp4.formats import (
     MXFP4,
     NVFP4,
     check_grid,
-    clone_scales,
     dequantize,
     fp8_lsb_bits,
     guided_codes,
@@ -38,6 +37,7 @@ from tracefp4.formats import (
     lsb_bits,
     straight_through,
 )
+from tracefp4.formats.validation import checked_scale_copy
 from tracefp4.guidance.report import DecodeReport
 
 __all__ = ["Hint", "encode_hint", "guided_quantize", "guided_fake_quant", "hint_cat", "record_format",
@@ -224,10 +224,11 @@ def encode_hint(q: NVFP4 | MXFP4 | FP8, mode: str | HintMode = "lsb") -> Hint:
         return Hint(mode, Format.FP8, data, q.scale.clone())
     if not isinstance(q, (NVFP4, MXFP4)):
         raise ValueError(f"encode_hint: expected an NVFP4, MXFP4 or FP8 tensor, got {type(q).__name__}")
-    q.check()
+    q.check(scan_scales=False)
+    scales = checked_scale_copy(q.fmt, q.scales, type(q).__name__)  # NaN codes refused before any kernel
     data = lsb_bits(q.codes) if mode is HintMode.LSB else q.codes.clone()
     amax = q.global_amax.clone() if isinstance(q, NVFP4) else None
-    return Hint(mode, q.fmt, data, clone_scales(q.scales), amax)
+    return Hint(mode, q.fmt, data, scales, amax)
 
 
 def guided_quantize(x: torch.Tensor, hint: Hint) -> NVFP4 | MXFP4 | FP8:

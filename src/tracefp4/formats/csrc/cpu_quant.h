@@ -122,6 +122,20 @@ static void cq_encode_factors(const uint8_t *scales, const float *lut, float s_d
     for (int64_t b = 0; b < nb; b++) enc[b] = sq_min(1.0f / (lut[scales[b]] * s_dec), FLT_MAX);
 }
 
+#if defined(__x86_64__)
+/* cq_encode_factors 16 blocks a division: the same IEEE operations lane by lane (vminps returns its
+ * second operand unless the first is smaller, as sq_min; 1/0 is Inf, which the min caps). */
+AVX512 static void cq_encode_factors_avx(const uint8_t *scales, const float *lut, float s_dec, int64_t nb, float *enc) {
+    for (int64_t b = 0; b < nb; b += 16) {
+        const __mmask16 m = nb - b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - b)) - 1u);
+        const __m512i idx = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, scales + b));
+        const __m512 v = _mm512_mask_i32gather_ps(_mm512_set1_ps(1.0f), m, idx, lut, 4);
+        const __m512 e = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(v, _mm512_set1_ps(s_dec)));
+        _mm512_mask_storeu_ps(enc + b, m, _mm512_min_ps(e, _mm512_set1_ps(FLT_MAX)));
+    }
+}
+#endif
+
 /* One element's code (sign included) from its bf16 pattern w, encode factor and hint: the low bit
  * wanted (full = 0) or the rollout's 4-bit code (full = 1). */
 static inline uint32_t cq_guided_code(uint32_t w, float enc, uint32_t hint, int full) {
@@ -152,41 +166,104 @@ static uint32_t cq_guided_row_portable(const uint16_t *x, const float *enc, int6
 }
 
 #if defined(__x86_64__)
+/* One group of 16 elements (inside one block) with encode factor e: its 8 code bytes; top: the
+ * running max of the abs patterns. The single-group form, for a row's odd last group. */
+AVXINL void cq_guided16_avx(const uint16_t *x, float e, const uint8_t *hint, int full, uint8_t *codes, __m512i *top) {
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
+    const __m512i a = _mm512_and_si512(w, _mm512_set1_epi32(0x7FFF)), sign = _mm512_srli_epi32(w, 15);
+    *top = _mm512_max_epu32(*top, a);
+    const __m512 m = _mm512_min_ps(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_set1_ps(e)),
+                                   _mm512_set1_ps(6.0f));
+    const __m512i bits = _mm512_castps_si512(m);
+    const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.0f), _CMP_GE_OQ);
+    const __mmask16 half = _mm512_cmp_ps_mask(m, _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    /* below 1: lo = (m >= 0.5), inexact unless m is 0 or 0.5 */
+    __m512i lo = _mm512_mask_blend_epi32(big, _mm512_maskz_mov_epi32(half, one),
+                                         _mm512_sub_epi32(_mm512_srli_epi32(bits, 22), _mm512_set1_epi32(252)));
+    const __mmask16 inexact =
+        (big & _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x3FFFFF))) |
+        (~big & _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_NEQ_UQ) & _mm512_cmp_ps_mask(m, _mm512_set1_ps(0.5f), _CMP_NEQ_UQ));
+    __mmask16 up;
+    if (full) {
+        const __m512i rc = cq_nibbles16(hint);
+        up = inexact & _mm512_cmpgt_epu32_mask(_mm512_and_si512(rc, _mm512_set1_epi32(7)), lo) &
+             _mm512_cmpeq_epi32_mask(_mm512_srli_epi32(rc, 3), sign);
+    } else {
+        uint16_t h; /* the group's 16 hint bits are a lane mask as they are */
+        memcpy(&h, hint, 2);
+        up = inexact & (_mm512_test_epi32_mask(lo, one) ^ (__mmask16)h);
+    }
+    __m512i code = _mm512_or_si512(_mm512_mask_add_epi32(lo, up, lo, one), _mm512_slli_epi32(sign, 3));
+    /* element 2i in the low nibble of byte i: each 64-bit lane's high code moves to bits 4..7 */
+    _mm512_mask_cvtepi64_storeu_epi8(codes, 0xFF, _mm512_or_si512(code, _mm512_srli_epi64(code, 28)));
+}
+
+/* The floor code lo of m in [0, 6] (cq_floor_mag) and whether m is no code value, 16 lanes. With
+ * m' = max(m, 0.25), bits(m') >> 22 (twice the biased exponent plus the top mantissa bit) runs over
+ * 250..259, distinct in its low 4 bits, which are all vpermd reads: one table gives lo (below 0.5: 0;
+ * then 1, 1, 2, 3, 4, 5, 6, and 7 at 6). m is a code value exactly when it equals lo's value. */
+AVXINL __m512i cq_floor16(__m512 m, __mmask16 *inexact) {
+    const __m512i idx = _mm512_srli_epi32(_mm512_castps_si512(_mm512_max_ps(m, _mm512_set1_ps(0.25f))), 22);
+    const __m512i lo = _mm512_permutexvar_epi32(idx, _mm512_setr_epi32(4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 3));
+    const __m512 values = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 0, 0, 0, 0, 0, 0, 0, 0);
+    *inexact = _mm512_cmp_ps_mask(_mm512_permutexvar_ps(lo, values), m, _CMP_NEQ_UQ);
+    return lo;
+}
+
+/* The lanes of cq_guided32_avx that move up to lo + 1 (lsb: the member whose low bit is the hint's;
+ * full: the rollout code's magnitude is above lo and its sign is x's), lo/hi: the two lane halves. */
+AVXINL void cq_guided_up32(const uint8_t *hint, int full, __m512i w, __m512i lo, __m512i hi, __mmask16 *up_lo, __mmask16 *up_hi) {
+    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
+    if (full) { /* dword i of the 16 code bytes, byte i | byte i << 12, masked: a nibble a word, in element order */
+        __m512i rc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)hint));
+        rc = _mm512_ternarylogic_epi32(rc, _mm512_slli_epi32(rc, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+        /* rc ^ (~sign << 3): bit 3 set where the signs agree; less 8, saturated: the magnitude there, else 0 */
+        rc = _mm512_subs_epu16(_mm512_ternarylogic_epi32(rc, _mm512_srli_epi16(w, 12), _mm512_set1_epi16(8), 0xD2),
+                               _mm512_set1_epi16(8));
+        *up_lo = _mm512_mask_cmpgt_epu32_mask(*up_lo, _mm512_unpacklo_epi16(rc, zero), lo);
+        *up_hi = _mm512_mask_cmpgt_epu32_mask(*up_hi, _mm512_unpackhi_epi16(rc, zero), hi);
+    } else { /* the 32 hint bits as words of all ones, unpacked as x is: bit 0 of each lane the hint's */
+        uint32_t h;
+        memcpy(&h, hint, 4);
+        const __m512i hw = _mm512_movm_epi16((__mmask32)h);
+        *up_lo = _mm512_mask_test_epi32_mask(*up_lo, _mm512_xor_si512(lo, _mm512_unpacklo_epi16(hw, zero)), one);
+        *up_hi = _mm512_mask_test_epi32_mask(*up_hi, _mm512_xor_si512(hi, _mm512_unpackhi_epi16(hw, zero)), one);
+    }
+}
+
+/* Two groups of 16 (32 elements, one load; enc0, enc1 their blocks' factors): 16 code bytes, in the
+ * lane order of site_quant.h's sq_pair32 (lo: elements [0-3, 8-11, ..], hi: [4-7, 12-15, ..]).
+ * top: the running max of the 16-bit abs patterns. */
+AVXINL void cq_guided32_avx(const uint16_t *x, float enc0, float enc1, const uint8_t *hint, int full, uint8_t *codes,
+                            __m512i *top) {
+    const __m512i w = _mm512_loadu_si512(x), zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
+    const __m512i a = _mm512_and_si512(w, _mm512_set1_epi16(0x7FFF));
+    *top = _mm512_max_epu16(*top, a);
+    const __m512 e = _mm512_mask_broadcastss_ps(_mm512_set1_ps(enc0), (__mmask16)0xFF00, _mm_set_ss(enc1));
+    const __m512 six = _mm512_set1_ps(6.0f);
+    __mmask16 up_lo, up_hi; /* inexact, then the lanes that move up */
+    const __m512i lo = cq_floor16(_mm512_min_ps(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, a)), e), six), &up_lo);
+    const __m512i hi = cq_floor16(_mm512_min_ps(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, a)), e), six), &up_hi);
+    cq_guided_up32(hint, full, w, lo, hi, &up_lo, &up_hi);
+    __m512i c = _mm512_packus_epi32(_mm512_mask_add_epi32(lo, up_lo, lo, one), _mm512_mask_add_epi32(hi, up_hi, hi, one));
+    c = _mm512_ternarylogic_epi32(c, _mm512_srli_epi16(w, 12), _mm512_set1_epi16(8), 0xF8); /* x's sign as bit 3 */
+    /* element 2i in the low nibble of byte i: dword i = word 2i + 16 * word 2i+1, then its low byte */
+    _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(_mm512_madd_epi16(c, _mm512_set1_epi32(0x00100001))));
+}
+
 AVX512 static uint32_t cq_guided_row_avx(const uint16_t *x, const float *enc, int64_t k, int block, const uint8_t *hint,
                                          int full, uint8_t *codes) {
-    const __m512i one = _mm512_set1_epi32(1);
-    __m512i top = _mm512_setzero_si512();
-    for (int64_t g = 0; g < k / 16; g++) {
-        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16 * g)));
-        const __m512i a = _mm512_and_si512(w, _mm512_set1_epi32(0x7FFF)), sign = _mm512_srli_epi32(w, 15);
-        top = _mm512_max_epu32(top, a);
-        const __m512 m = _mm512_min_ps(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
-                                                     _mm512_set1_ps(enc[16 * g / block])),
-                                       _mm512_set1_ps(6.0f));
-        const __m512i bits = _mm512_castps_si512(m);
-        const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.0f), _CMP_GE_OQ);
-        const __mmask16 half = _mm512_cmp_ps_mask(m, _mm512_set1_ps(0.5f), _CMP_GE_OQ);
-        /* below 1: lo = (m >= 0.5), inexact unless m is 0 or 0.5 */
-        __m512i lo = _mm512_mask_blend_epi32(big, _mm512_maskz_mov_epi32(half, one),
-                                             _mm512_sub_epi32(_mm512_srli_epi32(bits, 22), _mm512_set1_epi32(252)));
-        const __mmask16 inexact =
-            (big & _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x3FFFFF))) |
-            (~big & _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_NEQ_UQ) & _mm512_cmp_ps_mask(m, _mm512_set1_ps(0.5f), _CMP_NEQ_UQ));
-        __mmask16 up;
-        if (full) {
-            const __m512i rc = cq_nibbles16(hint + 8 * g);
-            up = inexact & _mm512_cmpgt_epu32_mask(_mm512_and_si512(rc, _mm512_set1_epi32(7)), lo) &
-                 _mm512_cmpeq_epi32_mask(_mm512_srli_epi32(rc, 3), sign);
-        } else {
-            uint16_t h; /* the group's 16 hint bits are a lane mask as they are */
-            memcpy(&h, hint + 2 * g, 2);
-            up = inexact & (_mm512_test_epi32_mask(lo, one) ^ (__mmask16)h);
-        }
-        __m512i code = _mm512_or_si512(_mm512_mask_add_epi32(lo, up, lo, one), _mm512_slli_epi32(sign, 3));
-        /* element 2i in the low nibble of byte i: each 64-bit lane's high code moves to bits 4..7 */
-        _mm512_mask_cvtepi64_storeu_epi8(codes + 8 * g, 0xFF, _mm512_or_si512(code, _mm512_srli_epi64(code, 28)));
-    }
-    return (uint32_t)_mm512_reduce_max_epu32(top);
+    __m512i top = _mm512_setzero_si512(); /* 16-bit abs patterns (32 words) */
+    const int64_t groups = k / 16, hint_group = full ? 8 : 2; /* hint bytes a group of 16 */
+    const int per_block = block == 32; /* log2 of the groups a block: a shift, not a division a pair */
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2)
+        cq_guided32_avx(x + 16 * g, enc[g >> per_block], enc[(g + 1) >> per_block], hint + hint_group * g, full, codes + 8 * g,
+                        &top);
+    __m512i top32 = _mm512_max_epu32(_mm512_and_si512(top, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(top, 16));
+    if (g < groups) cq_guided16_avx(x + 16 * g, enc[16 * g / block], hint + hint_group * g, full, codes + 8 * g, &top32);
+    return (uint32_t)_mm512_reduce_max_epu32(top32);
 }
 #endif
 

@@ -488,8 +488,12 @@ int tfp4_guided(const uint16_t *x, const uint8_t *scales, const float *lut, cons
             continue;
         }
         for (int64_t r = rows * t / threads; r < rows * (t + 1) / threads; r++) {
-            cq_encode_factors(scales + r * nb, lut, s_dec[r], nb, enc);
             uint32_t top;
+#if defined(__x86_64__)
+            if (avx) cq_encode_factors_avx(scales + r * nb, lut, s_dec[r], nb, enc);
+            else
+#endif
+                cq_encode_factors(scales + r * nb, lut, s_dec[r], nb, enc);
 #if defined(__x86_64__)
             if (avx) top = cq_guided_row_avx(x + r * k, enc, k, block, hint + r * hint_bytes, full, codes + r * (k / 2));
             else

@@ -133,11 +133,38 @@ static void sq_row_portable32(const uint32_t *x, int64_t k, float amax, const ui
 }
 
 #if defined(__x86_64__)
-/* 16 blocks' amax patterns at once would need a transpose; a block's 16 elements reduce in-lane. */
+/* 16 consecutive blocks' amax patterns (256 bf16) into bm[0..15]; returns them as dwords. A
+ * transpose-and-max network: each level pairs two vectors and keeps, per block, the max of two
+ * halves of what it had, so 8 vectors of 2 blocks x 16 words end as one of 16 blocks x 1 dword in
+ * 15 shuffles and 15 maxes (a block reduced in its own lanes costs 4 shuffles and 4 maxes). */
+AVXINL __m512i sq_block_amax16_avx(const uint16_t *x, uint32_t *bm) {
+    const __m512i abs = _mm512_set1_epi16(0x7FFF);
+    __m512i l1[4], l2[2];
+    for (int p = 0; p < 4; p++) { /* blocks 4p..4p+3, one 128-bit lane each (8 words) */
+        __m512i a = _mm512_and_si512(_mm512_loadu_si512(x + 64 * p), abs);
+        __m512i b = _mm512_and_si512(_mm512_loadu_si512(x + 64 * p + 32), abs);
+        l1[p] = _mm512_max_epu16(_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    for (int q = 0; q < 2; q++) /* lane j: qword 0 block 8q+j, qword 1 block 8q+4+j (4 words each) */
+        l2[q] = _mm512_max_epu16(_mm512_unpacklo_epi64(l1[2 * q], l1[2 * q + 1]), _mm512_unpackhi_epi64(l1[2 * q], l1[2 * q + 1]));
+    /* lane j: dword t block j+4t (2 words each) */
+    const __m512 e = _mm512_castsi512_ps(l2[0]), f = _mm512_castsi512_ps(l2[1]);
+    __m512i m = _mm512_max_epu16(_mm512_castps_si512(_mm512_shuffle_ps(e, f, _MM_SHUFFLE(2, 0, 2, 0))),
+                                 _mm512_castps_si512(_mm512_shuffle_ps(e, f, _MM_SHUFFLE(3, 1, 3, 1))));
+    m = _mm512_max_epu32(_mm512_and_si512(m, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(m, 16));
+    /* dword 4j+t holds block j+4t: block b from dword 4(b%4) + b/4 */
+    m = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), m);
+    _mm512_storeu_si512(bm, m);
+    return m;
+}
+
+/* One row's block amax patterns into bm [nb]; returns the row's largest. */
 AVX512 static uint32_t sq_block_amax_avx(const uint16_t *x, int64_t nb, uint32_t *bm) {
     const __m256i mask = _mm256_set1_epi16(0x7FFF);
-    uint32_t top = 0;
+    __m512i top16 = _mm512_setzero_si512();
     int64_t b = 0;
+    for (; b + 16 <= nb; b += 16) top16 = _mm512_max_epu32(top16, sq_block_amax16_avx(x + 16 * b, bm + b));
+    uint32_t top = (uint32_t)_mm512_reduce_max_epu32(top16);
     for (; b + 2 <= nb; b += 2) { /* two blocks: one 512-bit load, reduced to 2 lanes together */
         __m512i a = _mm512_and_si512(_mm512_loadu_si512(x + 16 * b), _mm512_set1_epi16(0x7FFF));
         __m512i m = _mm512_max_epu16(a, _mm512_bsrli_epi128(a, 8));
@@ -240,6 +267,55 @@ AVXINL void sq_block16_32(const uint32_t *x, float enc, uint8_t *codes) {
     sq_store_codes16(sq_codes16(mag, _mm512_srli_epi32(w, 28), enc), codes);
 }
 
+/* E2M1 magnitude codes of m >= 0 (sq_e2m1 on 16 lanes, before its min(m, 6)). m >= 1: the integer
+ * form of sq_e2m1 with its "- 252" folded into the rounding constant (subtracting 252 << 22 before
+ * the shift is the same as 252 after it, and bits >= 252 << 22 there, so nothing wraps); m < 1: the
+ * float add onto the 2^-1 grid, its pattern less 2^22's by a masked subtract over the normal lanes.
+ * Above 6 (Inf and NaN included) the m >= 1 form is monotonic in the bits and at least 7, code(6),
+ * so a later min(code, 7) equals the code of min(m, 6). */
+AVXINL __m512i sq_e2m1_16(__m512 m) {
+    const __m512i bits = _mm512_castps_si512(m);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 22), _mm512_set1_epi32(1));
+    const __m512i normal =
+        _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, lsb), _mm512_set1_epi32(0x1FFFFF - (252 << 22))), 22);
+    const __m512i sub = _mm512_castps_si512(_mm512_add_ps(m, _mm512_set1_ps(0x1p22f)));
+    return _mm512_mask_sub_epi32(normal, _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.0f), _CMP_LT_OQ), sub,
+                                 _mm512_set1_epi32(0x4A800000));
+}
+
+/* Two blocks (32 bf16, one load) -> 16 code bytes, codes only. The abs and the sign are taken on the
+ * 16-bit words, 32 at a time; unpacking the words under zeros makes float32 lanes directly, lanes
+ * [0-3, 8-11, 16-19, 24-27] (lo) and [4-7, 12-15, 20-23, 28-31] (hi) of the 32, so in both vectors
+ * lanes 0-7 are block 0 and 8-15 block 1 (the encode factor vector is enc[0] x 8, enc[1] x 8), and
+ * packus puts the two vectors' codes back in element order as words (every code is below 2^10, even
+ * a refused row's NaN one: nothing saturates). */
+AVXINL void sq_pair32(const uint16_t *x, const float *enc, uint8_t *codes) {
+    const __m512i w = _mm512_loadu_si512(x), zero = _mm512_setzero_si512();
+    const __m512i a = _mm512_and_si512(w, _mm512_set1_epi16(0x7FFF));
+    const __m512 e = _mm512_mask_broadcastss_ps(_mm512_set1_ps(enc[0]), (__mmask16)0xFF00, _mm_load_ss(enc + 1));
+    const __m512 mlo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, a)), e);
+    const __m512 mhi = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, a)), e);
+    /* min(code, 7): the code of min(m, 6) (sq_e2m1_16) */
+    __m512i c = _mm512_min_epu16(_mm512_packus_epi32(sq_e2m1_16(mlo), sq_e2m1_16(mhi)), _mm512_set1_epi16(7));
+    /* code | (sign >> 12 & 8): the sign bit lands on bit 3 of each word */
+    c = _mm512_ternarylogic_epi32(c, _mm512_srli_epi16(w, 12), _mm512_set1_epi16(8), 0xF8);
+    /* element 2i in the low nibble of byte i: dword i = word 2i + 16 * word 2i+1, then its low byte */
+    _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(_mm512_madd_epi16(c, _mm512_set1_epi32(0x00100001))));
+}
+
+/* A chunk's codes (no values), `blocks` blocks of bf16 x with their encode factors: two blocks a
+ * load, a single-block tail. */
+AVXINL void sq_codes_chunk(const uint16_t *x, int64_t blocks, const float *enc, uint8_t *codes) {
+    int64_t g = 0;
+    for (; g + 2 <= blocks; g += 2) {
+        /* the next chunk's line, a line a pair: its amax pass then finds it in cache, its DRAM reads
+         * overlapped with this chunk's arithmetic (past the last row: a prefetch does not fault) */
+        _mm_prefetch((const char *)(x + 16 * (g + blocks)), _MM_HINT_T0);
+        sq_pair32(x + 16 * g, enc + g, codes + 8 * g);
+    }
+    if (g < blocks) sq_block16(x + 16 * g, enc[g], _mm512_setzero_si512(), codes + 8 * g, NULL);
+}
+
 /* bf16 bits (in 32-bit lanes) of (e2m1(c) * scale) / S_enc for the 16 codes c: a block's values.
  * The E2M1 magnitudes are {1, 1.5} times powers of two, so from q1 = scale / S_enc and
  * q15 = (1.5 * scale) / S_enc (1.5 * scale is exact) every value is q1 or q15 times 2^-1..2^2, which
@@ -307,6 +383,10 @@ AVX512 static void sq_chunk_avx(const void *xv, int f32, int64_t k, int64_t r0, 
     if (values) values += r0 * k;
     if (f32) { /* no values: the numba kernel writes them for bf16 input only */
         for (int64_t g = 0; g < blocks; g++) sq_block16_32(x32 + 16 * g, enc[g], codes + 8 * g);
+        return;
+    }
+    if (!values) {
+        sq_codes_chunk(x, blocks, enc, codes);
         return;
     }
     for (int64_t g = 0; g < blocks; g++) {

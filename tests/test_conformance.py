@@ -113,9 +113,11 @@ def case_dequantize(b: Backend) -> None:
     nv, mx = _quantized()
     _chose(Op.DEQUANTIZE, b, nv.codes)
     s8 = nv.scales.to(torch.float32)
-    assert torch.equal(bits(formats.dequantize(nv)), bits(ref.dequantize_nvfp4(formats.unpack_fp4(nv.codes), s8,
-                                                                               nv.global_amax)))
-    assert torch.equal(bits(formats.dequantize(mx)), bits(ref.dequantize_mxfp4(formats.unpack_fp4(mx.codes), mx.scales)))
+    want_nv = ref.dequantize_nvfp4(formats.unpack_fp4(nv.codes), s8, nv.global_amax)
+    want_mx = ref.dequantize_mxfp4(formats.unpack_fp4(mx.codes), mx.scales)
+    for dtype in (torch.float32, torch.bfloat16):  # bfloat16: the float32 values rounded by torch's cast
+        assert torch.equal(bits(formats.dequantize(nv, dtype)), bits(want_nv.to(dtype)))
+        assert torch.equal(bits(formats.dequantize(mx, dtype)), bits(want_mx.to(dtype)))
 
 
 def _low_bits(q) -> torch.Tensor:
@@ -269,11 +271,12 @@ def c_tensor_amax(impl: clib.Impl) -> None:
 def c_dequantize_rows(impl: clib.Impl) -> None:
     for q in _quantized():
         div = torch.logspace(-3, 3, q.codes.shape[0]).to(torch.float32)  # row divisors other than S_enc
-        got = quant.dequantize_rows(q.codes, q.scales.view(torch.uint8), q.fmt, div, impl=impl)
         nv = q.fmt.value == "nvfp4"
         scale = q.scales.to(torch.float32) if nv else ref.mx_scale(q.scales)
         want = ref.e2m1_value(formats.unpack_fp4(q.codes)) * scale.repeat_interleave(q.fmt.block, dim=-1)
-        assert torch.equal(bits(got), bits(want / div.unsqueeze(1))), q.fmt
+        for dtype in (torch.float32, torch.bfloat16):
+            got = quant.dequantize_rows(q.codes, q.scales.view(torch.uint8), q.fmt, div, dtype=dtype, impl=impl)
+            assert torch.equal(bits(got), bits((want / div.unsqueeze(1)).to(dtype))), (q.fmt, dtype)
 
 
 def c_guided_rows(impl: clib.Impl) -> None:

@@ -319,12 +319,23 @@ def test_fp8_refuses_non_finite_as_torch(bad):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("k", [32, 96, 1056])
-def test_dequantize_equals_numba(impl, fmt, kind, k):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_dequantize_equals_numba(impl, fmt, kind, k, dtype):
     q = _quantized(kind, k, fmt)
     div = _s_dec(q) if fmt == "mxfp4" else formats.nvfp4_global_encode_scale(q.global_amax).expand(q.shape[0])
-    got = quant.dequantize_rows(q.codes, q.scales.view(torch.uint8), fmt, div.contiguous(), impl=impl)
-    assert torch.equal(bits(got), bits(_numba(formats.dequantize, q)))
-    assert torch.equal(bits(formats.dequantize(q)), bits(got))  # the dispatch's C entry
+    got = quant.dequantize_rows(q.codes, q.scales.view(torch.uint8), fmt, div.contiguous(), dtype=dtype, impl=impl)
+    # bf16: written from the registers, equal to torch's rounding of the float32 values
+    assert got.dtype == dtype and torch.equal(bits(got), bits(_numba(formats.dequantize, q).to(dtype)))
+    assert torch.equal(bits(formats.dequantize(q, dtype)), bits(got))  # the dispatch's C entry
+
+
+def test_dequantize_refuses_other_dtypes():
+    q = _quantized("randn", 32, "nvfp4")
+    with pytest.raises(ValueError, match="dequantize_nvfp4 dtype: expected torch.float32 or torch.bfloat16, got "
+                                         "torch.float16"):
+        formats.dequantize(q, torch.float16)
+    with pytest.raises(ValueError, match="dequantize_rows dtype"):
+        quant.dequantize_rows(q.codes, q.scales.view(torch.uint8), "nvfp4", torch.ones(q.shape[0]), dtype=torch.int8)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

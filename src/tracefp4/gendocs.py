@@ -252,7 +252,8 @@ def rollout_page() -> str:
 
 
 NUMERIC_COLUMNS = (("per row", "quantize_per_row_over_copy"), ("per tensor", "quantize_over_copy"),
-                   ("dequantize", "dequantize_over_copy"), ("guided lsb", "guided_over_copy"),
+                   ("dequantize", "dequantize_over_copy"), ("dequantize to bf16", "dequantize_bf16_over_copy"),
+                   ("guided lsb", "guided_over_copy"),
                    ("guided full", "guided_full_over_copy"), ("encode_hint", "encode_hint_over_copy"))
 
 

@@ -56,7 +56,8 @@ class Op(enum.Enum):
     """``(x, rceil) -> MXFP4``."""
 
     DEQUANTIZE = "dequantize"
-    """``(code rows [R, K/2], scale rows [R, K/block] uint8, fmt, row divisor [R]) -> float32 [R, K]``."""
+    """``(code rows [R, K/2], scale rows [R, K/block] uint8, fmt, row divisor [R], dtype) -> dtype [R, K]``:
+    the float32 values, or (bfloat16) those values rounded to nearest even, as torch's cast rounds."""
 
     GUIDED = "guided_codes"
     """``(x, fmt, scale rows, s_dec [R], hint rows, full) -> (code rows [R, K/2], bad [R])``."""

@@ -71,12 +71,14 @@ def quantize_mxfp4(x: torch.Tensor, rceil: bool) -> MXFP4:
     return MXFP4.from_rows(torch.from_numpy(codes), torch.from_numpy(scales), x.shape[:-1])
 
 
-def dequantize(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Format, row_div: torch.Tensor) -> torch.Tensor:
-    """float32 ``(value(code) * scale) / row_div[row]`` of packed code rows ``[R, K/2]``."""
+def dequantize(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Format, row_div: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``(value(code) * scale) / row_div[row]`` of packed code rows ``[R, K/2]``, cast to
+    ``dtype`` (bfloat16: rounded to nearest even, which is the op's definition)."""
     out = np.empty((rows.shape[0], rows.shape[1] * 2), dtype=np.float32)
     nchunks = kernels.row_chunks(rows.shape[0], out.nbytes)
     kernels.dequantize(rows.numpy(), scale_rows.numpy(), _SCALE_VALUES[fmt], numpy_of(row_div), fmt.block, out, nchunks)
-    return torch.from_numpy(out)
+    return torch.from_numpy(out).to(dtype)
 
 
 def guided_codes(x: torch.Tensor, fmt: Format, scale_rows: torch.Tensor, s_dec: torch.Tensor, hint_rows: torch.Tensor,

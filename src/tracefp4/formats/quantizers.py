@@ -36,7 +36,7 @@ import torch
 
 from tracefp4.formats.constants import MXFP4_BLOCK, NVFP4_BLOCK, Format, ScaleMode
 from tracefp4.formats.containers import FP8, MXFP4, NVFP4, CompensatedNVFP4
-from tracefp4.formats.dequant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
+from tracefp4.formats.dequant import OUT_DTYPES, check_out_dtype, dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
 from tracefp4.formats.fp8 import guided_fp8, quantize_fp8
 from tracefp4.formats.guided import guided_codes
 from tracefp4.formats.mxfp4 import quantize_mxfp4
@@ -89,13 +89,19 @@ class Quantizer(abc.ABC):
     def quantize(self, x: torch.Tensor) -> NVFP4 | MXFP4 | FP8: ...
 
     @abc.abstractmethod
-    def dequantize(self, q) -> torch.Tensor: ...
+    def dequantize(self, q, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float32 values of ``q``, or (``dtype`` bfloat16) those rounded to nearest even."""
+
+    def _values(self, q, dtype: torch.dtype) -> torch.Tensor:
+        """``dequantize(q)`` in ``dtype``: written in it where the dequantization writes it (no float32
+        tensor between), else cast from float32; the same bits either way."""
+        return self.dequantize(q, dtype if dtype in OUT_DTYPES else torch.float32).to(dtype)
 
     def quantize_values(self, x: torch.Tensor) -> tuple[NVFP4 | MXFP4 | FP8, torch.Tensor]:
         """``q = quantize(x)`` and ``dequantize(q)`` in x's dtype, bit for bit (a site's code and the
         value its next op sees)."""
         q = self.quantize(x)
-        return q, self.dequantize(q).to(x.dtype)
+        return q, self._values(q, x.dtype)
 
     def guided_quantize(
         self, x: torch.Tensor, grid: Grid, *, codes: torch.Tensor | None = None, lsb: torch.Tensor | None = None
@@ -107,7 +113,7 @@ class Quantizer(abc.ABC):
 
     def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
         """Round-to-nearest quantize-dequantize in x's dtype, identity gradient to ``x``."""
-        return straight_through(x, self.dequantize(self.quantize(x.detach())))
+        return straight_through(x, self._values(self.quantize(x.detach()), x.dtype))
 
 
 _AMAX_SCOPES = ("tensor", "row", "expert")
@@ -168,8 +174,8 @@ class NVFP4Quantizer(Quantizer):
             return super().quantize_values(x)
         return quantize_dequantize_nvfp4(x, **self._amax(x))
 
-    def dequantize(self, q: NVFP4) -> torch.Tensor:
-        return dequantize_nvfp4(q)
+    def dequantize(self, q: NVFP4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_nvfp4(q, dtype)
 
     def guided_quantize(self, x, grid, *, codes=None, lsb=None) -> NVFP4:
         if grid.global_amax is None:
@@ -197,8 +203,8 @@ class MXFP4Quantizer(Quantizer):
     def quantize(self, x: torch.Tensor) -> MXFP4:
         return quantize_mxfp4(x, scale_mode=self.scale_mode.value)
 
-    def dequantize(self, q: MXFP4) -> torch.Tensor:
-        return dequantize_mxfp4(q)
+    def dequantize(self, q: MXFP4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_mxfp4(q, dtype)
 
     def guided_quantize(self, x, grid, *, codes=None, lsb=None) -> MXFP4:
         return guided_codes(x, Format.MXFP4, grid.scales, None, codes=codes, lsb=lsb)
@@ -229,8 +235,8 @@ class FP8Quantizer(Quantizer):
     def quantize(self, x: torch.Tensor) -> FP8:
         return quantize_fp8(x)
 
-    def dequantize(self, q: FP8) -> torch.Tensor:
-        return dequantize_fp8(q)
+    def dequantize(self, q: FP8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_fp8(q, dtype)
 
     def guided_quantize(self, x, grid, *, codes=None, lsb=None) -> FP8:
         if grid.global_amax is not None:
@@ -262,8 +268,9 @@ class CompensatedNVFP4Quantizer(Quantizer):
     def quantize(self, x: torch.Tensor) -> CompensatedNVFP4:
         return quantize_nvfp4_rac(x, self.fraction)
 
-    def dequantize(self, q: CompensatedNVFP4) -> torch.Tensor:
-        return dequantize_nvfp4_rac(q)
+    def dequantize(self, q: CompensatedNVFP4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        # the two passes' float32 sum, then one rounding (not a sum of two rounded values)
+        return dequantize_nvfp4_rac(q).to(check_out_dtype(dtype, "dequantize"))
 
     def grid(self, q) -> Grid:
         raise ValueError("a compensated activation is two NVFP4 passes: it has no single grid to record or guide")

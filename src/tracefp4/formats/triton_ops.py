@@ -46,8 +46,9 @@ def quantize_mxfp4(x: torch.Tensor, rceil: bool) -> MXFP4:
     return MXFP4.from_rows(codes, scales, x.shape[:-1])
 
 
-def dequantize(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Format, row_div: torch.Tensor) -> torch.Tensor:
-    return _kernels().dequantize(rows, scale_rows, fmt.value, row_div, fmt.block)
+def dequantize(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Format, row_div: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    return _kernels().dequantize(rows, scale_rows, fmt.value, row_div, fmt.block).to(dtype)
 
 
 def guided_codes(x: torch.Tensor, fmt: Format, scale_rows: torch.Tensor, s_dec: torch.Tensor, hint_rows: torch.Tensor,

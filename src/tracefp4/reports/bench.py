@@ -69,6 +69,7 @@ NUMERICS_ROWS = [
     ("quantize_nvfp4", "nvfp4_quantize_s"),
     ("quantize_nvfp4 per_row", "nvfp4_quantize_per_row_s"),
     ("dequantize_nvfp4", "nvfp4_dequantize_s"),
+    ("dequantize_nvfp4 to bf16", "nvfp4_dequantize_bf16_s"),
     ("encode_hint(lsb)", "encode_hint_s"),
     ("guided_quantize(lsb)", "guided_quantize_s"),
     ("guided_quantize(full)", "guided_quantize_full_s"),
@@ -81,12 +82,16 @@ TARGET_SHAPE = (4096, 4096)
 #: What a quantizer can reach, as (ratio key, bound, "max" or "min"), set for a 4096x4096 bf16 tensor
 #: on 2 threads. The limit is the copy: quantizing reads 2 bytes and writes 0.56 per element, a copy
 #: reads 2 and writes 2, so a one-pass quantizer runs at or below a copy's time and a per-tensor one (an
-#: amax pass, then the quantize pass) at about 1.5x. They are written into each result (``targets``)
-#: beside the ratios measured in the same run.
+#: amax pass, then the quantize pass) at about 1.5x. A dequantization to bf16 reads 0.56 and writes 2,
+#: so it too runs at or below a copy's time; to float32 it writes 4 bytes an element (and reads each
+#: written line first), twice the copy's writes, which bounds it near 1.4x a copy by bytes alone: its
+#: row is measured against the same 1.1 and reads as the bound it is. They are written into each
+#: result (``targets``) beside the ratios measured in the same run.
 NUMERICS_TARGETS = {
     "quantize_per_row_over_copy": (1.1, "max"),
     "quantize_over_copy": (1.6, "max"),
     "dequantize_over_copy": (1.1, "max"),
+    "dequantize_bf16_over_copy": (1.1, "max"),
     "guided_over_copy": (1.5, "max"),
     "guided_full_over_copy": (1.5, "max"),
     "encode_hint_over_copy": (0.3, "max"),
@@ -106,6 +111,7 @@ def _numerics_fns(x: torch.Tensor, y: torch.Tensor) -> dict[str, Callable[[], ob
         "nvfp4_quantize_s": lambda: quantize_nvfp4(x),
         "nvfp4_quantize_per_row_s": lambda: quantize_nvfp4(x, per_row=True),
         "nvfp4_dequantize_s": lambda: dequantize_nvfp4(q),
+        "nvfp4_dequantize_bf16_s": lambda: dequantize_nvfp4(q, torch.bfloat16),
         "encode_hint_s": lambda: encode_hint(q, "lsb"),
         "guided_quantize_s": lambda: guided_quantize(y, hint),
         "guided_quantize_full_s": lambda: guided_quantize(y, hint_full),
@@ -131,6 +137,7 @@ def _add_ratios(out: dict) -> None:
     out["quantize_over_copy_into"] = quant / out["copy_into_s"]
     out["quantize_per_row_over_copy"] = out["nvfp4_quantize_per_row_s"] / copy
     out["dequantize_over_copy"] = out["nvfp4_dequantize_s"] / copy
+    out["dequantize_bf16_over_copy"] = out["nvfp4_dequantize_bf16_s"] / copy
     out["guided_over_copy"] = out["guided_quantize_s"] / copy
     out["guided_full_over_copy"] = out["guided_quantize_full_s"] / copy
     out["encode_hint_over_copy"] = out["encode_hint_s"] / copy

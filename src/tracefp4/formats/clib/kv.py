@@ -98,9 +98,9 @@ def dequantize_rows(kv: PackedKV) -> torch.Tensor:
     float32) rounded to bf16, as a cache of the model's dtype holds it (the fallback path and tests)."""
     kv.check("dequantize_rows kv")
     if kv.fmt is Format.MXFP4:
-        return dequantize_mxfp4(MXFP4(kv.codes, kv.scales.view(torch.uint8))).to(torch.bfloat16)
+        return dequantize_mxfp4(MXFP4(kv.codes, kv.scales.view(torch.uint8)), torch.bfloat16)
     q = NVFP4(kv.codes, kv.scales.view(torch.float8_e4m3fn), kv.amax.unsqueeze(-1))
-    return dequantize_nvfp4(q).to(torch.bfloat16)
+    return dequantize_nvfp4(q, torch.bfloat16)
 
 
 def decode_rows(kv: PackedKV, *, key: bool = True, impl: Impl | str = "auto") -> torch.Tensor:

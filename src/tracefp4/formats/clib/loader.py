@@ -45,7 +45,7 @@ _SIGNATURES = {
     "tfp4_abs_max": [_P, _I64, _INT, _INT, _INT, _P],
     "tfp4_block_amax": [_P, _INT, _I64, _I64, _P, _INT, _INT, _P],
     "tfp4_nvfp4_quantize_blocks": [_P, _INT, _I64, _I64, _P, _P, _P, _P, _P, _INT, _INT],
-    "tfp4_dequantize": [_P, _P, _P, _P, _I64, _I64, _INT, _P, _INT, _INT],
+    "tfp4_dequantize": [_P, _P, _P, _P, _I64, _I64, _INT, _P, _INT, _INT, _INT],
     "tfp4_guided": [_P, _P, _P, _P, _P, _INT, _I64, _I64, _INT, _P, _P, _INT, _INT],
     "tfp4_lsb_bits": [_P, _I64, _P, _INT, _INT],
     "tfp4_fp8_quantize": [_P, _INT, _I64, _I64, _P, _P, _P, _INT, _INT],

@@ -134,14 +134,15 @@ def _(rows, scale, threads, impl):
 
 
 @torch.library.custom_op(f"{_NS}::dequantize_rows", mutates_args=())
-def dequantize_rows(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: str, row_div: torch.Tensor, threads: int,
-                    impl: str) -> torch.Tensor:
-    return quant.dequantize_rows(rows, scale_rows, fmt, row_div, threads=_threads(threads), impl=impl)
+def dequantize_rows(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: str, row_div: torch.Tensor, bf16: bool,
+                    threads: int, impl: str) -> torch.Tensor:
+    return quant.dequantize_rows(rows, scale_rows, fmt, row_div, dtype=torch.bfloat16 if bf16 else torch.float32,
+                                 threads=_threads(threads), impl=impl)
 
 
 @dequantize_rows.register_fake
-def _(rows, scale_rows, fmt, row_div, threads, impl):
-    return rows.new_empty((rows.shape[0], rows.shape[1] * 2), dtype=torch.float32)
+def _(rows, scale_rows, fmt, row_div, bf16, threads, impl):
+    return rows.new_empty((rows.shape[0], rows.shape[1] * 2), dtype=torch.bfloat16 if bf16 else torch.float32)
 
 
 @torch.library.custom_op(f"{_NS}::guided_rows", mutates_args=())

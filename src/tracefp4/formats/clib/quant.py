@@ -193,18 +193,24 @@ def quantize_mxfp4(x: torch.Tensor, rceil: bool) -> MXFP4:
 
 
 def dequantize_rows(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Format | str, row_div: torch.Tensor, *,
-                    threads: int | None = None, impl: Impl | str = "auto") -> torch.Tensor:
+                    dtype: torch.dtype = torch.float32, threads: int | None = None, impl: Impl | str = "auto"
+                    ) -> torch.Tensor:
     """float32 ``(value(code) * scale) / row_div[row]`` of code rows uint8 ``[R, K/2]`` with scale bytes
-    uint8 ``[R, K/block]`` (E4M3 for NVFP4, E8M0 for MXFP4) and float32 divisors ``[R]``: ``[R, K]``."""
+    uint8 ``[R, K/block]`` (E4M3 for NVFP4, E8M0 for MXFP4) and float32 divisors ``[R]``: ``[R, K]``,
+    or with ``dtype`` bfloat16 those values rounded to bfloat16 as torch's cast rounds them (written
+    straight from the registers: half the bytes of the float32 rows and no second pass)."""
     fmt = Format(fmt)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dequantize_rows dtype: expected torch.float32 or torch.bfloat16, got {dtype}")
     if tracing():
-        return torch.ops.tracefp4.dequantize_rows(rows, scale_rows, fmt.value, row_div, threads or 0, impl_name(impl))
+        return torch.ops.tracefp4.dequantize_rows(rows, scale_rows, fmt.value, row_div, dtype == torch.bfloat16,
+                                                  threads or 0, impl_name(impl))
     impl = impl_of("dequantize_rows", impl)
     r, k = _code_rows("dequantize_rows", rows, scale_rows, fmt)
     row_div = _row_floats("dequantize_rows", "row_div", row_div, r)
-    out = _empty((r, k), torch.float32)
+    out = _empty((r, k), dtype)
     call("dequantize", rows.data_ptr(), scale_rows.data_ptr(), SCALE_TABLES[fmt].ctypes.data, row_div.data_ptr(), r, k,
-         fmt.block, out.data_ptr(), _threads(threads, out.nbytes), impl.value,
+         fmt.block, out.data_ptr(), int(dtype == torch.bfloat16), _threads(threads, out.nbytes), impl.value,
          what=lambda: f"codes {tuple(rows.shape)}, impl {impl.name.lower()!r}")
     return out
 
@@ -229,9 +235,10 @@ def _row_floats(entry: str, name: str, t: torch.Tensor, r: int) -> torch.Tensor:
     return t.contiguous()
 
 
-def dequantize(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Format, row_div: torch.Tensor) -> torch.Tensor:
+def dequantize(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Format, row_div: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
     """The dispatch's C entry for :data:`~tracefp4.formats.dispatch.Op.DEQUANTIZE` (validated rows)."""
-    return dequantize_rows(rows, scale_rows, fmt, row_div)
+    return dequantize_rows(rows, scale_rows, fmt, row_div, dtype=dtype)
 
 
 def guided_rows(x: torch.Tensor, scale_rows: torch.Tensor, fmt: Format | str, s_dec: torch.Tensor,

@@ -72,16 +72,19 @@ AVX512 static uint32_t cq_abs_max_avx(const void *x, int64_t n, int f32) {
 }
 #endif
 
-/* --- dequantize: code rows [R, K/2] and scale bytes [R, K/block] -> float32 [R, K] --- */
+/* --- dequantize: code rows [R, K/2] and scale bytes [R, K/block] -> float32 or bf16 [R, K] --- */
 
+/* out: float32 [k], or (bf16) the float32 values rounded to bf16 [k] as torch's cast rounds them
+ * (to nearest even; the values are finite: a container with a NaN scale is refused before). */
 static void cq_dequant_row_portable(const uint8_t *codes, const uint8_t *scales, const float *lut, float div, int64_t k,
-                                    int block, float *out) {
+                                    int block, void *out, int bf16) {
     for (int64_t g = 0; g < k / 16; g++) {
         const float mult = lut[scales[16 * g / block]];
-        for (int i = 0; i < 8; i++) {
-            const uint8_t byte = codes[8 * g + i];
-            out[16 * g + 2 * i] = (E2M1[byte & 15] * mult) / div;
-            out[16 * g + 2 * i + 1] = (E2M1[byte >> 4] * mult) / div;
+        for (int64_t e = 16 * g; e < 16 * g + 16; e++) {
+            const uint8_t byte = codes[e / 2];
+            const float v = (E2M1[e % 2 ? byte >> 4 : byte & 15] * mult) / div;
+            if (bf16) ((uint16_t *)out)[e] = bf16_rne(v);
+            else ((float *)out)[e] = v;
         }
     }
 }
@@ -94,12 +97,13 @@ AVXINL __m512i cq_nibbles16(const uint8_t *codes) {
 }
 
 AVX512 static void cq_dequant_row_avx(const uint8_t *codes, const uint8_t *scales, const float *lut, float div, int64_t k,
-                                      int block, float *out) {
+                                      int block, void *out, int bf16) {
     const __m512 table = _mm512_loadu_ps(E2M1), d = _mm512_set1_ps(div);
     for (int64_t g = 0; g < k / 16; g++) {
         __m512 v = _mm512_permutexvar_ps(cq_nibbles16(codes + 8 * g), table);
-        v = _mm512_mul_ps(v, _mm512_set1_ps(lut[scales[16 * g / block]]));
-        _mm512_storeu_ps(out + 16 * g, _mm512_div_ps(v, d));
+        v = _mm512_div_ps(_mm512_mul_ps(v, _mm512_set1_ps(lut[scales[16 * g / block]])), d);
+        if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)out + 16 * g), bf16_rne16(v));
+        else _mm512_storeu_ps((float *)out + 16 * g, v);
     }
 }
 #endif

@@ -443,12 +443,14 @@ int tfp4_abs_max(const void *x, int64_t n, int f32, int threads, int impl, uint3
 }
 
 /* Dequantization (cpu_quant.h): code rows [rows, k/2], scale bytes [rows, k/block] (block 16 or 32)
- * with their float32 values `lut` [256], row divisors [rows] -> float32 [rows, k]. Rows are split
- * over `threads` OpenMP threads. impl as tfp4_nvfp4_quantize's. Returns 0 or -1. */
+ * with their float32 values `lut` [256], row divisors [rows] -> float32 [rows, k], or with bf16 set
+ * those values rounded to bf16 [rows, k] (half the bytes written). Rows are split over `threads`
+ * OpenMP threads. impl as tfp4_nvfp4_quantize's. Returns 0 or -1. */
 int tfp4_dequantize(const uint8_t *codes, const uint8_t *scales, const float *lut, const float *row_div, int64_t rows,
-                    int64_t k, int block, float *out, int threads, int impl) {
+                    int64_t k, int block, void *out, int bf16, int threads, int impl) {
     const int avx = one_pass_avx(impl);
     if (rows < 0 || k <= 0 || (block != 16 && block != 32) || k % block || avx < 0) return -1;
+    const int64_t elem = bf16 ? 2 : 4;
     threads = cq_threads(threads, rows);
 #if defined(_OPENMP)
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
@@ -457,11 +459,11 @@ int tfp4_dequantize(const uint8_t *codes, const uint8_t *scales, const float *lu
         const uint8_t *c = codes + r * (k / 2), *s = scales + r * (k / block);
 #if defined(__x86_64__)
         if (avx) {
-            cq_dequant_row_avx(c, s, lut, row_div[r], k, block, out + r * k);
+            cq_dequant_row_avx(c, s, lut, row_div[r], k, block, (char *)out + r * k * elem, bf16);
             continue;
         }
 #endif
-        cq_dequant_row_portable(c, s, lut, row_div[r], k, block, out + r * k);
+        cq_dequant_row_portable(c, s, lut, row_div[r], k, block, (char *)out + r * k * elem, bf16);
     }
     return 0;
 }

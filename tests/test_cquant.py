@@ -329,6 +329,36 @@ def test_dequantize_equals_numba(impl, fmt, kind, k, dtype):
     assert torch.equal(bits(formats.dequantize(q, dtype)), bits(got))  # the dispatch's C entry
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_bf16_every_scale_byte_and_divisor_change(impl, fmt):
+    """The bf16 path's per-thread tables (one per scale byte and row divisor): every one of the 256 scale
+    bytes (negative, subnormal, NaN included), an odd number of 16-code groups, divisors that repeat
+    (tables kept), change (rebuilt) and return, zero and a negative one; equal to torch's rounding of
+    the float32 definition, bit for bit, where that is a number. NaN (a NaN scale byte, which a
+    container's check refuses, or 0 / 0) comes out as the canonical 0x7FC0 (torch's scalar cast; its
+    vectorised cast may keep a NaN's sign and payload)."""
+    from tracefp4.formats.clib.quant import SCALE_TABLES
+    from tracefp4.formats.constants import Format
+
+    f = Format(fmt)
+    k = 3 * f.block if f.block == 16 else 2 * f.block  # NVFP4: 3 groups of 16 (odd), MXFP4: 4
+    g = torch.Generator().manual_seed(7)
+    rows = 256 * f.block // k + 1
+    scale_rows = (torch.arange(rows * (k // f.block)) % 256).to(torch.uint8).reshape(rows, -1)
+    codes = torch.randint(0, 256, (rows, k // 2), dtype=torch.uint8, generator=g)
+    div = torch.tensor([3.0, 3.0, 0.1, 3.0, -2.0, 0.0, 1e-30, 1e30] * rows)[:rows].to(torch.float32)
+    lut = torch.from_numpy(SCALE_TABLES[f]).to(torch.float32)
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    nib = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(rows, k).long()
+    want = (e2m1[nib] * lut[scale_rows.long()].repeat_interleave(f.block, dim=1)) / div.unsqueeze(1)
+    expect = torch.where(want.isnan(), torch.tensor(0x7FC0, dtype=torch.int16), want.to(torch.bfloat16).view(torch.int16))
+    assert want.isnan().any() and not want.isnan().all()
+    for threads in (1, 2, 5):
+        got = quant.dequantize_rows(codes, scale_rows, fmt, div, dtype=torch.bfloat16, threads=threads, impl=impl)
+        assert torch.equal(got.view(torch.int16), expect), threads
+
+
 def test_dequantize_refuses_other_dtypes():
     q = _quantized("randn", 32, "nvfp4")
     with pytest.raises(ValueError, match="dequantize_nvfp4 dtype: expected torch.float32 or torch.bfloat16, got "

@@ -97,13 +97,63 @@ AVXINL __m512i cq_nibbles16(const uint8_t *codes) {
 }
 
 AVX512 static void cq_dequant_row_avx(const uint8_t *codes, const uint8_t *scales, const float *lut, float div, int64_t k,
-                                      int block, void *out, int bf16) {
+                                      int block, float *out) {
     const __m512 table = _mm512_loadu_ps(E2M1), d = _mm512_set1_ps(div);
     for (int64_t g = 0; g < k / 16; g++) {
         __m512 v = _mm512_permutexvar_ps(cq_nibbles16(codes + 8 * g), table);
-        v = _mm512_div_ps(_mm512_mul_ps(v, _mm512_set1_ps(lut[scales[16 * g / block]])), d);
-        if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)out + 16 * g), bf16_rne16(v));
-        else _mm512_storeu_ps((float *)out + 16 * g, v);
+        v = _mm512_mul_ps(v, _mm512_set1_ps(lut[scales[16 * g / block]]));
+        _mm512_storeu_ps(out + 16 * g, _mm512_div_ps(v, d));
+    }
+}
+
+/* bf16 output by table: a value depends on its code, its scale byte and its row's divisor alone, so
+ * the 16 values of a scale byte, T[s][c] = bf16((e2m1(c) * lut[s]) / div) (the definition, lane for
+ * lane, rounded as torch's scalar cast rounds, NaN to 0x7FC0), are computed the first time a row of that divisor meets the
+ * byte and then looked up: one vpermw per 32 codes instead of a division per 16. A per-tensor NVFP4
+ * container (one S_enc for every row) and an MXFP4 one (divisor 1) build at most 256 tables a thread;
+ * a per-row one rebuilds as its divisor changes, at most one division a block. Per-thread, 8 KiB. */
+typedef struct {
+    uint32_t div_bits; /* the divisor the tables hold, by its bits (0.0 and -0.0 differ: so may quotients) */
+    int valid;
+    uint64_t built[4]; /* bit s: t[s] is built */
+    uint16_t t[256][16];
+} cq_tables_t;
+
+AVXINL const uint16_t *cq_table(cq_tables_t *tb, const float *lut, float div, uint8_t s) {
+    if (!((tb->built[s >> 6] >> (s & 63)) & 1u)) {
+        const __m512 v = _mm512_div_ps(_mm512_mul_ps(_mm512_loadu_ps(E2M1), _mm512_set1_ps(lut[s])), _mm512_set1_ps(div));
+        _mm256_storeu_si256((__m256i *)tb->t[s], bf16_rne16(v));
+        tb->built[s >> 6] |= (uint64_t)1 << (s & 63);
+    }
+    return tb->t[s];
+}
+
+/* 8 code bytes -> 16 word indices (word 2i: byte i & 15, word 2i+1: byte i >> 4); `upper` (16 or 0)
+ * added: which half of a 32-word table they read. */
+AVXINL __m256i cq_nibble_words(const uint8_t *codes, int upper) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes));
+    return _mm256_or_si256(_mm256_ternarylogic_epi32(x, _mm256_slli_epi32(x, 12), _mm256_set1_epi32(0x000F000F), 0xA8),
+                           _mm256_set1_epi16((short)upper));
+}
+
+AVX512 static void cq_dequant_row_bf16_avx(const uint8_t *codes, const uint8_t *scales, const float *lut, float div,
+                                           int64_t k, int block, uint16_t *out, cq_tables_t *tb) {
+    if (!tb->valid || tb->div_bits != sq_bits(div)) {
+        memset(tb->built, 0, sizeof tb->built);
+        tb->div_bits = sq_bits(div), tb->valid = 1;
+    }
+    const int64_t groups = k / 16;
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) { /* two groups of 16 (one block or two) by one 32-word table */
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)cq_table(tb, lut, div, scales[16 * g / block]));
+        const __m256i hi = _mm256_loadu_si256((const __m256i *)cq_table(tb, lut, div, scales[16 * (g + 1) / block]));
+        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(cq_nibble_words(codes + 8 * g, 0)),
+                                               cq_nibble_words(codes + 8 * g + 8, 16), 1);
+        _mm512_storeu_si512(out + 16 * g, _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
+    }
+    if (g < groups) {
+        const __m256i t = _mm256_loadu_si256((const __m256i *)cq_table(tb, lut, div, scales[16 * g / block]));
+        _mm256_storeu_si256((__m256i *)(out + 16 * g), _mm256_permutexvar_epi16(cq_nibble_words(codes + 8 * g, 0), t));
     }
 }
 #endif

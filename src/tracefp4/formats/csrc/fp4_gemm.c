@@ -450,20 +450,31 @@ int tfp4_dequantize(const uint8_t *codes, const uint8_t *scales, const float *lu
                     int64_t k, int block, void *out, int bf16, int threads, int impl) {
     const int avx = one_pass_avx(impl);
     if (rows < 0 || k <= 0 || (block != 16 && block != 32) || k % block || avx < 0) return -1;
-    const int64_t elem = bf16 ? 2 : 4;
     threads = cq_threads(threads, rows);
 #if defined(_OPENMP)
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#pragma omp parallel num_threads(threads) if (threads > 1)
 #endif
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *c = codes + r * (k / 2), *s = scales + r * (k / block);
+    {
 #if defined(__x86_64__)
-        if (avx) {
-            cq_dequant_row_avx(c, s, lut, row_div[r], k, block, (char *)out + r * k * elem, bf16);
-            continue;
-        }
+        cq_tables_t tables; /* this thread's: its rows' divisors */
+        tables.valid = 0;
 #endif
-        cq_dequant_row_portable(c, s, lut, row_div[r], k, block, (char *)out + r * k * elem, bf16);
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+        for (int64_t r = 0; r < rows; r++) {
+            const uint8_t *c = codes + r * (k / 2), *s = scales + r * (k / block);
+            float *o32 = bf16 ? NULL : (float *)out + r * k;
+            uint16_t *o16 = bf16 ? (uint16_t *)out + r * k : NULL;
+#if defined(__x86_64__)
+            if (avx) {
+                if (bf16) cq_dequant_row_bf16_avx(c, s, lut, row_div[r], k, block, o16, &tables);
+                else cq_dequant_row_avx(c, s, lut, row_div[r], k, block, o32);
+                continue;
+            }
+#endif
+            cq_dequant_row_portable(c, s, lut, row_div[r], k, block, bf16 ? (void *)o16 : (void *)o32, bf16);
+        }
     }
     return 0;
 }

@@ -63,7 +63,9 @@ trace_lsb together; its prompt attention dequantizes and runs SDPA in float32); 
 the square of the prompt, to about a minute per 16K prompt in BF16 and two in FP4. That is ~9
 minutes of prefill in all, plus three engine builds, the capacity run and our engine's cell (about
 a minute each). 16K at batch 8, where the issue sets the decode target, is 8 such prompts per
-engine: that cell alone, ``--contexts 16384 --batch 8``, is a ~40-minute run. ``--contexts``/``--batch``
+engine: that cell alone, ``--contexts 16384 --batch 8``, was estimated at ~40 minutes there. On quiet
+cores of the same CPU kind the default run took 5 minutes and that cell 10 (each with the capacity
+run and its calibration). ``--contexts``/``--batch``
 replace the cells (every context at every batch); the JSON's ``cells`` lists what ran and
 ``targets_not_run`` the targets whose cell did not. Prefix caching would not shorten this honestly:
 our vLLM engine turns it off (a cached block is never recomputed, so never recorded), and prompts

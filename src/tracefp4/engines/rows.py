@@ -36,6 +36,7 @@ from tracefp4.formats import MXFP4, NVFP4
 
 __all__ = ["RowMap", "select_rows", "scatter_rows", "take_rows"]
 
+
 def take_rows(t: torch.Tensor, index) -> torch.Tensor:
     """``t[index]``; a 1-D integer index as ``index_select``, the same rows: indexing gathers element by
     element, ``index_select`` copies whole rows (a rollout's assembly gathers a few hundred KB per

@@ -36,7 +36,7 @@ from tracefp4.formats.dequant import (
 from tracefp4.formats.dispatch import Backend, backend, use_backend
 from tracefp4.formats.fp8 import fp8_lsb_bits, guided_fp8, quantize_fp8
 from tracefp4.formats.grid import mx_scale_values, nvfp4_global_encode_scale
-from tracefp4.formats.guided import clone_scales, guided_codes, lsb_bits
+from tracefp4.formats.guided import guided_codes, lsb_bits
 from tracefp4.formats.mxfp4 import quantize_mxfp4
 from tracefp4.formats.nvfp4 import quantize_dequantize_nvfp4, quantize_nvfp4, quantize_nvfp4_4over6
 from tracefp4.formats.packing import code_positions, pack_fp4, signed_index, unpack_fp4
@@ -67,7 +67,7 @@ __all__ = [
     "pack_fp4", "unpack_fp4", "code_positions", "signed_index", "nvfp4_global_encode_scale",
     "quantize_fp8", "dequantize_fp8", "guided_fp8", "fp8_lsb_bits",
     "rac_channel_count", "quantize_nvfp4_rac", "dequantize_nvfp4_rac",
-    "guided_codes", "lsb_bits", "clone_scales", "straight_through",
+    "guided_codes", "lsb_bits", "straight_through",
     "Quantizer", "Grid", "NVFP4Quantizer", "MXFP4Quantizer", "FP8Quantizer", "CompensatedNVFP4Quantizer",
     "quantizer_for", "quantize", "fake_quant",
 ]

@@ -52,6 +52,9 @@ NVFP4_GLOBAL_NUMERATOR = E4M3_MAX * E2M1_MAX
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: The dtypes a dequantization writes: float32 (exact) and bfloat16 (those values rounded to nearest
+#: even, as ``.to(torch.bfloat16)`` of the float32 ones, written without the float32 tensor).
+DEQUANTIZE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _e4m3_values() -> np.ndarray:

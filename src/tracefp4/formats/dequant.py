@@ -9,22 +9,10 @@ from tracefp4.formats.containers import FP8, MXFP4, NVFP4
 from tracefp4.formats.dispatch import Op, implementation
 from tracefp4.formats.grid import nvfp4_global_encode_scale
 from tracefp4.formats.rows import as_rows, per_row_values, row_count
-from tracefp4.formats.validation import expect
+from tracefp4.formats.validation import check_out_dtype, expect
 
-__all__ = ["OUT_DTYPES", "check_out_dtype", "dequantize", "dequantize_blocks", "dequantize_fp8", "dequantize_mxfp4", "dequantize_nvfp4",
+__all__ = ["dequantize", "dequantize_blocks", "dequantize_fp8", "dequantize_mxfp4", "dequantize_nvfp4",
            "global_divisor"]
-
-
-#: The dtypes a dequantization writes: float32 (exact) and bfloat16 (those values rounded to nearest
-#: even, as ``.to(torch.bfloat16)`` of the float32 ones, written without the float32 tensor).
-OUT_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def check_out_dtype(dtype: torch.dtype, where: str) -> torch.dtype:
-    """``dtype`` if a dequantization writes it (:data:`OUT_DTYPES`), else ValueError naming ``where``."""
-    if dtype not in OUT_DTYPES:
-        raise ValueError(f"{where} dtype: expected torch.float32 or torch.bfloat16, got {dtype}")
-    return dtype
 
 
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: Format, row_div: torch.Tensor,

@@ -12,20 +12,7 @@ from tracefp4.formats.rows import as_rows, per_row_values, row_count
 from tracefp4.formats.validation import (check_grid, check_hint, check_input, checked_scale_copy, describe,
                                         raise_non_finite)
 
-__all__ = ["clone_scales", "guided_codes", "lsb_bits"]
-
-
-def clone_scales(scales: torch.Tensor) -> torch.Tensor:
-    """A copy of block scales, made as a plain byte copy.
-
-    torch copies float8 element by element, and hands even a 1 MB copy to its thread pool; a numpy
-    copy of the bytes is a single memcpy, with the same bits.
-    """
-    if scales.device.type != "cpu":
-        return scales.clone()
-    raw = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
-    out = torch.from_numpy(raw.detach().numpy().copy())
-    return out.view(scales.dtype) if scales.dtype == torch.float8_e4m3fn else out
+__all__ = ["guided_codes", "lsb_bits"]
 
 
 def lsb_bits(codes: torch.Tensor) -> torch.Tensor:

@@ -34,9 +34,9 @@ from typing import Literal
 
 import torch
 
-from tracefp4.formats.constants import MXFP4_BLOCK, NVFP4_BLOCK, Format, ScaleMode
+from tracefp4.formats.constants import DEQUANTIZE_DTYPES, MXFP4_BLOCK, NVFP4_BLOCK, Format, ScaleMode
 from tracefp4.formats.containers import FP8, MXFP4, NVFP4, CompensatedNVFP4
-from tracefp4.formats.dequant import OUT_DTYPES, check_out_dtype, dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
+from tracefp4.formats.dequant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
 from tracefp4.formats.fp8 import guided_fp8, quantize_fp8
 from tracefp4.formats.guided import guided_codes
 from tracefp4.formats.mxfp4 import quantize_mxfp4
@@ -44,7 +44,7 @@ from tracefp4.formats.nvfp4 import quantize_dequantize_nvfp4, quantize_nvfp4, qu
 from tracefp4.formats.rac import dequantize_nvfp4_rac, quantize_nvfp4_rac, rac_channel_count
 from tracefp4.formats.rows import as_rows
 from tracefp4.formats.straight_through import straight_through
-from tracefp4.formats.validation import raise_non_finite
+from tracefp4.formats.validation import check_out_dtype, raise_non_finite
 
 __all__ = [
     "Grid",
@@ -95,7 +95,7 @@ class Quantizer(abc.ABC):
     def _values(self, q, dtype: torch.dtype) -> torch.Tensor:
         """``dequantize(q)`` in ``dtype``: written in it where the dequantization writes it (no float32
         tensor between), else cast from float32; the same bits either way."""
-        return self.dequantize(q, dtype if dtype in OUT_DTYPES else torch.float32).to(dtype)
+        return self.dequantize(q, dtype if dtype in DEQUANTIZE_DTYPES else torch.float32).to(dtype)
 
     def quantize_values(self, x: torch.Tensor) -> tuple[NVFP4 | MXFP4 | FP8, torch.Tensor]:
         """``q = quantize(x)`` and ``dequantize(q)`` in x's dtype, bit for bit (a site's code and the

@@ -11,11 +11,12 @@ import numpy as np
 import torch
 
 from tracefp4.formats import kernels
-from tracefp4.formats.constants import E4M3_MAG_MASK, E4M3_NAN_CODE, E8M0_NAN, FLOAT32_MAX, SUPPORTED_DTYPES, Format
+from tracefp4.formats.constants import (DEQUANTIZE_DTYPES, E4M3_MAG_MASK, E4M3_NAN_CODE, E8M0_NAN, FLOAT32_MAX,
+                                        SUPPORTED_DTYPES, Format)
 from tracefp4.formats.rows import as_rows, numpy_of
 
 __all__ = ["FP8_NON_FINITE", "check_codes", "check_global_amax", "check_grid", "check_hint", "check_input",
-           "checked_scale_copy", "describe", "expect", "raise_non_finite", "shape_tuple"]
+           "check_out_dtype", "checked_scale_copy", "describe", "expect", "raise_non_finite", "shape_tuple"]
 
 _SCALE_DTYPE = {Format.NVFP4: torch.float8_e4m3fn, Format.MXFP4: torch.uint8}
 
@@ -119,6 +120,14 @@ def _check_scale_codes(fmt: Format, scales: torch.Tensor, owner: str) -> None:
     raise ValueError(
         f"{owner} scales: NaN scale code 0x{int(raw[index]):02X} at index {index}; a grid never holds NaN"
     )
+
+
+def check_out_dtype(dtype: torch.dtype, where: str) -> torch.dtype:
+    """``dtype`` if a dequantization writes it (:data:`~tracefp4.formats.constants.DEQUANTIZE_DTYPES`),
+    else ValueError naming ``where``."""
+    if dtype not in DEQUANTIZE_DTYPES:
+        raise ValueError(f"{where} dtype: expected torch.float32 or torch.bfloat16, got {dtype}")
+    return dtype
 
 
 def checked_scale_copy(fmt: Format | str, scales: torch.Tensor, owner: str = "grid") -> torch.Tensor:

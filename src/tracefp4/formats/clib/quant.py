@@ -26,7 +26,7 @@ from tracefp4.formats.clib.loader import has_avx512_bf16, library
 from tracefp4.formats.constants import MXFP4_BLOCK, NVFP4_BLOCK, Format
 from tracefp4.formats.containers import FP8, MXFP4, NVFP4
 from tracefp4.formats.rows import as_rows, per_row_values
-from tracefp4.formats.validation import FP8_NON_FINITE, raise_non_finite
+from tracefp4.formats.validation import FP8_NON_FINITE, check_out_dtype, raise_non_finite
 
 __all__ = ["GRAIN_BYTES", "abs_max", "amax_pass", "built", "dequantize", "dequantize_fp8", "dequantize_rows",
            "fp8_dequantize_rows", "fp8_rows", "guided_codes", "guided_rows", "lsb_bits", "lsb_rows", "mxfp4_rows",
@@ -72,6 +72,12 @@ def _threads(threads: int | None, nbytes: int) -> int:
     return threads_for(threads, nbytes, GRAIN_BYTES)
 
 
+def _pattern_amax(top: int, dtype: torch.dtype) -> torch.Tensor:
+    """float32 0-d amax of an abs bit pattern of ``dtype`` (a NaN's or Inf's as the largest finite)."""
+    limit, shift = _LIMIT[dtype]
+    return torch.from_numpy(np.array([min(top, limit) << shift], dtype=np.uint32).view(np.float32)).reshape(())
+
+
 def abs_max(x: torch.Tensor, *, threads: int | None = None, impl: Impl | str = "auto") -> int:
     """The largest abs bit pattern of a contiguous CPU bf16 or float32 tensor ``x`` (0 when empty):
     above the dtype's largest finite pattern where ``x`` holds a NaN or Inf."""
@@ -92,9 +98,7 @@ def amax_pass(x: torch.Tensor, *, threads: int | None = None, impl: Impl | str =
     if tracing():
         return torch.ops.tracefp4.tensor_amax(x, threads or 0, impl_name(impl))
     top = abs_max(x.detach().contiguous(), threads=threads, impl=impl)
-    limit, shift = _LIMIT[x.dtype]
-    amax = torch.from_numpy(np.array([min(top, limit) << shift], dtype=np.uint32).view(np.float32)).reshape(())
-    return amax, torch.tensor(top > limit)
+    return _pattern_amax(top, x.dtype), torch.tensor(top > _LIMIT[x.dtype][0])
 
 
 def tensor_amax(x: torch.Tensor, *, threads: int | None = None, impl: Impl | str = "auto") -> torch.Tensor:
@@ -143,10 +147,9 @@ def quantize_nvfp4_tensor(x: torch.Tensor, *, values: bool = False, threads: int
     n = _threads(threads, xd.nbytes)
     what = lambda: f"x {tuple(x.shape)}, impl {impl.name.lower()!r}"  # noqa: E731
     call("block_amax", xd.data_ptr(), f32, r, k, block_amax.ctypes.data, n, impl.value, ctypes.byref(top), what=what)
-    limit, shift = _LIMIT[xd.dtype]
-    if top.value > limit:
+    if top.value > _LIMIT[xd.dtype][0]:
         raise_non_finite(xd, ~torch.isfinite(xd.reshape(r, k)).all(dim=1))
-    amax = torch.from_numpy(np.array([top.value << shift], dtype=np.uint32).view(np.float32)).reshape(())
+    amax = _pattern_amax(top.value, xd.dtype)
     q = NVFP4(codes=_empty((*lead, k // 2), torch.uint8),
               scales=_empty((*lead, k // NVFP4_BLOCK), torch.uint8).view(torch.float8_e4m3fn), global_amax=amax)
     out = _empty(tuple(x.shape), torch.bfloat16) if values and not f32 else None
@@ -188,8 +191,7 @@ def quantize_mxfp4(x: torch.Tensor, rceil: bool) -> MXFP4:
     """The dispatch's C entry for :data:`~tracefp4.formats.dispatch.Op.QUANTIZE_MXFP4` (validated x)."""
     codes, scales, bad = mxfp4_rows(as_rows(x), rceil)
     raise_non_finite(x, bad.numpy())
-    lead = x.shape[:-1]
-    return MXFP4(codes.reshape(*lead, codes.shape[-1]), scales.reshape(*lead, scales.shape[-1]))
+    return MXFP4.from_rows(codes, scales, x.shape[:-1])
 
 
 def dequantize_rows(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Format | str, row_div: torch.Tensor, *,
@@ -200,8 +202,7 @@ def dequantize_rows(rows: torch.Tensor, scale_rows: torch.Tensor, fmt: Format | 
     or with ``dtype`` bfloat16 those values rounded to bfloat16 as torch's cast rounds them (written
     straight from the registers: half the bytes of the float32 rows and no second pass)."""
     fmt = Format(fmt)
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"dequantize_rows dtype: expected torch.float32 or torch.bfloat16, got {dtype}")
+    check_out_dtype(dtype, "dequantize_rows")
     if tracing():
         return torch.ops.tracefp4.dequantize_rows(rows, scale_rows, fmt.value, row_div, dtype == torch.bfloat16,
                                                   threads or 0, impl_name(impl))

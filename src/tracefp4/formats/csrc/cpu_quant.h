@@ -108,8 +108,8 @@ AVX512 static void cq_dequant_row_avx(const uint8_t *codes, const uint8_t *scale
 
 /* bf16 output by table: a value depends on its code, its scale byte and its row's divisor alone, so
  * the 16 values of a scale byte, T[s][c] = bf16((e2m1(c) * lut[s]) / div) (the definition, lane for
- * lane, rounded as torch's scalar cast rounds, NaN to 0x7FC0), are computed the first time a row of that divisor meets the
- * byte and then looked up: one vpermw per 32 codes instead of a division per 16. A per-tensor NVFP4
+ * lane, rounded as torch's scalar cast rounds, NaN to 0x7FC0), are computed the first time a row of
+ * that divisor meets the byte and then looked up: one vpermw per 32 codes instead of a division per 16. A per-tensor NVFP4
  * container (one S_enc for every row) and an MXFP4 one (divisor 1) build at most 256 tables a thread;
  * a per-row one rebuilds as its divisor changes, at most one division a block. Per-thread, 8 KiB. */
 typedef struct {

@@ -464,16 +464,15 @@ int tfp4_dequantize(const uint8_t *codes, const uint8_t *scales, const float *lu
 #endif
         for (int64_t r = 0; r < rows; r++) {
             const uint8_t *c = codes + r * (k / 2), *s = scales + r * (k / block);
-            float *o32 = bf16 ? NULL : (float *)out + r * k;
-            uint16_t *o16 = bf16 ? (uint16_t *)out + r * k : NULL;
+            void *o = (char *)out + r * k * (bf16 ? 2 : 4);
 #if defined(__x86_64__)
             if (avx) {
-                if (bf16) cq_dequant_row_bf16_avx(c, s, lut, row_div[r], k, block, o16, &tables);
-                else cq_dequant_row_avx(c, s, lut, row_div[r], k, block, o32);
+                if (bf16) cq_dequant_row_bf16_avx(c, s, lut, row_div[r], k, block, o, &tables);
+                else cq_dequant_row_avx(c, s, lut, row_div[r], k, block, o);
                 continue;
             }
 #endif
-            cq_dequant_row_portable(c, s, lut, row_div[r], k, block, bf16 ? (void *)o16 : (void *)o32, bf16);
+            cq_dequant_row_portable(c, s, lut, row_div[r], k, block, o, bf16);
         }
     }
     return 0;

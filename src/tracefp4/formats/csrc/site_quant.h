@@ -222,9 +222,17 @@ AVXINL void sq_scales16(const uint32_t *bm, int count, int f32, const float *fac
     /* min(1 / (scale * S_dec), FLT_MAX): 1/0 is inf, which the min caps, as in the scalar code */
     __m512 e = _mm512_min_ps(_mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(val, _mm512_maskz_loadu_ps(m, s_dec))),
                              _mm512_set1_ps(FLT_MAX));
-    _mm_mask_storeu_epi8(scales, m, _mm512_cvtepi32_epi8(pat));
-    _mm512_mask_storeu_ps(sv, m, val);
-    _mm512_mask_storeu_ps(enc, m, e);
+    /* plain stores for a full 16 (masked stores are slow on Zen 4); the scale values only where the
+     * values pass reads them (q1: the values are written) */
+    if (count >= 16) {
+        _mm_storeu_si128((__m128i *)scales, _mm512_cvtepi32_epi8(pat));
+        _mm512_storeu_ps(enc, e);
+        if (q1) _mm512_storeu_ps(sv, val);
+    } else {
+        _mm_mask_storeu_epi8(scales, m, _mm512_cvtepi32_epi8(pat));
+        _mm512_mask_storeu_ps(enc, m, e);
+        if (q1) _mm512_mask_storeu_ps(sv, m, val);
+    }
     if (q1) { /* masked-off lanes divide 0 by 1 */
         __m512 se = _mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), m, s_enc);
         _mm512_mask_storeu_ps(q1, m, _mm512_div_ps(val, se));
@@ -369,7 +377,13 @@ AVX512 static void sq_chunk_avx(const void *xv, int f32, int64_t k, int64_t r0, 
         const float se = sq_s_enc(amax[r]);
         const __m512 f = _mm512_set1_ps(se * (1.0f / 6.0f)), d = _mm512_set1_ps(1.0f / se), e = _mm512_set1_ps(se);
         for (int64_t b = 0; b < nb; b += 16) {
-            const __mmask16 m = nb - b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - b)) - 1u);
+            if (nb - b >= 16) {
+                _mm512_storeu_ps(factor + g + b, f);
+                _mm512_storeu_ps(s_dec + g + b, d);
+                _mm512_storeu_ps(s_enc + g + b, e);
+                continue;
+            }
+            const __mmask16 m = (__mmask16)((1u << (nb - b)) - 1u);
             _mm512_mask_storeu_ps(factor + g + b, m, f);
             _mm512_mask_storeu_ps(s_dec + g + b, m, d);
             _mm512_mask_storeu_ps(s_enc + g + b, m, e);

@@ -72,10 +72,15 @@ def _threads(threads: int | None, nbytes: int) -> int:
     return threads_for(threads, nbytes, GRAIN_BYTES)
 
 
-def _pattern_amax(top: int, dtype: torch.dtype) -> torch.Tensor:
-    """float32 0-d amax of an abs bit pattern of ``dtype`` (a NaN's or Inf's as the largest finite)."""
+def _amax_bits(top: int, dtype: torch.dtype) -> int:
+    """float32 bits of the amax of an abs bit pattern of ``dtype`` (a NaN's or Inf's as the largest finite)."""
     limit, shift = _LIMIT[dtype]
-    return torch.from_numpy(np.array([min(top, limit) << shift], dtype=np.uint32).view(np.float32)).reshape(())
+    return min(top, limit) << shift
+
+
+def _pattern_amax(top: int, dtype: torch.dtype) -> torch.Tensor:
+    """float32 0-d amax of an abs bit pattern of ``dtype`` (see :func:`_amax_bits`)."""
+    return torch.from_numpy(np.array([_amax_bits(top, dtype)], dtype=np.uint32).view(np.float32)).reshape(())
 
 
 def abs_max(x: torch.Tensor, *, threads: int | None = None, impl: Impl | str = "auto") -> int:
@@ -153,8 +158,7 @@ def quantize_nvfp4_tensor(x: torch.Tensor, *, values: bool = False, threads: int
     # after the second: after a pass over a large tensor the interpreter's and torch's state is out of
     # cache, and the torch operations that made the row amaxes and the container here took 0.15 ms
     # (4096x4096 bf16, one thread; the quantize 0.03-0.1 ms faster end to end)
-    limit, shift = _LIMIT[xd.dtype]
-    row_amax = np.full(r, min(top.value, limit) << shift, dtype=np.uint32).view(np.float32)
+    row_amax = np.full(r, _amax_bits(top.value, xd.dtype), dtype=np.uint32).view(np.float32)
     codes, scales = _empty((*lead, k // 2), torch.uint8), _empty((*lead, k // NVFP4_BLOCK), torch.uint8)
     out = _empty(tuple(x.shape), torch.bfloat16) if values and not f32 else None
     call("nvfp4_quantize_blocks", xd.data_ptr(), f32, r, k, row_amax.ctypes.data,

@@ -60,6 +60,7 @@ typedef struct {
     int block_size, fblock, avx;
     int scale_bits; /* kv_scale_bits_match: the AVX-512 path may decode scale bytes by their bits */
     float scale;
+    int vbmi; /* the AVX-512 path may use AVX512-VBMI (kv_has_vbmi) */
 } kv_job_t;
 
 /* exp(x) for x <= 0 (0 below -87, where the result would leave float32's normal range):

@@ -569,23 +569,90 @@ AVXINL int kv_decode_pair_avx(const kv_job_t *j, int64_t r, __m128 se, uint16_t 
     return 1;
 }
 
+/* The AVX-512 path's functions that also use AVX512-VBMI's vpmultishiftqb (kv_has_vbmi says whether
+ * the CPU has it: Cooper Lake has AVX512-BF16 without it). */
+#define AVX512VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")))
+
+/* 1 if this CPU has AVX512-VBMI (TFP4_NO_VBMI builds the library without that path, to test the other). */
+static int kv_has_vbmi(void) {
+#if defined(TFP4_NO_VBMI)
+    return 0;
+#else
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vbmi");
+#endif
+}
+
+/* vpmultishiftqb's bit offsets into a qword of 8 code bytes (16 codes, code c at bits 4c .. 4c+3):
+ * KV_SHIFT_WORDS puts code w mod 16 in the low byte of word w (K: 32 words, a 32-word table's
+ * indices); KV_SHIFT_DWORDS code i in the low byte of dword i's upper word (V: 16 float32 values,
+ * the looked-up word in the upper half, the lower half word 0 of the table, which is +0). The bits
+ * above the code's 4 are the next code's and are masked off. */
+static const uint8_t KV_SHIFT_WORDS[64] = {0,  0,  4,  4,  8,  8,  12, 12, 16, 16, 20, 20, 24, 24, 28, 28,
+                                           32, 32, 36, 36, 40, 40, 44, 44, 48, 48, 52, 52, 56, 56, 60, 60,
+                                           0,  0,  4,  4,  8,  8,  12, 12, 16, 16, 20, 20, 24, 24, 28, 28,
+                                           32, 32, 36, 36, 40, 40, 44, 44, 48, 48, 52, 52, 56, 56, 60, 60};
+static const uint8_t KV_SHIFT_DWORDS[64] = {0, 0, 0,  0, 0, 0, 4,  0, 0, 0, 8,  0, 0, 0, 12, 0,
+                                            0, 0, 16, 0, 0, 0, 20, 0, 0, 0, 24, 0, 0, 0, 28, 0,
+                                            0, 0, 32, 0, 0, 0, 36, 0, 0, 0, 40, 0, 0, 0, 44, 0,
+                                            0, 0, 48, 0, 0, 0, 52, 0, 0, 0, 56, 0, 0, 0, 60, 0};
+
+/* kv_decode_pair_avx with the table indices made by vpmultishiftqb: K 3 instructions a 32 codes
+ * (a qword permutation, the shift, one ternary-logic mask-and-or) where kv_nibbles32_avx takes 4,
+ * and V 3 a 16 float32 values straight from vpermw (each index's other word selecting the table's
+ * +0) where kv_widen32_avx takes 5 a 32 and two widenings. The same tables, so the same values. */
+AVX512VBMI static inline __attribute__((always_inline)) int kv_decode_pair_vbmi(const kv_job_t *j, int64_t r, __m128 se,
+                                                                              uint16_t *kb, float *vb) {
+    const int64_t half = j->d / 2, nsc = j->d / 16;
+    const __m512i sw = _mm512_loadu_si512(KV_SHIFT_WORDS), sd = _mm512_loadu_si512(KV_SHIFT_DWORDS);
+    const __m512i lo_qwords = _mm512_set_epi64(1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i nib = _mm512_set1_epi16(0x000F), upper = _mm512_maskz_set1_epi16(0xFFFF0000u, 0x0010);
+    const __m512i nib_hi = _mm512_set1_epi32(0x000F0000), upper_hi = _mm512_set1_epi32(0x00100000);
+    for (int64_t b8 = 0; b8 < nsc; b8 += 8) {
+        __m512i wk, wv;
+        if (!kv_pairs2_avx(j->ks + r * nsc + b8, j->vs + r * nsc + b8, se, &wk, &wv)) return 0;
+        const uint8_t *kc = j->kc + r * half + b8 * 8, *vc = j->vc + r * half + b8 * 8;
+#pragma GCC unroll 4
+        for (int b = 0; b < 8; b += 2) {
+            /* (A & B) | C: the code bits, and 16 in the words of block b + 1 (the table's upper half) */
+            const __m512i ks = _mm512_permutexvar_epi64(lo_qwords, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(kc + b * 8))));
+            const __m512i ki = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(sw, ks), nib, upper, 0xEA);
+            _mm512_storeu_si512(kb + (b8 + b) * 16, _mm512_permutexvar_epi16(ki, kv_word_table_avx(wk, b)));
+            const __m512i tv = kv_word_table_avx(wv, b);
+            int64_t c0, c1;
+            memcpy(&c0, vc + b * 8, 8);
+            memcpy(&c1, vc + b * 8 + 8, 8);
+            const __m512i v0 = _mm512_and_si512(_mm512_multishift_epi64_epi8(sd, _mm512_set1_epi64(c0)), nib_hi);
+            const __m512i v1 = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(sd, _mm512_set1_epi64(c1)), nib_hi, upper_hi, 0xEA);
+            _mm512_storeu_si512(vb + (b8 + b) * 16, _mm512_permutexvar_epi16(v0, tv));
+            _mm512_storeu_si512(vb + (b8 + b) * 16 + 16, _mm512_permutexvar_epi16(v1, tv));
+        }
+    }
+    return 1;
+}
+
 /* The chunk's n K rows (bf16, dp apart, through the float32 row `tmp`) and V rows (float32) of
  * rows r, decoded one row at a time with the next chunks' row `ahead[i]` asked for meanwhile: a
  * chunk's 50-odd lines at once measured 7-10% slower (more misses in flight than the core tracks). */
-AVXINL void kv_decode_rows_avx(const kv_job_t *j, const int64_t *r, int n, const int64_t *ahead, int n_ahead,
-                               uint16_t *kb, float *vb, float *tmp) {
-    const int64_t d = j->d, dp = kv_padded(d), half = d / 2, nsc = d / j->fblock;
-    const int paired = j->ka && j->fblock == 16 && j->scale_bits && nsc % 8 == 0;
-    for (int i = 0; i < n; i++) {
-        if (i < n_ahead) kv_prefetch_rows(j, ahead + i, 1);
-        const __m128 se = j->ka ? kv_s_enc2_avx(j->ka[r[i]], j->va[r[i]]) : _mm_set1_ps(1.0f);
-        if (paired && kv_decode_pair_avx(j, r[i], se, kb + i * dp, vb + i * d)) continue;
-        kv_decode_row_avx(j, j->kc + r[i] * half, j->ks + r[i] * nsc, _mm_cvtss_f32(se), j->ka != NULL, tmp, kb + i * dp, 1);
-        kv_decode_row_avx(j, j->vc + r[i] * half, j->vs + r[i] * nsc, _mm_cvtss_f32(_mm_movehdup_ps(se)), j->ka != NULL,
-                          vb + i * d, NULL, 0);
+#define KV_DECODE_ROWS(NAME, TARGET, PAIR)                                                                      \
+    TARGET static void NAME(const kv_job_t *j, const int64_t *r, int n, const int64_t *ahead, int n_ahead, uint16_t *kb, \
+                            float *vb, float *tmp) {                                                                 \
+        const int64_t d = j->d, dp = kv_padded(d), half = d / 2, nsc = d / j->fblock;                               \
+        const int paired = j->ka && j->fblock == 16 && j->scale_bits && nsc % 8 == 0;                                \
+        for (int i = 0; i < n; i++) {                                                                                \
+            if (i < n_ahead) kv_prefetch_rows(j, ahead + i, 1);                                                      \
+            const __m128 se = j->ka ? kv_s_enc2_avx(j->ka[r[i]], j->va[r[i]]) : _mm_set1_ps(1.0f);                   \
+            if (paired && PAIR(j, r[i], se, kb + i * dp, vb + i * d)) continue;                                      \
+            kv_decode_row_avx(j, j->kc + r[i] * half, j->ks + r[i] * nsc, _mm_cvtss_f32(se), j->ka != NULL, tmp,     \
+                              kb + i * dp, 1);                                                                       \
+            kv_decode_row_avx(j, j->vc + r[i] * half, j->vs + r[i] * nsc, _mm_cvtss_f32(_mm_movehdup_ps(se)),        \
+                              j->ka != NULL, vb + i * d, NULL, 0);                                                   \
+        }                                                                                                            \
+        if (n_ahead > n) kv_prefetch_rows(j, ahead + n, n_ahead - n);                                                \
     }
-    if (n_ahead > n) kv_prefetch_rows(j, ahead + n, n_ahead - n);
-}
+/* (one function a pair decoder: a VBMI function inlines into a VBMI one only) */
+KV_DECODE_ROWS(kv_decode_rows_avx, AVX512, kv_decode_pair_avx)
+KV_DECODE_ROWS(kv_decode_rows_vbmi, AVX512VBMI, kv_decode_pair_vbmi)
 
 /* One (query row, KV head) item on the AVX-512 path (d a multiple of 16; mem zeroed by kv_run). */
 AVX512 static void kv_item_avx(const kv_job_t *j, int64_t row, int64_t h, float *mem) {
@@ -604,7 +671,7 @@ AVX512 static void kv_item_avx(const kv_job_t *j, int64_t row, int64_t h, float 
         const int n_ahead = later >= len ? 0 : len - later < KV_CHUNK ? (int)(len - later) : KV_CHUNK;
         if (n_ahead) kv_chunk_rows(j, seq, later, n_ahead, h, ahead);
         kv_chunk_rows(j, seq, k0, n, h, r);
-        kv_decode_rows_avx(j, r, n, ahead, n_ahead, kb, vb, tmp);
+        (j->vbmi ? kv_decode_rows_vbmi : kv_decode_rows_avx)(j, r, n, ahead, n_ahead, kb, vb, tmp);
         int64_t g = 0;
         for (; g + 4 <= g_count; g += 4) kv_heads_avx(j, q, kb, vb, n, g, m, l, acc, 4);
         for (; g + 2 <= g_count; g += 2) kv_heads_avx(j, q, kb, vb, n, g, m, l, acc, 2);

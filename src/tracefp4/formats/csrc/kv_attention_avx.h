@@ -357,11 +357,15 @@ AVX512 static void kv_decode_bf16_avx(const kv_job_t *j, const uint8_t *codes, c
     kv_decode_row_avx(j, codes, scales, amax ? sq_s_enc(*amax) : 1.0f, amax != NULL, tmp, packed, 1);
 }
 
-/* kv_exp on 16 lanes, the same operations. */
+/* kv_exp on 16 lanes, the same values: its operations, two of its steps by one instruction each
+ * that gives the same bits (below; 1% of the attention). */
 AVXINL __m512 kv_exp_avx(__m512 x) {
     const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, _mm512_set1_ps(12582912.0f)), _mm512_set1_ps(12582912.0f));
+    /* kv_exp's (t + 1.5 2^23) - 1.5 2^23: t rounded to the nearest integer, ties to even, as vrndscaleps
+     * rounds it (|t| < 2^22 on the lanes kept), but for a -0 where t is in (-0.5, -0]: x - n c and
+     * 2^n are then the same (x is not 0, or r comes out +0 either way after the second step) */
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
     r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
     __m512 p = _mm512_set1_ps(1.9875691500e-4f);
@@ -371,8 +375,9 @@ AVXINL __m512 kv_exp_avx(__m512 x) {
     p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+    /* p 2^n by vscalefps: exact, as kv_exp's product by 2^n's bits (n >= -125 on the lanes kept, p
+     * near 1: the result normal) */
+    return _mm512_maskz_scalef_ps(live, p, n);
 }
 
 /* The row length of the bf16 q and K rows: d rounded up to vdpbf16ps's 32 (the padding zero). */
@@ -441,7 +446,7 @@ AVXINL void kv_pv_heads_avx(float *acc, const float *vb, int64_t d, const float 
 /* The softmax step of `heads` query heads over a chunk of n keys with scores s[heads]: updates m
  * and l, writes the weights into p[16 * heads] and the heads' alphas into alpha[heads]. The maximum
  * skips NaN lanes, as the portable comparison; the alphas take one kv_exp_avx for all the heads
- * (lane for lane kv_exp's operations, so kv_exp's values). Returns whether every alpha is 1. */
+ * (kv_exp's values, lane for lane). Returns whether every alpha is 1. */
 AVXINL int kv_softmax_avx(const __m512 *s, int n, float *m, float *l, float *p, float *alpha, const int heads) {
     const __mmask16 live = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
     const __mmask16 lanes = (__mmask16)((1u << heads) - 1u);

@@ -50,7 +50,15 @@
  * (its 64 fused multiply-adds at one a cycle); together 66-70, the stages overlapping a little. It is bound by the vector instructions' count
  * (about two a cycle), not by memory. Decoding the next chunk in pieces between the current chunk's
  * q . k and p . v (double-buffered) measured 4% slower; so did p . v over eight heads at once and
- * broadcasts folded into the fused multiply-adds.
+ * broadcasts folded into the fused multiply-adds. Knocked out one at a time later (same machine,
+ * 16K keys, 68-71 ns a key): the decode 25% of the time, p . v 27%, the score tree's shuffles 5%.
+ * Measured no faster, and not kept: each group's softmax issued before any group's p . v (the
+ * core overlaps them already), p . v 64 rather than 32 elements of four heads a pass (16
+ * accumulators), scoring four keys a vdpbf16ps (a quarter each: a tree of 10 instructions instead
+ * of 46 a head, but the K rows' quarter stores cost 2-3% more than that saves), one S_enc division
+ * for a chunk's 16 rows (a gather of their amaxes), and both rows' quotient words by one
+ * vcvtne2ps2bf16 (0.4-1.2% slower than two conversions and two lane permutations); constants
+ * loaded from memory rather than set1 (GCC makes the same move-and-broadcast of them per row).
  */
 #ifndef TFP4_KV_ATTENTION_AVX_H
 #define TFP4_KV_ATTENTION_AVX_H

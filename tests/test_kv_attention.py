@@ -25,8 +25,9 @@ u = 2^-24, gamma_n = n u / (1 - n u) (Higham, Accuracy and Stability, eq. 4.4):
 atol_d = (4 eta / (1 - eta) + 2 gamma_n / (1 - gamma_n) + 2 u + 2 L e^-87) * V_d.
 
 The bound holds for both paths (csrc/kv_attention_avx.h derives it there too). The AVX-512 path
-sums q . k by vdpbf16ps (two exact bf16 products per float32 lane, each added with one rounding: D/16
-additions a lane, then the tree and the scale, D/16 + 5 <= D + 1 roundings a term) and p . v by fused
+sums q . k by vdpbf16ps (two exact bf16 products per float32 lane, each added with one rounding; four
+keys an instruction, 4 lanes a key: D/4 additions a lane, then a tree of 4 and the scale, D/4 + 3 <= D + 1
+roundings a term) and p . v by fused
 multiply-adds (a term skips its product's rounding: at most n roundings a term still), so the
 relative terms above cover it. vdpbf16ps also reads bf16 subnormals as zero and flushes subnormal
 sums to zero: D dropped products, each below 2^-126 times the other factor, and D flushed sums, each

@@ -710,7 +710,10 @@ int tfp4_kv_attention(const uint16_t *q, int64_t rows, int64_t hq, int64_t hkv, 
         (fblock != 16 && fblock != 32) || d % fblock || block_size < 1 || seqs < 0 || max_blocks < 0 || avx < 0)
         return -1;
     kv_job_t j = {q, kc, ks, vc, vs, ka, va, lut, table, q_seq, q_len, out, hq, hkv, d, max_blocks, block_size, fblock,
-                  avx, kv_scale_bits_match(lut, fblock), scale};
+                  avx, kv_scale_bits_match(lut, fblock), scale, 0};
+#if defined(__x86_64__)
+    j.vbmi = avx && kv_has_vbmi();
+#endif
     int rc = kv_check(&j, rows, seqs, seq_lens, num_blocks, bad);
     if (rc) return rc;
     const int64_t items = rows * hkv;

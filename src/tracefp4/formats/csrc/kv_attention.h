@@ -29,17 +29,18 @@
  * (the library is compiled in ISO C mode, so nothing is contracted into fused multiply-adds). The
  * AVX-512 path (kv_attention_avx.h) computes the same attention over the same decoded rows (bit for
  * bit) with fused or paired float32 accumulation where that pays: q . k by vdpbf16ps (two exact
- * bf16 products added per lane and instruction), p . v by fused multiply-adds; the decode, exp,
- * softmax, l, the trees, the scale and the division are the same operations in the same order.
- * So the two paths differ by rounding only, within a bound of the same kind as the one both are
- * tested against (each score and sum passes through no more roundings than on this path; the
- * derivation is in kv_attention_avx.h and beside the atol in tests/test_kv_attention.py).
+ * bf16 products added per lane and instruction, 4 lanes a key and a tree of 4 instead of 16 lanes
+ * and a tree of 16), p . v by fused multiply-adds; the decode, exp, softmax, l, the l and numerator
+ * sums, the scale and the division are the same operations in the same order. So the two paths
+ * differ by rounding only, within the bound both are tested against (a score passes through at most
+ * D + 1 roundings a term on either path, each sum through no more than on this path; the derivation
+ * is in kv_attention_avx.h and beside the atol in tests/test_kv_attention.py).
  *
  * On either path each output is computed by one thread in a fixed order, so the thread count does
  * not change a bit, and repeated calls give the same bits; the AVX-512 path's roundings are those
  * of its instructions' definitions, the same on every run of a given machine. That path also lays
- * the work out for throughput: one division per row's tables, the 16 keys' trees summed side by
- * side, K and V loads shared by up to four query heads. */
+ * the work out for throughput: one division per row's tables, four keys scored by one instruction,
+ * K and V loads shared by up to four query heads. */
 #ifndef TFP4_KV_ATTENTION_H
 #define TFP4_KV_ATTENTION_H
 #include "fp4_common.h"
@@ -60,6 +61,7 @@ typedef struct {
     int block_size, fblock, avx;
     int scale_bits; /* kv_scale_bits_match: the AVX-512 path may decode scale bytes by their bits */
     float scale;
+    int vbmi; /* the AVX-512 path may use AVX512-VBMI (kv_has_vbmi) */
 } kv_job_t;
 
 /* exp(x) for x <= 0 (0 below -87, where the result would leave float32's normal range):
@@ -214,10 +216,10 @@ static void kv_decode_row(const kv_job_t *j, const uint8_t *codes, const uint8_t
 /* Items [lo, hi) of (query row, KV head) pairs, row-major. Returns 0 or -3 (out of memory). */
 static int kv_run(const kv_job_t *j, int64_t lo, int64_t hi) {
     const int64_t g_count = j->hq / j->hkv;
-    /* q, acc, the chunk's K and V rows, and a spare row (the AVX-512 path's float32 K row before its
-     * bf16 packing); zeroed: that path scores all 16 rows of a chunk and needs the unused ones finite,
-     * and reads its bf16 rows' zero padding */
-    float *mem = calloc((size_t)((2 * g_count + 2 * KV_CHUNK + 1) * j->d), sizeof(float));
+    /* q, acc, the chunk's K and V rows, and two spare rows (the AVX-512 path's float32 K row before its
+     * bf16 packing, and the bf16 row before its four-keys layout); zeroed: that path scores all 16
+     * rows of a chunk and needs the unused ones finite, and reads its bf16 rows' zero padding */
+    float *mem = calloc((size_t)((2 * g_count + 2 * KV_CHUNK + 2) * j->d), sizeof(float));
     if (!mem) return -3;
     for (int64_t it = lo; it < hi; it++) {
 #if defined(__x86_64__)

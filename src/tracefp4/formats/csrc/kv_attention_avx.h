@@ -3,15 +3,16 @@
  *
  * - q . k by vdpbf16ps. q is bf16 and every decoded K value is bf16-exact, so the K rows are packed
  *   to bf16 (their bits, no rounding) and each instruction adds, per float32 lane i, the products of
- *   elements 2i+1 and 2i of a 32-element step: both exact (8-bit significands), each added with one
- *   round-to-nearest-even. Lane i sums d = 32t + 2i, 32t + 2i + 1 (the portable lane d mod 16): the
- *   same D/16 additions a lane, grouped differently, then the same tree and scale. The instruction
+ *   elements 2i+1 and 2i of its two operands: both exact (8-bit significands), each added with one
+ *   round-to-nearest-even. Four keys share an instruction, a 128-bit quarter each (kv_scores_avx),
+ *   so a key has 4 lanes where the portable path has 16: lane i sums d = 8t + 2i, 8t + 2i + 1, D/4
+ *   additions a lane, then a tree of the 4 ((l0 + l2) + (l1 + l3)) and the scale. The instruction
  *   reads bf16 subnormals as zero and flushes subnormal sums to zero.
  * - p . v by fused multiply-adds: acc[d] = fma(p_i, v_i[d], acc[d]), one rounding a term instead of
  *   the product's and the sum's.
  *
  * The error this adds, against the exact attention over the decoded rows: a score passes through
- * D/16 + 5 <= D + 1 roundings a term (the portable path's count), and a numerator term through no
+ * D/4 + 3 <= D + 1 roundings a term (the portable path D/16 + 5), and a numerator term through no
  * more than on the portable path (a fused term skips its product's rounding), so the relative
  * bounds tests/test_kv_attention.py derives (gamma_(D+1) on a score, gamma_(L+C+5) on the sums) hold
  * for both paths. The flushing adds an absolute error per score below
@@ -40,8 +41,9 @@
  *   the looked-up words to float32 (vpunpck*wd with zeros: a bf16 word's float32 value, exact).
  *   Zero or negative quotients (a zero or a negative scale: the zero codes' signs then depend on it)
  *   take the float32 tables.
- * - The 16 keys of a chunk are scored side by side (16 accumulators over d) and their 16 lane trees
- *   summed together by a transpose-and-add network that pairs the same lanes as kv_tree16.
+ * - The 16 keys of a chunk are scored side by side, four keys an instruction (kv_quad_row's layout,
+ *   decoded straight into it by kv_decode_rows_vbmi), so a key's lane sums take a tree of 4 (10
+ *   instructions a head and chunk where 16 lanes a key took 46): 6-13% of the attention.
  * - p . v keeps up to 128 output elements of a head in registers across the chunk's keys.
  *
  * Where a key's time goes (8 query heads a KV head of 128, one Zen 4 core, 4K-16K keys; each stage
@@ -50,7 +52,15 @@
  * (its 64 fused multiply-adds at one a cycle); together 66-70, the stages overlapping a little. It is bound by the vector instructions' count
  * (about two a cycle), not by memory. Decoding the next chunk in pieces between the current chunk's
  * q . k and p . v (double-buffered) measured 4% slower; so did p . v over eight heads at once and
- * broadcasts folded into the fused multiply-adds.
+ * broadcasts folded into the fused multiply-adds. Knocked out one at a time later (same machine,
+ * 16K keys, 68-71 ns a key): the decode 25% of the time, p . v 27%, the score tree's shuffles 5%.
+ * Measured no faster, and not kept: each group's softmax issued before any group's p . v (the
+ * core overlaps them already), p . v 64 rather than 32 elements of four heads a pass (16
+ * accumulators), the four-keys layout below by quarter stores of the natural rows (2-3% slower:
+ * it is the decoding straight into the quarters that pays, 6-13%), one S_enc division
+ * for a chunk's 16 rows (a gather of their amaxes), and both rows' quotient words by one
+ * vcvtne2ps2bf16 (0.4-1.2% slower than two conversions and two lane permutations); constants
+ * loaded from memory rather than set1 (GCC makes the same move-and-broadcast of them per row).
  */
 #ifndef TFP4_KV_ATTENTION_AVX_H
 #define TFP4_KV_ATTENTION_AVX_H
@@ -63,28 +73,31 @@ AVXINL float kv_tree16_avx(__m512 v) {
     return _mm_cvtss_f32(_mm_add_ss(e, _mm_shuffle_ps(e, e, 1)));
 }
 
-/* kv_tree16 of 16 vectors at once: lane j of the result is kv_tree16(a[j]). Each level adds the
- * lanes kv_tree16 pairs at that level (i + i+8, i + i+4, i + i+2, i + i+1; a pair's two operands
- * may come in either order, which changes no bit), packing two vectors' halves into one: one
- * operand a blend of the two vectors, the other a permutation (at the first three levels; a blend
- * is cheaper than the second permutation it replaces, 1-2% of the attention). The lanes come out in
- * the order KV_TREE_ORDER undoes. */
-static const int32_t KV_TREE_ORDER[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
-/* Level 2's permutation: the 128-bit quarters (x_i 1, x_i+4 0, x_i 3, x_i+4 2), against the blend's
- * (x_i 0, x_i+4 1, x_i 2, x_i+4 3). */
+/* Level 2's permutation of kv_tree16's pairing done for four vectors at once (kv_reduce4_avx): the
+ * 128-bit quarters (x_i 1, x_i+4 0, x_i 3, x_i+4 2), against the blend's (x_i 0, x_i+4 1, x_i 2, x_i+4 3). */
 static const int32_t KV_TREE_SWAP[16] = {4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27};
 
-AVXINL __m512 kv_tree16x16_avx(const __m512 *a) {
-    __m512 x[8], y[4], z[2];
-    const __m512i swap = _mm512_loadu_si512(KV_TREE_SWAP);
-    for (int i = 0; i < 8; i++)
-        x[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, a[i], a[i + 8]), _mm512_shuffle_f32x4(a[i], a[i + 8], 0x4E));
-    for (int i = 0; i < 4; i++)
-        y[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xF0F0, x[i], x[i + 4]), _mm512_permutex2var_ps(x[i], swap, x[i + 4]));
-    for (int i = 0; i < 2; i++)
-        z[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xCCCC, y[i], y[i + 2]), _mm512_shuffle_ps(y[i], y[i + 2], 0x4E));
-    const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
-    return _mm512_permutexvar_ps(_mm512_loadu_si512(KV_TREE_ORDER), w);
+/* The K rows of a chunk for kv_scores_avx: four keys to a quad (keys 4j .. 4j+3), a quad's rows 8
+ * elements at a time side by side, so that one vdpbf16ps scores four keys, a 128-bit quarter each:
+ * key i's elements 8t .. 8t+7 at word (i / 4) * 4 dp + 32 t + 8 (i % 4). */
+AVXINL uint16_t *kv_quad_row(uint16_t *kb, int64_t dp, int i) { return kb + (i / 4) * 4 * dp + (i % 4) * 8; }
+
+/* Elements e .. e+31 of a key (bf16 words v) into its quad row kq. */
+AVXINL void kv_store_quad_avx(uint16_t *kq, int64_t e, __m512i v) {
+    _mm_storeu_si128((__m128i *)(kq + e * 4), _mm512_castsi512_si128(v));
+    _mm_storeu_si128((__m128i *)(kq + e * 4 + 32), _mm512_extracti32x4_epi32(v, 1));
+    _mm_storeu_si128((__m128i *)(kq + e * 4 + 64), _mm512_extracti32x4_epi32(v, 2));
+    _mm_storeu_si128((__m128i *)(kq + e * 4 + 96), _mm512_extracti32x4_epi32(v, 3));
+}
+
+/* The 16 scores of a chunk from its four quads' lane sums (a[j] quarter q: key 4j + q's four lane
+ * sums): each key's four lanes summed as (l0 + l2) + (l1 + l3), the lanes then put in key order. */
+static const int32_t KV_QUAD_ORDER[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+AVXINL __m512 kv_tree4x16_avx(const __m512 *a) {
+    const __m512 z0 = _mm512_add_ps(_mm512_mask_blend_ps(0xCCCC, a[0], a[1]), _mm512_shuffle_ps(a[0], a[1], 0x4E));
+    const __m512 z1 = _mm512_add_ps(_mm512_mask_blend_ps(0xCCCC, a[2], a[3]), _mm512_shuffle_ps(a[2], a[3], 0x4E));
+    const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z0, z1, 0x88), _mm512_shuffle_ps(z0, z1, 0xDD));
+    return _mm512_permutexvar_ps(_mm512_loadu_si512(KV_QUAD_ORDER), w);
 }
 
 /* float32 lanes -> bf16 values (round to nearest even on the bits; the lanes are finite). */
@@ -357,11 +370,15 @@ AVX512 static void kv_decode_bf16_avx(const kv_job_t *j, const uint8_t *codes, c
     kv_decode_row_avx(j, codes, scales, amax ? sq_s_enc(*amax) : 1.0f, amax != NULL, tmp, packed, 1);
 }
 
-/* kv_exp on 16 lanes, the same operations. */
+/* kv_exp on 16 lanes, the same values: its operations, two of its steps by one instruction each
+ * that gives the same bits (below; 1% of the attention). */
 AVXINL __m512 kv_exp_avx(__m512 x) {
     const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, _mm512_set1_ps(12582912.0f)), _mm512_set1_ps(12582912.0f));
+    /* kv_exp's (t + 1.5 2^23) - 1.5 2^23: t rounded to the nearest integer, ties to even, as vrndscaleps
+     * rounds it (|t| < 2^22 on the lanes kept), but for a -0 where t is in (-0.5, -0]: x - n c and
+     * 2^n are then the same (x is not 0, or r comes out +0 either way after the second step) */
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
     r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
     __m512 p = _mm512_set1_ps(1.9875691500e-4f);
@@ -371,37 +388,35 @@ AVXINL __m512 kv_exp_avx(__m512 x) {
     p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+    /* p 2^n by vscalefps: exact, as kv_exp's product by 2^n's bits (n >= -125 on the lanes kept, p
+     * near 1: the result normal) */
+    return _mm512_maskz_scalef_ps(live, p, n);
 }
 
 /* The row length of the bf16 q and K rows: d rounded up to vdpbf16ps's 32 (the padding zero). */
 static inline int64_t kv_padded(int64_t d) { return (d + 31) / 32 * 32; }
 
 /* The chunk's 16 scores of `heads` (1, 2 or 4) query heads (bf16 q rows dp apart) into s[heads]: per
- * head and key 16 lane sums over d, lane i taking the pairs d = 32t + 2i, 32t + 2i + 1 by vdpbf16ps
- * (both products exact, each added with one rounding), then kv_tree16x16 and the scale. The heads
- * take the keys 16 / heads at a time so that each k load serves all of them (16 accumulators either
- * way; four heads measured 3-4% faster than two). The rows are zero-padded to dp (a multiple of 32)
- * and rows of kb past the chunk's keys hold finite values whose lanes are not used. */
+ * head and key 4 lane sums over d, lane i taking the pairs d = 8t + 2i, 8t + 2i + 1 by vdpbf16ps
+ * (both products exact, each added with one rounding; the head's 8 elements broadcast to the four
+ * quarters, the quads' rows as kv_quad_row lays them out), then kv_tree4x16 and the scale. All 16
+ * keys at once (4 heads x 4 quads: 16 accumulators), each k load serving every head. A 16-lane sum
+ * per key and a tree of 16, as before, took 46 instructions a head and chunk for its trees where
+ * this takes 10 (the rows' quarter stores cost fewer). The rows are zero-padded to dp (a multiple of
+ * 32) and rows of kb past the chunk's keys hold finite values whose lanes are not used. */
 AVXINL void kv_scores_avx(const uint16_t *q, const uint16_t *kb, int64_t dp, float scale, const int heads, __m512 *s) {
-    const int per = 16 / heads;
-    __m512 a[4][16];
-    for (int k0 = 0; k0 < 16; k0 += per) {
-        __m512 x[16];
-        for (int i = 0; i < 16; i++) x[i] = _mm512_setzero_ps();
-        for (int64_t e = 0; e < dp; e += 32) {
-            __m512bh qv[4];
-            for (int h = 0; h < heads; h++) qv[h] = (__m512bh)_mm512_loadu_si512(q + h * dp + e);
-            for (int i = 0; i < per; i++) {
-                const __m512bh k = (__m512bh)_mm512_loadu_si512(kb + (k0 + i) * dp + e);
-                for (int h = 0; h < heads; h++) x[h * per + i] = _mm512_dpbf16_ps(x[h * per + i], qv[h], k);
-            }
+    __m512 a[4][4];
+    for (int h = 0; h < heads; h++)
+        for (int jq = 0; jq < 4; jq++) a[h][jq] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < dp; t += 8) {
+        __m512bh qv[4];
+        for (int h = 0; h < heads; h++) qv[h] = (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(q + h * dp + t)));
+        for (int jq = 0; jq < 4; jq++) {
+            const __m512bh k = (__m512bh)_mm512_loadu_si512(kb + jq * 4 * dp + t * 4);
+            for (int h = 0; h < heads; h++) a[h][jq] = _mm512_dpbf16_ps(a[h][jq], qv[h], k);
         }
-        for (int h = 0; h < heads; h++)
-            for (int i = 0; i < per; i++) a[h][k0 + i] = x[h * per + i];
     }
-    for (int h = 0; h < heads; h++) s[h] = _mm512_mul_ps(kv_tree16x16_avx(a[h]), _mm512_set1_ps(scale));
+    for (int h = 0; h < heads; h++) s[h] = _mm512_mul_ps(kv_tree4x16_avx(a[h]), _mm512_set1_ps(scale));
 }
 
 /* acc[e .. e + 16 nv) of `heads` query heads (rows d apart; weights p[h * 16 + i], alpha[h]):
@@ -464,6 +479,54 @@ AVXINL int kv_softmax_avx(const __m512 *s, int n, float *m, float *l, float *p, 
     return same;
 }
 
+/* kv_softmax_avx for four heads, their reductions side by side: lane h * 4 + i of a vector is head
+ * h's (quarter h), the maxima and the l trees reduced across the four heads' vectors at once by the
+ * pairing kv_tree16 takes (for the sums: the same additions, so the same bits; for the
+ * maxima any pairing gives the same value, up to the sign of a zero maximum, which no later value
+ * depends on: s - m and m - m' differ only in zero signs then, and exp takes either zero to 1). About
+ * 30 instructions of a group's chunk fewer than four lone reductions and their scalar round trips. */
+static const int32_t KV_QUARTERS[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+static const int32_t KV_QUARTER_FIRST[16] = {0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12};
+
+/* max (add 0) or sum (add 1) of each of four vectors' 16 lanes, into every lane of its quarter. */
+AVXINL __m512 kv_reduce4_avx(const __m512 *x, const int add) {
+#define KV_OP(a, b) (add ? _mm512_add_ps(a, b) : _mm512_max_ps(a, b))
+    const __m512 y0 = KV_OP(_mm512_mask_blend_ps(0xFF00, x[0], x[2]), _mm512_shuffle_f32x4(x[0], x[2], 0x4E));
+    const __m512 y1 = KV_OP(_mm512_mask_blend_ps(0xFF00, x[1], x[3]), _mm512_shuffle_f32x4(x[1], x[3], 0x4E));
+    __m512 z = KV_OP(_mm512_mask_blend_ps(0xF0F0, y0, y1), _mm512_permutex2var_ps(y0, _mm512_loadu_si512(KV_TREE_SWAP), y1));
+    z = KV_OP(z, _mm512_shuffle_ps(z, z, 0x4E));
+    return KV_OP(z, _mm512_shuffle_ps(z, z, 0xB1));
+#undef KV_OP
+}
+
+/* Lanes 0, 4, 8, 12 into f[0 .. 3]. */
+AVXINL void kv_store4_avx(float *f, __m512 v) {
+    _mm_storeu_ps(f, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_loadu_si512(KV_QUARTER_FIRST), v)));
+}
+
+AVXINL int kv_softmax4_avx(const __m512 *s, int n, float *m, float *l, float *p, float *alpha) {
+    const __mmask16 live = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+    const __m512i quarters = _mm512_loadu_si512(KV_QUARTERS);
+    __m512 x[4];
+    for (int h = 0; h < 4; h++) /* NaN lanes skipped, as the portable comparison */
+        x[h] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live & _mm512_cmp_ps_mask(s[h], s[h], _CMP_ORD_Q), s[h]);
+    const __m512 mv = _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(_mm_loadu_ps(m)));
+    const __m512 mx = _mm512_max_ps(kv_reduce4_avx(x, 0), mv); /* top > m ? top : m */
+    const int same = (__mmask16)(_mm512_cmp_ps_mask(mx, mv, _CMP_EQ_OQ) &
+                                 _mm512_cmp_ps_mask(mv, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ)) == 0xFFFF;
+    const __m512 av = same ? _mm512_set1_ps(1.0f) : kv_exp_avx(_mm512_sub_ps(mv, mx));
+    kv_store4_avx(alpha, av);
+    kv_store4_avx(m, mx);
+    __m512 pv[4];
+    for (int h = 0; h < 4; h++) {
+        pv[h] = _mm512_maskz_mov_ps(live, kv_exp_avx(_mm512_sub_ps(s[h], _mm512_shuffle_f32x4(mx, mx, h * 0x55))));
+        _mm512_storeu_ps(p + 16 * h, pv[h]);
+    }
+    const __m512 lv = _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(_mm_loadu_ps(l)));
+    kv_store4_avx(l, _mm512_add_ps(same ? lv : _mm512_mul_ps(lv, av), kv_reduce4_avx(pv, 1)));
+    return same;
+}
+
 /* `heads` (1, 2 or 4) consecutive query heads from g over the decoded chunk: scores, softmax, p . v. */
 AVXINL void kv_heads_avx(const kv_job_t *j, const uint16_t *q, const uint16_t *kb, const float *vb, int n, int64_t g,
                          float *m, float *l, float *acc, const int heads) {
@@ -471,7 +534,8 @@ AVXINL void kv_heads_avx(const kv_job_t *j, const uint16_t *q, const uint16_t *k
     __m512 s[4];
     float p[64], alpha[4];
     kv_scores_avx(q + g * dp, kb, dp, j->scale, heads, s);
-    const int same = kv_softmax_avx(s, n, m + g, l + g, p, alpha, heads);
+    const int same = heads == 4 ? kv_softmax4_avx(s, n, m + g, l + g, p, alpha)
+                                : kv_softmax_avx(s, n, m + g, l + g, p, alpha, heads);
     kv_pv_heads_avx(acc + g * d, vb, d, p, n, same ? NULL : alpha, heads); /* acc * 1 is acc, bit for bit */
 }
 
@@ -556,33 +620,164 @@ AVXINL int kv_pairs2_avx(const uint8_t *ks, const uint8_t *vs, __m128 se, __m512
     return 1;
 }
 
-/* Row r's K (bf16) and V (float32) rows through kv_pairs2_avx, 8 blocks at a time; 0 where a group
+/* Row r's K (bf16, into its quad row kq) and V (float32) rows through kv_pairs2_avx, 8 blocks at a time; 0 where a group
  * of blocks is not the word tables' case. */
-AVXINL int kv_decode_pair_avx(const kv_job_t *j, int64_t r, __m128 se, uint16_t *kb, float *vb) {
+AVXINL int kv_decode_pair_avx(const kv_job_t *j, int64_t r, __m128 se, uint16_t *kq, float *vb) {
     const int64_t half = j->d / 2, nsc = j->d / 16;
     for (int64_t b8 = 0; b8 < nsc; b8 += 8) {
         __m512i wk, wv;
         if (!kv_pairs2_avx(j->ks + r * nsc + b8, j->vs + r * nsc + b8, se, &wk, &wv)) return 0;
-        kv_blocks_words_avx(j->kc + r * half + b8 * 8, wk, 8, kb + b8 * 16, 1);
+#pragma GCC unroll 4
+        for (int b = 0; b < 8; b += 2)
+            kv_store_quad_avx(kq, (b8 + b) * 16, _mm512_permutexvar_epi16(kv_nibbles32_avx(j->kc + r * half + (b8 + b) * 8, 1),
+                                                                          kv_word_table_avx(wk, b)));
         kv_blocks_words_f32_avx(j->vc + r * half + b8 * 8, wv, _mm512_setzero_ps(), 8, vb + b8 * 16, 1);
     }
     return 1;
 }
 
+/* The AVX-512 path's functions that also use AVX512-VBMI's vpmultishiftqb (kv_has_vbmi says whether
+ * the CPU has it: Cooper Lake has AVX512-BF16 without it). */
+#define AVX512VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")))
+
+/* 1 if this CPU has AVX512-VBMI (TFP4_NO_VBMI builds the library without that path, to test the other). */
+static int kv_has_vbmi(void) {
+#if defined(TFP4_NO_VBMI)
+    return 0;
+#else
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vbmi");
+#endif
+}
+
+/* vpmultishiftqb's bit offsets into a qword of 8 code bytes (16 codes, code c at bits 4c .. 4c+3):
+ * KV_SHIFT_DWORDS puts code i in the low byte of dword i's upper word (V: 16 float32 values, the
+ * looked-up word in the upper half, the lower half word 0 of the table, which is +0). The bits above
+ * the code's 4 are the next code's and are masked off. */
+static const uint8_t KV_SHIFT_DWORDS[64] = {0, 0, 0,  0, 0, 0, 4,  0, 0, 0, 8,  0, 0, 0, 12, 0,
+                                            0, 0, 16, 0, 0, 0, 20, 0, 0, 0, 24, 0, 0, 0, 28, 0,
+                                            0, 0, 32, 0, 0, 0, 36, 0, 0, 0, 40, 0, 0, 0, 44, 0,
+                                            0, 0, 48, 0, 0, 0, 52, 0, 0, 0, 56, 0, 0, 0, 60, 0};
+
 /* The chunk's n K rows (bf16, dp apart, through the float32 row `tmp`) and V rows (float32) of
  * rows r, decoded one row at a time with the next chunks' row `ahead[i]` asked for meanwhile: a
  * chunk's 50-odd lines at once measured 7-10% slower (more misses in flight than the core tracks). */
-AVXINL void kv_decode_rows_avx(const kv_job_t *j, const int64_t *r, int n, const int64_t *ahead, int n_ahead,
-                               uint16_t *kb, float *vb, float *tmp) {
+#define KV_DECODE_ROWS(NAME, TARGET, PAIR)                                                                      \
+    TARGET static void NAME(const kv_job_t *j, const int64_t *r, int n, const int64_t *ahead, int n_ahead, uint16_t *kb, \
+                            float *vb, float *tmp) {                                                                 \
+        const int64_t d = j->d, dp = kv_padded(d), half = d / 2, nsc = d / j->fblock;                               \
+        const int paired = j->ka && j->fblock == 16 && j->scale_bits && nsc % 8 == 0;                                \
+        uint16_t *nat = (uint16_t *)(tmp + d); /* a K row in element order, before its quad row */                   \
+        for (int i = 0; i < n; i++) {                                                                                \
+            if (i < n_ahead) kv_prefetch_rows(j, ahead + i, 1);                                                      \
+            const __m128 se = j->ka ? kv_s_enc2_avx(j->ka[r[i]], j->va[r[i]]) : _mm_set1_ps(1.0f);                   \
+            uint16_t *kq = kv_quad_row(kb, dp, i);                                                                   \
+            if (paired && PAIR(j, r[i], se, kq, vb + i * d)) continue;                                               \
+            kv_decode_row_avx(j, j->kc + r[i] * half, j->ks + r[i] * nsc, _mm_cvtss_f32(se), j->ka != NULL, tmp,     \
+                              nat, 1);                                                                               \
+            for (int64_t t = 0; t < d / 8; t++) /* into the quad row (its padding stays kv_run's zeros) */           \
+                _mm_storeu_si128((__m128i *)(kq + 32 * t), _mm_loadu_si128((const __m128i *)(nat + 8 * t)));         \
+            kv_decode_row_avx(j, j->vc + r[i] * half, j->vs + r[i] * nsc, _mm_cvtss_f32(_mm_movehdup_ps(se)),        \
+                              j->ka != NULL, vb + i * d, NULL, 0);                                                   \
+        }                                                                                                            \
+        if (n_ahead > n) kv_prefetch_rows(j, ahead + n, n_ahead - n);                                                \
+    }
+/* (one function a pair decoder: a VBMI function inlines into a VBMI one only) */
+KV_DECODE_ROWS(kv_decode_rows_avx, AVX512, kv_decode_pair_avx)
+
+/* The four-keys layout decoded straight into its quarters (kv_quad_row), four rows at a time, the
+ * table indices by vpmultishiftqb (AVX512-VBMI): a group of 8 elements of four keys is one lookup in
+ * a 64-word table of the four keys' blocks (vpermt2w; a key's 2-block tables, kv_word_table_avx,
+ * paired by 128-bit lanes), where quarter stores of each row's 32-element lookups cost more than the
+ * shorter score tree saves. Offsets: word w (quarter q = w / 8, j = w % 8) takes code 8g + j of its
+ * qword (key q's 8 code bytes of the block), g the group's half of the block; KV_QUAD_KEY then adds
+ * 16 q (which key's table: bit 4 its half of a register, bit 5 the register). */
+static const uint8_t KV_SHIFT_QUAD[2][64] = {
+    {0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28, 0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28,
+     0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28, 0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28},
+    {32, 32, 36, 36, 40, 40, 44, 44, 48, 48, 52, 52, 56, 56, 60, 60, 32, 32, 36, 36, 40, 40, 44, 44, 48, 48, 52, 52, 56, 56, 60, 60,
+     32, 32, 36, 36, 40, 40, 44, 44, 48, 48, 52, 52, 56, 56, 60, 60, 32, 32, 36, 36, 40, 40, 44, 44, 48, 48, 52, 52, 56, 56, 60, 60}};
+static const uint16_t KV_QUAD_KEY[32] = {0,  0,  0,  0,  0,  0,  0,  0,  16, 16, 16, 16, 16, 16, 16, 16,
+                                         32, 32, 32, 32, 32, 32, 32, 32, 48, 48, 48, 48, 48, 48, 48, 48};
+
+/* The chunk's rows as kv_decode_rows_avx decodes them (the same values, the same layout). */
+AVX512VBMI static void kv_decode_rows_vbmi(const kv_job_t *j, const int64_t *r, int n, const int64_t *ahead, int n_ahead,
+                                           uint16_t *kb, float *vb, float *tmp) {
     const int64_t d = j->d, dp = kv_padded(d), half = d / 2, nsc = d / j->fblock;
-    const int paired = j->ka && j->fblock == 16 && j->scale_bits && nsc % 8 == 0;
-    for (int i = 0; i < n; i++) {
-        if (i < n_ahead) kv_prefetch_rows(j, ahead + i, 1);
-        const __m128 se = j->ka ? kv_s_enc2_avx(j->ka[r[i]], j->va[r[i]]) : _mm_set1_ps(1.0f);
-        if (paired && kv_decode_pair_avx(j, r[i], se, kb + i * dp, vb + i * d)) continue;
-        kv_decode_row_avx(j, j->kc + r[i] * half, j->ks + r[i] * nsc, _mm_cvtss_f32(se), j->ka != NULL, tmp, kb + i * dp, 1);
-        kv_decode_row_avx(j, j->vc + r[i] * half, j->vs + r[i] * nsc, _mm_cvtss_f32(_mm_movehdup_ps(se)), j->ka != NULL,
-                          vb + i * d, NULL, 0);
+    if (!(j->ka && j->fblock == 16 && j->scale_bits && nsc % 8 == 0)) {
+        kv_decode_rows_avx(j, r, n, ahead, n_ahead, kb, vb, tmp);
+        return;
+    }
+    uint16_t *nat = (uint16_t *)(tmp + d);
+    const __m512i sd = _mm512_loadu_si512(KV_SHIFT_DWORDS);
+    const __m512i sq0 = _mm512_loadu_si512(KV_SHIFT_QUAD[0]), sq1 = _mm512_loadu_si512(KV_SHIFT_QUAD[1]);
+    const __m512i keyoff = _mm512_loadu_si512(KV_QUAD_KEY), nib = _mm512_set1_epi16(0x000F);
+    const __m512i nib_hi = _mm512_set1_epi32(0x000F0000), upper_hi = _mm512_set1_epi32(0x00100000);
+    for (int i0 = 0; i0 < n; i0 += 4) {
+        const int m = n - i0 < 4 ? n - i0 : 4;
+        __m128 se[4];
+        for (int q = 0; q < m; q++) {
+            if (i0 + q < n_ahead) kv_prefetch_rows(j, ahead + i0 + q, 1);
+            se[q] = kv_s_enc2_avx(j->ka[r[i0 + q]], j->va[r[i0 + q]]);
+        }
+        int ok = m == 4;
+        for (int64_t b8 = 0; ok && b8 < nsc; b8 += 8) {
+            __m512i wk[4], wv[4];
+            for (int q = 0; ok && q < 4; q++)
+                ok = kv_pairs2_avx(j->ks + r[i0 + q] * nsc + b8, j->vs + r[i0 + q] * nsc + b8, se[q], &wk[q], &wv[q]);
+            if (!ok) break;
+            for (int q = 0; q < 4; q++) { /* V rows: 3 instructions a 16 float32 values straight from vpermw */
+                const uint8_t *vc = j->vc + r[i0 + q] * half + b8 * 8;
+                float *vrow = vb + (i0 + q) * d;
+#pragma GCC unroll 4
+                for (int b = 0; b < 8; b += 2) {
+                    const __m512i tv = kv_word_table_avx(wv[q], b);
+                    int64_t c0, c1;
+                    memcpy(&c0, vc + b * 8, 8);
+                    memcpy(&c1, vc + b * 8 + 8, 8);
+                    const __m512i v0 = _mm512_and_si512(_mm512_multishift_epi64_epi8(sd, _mm512_set1_epi64(c0)), nib_hi);
+                    const __m512i v1 = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(sd, _mm512_set1_epi64(c1)), nib_hi, upper_hi, 0xEA);
+                    _mm512_storeu_si512(vrow + (b8 + b) * 16, _mm512_permutexvar_epi16(v0, tv));
+                    _mm512_storeu_si512(vrow + (b8 + b) * 16 + 16, _mm512_permutexvar_epi16(v1, tv));
+                }
+            }
+            uint16_t *kq = kb + (i0 / 4) * 4 * dp;
+            const uint8_t *c0 = j->kc + r[i0] * half + b8 * 8, *c1 = j->kc + r[i0 + 1] * half + b8 * 8;
+            const uint8_t *c2 = j->kc + r[i0 + 2] * half + b8 * 8, *c3 = j->kc + r[i0 + 3] * half + b8 * 8;
+#pragma GCC unroll 4
+            for (int b = 0; b < 8; b += 2) {
+                const __m512i t0 = kv_word_table_avx(wk[0], b), t1 = kv_word_table_avx(wk[1], b);
+                const __m512i t2 = kv_word_table_avx(wk[2], b), t3 = kv_word_table_avx(wk[3], b);
+                /* block b of keys 0, 1 | 2, 3 (the tables' lower halves), then block b + 1 (upper) */
+                const __m512i lo01 = _mm512_shuffle_i64x2(t0, t1, 0x44), lo23 = _mm512_shuffle_i64x2(t2, t3, 0x44);
+                const __m512i hi01 = _mm512_shuffle_i64x2(t0, t1, 0xEE), hi23 = _mm512_shuffle_i64x2(t2, t3, 0xEE);
+                for (int blk = 0; blk < 2; blk++) {
+                    const int64_t o = (b + blk) * 8;
+                    int64_t x0, x1, x2, x3;
+                    memcpy(&x0, c0 + o, 8);
+                    memcpy(&x1, c1 + o, 8);
+                    memcpy(&x2, c2 + o, 8);
+                    memcpy(&x3, c3 + o, 8);
+                    __m512i src = _mm512_set1_epi64(x0);
+                    src = _mm512_mask_mov_epi64(src, 0x0C, _mm512_set1_epi64(x1));
+                    src = _mm512_mask_mov_epi64(src, 0x30, _mm512_set1_epi64(x2));
+                    src = _mm512_mask_mov_epi64(src, 0xC0, _mm512_set1_epi64(x3));
+                    for (int g = 0; g < 2; g++) {
+                        const __m512i idx = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(g ? sq1 : sq0, src), nib, keyoff, 0xEA);
+                        const int64_t t = 2 * (b8 + b + blk) + g;
+                        _mm512_storeu_si512(kq + 32 * t, blk ? _mm512_permutex2var_epi16(hi01, idx, hi23) : _mm512_permutex2var_epi16(lo01, idx, lo23));
+                    }
+                }
+            }
+        }
+        if (ok) continue;
+        for (int q = 0; q < m; q++) { /* any row outside the word tables' case: each row as kv_decode_row_avx decodes it */
+            const int i = i0 + q;
+            uint16_t *kq = kv_quad_row(kb, dp, i);
+            kv_decode_row_avx(j, j->kc + r[i] * half, j->ks + r[i] * nsc, _mm_cvtss_f32(se[q]), 1, tmp, nat, 1);
+            for (int64_t t = 0; t < d / 8; t++) _mm_storeu_si128((__m128i *)(kq + 32 * t), _mm_loadu_si128((const __m128i *)(nat + 8 * t)));
+            kv_decode_row_avx(j, j->vc + r[i] * half, j->vs + r[i] * nsc, _mm_cvtss_f32(_mm_movehdup_ps(se[q])), 1, vb + i * d, NULL, 0);
+        }
     }
     if (n_ahead > n) kv_prefetch_rows(j, ahead + n, n_ahead - n);
 }
@@ -591,7 +786,7 @@ AVXINL void kv_decode_rows_avx(const kv_job_t *j, const int64_t *r, int n, const
 AVX512 static void kv_item_avx(const kv_job_t *j, int64_t row, int64_t h, float *mem) {
     const int64_t d = j->d, g_count = j->hq / j->hkv, seq = j->q_seq[row], len = j->q_len[row];
     /* kv_run's regions: q and kb hold bf16 rows (half the floats' room, padding included), tmp the
-     * extra row at the end */
+     * two extra rows at the end */
     uint16_t *q = (uint16_t *)mem, *kb = (uint16_t *)(mem + 2 * g_count * d);
     float *acc = mem + g_count * d, *vb = mem + (2 * g_count + KV_CHUNK) * d, *tmp = vb + KV_CHUNK * d;
     float m[KV_MAX_GROUP], l[KV_MAX_GROUP];
@@ -604,7 +799,7 @@ AVX512 static void kv_item_avx(const kv_job_t *j, int64_t row, int64_t h, float 
         const int n_ahead = later >= len ? 0 : len - later < KV_CHUNK ? (int)(len - later) : KV_CHUNK;
         if (n_ahead) kv_chunk_rows(j, seq, later, n_ahead, h, ahead);
         kv_chunk_rows(j, seq, k0, n, h, r);
-        kv_decode_rows_avx(j, r, n, ahead, n_ahead, kb, vb, tmp);
+        (j->vbmi ? kv_decode_rows_vbmi : kv_decode_rows_avx)(j, r, n, ahead, n_ahead, kb, vb, tmp);
         int64_t g = 0;
         for (; g + 4 <= g_count; g += 4) kv_heads_avx(j, q, kb, vb, n, g, m, l, acc, 4);
         for (; g + 2 <= g_count; g += 2) kv_heads_avx(j, q, kb, vb, n, g, m, l, acc, 2);

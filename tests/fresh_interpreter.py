@@ -9,17 +9,23 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 
-def run_in_fresh_interpreter(test_file: str, child_flag: str, timeout: float) -> subprocess.CompletedProcess:
-    """pytest on ``test_file`` (all but its fresh-process test) in a child process with the interpreter
-    on; asserts the child could enable it and that its tests passed; returns the finished process."""
+def run_in_fresh_interpreter(test_file: str, child_flag: str, timeout: float,
+                             ran_here: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """pytest on ``test_file`` (all but its fresh-process test and the tests named in ``ran_here``) in
+    a child process with the interpreter on; asserts the child could enable it and that its tests
+    passed; returns the finished process. ``ran_here``: tests that never touch Triton, so that the
+    interpreter changes nothing in them and the parent process has run them already."""
     assert os.environ.get(child_flag) != "1", "the fresh process could not enable the interpreter either"
     env = {**os.environ, "TRITON_INTERPRET": "1", child_flag: "1"}
     path = Path(test_file).resolve()
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path),
-           "-k", "not fresh_interpreter_process"]
+           "-k", "not fresh_interpreter_process",
+           # node ids are relative to the root directory (the child's working directory)
+           *(f"--deselect={path.relative_to(path.parents[1]).as_posix()}::{name}" for name in ran_here)]
     proc = subprocess.run(cmd, cwd=path.parents[1], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     return proc

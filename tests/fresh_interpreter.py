@@ -9,17 +9,73 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 
-def run_in_fresh_interpreter(test_file: str, child_flag: str, timeout: float) -> subprocess.CompletedProcess:
-    """pytest on ``test_file`` (all but its fresh-process test) in a child process with the interpreter
-    on; asserts the child could enable it and that its tests passed; returns the finished process."""
+class _Child:
+    """A started child pytest; its output goes to files (nothing reads it before it has exited)."""
+
+    def __init__(self, cmd: list[str], cwd: Path, env: dict[str, str]) -> None:
+        self.cmd = cmd
+        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self.out, stderr=self.err, text=True)
+
+    def result(self, timeout: float) -> subprocess.CompletedProcess:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        self.out.seek(0)
+        self.err.seek(0)
+        return subprocess.CompletedProcess(self.cmd, rc, self.out.read(), self.err.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+#: Children started ahead of their test (:func:`start_fresh_interpreter`), by test file.
+_STARTED: dict[Path, _Child] = {}
+
+
+def _start(test_file: str, child_flag: str, ran_here: Sequence[str]) -> _Child:
     assert os.environ.get(child_flag) != "1", "the fresh process could not enable the interpreter either"
     env = {**os.environ, "TRITON_INTERPRET": "1", child_flag: "1"}
     path = Path(test_file).resolve()
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path),
-           "-k", "not fresh_interpreter_process"]
-    proc = subprocess.run(cmd, cwd=path.parents[1], env=env, capture_output=True, text=True, timeout=timeout)
+           "-k", "not fresh_interpreter_process",
+           # node ids are relative to the root directory (the child's working directory)
+           *(f"--deselect={path.relative_to(path.parents[1]).as_posix()}::{name}" for name in ran_here)]
+    return _Child(cmd, path.parents[1], env)
+
+
+def start_fresh_interpreter(test_file: str, child_flag: str, ran_here: Sequence[str] = ()) -> None:
+    """Start ``test_file``'s child now (once), for :func:`run_in_fresh_interpreter` to wait for later:
+    tests/conftest.py starts every selected one as the first Triton module begins, so that they run
+    beside each other (one interpreter thread each) instead of one after the other."""
+    path = Path(test_file).resolve()
+    if path not in _STARTED:
+        _STARTED[path] = _start(test_file, child_flag, ran_here)
+
+
+def stop_started() -> None:
+    """Kill the children no test waited for (their test failed before, or was not run)."""
+    while _STARTED:
+        _STARTED.popitem()[1].stop()
+
+
+def run_in_fresh_interpreter(test_file: str, child_flag: str, timeout: float,
+                             ran_here: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """pytest on ``test_file`` (all but its fresh-process test and the tests named in ``ran_here``) in
+    a child process with the interpreter on; asserts the child could enable it and that its tests
+    passed; returns the finished process. ``ran_here``: tests that never touch Triton, so that the
+    interpreter changes nothing in them and the parent process has run them already. The child
+    started by :func:`start_fresh_interpreter`, if it was, else one started now."""
+    started = _STARTED.pop(Path(test_file).resolve(), None)
+    proc = (started or _start(test_file, child_flag, ran_here)).result(timeout)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     return proc

@@ -39,12 +39,16 @@ moe_intermediate = 16
 KILLS = ["rollout:2", "store-write:3", "sealed:2", "checkpoint:2", "updated:1"]
 
 
-def _train(cfg: Path, *extra: str, crash: str | None = None) -> subprocess.CompletedProcess:
+def _train_argv(cfg: Path, *extra: str, crash: str | None = None) -> tuple[list[str], dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if k not in ("TRACEFP4_CRASH_AT", "TRACEFP4_DEBUG")}
     env.update(PYTHONPATH=SRC, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     if crash:
         env["TRACEFP4_CRASH_AT"] = crash
-    argv = [sys.executable, "-m", "tracefp4", "train", "--config", str(cfg), *extra]
+    return [sys.executable, "-m", "tracefp4", "train", "--config", str(cfg), *extra], env
+
+
+def _train(cfg: Path, *extra: str, crash: str | None = None) -> subprocess.CompletedProcess:
+    argv, env = _train_argv(cfg, *extra, crash=crash)
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -65,18 +69,27 @@ def _rows(run: Path, arm: str) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_killed_and_resumed_run_equals_uninterrupted_run(tmp_path):
-    cfg = tmp_path / "run.toml"
-    cfg.write_text(f'out = "{tmp_path}"\nrun_name = "ref"\n' + CONFIG)
-    ref = _train(cfg)
-    assert ref.returncode == 0, ref.stderr[-2000:]
-
-    cfg.write_text(f'out = "{tmp_path}"\nrun_name = "killed"\n' + CONFIG)
-    run = tmp_path / "killed"
-    for i, crash in enumerate(KILLS):
-        proc = _train(cfg, *(["--resume", str(run)] if i else []), crash=crash)
-        assert proc.returncode == -signal.SIGKILL, (crash, proc.returncode, proc.stderr[-2000:])
-    done = _train(cfg, "--resume", str(run))
-    assert done.returncode == 0, done.stderr[-2000:]
+    # the uninterrupted run shares nothing with the killed one (its own config file and run folder; one
+    # thread each), so it runs beside the kills instead of before them
+    ref_cfg = tmp_path / "ref.toml"
+    ref_cfg.write_text(f'out = "{tmp_path}"\nrun_name = "ref"\n' + CONFIG)
+    argv, env = _train_argv(ref_cfg)
+    ref_log = tmp_path / "ref.stderr"  # a file, not a pipe: nothing reads it until the kills are done
+    with ref_log.open("w") as err, subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err) as ref:
+        try:
+            cfg = tmp_path / "run.toml"
+            cfg.write_text(f'out = "{tmp_path}"\nrun_name = "killed"\n' + CONFIG)
+            run = tmp_path / "killed"
+            for i, crash in enumerate(KILLS):
+                proc = _train(cfg, *(["--resume", str(run)] if i else []), crash=crash)
+                assert proc.returncode == -signal.SIGKILL, (crash, proc.returncode, proc.stderr[-2000:])
+            done = _train(cfg, "--resume", str(run))
+            assert done.returncode == 0, done.stderr[-2000:]
+            ref.wait(timeout=600)
+        finally:
+            if ref.poll() is None:  # a failed kill above: the reference run is not waited for
+                ref.kill()
+    assert ref.returncode == 0, ref_log.read_text()[-2000:]
 
     assert _final(run) == _final(tmp_path / "ref")
     for arm in ("qat", "trace"):

@@ -98,6 +98,67 @@ def full(engine):
     )
 
 
+class _Child:
+    """A test's child process, started ahead of its test by :func:`_children`; stdout and stderr go to
+    files (nothing reads them until it has exited)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], folder) -> None:
+        import subprocess
+
+        self.argv, self.folder = argv, folder
+        with (folder / "stdout").open("w") as out, (folder / "stderr").open("w") as err:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=env)
+
+    def result(self, timeout: float):
+        """The finished process, as ``subprocess.run(..., capture_output=True, text=True)`` returns it."""
+        import subprocess
+
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        return subprocess.CompletedProcess(self.argv, rc, (self.folder / "stdout").read_text(),
+                                           (self.folder / "stderr").read_text())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _children(request, tmp_path_factory):
+    """The module's two longest tests each run a script in a child process that shares nothing with
+    this one but the checkpoint (one thread each, OMP_NUM_THREADS=1, as here): those of them that are
+    selected start with the module, beside its in-process tests, instead of one after the other at
+    their turn; each test then waits for its own child and checks it as before. (The command-line
+    test's two runs stay at their turn: started here too, they saved nothing measurable, the two
+    cores being busy already.)"""
+    import sys
+
+    selected = {getattr(item, "originalname", item.name) for item in request.session.items
+                if getattr(item, "module", None) is request.module}
+    starts = {"test_multiprocess_engine": _start_multiprocess, "test_compiled_mode_records_equal_eager_mode_records":
+              _start_compiled}
+    if not selected & set(starts):
+        yield {}
+        return
+    from tracefp4.engines.vllm.engine import engine_env
+
+    engine_env()  # what the engine fixture sets in this process's environment, set before the children inherit it
+    ckpt = request.getfixturevalue("ckpt")
+    children = {}
+    try:
+        for name, start in starts.items():
+            if name in selected:
+                children[name] = start(sys.executable, ckpt, tmp_path_factory.mktemp(name))
+        yield children
+    finally:
+        for child in children.values():
+            child.stop()
+
+
 def _vllm_layer_weights(engine, layer: int):
     def get(worker):
         from tracefp4.engines.vllm.quant import TraceFP4MoEMethod
@@ -541,19 +602,19 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.subprocess
-def test_multiprocess_engine(ckpt: str, tmp_path) -> None:
-    """The engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1, spawned worker, no
-    entry point installed): records come back by RPC, a stop-token flush works, the trainer
-    reproduces every code, weights go over as bytes."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "mp.py"
+def _start_multiprocess(python: str, ckpt: str, folder) -> _Child:
+    script = folder / "mp.py"
     script.write_text(_MULTIPROCESS_SCRIPT)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    out = subprocess.run([sys.executable, str(script), ckpt, str(tmp_path / "store")], capture_output=True, text=True,
-                         timeout=600, env=env)
+    return _Child([python, str(script), ckpt, str(folder / "store")], env, folder)
+
+
+@pytest.mark.subprocess
+def test_multiprocess_engine(_children) -> None:
+    """The engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1, spawned worker, no
+    entry point installed): records come back by RPC, a stop-token flush works, the trainer
+    reproduces every code, weights go over as bytes. (The script's process started with the module.)"""
+    out = _children["test_multiprocess_engine"].result(timeout=600)
     assert out.returncode == 0 and "MULTIPROCESS OK" in out.stdout, (out.stdout + out.stderr)[-3000:]
 
 
@@ -597,20 +658,22 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.subprocess
-def test_compiled_mode_records_equal_eager_mode_records(ckpt: str, full, tmp_path) -> None:
-    """compilation="dynamo": the model captured by torch.compile's Dynamo (the routed experts and the
-    K/V site inside vLLM's custom ops) records bit for bit what the eager engine records."""
-    import subprocess
-    import sys
+def _start_compiled(python: str, ckpt: str, folder) -> _Child:
+    script = folder / "compiled.py"
+    script.write_text(_COMPILED_SCRIPT)
+    return _Child([python, str(script), ckpt, str(folder / "store"), json.dumps(PROMPTS)], {**os.environ}, folder)
 
+
+@pytest.mark.subprocess
+def test_compiled_mode_records_equal_eager_mode_records(_children, full) -> None:
+    """compilation="dynamo": the model captured by torch.compile's Dynamo (the routed experts and the
+    K/V site inside vLLM's custom ops) records bit for bit what the eager engine records. (The
+    script's process started with the module.)"""
     from tracefp4.guidance.store import StoreReader, seal_step
 
-    script = tmp_path / "compiled.py"
-    script.write_text(_COMPILED_SCRIPT)
-    root = tmp_path / "store"
-    out = subprocess.run([sys.executable, str(script), ckpt, str(root), json.dumps(PROMPTS)], capture_output=True,
-                         text=True, timeout=600)
+    child = _children["test_compiled_mode_records_equal_eager_mode_records"]
+    root = child.folder / "store"
+    out = child.result(timeout=600)
     assert out.returncode == 0 and "COMPILED " in out.stdout, (out.stdout + out.stderr)[-3000:]
     got = json.loads(out.stdout.split("COMPILED ", 1)[1])
     assert got["tokens"] == [t.tolist() for t in full.token_ids]

@@ -8,7 +8,8 @@ per sequence and layer whatever the rest of the model, ~50 s on 2 cores, and eve
 needs its own; the JSON's ``model`` and ``resized`` say so. Random weights, random prompts, no stop
 token.
 
-Modes and engines (each vLLM engine in a server process of its own, see :class:`tracefp4.reports.long_server.LongServer`):
+Modes and engines (each vLLM engine in a server process of its own, see :class:`tracefp4.reports.long_server.LongServer`;
+the servers a phase needs are built side by side, before anything of that phase is timed):
 ``vllm.bf16`` vLLM's own unquantized engine, ``vllm.fp8kv`` the same with ``kv_cache_dtype="fp8"``
 (BF16 experts: what a user would pick instead), ``vllm.fp4`` and ``vllm.trace_lsb`` our plugin's engine
 (packed FP4 experts, packed NVFP4 K/V), ``home.bf16``/``home.fp4``/``home.trace_lsb`` our engine (its
@@ -88,7 +89,7 @@ from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.provenance import environment
 from tracefp4.reports.decode_timing import median_rate, profiled, random_prompts
-from tracefp4.reports.long_server import CAPACITY_PROMPT, VLLM_MODES, LongServer
+from tracefp4.reports.long_server import CAPACITY_PROMPT, VLLM_MODES, LongServer, start_servers
 from tracefp4.rl.arms import ROLLOUT_MODES
 
 __all__ = ["LONG_MOE", "LONG_TARGETS", "LongConfig", "bench_long", "format_long", "long_targets", "profile_cell",
@@ -354,9 +355,9 @@ def _vllm_cells(ckpt: str, cfg: LongConfig, common: dict, res: dict, say) -> Non
     build = {**common, "max_len": cfg.max_len, "max_seqs": max(b for _, b in cfg.cells), "kv_bytes": budget}
     servers: dict[str, LongServer] = {}
     try:
-        for engine in dict.fromkeys(VLLM_MODES.values()):
-            say(f"vllm: building {engine} (a server process)")
-            servers[engine] = LongServer(engine, ckpt, build)
+        engines = list(dict.fromkeys(VLLM_MODES.values()))
+        say(f"vllm: building {', '.join(engines)} (a server process each, side by side)")
+        servers = start_servers(engines, ckpt, build)
         for engine, srv in servers.items():
             kv = srv.ask(cmd="kv")
             for mode in (m for m, e in VLLM_MODES.items() if e == engine):
@@ -404,11 +405,11 @@ def _capacity_answer(srv: LongServer, mode: str, kv: dict, res: dict, say) -> di
     return r
 
 
-def _capacity_engine(engine: str, ckpt: str, build: dict, res: dict, say) -> dict[str, dict]:
-    """The capacity run of every mode ``engine`` serves, on one engine built with ``build``'s budget."""
+def _capacity_engine(engine: str, srv: LongServer, build: dict, res: dict, say) -> dict[str, dict]:
+    """The capacity run of every mode ``engine`` serves, on its server ``srv`` (built with ``build``'s
+    budget), which is closed afterwards."""
     say(f"capacity run: {engine}, {build['capacity_requests']} requests of {build['capacity_output']} tokens, "
         f"{build['kv_bytes'] / 2**20:.2f} MiB of KV")
-    srv = LongServer(engine, ckpt, build)
     try:
         kv = srv.ask(cmd="kv")
         return {mode: _capacity_answer(srv, mode, kv, res, say) for mode, e in VLLM_MODES.items() if e == engine}
@@ -432,7 +433,8 @@ def _capacity_cells(ckpt: str, cfg: LongConfig, common: dict, res: dict, say, bf
     trail = []
     for _ in range(CALIBRATION_RUNS):
         build = {**base, "kv_bytes": int(tokens * bf16_per_token)}
-        peak = _capacity_engine("vllm-bf16", ckpt, build, res, say)["bf16"]["peak_running"]
+        srv = LongServer("vllm-bf16", ckpt, build)
+        peak = _capacity_engine("vllm-bf16", srv, build, res, say)["bf16"]["peak_running"]
         trail.append({"budget_bytes": build["kv_bytes"], "kv_tokens": res["capacity_kv_tokens.vllm.bf16"],
                       "peak_running": peak})
         if peak <= cfg.capacity_fit or tokens == floor:
@@ -440,9 +442,16 @@ def _capacity_cells(ckpt: str, cfg: LongConfig, common: dict, res: dict, say, bf
         tokens = shrunk_budget(tokens, peak, cfg.capacity_fit, block, floor)
     res["capacity_budget_bytes"] = build["kv_bytes"]
     res["capacity_calibration"] = trail
-    for engine in dict.fromkeys(VLLM_MODES.values()):
-        if engine != "vllm-bf16":
-            _capacity_engine(engine, ckpt, build, res, say)
+    # the other engines at the final budget: built side by side, then run one at a time (each server
+    # closed after its run; one that waits for its turn is idle, blocked on its command pipe)
+    others = [e for e in dict.fromkeys(VLLM_MODES.values()) if e != "vllm-bf16"]
+    servers = start_servers(others, ckpt, build)
+    try:
+        for engine in others:
+            _capacity_engine(engine, servers.pop(engine), build, res, say)
+    finally:
+        for srv in servers.values():
+            srv.close()
 
 
 def format_long(res: dict) -> str:

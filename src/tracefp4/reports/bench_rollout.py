@@ -25,7 +25,8 @@ on every layer). Engines and what each mode runs on:
 Every (engine, mode) pair runs once per round, rounds interleaved, after a short warm-up call each;
 the median generation time gives ``rollout_tokens_per_s.<engine>.<mode>`` (at the preset's first
 batch; ``...@b<batch>`` for each batch). Memory (``resident_bytes_per_expert_param.<engine>.<precision>``)
-is measured in a fresh process per engine: its resident-set growth from building the engine and one
+is measured in a fresh process per engine (side by side for a checkpoint of up to
+``PARALLEL_PROBE_BYTES``, one at a time above): its resident-set growth from building the engine and one
 generation, less the KV cache it allocated, over the number of routed-expert parameters (for
 ``home``, ``bf16`` is the model alone and ``fp4`` the model plus its packed experts). What is the
 process's and not the engine's is loaded before the first reading and reported apart
@@ -255,6 +256,26 @@ def _probe(args: list[str], timeout: float) -> dict | list:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+#: Checkpoints up to this size have their memory probes run side by side (each probe reads its own
+#: process's resident set, so no figure depends on it, and a probe is mostly single-threaded imports
+#: and set-up); larger ones one at a time, so that their weights never compete for the machine's memory.
+PARALLEL_PROBE_BYTES = 256 * 2**20
+
+
+def _probes(jobs: Sequence[list[str]], timeout: float, parallel: bool) -> list:
+    """:func:`_probe` of each of ``jobs`` (in order), side by side where ``parallel``."""
+    if not parallel or len(jobs) < 2:
+        return [_probe(args, timeout) for args in jobs]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(lambda args: _probe(args, timeout), jobs))
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
 def _kinds(engines: Sequence[str]) -> frozenset[EngineKind]:
     """The benchmark's engines (names as on the command line) as kinds; a ValueError names a bad one."""
     return frozenset(EngineKind.parse(e, "--engines") for e in engines)
@@ -272,15 +293,16 @@ def measure_memory(ckpt: str, preset: str, engines: Sequence[str], timeout: floa
         if EngineKind.VLLM in kinds:
             tiny = os.path.join(tmp, "ckpt")
             from_config(TINY_MOE.config(), seed=0).save_pretrained(tiny)
-            names = _probe(["engine-modules", "vllm-fp4", tiny], timeout)
-            names += _probe(["engine-modules", "vllm-bf16", tiny], timeout)
+            # two probes on the tiny checkpoint, side by side: the fp4 build's modules first, then the bf16 one's
+            found = _probes([["engine-modules", e, tiny] for e in ("vllm-fp4", "vllm-bf16")], timeout, parallel=True)
             with open(modules, "w") as f:
-                json.dump(list(dict.fromkeys(names)), f)
+                json.dump(list(dict.fromkeys(n for names in found for n in names)), f)
         else:
             with open(modules, "w") as f:
                 json.dump([], f)
-        for name in probes:
-            m = _probe(["memory-probe", name, ckpt, preset, modules], timeout)
+        readings = _probes([["memory-probe", name, ckpt, preset, modules] for name in probes], timeout,
+                           parallel=_dir_bytes(ckpt) <= PARALLEL_PROBE_BYTES)
+        for name, m in zip(probes, readings):
             params = m["expert_params"]
             if _probe_kind(name) is EngineKind.HOME:
                 res["resident_bytes_per_expert_param.home.bf16"] = m["bf16_bytes"] / params

@@ -18,7 +18,7 @@ from tracefp4.reports.bench_pipe import ServerProcess, answer_channel
 from tracefp4.reports.decode_timing import median_rate, profiled, random_prompts
 from tracefp4.rl.arms import ROLLOUT_MODES
 
-__all__ = ["CAPACITY_PROMPT", "VLLM_MODES", "LongServer", "serve", "vllm_capacity", "vllm_decode"]
+__all__ = ["CAPACITY_PROMPT", "VLLM_MODES", "LongServer", "serve", "start_servers", "vllm_capacity", "vllm_decode"]
 
 #: The vLLM modes and the server (engine) each runs on.
 VLLM_MODES = {"bf16": "vllm-bf16", "fp8kv": "vllm-fp8kv", "fp4": "vllm-fp4", "trace_lsb": "vllm-fp4"}
@@ -195,12 +195,20 @@ class LongServer:
     """A vLLM engine of the long preset in a process of its own (``python -m
     tracefp4.reports.long_server serve ENGINE CKPT BUILD_JSON``): vLLM keeps process-wide state, so
     each engine needs its own process, and with all of them built first their cells can be run side
-    by side (the machine's speed drifts over minutes). Commands and answers are JSON lines."""
+    by side (the machine's speed drifts over minutes). Commands and answers are JSON lines.
+    ``wait=False`` returns once the process is started; :meth:`ready` then waits for it (see
+    :func:`start_servers`)."""
 
-    def __init__(self, engine: str, ckpt: str, build: dict) -> None:
+    def __init__(self, engine: str, ckpt: str, build: dict, *, wait: bool = True) -> None:
         self.server = ServerProcess("tracefp4.reports.long_server", ["serve", engine, ckpt, json.dumps(build)],
                                     f"long {engine}")
-        self.server.read()  # {"ready": true} once built and warmed up
+        if wait:
+            self.ready()
+
+    def ready(self) -> LongServer:
+        """Wait for the server's {"ready": true}: its engine built and warmed up."""
+        self.server.read()
+        return self
 
     def ask(self, **cmd) -> dict:
         self.server.send(json.dumps(cmd))
@@ -208,6 +216,24 @@ class LongServer:
 
     def close(self) -> None:
         self.server.close(json.dumps({"cmd": "quit"}))
+
+
+def start_servers(engines: Sequence[str], ckpt: str, build: dict) -> dict[str, LongServer]:
+    """A :class:`LongServer` per engine, their processes started together and built side by side
+    (an engine build is mostly single-threaded imports and set-up); returns once every one is ready.
+    Nothing is timed while they build: a server's timed commands are only sent after this returns.
+    If one fails, all are closed."""
+    servers: dict[str, LongServer] = {}
+    try:
+        for engine in engines:
+            servers[engine] = LongServer(engine, ckpt, build, wait=False)
+        for srv in servers.values():
+            srv.ready()
+    except BaseException:
+        for srv in servers.values():
+            srv.close()
+        raise
+    return servers
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,12 +30,19 @@ class _Child:
             raise
         self.out.seek(0)
         self.err.seek(0)
-        return subprocess.CompletedProcess(self.cmd, rc, self.out.read(), self.err.read())
+        done = subprocess.CompletedProcess(self.cmd, rc, self.out.read(), self.err.read())
+        self._close()
+        return done
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self._close()
+
+    def _close(self) -> None:
+        self.out.close()
+        self.err.close()
 
 
 #: Children started ahead of their test (:func:`start_fresh_interpreter`), by test file.

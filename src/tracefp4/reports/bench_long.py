@@ -89,7 +89,12 @@ from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.provenance import environment
 from tracefp4.reports.decode_timing import median_rate, profiled, random_prompts
-from tracefp4.reports.long_server import CAPACITY_PROMPT, VLLM_MODES, LongServer, start_servers
+from tracefp4.reports.long_server import (
+    CAPACITY_PROMPT,
+    VLLM_MODES,
+    LongServer,
+    start_servers,
+)
 from tracefp4.rl.arms import ROLLOUT_MODES
 
 __all__ = ["LONG_MOE", "LONG_TARGETS", "LongConfig", "bench_long", "format_long", "long_targets", "profile_cell",

@@ -47,7 +47,7 @@ def test_bench_numerics_targets_are_in_each_result():
     from tracefp4.reports.bench import NUMERICS_TARGETS, TARGET_SHAPE, _add_ratios, _targets, format_numerics
 
     res = {"shape": list(TARGET_SHAPE), "dtype": "bfloat16", "threads": 2, "copy_s": 1.0, "copy_into_s": 1.0,
-           "nvfp4_quantize_s": 1.5, "nvfp4_quantize_per_row_s": 1.25, "nvfp4_dequantize_s": 1.0,
+           "float32_write_s": 1.25, "nvfp4_quantize_s": 1.5, "nvfp4_quantize_per_row_s": 1.25, "nvfp4_dequantize_s": 1.0,
            "nvfp4_dequantize_bf16_s": 0.75, "guided_quantize_s": 1.5, "guided_quantize_full_s": 2.0, "encode_hint_s": 0.25,
            "torchao_nvfp4_quantize_s": 150.0, "torchao_bit_exact": True}
     _add_ratios(res)
@@ -57,6 +57,7 @@ def test_bench_numerics_targets_are_in_each_result():
     assert got["quantize_per_row_over_copy"] == (1.25, False) and got["quantize_over_copy"] == (1.5, True)
     assert got["guided_full_over_copy"] == (2.0, False) and got["encode_hint_over_copy"] == (0.25, True)
     assert got["torchao_over_quantize"] == (100.0, True) and got["dequantize_bf16_over_copy"] == (0.75, True)
+    assert res["float32_write_over_copy"] == 1.25  # the float32 dequantization's floor, reported beside it
     out = format_numerics(res)
     assert "quantize_per_row_over_copy 1.25 (<= 1.1: MISSED)" in out
     assert "torchao_over_quantize 100.00 (>= 80.0: ok)" in out

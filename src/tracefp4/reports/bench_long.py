@@ -41,8 +41,10 @@ Figures (all in one JSON; ``<ctx>`` is the context, prompt plus generated tokens
   and the budget is shrunk by that overshoot, in whole blocks, and BF16 rerun, up to
   ``CALIBRATION_RUNS`` times (``capacity_calibration`` lists each try; never below one whole request).
   Every other engine runs at the final budget. A queue of ``--capacity-requests`` (32) requests of
-  ``--capacity-output`` new tokens (default 256, not the issue's 1K, to keep the run within minutes)
-  after 64-token prompts, all submitted at once; vLLM schedules what fits (and preempts what stops fitting).
+  ``--capacity-output`` new tokens (default 1024) after 64-token prompts, all submitted at once; vLLM
+  schedules what fits (and preempts what stops fitting). vLLM's CPU cache blocks are 128 tokens, so a
+  short request is a few coarse blocks and concurrency moves in steps of them: at 256 new tokens (3
+  blocks a request) FP4 ran 18 at once to BF16's 8 at one budget, at 1024 (9 blocks) 28 to 8.
   ``capacity_tokens_per_s.vllm.<mode>``: generated tokens over the wall time to the last one;
   ``capacity_peak_running.vllm.<mode>``: the most requests running in one step, read from vLLM's
   scheduler after each step (from the first preemption on, if any: once the cache has filled);
@@ -65,8 +67,8 @@ the square of the prompt, to about a minute per 16K prompt in BF16 and two in FP
 minutes of prefill in all, plus three engine builds, the capacity run and our engine's cell (about
 a minute each). 16K at batch 8, where the issue sets the decode target, is 8 such prompts per
 engine: that cell alone, ``--contexts 16384 --batch 8``, was estimated at ~40 minutes there. On quiet
-cores of the same CPU kind the default run took 5 minutes and that cell 10 (each with the capacity
-run and its calibration). ``--contexts``/``--batch``
+cores of the same CPU kind the default run took 7 minutes (5 with 256-token capacity outputs) and
+that cell 9-10 (each with the capacity run and its calibration). ``--contexts``/``--batch``
 replace the cells (every context at every batch); the JSON's ``cells`` lists what ran and
 ``targets_not_run`` the targets whose cell did not. Prefix caching would not shorten this honestly:
 our vLLM engine turns it off (a cached block is never recomputed, so never recorded), and prompts
@@ -122,7 +124,7 @@ class LongConfig:
     repeats: int = 3
     capacity_fit: int = 8
     capacity_requests: int = 32
-    capacity_output: int = 256
+    capacity_output: int = 1024
     profile_steps: int = 4
     seed: int = 0
 

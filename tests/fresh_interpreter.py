@@ -9,47 +9,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-
-class _Child:
-    """A started child pytest; its output goes to files (nothing reads it before it has exited)."""
-
-    def __init__(self, cmd: list[str], cwd: Path, env: dict[str, str]) -> None:
-        self.cmd = cmd
-        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self.out, stderr=self.err, text=True)
-
-    def result(self, timeout: float) -> subprocess.CompletedProcess:
-        try:
-            rc = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        self.out.seek(0)
-        self.err.seek(0)
-        done = subprocess.CompletedProcess(self.cmd, rc, self.out.read(), self.err.read())
-        self._close()
-        return done
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._close()
-
-    def _close(self) -> None:
-        self.out.close()
-        self.err.close()
-
+from child_process import Child
 
 #: Children started ahead of their test (:func:`start_fresh_interpreter`), by test file.
-_STARTED: dict[Path, _Child] = {}
+_STARTED: dict[Path, Child] = {}
 
 
-def _start(test_file: str, child_flag: str, ran_here: Sequence[str]) -> _Child:
+def _start(test_file: str, child_flag: str, ran_here: Sequence[str]) -> Child:
     assert os.environ.get(child_flag) != "1", "the fresh process could not enable the interpreter either"
     env = {**os.environ, "TRITON_INTERPRET": "1", child_flag: "1"}
     path = Path(test_file).resolve()
@@ -57,7 +26,7 @@ def _start(test_file: str, child_flag: str, ran_here: Sequence[str]) -> _Child:
            "-k", "not fresh_interpreter_process",
            # node ids are relative to the root directory (the child's working directory)
            *(f"--deselect={path.relative_to(path.parents[1]).as_posix()}::{name}" for name in ran_here)]
-    return _Child(cmd, path.parents[1], env)
+    return Child(cmd, env, cwd=path.parents[1])
 
 
 def start_fresh_interpreter(test_file: str, child_flag: str, ran_here: Sequence[str] = ()) -> None:

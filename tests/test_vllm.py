@@ -28,6 +28,7 @@ for _k, _v in {
     os.environ.setdefault(_k, _v)
 
 import torch  # noqa: E402
+from child_process import Child  # noqa: E402
 
 from tracefp4.engines.capture import RolloutCapture  # noqa: E402
 from tracefp4.engines.experts import choose_gemm  # noqa: E402
@@ -96,35 +97,6 @@ def full(engine):
         PROMPTS, SamplingParams(max_new_tokens=12, seed=3), plan=FP4, guidance=GuidedMode.parse("full@all"),
         diagnostics=ALL,
     )
-
-
-class _Child:
-    """A test's child process, started ahead of its test by :func:`_children`; stdout and stderr go to
-    files (nothing reads them until it has exited)."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], folder) -> None:
-        import subprocess
-
-        self.argv, self.folder = argv, folder
-        with (folder / "stdout").open("w") as out, (folder / "stderr").open("w") as err:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=env)
-
-    def result(self, timeout: float):
-        """The finished process, as ``subprocess.run(..., capture_output=True, text=True)`` returns it."""
-        import subprocess
-
-        try:
-            rc = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        return subprocess.CompletedProcess(self.argv, rc, (self.folder / "stdout").read_text(),
-                                           (self.folder / "stderr").read_text())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -602,11 +574,11 @@ if __name__ == "__main__":
 """
 
 
-def _start_multiprocess(python: str, ckpt: str, folder) -> _Child:
+def _start_multiprocess(python: str, ckpt: str, folder) -> Child:
     script = folder / "mp.py"
     script.write_text(_MULTIPROCESS_SCRIPT)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    return _Child([python, str(script), ckpt, str(folder / "store")], env, folder)
+    return Child([python, str(script), ckpt, str(folder / "store")], env, folder)
 
 
 @pytest.mark.subprocess
@@ -658,10 +630,10 @@ if __name__ == "__main__":
 """
 
 
-def _start_compiled(python: str, ckpt: str, folder) -> _Child:
+def _start_compiled(python: str, ckpt: str, folder) -> Child:
     script = folder / "compiled.py"
     script.write_text(_COMPILED_SCRIPT)
-    return _Child([python, str(script), ckpt, str(folder / "store"), json.dumps(PROMPTS)], {**os.environ}, folder)
+    return Child([python, str(script), ckpt, str(folder / "store"), json.dumps(PROMPTS)], {**os.environ}, folder)
 
 
 @pytest.mark.subprocess

@@ -105,6 +105,15 @@ def _long_args(*extra: str):
     return p.parse_args(["rollout", *extra])
 
 
+def test_the_long_preset_runs_one_layer_of_the_bandwidth_preset():
+    import dataclasses
+
+    from tracefp4.reports.bench_long import LONG_MOE
+    from tracefp4.reports.bench_rollout import BANDWIDTH_MOE
+
+    assert LONG_MOE == dataclasses.replace(BANDWIDTH_MOE, layers=1)
+
+
 def test_long_cells_come_from_the_command_line_or_the_preset():
     from tracefp4.reports.bench_long import LONG_MOE, LongConfig
     from tracefp4.reports.bench_rollout import long_config
@@ -197,6 +206,8 @@ def test_long_preset_through_the_command_line(tmp_path, capsys):
     for mode in ("bf16", "fp8kv", "fp4", "trace_lsb"):
         assert res[f"capacity_tokens_per_s.vllm.{mode}"] > 0
         assert res[f"capacity_kv_tokens.vllm.{mode}"] >= block
+        # the first step runs the prompts, so some of the run is prompts' steps, never more than all of it
+        assert 0 < res[f"capacity_prefill_s.vllm.{mode}"] <= res[f"capacity_wall_s.vllm.{mode}"]
     # the budget holds one whole BF16 request (of one block) and all three FP4 ones: FP4 runs the three at
     # once and never preempts; vLLM admits BF16 requests while their prompts fit and preempts them as they
     # grow, so how many BF16 ones ran at once depends on its admission, not on the budget alone

@@ -308,6 +308,10 @@ def _long_section(path: Path) -> list[str]:
                             ("capacity run peak running", "capacity_peak_running", ".0f")):
         vals = [d.get(f"{key}.vllm.{m}") for m in LONG_MODES]
         out.append(f"| {label} | " + " | ".join("-" if v is None else format(v, fmt) for v in vals) + " |")
+    if any(f"capacity_wall_s.vllm.{m}" in d for m in LONG_MODES):  # recorded from 2026-12-05 on
+        shares = [(d.get(f"capacity_prefill_s.vllm.{m}"), d.get(f"capacity_wall_s.vllm.{m}")) for m in LONG_MODES]
+        out.append("| capacity run time in steps running prompts | "
+                   + " | ".join("-" if w is None else f"{p / w:.0%} of {w:.0f} s" for p, w in shares) + " |")
     out += ["", "Decode time at the longest context run (experts / attention / sites / rest):", ""]
     for k in sorted(k for k in d if k.startswith("decode_time_share.")):
         sh = d[k]

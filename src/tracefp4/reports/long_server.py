@@ -139,13 +139,17 @@ def vllm_capacity(e, mode: str, cfg: dict) -> dict:
     """The capacity run on an engine built with the capacity budget (see the module docstring)."""
     prompts = random_prompts(cfg["capacity_requests"], CAPACITY_PROMPT, cfg["vocab"], cfg["seed"] + 1)
     st = _Stepper(e, mode, prompts, cfg["capacity_output"], cfg["seed"])
-    counts, preempted, full_from = [], 0, None
+    counts, preempted, full_from, prefill_s = [], 0, None, 0.0
     t0 = time.perf_counter()
     try:
         before: set[str] = set()
         while st.unfinished():
+            t = time.perf_counter()
             st.step()
+            dt = time.perf_counter() - t
             now = st.running
+            if now - before:  # a request (re)entered: the step ran its prompt (a preempted one's, recomputed)
+                prefill_s += dt
             lost = (before - now) & st.waiting  # left the running set unfinished: preempted
             if lost:
                 preempted += len(lost)
@@ -158,7 +162,7 @@ def vllm_capacity(e, mode: str, cfg: dict) -> dict:
     tokens = sum(st.generated.values())
     held = counts[full_from or 0:] or [0]
     return {"tokens_per_s": tokens / wall, "peak_running": max(held), "mean_running": statistics.fmean(counts),
-            "preemptions": preempted, "tokens": tokens}
+            "preemptions": preempted, "tokens": tokens, "wall_s": wall, "prefill_s": prefill_s}
 
 
 def serve(engine: str, ckpt: str, build: dict) -> None:

@@ -114,6 +114,32 @@ def test_the_long_preset_runs_one_layer_of_the_bandwidth_preset():
     assert LONG_MOE == dataclasses.replace(BANDWIDTH_MOE, layers=1)
 
 
+def test_capacity_runs_side_by_side_take_turns_until_every_queue_is_done():
+    from tracefp4.reports.bench_long import side_by_side
+
+    log = []
+
+    class Server:  # a LongServer whose queue needs `turns` turns
+        def __init__(self, turns):
+            self.left = turns
+
+        def ask(self, cmd, **kw):
+            log.append((self, cmd, kw.get("mode"), kw.get("seconds")))
+            if cmd == "capacity_steps":
+                self.left -= 1
+                return {"done": self.left == 0}
+            return {"tokens_per_s": 1.0} if cmd == "capacity_end" else {}
+
+    a, b = Server(3), Server(1)
+    out = side_by_side({"bf16": a, "fp4": b}, lambda msg: None, turn_s=0.5)
+    assert out == {"bf16": {"tokens_per_s": 1.0}, "fp4": {"tokens_per_s": 1.0}}
+    assert [(s, c, m) for s, c, m, _ in log] == [
+        (a, "capacity_begin", "bf16"), (b, "capacity_begin", "fp4"),  # begun together, then in turns
+        (a, "capacity_steps", None), (b, "capacity_steps", None), (a, "capacity_steps", None),
+        (a, "capacity_steps", None), (a, "capacity_end", None), (b, "capacity_end", None)]
+    assert {sec for _, c, _, sec in log if c == "capacity_steps"} == {0.5}
+
+
 def test_long_cells_come_from_the_command_line_or_the_preset():
     from tracefp4.reports.bench_long import LONG_MOE, LongConfig
     from tracefp4.reports.bench_rollout import long_config

@@ -4,12 +4,12 @@ What the FP4 KV cache is for: long rollouts, where the KV cache sets both the by
 reads and how many sequences fit a KV budget at once. The model (:data:`LONG_MOE`) is one decoder
 layer of the bandwidth preset's (Qwen3-30B-A3B's layer shapes: attention of 32 query heads, 4 KV
 heads, head dim 128; hidden 2048; 64 of its 128 experts, top-8 of dim 768): a 16K-token prefill is
-~2.2 TFLOP of attention per sequence and layer, plus ~1.9 TFLOP for the rest of the layer, ~2 minutes
-on 2 cores, and every (mode, sequence) needs its own, so one layer, not the bandwidth preset's four;
+~2.2 TFLOP of attention per sequence and layer plus ~1.9 TFLOP for the rest of the layer, and every
+(mode, sequence) needs its own, so one layer, not the bandwidth preset's four;
 the JSON's ``model`` and ``resized`` say so. The experts keep the real layer's size because a decode
 step's share of expert bytes sets what FP4 weights save (with 32 experts top-4 of dim 384 under the
-same attention, the capacity run's FP4 tokens/s was 2.36x BF16's; with this layer 2.9x: the
-journal's 2026-12-05 entry). Random weights, random prompts, no stop token.
+same attention, the capacity run's FP4 tokens/s was 2.36x BF16's, with this layer 2.93x: runs
+``2026-12-05d`` and ``e`` in ``docs/results/bench-long/``). Random weights, random prompts, no stop token.
 
 Modes and engines (each vLLM engine in a server process of its own, see :class:`tracefp4.reports.long_server.LongServer`;
 the servers a phase needs are built side by side, before anything of that phase is timed):
@@ -32,7 +32,8 @@ Figures (all in one JSON; ``<ctx>`` is the context, prompt plus generated tokens
   only what is recorded differs): one prefill per engine and cell, not per mode, and the two modes
   timed side by side. A rollout's recording runs as in any rollout (trace_lsb records its guidance
   every step); assembling the records afterwards is not decode and is left out (the vLLM engines
-  drop them). Our engine prefills per mode.
+  drop them). Our engine prefills per mode (its modes' plans differ) and alternates the modes' runs of
+  steps the same way.
 * ``kv_bytes_per_token.<engine>.<mode>``: the bytes of the engine's own KV cache tensors over the
   tokens they hold (vLLM: its cache tensors over its reported capacity; ours: the cache after a
   prefill over its slots), and ``kv_capacity_tokens.vllm.<mode>``: vLLM's reported capacity (blocks x
@@ -43,17 +44,22 @@ Figures (all in one JSON; ``<ctx>`` is the context, prompt plus generated tokens
   its prompt fits and preempts as sequences grow, so BF16 then runs more at once (14 of 8 measured),
   and the budget is shrunk by that overshoot, in whole blocks, and BF16 rerun, up to
   ``CALIBRATION_RUNS`` times (``capacity_calibration`` lists each try; never below one whole request).
-  Every other engine runs at the final budget. A queue of ``--capacity-requests`` (32) requests of
-  ``--capacity-output`` new tokens (default 1024) after 64-token prompts, all submitted at once; vLLM
-  schedules what fits (and preempts what stops fitting). vLLM's CPU cache blocks are 128 tokens, so a
+  Then every mode runs at the final budget, on a server of its own (BF16 again), the four runs side
+  by side: begun together and stepped in turns of ``CAPACITY_TURN_S`` (1 s) of step time each until
+  every queue is done, so that the machine's drift over the minutes they take falls on all of them
+  alike (run one after another, the same FP4 run measured 713 and 594 tokens/s an hour apart). A
+  queue of ``--capacity-requests`` (32) requests of ``--capacity-output`` new tokens (default 1024)
+  after 64-token prompts, all submitted at once; vLLM schedules what fits (and preempts what stops
+  fitting). vLLM's CPU cache blocks are 128 tokens, so a
   short request is a few coarse blocks and concurrency moves in steps of them: at 256 new tokens (3
   blocks a request) FP4 ran 18 at once to BF16's 8 at one budget, at 1024 (9 blocks) 28 to 8.
-  ``capacity_tokens_per_s.vllm.<mode>``: generated tokens over the wall time to the last one;
+  ``capacity_tokens_per_s.vllm.<mode>``: generated tokens over the run's own time, the sum of its
+  steps' (``capacity_wall_s``: what the run takes alone, the time of the other modes' turns left out);
   ``capacity_peak_running.vllm.<mode>``: the most requests running in one step, read from vLLM's
   scheduler after each step (from the first preemption on, if any: once the cache has filled);
   ``capacity_mean_running``, ``capacity_preemptions`` and ``capacity_kv_tokens`` (vLLM's capacity at
-  that budget) beside them, and ``capacity_wall_s`` with ``capacity_prefill_s``, the wall time of the
-  steps in which a request entered (its prompt run, or a preempted one's prompt and tokens so far
+  that budget) beside them, and ``capacity_prefill_s``, the time of the steps in which a request
+  entered (its prompt run, or a preempted one's prompt and tokens so far
   recomputed: vLLM's V1 preempts by recomputing).
 * ``decode_time_share.<engine>.<mode>`` = {experts, attention, sites, rest}: where ``--profile-steps``
   decode steps go at the largest context an engine runs (``decode_time_share_context.<engine>``),
@@ -86,7 +92,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -113,7 +119,7 @@ LONG_MOE = TinyMoESpec(hidden=2048, layers=1, experts=64, top_k=8, moe_intermedi
                        head_dim=128, vocab=1024, init_std=0.02)
 RESIZED = ("1 decoder layer of the bandwidth preset's model (not its 4, nor Qwen3-30B-A3B's 48), its layer shapes kept "
            "(attention 32 query heads, 4 KV heads, head dim 128; hidden 2048; 64 experts top-8 of dim 768, of the "
-           "real model's 128): each 16K-token prefill is ~4 TFLOP per sequence and layer (~2 minutes on 2 cores), so "
+           "real model's 128): each 16K-token prefill is ~4 TFLOP per sequence and layer (minutes on 2 cores), so "
            "one layer keeps the default run near 15 minutes; the KV figures per layer, the attention's and the "
            "experts' shares of a decode step are those of the real layer, the vocabulary's (1024) is smaller")
 HOME_MODES = ("bf16", "fp4", "trace_lsb")
@@ -256,38 +262,45 @@ class _HomeRegions:
         self.table[self.impl] = self.saved
 
 
-def home_decode(model, mode: str, batch: int, context: int, cfg: dict, profile: bool) -> dict:
-    """One decode cell of our engine: prefill (untimed), then ``new_tokens`` timed decode steps; the
-    bytes per token of the cache it built and, with ``profile``, the time shares of a few more steps."""
+def home_decode(model, modes: Sequence[str], batch: int, context: int, cfg: dict, profile: bool) -> dict[str, dict]:
+    """One decode cell of our engine for each of ``modes``: a prefill per mode (untimed; the modes'
+    plans and records differ), then ``new_tokens`` timed decode steps per mode in ``repeats`` runs that
+    alternate the modes, as the vLLM cell does (the machine drifts over a cell). Per mode: the bytes
+    per token of the cache it built, ``rate`` and, with ``profile``, ``share`` of a few more steps."""
     from tracefp4.engines.capture import RolloutCapture
     from tracefp4.engines.model import model_layers
     from tracefp4.engines.protocol import SamplingParams
     from tracefp4.engines.rollout import decode_one_token, prefill
 
-    n, steps = cfg["new_tokens"], cfg["profile_steps"] if profile else 0
-    fp4, guidance = ROLLOUT_MODES[mode]
-    plan = PrecisionPlan() if fp4 else None
-    capture = RolloutCapture.of(GuidedMode.parse(guidance) if guidance else None, frozenset(), model_layers(model)[0])
+    n, repeats, steps = cfg["new_tokens"], cfg["repeats"], cfg["profile_steps"] if profile else 0
     prompts = [torch.tensor(p) for p in random_prompts(batch, context - n, cfg["vocab"], cfg["seed"])]
     sampling = SamplingParams(max_new_tokens=n + steps + 1, temperature=1.0, seed=cfg["seed"])
-    g = torch.Generator().manual_seed(cfg["seed"])
     with torch.no_grad():
-        st, logits = prefill(model, plan, capture, prompts, 0)
-        out = {"kv_bytes_per_token": st.cache.kv_bytes_per_token()}
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            logits = decode_one_token(st, logits, sampling, g)
-            times.append(time.perf_counter() - t0)
-        out["rate"] = median_rate(times, batch, cfg["repeats"])
-        if steps:
-            box = [logits]
+        runs = {}  # mode -> [decode state, last logits, sampling generator]
+        for mode in modes:
+            fp4, guidance = ROLLOUT_MODES[mode]
+            capture = RolloutCapture.of(GuidedMode.parse(guidance) if guidance else None, frozenset(),
+                                        model_layers(model)[0])
+            st, logits = prefill(model, PrecisionPlan() if fp4 else None, capture, prompts, 0)
+            runs[mode] = [st, logits, torch.Generator().manual_seed(cfg["seed"])]
+        out = {m: {"kv_bytes_per_token": run[0].cache.kv_bytes_per_token()} for m, run in runs.items()}
 
-            def step() -> None:
-                box[0] = decode_one_token(st, box[0], sampling, g)
+        def step(run: list) -> None:
+            run[1] = decode_one_token(run[0], run[1], sampling, run[2])
 
-            with _HomeRegions(model):
-                out["share"] = profiled(step, steps)
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        size = n // repeats
+        for r in range(repeats):
+            for mode, run in runs.items():
+                for _ in range(size if r < repeats - 1 else n - size * (repeats - 1)):
+                    t0 = time.perf_counter()
+                    step(run)
+                    times[mode].append(time.perf_counter() - t0)
+        for mode, run in runs.items():
+            out[mode]["rate"] = median_rate(times[mode], batch, repeats)
+            if steps:
+                with _HomeRegions(model):
+                    out[mode]["share"] = profiled(lambda run=run: step(run), steps)
     return out
 
 
@@ -316,9 +329,9 @@ def bench_long(engines: Sequence[str], cfg: LongConfig = LongConfig(),
         home_cells = [(c, b) for c, b in cfg.cells if c in cfg.home_contexts]
         profiled = profile_cell(home_cells, cfg.primary_batch)
         for ctx, batch in home_cells:
-            for mode in HOME_MODES:
-                say(f"home {mode}: context {ctx}, batch {batch}")
-                r = home_decode(model, mode, batch, ctx, common, (ctx, batch) == profiled)
+            say(f"home {'/'.join(HOME_MODES)}: context {ctx}, batch {batch} (a prefill of {batch} x "
+                f"{ctx - cfg.new_tokens} tokens per mode)")
+            for mode, r in home_decode(model, HOME_MODES, batch, ctx, common, (ctx, batch) == profiled).items():
                 _record(res, "home", mode, ctx, batch, r["rate"], cfg.first_batch(ctx))
                 res[f"kv_bytes_per_token.home.{mode}"] = r["kv_bytes_per_token"]
                 if "share" in r:
@@ -370,7 +383,7 @@ def _vllm_cells(ckpt: str, cfg: LongConfig, common: dict, res: dict, say) -> Non
     try:
         engines = list(dict.fromkeys(VLLM_MODES.values()))
         say(f"vllm: building {', '.join(engines)} (a server process each, side by side)")
-        servers = start_servers(engines, ckpt, build)
+        servers = start_servers({e: e for e in engines}, ckpt, build)
         for engine, srv in servers.items():
             kv = srv.ask(cmd="kv")
             for mode in (m for m, e in VLLM_MODES.items() if e == engine):
@@ -407,27 +420,32 @@ def shrunk_budget(tokens: int, peak: int, fit: int, block: int, floor: int) -> i
     return max(floor, (tokens - block) * fit // peak // block * block + block)
 
 
-def _capacity_answer(srv: LongServer, mode: str, kv: dict, res: dict, say) -> dict:
-    r = srv.ask(cmd="capacity", mode=mode)
-    for key, value in (("tokens_per_s", r["tokens_per_s"]), ("peak_running", r["peak_running"]),
-                       ("mean_running", r["mean_running"]), ("preemptions", r["preemptions"]),
-                       ("wall_s", r["wall_s"]), ("prefill_s", r["prefill_s"]), ("kv_tokens", kv["tokens"])):
-        res[f"capacity_{key}.vllm.{mode}"] = value
+#: Step time each capacity run gets per turn when the modes' runs alternate (:func:`side_by_side`).
+CAPACITY_TURN_S = 1.0
+
+
+def side_by_side(servers: Mapping[str, LongServer], say, turn_s: float = CAPACITY_TURN_S) -> dict[str, dict]:
+    """The capacity run of each mode (``servers``: mode -> its engine's server), all begun at once and
+    stepped in turns of ``turn_s`` seconds of step time until every queue is done: the runs take
+    minutes each and the machine drifts over minutes, so no mode's run is timed in another stretch of
+    time than the others'. Each run counts only its own steps' time."""
+    for mode, srv in servers.items():
+        srv.ask(cmd="capacity_begin", mode=mode)
+    live, turns = list(servers), 0
+    while live:
+        live = [m for m in live if not servers[m].ask(cmd="capacity_steps", seconds=turn_s)["done"]]
+        turns += 1
+        if turns % 30 == 0 and live:
+            say(f"capacity run: {', '.join(live)} still running ({turns} turns)")
+    return {mode: srv.ask(cmd="capacity_end") for mode, srv in servers.items()}
+
+
+def _capacity_record(mode: str, r: dict, kv: dict, res: dict, say) -> None:
+    for key in ("tokens_per_s", "peak_running", "mean_running", "preemptions", "wall_s", "prefill_s"):
+        res[f"capacity_{key}.vllm.{mode}"] = r[key]
+    res[f"capacity_kv_tokens.vllm.{mode}"] = kv["tokens"]
     say(f"capacity run {mode}: {r['tokens_per_s']:.1f} tokens/s, peak {r['peak_running']} running, "
         f"{r['preemptions']} preemptions")
-    return r
-
-
-def _capacity_engine(engine: str, srv: LongServer, build: dict, res: dict, say) -> dict[str, dict]:
-    """The capacity run of every mode ``engine`` serves, on its server ``srv`` (built with ``build``'s
-    budget), which is closed afterwards."""
-    say(f"capacity run: {engine}, {build['capacity_requests']} requests of {build['capacity_output']} tokens, "
-        f"{build['kv_bytes'] / 2**20:.2f} MiB of KV")
-    try:
-        kv = srv.ask(cmd="kv")
-        return {mode: _capacity_answer(srv, mode, kv, res, say) for mode, e in VLLM_MODES.items() if e == engine}
-    finally:
-        srv.close()
 
 
 def _capacity_cells(ckpt: str, cfg: LongConfig, common: dict, res: dict, say, bf16_per_token: float,
@@ -444,24 +462,30 @@ def _capacity_cells(ckpt: str, cfg: LongConfig, common: dict, res: dict, say, bf
     base = {**common, "max_len": -(-(CAPACITY_PROMPT + cfg.capacity_output + 16) // 16) * 16,
             "max_seqs": cfg.capacity_requests, "new_tokens": min(cfg.new_tokens, 8)}
     trail = []
-    for _ in range(CALIBRATION_RUNS):
+    for _ in range(CALIBRATION_RUNS):  # BF16 alone
         build = {**base, "kv_bytes": int(tokens * bf16_per_token)}
+        say(f"capacity calibration: vllm-bf16, {cfg.capacity_requests} requests of {cfg.capacity_output} tokens, "
+            f"{build['kv_bytes'] / 2**20:.2f} MiB of KV")
         srv = LongServer("vllm-bf16", ckpt, build)
-        peak = _capacity_engine("vllm-bf16", srv, build, res, say)["bf16"]["peak_running"]
-        trail.append({"budget_bytes": build["kv_bytes"], "kv_tokens": res["capacity_kv_tokens.vllm.bf16"],
-                      "peak_running": peak})
+        try:
+            kv = srv.ask(cmd="kv")
+            peak = side_by_side({"bf16": srv}, say)["bf16"]["peak_running"]
+        finally:
+            srv.close()
+        trail.append({"budget_bytes": build["kv_bytes"], "kv_tokens": kv["tokens"], "peak_running": peak})
+        say(f"capacity calibration: bf16 peak {peak} running at {kv['tokens']} tokens of KV")
         if peak <= cfg.capacity_fit or tokens == floor:
             break
         tokens = shrunk_budget(tokens, peak, cfg.capacity_fit, block, floor)
     res["capacity_budget_bytes"] = build["kv_bytes"]
     res["capacity_calibration"] = trail
-    # the other engines at the final budget: built side by side, then run one at a time (each server
-    # closed after its run; one that waits for its turn is idle, blocked on its command pipe)
-    others = [e for e in dict.fromkeys(VLLM_MODES.values()) if e != "vllm-bf16"]
-    servers = start_servers(others, ckpt, build)
+    # every mode at the final budget, a server each (fp4 and trace_lsb: two of our engine), run side by side
+    say(f"capacity run: {', '.join(VLLM_MODES)} side by side, {build['kv_bytes'] / 2**20:.2f} MiB of KV each")
+    servers = start_servers(VLLM_MODES, ckpt, build)
     try:
-        for engine in others:
-            _capacity_engine(engine, servers.pop(engine), build, res, say)
+        kvs = {mode: srv.ask(cmd="kv") for mode, srv in servers.items()}
+        for mode, r in side_by_side(servers, say).items():
+            _capacity_record(mode, r, kvs[mode], res, say)
     finally:
         for srv in servers.values():
             srv.close()

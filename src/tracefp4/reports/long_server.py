@@ -1,7 +1,8 @@
 """The long preset's vLLM engines, each in a server process of its own: ``python -m
 tracefp4.reports.long_server serve ENGINE CKPT BUILD_JSON`` builds one engine (vLLM's BF16, its FP8
 K/V, or ours with packed FP4 experts and K/V) and answers JSON commands: ``kv`` (its cache's bytes and
-capacity), ``decode`` (a timed decode cell) and ``capacity`` (the capacity run of one mode).
+capacity), ``decode`` (a timed decode cell) and ``capacity_begin``/``capacity_steps``/``capacity_end``
+(the capacity run of one mode, stepped in turns: :class:`CapacityRun`).
 :class:`LongServer` is the driver's handle on one; what the figures mean is in
 :mod:`tracefp4.reports.bench_long`."""
 
@@ -11,14 +12,14 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.reports.bench_pipe import ServerProcess, answer_channel
 from tracefp4.reports.decode_timing import median_rate, profiled, random_prompts
 from tracefp4.rl.arms import ROLLOUT_MODES
 
-__all__ = ["CAPACITY_PROMPT", "VLLM_MODES", "LongServer", "serve", "start_servers", "vllm_capacity", "vllm_decode"]
+__all__ = ["CAPACITY_PROMPT", "VLLM_MODES", "CapacityRun", "LongServer", "serve", "start_servers", "vllm_decode"]
 
 #: The vLLM modes and the server (engine) each runs on.
 VLLM_MODES = {"bf16": "vllm-bf16", "fp8kv": "vllm-fp8kv", "fp4": "vllm-fp4", "trace_lsb": "vllm-fp4"}
@@ -135,34 +136,50 @@ def vllm_decode(e, modes: Sequence[str], batch: int, context: int, cfg: dict, pr
     return out
 
 
-def vllm_capacity(e, mode: str, cfg: dict) -> dict:
-    """The capacity run on an engine built with the capacity budget (see the module docstring)."""
-    prompts = random_prompts(cfg["capacity_requests"], CAPACITY_PROMPT, cfg["vocab"], cfg["seed"] + 1)
-    st = _Stepper(e, mode, prompts, cfg["capacity_output"], cfg["seed"])
-    counts, preempted, full_from, prefill_s = [], 0, None, 0.0
-    t0 = time.perf_counter()
-    try:
-        before: set[str] = set()
-        while st.unfinished():
+class CapacityRun:
+    """The capacity run of one mode on an engine built with the capacity budget (see
+    :mod:`tracefp4.reports.bench_long`): the queue submitted at once, then stepped in turns
+    (:meth:`advance`) so that several engines' runs can alternate on one machine; only the steps'
+    own time is counted."""
+
+    def __init__(self, e, mode: str, cfg: dict) -> None:
+        prompts = random_prompts(cfg["capacity_requests"], CAPACITY_PROMPT, cfg["vocab"], cfg["seed"] + 1)
+        self.st = _Stepper(e, mode, prompts, cfg["capacity_output"], cfg["seed"])
+        self.counts: list[int] = []
+        self.preempted, self.full_from, self.steps_s, self.prefill_s = 0, None, 0.0, 0.0
+        self.before: set[str] = set()
+
+    def advance(self, seconds: float = float("inf")) -> bool:
+        """Step until ``seconds`` of step time have passed in this turn or the queue is done; True once done."""
+        st, spent = self.st, 0.0
+        while spent < seconds and st.unfinished():
             t = time.perf_counter()
             st.step()
             dt = time.perf_counter() - t
+            spent += dt
             now = st.running
-            if now - before:  # a request (re)entered: the step ran its prompt (a preempted one's, recomputed)
-                prefill_s += dt
-            lost = (before - now) & st.waiting  # left the running set unfinished: preempted
+            if now - self.before:  # a request (re)entered: the step ran its prompt (a preempted one's, recomputed)
+                self.prefill_s += dt
+            lost = (self.before - now) & st.waiting  # left the running set unfinished: preempted
             if lost:
-                preempted += len(lost)
-                full_from = len(counts) if full_from is None else full_from
-            counts.append(len(now))
-            before = now
-        wall = time.perf_counter() - t0
-    finally:
-        st.close()
-    tokens = sum(st.generated.values())
-    held = counts[full_from or 0:] or [0]
-    return {"tokens_per_s": tokens / wall, "peak_running": max(held), "mean_running": statistics.fmean(counts),
-            "preemptions": preempted, "tokens": tokens, "wall_s": wall, "prefill_s": prefill_s}
+                self.preempted += len(lost)
+                self.full_from = len(self.counts) if self.full_from is None else self.full_from
+            self.counts.append(len(now))
+            self.before = now
+        self.steps_s += spent
+        return not st.unfinished()
+
+    def result(self) -> dict:
+        """The figures (the run must be done), the engine left with nothing queued."""
+        self.st.close()
+        tokens = sum(self.st.generated.values())
+        held = self.counts[self.full_from or 0:] or [0]
+        return {"tokens_per_s": tokens / self.steps_s, "peak_running": max(held),
+                "mean_running": statistics.fmean(self.counts), "preemptions": self.preempted, "tokens": tokens,
+                "wall_s": self.steps_s, "prefill_s": self.prefill_s}
+
+    def abandon(self) -> None:
+        self.st.close()
 
 
 def serve(engine: str, ckpt: str, build: dict) -> None:
@@ -173,6 +190,7 @@ def serve(engine: str, ckpt: str, build: dict) -> None:
     engine_env()
     answer = answer_channel()
     e = _vllm_engine(engine, ckpt, build["max_len"], build["max_seqs"], build["kv_bytes"])
+    run: CapacityRun | None = None
     try:
         # warm-up: a short generation per mode (first-use costs: kernels, buffers)
         modes = [m for m, eng in VLLM_MODES.items() if eng == engine]
@@ -184,14 +202,22 @@ def serve(engine: str, ckpt: str, build: dict) -> None:
                 break
             if cmd["cmd"] == "decode":
                 ans = vllm_decode(e, cmd["modes"], cmd["batch"], cmd["context"], build, cmd["profile"])
-            elif cmd["cmd"] == "capacity":
-                ans = vllm_capacity(e, cmd["mode"], build)
+            elif cmd["cmd"] == "capacity_begin":
+                if run is not None:
+                    raise ValueError("long server: a capacity run is already in progress")
+                run, ans = CapacityRun(e, cmd["mode"], build), {}
+            elif cmd["cmd"] == "capacity_steps":
+                ans = {"done": run.advance(cmd["seconds"])}
+            elif cmd["cmd"] == "capacity_end":
+                run, ans = None, run.result()
             elif cmd["cmd"] == "kv":
                 ans = {**e.kv_cache_size(), "block_size": int(e.llm.llm_engine.vllm_config.cache_config.block_size)}
             else:
                 raise ValueError(f"long server: unknown command {cmd['cmd']!r}")
             answer(ans)
     finally:
+        if run is not None:
+            run.abandon()
         e.close()
 
 
@@ -222,15 +248,16 @@ class LongServer:
         self.server.close(json.dumps({"cmd": "quit"}))
 
 
-def start_servers(engines: Sequence[str], ckpt: str, build: dict) -> dict[str, LongServer]:
-    """A :class:`LongServer` per engine, their processes started together and built side by side
-    (an engine build is mostly single-threaded imports and set-up); returns once every one is ready.
+def start_servers(engines: Mapping[str, str], ckpt: str, build: dict) -> dict[str, LongServer]:
+    """A :class:`LongServer` per entry of ``engines`` (name -> engine: one engine may serve under
+    several names), their processes started together and built side by side (an engine build is
+    mostly single-threaded imports and set-up); returns once every one is ready, under its name.
     Nothing is timed while they build: a server's timed commands are only sent after this returns.
     If one fails, all are closed."""
     servers: dict[str, LongServer] = {}
     try:
-        for engine in engines:
-            servers[engine] = LongServer(engine, ckpt, build, wait=False)
+        for name, engine in engines.items():
+            servers[name] = LongServer(engine, ckpt, build, wait=False)
         for srv in servers.values():
             srv.ready()
     except BaseException:

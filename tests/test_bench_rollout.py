@@ -152,7 +152,7 @@ def test_long_cells_come_from_the_command_line_or_the_preset():
     assert cfg.capacity_output == 1024 and cfg.repeats == 3 and cfg.first_batch(4096) == 8
     with pytest.raises(ValueError, match="--contexts: expected comma-separated integers"):
         long_config(_long_args("--preset", "long", "--contexts", "1K"), LONG_MOE)
-    with pytest.raises(ValueError, match="context 16 must exceed 2 x --new-tokens 32"):
+    with pytest.raises(ValueError, match="context 16 must exceed 2 x --new-tokens 96"):
         LongConfig(cells=((16, 8),))
 
 

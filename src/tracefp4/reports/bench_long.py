@@ -70,16 +70,16 @@ Figures (all in one JSON; ``<ctx>`` is the context, prompt plus generated tokens
   ``rest`` is the steps' wall time less those three (norms, projections, sampling, the profiler).
 
 The default run (contexts 1K at batches 8 and 32, 4K at batch 8, 16K at batch 1; our engine at 1K,
-batch 8; the capacity run) is sized for ~15 minutes on 2 quiet cores with ``--repeats 3``: the
-prefills are most of it. Measured on 2 shared cores of an AMD EPYC, one 4K prompt with its decode
-steps takes 2.8 s in vLLM's BF16 engine, 4.0 s with its FP8 K/V and 16 s in our FP4 engine (fp4 and
-trace_lsb together; its prompt attention dequantizes and runs SDPA in float32); attention grows with
-the square of the prompt, to about a minute per 16K prompt in BF16 and two in FP4. That is ~9
-minutes of prefill in all, plus three engine builds, the capacity run and our engine's cell (about
-a minute each). 16K at batch 8, where the issue sets the decode target, is 8 such prompts per
-engine: that cell alone, ``--contexts 16384 --batch 8``, was estimated at ~40 minutes there. On quiet
-cores of the same CPU kind the default run took 7 minutes (5 with 256-token capacity outputs) and
-that cell 9-10 (each with the capacity run and its calibration). ``--contexts``/``--batch``
+batch 8; the capacity run) is sized for ~25 minutes on 2 quiet cores with ``--repeats 3``: the
+prefills and the capacity run are most of it. With the lighter MoE this preset first ran (32 experts
+top-4 of dim 384, hidden 1024) one 4K prompt with its decode steps took 2.8 s in vLLM's BF16 engine,
+4.0 s with its FP8 K/V and 16 s in our FP4 engine (fp4 and trace_lsb together; its prompt attention
+dequantizes and runs SDPA in float32), attention growing with the square of the prompt to about a
+minute per 16K prompt in BF16 and two in FP4. On quiet cores of an AMD EPYC, with this model, the
+default run took 23 minutes (17 with the capacity runs one after another, before they ran side by
+side: BF16's run is then its calibration's last one again), and ``--contexts 16384 --batch 8``, 8
+prompts of 16K per engine, 23 minutes (with ``--repeats 1`` and the capacity runs one after
+another). ``--contexts``/``--batch``
 replace the cells (every context at every batch); the JSON's ``cells`` lists what ran and
 ``targets_not_run`` the targets whose cell did not. Prefix caching would not shorten this honestly:
 our vLLM engine turns it off (a cached block is never recomputed, so never recorded), and prompts

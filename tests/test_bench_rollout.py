@@ -114,6 +114,12 @@ def test_the_long_preset_runs_one_layer_of_the_bandwidth_preset():
     assert LONG_MOE == dataclasses.replace(BANDWIDTH_MOE, layers=1)
 
 
+def test_alternating_runs_split_the_timed_steps_the_last_taking_the_remainder():
+    from tracefp4.reports.decode_timing import run_lengths
+
+    assert run_lengths(96, 3) == [32, 32, 32] and run_lengths(32, 3) == [10, 10, 12] and run_lengths(5, 1) == [5]
+
+
 def test_capacity_runs_side_by_side_take_turns_until_every_queue_is_done():
     from tracefp4.reports.bench_long import side_by_side
 

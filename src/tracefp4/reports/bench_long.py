@@ -101,7 +101,12 @@ from tracefp4.engines.model import TinyMoESpec, from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.provenance import environment
-from tracefp4.reports.decode_timing import median_rate, profiled, random_prompts
+from tracefp4.reports.decode_timing import (
+    median_rate,
+    profiled,
+    random_prompts,
+    run_lengths,
+)
 from tracefp4.reports.long_server import (
     CAPACITY_PROMPT,
     VLLM_MODES,
@@ -120,7 +125,7 @@ LONG_MOE = TinyMoESpec(hidden=2048, layers=1, experts=64, top_k=8, moe_intermedi
 RESIZED = ("1 decoder layer of the bandwidth preset's model (not its 4, nor Qwen3-30B-A3B's 48), its layer shapes kept "
            "(attention 32 query heads, 4 KV heads, head dim 128; hidden 2048; 64 experts top-8 of dim 768, of the "
            "real model's 128): each 16K-token prefill is ~4 TFLOP per sequence and layer (minutes on 2 cores), so "
-           "one layer keeps the default run near 15 minutes; the KV figures per layer, the attention's and the "
+           "one layer keeps the default run near 25 minutes; the KV figures per layer, the attention's and the "
            "experts' shares of a decode step are those of the real layer, the vocabulary's (1024) is smaller")
 HOME_MODES = ("bf16", "fp4", "trace_lsb")
 
@@ -291,10 +296,9 @@ def home_decode(model, modes: Sequence[str], batch: int, context: int, cfg: dict
             run[1] = decode_one_token(run[0], run[1], sampling, run[2])
 
         times: dict[str, list[float]] = {m: [] for m in modes}
-        size = n // repeats
-        for r in range(repeats):
+        for size in run_lengths(n, repeats):
             for mode, run in runs.items():
-                for _ in range(size if r < repeats - 1 else n - size * (repeats - 1)):
+                for _ in range(size):
                     t0 = time.perf_counter()
                     step(run)
                     times[mode].append(time.perf_counter() - t0)

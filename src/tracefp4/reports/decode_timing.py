@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["REGIONS", "median_rate", "profiled", "random_prompts", "share_of_events"]
+__all__ = ["REGIONS", "median_rate", "profiled", "random_prompts", "run_lengths", "share_of_events"]
 
 #: Profiler region names per category, innermost wins (a site inside the experts is a site).
 REGIONS = {"sites": ("tracefp4::site",),
@@ -57,6 +57,13 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[
     same for the same arguments in every process."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + length * 31 + batch)
     return torch.randint(3, vocab, (batch, length), generator=g).tolist()
+
+
+def run_lengths(n: int, repeats: int) -> list[int]:
+    """The steps of each of ``repeats`` runs that alternate the modes of a cell: ``n // repeats``
+    each, the last taking the remainder."""
+    size = n // repeats
+    return [size] * (repeats - 1) + [n - size * (repeats - 1)]
 
 
 def median_rate(step_times: list[float], tokens_per_step: int, repeats: int) -> float:

@@ -16,7 +16,12 @@ from collections.abc import Mapping, Sequence
 
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.reports.bench_pipe import ServerProcess, answer_channel
-from tracefp4.reports.decode_timing import median_rate, profiled, random_prompts
+from tracefp4.reports.decode_timing import (
+    median_rate,
+    profiled,
+    random_prompts,
+    run_lengths,
+)
 from tracefp4.rl.arms import ROLLOUT_MODES
 
 __all__ = ["CAPACITY_PROMPT", "VLLM_MODES", "CapacityRun", "LongServer", "serve", "start_servers", "vllm_decode"]
@@ -116,11 +121,10 @@ def vllm_decode(e, modes: Sequence[str], batch: int, context: int, cfg: dict, pr
         while not st.prefilled():  # prefills (a decode may run beside one: not timed)
             st.step()
         times: dict[str, list[float]] = {m: [] for m in modes}
-        size = n // repeats
-        for r in range(repeats):
+        for size in run_lengths(n, repeats):
             for mode in modes:
                 st.record(mode)
-                for _ in range(size if r < repeats - 1 else n - size * (repeats - 1)):
+                for _ in range(size):
                     if len(st.running) != batch:
                         raise RuntimeError(f"{mode} at context {context}: {len(st.running)} of {batch} sequences "
                                            "running (the KV budget is too small)")
@@ -149,7 +153,7 @@ class CapacityRun:
         self.preempted, self.full_from, self.steps_s, self.prefill_s = 0, None, 0.0, 0.0
         self.before: set[str] = set()
 
-    def advance(self, seconds: float = float("inf")) -> bool:
+    def advance(self, seconds: float) -> bool:
         """Step until ``seconds`` of step time have passed in this turn or the queue is done; True once done."""
         st, spent = self.st, 0.0
         while spent < seconds and st.unfinished():

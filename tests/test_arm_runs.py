@@ -82,7 +82,13 @@ def test_every_arm_runs_one_step(tmp_path):
         assert len(train) == 1 and len(evals) == 2, arm
         bytes_per_token = train[0]["guidance_bytes_per_token"]
         assert (bytes_per_token > 0) == arm.startswith("trace"), (arm, bytes_per_token)
-        assert train[0]["guidance/decode_failures"] == 0, arm
+        # Only an ldpc knob can fail to decode (lsb, full, parity and the scales/amax fields are read
+        # exactly). LDPC's syndrome resolves the rollout's bits from the trainer's own values, and no
+        # bound keeps those on the rollout's side of every midpoint on every CPU's addition order: its
+        # failed blocks are counted and fall back to round to nearest (tests/test_compact.py's
+        # test_an_undecodable_*_block_* check the fallback and the count), so a count, not 0.
+        failures = train[0]["guidance/decode_failures"]
+        assert isinstance(failures, int) and (failures == 0 or "ldpc" in arm) and failures >= 0, (arm, failures)
         post_hoc = all("eval_accuracy_fp4" in e and "eval_accuracy_fp4_4over6" in e for e in evals)
         assert post_hoc == (arm == "bf16"), arm
 

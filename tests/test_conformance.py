@@ -9,7 +9,7 @@ and compares the public op's output with :mod:`tracefp4.formats.reference` bit f
 Triton runs on CPU tensors through its interpreter (``TRITON_INTERPRET=1``, switched on before
 triton's first import, as in tests/test_triton.py); where triton is missing, or was imported
 before the interpreter could be switched on, its cases skip with the reason. The C cases skip
-where the library is not built.
+where the library is not built, and fail there under ``TRACEFP4_REQUIRE_CLIB=1`` (CI).
 """
 
 from __future__ import annotations
@@ -49,8 +49,6 @@ def _triton_skip() -> str | None:
 def _skip_reason(b: Backend) -> str | None:
     if b is Backend.TRITON:
         return _triton_skip()
-    if b is Backend.C and not clib.available():
-        return f"the C library is not built here: {clib.unavailable_reason()}"
     if b is Backend.C and not quant.runs_vector():
         return "the dispatch takes the C entries where the library runs its AVX-512 paths (quant.runs_vector)"
     return None
@@ -183,7 +181,10 @@ def test_every_op_has_a_case():
     assert set(CASES) == set(Op)
 
 
-@pytest.mark.parametrize(("op", "backend"), ENTRIES, ids=[f"{op.value}-{b.value}" for op, b in ENTRIES])
+# the C entries need the library: without it they skip, or fail under CI (tests/conftest.py's needs_clib)
+@pytest.mark.parametrize(("op", "backend"),
+                         [pytest.param(op, b, marks=[pytest.mark.needs_clib] if b is Backend.C else []) for op, b in ENTRIES],
+                         ids=[f"{op.value}-{b.value}" for op, b in ENTRIES])
 def test_backend_equals_the_reference(op: Op, backend: Backend):
     reason = _skip_reason(backend)
     if reason:
@@ -201,8 +202,9 @@ def test_backend_equals_the_reference(op: Op, backend: Backend):
 
 
 def _impls(*extra: clib.Impl) -> list[clib.Impl]:
+    # portable C is every build's: its cases exist without the library too, for needs_clib to skip or fail
     if not clib.available():
-        return []
+        return [clib.Impl.PORTABLE]
     return [clib.Impl.PORTABLE, *([clib.Impl.AVX512] if clib.has_avx512_bf16() else []),
             *[i for i in extra if i is clib.Impl.AMX and clib.has_amx()]]
 
@@ -322,7 +324,7 @@ C_CASES += [(c_topk_combine, i) for i in _impls()] + [(c_silu_gate, i) for i in 
 C_CASES += [(c, i) for c in (c_nvfp4_rows_float32, c_mxfp4_rows, c_fp8_rows, c_tensor_amax, c_dequantize_rows, c_guided_rows, c_lsb_rows) for i in _impls()]
 
 
-@pytest.mark.skipif(not C_CASES, reason="the C library is not built here")
+@pytest.mark.needs_clib
 @pytest.mark.parametrize(("case", "impl"), C_CASES, ids=[f"{c.__name__[2:]}-{i.name.lower()}" for c, i in C_CASES])
 def test_c_entry_point_equals_the_reference(case, impl):
     case(impl)

@@ -116,7 +116,7 @@ def test_packed_parameters_round_trip(plan, layout):
     assert torch.equal(back.standard_codes(), prepared.standard_codes())
 
 
-@pytest.mark.skipif(not KERNEL, reason=f"the C kernel is not built here: {clib.unavailable_reason()}")
+@pytest.mark.needs_clib
 @pytest.mark.parametrize("plan", FP4_PLANS)
 def test_packed_weights_from_parameters_multiply_as_prepared(plan):
     """A forward through weights rebuilt from their parameters (what the vLLM method does every call)

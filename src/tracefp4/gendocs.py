@@ -12,8 +12,14 @@ as a difference:
 * ``docs/performance/rollout.md``: one row per date, CPU, commit, preset, batch and engine of
   ``docs/results/bench-rollout/*.json``;
 * ``docs/reference/cli.md``: the ``tracefp4`` parser's help, every subcommand;
-* the README's headline table, between the ``HEADLINE`` markers, from :data:`HEADLINE_RESULTS`, and its
-  collapse-study tables, between the ``COLLAPSE`` markers, from :data:`COLLAPSE_RESULTS` and :data:`COLLAPSE_TRL`.
+* the README's generated blocks (each between ``<!-- NAME begin -->`` and ``<!-- NAME end -->``, written by
+  :func:`replace_block`): ``HEADLINE``, the headline table, from :data:`HEADLINE_RESULTS`; ``COLLAPSE``, the
+  collapse-study tables, from :data:`COLLAPSE_RESULTS` and :data:`COLLAPSE_TRL`; ``SPEED`` (the FP4 speed-up,
+  vLLM against vLLM's own BF16 and FP8-KV engines) and ``LONG`` (the long-rollout figures), each figure the
+  min–max over the committed runs of one command and CPU kind with the count of runs (:class:`Figures`);
+  ``READING``, the collapse study's reading with the scaling fit's prediction at 8K-32K tokens and its interval;
+  ``STATUS``, the status table from :data:`STATUS` (each cell's tests; ``docs/reference/status.md`` lists them).
+  tests/test_docs.py fails on a README figure outside these blocks.
 
 The metrics reference is rendered by the metrics registry (:func:`metrics_page`).
 """
@@ -21,6 +27,7 @@ The metrics reference is rendered by the metrics registry (:func:`metrics_page`)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Mapping
@@ -126,16 +133,27 @@ def cli_page() -> str:
             os.environ["COLUMNS"] = saved
 
 
+def replace_block(readme: str, name: str, source: str, body: list[str]) -> str:
+    """The README with the text between its ``<!-- NAME begin -->`` and ``<!-- NAME end -->`` markers
+    rewritten: the marker, the generated-by line naming ``source``, a blank line, ``body``. A README
+    without the markers is returned as it is."""
+    begin, end = f"<!-- {name} begin -->", f"<!-- {name} end -->"
+    if begin not in readme:
+        return readme
+    head, rest = readme.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return head + "\n".join([begin, GENERATED.format(source=source), "", *body, end]) + tail
+
+
 def headline(readme: str) -> str:
     """The README with its headline table (between the HEADLINE markers) rewritten from HEADLINE_RESULTS."""
     from tracefp4.rl.experiment import format_summary
 
-    head, rest = readme.split(HEADLINE_BEGIN, 1)
-    _, tail = rest.split(HEADLINE_END, 1)
+    if HEADLINE_BEGIN not in readme:
+        raise ValueError(f"README.md has no {HEADLINE_BEGIN} marker")
     data = json.loads((ROOT / HEADLINE_RESULTS).read_text())
-    block = [HEADLINE_BEGIN, GENERATED.format(source=HEADLINE_RESULTS), "", f"Measured on: {_cpu_of(data)}.", "",
-             "```text", format_summary(data).rstrip(), "```", HEADLINE_END]
-    return head + "\n".join(block) + tail
+    return replace_block(readme, "HEADLINE", HEADLINE_RESULTS, [f"Measured on: {_cpu_of(data)}.", "", "```text",
+                                                               format_summary(data).rstrip(), "```"])
 
 
 def _ci(d: Mapping[str, Any] | None, fmt: str = "+.3f") -> str:
@@ -174,14 +192,10 @@ def _trl_rows(data: Mapping[str, Any]) -> list[str]:
 def collapse_block(readme: str) -> str:
     """The README with its collapse-study tables (between the COLLAPSE markers) rewritten from
     :data:`COLLAPSE_RESULTS` and :data:`COLLAPSE_TRL`, those that exist."""
-    if COLLAPSE_BEGIN not in readme:
-        return readme
-    head, rest = readme.split(COLLAPSE_BEGIN, 1)
-    _, tail = rest.split(COLLAPSE_END, 1)
     present = [p for p in COLLAPSE_RESULTS if (ROOT / p).is_file()]
     trl_present = (ROOT / COLLAPSE_TRL).is_file()
     sources = ", ".join([*present, *([COLLAPSE_TRL] if trl_present else [])]) or "no collapse-study results yet"
-    block = [COLLAPSE_BEGIN, GENERATED.format(source=sources), ""]
+    block: list[str] = []
     if present:
         block += ["Our loop (count task, 8-layer MoE, 35-token answers; held-out reward; mean [95% interval] over "
                   "seeds, differences paired seed by seed; k3 growth: the last 50 steps' k3 KL over the first 50's; "
@@ -196,8 +210,376 @@ def collapse_block(readme: str) -> str:
         block += [f"TRL `GRPOTrainer` ({trl['runs'].get('engine')} rollouts, {trl['runs'].get('task')} task, "
                   f"{trl['runs'].get('max_steps')} steps; training reward of the last quarter of the generations):",
                   "", "| TRL correction | arm | seeds | reward | minus trace-full | minus bf16 | mean \\|dlogp\\| | "
-                  "gap growth |", "|" + "---|" * 8, *_trl_rows(trl), ""]
-    return head + "\n".join(block) + COLLAPSE_END + tail
+                  "gap growth |", "|" + "---|" * 8, *_trl_rows(trl)]
+    return replace_block(readme, "COLLAPSE", sources, block[:-1] if block and not block[-1] else block)
+
+
+# --- the README's figures: each from docs/results/, as the spread over the committed runs -------------------
+
+#: The CPU kinds the committed runs came from, by vendor (the JSON names the model, e.g. ``AMD EPYC``; every
+#: committed AMD run is an AVX-512 BF16 EPYC without AMX, every Intel one a Xeon with AMX).
+CPU_KINDS = {"amd": "AMD EPYC (AVX-512 BF16, no AMX)", "intel": "Intel Xeon with AMX"}
+
+
+def cpu_kind(text: str) -> str:
+    """A run's CPU kind from the CPU its JSON names (or, where the JSON names none, its file name)."""
+    low = text.lower()
+    for key, kind in CPU_KINDS.items():
+        if key in low:
+            return kind
+    raise ValueError(f"no CPU kind in {text!r}: name the CPU in the JSON (or the file name)")
+
+
+def _command(cmd: str) -> str:
+    """A bench command without the options that do not change what it measures (rounds, output path)."""
+    import re
+
+    return re.sub(r"\s+--(repeats|json)\s+\S+", "", cmd).strip()
+
+
+def rollout_runs() -> list[dict[str, Any]]:
+    """Every committed ``bench rollout`` run (docs/results/bench-rollout/): its file, CPU kind, command, figures."""
+    out = []
+    for path in sorted((ROOT / "docs/results/bench-rollout").glob("*.json")):
+        data = json.loads(path.read_text())
+        cpu = cpu_kind(data.get("cpu") or path.stem)
+        for run in data.get("runs", [data]):
+            out.append({"file": path.name, "cpu": cpu, "command": _command(run["command"]), "run": run})
+    return out
+
+
+def long_runs() -> list[dict[str, Any]]:
+    """Every committed ``bench rollout --preset long`` run (docs/results/bench-long/): its command is the
+    preset's default when it ran the default cells, else ``--contexts C --batch B`` (the JSON records its
+    cells, not its command line)."""
+    from tracefp4.reports.bench_long import LongConfig
+
+    default = [list(c) for c in LongConfig().cells]
+    out = []
+    for path in sorted((ROOT / "docs/results/bench-long").glob("*.json")):
+        d = json.loads(path.read_text())
+        cmd = "tracefp4 bench rollout --preset long --engines home,vllm"
+        if d["cells"] != default:
+            cmd += (f" --contexts {','.join(str(c) for c in sorted({c for c, _ in d['cells']}))}"
+                    + "".join(f" --batch {b}" for b in sorted({b for _, b in d["cells"]})))
+        out.append({"file": path.name, "cpu": cpu_kind((d.get("environment") or {}).get("cpu_model") or path.stem),
+                    "command": cmd, "run": d})
+    return out
+
+
+def attention_runs() -> list[dict[str, Any]]:
+    """Every committed ``bench attention`` run (docs/results/bench-attention/)."""
+    out = []
+    for path in sorted((ROOT / "docs/results/bench-attention").glob("*.json")):
+        d = json.loads(path.read_text())
+        out.append({"file": path.name, "cpu": cpu_kind(d.get("attention_machine", {}).get("cpu_model") or path.stem),
+                    "command": "tracefp4 bench attention", "run": d})
+    return out
+
+
+def spread(values: list[float], fmt: str = ".2f", unit: str = "x") -> str:
+    """``lo–hi`` of the values as shown (one value where they print alike), the unit after it."""
+    if fmt.endswith("%"):  # shares: 18–20%, not 18%–20%
+        values, fmt, unit = [100 * v for v in values], fmt[:-1] + "f", "%" + unit
+    lo, hi = format(min(values), fmt), format(max(values), fmt)
+    return (lo if lo == hi else f"{lo}–{hi}") + unit
+
+
+class Figures:
+    """The values of one figure over a group of runs: ``str`` gives its spread and the count of runs."""
+
+    def __init__(self, runs: list[dict[str, Any]], value: Callable[[Mapping[str, Any]], Any]) -> None:
+        vals = [(r, value(r["run"])) for r in runs]
+        self.runs = [r for r, v in vals if v is not None]
+        self.values: list[float] = [x for _, v in vals if v is not None for x in (v if isinstance(v, list) else [v])]
+        if not self.values:
+            raise ValueError("a README figure without a value in its runs")
+
+    def show(self, fmt: str = ".2f", unit: str = "x", runs: bool = True, label: str = "") -> str:
+        """The spread, then in brackets ``label`` and (``runs``) the count of runs it comes from."""
+        n = len(self.runs)
+        said = [x for x in (label, f"{n} run{'s' if n > 1 else ''}" if runs else "") if x]
+        return spread(self.values, fmt, unit) + (f" ({', '.join(said)})" if said else "")
+
+
+def _group(runs: list[dict[str, Any]], cpu: str, command: str) -> list[dict[str, Any]]:
+    return [r for r in runs if r["cpu"] == CPU_KINDS[cpu] and r["command"] == command]
+
+
+def _ratio(a: str, b: str) -> Callable[[Mapping[str, Any]], float | None]:
+    return lambda d: d[a] / d[b] if a in d and b in d else None
+
+
+def _printed(engine: str) -> Callable[[Mapping[str, Any]], list[float] | None]:
+    """fp4/bf16 of one engine at every batch of a bench-rollout run, as the bench printed it."""
+    def get(run: Mapping[str, Any]) -> list[float] | None:
+        vals = [v for k, v in run.get("printed_ratios", {}).items() if k.startswith(f"{engine}.fp4/bf16@")]
+        return vals or None
+    return get
+
+
+def _batches(runs: list[dict[str, Any]]) -> str:
+    bs = sorted({int(k.rsplit("@b", 1)[1]) for r in runs for k in r["run"] if k.startswith("rollout_tokens_per_s.")})
+    return " and ".join(map(str, bs))
+
+
+SPEED_SOURCES = "docs/results/bench-rollout/*.json, docs/results/bench-long/*.json"
+BENCH = "tracefp4 bench rollout --preset {} --engines home,vllm"
+LONG_B8 = "tracefp4 bench rollout --preset long --engines home,vllm --contexts 16384 --batch 8"
+LONG_DEFAULT = "tracefp4 bench rollout --preset long --engines home,vllm"
+
+
+def speed_block(readme: str) -> str:
+    """The README's FP4 speed-up (between the SPEED markers): vLLM's FP4 rollout against vLLM's own BF16 and
+    FP8-KV engines, and our engine against its own BF16 path, as min–max over the committed runs of each
+    command and CPU kind."""
+    ro, lo = rollout_runs(), long_runs()
+    bw = {c: _group(ro, c, BENCH.format("bandwidth")) for c in CPU_KINDS}
+    mid = {c: _group(ro, c, BENCH.format("mid")) for c in CPU_KINDS}
+    b8 = _group(lo, "amd", LONG_B8)
+    vs_bf16 = _ratio('rollout_tokens_per_s.vllm.fp4.16384@b8', 'rollout_tokens_per_s.vllm.bf16.16384@b8')
+    vs_fp8kv = _ratio('rollout_tokens_per_s.vllm.fp4.16384@b8', 'rollout_tokens_per_s.vllm.fp8kv.16384@b8')
+    amd, intel = CPU_KINDS["amd"], CPU_KINDS["intel"]
+    text = "\n".join([
+        "FP4 rollout decode speed, as a ratio of tokens/s (min–max over the committed runs of each command "
+        "and CPU kind, their count in brackets):",
+        "",
+        f"- vLLM with our FP4 plugin against vLLM's own BF16 engine, bandwidth preset (batches "
+        f"{_batches(bw['amd'])}): {Figures(bw['amd'], _printed('vllm')).show()} on an {amd}, "
+        f"{Figures(bw['intel'], _printed('vllm')).show()} on an {intel};",
+        f"- the same at the mid preset (batch {_batches(mid['amd'])}): {Figures(mid['amd'], _printed('vllm')).show()} "
+        f"(AMD), {Figures(mid['intel'], _printed('vllm')).show()} (Intel): no gain where compute binds;",
+        f"- the same at 16K-token contexts, batch 8: {Figures(b8, vs_bf16).show()} against vLLM's BF16 and "
+        f"{Figures(b8, vs_fp8kv).show()} against its FP8-KV engine (AMD; not measured on Intel);",
+        f"- our own engine's FP4 path against its own per-expert BF16 path, bandwidth preset: "
+        f"{Figures(bw['amd'], _printed('home')).show()} (AMD), {Figures(bw['intel'], _printed('home')).show()} (Intel).",
+        "",
+        "Per run: [rollout](docs/performance/rollout.md), [bench runs](docs/performance/bench-runs.md)."])
+    return replace_block(readme, "SPEED", SPEED_SOURCES, [text])
+
+
+LONG_SOURCES = "docs/results/bench-long/*.json, docs/results/bench-attention/*.json"
+
+
+def long_block(readme: str) -> str:
+    """The README's long-rollout figures (between the LONG markers), each as min–max over the committed
+    runs of its command on the AMD EPYC (the only CPU kind with long-rollout runs)."""
+    lo, at = long_runs(), attention_runs()
+    default, b8, att = _group(lo, "amd", LONG_DEFAULT), _group(lo, "amd", LONG_B8), _group(at, "amd", "tracefp4 bench attention")
+    v = "{}.vllm.{}".format
+    per_head = lambda mode: lambda d: d[v("kv_bytes_per_token", mode)] / (d["model"]["layers"] * d["model"]["kv_heads"])
+    share = lambda d: d[v("capacity_prefill_s", "fp4")] / d[v("capacity_wall_s", "fp4")] if v("capacity_wall_s", "fp4") in d else None
+    attn = Figures(b8, lambda d: d.get("decode_time_share.vllm.fp4", {}).get("attention"))
+    cap = lambda key, b="bf16": Figures(default, _ratio(v(key, "fp4"), v(key, b)))
+    pre = Figures(default, share)
+    text = (f"Measured on an {CPU_KINDS['amd']} (min–max over the committed runs, their count in brackets; per run: "
+            f"[bench runs](docs/performance/bench-runs.md)): vLLM's BF16 cache takes "
+            f"{Figures(default, per_head('bf16')).show('.0f', ' B', False)} per token, layer and KV head of 128, its FP8 "
+            f"cache {Figures(default, per_head('fp8kv')).show('.0f', '', False)}, our packed NVFP4 "
+            f"{Figures(default, per_head('fp4')).show('.0f', '', False)}: FP4 K/V takes "
+            f"{cap('kv_bytes_per_token').show('.3f', 'x', False)} BF16's bytes and "
+            f"{cap('kv_bytes_per_token', 'fp8kv').show('.3f', 'x', False)} FP8's, and vLLM holds "
+            f"{cap('kv_capacity_tokens').show()} the tokens at one budget. Our decode attention over the packed K/V "
+            f"takes {Figures(att, lambda d: d['attention_ratio.fp4_over_bf16.4096']).show(label='4K')} and "
+            f"{Figures(att, lambda d: d['attention_ratio.fp4_over_bf16.16384']).show(label='16K')} the time of vLLM's "
+            f"BF16 attention (`tracefp4 bench attention`); decode at 16K, batch 8 runs at "
+            f"{Figures(b8, _ratio(v('rollout_tokens_per_s', 'fp4.16384@b8'), v('rollout_tokens_per_s', 'bf16.16384@b8'))).show(runs=False)} "
+            f"BF16's tokens/s and "
+            f"{Figures(b8, _ratio(v('rollout_tokens_per_s', 'fp4.16384@b8'), v('rollout_tokens_per_s', 'fp8kv.16384@b8'))).show(runs=False)} "
+            f"FP8-KV's, attention taking {attn.show('.0%', '', False)} of FP4's decode time ({len(b8)} runs of "
+            f"`--contexts 16384 --batch 8`). "
+            f"The capacity run gives {cap('capacity_peak_running').show(runs=False)} BF16's peak and "
+            f"{cap('capacity_mean_running').show(runs=False)} its mean concurrency, {cap('capacity_tokens_per_s').show(runs=False)} "
+            f"its tokens/s and {cap('capacity_tokens_per_s', 'fp8kv').show(runs=False)} FP8-KV's ({len(default)} runs of "
+            f"the default command, as the benchmark evolved). The tokens/s gain stays below the concurrency gain on a CPU: a decode step's time "
+            f"grows with its batch on 2 cores, and vLLM recomputes what it preempts "
+            f"({pre.show('.0%', '', False)} of FP4's capacity run went to steps running prompts, in the "
+            f"{len(pre.runs)} runs that recorded it).")
+    return replace_block(readme, "LONG", LONG_SOURCES, [text])
+
+
+READING_SOURCES = ("docs/results/collapse-a.json, docs/results/collapse-c-sequence-mask.json, "
+                   "docs/results/collapse-c-sequence-truncate.json, docs/results/collapse-trl.json, docs/results/scaling.json")
+
+
+def _pm(d: Mapping[str, Any], fmt: str = ".3f", sign: float = 1.0) -> str:
+    lo, hi = sorted(sign * x for x in d["ci95"])
+    return f"{sign * d['mean']:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
+
+
+def reading_block(readme: str) -> str:
+    """The README's reading of the collapse study (between the READING markers), every figure from the
+    collapse-study JSONs and the scaling fit's prediction at the paper's lengths with its interval."""
+    load = lambda name: json.loads((ROOT / f"docs/results/{name}.json").read_text())
+    a, mask, trunc, trl, sc = (load(n) for n in ("collapse-a", "collapse-c-sequence-mask", "collapse-c-sequence-truncate",
+                                                 "collapse-trl", "scaling"))
+    m, arms = a["metric"], a["arms"]
+    behind = [-arms[k][f"final_{m}_minus_bf16"]["mean"] for k in arms if k != "bf16"]
+    trl_behind = [-e["reward_last_minus_bf16"]["mean"] for s in trl["settings"].values() for k, e in s.items() if k != "bf16"]
+    collapsed = sum(e.get("collapse_by", {}).get(m, {}).get("seeds_collapsed", 0) for d in (a, mask, trunc)
+                    for e in d["arms"].values())
+    qat, full = arms["qat"], arms["trace-full"]
+    length = qat["response_length"]
+    seq = qat["logprob_gap_mean"] * length
+    fits = sc["fit"]["trained"]
+    pred = lambda arm: fits[arm]["seq_abs_mean"]["predictions"]
+    q = pred("qat")
+    lengths = " / ".join(f"{p['new_tokens'] // 1024}K" for p in q)
+    shown = lambda arm: " / ".join(f"{p['predicted']:.2g}" if p['predicted'] < 0.1 else f"{p['predicted']:.2f}"
+                                   for p in pred(arm))
+    num = lambda x: f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+    intervals = ", ".join(f"[{num(p['interval95'][0])}, {num(p['interval95'][1])}]" for p in q)
+    tgt = q[0]
+    qm, qt = mask["arms"]["qat"], trunc["arms"]["qat"]
+    masked, cut = qm["mean_is_seq_masked_frac"], qt["mean_is_seq_truncated_frac"]
+    d_trunc = qt[f"final_{m}_minus_trace-full"]
+    sep = d_trunc["ci95"][1] < 0 or d_trunc["ci95"][0] > 0
+    text = (f"**Reading for users.** At answers of tens of tokens, vanilla FP4 QAT is safe at this scale: with the "
+            f"importance correction off, or TRL's correction at sequence level, QAT does not separate from TRACE in "
+            f"reward, {'no seed collapses' if not collapsed else f'{collapsed} seeds collapse'}, and QAT's train-rollout mismatch does not grow over {a['steps']} steps "
+            f"(k3 growth {_pm(qat['growth_k3_kl'], '.2f')}). Every FP4 arm trails BF16 by {spread(behind, '.2f', '')} "
+            f"held-out reward ({spread(trl_behind, '.2f', '')} in TRL). QAT's mismatch is nonetheless about "
+            f"{qat['logprob_gap_mean'] / full['logprob_gap_mean']:.0f}x TRACE-full's per token, and what matters for "
+            f"collapse is its sum over a sequence: ours is about {seq:.2f} nats per {length:.0f}-token answer. For the "
+            f"{lengths}-token reasoning traces where the paper reports collapses, our scaling fit (trained weights, "
+            f"extrapolated from {fits['qat']['seq_abs_mean']['points']} tiny models to {tgt['layers']} layers and hidden "
+            f"{tgt['hidden']}; [scaling](docs/results/scaling.md)) predicts QAT's mean |sequence log-ratio| at "
+            f"{shown('qat')} nats (95% prediction intervals {intervals}): "
+            f"{spread([p['predicted'] / seq for p in q], '.1f')} what we measured at {length:.0f} tokens (the fit's "
+            f"|Σ Δlogp| is at most that Σ |Δlogp|). The fit places no collapse. It predicts {shown('full')} nats with "
+            f"`full` or `lsb@all` hints and {shown('trace')} with `lsb` hints, so at those lengths use `full` or "
+            f"`lsb@all` guidance (`trace-full` here: {full['guidance_bytes_per_token']:.0f} B/token, code mismatch "
+            f"{full['code_mismatch']:.1e}; `trace`, `lsb`: {arms['trace']['guidance_bytes_per_token']:.0f} B/token). "
+            f"Sequence-level correction is where QAT's mismatch first costs something at this scale: masking sequences "
+            f"whose train/rollout ratio leaves [1/{mask['is_cap']:g}, {mask['is_cap']:g}] discards "
+            f"{masked['mean']:.0%} [{masked['ci95'][0]:.0%}, {masked['ci95'][1]:.0%}] of QAT's samples and "
+            f"{mask['arms']['trace-full']['mean_is_seq_masked_frac']['mean']:.0%} of TRACE-full's, at reward "
+            f"{_pm(qm[f'final_{m}_minus_trace-full'], '+.3f')} against TRACE-full over {mask['steps']} steps (so QAT "
+            f"needs about {1 / (1 - masked['mean']):.1f}x the rollouts for the same number of effective samples). "
+            f"Truncating the sequence weight at {trunc['is_cap']:g} instead cuts {cut['mean']:.1%} of QAT's sequences "
+            f"and costs it {_pm(d_trunc, '.3f', -1.0)} of held-out reward against TRACE-full"
+            + (" (an interval that excludes zero: the one separation we measured)" if sep else "") + ". "
+            "The narrative is in the [journal](docs/dev/journal/README.md).")
+    return replace_block(readme, "READING", READING_SOURCES, [text])
+
+
+# --- the README's status table: each cell from the tests that cover it ---------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One cell of the status table. ``mark``: ``"✅"`` supported, ``"refused"`` (the library raises a
+    ValueError naming it), ``"❌"`` not supported, ``"➖"`` not applicable; ``tests``: the pytest node ids
+    (``tests/<file>.py::<test>[<param id>]``, or a whole file) that cover it. A ✅ or refused cell without a
+    test is shown as untested."""
+
+    mark: str
+    note: str = ""
+    tests: tuple[str, ...] = ()
+
+    def render(self) -> str:
+        mark = "untested" if self.mark in ("✅", "refused") and not self.tests else self.mark
+        return f"{mark} {self.note}".strip()
+
+
+STATUS_COLUMNS = ("NVFP4", "MXFP4", "FP8 E4M3 (W4A8, FP8)", "Four over Six", "QUADS")
+#: The refusals of compact guidance a format cannot decode (a ValueError naming plan and knob).
+REFUSALS = ("tests/test_refusals.py::test_check_names_the_field_the_plan_and_the_knob",
+            "tests/test_refusals.py::test_home_engine_generate_refuses")
+_EVERY_ARM = "tests/test_arm_runs.py::test_every_arm_runs_one_step"
+_CODES = "tests/test_model.py::test_identical_inputs_give_identical_codes[qwen3_moe-{}]"
+_OTHER = "tests/test_vllm.py::test_other_plans_run_through_the_quantizers[{}]"
+_PACKED = "tests/test_vllm_packed.py::test_every_fp4_kv_plan_runs_packed_and_trace_full_reproduces_it[{}]"
+_KV = "tests/test_kv_cache.py::test_stored_rows_are_the_simulators_and_the_records_are_the_stored_codes[{}]"
+_GEMM = "tests/test_fp4_gemm.py::test_exact_where_the_sums_are_exact"
+#: The status table: row -> one cell per :data:`STATUS_COLUMNS`, each naming the tests that cover it.
+STATUS: dict[str, tuple[Cell, ...]] = {
+    "our rollout engine (`HomeEngine`)": (
+        Cell("✅", tests=("tests/test_rollout_trainer.py::test_trace_reproduces_rollout_codes_on_identical_inputs",)),
+        Cell("✅", tests=(_CODES.format("mxfp4"), _EVERY_ARM)),
+        Cell("✅", tests=("tests/test_fp8.py::test_fp8_sites_are_recorded_and_full_hints_reproduce_every_code",)),
+        Cell("✅", tests=(_EVERY_ARM,)),
+        Cell("✅", tests=("tests/test_baselines.py::test_quads_arm_rollout_and_trainer",))),
+    "vLLM rollout (plugin, `VLLMEngine`)": (
+        Cell("✅", tests=("tests/test_vllm.py::test_plugin_experts_equal_ours_bit_for_bit[w4a4]",)),
+        Cell("✅", tests=("tests/test_vllm.py::test_plugin_experts_equal_ours_bit_for_bit[mxfp4]",)),
+        Cell("✅", tests=(_OTHER.format("fp8"), "tests/test_vllm.py::test_mismatch_report_fp8_with_the_vllm_rollout")),
+        Cell("✅", tests=(_OTHER.format("4over6"), _PACKED.format("four_over_six"))),
+        Cell("✅", tests=(_OTHER.format("quads"), _PACKED.format("quads")))),
+    "QAT trainer (round to nearest)": (
+        Cell("✅", tests=(_CODES.format("w4a4"),)),
+        Cell("✅", tests=(_CODES.format("mxfp4"), _EVERY_ARM)),
+        Cell("✅", tests=(_EVERY_ARM,)),
+        Cell("✅", tests=(_EVERY_ARM,)),
+        Cell("✅", "(W4A16 trainer)", ("tests/test_baselines.py::test_quads_arm_rollout_and_trainer",))),
+    "guided trainer (TRACE)": (
+        Cell("✅", tests=("tests/test_rollout_trainer.py::test_trace_reproduces_rollout_codes_on_identical_inputs",)),
+        Cell("✅", tests=(_CODES.format("mxfp4"), _PACKED.format("mxfp4"))),
+        Cell("✅", tests=("tests/test_fp8.py::test_fp8_sites_are_recorded_and_full_hints_reproduce_every_code",)),
+        Cell("✅", tests=("tests/test_four_over_six.py::test_guided_on_the_rollouts_grid_reproduces_its_codes",
+                          _PACKED.format("four_over_six"))),
+        Cell("❌", "(the residual pass is not guidable)", ("tests/test_model.py::test_precision_plan",))),
+    "packed FP4 CPU kernel (expert GEMM)": (
+        Cell("✅", tests=(_GEMM,)),
+        Cell("✅", tests=(_GEMM, "tests/test_fp4_gemm.py::test_tiny_mxfp4_scales_are_not_flushed")),
+        Cell("➖", "(dense path)"),
+        Cell("✅", "(vLLM's packed engine)", (_PACKED.format("four_over_six"),)),
+        Cell("✅", "(vLLM's packed engine)", (_PACKED.format("quads"),))),
+    "packed KV cache (our engine; vLLM with `kv_store=\"packed\"`)": (
+        Cell("✅", tests=(_KV.format("nvfp4"), "tests/test_vllm_packed.py::test_packed_kv_cache_holds_the_recorded_codes")),
+        Cell("✅", tests=(_KV.format("mxfp4"), _PACKED.format("mxfp4"))),
+        Cell("✅", "ours: E4M3 byte + row scale; vLLM: refused (dequantized values in BF16; `kv_store=\"packed\"` "
+                   "refused, naming the plan's `'fp8'` K/V: [vLLM guide](docs/guides/vllm.md))",
+             ("tests/test_kv_cache.py::test_fp8_rows_are_one_byte_and_a_row_scale",
+              "tests/test_vllm_kv.py::test_store_choice")),
+        Cell("✅", "(vLLM; ours untested)", (_PACKED.format("four_over_six"),)),
+        Cell("✅", "(vLLM; ours untested)", (_PACKED.format("quads"),))),
+    "GPU (Triton quantizers, `triton_fp4` expert GEMM; K/V: dequantized store)": (
+        Cell("✅", "interpreter-tested; `scripts/gpu_check.py` not yet run on a GPU ([GPU path](docs/performance/gpu.md))",
+             ("tests/test_triton.py::test_triton_nvfp4_equals_reference", "tests/test_triton_experts.py::test_in_a_fresh_interpreter_process")),
+        Cell("✅", "interpreter-tested, as NVFP4", ("tests/test_triton.py::test_triton_mxfp4_equals_reference",)),
+        Cell("❌", "(dense path)"),
+        Cell("❌"),
+        Cell("❌")),
+    "compact guidance (`lsb`, parity, LDPC)": (
+        Cell("✅", tests=("tests/test_compact.py::test_same_value_decodes_to_the_rollouts_own_choice",
+                          "tests/test_rollout_trainer.py::test_compact_mode_end_to_end")),
+        Cell("✅", "element hints (`lsb`, LDPC); scale parity refused",
+             ("tests/test_compact.py::test_mxfp4_sites_take_compact_elements",
+              "tests/test_compact.py::test_mismatches_are_errors", *REFUSALS)),
+        Cell("✅", "`lsb` and `full` only",
+             ("tests/test_fp8.py::test_full_takes_the_rollout_code_lsb_stays_in_the_bracket",)),
+        Cell("✅", "`lsb` and `full` only; parity, LDPC and own scales refused",
+             ("tests/test_four_over_six.py::test_guided_on_the_rollouts_grid_reproduces_its_codes",
+              "tests/test_arm_runs.py::test_baseline_and_ablation_arms", *REFUSALS)),
+        Cell("➖")),
+}
+STATUS_PAGE = "docs/reference/status.md"
+
+
+def status_block(readme: str) -> str:
+    """The README's status table (between the STATUS markers), from :data:`STATUS`."""
+    lines = ["By format and path (✅ supported, each cell backed by the tests "
+             f"[status tests]({STATUS_PAGE}) lists; refused: raises a ValueError naming it; untested: no test "
+             "covers it; ➖ not applicable; ❌ not supported):", "",
+             "| | " + " | ".join(STATUS_COLUMNS) + " |", "|---|" + "---|" * len(STATUS_COLUMNS)]
+    for row, cells in STATUS.items():
+        lines.append(f"| {row} | " + " | ".join(c.render() for c in cells) + " |")
+    return replace_block(readme, "STATUS", "tracefp4.gendocs.STATUS", lines)
+
+
+def status_page() -> str:
+    """Every status-table cell with the tests that cover it."""
+    lines = [GENERATED.format(source="tracefp4.gendocs.STATUS"), "", "# What the status table rests on", "",
+             "Each cell of the README's status table and the pytest node ids that cover it (`make test` runs them; "
+             "a cell that claims support or a refusal without a test reads *untested*). tests/test_docs.py checks "
+             "that every test named here exists.", ""]
+    for row, cells in STATUS.items():
+        lines += [f"## {row}", ""]
+        for col, cell in zip(STATUS_COLUMNS, cells):
+            tests = ", ".join(f"`{t}`" for t in cell.tests) or "no test"
+            lines.append(f"* {col}: {cell.render()}: {tests}")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def results_index(results: dict[str, str]) -> str:
@@ -359,8 +741,12 @@ def pages() -> dict[str, str]:
     out["docs/performance/rollout.md"] = rollout_page()
     out["docs/performance/bench-runs.md"] = bench_page()
     out["docs/reference/cli.md"] = cli_page()
-    out["README.md"] = collapse_block(headline((ROOT / "README.md").read_text()))
+    readme = (ROOT / "README.md").read_text()
+    for block in (headline, collapse_block, speed_block, long_block, reading_block, status_block):
+        readme = block(readme)
+    out["README.md"] = readme
     out["docs/reference/metrics.md"] = metrics_page()
+    out[STATUS_PAGE] = status_page()
     return out
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 from typing import Literal
 
-from tracefp4.formats.constants import NVFP4_BLOCK, Format, ScaleMode
+from tracefp4.formats.constants import NVFP4_BLOCK, Format, HintMode, ScaleMode
 from tracefp4.formats import rac_channel_count
 from tracefp4.formats.quantizers import (
     CompensatedNVFP4Quantizer,
@@ -20,9 +20,11 @@ from tracefp4.formats.quantizers import (
     NVFP4Quantizer,
     Quantizer,
 )
+from tracefp4.guidance.compact.modes import GuidedMode
+from tracefp4.guidance.compact.spec import GuidanceSpec, mode_name, unsupported_knob
 from tracefp4.guidance.names import Site
 
-__all__ = ["ActivationFormat", "BF16_SITE", "PrecisionPlan"]
+__all__ = ["ActivationFormat", "BF16_SITE", "PrecisionPlan", "check_supported"]
 
 ActivationFormat = Literal["nvfp4", "mxfp4", "fp8", "bf16"]
 NVFP4Scale = Literal["6", "4over6"]
@@ -175,3 +177,36 @@ class PrecisionPlan:
 @functools.lru_cache(maxsize=256)
 def _site_quantizer(plan: PrecisionPlan, site: Site) -> Quantizer | None:
     return plan._quantizer(site)
+
+
+#: The plan field that sets each guided site's format (what an error names as the cause).
+_SITE_FIELD = {Site.EXPERT_IN: "activations", Site.EXPERT_MID: "activations", Site.K: "kv_cache", Site.V: "kv_cache"}
+
+
+def check_supported(plan: PrecisionPlan | None, guidance: GuidedMode | HintMode | GuidanceSpec | str | None, *,
+                    field: str = "guidance") -> None:
+    """Refuse a guidance mode that ``plan`` cannot carry: the one check of every entry (both engines'
+    ``generate``, the trainer forward, ``RLConfig``, ``TraceGRPOConfig``, the arms), so that no
+    rollout starts on a combination that would fail mid-run or, worse, decode wrong block scales
+    silently (Four over Six with ``parity``, ``scales:ldpc`` or ``scales:own``).
+
+    The refused combinations, and why, are :func:`~tracefp4.guidance.compact.spec.unsupported_knob`'s:
+    compact knobs at FP8 sites; scale and amax knobs at MXFP4 sites; scale knobs under Four over Six.
+    The ValueError names ``field`` (the caller's name for the guidance knob, e.g. ``trace_guidance``)
+    with its value, the plan field that makes the combination unsupported and the knob at fault. None
+    for either argument (a BF16 rollout, or routing only) passes.
+    """
+    if plan is None or guidance is None:
+        return
+    if isinstance(guidance, str):
+        guidance = GuidedMode.parse(guidance)
+    mode, name = (guidance.mode, guidance.name) if isinstance(guidance, GuidedMode) else (guidance, mode_name(guidance))
+    for site in Site:
+        if not plan.guidable(site):
+            continue  # BF16, or QUADS' compensated activations: nothing recorded there
+        fmt = Format(plan.site_format(site))
+        refused, cause = unsupported_knob(mode, fmt), f"{_SITE_FIELD[site]} = {fmt.value!r}"
+        if refused is None and fmt is Format.NVFP4 and plan.nvfp4_scale == "4over6":
+            refused, cause = unsupported_knob(mode, fmt, four_over_six=True), "nvfp4_scale = '4over6' (Four over Six)"
+        if refused is not None:
+            raise ValueError(f"{field} = {name!r} with the precision plan's {cause}: {refused}")

@@ -47,7 +47,7 @@ from transformers import PreTrainedModel
 
 from tracefp4.engines.capture import ForwardRecord, RolloutCapture, trajectory_tensors
 from tracefp4.engines.model import CACHE_KWARG, FP4KVCache, forward_state, model_layers, moe_layers
-from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.plan import PrecisionPlan, check_supported
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts, check_top_logprobs
 from tracefp4.engines.rows import take_rows
 from tracefp4.engines.sink import StoreTarget, write_records
@@ -296,6 +296,7 @@ def generate(
         raise ValueError("a BF16 rollout (plan=None) has no FP4 codes: no guidance or diagnostics")
     if guidance is not None and not isinstance(guidance, GuidedMode):
         raise ValueError(f"guidance must be a GuidedMode (GuidedMode.parse(name)), got {type(guidance).__name__}")
+    check_supported(plan, guidance)
     n_layers, _ = model_layers(model)
     capture = RolloutCapture.of(guidance, frozenset(diagnostics), n_layers)
     was_training = model.training

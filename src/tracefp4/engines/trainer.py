@@ -50,7 +50,7 @@ from transformers.masking_utils import create_causal_mask
 
 from tracefp4.engines.guidance import TrainerGuidance
 from tracefp4.engines.model import CACHE_KWARG, forward_state, model_layers
-from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.plan import PrecisionPlan, check_supported
 from tracefp4.engines.protocol import RolloutOutput
 from tracefp4.engines.rows import RowMap
 from tracefp4.formats import code_positions
@@ -243,9 +243,13 @@ def _check_records(
     plan = spec.forward_plan or PrecisionPlan()
     for layer, site in sorted(guided):
         name, want = record_prefix(layer, site), plan.site_format(site)
-        fmt = read_record(records[0], name).fmt.value
-        if fmt != want:
-            raise ValueError(f"{name}: the records are {fmt} but the precision plan says {want}")
+        record = read_record(records[0], name)
+        if record.fmt.value != want:
+            raise ValueError(f"{name}: the records are {record.fmt.value} but the precision plan says {want}")
+        if spec.mode is TrainerMode.TRACE:
+            # records from another writer (a store, another engine) reach here unchecked by a generate
+            check_supported(plan, record.spec if isinstance(record, CompactRecord) else record.mode,
+                            field=f"{name}'s recorded guidance")
     return guided
 
 

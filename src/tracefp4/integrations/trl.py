@@ -54,7 +54,7 @@ from tracefp4.engines.trainer import TrainerMode, TrainerSpec, code_mismatch, to
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.store import StoreReader, bytes_per_token, discard_step
 from tracefp4.metrics import mismatch_totals
-from tracefp4.rl.arms import DIAGNOSTICS_CHOICES, INTEGRATION_MODES, integration_arm, plan_by_name
+from tracefp4.rl.arms import DIAGNOSTICS_CHOICES, integration_arm, integration_rollout
 from tracefp4.rl.engine import rollout_step
 from tracefp4.rl.loop import model_signature
 from tracefp4.seeds import Stream, TrajectoryIds, derive, trajectory_ids
@@ -99,10 +99,8 @@ class TraceGRPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        plan_by_name(self.trace_plan)
-        if self.trace_mode not in INTEGRATION_MODES:
-            raise ValueError(f"trace_mode = {self.trace_mode!r}: expected one of {', '.join(INTEGRATION_MODES)}")
-        GuidedMode.parse(self.trace_guidance)
+        integration_rollout(self.trace_plan, self.trace_mode, self.trace_guidance)
+        GuidedMode.parse(self.trace_guidance)  # a bad name is an error in the modes that do not record it too
         if self.trace_diagnostics not in DIAGNOSTICS_CHOICES:
             raise ValueError(f"trace_diagnostics = {self.trace_diagnostics!r}: expected all, deeper, guided or none")
         if self.trace_engine is None:

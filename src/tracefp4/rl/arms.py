@@ -74,7 +74,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Literal
 
-from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.plan import PrecisionPlan, check_supported
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import deeper_half
 from tracefp4.rl.grpo import PolicyLoss
@@ -209,30 +209,39 @@ def diagnostics_layers(which: LayerSet | Literal["none"] | None, n_layers: int, 
             "all": frozenset(range(n_layers)), "guided": guided}[which]
 
 
+def arm_rollout(name: str, *, guidance: str, plan: PrecisionPlan | None = None, quads_fraction: float = 0.5
+                ) -> tuple[PrecisionPlan | None, GuidedMode | None]:
+    """The rollout's precision plan and guidance mode of arm ``name`` (arguments as :func:`make_arm`'s),
+    before a model's depth is known; a ValueError naming the arm, the plan and the guidance knob
+    where the plan cannot carry the guidance (:func:`~tracefp4.engines.plan.check_supported`)."""
+    spec, n = arm_spec(name)
+    mode_name = guidance if spec.guidance == CONFIGURED else spec.guidance
+    if mode_name is not None and n is not None:
+        mode_name = mode_name.replace("<n>", str(n))
+    mode = None if mode_name is None else GuidedMode.parse(mode_name)
+    arm_plan = None if spec.plan is None else _preset(spec.plan, plan, quads_fraction)
+    try:
+        check_supported(arm_plan, mode)
+    except ValueError as e:
+        raise ValueError(f"arm {name!r}: {e}") from None
+    return arm_plan, mode
+
+
 def make_arm(name: str, *, guidance: str, n_layers: int, plan: PrecisionPlan | None = None,
              quads_fraction: float = 0.5) -> Arm:
     """Arm ``name`` of :data:`ARMS` for a model of ``n_layers`` layers; ``guidance`` is the run's
     configured mode (used by the arms whose table entry says CONFIGURED), ``plan`` the run's precision
     plan (default NVFP4 W4A4; used by the arms whose entry says ``run``), ``quads_fraction`` the share
     of channels the ``quads`` rollout compensates. A ValueError names the arm when it does not fit the
-    model (e.g. ``trace-L9`` on a 2-layer model)."""
-    spec, n = arm_spec(name)
-    mode_name = guidance if spec.guidance == CONFIGURED else spec.guidance
-    if mode_name is not None and n is not None:
-        mode_name = mode_name.replace("<n>", str(n))
-    mode = None if mode_name is None else GuidedMode.parse(mode_name)
+    model (e.g. ``trace-L9`` on a 2-layer model) or its plan cannot carry its guidance (:func:`arm_rollout`)."""
+    spec, _ = arm_spec(name)
+    arm_plan, mode = arm_rollout(name, guidance=guidance, plan=plan, quads_fraction=quads_fraction)
     try:
         guided = mode.layer_indices(n_layers) if mode is not None else frozenset()
     except ValueError as e:
         raise ValueError(f"arm {name!r} on a {n_layers}-layer model: {e}") from None
     diagnostics = diagnostics_layers(spec.diagnostics, n_layers, guided)
-    arm_plan = None if spec.plan is None else _preset(spec.plan, plan, quads_fraction)
     trainer_plan = None if spec.trainer_plan is None else _preset(spec.trainer_plan, plan, quads_fraction)
-    if arm_plan is not None and arm_plan.nvfp4_scale == "4over6" and getattr(mode, "mode", None) is not None \
-            and not getattr(mode.mode, "full_scales", True):
-        # parity/ldpc/own scales are rebuilt from the trainer's amax_b / 6: not a Four over Six scale
-        raise ValueError(f"arm {name!r}: Four over Six needs the block scales recorded in full, not "
-                         f"{mode.name!r}")
     return Arm(name, arm_plan, mode, diagnostics, spec.trainer, trainer_plan, spec.loss)
 
 
@@ -260,22 +269,35 @@ INTEGRATION_MODES: tuple[TrainerMode, ...] = ("bf16", *FP4_TRAINER_MODES)
 DIAGNOSTICS_CHOICES: tuple[str, ...] = ("all", "deeper", "guided", "none")
 
 
-def integration_arm(plan_name: str, trainer: TrainerMode, guidance: str, diagnostics: str, n_layers: int) -> Arm:
-    """The one arm of a single-arm integration (TRL's ``trace_plan``, ``trace_mode``, ``trace_guidance``
-    and ``trace_diagnostics``): the plan of :func:`plan_by_name`, ``guidance`` recorded in ``trace``
-    mode only (``qat`` records routing alone), full codes kept at the :data:`DIAGNOSTICS_CHOICES`
-    layers. Named ``<plan>-<trainer>``, e.g. ``nvfp4-trace``; ``bf16`` is the table's ``bf16`` arm
-    (BF16 rollout and trainer, the reference)."""
+def integration_rollout(plan_name: str, trainer: TrainerMode, guidance: str) -> tuple[PrecisionPlan, GuidedMode | None]:
+    """The precision plan and the recorded guidance (``trace`` mode only; ``qat`` and ``bf16`` record
+    routing alone) of a single-arm integration (TRL's ``trace_plan``, ``trace_mode`` and
+    ``trace_guidance``); a ValueError naming the field for a bad value, and naming ``trace_plan``,
+    ``trace_guidance`` and the knob where the plan cannot carry the guidance
+    (:func:`~tracefp4.engines.plan.check_supported`)."""
+    plan = plan_by_name(plan_name)
     if trainer not in INTEGRATION_MODES:
         raise ValueError(f"trace_mode = {trainer!r}: expected one of {', '.join(INTEGRATION_MODES)}")
+    mode = GuidedMode.parse(guidance) if trainer == "trace" else None
+    try:
+        check_supported(plan, mode, field="trace_guidance")
+    except ValueError as e:
+        raise ValueError(f"trace_plan = {plan_name!r}: {e}") from None
+    return plan, mode
+
+
+def integration_arm(plan_name: str, trainer: TrainerMode, guidance: str, diagnostics: str, n_layers: int) -> Arm:
+    """The one arm of a single-arm integration (TRL's ``trace_plan``, ``trace_mode``, ``trace_guidance``
+    and ``trace_diagnostics``): the plan and guidance of :func:`integration_rollout`, full codes kept at
+    the :data:`DIAGNOSTICS_CHOICES` layers. Named ``<plan>-<trainer>``, e.g. ``nvfp4-trace``; ``bf16``
+    is the table's ``bf16`` arm (BF16 rollout and trainer, the reference)."""
+    plan, mode = integration_rollout(plan_name, trainer, guidance)
     if diagnostics not in DIAGNOSTICS_CHOICES:
         raise ValueError(f"trace_diagnostics = {diagnostics!r}: expected one of {', '.join(DIAGNOSTICS_CHOICES)}")
     if trainer == "bf16":
         return make_arm("bf16", guidance=guidance, n_layers=n_layers)
-    mode = GuidedMode.parse(guidance) if trainer == "trace" else None
     guided = mode.layer_indices(n_layers) if mode is not None else frozenset()
-    return Arm(f"{plan_name}-{trainer}", plan_by_name(plan_name), mode,
-               diagnostics_layers(diagnostics, n_layers, guided), trainer)
+    return Arm(f"{plan_name}-{trainer}", plan, mode, diagnostics_layers(diagnostics, n_layers, guided), trainer)
 
 
 def plan_by_name(name: str) -> PrecisionPlan:

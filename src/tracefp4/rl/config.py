@@ -21,7 +21,7 @@ from transformers import PretrainedConfig
 from tracefp4.engines.factory import EngineKind
 from tracefp4.engines.model import TinyMoESpec, tiny_config
 from tracefp4.guidance.compact import GuidedMode
-from tracefp4.rl.arms import ARMS, arm_spec
+from tracefp4.rl.arms import ARMS, arm_rollout, arm_spec
 from tracefp4.rl.grpo import ISMode, LossAgg
 from tracefp4.rl.tasks import TASKS, Tokenizer, make_task
 
@@ -266,6 +266,11 @@ class RLConfig:
         except ValueError as e:
             _fail("guidance", self.guidance, f"a guidance mode <mode>[@all|@deeper|@last<n>] such as 'lsb' or "
                   f"'lsb+parity+amax:lo3' ({e})")
+        for arm in self.arms:  # the run's plan for "run" arms is the default, as rl.loop.run gives them
+            try:
+                arm_rollout(arm, guidance=self.guidance, quads_fraction=self.quads_fraction)
+            except ValueError as e:
+                _fail("guidance", self.guidance, f"a mode the precision plan of every arm can carry ({e})")
         if self.is_mode in (ISMode.TOKEN_MASK.value, ISMode.SEQUENCE_MASK.value):
             for name in ("is_cap", "sc_is_cap"):
                 if getattr(self, name) <= 1:

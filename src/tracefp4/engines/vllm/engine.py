@@ -48,10 +48,11 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from tracefp4.engines.capture import RolloutCapture
-from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.plan import PrecisionPlan, check_supported
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts, check_top_logprobs
 from tracefp4.engines.sink import StoreTarget, unpack_records
 from tracefp4.engines.vllm.kv_layout import KVStore, resolve_kv_store
+from tracefp4.engines.vllm.process import quiet_vllm_logging
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import Site
 
@@ -76,9 +77,12 @@ COMPILE_MODES: dict[str, dict] = {
 
 
 def engine_env() -> bool:
-    """The environment the engine needs (set where unset); True when vLLM runs in-process."""
+    """The environment the engine needs (set where unset), vLLM's logging kept to warnings unless
+    the user set it (:func:`~.process.quiet_vllm_logging`); True when vLLM runs in-process. Every
+    path that builds a vLLM engine calls it first, before vLLM is imported where it can."""
     for k, v in _ENV.items():
         os.environ.setdefault(k, v)
+    quiet_vllm_logging()
     return os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
@@ -216,6 +220,7 @@ class VLLMEngine(_ClosedOnExit):
                              "built with kv_store='values'")
         if guidance is not None and not isinstance(guidance, GuidedMode):
             raise ValueError(f"guidance must be a GuidedMode (GuidedMode.parse(name)), got {type(guidance).__name__}")
+        check_supported(plan, guidance)
         prompt_ids = check_prompts(prompts, self.vocab)
         check_top_logprobs(sampling, self.vocab)
         if store is not None and len(store.traj_ids) != len(prompt_ids):
@@ -433,6 +438,7 @@ def _engine_checkpoint(model, checkpoint, max_len: int):
     (refusing a head dim vLLM's CPU attention lacks before vLLM starts)."""
     import tempfile
 
+    engine_env()  # before the import below, the first of vLLM in a command's process: it configures vLLM's logging
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
     from vllm.platforms import current_platform
 

@@ -14,7 +14,7 @@ from tracefp4.formats import MXFP4, NVFP4, pack_fp4, unpack_fp4
 from tracefp4.guidance.coding import pack_bits, unpack_bits
 from tracefp4.guidance.compact.codec import Geometry
 from tracefp4.guidance.compact.grid import global_encode_scale, grid_z, rtn_codes
-from tracefp4.guidance.compact.spec import GuidanceSpec
+from tracefp4.guidance.compact.spec import GuidanceSpec, unsupported_knob
 from tracefp4.guidance.hints import Hint
 from tracefp4.guidance.report import DecodeReport
 
@@ -104,12 +104,12 @@ class CompactRecord:
         if tuple(x.shape) != tuple(q.shape) or x.dim() < 2:
             raise ValueError(f"compact encode: x {tuple(x.shape)} vs quantized {tuple(q.shape)} (need [T, ..., K])")
         fmt = Format(q.fmt)
-        if not fmt.fp4:
-            raise ValueError(f"{spec.name}: the compact modes are FP4's (their knobs code E2M1 bits, E4M3 block scales "
-                             f"and NVFP4's amax); an {fmt.value} site takes full or lsb guidance")
+        # the entries refuse these before any rollout (check_supported); a tensor alone cannot tell a
+        # Four over Six scale from a standard one, so only the format's own limits are checked here
+        refused = unsupported_knob(spec, fmt)
+        if refused is not None:
+            raise ValueError(f"{spec.name}: {refused}")
         a, s, e = spec.codecs
-        if fmt is Format.MXFP4 and not (s.plain and a.plain):
-            raise ValueError(f"{spec.name}: MXFP4 sites support compact elements with full scales only")
         amax = getattr(q, "global_amax", None)
         z = grid_z(x, fmt, q.scales, amax) if e.needs_z() else None
         elements = e.encode(unpack_fp4(q.codes), z)

@@ -6,13 +6,13 @@ import dataclasses
 import functools
 import re
 
-from tracefp4.formats.constants import HintMode
+from tracefp4.formats.constants import Format, HintMode
 from tracefp4.guidance.compact.amax import AmaxCodec
 from tracefp4.guidance.compact.elements import ElementCodec, SparseElements
 from tracefp4.guidance.compact.registry import CODECS, codec_class, make_codec, parse_rate, takes_rate
 from tracefp4.guidance.compact.scales import ParityScales, ScaleCodec
 
-__all__ = ["GuidanceSpec", "parse_hint_mode", "mode_name", "elements_knob"]
+__all__ = ["GuidanceSpec", "parse_hint_mode", "mode_name", "elements_knob", "unsupported_knob"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,3 +160,40 @@ def mode_name(mode: HintMode | GuidanceSpec) -> str:
 def elements_knob(mode: HintMode | GuidanceSpec) -> str:
     """The elements knob of a mode (``full``/``lsb`` for a Hint mode): its family in the reports."""
     return mode.value if isinstance(mode, HintMode) else mode.element_codec.knob
+
+
+def unsupported_knob(mode: HintMode | GuidanceSpec, fmt: Format, *, four_over_six: bool = False) -> str | None:
+    """Why ``mode`` cannot guide a site quantized to ``fmt`` (with Four over Six block scales where
+    ``four_over_six``), naming the knob at fault; None where it can. Callers with a precision plan use
+    :func:`tracefp4.engines.plan.check_supported`, which says which plan field put ``fmt`` there.
+
+    ``full`` and ``lsb`` guide every format: their record holds the rollout's grid whole. A compact knob
+    instead has the trainer rebuild part of that grid from its own value, by NVFP4's standard recipe
+    (E4M3 block scales near ``amax_b / 6`` on ``S_enc``, one global amax per row). So:
+
+    * an FP8 E4M3 site has no E2M1 codes, block scales or NVFP4 amax for a compact knob to code;
+    * MXFP4's block scales are E8M0 exponents, not E4M3 codes (``parity``, ``scales:ldpc`` and
+      ``scales:own`` would decode a scale of the wrong format), and it has no global amax for an amax
+      knob; compact elements on full scales decode on the recorded scale and are fine;
+    * under Four over Six, a block that chose 4 has scale ``amax_b / 4``, 1.5x (several E4M3 steps)
+      from the ``amax_b / 6`` the scale knobs rebuild around, and their one-step correction then
+      silently picks a wrong scale: with the trainer's input equal to the rollout's, ``lsb+parity``
+      got about 27% of the block scales and 10% of the codes wrong on random rows (``scales:own`` and
+      ``scales:ldpc`` alike, every LDPC block failing). The amax knobs are unaffected (Four over Six
+      keeps ``S_enc``), and so are compact elements (they decode on the recorded scales).
+    """
+    if isinstance(mode, HintMode):
+        return None
+    amax, scales, _ = mode.codecs
+    if not fmt.fp4:
+        return (f"the compact modes are FP4's (their knobs code E2M1 bits, E4M3 block scales and NVFP4's amax): "
+                f"{mode.name!r} cannot guide an {fmt.value} site, which takes 'full' or 'lsb'")
+    if fmt is Format.MXFP4 and not mode.full_scales:
+        return (f"{scales.name_part()!r} codes E4M3 block scales and MXFP4's are E8M0: MXFP4 sites take compact "
+                "elements with the block scales recorded in full")
+    if fmt is Format.MXFP4 and not amax.plain:
+        return f"{amax.name_part()!r} codes NVFP4's global amax and an MXFP4 site has none"
+    if four_over_six and not mode.full_scales:
+        return (f"{scales.name_part()!r} rebuilds each block scale around the trainer's amax_b / 6, and a Four "
+                "over Six block may have taken amax_b / 4: Four over Six needs the block scales recorded in full")
+    return None

@@ -145,14 +145,14 @@ def test_a_speed_figure_is_the_spread_over_its_runs(tmp_path, monkeypatch):
     shutil.copytree(ROOT / "docs/results/bench-long", tmp_path / "docs/results/bench-long")
     monkeypatch.setattr(gendocs, "ROOT", tmp_path)
     before = gendocs.speed_block("<!-- SPEED begin -->\n<!-- SPEED end -->")
-    assert "1.51–1.76x (AMD EPYC (AVX-512 BF16, no AMX), 2 runs)" in before
+    assert "1.51–1.76x (2 runs) on an AMD EPYC (AVX-512 BF16, no AMX)" in before
     path = tmp_path / "docs/results/bench-rollout/2026-12-04-amd-epyc.json"
     data = json.loads(path.read_text())
     data["runs"][0]["printed_ratios"]["vllm.fp4/bf16@b8"] = 2.0
     data["date"] = "2099-01-01"
     (tmp_path / "docs/results/bench-rollout/2099-01-01-amd-epyc.json").write_text(json.dumps(data))
     after = gendocs.speed_block("<!-- SPEED begin -->\n<!-- SPEED end -->")
-    assert "1.51–2.00x (AMD EPYC (AVX-512 BF16, no AMX), 3 runs)" in after
+    assert "1.51–2.00x (3 runs) on an AMD EPYC (AVX-512 BF16, no AMX)" in after
 
 
 def test_cpu_kind_is_named_or_refused():

@@ -342,7 +342,8 @@ def speed_block(readme: str) -> str:
     amd, intel = CPU_KINDS["amd"], CPU_KINDS["intel"]
     text = "\n".join([
         "FP4 rollout decode speed, as a ratio of tokens/s (min–max over the committed runs of each command "
-        "and CPU kind, their count in brackets):",
+        "and CPU kind, their count in brackets; per run: [rollout](docs/performance/rollout.md), "
+        "[bench runs](docs/performance/bench-runs.md)):",
         "",
         f"- vLLM with our FP4 plugin against vLLM's own BF16 engine, bandwidth preset (batches "
         f"{_batches(bw['amd'])}): {Figures(bw['amd'], _printed('vllm')).show()} on an {amd}, "
@@ -352,9 +353,7 @@ def speed_block(readme: str) -> str:
         f"- the same at 16K-token contexts, batch 8: {Figures(b8, vs_bf16).show()} against vLLM's BF16 and "
         f"{Figures(b8, vs_fp8kv).show()} against its FP8-KV engine (AMD; not measured on Intel);",
         f"- our own engine's FP4 path against its own per-expert BF16 path, bandwidth preset: "
-        f"{Figures(bw['amd'], _printed('home')).show()} (AMD), {Figures(bw['intel'], _printed('home')).show()} (Intel).",
-        "",
-        "Per run: [rollout](docs/performance/rollout.md), [bench runs](docs/performance/bench-runs.md)."])
+        f"{Figures(bw['amd'], _printed('home')).show()} (AMD), {Figures(bw['intel'], _printed('home')).show()} (Intel)."])
     return replace_block(readme, "SPEED", SPEED_SOURCES, [text])
 
 

@@ -7,7 +7,7 @@ sites as the rollout engine, quantized with a straight-through gradient, in the
 * ``bf16``: no quantization.
 * ``qat``: round-to-nearest on the trainer's own scales at every site (vanilla QAT).
 * ``trace``: at every site the rollout recorded, round toward the rollout's codeword on the rollout's
-  grid (:func:`tracefp4.guidance.guided_quantize`); round-to-nearest elsewhere.
+  grid (:func:`tracefp4.guidance.hints.guided_quantize`); round-to-nearest elsewhere.
 
 In every mode the rollout's routing is replayed by default (R3): each MoE layer uses the recorded
 top-k experts, with probabilities recomputed from the trainer's own router logits (softmax, gathered

@@ -55,8 +55,9 @@ from tracefp4.engines.protocol import RolloutOutput
 from tracefp4.engines.rows import RowMap
 from tracefp4.formats import code_positions
 from tracefp4.guidance.compact import CompactRecord, read_record, record_cat
-from tracefp4.guidance.hints import Hint, record_format
+from tracefp4.guidance.hints import record_format
 from tracefp4.guidance.names import Site, layer_tag, parse_name, record_prefix, routing_key
+from tracefp4.guidance.record import SiteRecord
 
 __all__ = [
     "TrainerMode",
@@ -253,7 +254,7 @@ def _check_records(
     return guided
 
 
-def _in_record_order(record: Hint | CompactRecord | torch.Tensor, rows: RowMap, name: str):
+def _in_record_order(record: SiteRecord | torch.Tensor, rows: RowMap, name: str):
     """The batch's concatenated record of one site (or routing) at the positions the forward covers."""
     if rows.complete:
         return record
@@ -306,7 +307,7 @@ def trainer_forward(
     :meth:`TrainerForward.report` has the codes, router flips and decode failures.
     """
     guided = _check_records(model, rows.lengths, records, spec)
-    hints: dict[str, Hint | CompactRecord] = {}
+    hints: dict[str, SiteRecord] = {}
     if spec.mode is TrainerMode.TRACE:
         assert records is not None
         for layer, site in sorted(guided):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPILER_ERROR = "fp4_gemm.c:1:2: error: #error broken on purpose by tests/test_clib_required.py"
+COMPILER_ERROR = "kernels.c:1:2: error: #error broken on purpose by tests/test_clib_required.py"
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from tracefp4.guidance.compact import (
 from tracefp4.guidance.compact.grid import bf16_pattern, scale_candidates
 from tracefp4.formats.constants import Format, HintMode
 from tracefp4.guidance.hints import Hint, encode_hint, guided_quantize
+from tracefp4.guidance.record import SiteRecord
 from tracefp4.formats import quantize_mxfp4, quantize_nvfp4, unpack_fp4
 from tracefp4.guidance.store import StoreReader, StoreWriter, seal_step
 from test_coding import unsatisfiable_check
@@ -72,7 +73,7 @@ def nudged(x: torch.Tensor, share: float, seed: int) -> torch.Tensor:
     return torch.where(pick, bits + step, bits).view(torch.bfloat16)
 
 
-def stored(rec: CompactRecord | Hint, prefix: str = "L01.k") -> CompactRecord | Hint:
+def stored(rec: SiteRecord, prefix: str = "L01.k") -> SiteRecord:
     return read_record(rec.to_tensors(prefix), prefix)
 
 
@@ -482,7 +483,6 @@ def test_every_record_kind_is_a_site_record(kind: str) -> None:
     """Hints, the rollout's raw capture and compact records answer the same calls, with the same meaning:
     bytes (stored = nbytes = T * bytes per token, the planner's formula), select, cat, to_tensors, decode."""
     from tracefp4.engines.capture import RawCapture
-    from tracefp4.guidance.record import SiteRecord
 
     x = site_value((12, 2, 32), 1)
     q = quantize_nvfp4(x, per_row=True)

@@ -1,4 +1,4 @@
-"""The C site quantizer (``formats/clib.py``, ``csrc/site_quant.h``) against the numba kernel and the
+"""The C site quantizer (``formats/clib/site.py``, ``csrc/site_quant.h``) against the numba kernel and the
 readable reference, bit for bit (atol=0), and the C top-k combine and SiLU gate against torch's
 expressions."""
 

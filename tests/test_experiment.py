@@ -8,7 +8,7 @@ import math
 import pytest
 
 from tracefp4.cli import main
-from tracefp4.rl.experiment import ExperimentConfig, collapse_step, mean_ci95, t_quantile_975
+from tracefp4.rl.experiment import ExperimentConfig, collapse_step, mean_ci95, run_experiment, run_job, t_quantile_975
 
 RUN = """
 [run]
@@ -209,7 +209,7 @@ def test_summary_headline_metric_and_collapses_on_each_held_out_figure():
 
 def test_unknown_headline_metric_is_refused(tmp_path):
     (tmp_path / "m.toml").write_text('name = "m"\nseeds = [0]\nmetric = "reward"\n' + RUN)
-    with pytest.raises(ValueError, match="metric = 'reward': expected one of eval_accuracy, eval_reward"):
+    with pytest.raises(ValueError, match="metric = 'reward': expected one of 'eval_accuracy', 'eval_reward'"):
         ExperimentConfig.from_file(str(tmp_path / "m.toml"))
 
 
@@ -250,3 +250,37 @@ def test_summary_dynamics_growth_gain_and_pairing_with_trace_full():
 
     table = format_summary(out)
     assert "is_mode token-mask" in table and "minus trace-full, paired" in table
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"name": "a/b"}, "name = 'a/b': expected a non-empty string without '/'"),
+    ({"seeds": [0, True]}, r"seeds = \[0, True\]: expected a list of distinct integers"),
+    ({"seeds": []}, r"seeds = \[\]: expected a list of distinct integers"),
+    ({"out": 3}, "out = 3: expected a string"),
+    ({"warm_start": ""}, "warm_start = '': expected a folder path"),
+    ({"metric": "reward"}, "metric = 'reward': expected one of 'eval_accuracy', 'eval_reward'"),
+    ({"run": {"steps": 1, "seed": 4}}, r"run = \{'steps': 1, 'seed': 4\}: expected a table of RLConfig fields without"),
+    ({"run": ["steps"]}, r"run = \['steps'\]: expected a table \(mapping\)"),
+    ({"run": {"steps": -1}}, r"\[run\] steps = -1: expected a value >= 0"),
+])
+def test_experiment_config_built_in_python_is_validated_like_a_run_config(tmp_path, change, message):
+    """An ExperimentConfig made in Python, not read from a file, is refused with the field, its value and
+    what was expected, by validate() and by the entries that run it, before any run folder exists."""
+    fields = {"name": "e", "seeds": [0, 1], "run": {"steps": 1}, "out": str(tmp_path / "runs")} | change
+    cfg = ExperimentConfig(**fields)
+    with pytest.raises(ValueError, match=message):
+        cfg.validate()
+    with pytest.raises(ValueError, match=message):
+        ExperimentConfig.from_dict(fields)
+    with pytest.raises(ValueError, match=message):
+        run_experiment(cfg, tmp_path / "res", tmp_path / "img")
+    with pytest.raises(ValueError, match=message):
+        run_job(cfg, "0:bf16")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "res").exists()
+
+
+def test_experiment_config_from_dict_names_unknown_and_missing_keys():
+    with pytest.raises(ValueError, match=r"unknown keys \['seed'\]; known: name, seeds, run, out, warm_start, metric"):
+        ExperimentConfig.from_dict({"name": "e", "seed": 0, "seeds": [0], "run": {}})
+    with pytest.raises(ValueError, match="missing 'run'"):
+        ExperimentConfig.from_dict({"name": "e", "seeds": [0]})

@@ -2,9 +2,9 @@
 
 A :class:`TrainerGuidance` holds, for one teacher-forced forward:
 
-* inputs: the rollout's record per guided site (a :class:`~tracefp4.guidance.hints.Hint`, or a
-  :class:`~tracefp4.guidance.compact.CompactRecord` that decodes into one given the trainer's own
-  value), the routing to replay per MoE layer, the layers whose codes to capture, and the
+* inputs: the rollout's record per guided site (a :class:`~tracefp4.guidance.record.SiteRecord`:
+  a :class:`~tracefp4.guidance.hints.Hint`, or a :class:`~tracefp4.guidance.compact.CompactRecord`
+  that decodes into one given the trainer's own value), the routing to replay per MoE layer, the layers whose codes to capture, and the
   :class:`~tracefp4.engines.rows.RowMap` of the forward's rows; records and replay are in record
   order (the trajectories' covered positions, concatenated), the map says which rows they belong to
   (None: the rows are the records' rows, a packed batch);
@@ -31,9 +31,9 @@ from tracefp4.engines.rows import RowMap, scatter_rows
 from tracefp4.formats.constants import HintMode
 from tracefp4.formats import FP8, MXFP4, NVFP4
 from tracefp4.formats.quantizers import Grid, Quantizer
-from tracefp4.guidance.compact import CompactRecord
 from tracefp4.guidance.hints import Hint
 from tracefp4.guidance.names import layer_tag
+from tracefp4.guidance.record import SiteRecord
 
 __all__ = ["TrainerGuidance", "guided"]
 
@@ -42,7 +42,7 @@ __all__ = ["TrainerGuidance", "guided"]
 class TrainerGuidance(ForwardPath):
     """See the module docstring. ``hints`` keys are ``record_prefix(layer, site)``."""
 
-    hints: Mapping[str, Hint | CompactRecord] = dataclasses.field(default_factory=dict)
+    hints: Mapping[str, SiteRecord] = dataclasses.field(default_factory=dict)
     routing_replay: Mapping[int, torch.Tensor] | None = None
     capture_layers: frozenset[int] = frozenset()
     rows: RowMap | None = None

@@ -7,7 +7,7 @@ sites as the rollout engine, quantized with a straight-through gradient, in the
 * ``bf16``: no quantization.
 * ``qat``: round-to-nearest on the trainer's own scales at every site (vanilla QAT).
 * ``trace``: at every site the rollout recorded, round toward the rollout's codeword on the rollout's
-  grid (:func:`tracefp4.guidance.guided_quantize`); round-to-nearest elsewhere.
+  grid (:func:`tracefp4.guidance.hints.guided_quantize`); round-to-nearest elsewhere.
 
 In every mode the rollout's routing is replayed by default (R3): each MoE layer uses the recorded
 top-k experts, with probabilities recomputed from the trainer's own router logits (softmax, gathered
@@ -55,8 +55,9 @@ from tracefp4.engines.protocol import RolloutOutput
 from tracefp4.engines.rows import RowMap
 from tracefp4.formats import code_positions
 from tracefp4.guidance.compact import CompactRecord, read_record, record_cat
-from tracefp4.guidance.hints import Hint, record_format
+from tracefp4.guidance.hints import record_format
 from tracefp4.guidance.names import Site, layer_tag, parse_name, record_prefix, routing_key
+from tracefp4.guidance.record import SiteRecord
 
 __all__ = [
     "TrainerMode",
@@ -253,7 +254,7 @@ def _check_records(
     return guided
 
 
-def _in_record_order(record: Hint | CompactRecord | torch.Tensor, rows: RowMap, name: str):
+def _in_record_order(record: SiteRecord | torch.Tensor, rows: RowMap, name: str):
     """The batch's concatenated record of one site (or routing) at the positions the forward covers."""
     if rows.complete:
         return record
@@ -306,7 +307,7 @@ def trainer_forward(
     :meth:`TrainerForward.report` has the codes, router flips and decode failures.
     """
     guided = _check_records(model, rows.lengths, records, spec)
-    hints: dict[str, Hint | CompactRecord] = {}
+    hints: dict[str, SiteRecord] = {}
     if spec.mode is TrainerMode.TRACE:
         assert records is not None
         for layer, site in sorted(guided):

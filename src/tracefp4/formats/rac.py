@@ -25,7 +25,7 @@ def rac_channel_count(k: int, fraction: float) -> int:
 def quantize_nvfp4_rac(x: torch.Tensor, fraction: float = 0.5) -> CompensatedNVFP4:
     """NVFP4 per row, plus the residual re-quantized on the ``ceil(fraction * K)`` channels of each
     row with the largest first-pass error ``|x - x_hat|`` (ties to the lower channel index), on x's
-    device; :func:`tracefp4.formats.reference.quantize_nvfp4_rac` is the readable form."""
+    device; :func:`tracefp4.formats.reference_composite.quantize_nvfp4_rac` is the readable form."""
     n = rac_channel_count(x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else 0, fraction)
     first = quantize_nvfp4(x, per_row=True)
     residual = as_rows(x.detach().to(torch.float32) - dequantize_nvfp4(first))

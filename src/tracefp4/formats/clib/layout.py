@@ -1,7 +1,7 @@
 """The layouts the packed-FP4 GEMM reads its weights in (:class:`Layout`), and the conversions to and
 from the standard one (codes ``[E, N, K/2]``, element 2i in the low nibble of byte i; scales
 ``[E, N, K/block]``): the same codes, two per byte, with the bytes permuted for the kernels that
-read them (see ``csrc/fp4_gemm.c``). :func:`preferred_layout` is the one this CPU multiplies fastest:
+read them (see ``csrc/kernels.c``). :func:`preferred_layout` is the one this CPU multiplies fastest:
 ``panels`` (AMX tiles) where the CPU and OS run AMX, ``tiles`` (AVX-512 BF16) elsewhere.
 """
 

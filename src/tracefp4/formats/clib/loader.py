@@ -1,4 +1,4 @@
-"""Build and load the C library of the CPU kernels (``csrc/fp4_gemm.c`` and the headers it includes).
+"""Build and load the C library of the CPU kernels (``csrc/kernels.c`` and the headers it includes).
 
 Build: on first use (or ``python -m tracefp4.formats.clib build``), the C file is compiled with
 ``$CC`` (default ``cc``) into a cache folder (``$TRACEFP4_CACHE_DIR``, else
@@ -37,7 +37,7 @@ from pathlib import Path
 __all__ = ["REQUIRE_VARIABLE", "SOURCE", "available", "build", "has_amx", "has_avx512_bf16", "library",
            "library_path", "main", "required", "unavailable_reason"]
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "fp4_gemm.c"
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kernels.c"
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-D_POSIX_C_SOURCE=200809L", "-fno-strict-aliasing"]
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -93,7 +93,7 @@ def library_path(cc: str) -> Path:
     sources = b"".join(f.name.encode() + f.read_bytes() for f in sorted(SOURCE.parent.glob("*.[ch]")))
     key = hashlib.sha256(sources + version.encode() + " ".join(_FLAGS + ["-fopenmp?"]).encode()
                          + platform.machine().encode() + sys.platform.encode()).hexdigest()[:16]
-    return _cache_dir() / f"fp4_gemm-{key}.so"
+    return _cache_dir() / f"kernels-{key}.so"
 
 
 def build() -> Path:

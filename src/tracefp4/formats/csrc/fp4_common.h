@@ -1,4 +1,4 @@
-/* What the kernels of both code layouts share (fp4_gemm.c includes this, then tiles.h and panels.h:
+/* What the kernels of both code layouts share (kernels.c includes this, then tiles.h and panels.h:
  * one translation unit, so the helpers inline across them): the job of one thread, the bf16
  * helpers, the E2M1 tables, the block-scale decoding and per-thread scratch memory. */
 #ifndef TFP4_COMMON_H
@@ -26,7 +26,7 @@ typedef struct {
     uint16_t *out;
     int64_t n, k;
     int block;
-    int layout; /* 0: tiles, 1: panels (fp4_gemm.c) */
+    int layout; /* 0: tiles, 1: panels (kernels.c) */
     /* tiles layout: super-groups per row, code bytes per row; panels layout: 16-column panels */
     int64_t supers, cbytes, panels;
     /* non-empty experts: expert index and first/last row */

@@ -43,53 +43,8 @@
  * K and V loads shared by up to four query heads. */
 #ifndef TFP4_KV_ATTENTION_H
 #define TFP4_KV_ATTENTION_H
-#include "fp4_common.h"
-#include "site_quant.h"
-#include <math.h>
-
-#define KV_CHUNK 16
-#define KV_MAX_DIM 256
-#define KV_MAX_GROUP 32
-
-typedef struct {
-    const uint16_t *q;
-    const uint8_t *kc, *ks, *vc, *vs;
-    const float *ka, *va, *lut;
-    const int32_t *table, *q_seq, *q_len;
-    float *out;
-    int64_t hq, hkv, d, max_blocks;
-    int block_size, fblock, avx;
-    int scale_bits; /* kv_scale_bits_match: the AVX-512 path may decode scale bytes by their bits */
-    float scale;
-    int vbmi; /* the AVX-512 path may use AVX512-VBMI (kv_has_vbmi) */
-} kv_job_t;
-
-/* exp(x) for x <= 0 (0 below -87, where the result would leave float32's normal range):
- * x = n ln2 + r with n = rint(x log2 e) (the 1.5 * 2^23 trick: round to nearest even), ln2 in two
- * parts (Cody-Waite), Cephes' degree-7 polynomial for e^r, times 2^n by the exponent bits. */
-static inline float kv_exp(float x) {
-    if (!(x > -87.0f)) return 0.0f;
-    const float t = x * 1.44269504088896341f;
-    const float n = (t + 12582912.0f) - 12582912.0f;
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = (p * (r * r) + r) + 1.0f;
-    return p * sq_float((uint32_t)((int32_t)n + 127) << 23);
-}
-
-/* The pairwise tree both paths sum 16 lanes with. */
-static inline float kv_tree16(const float *a) {
-    float b[8], c[4];
-    for (int i = 0; i < 8; i++) b[i] = a[i] + a[i + 8];
-    for (int i = 0; i < 4; i++) c[i] = b[i] + b[i + 4];
-    return (c[0] + c[2]) + (c[1] + c[3]);
-}
+#include "kv_common.h"
+#include "kv_attention_avx.h"
 
 /* Whether the scale table holds what the bytes' bits say (E4M3 for 16-element blocks: bytes below
  * 0x7F, subnormals m * 2^-9; E8M0 for 32: 2^(b - 127), bytes below 0xFF), bit for bit: then the
@@ -102,11 +57,6 @@ static int kv_scale_bits_match(const float *lut, int fblock) {
         if (memcmp(&want, lut + b, sizeof want)) return 0;
     }
     return 1;
-}
-
-/* The slot of key i of sequence seq. */
-static inline int64_t kv_slot(const kv_job_t *j, int64_t seq, int64_t i) {
-    return (int64_t)j->table[seq * j->max_blocks + i / j->block_size] * j->block_size + i % j->block_size;
 }
 
 /* The 16 values a block's codes stand for (its table), in float32 (bf16-exact). */
@@ -127,17 +77,6 @@ static void kv_decode_portable(const kv_job_t *j, const uint8_t *codes, const ui
             row[e + 2 * i + 1] = tbl[b >> 4];
         }
     }
-}
-
-/* The cache rows (slot * hkv + h) of keys k0 .. k0+n-1 of sequence seq: consecutive slots when the
- * chunk lies in one block (block sizes that are multiples of 16), else looked up key by key. */
-static inline void kv_chunk_rows(const kv_job_t *j, int64_t seq, int64_t k0, int n, int64_t h, int64_t *r) {
-    if (k0 / j->block_size == (k0 + n - 1) / j->block_size) {
-        const int64_t first = kv_slot(j, seq, k0);
-        for (int i = 0; i < n; i++) r[i] = (first + i) * j->hkv + h;
-        return;
-    }
-    for (int i = 0; i < n; i++) r[i] = kv_slot(j, seq, k0 + i) * j->hkv + h;
 }
 
 /* Decode the chunk's n K and V rows of KV head h into kb, vb [16, d]. */
@@ -194,8 +133,6 @@ static void kv_item_portable(const kv_job_t *j, int64_t row, int64_t h, float *m
     float *out = j->out + (row * j->hq + h * g_count) * d;
     for (int64_t e = 0; e < g_count * d; e++) out[e] = len ? acc[e] / l[e / d] : 0.0f;
 }
-
-#include "kv_attention_avx.h"
 
 /* One packed row as the path of `j` decodes it (as a K row when `key`: the AVX-512 path's bf16
  * decoding) -> d bf16 bits in `out` (`row`: d floats of room). For tfp4_kv_decode_rows. */

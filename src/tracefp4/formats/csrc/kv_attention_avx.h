@@ -64,6 +64,7 @@
  */
 #ifndef TFP4_KV_ATTENTION_AVX_H
 #define TFP4_KV_ATTENTION_AVX_H
+#include "kv_common.h"
 #if defined(__x86_64__)
 
 AVXINL float kv_tree16_avx(__m512 v) {

@@ -1,5 +1,5 @@
 /* The panels layout's kernels: portable C, AVX-512 BF16 and AMX (the layout is described in
- * fp4_gemm.c). Work items are (expert, pair of 16-column panels): the AMX path multiplies a pair with
+ * kernels.c). Work items are (expert, pair of 16-column panels): the AMX path multiplies a pair with
  * two B tiles that share every A tile.
  *
  * A quad is 4 consecutive elements 4t .. 4t+3 of a row (two code bytes: k-pairs 2t and 2t+1); a

@@ -1,4 +1,4 @@
-/* The tiles layout's kernels: portable C and AVX-512 BF16 (the layout is described in fp4_gemm.c).
+/* The tiles layout's kernels: portable C and AVX-512 BF16 (the layout is described in kernels.c).
  * Work items are (expert, tile of NT = 4 output columns). */
 #ifndef TFP4_TILES_H
 #define TFP4_TILES_H

@@ -5,7 +5,7 @@ block scale of every 16 elements and a 4-byte FP32 global amax per row. Most of 
 the trainer already has: it computes the same site from the same weights and differs from the rollout
 only at BF16 level, so its own block scales, amax and round-to-nearest codes agree with the
 rollout's almost everywhere. A :class:`CompactRecord` keeps only what the trainer cannot recompute,
-and decodes, *given the trainer's own value x*, into an ordinary lsb :class:`~tracefp4.guidance.Hint`
+and decodes, *given the trainer's own value x*, into an ordinary lsb :class:`~tracefp4.guidance.hints.Hint`
 (so the fast guided kernel is unchanged). Three independent knobs, named in a :class:`GuidanceSpec`:
 
 **Global amax** (per row; it fixes ``S_enc`` and so the whole grid, and must be exact):
@@ -35,7 +35,7 @@ and decodes, *given the trainer's own value x*, into an ordinary lsb :class:`~tr
 Names (``GuidanceSpec.name``): ``<elements>[+parity|+scales:ldpc(1/d)|+scales:own][+amax:<knob>]``,
 e.g. ``lsb+parity+amax:lo3``, ``sparse(0.02)+parity+amax:lo3``, ``ldpc(1/16)+scales:ldpc(1/4)+amax:lo3``
 (``sparse+parity(0.02)`` is accepted too). Plain ``full`` and ``lsb`` (full scales, fp32 amax) are the
-existing :class:`~tracefp4.guidance.Hint` modes.
+existing :class:`~tracefp4.guidance.hints.Hint` modes.
 
 Record layout (the store's ``L{layer:02d}.{site}.{field}``, every tensor with leading dim T):
     ``.scales`` float8_e4m3fn ``[T, *lead, K/16]`` (scales ``full``; MXFP4: uint8 E8M0);
@@ -56,7 +56,7 @@ Record layout (the store's ``L{layer:02d}.{site}.{field}``, every tensor with le
 Decode failures (decisions): a record that cannot be decoded is never silent. Only the ``ldpc`` knobs
 can fail (every other field is read exactly); :meth:`CompactRecord.decode` returns the hint and a
 :class:`DecodeReport`, and :func:`decode_record` does the same for either kind of record (a plain
-:class:`~tracefp4.guidance.Hint` with an empty report), so the trainer sums the reports of its sites
+:class:`~tracefp4.guidance.hints.Hint` with an empty report), so the trainer sums the reports of its sites
 (``failed_blocks`` into its decode-failure count). A code block whose checks belief propagation leaves
 unsatisfied after ``LDPC_ITERATIONS`` iterations is *failed*, and every value it covers takes what the
 trainer computes on its own, on the grid decoded so far; no half-converged iterate is ever used (it

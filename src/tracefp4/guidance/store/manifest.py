@@ -150,66 +150,74 @@ class Manifest:
         except StoreError as e:
             raise StoreError(f"{where}: {e}") from None
 
-        shard_re = re.compile(re.escape(writer_id) + r"-\d{5}" + re.escape(SHARD_SUFFIX))
-        shards: dict[str, ShardMeta] = {}
-        for name, s in req(obj, "shards", dict, where).items():
-            w = f"{where}, shard {name!r}"
-            if not isinstance(s, dict):
-                raise StoreError(f"{w}: expected an object")
-            if shard_re.fullmatch(name) is None:
-                raise StoreError(f"{w}: shard name does not belong to writer {writer_id!r}")
-            nbytes = req(s, "bytes", int, w)
-            sha = _req_sha(s, "sha256", w)
-            header_bytes = req(s, "header_bytes", int, w)
-            header_sha = _req_sha(s, "header_sha256", w)
-            if not 8 <= header_bytes <= nbytes:
-                raise StoreError(
-                    f"{w}: invalid size {nbytes!r} or header size {header_bytes!r} "
-                    "(need 8 <= header_bytes <= bytes)"
-                )
-            shards[name] = ShardMeta(name, nbytes, sha, header_bytes, header_sha)
-
-        trajs: dict[str, TrajectoryMeta] = {}
-        for tid, t in req(obj, "trajectories", dict, where).items():
-            w = f"{where}, trajectory {tid!r}"
-            try:
-                check_traj_id(tid)
-            except StoreError as e:
-                raise StoreError(f"{where}: {e}") from None
-            if not isinstance(t, dict):
-                raise StoreError(f"{w}: expected an object")
-            shard = req(t, "shard", str, w)
-            if shard not in shards:
-                raise StoreError(f"{w}: shard {shard!r} is not listed in the manifest's shards")
-            length = req(t, "length", int, w)
-            prompt_len = req(t, "prompt_len", int, w)
-            if length < 1 or not 0 <= prompt_len <= length:
-                raise StoreError(f"{w}: invalid length {length} / prompt_len {prompt_len}")
-            sha = _req_sha(t, "sha256", w)
-            tensors: dict[str, TensorMeta] = {}
-            for tname, m in req(t, "tensors", dict, w).items():
-                wt = f"{w}, tensor {tname!r}"
-                try:
-                    parse_name(tname)
-                except StoreError as e:
-                    raise StoreError(f"{w}: {e}") from None
-                if not isinstance(m, dict):
-                    raise StoreError(f"{wt}: expected an object")
-                shape = req(m, "shape", list, wt)
-                dtype = req(m, "dtype", str, wt)
-                if not shape or not all(
-                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-                ):
-                    raise StoreError(f"{wt}: invalid shape {shape!r}")
-                if shape[0] != length:
-                    raise StoreError(f"{wt}: leading dim {shape[0]} != trajectory length {length}")
-                if dtype not in ITEMSIZE:
-                    raise StoreError(f"{wt}: unsupported dtype {dtype!r}")
-                tensors[tname] = TensorMeta(tuple(shape), dtype)
-            if not tensors:
-                raise StoreError(f"{w}: no tensors")
-            trajs[tid] = TrajectoryMeta(tid, shard, length, prompt_len, tensors, sha)
+        shards = {name: _shard_meta(name, s, writer_id, f"{where}, shard {name!r}")
+                  for name, s in req(obj, "shards", dict, where).items()}
+        trajs = {tid: _trajectory_meta(tid, t, shards, where)
+                 for tid, t in req(obj, "trajectories", dict, where).items()}
         return cls(step, writer_id, sig, pv, shards, trajs, version)
+
+
+def _shard_meta(name: str, s: Any, writer_id: str, w: str) -> ShardMeta:
+    """One validated entry of a manifest's ``shards`` (``w``: where, for the error)."""
+    if not isinstance(s, dict):
+        raise StoreError(f"{w}: expected an object")
+    if re.fullmatch(re.escape(writer_id) + r"-\d{5}" + re.escape(SHARD_SUFFIX), name) is None:
+        raise StoreError(f"{w}: shard name does not belong to writer {writer_id!r}")
+    nbytes = req(s, "bytes", int, w)
+    sha = _req_sha(s, "sha256", w)
+    header_bytes = req(s, "header_bytes", int, w)
+    header_sha = _req_sha(s, "header_sha256", w)
+    if not 8 <= header_bytes <= nbytes:
+        raise StoreError(
+            f"{w}: invalid size {nbytes!r} or header size {header_bytes!r} "
+            "(need 8 <= header_bytes <= bytes)"
+        )
+    return ShardMeta(name, nbytes, sha, header_bytes, header_sha)
+
+
+def _trajectory_meta(tid: str, t: Any, shards: Mapping[str, ShardMeta], where: str) -> TrajectoryMeta:
+    """One validated entry of a manifest's ``trajectories``, in a shard of ``shards``."""
+    w = f"{where}, trajectory {tid!r}"
+    try:
+        check_traj_id(tid)
+    except StoreError as e:
+        raise StoreError(f"{where}: {e}") from None
+    if not isinstance(t, dict):
+        raise StoreError(f"{w}: expected an object")
+    shard = req(t, "shard", str, w)
+    if shard not in shards:
+        raise StoreError(f"{w}: shard {shard!r} is not listed in the manifest's shards")
+    length = req(t, "length", int, w)
+    prompt_len = req(t, "prompt_len", int, w)
+    if length < 1 or not 0 <= prompt_len <= length:
+        raise StoreError(f"{w}: invalid length {length} / prompt_len {prompt_len}")
+    sha = _req_sha(t, "sha256", w)
+    tensors = {tname: _tensor_meta(tname, m, length, w) for tname, m in req(t, "tensors", dict, w).items()}
+    if not tensors:
+        raise StoreError(f"{w}: no tensors")
+    return TrajectoryMeta(tid, shard, length, prompt_len, tensors, sha)
+
+
+def _tensor_meta(tname: str, m: Any, length: int, w: str) -> TensorMeta:
+    """One validated tensor entry of a trajectory of ``length`` token positions (``w``: the trajectory)."""
+    wt = f"{w}, tensor {tname!r}"
+    try:
+        parse_name(tname)
+    except StoreError as e:
+        raise StoreError(f"{w}: {e}") from None
+    if not isinstance(m, dict):
+        raise StoreError(f"{wt}: expected an object")
+    shape = req(m, "shape", list, wt)
+    dtype = req(m, "dtype", str, wt)
+    if not shape or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise StoreError(f"{wt}: invalid shape {shape!r}")
+    if shape[0] != length:
+        raise StoreError(f"{wt}: leading dim {shape[0]} != trajectory length {length}")
+    if dtype not in ITEMSIZE:
+        raise StoreError(f"{wt}: unsupported dtype {dtype!r}")
+    return TensorMeta(tuple(shape), dtype)
 
 
 def shard_header(data: bytes | bytearray | memoryview, where: str) -> tuple[int, dict[str, Any]]:

@@ -73,6 +73,65 @@ def _tensor_from_bytes(buf: bytearray, tm: TensorMeta) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(tm.shape)
 
 
+def _wanted_names(meta: TrajectoryMeta, names: Sequence[str] | None, where: str) -> list[str]:
+    """The tensor names :meth:`StoreReader.get` returns: ``names`` (each stored) or all of them."""
+    if names is None:
+        return list(meta.tensors)
+    if isinstance(names, str):
+        raise StoreError(
+            f"{where}: names must be a list of tensor names, got a str {names!r}"
+        )
+    wanted = list(names)
+    missing = [n for n in wanted if n not in meta.tensors]
+    if missing:
+        raise StoreError(
+            f"{where}: no tensor(s) {missing} in this record; "
+            f"stored: {sorted(meta.tensors)}"
+        )
+    return wanted
+
+
+def _check_shard_metadata(header_meta: object, sm: ShardMeta, step: int, where: str) -> None:
+    """A shard's safetensors metadata names the store's shard format, ``step`` and the writer whose
+    name starts the shard's (so a shard copied from another step or writer is refused)."""
+    writer = sm.name[: -len(f"-00000{SHARD_SUFFIX}")]
+    if (
+        not isinstance(header_meta, dict)
+        or header_meta.get("format") != SHARD_FORMAT
+        or header_meta.get("step") != str(step)
+        or header_meta.get("writer_id") != writer
+    ):
+        raise StoreError(
+            f"{where}: shard header names format/step/writer {header_meta}, "
+            f"expected {SHARD_FORMAT!r}/{step}/{writer!r}"
+        )
+
+
+def _tensor_range(key: str, info: object, tm: TensorMeta, header_bytes: int, where: str) -> tuple[int, int]:
+    """The file byte range of tensor ``key`` from its header entry ``info``, which must agree with
+    the manifest's ``tm`` (dtype, shape, and offsets spanning exactly its bytes)."""
+    ok = isinstance(info, dict)
+    shape = info.get("shape") if ok else None
+    dtype = info.get("dtype") if ok else None
+    offsets = info.get("data_offsets") if ok else None
+    if shape != list(tm.shape) or dtype != SAFETENSORS_DTYPE[tm.dtype]:
+        raise StoreError(
+            f"{where}, key {key!r}: {dtype}{shape} in shard, manifest says "
+            f"{tm.dtype}{list(tm.shape)}"
+        )
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or offsets[1] - offsets[0] != tm.nbytes
+    ):
+        raise StoreError(
+            f"{where}, key {key!r}: data offsets {offsets!r} do not hold "
+            f"{tm.nbytes} bytes"
+        )
+    return header_bytes + offsets[0], header_bytes + offsets[1]
+
+
 class StoreReader:
     """Reads a sealed step, refusing anything that disagrees with what the caller expects.
 
@@ -197,24 +256,30 @@ class StoreReader:
         loc = self._locate(traj_id)
         meta = loc.meta
         where = f"step {self.step}, writer {loc.writer_id!r}, trajectory {traj_id!r}"
-        if names is None:
-            wanted = list(meta.tensors)
-        else:
-            if isinstance(names, str):
-                raise StoreError(
-                    f"{where}: names must be a list of tensor names, got a str {names!r}"
-                )
-            wanted = list(names)
-            missing = [n for n in wanted if n not in meta.tensors]
-            if missing:
-                raise StoreError(
-                    f"{where}: no tensor(s) {missing} in this record; "
-                    f"stored: {sorted(meta.tensors)}"
-                )
+        wanted = _wanted_names(meta, names, where)
         start, stop = self._positions(positions, meta.length, where)
         shard = self._open_shard(meta.shard)
         where = f"{where}, shard {shard.path}"
+        bufs = self._read_verified(shard, traj_id, meta, where)
+        out: dict[str, torch.Tensor] = {}
+        for name in wanted:
+            tm = meta.tensors[name]
+            t = _tensor_from_bytes(bufs[name], tm)
+            if positions is not None:
+                t = t[start:stop].clone()  # do not keep the whole record alive behind a view
+            expect_shape = (stop - start, *tm.shape[1:])
+            if t.dtype != SUPPORTED_DTYPES[tm.dtype] or tuple(t.shape) != expect_shape:
+                raise StoreError(
+                    f"{where}, tensor {name!r}: read {t.dtype}{list(t.shape)}, "
+                    f"expected {tm.dtype}{list(expect_shape)}"
+                )
+            out[name] = t
+        return out
 
+    def _read_verified(self, shard: _OpenShard, traj_id: str, meta: TrajectoryMeta,
+                       where: str) -> dict[str, bytearray]:
+        """Every tensor's bytes of one trajectory, read from ``shard``'s descriptor and checked against
+        the trajectory's sha256 before anything is built from them."""
         # One buffer per tensor; tensors adjacent in the file are read with one preadv.
         bufs = {n: bytearray(tm.nbytes) for n, tm in meta.tensors.items()}
         in_file_order = sorted(meta.tensors, key=lambda n: shard.ranges[f"{traj_id}/{n}"])
@@ -237,21 +302,7 @@ class StoreReader:
                 f"{where}: sha256 mismatch (corrupted trajectory data): {h.hexdigest()}, "
                 f"manifest says {meta.sha256}"
             )
-
-        out: dict[str, torch.Tensor] = {}
-        for name in wanted:
-            tm = meta.tensors[name]
-            t = _tensor_from_bytes(bufs[name], tm)
-            if positions is not None:
-                t = t[start:stop].clone()  # do not keep the whole record alive behind a view
-            expect_shape = (stop - start, *tm.shape[1:])
-            if t.dtype != SUPPORTED_DTYPES[tm.dtype] or tuple(t.shape) != expect_shape:
-                raise StoreError(
-                    f"{where}, tensor {name!r}: read {t.dtype}{list(t.shape)}, "
-                    f"expected {tm.dtype}{list(expect_shape)}"
-                )
-            out[name] = t
-        return out
+        return bufs
 
     def batch(
         self,
@@ -418,6 +469,39 @@ class StoreReader:
         return shard
 
     def _check_header(self, fd: int, sm: ShardMeta, path: Path, where: str) -> _OpenShard:
+        """The open shard ``fd`` checked against its manifest entry ``sm`` (size, header hash, the
+        header's metadata, keys, dtypes, shapes and data offsets), with each tensor's byte range."""
+        size, header_bytes, header = self._read_header(fd, sm, where)
+        _check_shard_metadata(header.pop("__metadata__", None), sm, self.step, where)
+        expected: dict[str, TensorMeta] = {
+            f"{tid}/{n}": tm
+            for tid, loc in self._index.items()
+            if loc.meta.shard == sm.name
+            for n, tm in loc.meta.tensors.items()
+        }
+        if set(header) != set(expected):
+            extra = sorted(set(header) - set(expected))
+            missing = sorted(set(expected) - set(header))
+            raise StoreError(
+                f"{where}: keys disagree with the manifest: "
+                f"missing {missing[:5]}, extra {extra[:5]}"
+            )
+        shard = _OpenShard(fd, path, size)
+        for key, tm in expected.items():
+            shard.ranges[key] = _tensor_range(key, header[key], tm, header_bytes, where)
+        # Like safetensors itself: the tensors tile the data section exactly, no gap, no overlap.
+        pos = header_bytes
+        for begin, end in sorted(shard.ranges.values()):
+            if begin != pos:
+                raise StoreError(f"{where}: tensor data is not contiguous at byte {begin}")
+            pos = end
+        if pos != size:
+            raise StoreError(f"{where}: tensor data ends at byte {pos}, the shard has {size}")
+        return shard
+
+    def _read_header(self, fd: int, sm: ShardMeta, where: str) -> tuple[int, int, dict]:
+        """(file size, header bytes, parsed header) of the open shard ``fd``, its size and header
+        hash checked against ``sm`` before the header is parsed."""
         size = os.fstat(fd).st_size
         if size < sm.nbytes:
             raise StoreError(
@@ -439,62 +523,5 @@ class StoreReader:
                 f"{where}: safetensors header of {header_bytes} bytes, manifest says "
                 f"{sm.header_bytes}"
             )
-        header_meta = header.pop("__metadata__", None)
-        writer = sm.name[: -len(f"-00000{SHARD_SUFFIX}")]
-        if (
-            not isinstance(header_meta, dict)
-            or header_meta.get("format") != SHARD_FORMAT
-            or header_meta.get("step") != str(self.step)
-            or header_meta.get("writer_id") != writer
-        ):
-            raise StoreError(
-                f"{where}: shard header names format/step/writer {header_meta}, "
-                f"expected {SHARD_FORMAT!r}/{self.step}/{writer!r}"
-            )
-        expected: dict[str, TensorMeta] = {
-            f"{tid}/{n}": tm
-            for tid, loc in self._index.items()
-            if loc.meta.shard == sm.name
-            for n, tm in loc.meta.tensors.items()
-        }
-        if set(header) != set(expected):
-            extra = sorted(set(header) - set(expected))
-            missing = sorted(set(expected) - set(header))
-            raise StoreError(
-                f"{where}: keys disagree with the manifest: "
-                f"missing {missing[:5]}, extra {extra[:5]}"
-            )
-        shard = _OpenShard(fd, path, size)
-        for key, tm in expected.items():
-            info = header[key]
-            ok = isinstance(info, dict)
-            shape = info.get("shape") if ok else None
-            dtype = info.get("dtype") if ok else None
-            offsets = info.get("data_offsets") if ok else None
-            if shape != list(tm.shape) or dtype != SAFETENSORS_DTYPE[tm.dtype]:
-                raise StoreError(
-                    f"{where}, key {key!r}: {dtype}{shape} in shard, manifest says "
-                    f"{tm.dtype}{list(tm.shape)}"
-                )
-            if (
-                not isinstance(offsets, list)
-                or len(offsets) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-                or offsets[1] - offsets[0] != tm.nbytes
-            ):
-                raise StoreError(
-                    f"{where}, key {key!r}: data offsets {offsets!r} do not hold "
-                    f"{tm.nbytes} bytes"
-                )
-            shard.ranges[key] = (header_bytes + offsets[0], header_bytes + offsets[1])
-        # Like safetensors itself: the tensors tile the data section exactly, no gap, no overlap.
-        pos = header_bytes
-        for begin, end in sorted(shard.ranges.values()):
-            if begin != pos:
-                raise StoreError(f"{where}: tensor data is not contiguous at byte {begin}")
-            pos = end
-        if pos != size:
-            raise StoreError(f"{where}: tensor data ends at byte {pos}, the shard has {size}")
-        return shard
-
+        return size, header_bytes, header
 

@@ -31,7 +31,7 @@ from tracefp4.guidance.store.common import (
     step_dir,
     write_temp,
 )
-from tracefp4.guidance.store.manifest import Manifest
+from tracefp4.guidance.store.manifest import Manifest, ShardMeta
 
 
 
@@ -88,14 +88,7 @@ def seal_step(root: str | os.PathLike[str], step: int, writers: Sequence[str]) -
     no-op (it finishes an interrupted clean-up); with other writers it is an error.
     """
     sdir = step_dir(root, step)
-    if isinstance(writers, str) or not writers:
-        raise StoreError(
-            f"step {step}: writers must be a non-empty list of writer ids, got {writers!r}"
-        )
-    for w in writers:
-        check_writer_id(w)
-    if len(set(writers)) != len(writers):
-        raise StoreError(f"step {step}: duplicate writer ids in {list(writers)}")
+    _check_writer_ids(writers, step)
     try:
         dfd = open_step_dir(sdir, f"cannot seal step {step}")
     except FileNotFoundError:
@@ -119,18 +112,7 @@ def seal_step(root: str | os.PathLike[str], step: int, writers: Sequence[str]) -
             keep.add(manifest_name(m.writer_id))
             for s in m.shards.values():
                 keep.add(s.name)
-                p = sdir / s.name
-                what = f"cannot seal step {step}: writer {m.writer_id!r} shard {p}"
-                try:
-                    st = os.stat(s.name, dir_fd=dfd, follow_symlinks=False)
-                except FileNotFoundError:
-                    raise StoreError(f"{what} is missing") from None
-                if stat.S_ISLNK(st.st_mode):
-                    raise StoreError(f"{what} is a symbolic link; the store never follows links")
-                if not stat.S_ISREG(st.st_mode):
-                    raise StoreError(f"{what} is not a regular file")
-                if st.st_size != s.nbytes:
-                    raise StoreError(f"{what} has {st.st_size} bytes, manifest says {s.nbytes}")
+                _check_shard_file(dfd, sdir, s, f"cannot seal step {step}: writer {m.writer_id!r}")
 
         complete = {
             "format": COMPLETE_FORMAT,
@@ -142,19 +124,7 @@ def seal_step(root: str | os.PathLike[str], step: int, writers: Sequence[str]) -
             "writers": {w: {"manifest_sha256": hashes[w]} for w in writers},
         }
         path = sdir / COMPLETE_NAME
-        data = dump_json(complete)
-        tmp, _ = write_temp(dfd, COMPLETE_NAME, data)
-        try:
-            publish_new(dfd, tmp, COMPLETE_NAME)
-        except FileExistsError:
-            where = f"step {step} seal {path}"
-            existing = load_json(read_file(dfd, COMPLETE_NAME, path), where)
-            if existing != json.loads(data):
-                raise StoreError(
-                    f"step {step} is already sealed with different contents ({path}); "
-                    f"sealed writers: {sorted(existing.get('writers', {}))}, "
-                    f"requested: {list(writers)}"
-                ) from None
+        _publish_seal(dfd, path, complete, step, writers)
         # What no sealed manifest references can never be read: remove it (files of dead or
         # unnamed writers, temp files, locks).
         for name in os.listdir(dfd):
@@ -164,6 +134,52 @@ def seal_step(root: str | os.PathLike[str], step: int, writers: Sequence[str]) -
     finally:
         os.close(dfd)
     return path
+
+
+def _check_writer_ids(writers: Sequence[str], step: int) -> None:
+    """``writers`` is a non-empty list of distinct, valid writer ids."""
+    if isinstance(writers, str) or not writers:
+        raise StoreError(
+            f"step {step}: writers must be a non-empty list of writer ids, got {writers!r}"
+        )
+    for w in writers:
+        check_writer_id(w)
+    if len(set(writers)) != len(writers):
+        raise StoreError(f"step {step}: duplicate writer ids in {list(writers)}")
+
+
+def _check_shard_file(dfd: int, sdir: Path, s: ShardMeta, whose: str) -> None:
+    """Shard ``s`` is in the step folder as a regular file (not a link) of the size its manifest
+    records; its hashes are left to the reader, which reads the bytes anyway."""
+    what = f"{whose} shard {sdir / s.name}"
+    try:
+        st = os.stat(s.name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        raise StoreError(f"{what} is missing") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise StoreError(f"{what} is a symbolic link; the store never follows links")
+    if not stat.S_ISREG(st.st_mode):
+        raise StoreError(f"{what} is not a regular file")
+    if st.st_size != s.nbytes:
+        raise StoreError(f"{what} has {st.st_size} bytes, manifest says {s.nbytes}")
+
+
+def _publish_seal(dfd: int, path: Path, complete: dict, step: int, writers: Sequence[str]) -> None:
+    """Publish ``COMPLETE.json``; a seal already there passes only if it is this very one (sealing
+    again with the same writers finishes an interrupted clean-up)."""
+    data = dump_json(complete)
+    tmp, _ = write_temp(dfd, COMPLETE_NAME, data)
+    try:
+        publish_new(dfd, tmp, COMPLETE_NAME)
+    except FileExistsError:
+        where = f"step {step} seal {path}"
+        existing = load_json(read_file(dfd, COMPLETE_NAME, path), where)
+        if existing != json.loads(data):
+            raise StoreError(
+                f"step {step} is already sealed with different contents ({path}); "
+                f"sealed writers: {sorted(existing.get('writers', {}))}, "
+                f"requested: {list(writers)}"
+            ) from None
 
 
 def discard_step(root: str | os.PathLike[str], step: int) -> bool:

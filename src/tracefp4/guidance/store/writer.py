@@ -132,22 +132,8 @@ class StoreWriter:
         tensors: dict[str, torch.Tensor] = {}
         metas: dict[str, TensorMeta] = {}
         for name, t in record.items():
-            try:
-                _, site, _ = parse_name(name)
-            except StoreError as e:
-                raise StoreError(f"{where}: {e}") from None
+            dtype = _stored_dtype(name, t, where)
             wt = f"{where}, tensor {name!r}"
-            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-                raise StoreError(f"{wt}: expected a dense torch.Tensor, got {type(t).__name__}")
-            if t.dim() < 1:
-                raise StoreError(f"{wt}: needs a leading token dim, got a 0-d tensor")
-            dtype = DTYPE_TO_NAME.get(t.dtype)
-            if dtype is None:
-                fp4 = "float4" in str(t.dtype)
-                hint = " (store packed FP4 codes as t.view(torch.uint8))" if fp4 else ""
-                raise StoreError(f"{wt}: unsupported dtype {t.dtype}{hint}")
-            if site == ROUTING and dtype not in INTEGER_DTYPES:
-                raise StoreError(f"{wt}: routing indices need an integer dtype, got {t.dtype}")
             if length is None:
                 length = t.shape[0]
             elif t.shape[0] != length:
@@ -412,6 +398,28 @@ class StoreWriter:
         self._buffer = {}
         self._buffer_bytes = 0
         self._seq += 1
+
+
+def _stored_dtype(name: str, t: object, where: str) -> str:
+    """The store's dtype name of record tensor ``name``, after checking that the name parses and that
+    ``t`` is a dense tensor with a token dim, of a dtype the store holds (integers for routing)."""
+    try:
+        _, site, _ = parse_name(name)
+    except StoreError as e:
+        raise StoreError(f"{where}: {e}") from None
+    wt = f"{where}, tensor {name!r}"
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        raise StoreError(f"{wt}: expected a dense torch.Tensor, got {type(t).__name__}")
+    if t.dim() < 1:
+        raise StoreError(f"{wt}: needs a leading token dim, got a 0-d tensor")
+    dtype = DTYPE_TO_NAME.get(t.dtype)
+    if dtype is None:
+        fp4 = "float4" in str(t.dtype)
+        hint = " (store packed FP4 codes as t.view(torch.uint8))" if fp4 else ""
+        raise StoreError(f"{wt}: unsupported dtype {t.dtype}{hint}")
+    if site == ROUTING and dtype not in INTEGER_DTYPES:
+        raise StoreError(f"{wt}: routing indices need an integer dtype, got {t.dtype}")
+    return dtype
 
 
 def _owned_contiguous_cpu(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,13 @@
-/* Grouped GEMM of bf16 activations with packed FP4 weights (NVFP4 or MXFP4), for the CPU.
+/* tracefp4's CPU kernels, one translation unit (the library tracefp4.formats.clib builds and loads):
+ * the grouped GEMM over packed FP4 weights described below (tiles.h, panels.h), and the one-pass
+ * kernels of a rollout's other steps: the sites' NVFP4 quantization (site_quant.h), the other CPU
+ * quantizers (cpu_quant.h: the per-tensor amax pass, dequantization, guided rounding, the low-bit
+ * hint), the top-k combine (combine.h), the SiLU gate (silu_gate.h) and attention over a packed FP4
+ * K/V cache (kv_attention.h). The headers hold the kernels as static functions; this file holds
+ * every exported entry point (tfp4_*: argument checks, thread split, path choice) and the CPU
+ * feature checks.
+ *
+ * The GEMM: bf16 activations times packed FP4 weights (NVFP4 or MXFP4), grouped by expert.
  *
  *   out[r, n] = bf16_rne( fl32( sum_k x[r, k] * w_e[n, k] ) / divisor[e] )   for rows r of expert e
  *
@@ -47,11 +56,7 @@
  * float32 additions. Work is split over (expert, tile) or (expert, panel pair) items, contiguous
  * ranges per thread; each output is computed by one thread in a fixed order, so the result does not
  * depend on the thread count (it may depend on how many rows share the expert: that picks the path).
- *
- * The library also holds the one-pass kernels of a rollout's other steps: the sites' NVFP4
- * quantization (site_quant.h), the other CPU quantizers (cpu_quant.h: the per-tensor amax pass,
- * dequantization, guided rounding, the low-bit hint), the top-k combine (combine.h), the SiLU gate (silu_gate.h) and
- * attention over a packed FP4 K/V cache (kv_attention.h).
+
  */
 #define _DEFAULT_SOURCE /* syscall() */
 #include "fp4_common.h"

@@ -459,7 +459,7 @@ def test_every_knob_value_has_a_codec_and_unknown_knobs_are_named() -> None:
             codec = make_codec(field, "lo3" if knob == "lo" else knob, args.get(knob))
             assert type(codec) is cls
     assert set(CODECS) == {"amax", "scales", "elements"}
-    assert set(CODECS["elements"]) == {"full", "lsb", "sparse", "ldpc"}
+    assert set(CODECS["elements"]) == {"full", "lsb", "mod4", "sparse", "ldpc"}
     assert set(CODECS["scales"]) == {"full", "parity", "ldpc", "own"}
     assert set(CODECS["amax"]) == {"fp32", "bf16", "own", "ldpc", "lo"}
     # every spec of the standard modes is made of registered codecs, in packing order

@@ -9,8 +9,10 @@ A :class:`TrainerGuidance` holds, for one teacher-forced forward:
   order (the trajectories' covered positions, concatenated), the map says which rows they belong to
   (None: the rows are the records' rows, a packed batch);
 * outputs: the trainer's packed FP4 codes and their grid at the capture layers (in record order),
-  per-layer router flips under replay (over real rows), and how many compact-record blocks failed to
-  decode.
+  per-layer router flips under replay (over real rows), how many compact-record blocks failed to
+  decode, and the sum of every record's :class:`~tracefp4.guidance.report.DecodeReport`
+  (``decode_report``: also the ``mod4`` records' detected bracket misses, the counts a
+  ``guidance_bracket_miss_rate`` is made of).
 
 Padding rows are rounded to nearest on their own grid and keep the router's own experts.
 
@@ -34,6 +36,7 @@ from tracefp4.formats.quantizers import Grid, Quantizer
 from tracefp4.guidance.hints import Hint
 from tracefp4.guidance.names import layer_tag
 from tracefp4.guidance.record import SiteRecord
+from tracefp4.guidance.report import DecodeReport
 
 __all__ = ["TrainerGuidance", "guided"]
 
@@ -50,6 +53,7 @@ class TrainerGuidance(ForwardPath):
     grids: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = dataclasses.field(default_factory=dict, init=False)
     router_flips: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict, init=False)
     decode_failures: int = dataclasses.field(default=0, init=False)
+    decode_report: DecodeReport = dataclasses.field(default_factory=DecodeReport, init=False)
 
     def hint(self, name: str, x: torch.Tensor) -> Hint | None:
         """The rollout's hint for site ``name`` given this path's own value ``x``, or None."""
@@ -58,6 +62,7 @@ class TrainerGuidance(ForwardPath):
             return None
         hint, report = record.decode(x.detach())
         self.decode_failures += report.failed_blocks
+        self.decode_report += report
         return hint
 
     def capture_site(self, layer: int, name: str, q: NVFP4 | MXFP4 | FP8, grid: Grid) -> None:

@@ -15,6 +15,7 @@ from tracefp4.formats.constants import (
     E2M1_MAX,
     E2M1_MIDPOINTS,
     E2M1_SIGN_BIT,
+    E2M1_VALUES,
     E4M3_MAX,
     E8M0_BIAS,
     FLOAT32_MAX,
@@ -23,7 +24,7 @@ from tracefp4.formats.constants import (
 )
 
 __all__ = ["block_scale_unrounded", "encode_factor", "grid_z", "midpoint_distance", "mx_scale_values", "nvfp4_global_encode_scale",
-           "rtn_e2m1"]
+           "rtn_e2m1", "mod4_e2m1"]
 
 _F32 = torch.float32
 
@@ -102,3 +103,27 @@ def midpoint_distance(z: torch.Tensor) -> torch.Tensor:
     i = torch.bucketize(a, mids).clamp(max=len(E2M1_MIDPOINTS) - 1)
     below = mids[(i - 1).clamp(min=0)]
     return torch.minimum((a - mids[i]).abs(), (a - below).abs())
+
+
+def mod4_e2m1(z: torch.Tensor, residue: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unpacked E2M1 codes uint8, detected-miss bool) of clamped float32 ``z`` guided by ``mod4``
+    residues (each code's signed-line position mod 4): the reference's
+    :func:`~tracefp4.formats.reference.guided_round_mod4`, vectorised.
+
+    The bracket is found from round to nearest instead of a table search: z on rtn's value is a
+    codeword (a one-member bracket), above it the bracket is (rtn, rtn + 1), below it (rtn - 1, rtn),
+    all on the signed line, so no per-element search over the eight magnitudes is needed.
+    """
+    rtn = rtn_e2m1(z).to(torch.int64)
+    negative = torch.signbit(z)
+    pos = torch.where(negative, -(rtn - E2M1_SIGN_BIT), rtn)  # rtn's sign bit is z's
+    mags = torch.tensor(E2M1_VALUES, dtype=_F32, device=z.device)
+    value = torch.where(pos < 0, -mags[pos.abs()], mags[pos.abs()])
+    q_minus = torch.where(z < value, pos - 1, pos)
+    q_plus = torch.where(z > value, pos + 1, pos)
+    r = residue.to(torch.int64)
+    names_minus = (q_minus & 3) == r  # two's complement & 3 is the floor mod 4 of a negative position
+    names_plus = (q_plus & 3) == r
+    chosen = torch.where(names_minus, q_minus, torch.where(names_plus, q_plus, pos))
+    codes = chosen.abs() + negative.to(torch.int64) * E2M1_SIGN_BIT
+    return codes.to(torch.uint8), ~(names_minus | names_plus)

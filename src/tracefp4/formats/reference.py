@@ -267,6 +267,65 @@ def guided_round(z: torch.Tensor, rollout_codes: torch.Tensor | None, rollout_ls
     return (chosen.abs() + torch.signbit(z).long() * E2M1_SIGN_BIT).to(torch.uint8)
 
 
+# --- mod4: the code's position on the signed line mod 4 -------------------------------------------
+# The trainer's bracket is two adjacent positions q-, q+ = q- + 1 of the signed line (or one, q- == q+,
+# when z is a codeword: the bracket of :func:`bracket`). Of the four residues mod 4, two name q- and q+;
+# the other two are positions 1 or 2 steps outside the bracket (q+ + 1 == q- - 3 and q+ + 2 == q- - 2,
+# so the side is unknown): a detected miss, rounded to nearest. A miss of 3 or 4 steps has an in-bracket
+# residue and is undetectable (decoded as that bracket member); at a codeword only 4, 8, ... steps are.
+
+
+def mod4_residue(codes: torch.Tensor, element: str = "e2m1") -> torch.Tensor:
+    """What a ``mod4`` record keeps per element: its code's position on the signed line mod 4 (0..3)."""
+    position = signed_index(codes) if element == "e2m1" else signed_index_e4m3(codes)
+    return (position % 4).to(torch.uint8)  # floor mod: -1 -> 3, so the residue is the line's, not |code|'s
+
+
+def guided_choice_mod4(z: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, rtn: torch.Tensor,
+                       residue: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(signed-line position chosen, detected miss) from the bracket ``(lo, hi)`` of ``|z|`` (magnitude
+    codes), round to nearest's position ``rtn`` and the rollout's position mod 4 ``residue``: the bracket
+    member with that residue, else (the rollout's code is 1-2 steps outside) ``rtn``, and a miss."""
+    negative = torch.signbit(z)
+    q_minus = torch.where(negative, -hi, lo)
+    q_plus = torch.where(negative, -lo, hi)
+    r = residue.long()
+    names_minus = (q_minus % 4) == r
+    names_plus = (q_plus % 4) == r
+    chosen = torch.where(names_minus, q_minus, torch.where(names_plus, q_plus, rtn))
+    return chosen, ~(names_minus | names_plus)
+
+
+def guided_round_mod4(z: torch.Tensor, residue: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unpacked E2M1 codes, detected-miss mask) for float32 ``z`` (on the rollout's grid, clamped to
+    [-6, 6]) guided by the rollout's ``mod4`` residues; the sign bit is z's, as in :func:`guided_round`."""
+    lo, hi = bracket(z)
+    rtn = signed_index(round_to_e2m1(z))
+    chosen, miss = guided_choice_mod4(z, lo, hi, rtn, residue)
+    return (chosen.abs() + torch.signbit(z).long() * E2M1_SIGN_BIT).to(torch.uint8), miss
+
+
+def guided_round_mod4_e4m3(z: torch.Tensor, residue: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`guided_round_mod4` on the E4M3 line (float32 ``z`` on the rollout's row scale, clamped)."""
+    lo, hi = bracket_e4m3(z)
+    rtn = signed_index_e4m3(round_to_e4m3(z))
+    chosen, miss = guided_choice_mod4(z, lo, hi, rtn, residue)
+    return (chosen.abs() + torch.signbit(z).long() * E4M3_SIGN_BIT).to(torch.uint8), miss
+
+
+def bracket_distance(z: torch.Tensor, rollout_codes: torch.Tensor, element: str = "e2m1") -> torch.Tensor:
+    """How many codewords the rollout's code lies outside the trainer's bracket of ``z`` on the signed
+    line (0: one of its members). The quantity ``mod4`` detects for 1 and 2."""
+    if element == "e2m1":
+        (lo, hi), r = bracket(z), signed_index(rollout_codes)
+    else:
+        (lo, hi), r = bracket_e4m3(z), signed_index_e4m3(rollout_codes)
+    negative = torch.signbit(z)
+    q_minus = torch.where(negative, -hi, lo)
+    q_plus = torch.where(negative, -lo, hi)
+    return torch.clamp(q_minus - r, min=0) + torch.clamp(r - q_plus, min=0)
+
+
 def guided_quantize_nvfp4(x, s8, amax, rollout_codes=None, rollout_lsb=None) -> torch.Tensor:
     """Guided NVFP4 codes of ``x`` on the rollout's grid ``(s8, amax)``; unpacked uint8 [..., K]."""
     s_enc = nvfp4_global_encode_scale(torch.as_tensor(amax, dtype=_F32))

@@ -1,8 +1,9 @@
-"""The element codecs (``full``, ``lsb``, ``sparse(delta)``, ``ldpc(1/d)``): the rollout's codeword choices.
+"""The element codecs (``full``, ``lsb``, ``mod4``, ``sparse(delta)``, ``ldpc(1/d)``): the rollout's codeword choices.
 
 Each codes the rollout's E2M1 codes of a site on the rollout's grid; ``decode`` turns the record's
-field and the trainer's own ``z`` on the decoded grid into the Hint data (unpacked codes for
-``full``, else the low-bit plane).
+field and the trainer's own ``z`` on the decoded grid into the Hint data: unpacked codes for the
+codecs whose ``decodes_to`` is ``full`` (``mod4``; ``full`` itself needs no decoding), else the
+low-bit plane.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import numpy as np
 import torch
 
 from tracefp4.formats.constants import E2M1_MAX, HintMode
+from tracefp4.formats.grid import mod4_e2m1
 from tracefp4.guidance.coding import bits_int, int_bits, ldpc_checks, prior_llr, rice_bits_per_entry, stream_decode, \
     stream_encode
 from tracefp4.guidance.compact.codec import Codec, Expect, Geometry, check_rate, ldpc_correct, ldpc_encode
 from tracefp4.guidance.compact.grid import midpoint_distance
 from tracefp4.guidance.report import DecodeReport
 
-__all__ = ["ELEMENT_PRIOR", "ElementCodec", "FullElements", "LsbElements", "SparseElements", "LdpcElements"]
+__all__ = ["ELEMENT_PRIOR", "ElementCodec", "FullElements", "LsbElements", "Mod4Elements", "SparseElements",
+           "LdpcElements"]
 
 #: Prior probability that an element's low bit differs from the trainer's round-to-nearest one:
 #: ``p0 * exp(-r / sigma)``, r = distance of the trainer's z to the nearest midpoint (grid units).
@@ -34,6 +37,8 @@ def _fmt_float(v: float) -> str:
 
 class ElementCodec(Codec):
     field = "elements"
+    #: the Hint mode :meth:`decode`'s result is data for: the low-bit plane (lsb) or unpacked codes (full)
+    decodes_to: HintMode = HintMode.LSB
 
     def name_part(self) -> str:
         return self.knob
@@ -88,6 +93,44 @@ class LsbElements(ElementCodec):
 
     def unpack(self, fields, geom, t):
         return torch.from_numpy(fields.copy()).reshape(geom.elem_shape(t))
+
+
+class Mod4Elements(ElementCodec):
+    """The code's position on the signed line mod 4 (two bits per element): exact wherever the rollout's
+    code is in the trainer's bracket, a counted miss wherever it is 1 or 2 codewords outside.
+
+    The trainer's bracket is two adjacent positions (one on a codeword, as the reference's
+    :func:`~tracefp4.formats.reference.bracket` has it). Two of the four residues name its members;
+    the other two can only be positions one or two steps beyond it, on either side (one step above
+    the upper member is two below the lower one, mod 4): the side is unknown, so the element falls
+    back to round to nearest on the rollout's grid and is counted in
+    :attr:`~tracefp4.guidance.report.DecodeReport.bracket_misses` (every element in ``bracket_checked``).
+    A miss of 3 or 4 steps (any multiple of 4 at a codeword) has a bracket member's residue and is
+    decoded as that member, undetected: ``lsb``'s blind spot starts at 1 step (one step beyond the
+    bracket has the far member's low bit, two steps the near one's, and both decode silently).
+    Decodes to full codes (``decodes_to``), so the trainer's guided quantizer lands on them exactly.
+    """
+
+    knob = "mod4"
+    decodes_to = HintMode.FULL
+
+    def encode(self, codes: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+        position = torch.where(codes >= 8, 8 - codes.to(torch.int64), codes.to(torch.int64))  # signed line
+        return (position & 3).to(torch.uint8)
+
+    def bits(self, geom: Geometry) -> int:
+        return 2 * geom.elems
+
+    def pack(self, value, geom, t, compressed):
+        return int_bits(value.reshape(t, -1).numpy(), 2)
+
+    def unpack(self, fields, geom, t):
+        return torch.from_numpy(bits_int(fields, 2).astype(np.uint8)).reshape(geom.elem_shape(t))
+
+    def decode(self, value, own, z, segments, geom):
+        """Unpacked codes on the decoded grid, and the bracket misses among them."""
+        codes, miss = mod4_e2m1(z, value.to(z.device))
+        return codes, DecodeReport(bracket_checked=miss.numel(), bracket_misses=int(miss.sum()))
 
 
 class SparseElements(ElementCodec):

@@ -69,6 +69,9 @@ STANDARD_MODES: tuple[str, ...] = (
     "lsb",
     "lsb@all",
     "full@deeper",
+    # two bits per element: lsb's record plus the bit that tells a code 1-2 codewords off the bracket
+    "mod4",
+    "mod4@all",
     # the per-row amax and the block scales, one knob at a time (elements: 1 bit)
     "lsb+amax:bf16",
     "lsb+amax:lo2",

@@ -51,7 +51,8 @@ class CompactRecord:
     scales: e4m3 (or E8M0 uint8) ``[T, *lead, K/block]`` for ``full``; the low bits of the E4M3
         codes (uint8 0/1, same shape) for ``parity`` and, before compression, ``ldpc``; the check bits
         ``[T, checks]`` of a compressed ``ldpc``; None for ``own``.
-    elements: unpacked codes (``full``) or low bits (``lsb``, ``ldpc`` before compression) ``[T, *lead, K]``;
+    elements: unpacked codes (``full``), signed-line residues mod 4 (``mod4``) or low bits (``lsb``, ``ldpc``
+        before compression) ``[T, *lead, K]``;
         int8 ``sparse`` plane (-1 where nothing is recorded, else the low bit); check bits
         ``[T, checks]`` of a compressed ``ldpc``.
     segments: trajectory lengths, set when read from tensors (``ldpc`` checks and ``sparse`` streams
@@ -239,6 +240,8 @@ class CompactRecord:
         if e.hint_mode is HintMode.FULL:
             return Hint(HintMode.FULL, self.fmt, pack_fp4(self.elements.to(torch.uint8)), scales, amax), report
         z = grid_z(x, self.fmt, scales, amax)
-        bits, r_elements = e.decode(self.elements, rtn_codes(z) & 1, z, self.segments, geom)
-        data = torch.from_numpy(pack_bits(bits.numpy().astype(np.uint8)))
+        decoded, r_elements = e.decode(self.elements, rtn_codes(z) & 1, z, self.segments, geom)
+        if e.decodes_to is HintMode.FULL:
+            return Hint(HintMode.FULL, self.fmt, pack_fp4(decoded), scales, amax), report + r_elements
+        data = torch.from_numpy(pack_bits(decoded.numpy().astype(np.uint8)))
         return Hint(HintMode.LSB, self.fmt, data, scales, amax), report + r_elements

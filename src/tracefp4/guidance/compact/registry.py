@@ -6,7 +6,7 @@ import re
 
 from tracefp4.guidance.compact.amax import Bf16Amax, Fp32Amax, LdpcAmax, LowBitsAmax, OwnAmax
 from tracefp4.guidance.compact.codec import Codec
-from tracefp4.guidance.compact.elements import FullElements, LdpcElements, LsbElements, SparseElements
+from tracefp4.guidance.compact.elements import FullElements, LdpcElements, LsbElements, Mod4Elements, SparseElements
 from tracefp4.guidance.compact.scales import FullScales, LdpcScales, OwnScales, ParityScales
 
 __all__ = ["CODECS", "codec_class", "make_codec", "parse_rate", "takes_rate"]
@@ -15,7 +15,7 @@ __all__ = ["CODECS", "codec_class", "make_codec", "parse_rate", "takes_rate"]
 CODECS: dict[str, dict[str, type[Codec]]] = {
     "amax": {c.knob: c for c in (Fp32Amax, Bf16Amax, OwnAmax, LdpcAmax, LowBitsAmax)},
     "scales": {c.knob: c for c in (FullScales, ParityScales, LdpcScales, OwnScales)},
-    "elements": {c.knob: c for c in (FullElements, LsbElements, SparseElements, LdpcElements)},
+    "elements": {c.knob: c for c in (FullElements, LsbElements, Mod4Elements, SparseElements, LdpcElements)},
 }
 #: ``lo<b>`` carries its argument in the knob's own spelling.
 _LOW_BITS = re.compile(r"lo([0-9]+)")

@@ -86,7 +86,7 @@ class GuidanceSpec:
 
     @classmethod
     def from_tag(cls, tag: str) -> GuidanceSpec:
-        m = re.fullmatch(r"([a-z]+)(?:_(\d+p?\d*))?__s([a-z]+)(?:_(\d+))?__a([a-z0-9]+?)(?:_(\d+))?", tag)
+        m = re.fullmatch(r"([a-z][a-z0-9]*?)(?:_(\d+p?\d*))?__s([a-z]+)(?:_(\d+))?__a([a-z0-9]+?)(?:_(\d+))?", tag)
         if m is None:
             raise ValueError(f"not a compact guidance tag: {tag!r}")
         e, e_arg, s, s_rate, a, a_rate = m.groups()

@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from tracefp4.formats import reference as ref
-from tracefp4.formats import MXFP4, NVFP4, pack_fp4, quantize_mxfp4, quantize_nvfp4, quantize_nvfp4_4over6, unpack_fp4
+from tracefp4.formats import (FP8, MXFP4, NVFP4, pack_fp4, quantize_fp8, quantize_mxfp4, quantize_nvfp4,
+                              quantize_nvfp4_4over6, unpack_fp4)
 from tracefp4.formats.constants import E2M1_VALUES, Format, HintMode
+from tracefp4.formats.fp8 import fp8_grid_z, mod4_e4m3
 from tracefp4.formats.grid import grid_z, mod4_e2m1
 from tracefp4.guidance.compact import (
     CompactRecord,
@@ -164,6 +166,23 @@ def test_vectorised_decode_equals_the_reference(seed: int) -> None:
     assert torch.equal(Mod4Elements().encode(codes, None), ref.mod4_residue(codes))
 
 
+def test_vectorised_e4m3_decode_equals_the_reference() -> None:
+    mags = ref.e4m3_magnitudes()
+    g = torch.Generator().manual_seed(5)
+    mids = (mags[1:] + mags[:-1]) / 2
+    special = torch.cat([mags, mids, torch.tensor([0.0, 447.9, 448.0, 1e-30])])
+    z = torch.cat([special, -special, (torch.rand(3000, generator=g) * 2 - 1) * 448,
+                   (torch.rand(3000, generator=g) * 2 - 1) * 0.05]).float()
+    for residue in range(4):
+        r = torch.full(z.shape, residue, dtype=torch.uint8)
+        got, miss = mod4_e4m3(z, r)
+        want, want_miss = ref.guided_round_mod4_e4m3(z, r)
+        assert torch.equal(got, want) and torch.equal(miss, want_miss)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # no NaN codes
+    assert torch.equal(Mod4Elements().encode(codes, None, Format.FP8), ref.mod4_residue(codes, "e4m3"))
+
+
 # --- the record: planted rollout codes on real grids ----------------------------------------------
 
 
@@ -233,6 +252,40 @@ def test_planted_record_decodes_exactly_or_counts_the_miss(fmt: str, shape: tupl
     assert not bool((ref.signed_index(lsb_got) == ref.signed_index(codes))[~inside].any())
 
 
+@pytest.mark.parametrize("shape", [(6, 64), (5, 2, 32)])
+def test_planted_fp8_record_decodes_exactly_or_counts_the_miss(shape: tuple[int, ...]) -> None:
+    """The same on an FP8 E4M3 site (per-row float32 scale, the E4M3 signed line -126..126)."""
+    x = site_value(shape, seed=7)
+    q = quantize_fp8(x)
+    z = fp8_grid_z(x, q.scale)
+    lo, hi = ref.bracket_e4m3(z)
+    neg = torch.signbit(z)
+    q_minus, q_plus = torch.where(neg, -hi, lo), torch.where(neg, -lo, hi)
+    g = torch.Generator().manual_seed(8)
+    d = torch.randint(0, 3, z.shape, generator=g)
+    below = torch.rand(z.shape, generator=g) < 0.5
+    member = torch.where(torch.rand(z.shape, generator=g) < 0.5, q_minus, q_plus)
+    r = torch.where(d == 0, member, torch.where(below, q_minus - d, q_plus + d))
+    r = torch.where(r > 126, q_minus - d, torch.where(r < -126, q_plus + d, r))
+    zero_sign = torch.rand(z.shape, generator=g) < 0.5
+    codes = torch.where(r > 0, r, torch.where(r < 0, 128 - r, zero_sign.long() * 128)).to(torch.uint8)
+    dist = ref.bracket_distance(z, codes, "e4m3")
+    assert all(int((dist == k).sum()) > 0 for k in (0, 1, 2)) and int(dist.max()) == 2
+    rollout = FP8(codes.view(torch.float8_e4m3fn), q.scale)
+    record = CompactRecord.encode(x, rollout, GuidanceSpec.parse("mod4"))
+    back = read_record(record.to_tensors("L01.k"), "L01.k")
+    assert back.fmt is Format.FP8 and torch.equal(back.elements, record.elements)
+    inside = dist == 0
+    for rec in (record, back):
+        hint, report = rec.decode(x)
+        got = guided_quantize(x, hint).codes
+        assert torch.equal(ref.signed_index_e4m3(got)[inside], ref.signed_index_e4m3(codes)[inside])
+        assert torch.equal(got[~inside], ref.round_to_e4m3(z)[~inside])
+        assert report == DecodeReport(bracket_checked=x.numel(), bracket_misses=int((~inside).sum()))
+    lsb_got = guided_quantize(x, encode_hint(rollout, "lsb")).codes
+    assert not bool((ref.signed_index_e4m3(lsb_got) == ref.signed_index_e4m3(codes))[~inside].any())
+
+
 def test_same_grid_same_value_is_the_rollouts_own_codes() -> None:
     """No drift: the trainer's value is the rollout's, so every code is in its bracket (it is the
     trainer's own round to nearest) and mod4 reproduces all of them with no miss."""
@@ -259,7 +312,7 @@ def test_names_and_layer_selectors() -> None:
         GuidanceSpec.parse("mod4(2)")
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8"])
 @pytest.mark.parametrize("site_shape", [(64,), (2, 32), (8, 2, 32)])
 def test_bytes_per_token_are_lsbs_plus_one_bit_per_element(fmt: str, site_shape: tuple[int, ...]) -> None:
     elems = 1
@@ -268,7 +321,8 @@ def test_bytes_per_token_are_lsbs_plus_one_bit_per_element(fmt: str, site_shape:
     lsb, mod4 = site_bytes_per_token("lsb", site_shape, fmt), site_bytes_per_token("mod4", site_shape, fmt)
     assert mod4 == lsb + elems / 8
     x = site_value((5, *site_shape), seed=1)
-    q = quantize_nvfp4(x, per_row=True) if fmt == "nvfp4" else quantize_mxfp4(x)
+    q = {"nvfp4": lambda: quantize_nvfp4(x, per_row=True), "mxfp4": lambda: quantize_mxfp4(x),
+         "fp8": lambda: quantize_fp8(x)}[fmt]()
     record = CompactRecord.encode(x, q, GuidanceSpec.parse("mod4"))
     assert record.nbytes == 5 * mod4 and record.bytes_per_token() == mod4
 
@@ -276,13 +330,16 @@ def test_bytes_per_token_are_lsbs_plus_one_bit_per_element(fmt: str, site_shape:
 def test_plans_that_take_mod4() -> None:
     from tracefp4.engines.plan import PrecisionPlan, check_supported
 
-    for plan in (PrecisionPlan(), PrecisionPlan.four_over_six(), PrecisionPlan(activations="mxfp4", kv_cache="mxfp4")):
+    for plan in (PrecisionPlan(), PrecisionPlan.four_over_six(), PrecisionPlan(activations="mxfp4", kv_cache="mxfp4"),
+                 PrecisionPlan(activations="fp8", kv_cache="fp8")):
         check_supported(plan, "mod4")  # the scales and amax are recorded in full, as lsb's
-    with pytest.raises(ValueError, match="kv_cache = 'fp8'.*'mod4'"):
-        check_supported(PrecisionPlan(kv_cache="fp8"), "mod4@all")
-    # scale knobs under Four over Six are refused for mod4 as for every compact element knob
+    # scale and amax knobs: under Four over Six and at FP8 sites refused, as for every compact element knob
     with pytest.raises(ValueError, match="Four over Six"):
         check_supported(PrecisionPlan.four_over_six(), "mod4+parity")
+    with pytest.raises(ValueError, match="kv_cache = 'fp8'.*'mod4\\+amax:lo3'"):
+        check_supported(PrecisionPlan(kv_cache="fp8"), "mod4+amax:lo3@all")
+    with pytest.raises(ValueError, match="kv_cache = 'fp8'.*takes 'full', 'lsb' or 'mod4'"):
+        check_supported(PrecisionPlan(kv_cache="fp8"), "lsb+parity")
 
 
 # --- end to end on the tiny model ----------------------------------------------------------------
@@ -307,8 +364,9 @@ def tiny():
     prompts = [torch.randint(2, 32, (n,), generator=torch.Generator().manual_seed(10 + n)) for n in (3, 7, 5, 9)]
     model = from_config(config, seed=0)
     sampling, every = SamplingParams(max_new_tokens=24, seed=0), frozenset(range(4))
-    rollouts = {name: generate(model, prompts, sampling, plan=PrecisionPlan(), guidance=GuidedMode.parse(f"{name}@all"),
-                               diagnostics=every) for name in ("mod4", "lsb")}
+    plans = {"fp4": PrecisionPlan(), "fp8kv": PrecisionPlan(kv_cache="fp8")}  # the second: E4M3 K/V, NVFP4 experts
+    rollouts = {(name, plan): generate(model, prompts, sampling, plan=plans[plan], guidance=GuidedMode.parse(f"{name}@all"),
+                                       diagnostics=every) for name in ("mod4", "lsb") for plan in plans}
     return model, rollouts
 
 
@@ -330,7 +388,7 @@ def trainer_at(model, roll):
     with pytest.MonkeyPatch.context() as patch, torch.no_grad():
         patch.setattr(TrainerGuidance, "hint", keeping)
         out = forward_logprobs(model, roll.token_ids, roll.prompt_lens, roll.records,
-                               TrainerSpec("trace", capture_codes=frozenset(range(4))))
+                               TrainerSpec("trace", capture_codes=frozenset(range(4)), plan=roll.plan))
     assert len(paths) == 1  # one forward, one path: its report is the whole forward's
     counts = [len(t) for t in roll.token_ids]
     return out, {name: x.split(counts) for name, x in inputs.items()}, paths[0].decode_report
@@ -353,39 +411,67 @@ def site_outcomes(out, roll, inputs):
     """Per guided element of the forward: the rollout's code, the trainer's code, the rollout code's
     distance from the trainer's bracket on the rollout's grid, and the reference mod4 decode
     (codes, miss), all flattened over sites and trajectories."""
-    parts = {k: [] for k in ("rollout", "got", "distance", "want", "miss")}
+    parts = {k: [] for k in ("rollout", "got", "distance", "want", "miss", "fp8")}
     for name, xs in inputs.items():
         for b, x in enumerate(xs):
             d = roll.diagnostics[b]
-            z = grid_z(x, Format.NVFP4, d[f"{name}.scales"], d[f"{name}.global_amax"])
-            codes = unpack_fp4(d[f"{name}.codes"])
-            want, miss = ref.guided_round_mod4(z, ref.mod4_residue(codes))
-            for key, v in (("rollout", codes), ("got", unpack_fp4(out.codes[b][name])),
-                           ("distance", ref.bracket_distance(z, codes)), ("want", want), ("miss", miss)):
+            fp8 = d[f"{name}.scales"].dtype == torch.float32  # an FP8 site's grid is its float32 row scale
+            if fp8:
+                z, codes, got = fp8_grid_z(x, d[f"{name}.scales"]), d[f"{name}.codes"], out.codes[b][name]
+                want, miss = ref.guided_round_mod4_e4m3(z, ref.mod4_residue(codes, "e4m3"))
+                # the rest is compared on the signed line, where E4M3 and E2M1 positions mean the same
+                codes, got, want = (ref.signed_index_e4m3(c) for c in (codes, got, want))
+                distance = ref.bracket_distance(z, d[f"{name}.codes"], "e4m3")
+            else:
+                z = grid_z(x, Format.NVFP4, d[f"{name}.scales"], d[f"{name}.global_amax"])
+                codes, got = unpack_fp4(d[f"{name}.codes"]), unpack_fp4(out.codes[b][name])
+                want, miss = ref.guided_round_mod4(z, ref.mod4_residue(codes))
+                distance = ref.bracket_distance(z, codes)
+                codes, got, want = (ref.signed_index(c) for c in (codes, got, want))
+            for key, v in (("rollout", codes), ("got", got), ("distance", distance), ("want", want), ("miss", miss),
+                           ("fp8", torch.full(codes.shape, fp8))):
                 parts[key].append(v.reshape(-1))
     return {k: torch.cat(v) for k, v in parts.items()}
 
 
-def test_same_weights_reproduce_every_rollout_code(tiny) -> None:
+@pytest.mark.parametrize("plan", ["fp4", "fp8kv"])
+def test_same_weights_reproduce_every_rollout_code_in_the_bracket(tiny, plan: str) -> None:
     """The trainer at the rollout's weights: its values differ from the rollout's by BF16 op order
-    only, every rollout code is in its bracket (tests/test_rollout_trainer.py asserts the same for
-    full records), and mod4, like lsb, lands on every one of them, with no miss counted."""
+    only. At the FP4 sites that keeps every rollout code in the trainer's bracket
+    (tests/test_rollout_trainer.py asserts the same for full records), and mod4, like lsb, lands on
+    every one of them with no miss counted. E4M3's grid is far finer than FP4's, and at the FP8 K/V
+    sites the drift between incremental decode and the packed forward puts some rollout codes outside
+    the bracket already at lag 0 (the reference's ``guided_round_e4m3`` says so too): lsb takes a
+    wrong code there and says nothing, mod4 counts them (every one 1-2 codewords out) and otherwise
+    decodes exactly as the reference does."""
     model, rollouts = tiny
-    roll = rollouts["mod4"]
-    assert torch.equal(torch.cat(roll.token_ids), torch.cat(rollouts["lsb"].token_ids))  # recording changes nothing
+    roll, lsb = rollouts["mod4", plan], rollouts["lsb", plan]
+    assert torch.equal(torch.cat(roll.token_ids), torch.cat(lsb.token_ids))  # recording changes nothing
     assert all(any("packed__mod4__" in k for k in r) for r in roll.records)
-    for name, r in rollouts.items():
+    for name, r in (("mod4", roll), ("lsb", lsb)):
         out, inputs, report = trainer_at(model, r)
         s = site_outcomes(out, r, inputs)
-        assert s["got"].numel() > 0 and torch.equal(ref.signed_index(s["got"]), ref.signed_index(s["rollout"])), name
-        want = DecodeReport(bracket_checked=s["got"].numel()) if name == "mod4" else DecodeReport()
-        assert report == want, name
-    # the bytes: one more bit per element than lsb, scales and amax alike
-    elements = sum(v.numel() * 2 for d in roll.diagnostics for k, v in d.items() if k.endswith(".codes"))
-    assert roll.guidance_bytes() - rollouts["lsb"].guidance_bytes() == elements // 8
+        assert s["got"].numel() > 0 and bool(s["fp8"].any()) == (plan == "fp8kv")
+        fp4, inside = ~s["fp8"], s["distance"] == 0
+        assert bool(inside[fp4].all()) and torch.equal(s["got"][inside], s["rollout"][inside]), name
+        if name == "mod4":
+            assert torch.equal(s["got"], s["want"])
+            assert report == DecodeReport(bracket_checked=s["got"].numel(), bracket_misses=int(s["miss"].sum()))
+            assert bool(s["miss"][(s["distance"] >= 1) & (s["distance"] <= 2)].all())
+        else:
+            assert report == DecodeReport()
+            assert not bool((s["got"] == s["rollout"])[~inside].any())  # lsb: wrong wherever out, uncounted
+        if plan == "fp4":
+            assert report == (DecodeReport(bracket_checked=s["got"].numel()) if name == "mod4" else DecodeReport())
+    # the bytes: one more bit per element than lsb, scales and amax alike (FP8 codes: one per byte)
+    elements = sum(v.numel() * (2 if v.dtype == torch.uint8 and d[k.replace(".codes", ".scales")].dtype != torch.float32
+                                else 1)
+                   for d in roll.diagnostics for k, v in d.items() if k.endswith(".codes"))
+    assert roll.guidance_bytes() - lsb.guidance_bytes() == elements // 8
 
 
-def test_moved_weights_mod4_counts_the_misses_lsb_decodes_silently(tiny) -> None:
+@pytest.mark.parametrize("plan", ["fp4", "fp8kv"])
+def test_moved_weights_mod4_counts_the_misses_lsb_decodes_silently(tiny, plan: str) -> None:
     """The trainer at weights moved by 1% (relative, per weight): a few percent of rollout codes leave
     the trainer's bracket, most by one codeword. With mod4 every code the trainer takes is the
     reference's mod4 decode of its own value (exact), the count is exactly the reference's misses,
@@ -393,19 +479,21 @@ def test_moved_weights_mod4_counts_the_misses_lsb_decodes_silently(tiny) -> None
     code, and the report says nothing."""
     model, rollouts = tiny
     trainer_model = moved(model, 0.01)
-    out, inputs, report = trainer_at(trainer_model, rollouts["mod4"])
-    s = site_outcomes(out, rollouts["mod4"], inputs)
+    out, inputs, report = trainer_at(trainer_model, rollouts["mod4", plan])
+    s = site_outcomes(out, rollouts["mod4", plan], inputs)
     near_miss = (s["distance"] >= 1) & (s["distance"] <= 2)
     assert int(near_miss.sum()) > 0  # the weights moved far enough to test anything
-    assert torch.equal(s["got"], s["want"])
+    if plan == "fp8kv":
+        assert int((near_miss & s["fp8"]).sum()) > 0  # at the E4M3 sites too
+    assert torch.equal(s["got"], s["want"])  # positions on the signed line (zeros' sign bits differ freely)
     assert report == DecodeReport(bracket_checked=s["got"].numel(), bracket_misses=int(s["miss"].sum()))
     assert bool(s["miss"][near_miss].all())
     inside = s["distance"] == 0
-    assert torch.equal(ref.signed_index(s["got"])[inside], ref.signed_index(s["rollout"])[inside])
+    assert torch.equal(s["got"][inside], s["rollout"][inside])
 
-    out, inputs, report = trainer_at(trainer_model, rollouts["lsb"])
-    s = site_outcomes(out, rollouts["lsb"], inputs)
+    out, inputs, report = trainer_at(trainer_model, rollouts["lsb", plan])
+    s = site_outcomes(out, rollouts["lsb", plan], inputs)
     near_miss = (s["distance"] >= 1) & (s["distance"] <= 2)
     assert int(near_miss.sum()) > 0 and report == DecodeReport()
     # lsb takes a bracket member for every element, so a rollout code outside the bracket is always lost
-    assert not bool((ref.signed_index(s["got"]) == ref.signed_index(s["rollout"]))[near_miss].any())
+    assert not bool((s["got"] == s["rollout"])[near_miss].any())

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from tracefp4.formats.constants import E4M3_MAG_MASK, E4M3_MAX, E4M3_MAX_CODE, E4M3_VALUES, SUPPORTED_DTYPES, Format
+from tracefp4.formats.constants import (E4M3_MAG_MASK, E4M3_MAX, E4M3_MAX_CODE, E4M3_SIGN_BIT, E4M3_VALUES,
+                                        SUPPORTED_DTYPES, Format)
 from tracefp4.formats.containers import FP8
 from tracefp4.formats.dispatch import Op, backend, implementation
+from tracefp4.formats.grid import mod4_choice
 from tracefp4.formats.rows import as_rows
 from tracefp4.formats.validation import check_grid, check_hint, describe, raise_non_finite
 
-__all__ = ["fp8_lsb_bits", "guided_fp8", "quantize_fp8"]
+__all__ = ["fp8_lsb_bits", "fp8_grid_z", "guided_fp8", "mod4_e4m3", "quantize_fp8"]
 
 
 def quantize_fp8(x: torch.Tensor) -> FP8:
@@ -56,6 +58,21 @@ def _lsb_member(z: torch.Tensor, bits: torch.Tensor, k: int) -> torch.Tensor:
     hi = torch.where(value >= a, mag, mag + 1)
     bit = _unpack_lsb(bits, k)
     return torch.where((lo == hi) | ((lo & 1) == bit), lo, hi).to(torch.uint8)
+
+
+def fp8_grid_z(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``clamp(x / scale, +-448)`` on the per-row ``scale`` (on x's device), as :func:`guided_fp8`
+    computes it: the value each E4M3 code rounds."""
+    z = x.detach().to(torch.float32) / scale.to(x.device)
+    return torch.clamp(z, -E4M3_MAX, E4M3_MAX)
+
+
+def mod4_e4m3(z: torch.Tensor, residue: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 E4M3 codes, detected-miss bool) of clamped float32 ``z`` guided by ``mod4`` residues: the
+    reference's :func:`~tracefp4.formats.reference.guided_round_mod4_e4m3`, vectorised (round to
+    nearest is PyTorch's E4M3 cast, as in :func:`guided_fp8`)."""
+    rtn = z.to(torch.float8_e4m3fn)
+    return mod4_choice(z, rtn.view(torch.uint8), E4M3_SIGN_BIT, rtn.to(torch.float32), residue)
 
 
 def guided_fp8(

@@ -24,7 +24,7 @@ from tracefp4.formats.constants import (
 )
 
 __all__ = ["block_scale_unrounded", "encode_factor", "grid_z", "midpoint_distance", "mx_scale_values", "nvfp4_global_encode_scale",
-           "rtn_e2m1", "mod4_e2m1"]
+           "rtn_e2m1", "mod4_choice", "mod4_e2m1"]
 
 _F32 = torch.float32
 
@@ -105,25 +105,35 @@ def midpoint_distance(z: torch.Tensor) -> torch.Tensor:
     return torch.minimum((a - mids[i]).abs(), (a - below).abs())
 
 
-def mod4_e2m1(z: torch.Tensor, residue: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(unpacked E2M1 codes uint8, detected-miss bool) of clamped float32 ``z`` guided by ``mod4``
-    residues (each code's signed-line position mod 4): the reference's
-    :func:`~tracefp4.formats.reference.guided_round_mod4`, vectorised.
 
-    The bracket is found from round to nearest instead of a table search: z on rtn's value is a
+def mod4_choice(z: torch.Tensor, rtn: torch.Tensor, sign_bit: int, rtn_value: torch.Tensor, residue: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8, detected-miss bool) of ``mod4`` guidance on any element line whose adjacent
+    magnitude codes are adjacent values (E2M1, E4M3): ``rtn`` the round-to-nearest codes of ``z``
+    (sign bit ``sign_bit``, z's own), ``rtn_value`` their float32 values, ``residue`` the rollout's
+    signed-line positions mod 4. The rule of :func:`~tracefp4.formats.reference.guided_choice_mod4`.
+
+    The bracket comes from round to nearest instead of a table search: z on rtn's value is a
     codeword (a one-member bracket), above it the bracket is (rtn, rtn + 1), below it (rtn - 1, rtn),
-    all on the signed line, so no per-element search over the eight magnitudes is needed.
+    all on the signed line.
     """
-    rtn = rtn_e2m1(z).to(torch.int64)
+    rtn = rtn.to(torch.int64)
     negative = torch.signbit(z)
-    pos = torch.where(negative, -(rtn - E2M1_SIGN_BIT), rtn)  # rtn's sign bit is z's
-    mags = torch.tensor(E2M1_VALUES, dtype=_F32, device=z.device)
-    value = torch.where(pos < 0, -mags[pos.abs()], mags[pos.abs()])
-    q_minus = torch.where(z < value, pos - 1, pos)
-    q_plus = torch.where(z > value, pos + 1, pos)
+    pos = torch.where(negative, -(rtn - sign_bit), rtn)  # rtn's sign bit is z's
+    q_minus = torch.where(z < rtn_value, pos - 1, pos)
+    q_plus = torch.where(z > rtn_value, pos + 1, pos)
     r = residue.to(torch.int64)
     names_minus = (q_minus & 3) == r  # two's complement & 3 is the floor mod 4 of a negative position
     names_plus = (q_plus & 3) == r
     chosen = torch.where(names_minus, q_minus, torch.where(names_plus, q_plus, pos))
-    codes = chosen.abs() + negative.to(torch.int64) * E2M1_SIGN_BIT
+    codes = chosen.abs() + negative.to(torch.int64) * sign_bit
     return codes.to(torch.uint8), ~(names_minus | names_plus)
+
+
+def mod4_e2m1(z: torch.Tensor, residue: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unpacked E2M1 codes uint8, detected-miss bool) of clamped float32 ``z`` guided by ``mod4``
+    residues: the reference's :func:`~tracefp4.formats.reference.guided_round_mod4`, vectorised."""
+    rtn = rtn_e2m1(z).to(torch.int64)
+    mags = torch.tensor(E2M1_VALUES, dtype=_F32, device=z.device)
+    value = torch.where(rtn >= E2M1_SIGN_BIT, -mags[rtn & 7], mags[rtn & 7])
+    return mod4_choice(z, rtn, E2M1_SIGN_BIT, value, residue)

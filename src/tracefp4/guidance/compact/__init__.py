@@ -23,7 +23,10 @@ and decodes, *given the trainer's own value x*, into an ordinary lsb :class:`~tr
     bits (see below); ``own`` nothing.
 
 **Elements** (on the rollout's grid, reconstructed from the two knobs above):
-    ``full`` the 4-bit code; ``lsb`` its low bit; ``sparse(delta)`` the low bit only where the
+    ``full`` the 4-bit code; ``lsb`` its low bit; ``mod4`` its position on the signed code line
+    (-7..7, both zeros at 0) mod 4, two bits: the residue names the trainer's bracket member exactly,
+    or says the rollout's code is 1 or 2 codewords outside the bracket (see "Bracket misses");
+    ``sparse(delta)`` the low bit only where the
     rollout's ``z`` sat within ``delta`` of a rounding midpoint (``|z - m| < delta``, z in grid
     units), as a Rice-coded list of position gaps; elsewhere the trainer rounds to nearest;
     ``ldpc(1/d)`` a syndrome (Slepian-Wolf coding): one check bit per d elements, each the XOR of
@@ -43,8 +46,9 @@ Record layout (the store's ``L{layer:02d}.{site}.{field}``, every tensor with le
     ``.packed__<tag>__g<shape>`` uint8 ``[T, ceil(bits/8)]``: per token, the sub-byte fields bit-packed
     (bit i of the token's string is bit i%8 of byte i//8) in this order: amax bits (b per row for
     ``lo<b>``, ``ceil(3 rows/d)`` checks for ``amax:ldpc``), scale bits (1 per block for ``parity``,
-    ``ceil(blocks/d)`` checks for ``scales:ldpc``), element bits (4 per element for ``full``, 1 for
-    ``lsb``, ``ceil(elements/d)`` checks for ``ldpc``);
+    ``ceil(blocks/d)`` checks for ``scales:ldpc``), element bits (4 per element for ``full``, 2 for
+    ``mod4`` (the residue, least significant bit first), 1 for ``lsb``, ``ceil(elements/d)`` checks
+    for ``ldpc``);
     ``.stream__<tag>__g<shape>`` uint8 ``[T, W]`` (``sparse`` only): one stream per trajectory and
     site: LEB128 entry count, one byte Rice parameter k, then per recorded element (in flattened
     token-major order) the gap to the previous one Rice-coded (unary quotient, k remainder bits) and
@@ -74,6 +78,29 @@ and each counts its own failed blocks (``failed_amax`` rows, ``failed_scales`` b
 ``failed_elements``). A block whose checks are all satisfied is accepted: a wrong flip pattern that
 happens to satisfy every check cannot be told from the right one, so it is not counted. The decoder
 keeps no state between calls: the counts live only in the reports.
+
+Bracket misses (``mod4``; decisions): the trainer's bracket is what the reference's guided rounding
+takes (:func:`tracefp4.formats.reference.bracket`): the two adjacent codewords around its value z on
+the rollout's grid, or the one codeword z sits on. On the signed line the two members q and q+1 have
+two of the four residues; the other two are q+2 = q-2 and q+3 = q-1 (mod 4), i.e. a rollout code one
+or two codewords outside, on a side that cannot be told. So:
+    * residue of a member: that member, exactly (the rollout's code whenever it is in the bracket);
+    * any other residue: a *detected miss*: the element takes the trainer's round-to-nearest code on
+      the rollout's grid (the nearer member; with the side unknown nothing better is justified) and
+      is counted. On a codeword (one-member bracket) every other residue is a miss, 1, 2 or 3 steps;
+    * undetectable: a code 3 or 4 codewords outside a two-member bracket (4, 8, ... on a codeword)
+      has a member's residue and decodes to that member, uncounted. ``lsb`` is blind from 1 step on:
+      one step beyond the bracket has the far member's low bit and two steps the near one's.
+The count: :class:`DecodeReport` ``bracket_checked`` (every element a ``mod4`` record decodes) and
+``bracket_misses`` (the detected misses); the trainer's forward sums them over sites in
+:attr:`tracefp4.engines.guidance.TrainerGuidance.decode_report`. A per-step
+``guidance_bracket_miss_rate`` is ``sum(bracket_misses) / sum(bracket_checked)`` over the step's
+forwards: the share of guided elements whose rollout code is 1-2 codewords off the trainer's bracket,
+a lower bound on the bracket-miss rate (3-4 step aliases are missing; the lag replay of issue 48 saw
+92-95% of misses one codeword out). Records that cannot tell (``full``, ``lsb`` and the other
+compact elements) add to neither count, so mixing them in does not dilute the rate; for a ``full``
+arm the exact rate comes from comparing codes instead (:func:`tracefp4.formats.reference.bracket_distance`).
+A detected miss is not a decode failure: ``failed_blocks`` and ``decode_failures`` stay LDPC's.
 
 Trajectory scope: ``ldpc`` checks and ``sparse`` streams are computed over a whole trajectory (code
 blocks of consecutive tokens, so that a tiny model's few elements per token still make long codes);

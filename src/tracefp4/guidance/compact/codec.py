@@ -39,15 +39,20 @@ class Geometry:
         return int(np.prod(self.site_shape[:-1], dtype=np.int64))
 
     @property
+    def scales_per_row(self) -> int:
+        """Block scales per row (FP8's one float32 row scale counts as one)."""
+        return 1 if self.fmt is Format.FP8 else self.site_shape[-1] // self.fmt.block
+
+    @property
     def blocks(self) -> int:
-        return self.rows * (self.site_shape[-1] // self.fmt.block)
+        return self.rows * self.scales_per_row
 
     @property
     def elems(self) -> int:
         return self.rows * self.site_shape[-1]
 
     def block_shape(self, t: int) -> tuple[int, ...]:
-        return (t, *self.site_shape[:-1], self.site_shape[-1] // self.fmt.block)
+        return (t, *self.site_shape[:-1], self.scales_per_row)
 
     def elem_shape(self, t: int) -> tuple[int, ...]:
         return (t, *self.site_shape)

@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from tracefp4.formats.constants import E2M1_MAX, HintMode
+from tracefp4.formats.constants import E2M1_MAX, E2M1_SIGN_BIT, E4M3_SIGN_BIT, Format, HintMode
+from tracefp4.formats.fp8 import mod4_e4m3
 from tracefp4.formats.grid import mod4_e2m1
 from tracefp4.guidance.coding import bits_int, int_bits, ldpc_checks, prior_llr, rice_bits_per_entry, stream_decode, \
     stream_encode
@@ -39,6 +40,9 @@ class ElementCodec(Codec):
     field = "elements"
     #: the Hint mode :meth:`decode`'s result is data for: the low-bit plane (lsb) or unpacked codes (full)
     decodes_to: HintMode = HintMode.LSB
+    #: whether the codec codes E4M3 codes too (decodes on an FP8 site's row scale): its rule uses only
+    #: the signed line and the bracket, not E2M1's midpoints or NVFP4's scale recipe
+    takes_fp8: bool = False
 
     def name_part(self) -> str:
         return self.knob
@@ -46,8 +50,9 @@ class ElementCodec(Codec):
     def tag_part(self) -> str:
         return self.knob
 
-    def encode(self, codes: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
-        """What the rollout keeps of its unpacked codes (``z``: its own z, for ``sparse`` only)."""
+    def encode(self, codes: torch.Tensor, z: torch.Tensor | None, fmt: Format = Format.NVFP4) -> torch.Tensor:
+        """What the rollout keeps of its unpacked codes (``z``: its own z, for ``sparse`` only; ``fmt``:
+        the element format, for the codecs whose record differs between E2M1 and E4M3 codes)."""
         return codes & 1
 
     def needs_z(self) -> bool:
@@ -69,7 +74,7 @@ class ElementCodec(Codec):
 class FullElements(ElementCodec):
     knob, hint_mode = "full", HintMode.FULL
 
-    def encode(self, codes: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+    def encode(self, codes: torch.Tensor, z: torch.Tensor | None, fmt: Format = Format.NVFP4) -> torch.Tensor:
         return codes
 
     def bits(self, geom: Geometry) -> int:
@@ -113,10 +118,13 @@ class Mod4Elements(ElementCodec):
 
     knob = "mod4"
     decodes_to = HintMode.FULL
+    takes_fp8 = True
 
-    def encode(self, codes: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
-        position = torch.where(codes >= 8, 8 - codes.to(torch.int64), codes.to(torch.int64))  # signed line
-        return (position & 3).to(torch.uint8)
+    def encode(self, codes: torch.Tensor, z: torch.Tensor | None, fmt: Format = Format.NVFP4) -> torch.Tensor:
+        sign = E4M3_SIGN_BIT if fmt is Format.FP8 else E2M1_SIGN_BIT
+        c = codes.to(torch.int64)
+        position = torch.where(c >= sign, sign - c, c)  # the signed line, both zeros at 0
+        return (position & 3).to(torch.uint8)  # & 3 of a negative position is its floor mod 4
 
     def bits(self, geom: Geometry) -> int:
         return 2 * geom.elems
@@ -128,8 +136,8 @@ class Mod4Elements(ElementCodec):
         return torch.from_numpy(bits_int(fields, 2).astype(np.uint8)).reshape(geom.elem_shape(t))
 
     def decode(self, value, own, z, segments, geom):
-        """Unpacked codes on the decoded grid, and the bracket misses among them."""
-        codes, miss = mod4_e2m1(z, value.to(z.device))
+        """Unpacked codes on the decoded grid (E4M3 codes at an FP8 site), and the bracket misses among them."""
+        codes, miss = (mod4_e4m3 if geom.fmt is Format.FP8 else mod4_e2m1)(z, value.to(z.device))
         return codes, DecodeReport(bracket_checked=miss.numel(), bracket_misses=int(miss.sum()))
 
 
@@ -154,7 +162,7 @@ class SparseElements(ElementCodec):
     def needs_z(self) -> bool:
         return True
 
-    def encode(self, codes: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+    def encode(self, codes: torch.Tensor, z: torch.Tensor | None, fmt: Format = Format.NVFP4) -> torch.Tensor:
         near = midpoint_distance(z) < self.delta
         return torch.where(near, (codes & 1).to(torch.int8), torch.full_like(codes, -1, dtype=torch.int8))
 

@@ -10,12 +10,13 @@ import numpy as np
 import torch
 
 from tracefp4.formats.constants import Format, HintMode
-from tracefp4.formats import MXFP4, NVFP4, pack_fp4, unpack_fp4
+from tracefp4.formats import FP8, MXFP4, NVFP4, pack_fp4, unpack_fp4
+from tracefp4.formats.fp8 import fp8_grid_z
 from tracefp4.guidance.coding import pack_bits, unpack_bits
 from tracefp4.guidance.compact.codec import Geometry
 from tracefp4.guidance.compact.grid import global_encode_scale, grid_z, rtn_codes
 from tracefp4.guidance.compact.spec import GuidanceSpec, unsupported_knob
-from tracefp4.guidance.hints import Hint
+from tracefp4.guidance.hints import Hint, record_format
 from tracefp4.guidance.report import DecodeReport
 
 __all__ = ["CompactRecord", "compact_site_bytes"]
@@ -48,7 +49,8 @@ class CompactRecord:
 
     site_shape: per-token shape ``(*lead, K)`` of the site tensor (the record covers ``[T, *site_shape]``).
     amax: float32/bfloat16 values or uint8 ``lo<b>`` residues ``[T, *lead, 1]``; None for ``own`` and MXFP4.
-    scales: e4m3 (or E8M0 uint8) ``[T, *lead, K/block]`` for ``full``; the low bits of the E4M3
+    scales: e4m3 (or E8M0 uint8) ``[T, *lead, K/block]`` for ``full`` (FP8: its float32 row scale
+        ``[T, *lead, 1]``); the low bits of the E4M3
         codes (uint8 0/1, same shape) for ``parity`` and, before compression, ``ldpc``; the check bits
         ``[T, checks]`` of a compressed ``ldpc``; None for ``own``.
     elements: unpacked codes (``full``), signed-line residues mod 4 (``mod4``) or low bits (``lsb``, ``ldpc``
@@ -100,7 +102,7 @@ class CompactRecord:
     # -- rollout side --
 
     @classmethod
-    def encode(cls, x: torch.Tensor, q: NVFP4 | MXFP4, spec: GuidanceSpec) -> CompactRecord:
+    def encode(cls, x: torch.Tensor, q: NVFP4 | MXFP4 | FP8, spec: GuidanceSpec) -> CompactRecord:
         """What the rollout keeps of site value ``x`` (``[T, *lead, K]``), quantized as ``q``."""
         if tuple(x.shape) != tuple(q.shape) or x.dim() < 2:
             raise ValueError(f"compact encode: x {tuple(x.shape)} vs quantized {tuple(q.shape)} (need [T, ..., K])")
@@ -111,9 +113,12 @@ class CompactRecord:
         if refused is not None:
             raise ValueError(f"{spec.name}: {refused}")
         a, s, e = spec.codecs
+        if fmt is Format.FP8:  # E4M3 codes as they are, FP8's float32 row scale as its one "block scale"
+            shape = tuple(int(d) for d in x.shape[1:])
+            return cls(spec, fmt, shape, None, s.encode(q.scale), e.encode(q.codes, None, fmt))
         amax = getattr(q, "global_amax", None)
         z = grid_z(x, fmt, q.scales, amax) if e.needs_z() else None
-        elements = e.encode(unpack_fp4(q.codes), z)
+        elements = e.encode(unpack_fp4(q.codes), z, fmt)
         kept_amax = None
         if fmt is Format.NVFP4:
             kept_amax = a.encode(q.global_amax.to(torch.float32).expand(*q.shape[:-1], 1).clone())
@@ -174,7 +179,8 @@ class CompactRecord:
         spec, site_shape = GuidanceSpec.from_tag(tag), _parse_geometry(geom_name)
         t = int(tensors[tagged[0]].shape[0])
         scales_t = tensors.get(f"{prefix}.scales")
-        fmt = Format.MXFP4 if scales_t is not None and scales_t.dtype == torch.uint8 else Format.NVFP4
+        # the scales' dtype names the format (as a Hint's); without recorded scales (scales:own) it is NVFP4
+        fmt = Format.NVFP4 if scales_t is None else record_format(scales_t, f"compact record {prefix!r}")
         geom, where = Geometry(fmt, site_shape), f"{prefix} ({spec.name})"
 
         def expect(name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
@@ -232,6 +238,9 @@ class CompactRecord:
         if not bool(torch.isfinite(x).all()):
             raise ValueError("non-finite input; NaN/Inf is a bug upstream and is never encoded")
         (a, s, e), geom = self.spec.codecs, self.geometry
+        if self.fmt is Format.FP8:  # only full scales and a codec that takes E4M3 codes get here (encode)
+            codes, r_elements = e.decode(self.elements, None, fp8_grid_z(x, self.scales), self.segments, geom)
+            return Hint(HintMode.FULL, self.fmt, codes, self.scales, None), r_elements
         amax, scales, report = None, self.scales, DecodeReport()
         if self.fmt is Format.NVFP4:
             amax, r_amax = a.decode(self.amax, x, self.segments, geom)

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from tracefp4.formats.constants import Format
 from tracefp4.guidance.coding import ldpc_checks, prior_llr
 from tracefp4.guidance.compact.codec import Codec, Expect, Geometry, check_rate, ldpc_correct, ldpc_encode
 from tracefp4.guidance.compact.grid import scale_candidates, unrounded_block_scale
@@ -55,6 +56,8 @@ class FullScales(ScaleCodec):
         return scales.clone()
 
     def byte_count(self, geom: Geometry) -> int:
+        if geom.fmt is Format.FP8:
+            return geom.blocks * torch.float32.itemsize  # FP8's float32 row scale
         return geom.blocks  # one E4M3 (or E8M0) byte per block
 
     def stored(self, value, prefix, suffix, t):
@@ -62,7 +65,7 @@ class FullScales(ScaleCodec):
 
     def read(self, tensors: Mapping[str, torch.Tensor], prefix: str, suffix: str, geom: Geometry, t: int,
              expect: Expect, where: str) -> torch.Tensor:
-        return expect(f"{prefix}.scales", geom.block_shape(t), (torch.float8_e4m3fn, torch.uint8))
+        return expect(f"{prefix}.scales", geom.block_shape(t), (torch.float8_e4m3fn, torch.uint8, torch.float32))
 
     def decode(self, value, x, s_enc, segments, geom):
         return value, DecodeReport()

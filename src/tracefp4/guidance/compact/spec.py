@@ -171,7 +171,9 @@ def unsupported_knob(mode: HintMode | GuidanceSpec, fmt: Format, *, four_over_si
     instead has the trainer rebuild part of that grid from its own value, by NVFP4's standard recipe
     (E4M3 block scales near ``amax_b / 6`` on ``S_enc``, one global amax per row). So:
 
-    * an FP8 E4M3 site has no E2M1 codes, block scales or NVFP4 amax for a compact knob to code;
+    * an FP8 E4M3 site has no E2M1 codes, block scales or NVFP4 amax for a compact knob to code; the
+      one exception is ``mod4`` on its row scale recorded in full: its rule needs only adjacent codes
+      on the signed line, which E4M3's are (its residues are of E4M3 positions -126..126);
     * MXFP4's block scales are E8M0 exponents, not E4M3 codes (``parity``, ``scales:ldpc`` and
       ``scales:own`` would decode a scale of the wrong format), and it has no global amax for an amax
       knob; compact elements on full scales decode on the recorded scale and are fine;
@@ -185,9 +187,9 @@ def unsupported_knob(mode: HintMode | GuidanceSpec, fmt: Format, *, four_over_si
     if isinstance(mode, HintMode):
         return None
     amax, scales, _ = mode.codecs
-    if not fmt.fp4:
+    if not fmt.fp4 and not (mode.element_codec.takes_fp8 and mode.full_scales and amax.plain):
         return (f"the compact modes are FP4's (their knobs code E2M1 bits, E4M3 block scales and NVFP4's amax): "
-                f"{mode.name!r} cannot guide an {fmt.value} site, which takes 'full' or 'lsb'")
+                f"{mode.name!r} cannot guide an {fmt.value} site, which takes 'full', 'lsb' or 'mod4'")
     if fmt is Format.MXFP4 and not mode.full_scales:
         return (f"{scales.name_part()!r} codes E4M3 block scales and MXFP4's are E8M0: MXFP4 sites take compact "
                 "elements with the block scales recorded in full")

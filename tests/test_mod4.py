@@ -68,7 +68,7 @@ def test_planted_cases_decode_exactly_or_detect_the_miss_reference() -> None:
         rtn = int(ref.signed_index(ref.round_to_e2m1(zt)))
         for r in POSITIONS:
             d = max(q_minus - r, 0) + max(r - q_plus, 0)
-            for code in {r if r >= 0 else 8 - r, 8 if r == 0 else (r if r >= 0 else 8 - r)}:  # both zeros
+            for code in ([0, 8] if r == 0 else [r if r > 0 else 8 - r]):  # position 0: both zeros
                 rollout = torch.tensor([code], dtype=torch.uint8)
                 residue = ref.mod4_residue(rollout)
                 assert int(residue) == r % 4

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tracefp4.engines.factory import EngineKind, make_engine
 from tracefp4.engines.model import from_config
 from tracefp4.engines.protocol import SamplingParams
 from tracefp4.engines.rollout import HomeEngine
@@ -14,8 +13,9 @@ from tracefp4.engines.sink import StoreTarget
 from tracefp4.engines.trainer import code_mismatch
 from tracefp4.formats import pack_fp4
 from tracefp4.guidance.store import StoreWriter, discard_step
-from tracefp4.rl import engine
-from tracefp4.rl.arms import make_arm
+from tracefp4.pipeline import steps
+from tracefp4.pipeline.arms import make_arm
+from tracefp4.pipeline.factory import EngineKind, make_engine
 from tracefp4.rl.tasks import CharTokenizer
 from tracefp4.seeds import Stream, TrajectoryIds, derive, trajectory_ids
 
@@ -65,11 +65,11 @@ def test_rollout_step_discards_seals_and_reads_back(tmp_path):
     prompts = [[1, 5, 6, 7], [1, 8, 9]]
     sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
     arm = make_arm("trace-full", guidance="lsb", n_layers=TINY["model"].layers)
-    in_memory, diagnostics = engine.rollout(HomeEngine(model), prompts, sampling, arm)
+    in_memory, diagnostics = steps.rollout(HomeEngine(model), prompts, sampling, arm)
     # an interrupted writer of the same name: its lock would refuse the new writer
     stale = StoreWriter(tmp_path, 2, "w0", model_signature="other", policy_version=0)  # noqa: F841 (never closed)
     target = StoreTarget(str(tmp_path), 2, "w0", ("a", "b"), "sig", 5)
-    out = engine.rollout_step(HomeEngine(model), prompts, sampling, arm, target)
+    out = steps.rollout_step(HomeEngine(model), prompts, sampling, arm, target)
     assert out.rollout.records == [] and set(out.timings) == {"time/rollout_s", "time/store_write_s", "time/store_read_s"}
     assert all(torch.equal(x, y) for x, y in zip(out.rollout.token_ids, in_memory.token_ids))
     for got, want in zip(out.records, in_memory.records):

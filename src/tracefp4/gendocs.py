@@ -8,7 +8,7 @@ as a difference:
 * ``docs/results/<name>.md``: each experiment JSON through ``rl.experiment.format_summary``, the
   scaling JSON through ``reports.scaling.format_scaling``, a TRL study's through
   ``reports.trl_study.format_trl_study``;
-* ``docs/concepts/arms.md``: the arm table ``rl.arms.ARMS``;
+* ``docs/concepts/arms.md``: the arm table ``pipeline.arms.ARMS``;
 * ``docs/performance/rollout.md``: one row per date, CPU, commit, preset, batch and engine of
   ``docs/results/bench-rollout/*.json``;
 * ``docs/reference/cli.md``: the ``tracefp4`` parser's help, every subcommand;
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import json
 import sys
 from collections.abc import Callable, Mapping
@@ -47,10 +48,10 @@ COLLAPSE_BEGIN, COLLAPSE_END = "<!-- COLLAPSE begin -->", "<!-- COLLAPSE end -->
 
 
 def metrics_page() -> str:
-    """The metrics reference, rendered by the registry itself (:func:`tracefp4.metrics.reference_markdown`)."""
-    from tracefp4.metrics import reference_markdown
+    """The metrics reference, rendered by the registry itself (:func:`tracefp4.pipeline.metrics.reference_markdown`)."""
+    from tracefp4.pipeline.metrics import reference_markdown
 
-    return GENERATED.format(source="tracefp4.metrics.METRICS") + "\n\n" + reference_markdown()
+    return GENERATED.format(source="tracefp4.pipeline.metrics.METRICS") + "\n\n" + reference_markdown()
 
 
 def _cpu_of(summary: Mapping) -> str:
@@ -85,24 +86,31 @@ def results_page(path: Path) -> str:
 
 
 def _cell(value: Any) -> str:
-    text = "-" if value is None else str(getattr(value, "value", value))
+    if value is None:
+        text = "-"
+    elif isinstance(value, enum.Flag):  # a Flag's value is a number: its name is what a reader knows
+        text = value.name.lower()
+    else:
+        text = str(getattr(value, "value", value))
     return f"`{text}`"
 
 
+#: The arm table's columns on the arms page (the plot style and the reports' keys are the charts' and
+#: the reports' business).
+ARM_COLUMNS = ("role", "plan", "guidance", "diagnostics", "trainer", "trainer_plan", "loss")
+
+
 def arms_page() -> str:
-    """The arm table, one row per ``rl.arms.ARMS`` entry, every field."""
-    import dataclasses
+    """The arm table, one row per ``pipeline.arms.ARMS`` entry: its description and what it runs."""
+    from tracefp4.pipeline.arms import ARMS
 
-    from tracefp4.rl.arms import ARMS
-
-    fields = [f.name for f in dataclasses.fields(next(iter(ARMS.values())))]
-    lines = [GENERATED.format(source="tracefp4.rl.arms.ARMS"), "", "# Arms", "",
+    lines = [GENERATED.format(source="tracefp4.pipeline.arms.ARMS"), "", "# Arms", "",
              "What each arm's rollout records and how its trainer computes (`<n>` in a name: a family, "
              "e.g. `trace-L2`). `plan = run`: the run's precision plan; `guidance = <configured>`: the run's "
              "guidance mode; `-`: none (BF16 rollout, or routing records only).", "",
-             "| arm | " + " | ".join(fields) + " |", "|" + "---|" * (len(fields) + 1)]
+             "| arm | description | " + " | ".join(ARM_COLUMNS) + " |", "|" + "---|" * (len(ARM_COLUMNS) + 2)]
     for name, spec in ARMS.items():
-        lines.append(f"| `{name}` | " + " | ".join(_cell(getattr(spec, f)) for f in fields) + " |")
+        lines.append(f"| `{name}` | {spec.description} | " + " | ".join(_cell(getattr(spec, f)) for f in ARM_COLUMNS) + " |")
     return "\n".join(lines) + "\n"
 
 

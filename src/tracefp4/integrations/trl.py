@@ -46,17 +46,16 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from tracefp4.engines.factory import EngineKind, make_engine
 from tracefp4.engines.model import load_model, model_layers, model_state, prepare_model
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, StoreTarget
 from tracefp4.engines.rows import RowMap
 from tracefp4.engines.trainer import TrainerMode, TrainerSpec, code_mismatch, token_logprobs, trainer_forward
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.store import StoreReader, bytes_per_token, discard_step
-from tracefp4.metrics import mismatch_totals
-from tracefp4.rl.arms import DIAGNOSTICS_CHOICES, integration_arm, integration_rollout
-from tracefp4.rl.engine import rollout_step
-from tracefp4.rl.loop import model_signature
+from tracefp4.pipeline.arms import DIAGNOSTICS_CHOICES, integration_arm, integration_rollout
+from tracefp4.pipeline.factory import EngineKind, make_engine
+from tracefp4.pipeline.metrics import mismatch_totals
+from tracefp4.pipeline.steps import model_signature, rollout_step
 from tracefp4.seeds import Stream, TrajectoryIds, derive, trajectory_ids
 
 __all__ = ["TraceGRPOConfig", "TraceGRPOTrainer", "unsupported"]
@@ -111,7 +110,7 @@ class TraceGRPOConfig(GRPOConfig):
     @property
     def trace_engine_kind(self) -> EngineKind:
         """``trace_engine`` parsed (a ValueError naming the field for an unknown engine)."""
-        return EngineKind.parse(self.trace_engine, "trace_engine")
+        return EngineKind.parse(self.trace_engine, "trace_engine", serving=True)
 
 
 def unsupported(args: GRPOConfig, **trainer_kwargs: Any) -> str | None:

@@ -62,9 +62,10 @@ from pathlib import Path
 from typing import Any
 
 from tracefp4.files import atomic_write_json
-from tracefp4.metrics import canonical
-from tracefp4.rl.arms import ARM_STYLE
+from tracefp4.pipeline.arms import arm_style
+from tracefp4.pipeline.metrics import canonical
 from tracefp4.rl.config import RLConfig, read_table
+from tracefp4.rl.evaluate import POST_HOC_PLANS, post_hoc_metric
 from tracefp4.rl.runlog import read_metrics, rows_of_kind
 
 __all__ = [
@@ -265,7 +266,7 @@ def run_job(cfg: ExperimentConfig, spec: str) -> None:
 
 #: Evaluations of the policy under post-hoc FP4 inference (vanilla NVFP4, Four over Six), reported
 #: by the bf16 arm's evaluations.
-POST_HOC = ("eval_accuracy_fp4", "eval_accuracy_fp4_4over6")
+POST_HOC = tuple(post_hoc_metric(name) for name in POST_HOC_PLANS)
 #: The held-out figures every summary reports per arm (final value, paired difference, curves, each
 #: seed's series, collapses): ``eval_accuracy`` (share of examples answered exactly) and
 #: ``eval_reward`` (mean reward: per-position credit on the count task, where an exact 32-digit
@@ -273,7 +274,7 @@ POST_HOC = ("eval_accuracy_fp4", "eval_accuracy_fp4_4over6")
 HELD_OUT = ("eval_accuracy", "eval_reward")
 
 
-#: The summary's spellings of the registry's metrics (:mod:`tracefp4.metrics`, alias ``experiment``)
+#: The summary's spellings of the registry's metrics (:mod:`tracefp4.pipeline.metrics`, alias ``experiment``)
 #: and the record names they summarise.
 GAP_MEAN, GAP_MAX, CODES, BYTES = "logprob_gap_mean", "logprob_gap_max", "code_mismatch", "guidance_bytes_per_token"
 RECORD = {key: canonical(key) for key in (GAP_MEAN, GAP_MAX, CODES, BYTES)}
@@ -523,7 +524,7 @@ def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4))
         for arm, c in drawn.items():
             entry = summary["arms"][arm]
-            style = ARM_STYLE.get(arm, {})
+            style = arm_style(arm) or {}
             ax.plot(c["step"], c["mean"], label=f"{arm} (n={len(entry['seeds'])})", linewidth=1.6, **style)
             # a t-interval of a positive quantity can reach below 0: on the log axis it is drawn from mean/10
             lo = [max(lo, m / 10) for lo, m in zip(c["lo"], c["mean"])] if logy else c["lo"]

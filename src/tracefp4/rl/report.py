@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tracefp4.metrics import label
+from tracefp4.pipeline.metrics import label
 from tracefp4.rl import runlog
 
 #: (metric, column title) of the summary table: means over the last 5 steps of each arm.

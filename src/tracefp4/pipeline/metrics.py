@@ -18,7 +18,6 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from tracefp4.engines.trainer import SiteMismatch
-from tracefp4.rl.grpo import mismatch_metrics
 
 __all__ = [
     "Metric", "METRICS", "TRL_PREFIX", "canonical", "trl_name", "metric", "label", "share", "mismatch_totals",
@@ -47,7 +46,7 @@ def _m(name: str, label: str, measures: str, formula: str, **aliases: str) -> tu
 
 
 #: The registry, keyed by record name. Aliases: ``reports`` (the mismatch, scaling and sweep reports'
-#: JSON keys: :func:`tracefp4.reports.measure.gap`), ``sweep`` (the sweep's rows), ``experiment`` (the
+#: JSON keys: :func:`tracefp4.pipeline.measure.gap`), ``sweep`` (the sweep's rows), ``experiment`` (the
 #: multi-seed summary), ``trl`` (logged as ``trace/<alias>``), ``loop`` (the progress line).
 METRICS: dict[str, Metric] = dict([
     _m("train_rollout_logprob_abs_diff", "mean |Δlogp|",
@@ -140,9 +139,30 @@ def one_apart_share(one_apart: int, mismatched: int, empty: float | None = None)
 
 
 def logprob_gap(logp_rollout: torch.Tensor, logp_train: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """The five log-prob gap metrics (``train_rollout_logprob_abs_diff[_max]``, ``rollout_corr/*``) over
-    the tokens of ``mask`` (:func:`tracefp4.rl.grpo.mismatch_metrics`, their one implementation)."""
-    return mismatch_metrics(logp_rollout, logp_train, mask)
+    """The five log-prob gap metrics over the generated tokens of ``mask`` (names as verl logs them).
+
+    ``rollout_corr/kl`` = mean(logp_rollout - logp_train); ``rollout_corr/k3_kl`` = mean(r - log r - 1)
+    with r = pi_train/pi_rollout; ``rollout_corr/log_ppl_diff`` = mean over sequences of
+    (log-perplexity under the rollout - under the trainer); ``train_rollout_logprob_abs_diff[_max]``:
+    mean and max |delta logp|. Computed in float64 so that a small gap is not lost to rounding.
+    """
+    m = mask.bool()
+    if not m.any():
+        raise ValueError("logprob_gap: the mask selects no tokens")
+    lr, lt = logp_rollout.detach().double(), logp_train.detach().double()
+    d = (lr - lt)[m]
+    log_r = (lt - lr)[m]
+    k3 = torch.exp(log_r) - log_r - 1
+    n = mask.sum(1).clamp_min(1).double()
+    ppl_r = -(lr * mask).sum(1) / n
+    ppl_t = -(lt * mask).sum(1) / n
+    return {
+        "rollout_corr/kl": float(d.mean()),
+        "rollout_corr/k3_kl": float(k3.mean()),
+        "rollout_corr/log_ppl_diff": float((ppl_r - ppl_t)[mask.sum(1) > 0].mean()),
+        "train_rollout_logprob_abs_diff": float(d.abs().mean()),
+        "train_rollout_logprob_abs_diff_max": float(d.abs().max()),
+    }
 
 
 def router_flip_rate(flips: Mapping[object, float]) -> float:
@@ -159,7 +179,7 @@ def reference_markdown() -> str:
     """The registry as a markdown reference page (one table: name, what it measures, formula, aliases)."""
     lines = [
         "# Metrics", "",
-        "Generated from `tracefp4.metrics.METRICS`. The name is the RL loop's record key "
+        "Generated from `tracefp4.pipeline.metrics.METRICS`. The name is the RL loop's record key "
         f"(`metrics/<arm>.jsonl`); the TRL integration logs its alias with the `{TRL_PREFIX}` prefix.", "",
         "| name | measures | formula | also called |", "|---|---|---|---|",
     ]  # fmt: skip

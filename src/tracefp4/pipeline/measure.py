@@ -27,7 +27,7 @@ from tracefp4.guidance.names import layer_tag
 from tracefp4.guidance.store import StoreReader, bytes_per_token, parse_name
 from tracefp4.pipeline.arms import Arm
 from tracefp4.pipeline.factory import EngineKind, make_engine
-from tracefp4.pipeline.metrics import code_mismatch_rate, logprob_gap, metric, mismatch_totals, one_apart_share
+from tracefp4.pipeline.metrics import Name, code_mismatch_rate, logprob_gap, metric, mismatch_totals, one_apart_share
 from tracefp4.pipeline.steps import rollout_step, trainer_spec
 from tracefp4.seeds import TrajectoryIds, trajectory_ids
 
@@ -68,8 +68,7 @@ def store_root(store_dir: str | os.PathLike[str] | None, prefix: str) -> Iterato
 # --- log-prob gap and code mismatch --------------------------------------------------------------
 
 #: The log-prob gap metrics of :func:`gap`, in its keys' order (the reports' spellings of them).
-GAP_METRICS = ("train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max", "rollout_corr/k3_kl",
-               "rollout_corr/kl", "rollout_corr/log_ppl_diff")
+GAP_METRICS = (Name.GAP_MEAN, Name.GAP_MAX, Name.K3_KL, Name.KL, Name.LOG_PPL_DIFF)
 
 
 def _padded(seqs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

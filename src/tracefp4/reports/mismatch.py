@@ -76,7 +76,7 @@ from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.hints import lsb_of_codes, record_format
 from tracefp4.guidance.names import Site, layer_tag, record_prefix, routing_key
 from tracefp4.pipeline.factory import EngineKind
-from tracefp4.pipeline.metrics import one_apart_share
+from tracefp4.pipeline.metrics import Name, one_apart_share
 from tracefp4.pipeline.measure import (
     ArmRun,
     aggregate,
@@ -468,7 +468,7 @@ def mismatch_report(
         "mismatch_rate": {k: v["rate"] for k, v in agg.items()},
         "adjacent_share": {k: v["adjacent_share"] for k, v in agg.items()},
         "mismatch_counts": {k: {f: v[f] for f in ("mismatched", "one_apart", "total")} for k, v in agg.items()},
-        "router_flip_rate": flips["qat"]["rate"],
+        Name.ROUTER_FLIPS: flips["qat"]["rate"],
         "router_flip": _router_flip_section(flips, trainers),
         "logprob_gap": {arm: gap(rollouts[arm], trainers[arm]) for arm in arms},
         "bytes_per_token": _bytes_section(stored),
@@ -540,7 +540,7 @@ def _router_flip_lines(rep: dict[str, Any]) -> list[str]:
     per_layer = "  ".join(f"{k} {v:.1%}" for k, v in fl["qat"]["per_layer"].items())
     return [
         f"router flips without replay (token x MoE layer, top-k set differs): {_kind(rep).lower()}/qat "
-        f"{rep['router_flip_rate']:.2%} "
+        f"{rep[Name.ROUTER_FLIPS]:.2%} "
         f"({fl['qat']['flips']}/{fl['qat']['token_layers']}; {per_layer}),  bf16/bf16 {fl['bf16']['rate']:.2%}",
         "  under replay (trainer's router_flips, given replayed upstream layers): "
         + ",  ".join(f"{arm} {v['mean']:.2%}" for arm, v in fl["under_replay"].items() if v["mean"] is not None),

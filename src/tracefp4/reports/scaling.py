@@ -455,7 +455,7 @@ def fit(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     over ``rows`` (one weights kind), ``g`` the log or, for a share, the logit ``log(q / (1 - q))``
     (a power law in the odds, which for small shares is the power law in the share itself), and its
     predictions at :data:`TARGETS` with 95% prediction intervals mapped back through ``g``'s inverse."""
-    from tracefp4.rl.experiment import t_quantile_975
+    from tracefp4.stats import t_quantile_975
 
     out: dict[str, Any] = {}
     for arm in SCALING_ARMS:

@@ -47,7 +47,7 @@ from tracefp4.guidance import compact
 from tracefp4.guidance.compact import STANDARD_MODES, GuidedMode, read_record
 from tracefp4.guidance.names import deeper_half
 from tracefp4.guidance.store import parse_name
-from tracefp4.pipeline.metrics import metric
+from tracefp4.pipeline.metrics import Name, metric
 from tracefp4.pipeline.measure import (
     aggregate,
     config_signature,
@@ -105,7 +105,7 @@ def _agreement(stats: Mapping[str, SiteMismatch], keep: Callable[[int, str], boo
 
 
 #: The log-prob gap metrics a sweep row carries, in its keys' order.
-SWEEP_GAP_METRICS = ("train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max", "rollout_corr/k3_kl")
+SWEEP_GAP_METRICS = (Name.GAP_MEAN, Name.GAP_MAX, Name.K3_KL)
 
 
 def _gap_fields(g: dict[str, float]) -> dict[str, float]:

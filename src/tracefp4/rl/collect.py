@@ -23,7 +23,7 @@ from tracefp4.formats.constants import HintMode
 from tracefp4.pipeline import steps
 from tracefp4.pipeline.arms import Arm, PolicyLoss
 from tracefp4.pipeline.factory import EngineKind, make_engine
-from tracefp4.pipeline.metrics import logprob_gap, router_flip_rate
+from tracefp4.pipeline.metrics import Name, logprob_gap, router_flip_rate
 from tracefp4.rl.config import RLConfig
 from tracefp4.rl.grpo import group_advantages, pad_right
 from tracefp4.rl.score_centering import head_mass_metrics, pad_top, top_k_for
@@ -152,11 +152,11 @@ def _score(s: ArmSetup, step: int, group: list[Example], roll: RolloutOutput, re
         "response_length": generated / len(group),
         # Monte Carlo entropy estimate over the sampled tokens: mean of -log pi_rollout
         "entropy": float(-(logp_roll[mask]).mean()),
-        "guidance_bytes_per_token": guidance_bytes_per_token(records, generated),
-        "router_flip_rate": router_flip_rate(old.router_flips),
+        Name.GUIDANCE_BYTES: guidance_bytes_per_token(records, generated),
+        Name.ROUTER_FLIPS: router_flip_rate(old.router_flips),
         **logprob_gap(logp_roll, logp_old, mask),
         **(steps.code_mismatch_metrics(old, diagnostics) if measure else {}),
-        "guidance/decode_failures": steps.decode_failures(old),
+        Name.DECODE_FAILURES: steps.decode_failures(old),
     }
     top_ids = top_logp = None
     if roll.top_ids:  # Score Centering: the sampler's top-k, padded like every per-token tensor

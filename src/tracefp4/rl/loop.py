@@ -45,6 +45,7 @@ from tracefp4.guidance.store import discard_step
 from tracefp4.pipeline import steps
 from tracefp4.pipeline.arms import Arm, make_arm
 from tracefp4.pipeline.factory import EngineKind
+from tracefp4.pipeline.metrics import Name
 from tracefp4.provenance import environment, weights_digest
 from tracefp4.rl import runfolder, runlog
 from tracefp4.rl.checkpoint import Checkpoint, latest_checkpoint, save_checkpoint
@@ -313,7 +314,7 @@ def run_arm(name: str, base: PreTrainedModel, task: Task, tok: Tokenizer, cfg: R
                 runner.log.log(rec)
                 bar.update(1)
                 bar.set_postfix(reward=f"{rec['reward_mean']:.2f}",
-                                dlogp=f"{rec['train_rollout_logprob_abs_diff']:.4f}")
+                                dlogp=f"{rec[Name.GAP_MEAN]:.4f}")
                 if runner.step % cfg.eval_every == 0 or runner.step == cfg.steps:
                     runner.log.log({"kind": "eval", "step": runner.step, **runner.evaluate()})
                     runner.save(ckpt)

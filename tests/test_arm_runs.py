@@ -14,8 +14,8 @@ from tracefp4.engines.model import from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import SamplingParams
 from tracefp4.engines.rollout import HomeEngine
-from tracefp4.rl import engine
-from tracefp4.rl.arms import make_arm
+from tracefp4.pipeline import steps
+from tracefp4.pipeline.arms import make_arm
 from tracefp4.rl.collect import collect
 from tracefp4.rl.config import RLConfig
 from tracefp4.rl.loop import run
@@ -31,7 +31,7 @@ def test_each_arm_records_only_what_it_uses():
     n_layers = TINY["model"].layers
     for name in ("bf16", "qat", "trace", "trace-full"):
         arm = make_arm(name, guidance="lsb", n_layers=n_layers)
-        roll, diagnostics = engine.rollout(HomeEngine(model), prompts, sampling, arm)
+        roll, diagnostics = steps.rollout(HomeEngine(model), prompts, sampling, arm)
         kinds = {k.split(".", 2)[-1] if not k.endswith(".routing") else "routing" for k in roll.records[0]}
         expected = {"bf16": {"routing"}, "qat": {"routing"}, "trace": {"routing", "bits", "scales", "global_amax"},
                     "trace-full": {"routing", "codes", "scales", "global_amax"}}[name]
@@ -125,14 +125,14 @@ def test_baseline_and_ablation_arms():
 def test_trace_l1_records_only_the_last_layer():
     model = from_config(TINY["model"].hf_config(CharTokenizer()), seed=0)
     arm = make_arm("trace-L1", guidance="lsb", n_layers=TINY["model"].layers)
-    roll, diagnostics = engine.rollout(HomeEngine(model), [[1, 5, 6, 7]], SamplingParams(max_new_tokens=3, seed=1), arm)
+    roll, diagnostics = steps.rollout(HomeEngine(model), [[1, 5, 6, 7]], SamplingParams(max_new_tokens=3, seed=1), arm)
     guided = {int(k[1:3]) for k in roll.records[0] if not k.endswith(".routing")}
     routed = {int(k[1:3]) for k in roll.records[0] if k.endswith(".routing")}
     assert guided == {1} and routed == {0, 1}
     assert {int(k[1:3]) for k in diagnostics[0]} == {1}
     # W4A8: the FP8 expert activations are guided too (E4M3 codes), beside the NVFP4 KV cache
     arm = make_arm("trace-w4a8", guidance="lsb", n_layers=TINY["model"].layers)
-    roll, _ = engine.rollout(HomeEngine(model), [[1, 5, 6, 7]], SamplingParams(max_new_tokens=3, seed=1), arm)
+    roll, _ = steps.rollout(HomeEngine(model), [[1, 5, 6, 7]], SamplingParams(max_new_tokens=3, seed=1), arm)
     rec = roll.records[0]
     assert {k.split(".")[1] for k in rec if not k.endswith(".routing")} == {"k", "v", "expert_in", "expert_mid"}
     assert rec["L01.expert_in.scales"].dtype == torch.float32 and rec["L01.k.scales"].dtype == torch.float8_e4m3fn

@@ -20,12 +20,11 @@ import tracefp4.formats as formats
 from tracefp4.formats import reference_composite as refc
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import Site
-from tracefp4.rl import engine
-from tracefp4.rl.arms import make_arm
+from tracefp4.pipeline import steps
+from tracefp4.pipeline.arms import PolicyLoss, make_arm
+from tracefp4.pipeline.steps import model_signature
 from tracefp4.rl.collect import ArmSetup, collect
 from tracefp4.rl.config import ModelSpec, RLConfig
-from tracefp4.rl.grpo import PolicyLoss
-from tracefp4.rl.loop import model_signature
 from tracefp4.rl.optim import MasterWeightAdamW
 from tracefp4.rl.score_centering import head_mass_metrics, score_centering_loss, top_k_for, trainer_scores
 from tracefp4.rl.tasks import Reverse
@@ -111,14 +110,14 @@ def test_quads_arm_rollout_and_trainer():
     assert type(arm).from_dict(arm.to_dict()) == arm
     cfg = RLConfig(**TINY)
     model = from_config(cfg.model.hf_config(Reverse().make_tokenizer()), seed=0)
-    roll, _ = engine.rollout(HomeEngine(model), [[1, 5, 6, 7]], SamplingParams(max_new_tokens=3, seed=1), arm)
+    roll, _ = steps.rollout(HomeEngine(model), [[1, 5, 6, 7]], SamplingParams(max_new_tokens=3, seed=1), arm)
     assert all(k.endswith(".routing") for k in roll.records[0])  # no guidance: routing only
-    plain, _ = engine.rollout(HomeEngine(model), [[1, 5, 6, 7]], SamplingParams(max_new_tokens=3, seed=1),
+    plain, _ = steps.rollout(HomeEngine(model), [[1, 5, 6, 7]], SamplingParams(max_new_tokens=3, seed=1),
                               make_arm("qat", guidance="lsb", n_layers=2))
     assert any(not torch.equal(a, b) for a, b in zip(roll.logprobs, plain.logprobs))  # compensation computes
     with torch.no_grad():
-        w4a16 = engine.trainer_logprobs(model, roll.token_ids, roll.prompt_lens, roll.records, arm, temperature=1.0)
-        w4a4 = engine.trainer_logprobs(model, roll.token_ids, roll.prompt_lens, roll.records,
+        w4a16 = steps.trainer_logprobs(model, roll.token_ids, roll.prompt_lens, roll.records, arm, temperature=1.0)
+        w4a4 = steps.trainer_logprobs(model, roll.token_ids, roll.prompt_lens, roll.records,
                                        make_arm("qat", guidance="lsb", n_layers=2), temperature=1.0)
     assert any(not torch.equal(a, b) for a, b in zip(w4a16.logprobs, w4a4.logprobs))  # the trainer's own plan
 

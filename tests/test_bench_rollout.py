@@ -8,8 +8,8 @@ import json
 import pytest
 
 from tracefp4.cli import main
+from tracefp4.pipeline.arms import ROLLOUT_MODES
 from tracefp4.reports.bench_rollout import PRESETS, expert_params, preset_spec
-from tracefp4.rl.arms import ROLLOUT_MODES
 
 SHAPE = ["--layers", "1", "--hidden", "64", "--experts", "4", "--top-k", "2", "--expert-dim", "32", "--heads", "2",
          "--kv-heads", "1", "--head-dim", "32"]

@@ -35,12 +35,14 @@ import torch
 
 from tracefp4.engines.model import from_config
 from tracefp4.guidance.store import StoreReader, step_bytes
+from tracefp4.pipeline import steps
+from tracefp4.pipeline.arms import make_arm
+from tracefp4.pipeline.steps import model_signature
 from tracefp4.rl import update as update_mod
-from tracefp4.rl.arms import make_arm
 from tracefp4.rl.collect import ArmSetup, collect
 from tracefp4.rl.config import ModelSpec, RLConfig
 from tracefp4.rl.distributed import TrainerGroup, rank_share
-from tracefp4.rl.loop import model_signature
+from tracefp4.rl.grpo import pad_right
 from tracefp4.rl.optim import BETAS, MasterWeightAdamW, adam_drift_bound, adam_step_bound
 from tracefp4.rl.tasks import Reverse
 
@@ -76,6 +78,13 @@ def test_rank_share_is_a_partition():
     assert sorted(sum(shares, [])) == sorted(idx)
 
 
+def _logprobs(model, s: ArmSetup, b, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's log-probs of trajectories ``idx`` of batch ``b``, padded to the batch's width, and their mask."""
+    mb = update_mod.select(b, idx)
+    out = steps.trainer_logprobs(model, mb.token_ids, mb.prompt_lens, mb.records, s.arm, temperature=s.cfg.temperature)
+    return pad_right(out.logprobs, b.width)
+
+
 def _rank_drift(one_model, two_model, s: ArmSetup, b) -> dict:
     """What the loss of one update may differ by between one process and two ranks (module docstring
     (2)), measured on this machine: each path's log-probs of the step's single minibatch (one process
@@ -84,11 +93,11 @@ def _rank_drift(one_model, two_model, s: ArmSetup, b) -> dict:
     cfg = s.cfg
     order = torch.randperm(len(b.token_ids), generator=torch.Generator().manual_seed(cfg.seed + b.step)).tolist()
     with torch.no_grad():
-        one, mask = update_mod.minibatch_logprobs(one_model, s.arm, cfg, b, order)
+        one, mask = _logprobs(one_model, s, b, order)
         two = torch.zeros_like(one)
         for r in range(2):
             share = rank_share(order, r, 2)
-            two[[order.index(i) for i in share]] = update_mod.minibatch_logprobs(two_model, s.arm, cfg, b, share)[0]
+            two[[order.index(i) for i in share]] = _logprobs(two_model, s, b, share)[0]
     old, roll, adv = b.logp_old[order], b.logp_rollout[order], b.advantages[order]
     delta = float((one - two)[mask].abs().max())
     ratio = torch.exp(one - old)[mask]

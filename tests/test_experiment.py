@@ -8,7 +8,8 @@ import math
 import pytest
 
 from tracefp4.cli import main
-from tracefp4.rl.experiment import ExperimentConfig, collapse_step, mean_ci95, run_experiment, run_job, t_quantile_975
+from tracefp4.rl.experiment import ExperimentConfig, collapse_step, run_experiment, run_job
+from tracefp4.stats import format_mean_ci, mean_ci95, paired_differences, t_quantile_975
 
 RUN = """
 [run]
@@ -37,6 +38,13 @@ def test_mean_ci95_golden():
     assert t_quantile_975(1) == 12.706 and t_quantile_975(100) == 1.96
     with pytest.raises(ValueError):
         mean_ci95([])
+
+
+def test_paired_differences_and_their_text():
+    d = paired_differences({0: 0.75, 1: 0.5, 2: 1.0}, {0: 0.5, 1: 0.5, 5: 0.0})  # seed 2 has no pair
+    assert d == mean_ci95([0.25, 0.0]) and paired_differences({0: 1.0}, {1: 1.0}) is None
+    assert format_mean_ci({"mean": 0.5, "ci95": [0.25, 0.75]}, "+.2f") == "+0.50 [+0.25, +0.75]"
+    assert format_mean_ci(None) == "-"
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from tracefp4.rl.grpo import LossAgg, aggregate, group_advantages, grpo_loss, mismatch_metrics, pad_right
+from tracefp4.pipeline.metrics import logprob_gap
+from tracefp4.rl.grpo import LossAgg, aggregate, group_advantages, grpo_loss, pad_right
 from tracefp4.rl.tasks import Addition, CharTokenizer, CountBy, Example, Reverse, make_task
 
 
@@ -45,18 +46,18 @@ def test_grpo_loss_clip_and_truncated_is():
     assert logp.grad[0, 1].item() == pytest.approx(-0.5)  # d/dlogp of -ratio*A/2 at ratio 1
 
 
-def test_mismatch_metrics_hand_values():
+def test_logprob_gap_hand_values():
     lr = torch.tensor([[math.log(0.5), math.log(0.25), 0.0]])
     lt = torch.tensor([[math.log(0.25), math.log(0.25), -9.0]])
     mask = torch.tensor([[1, 1, 0]])
-    m = mismatch_metrics(lr, lt, mask)
+    m = logprob_gap(lr, lt, mask)
     assert m["rollout_corr/kl"] == pytest.approx(math.log(2) / 2)
     assert m["train_rollout_logprob_abs_diff_max"] == pytest.approx(math.log(2))
     # r = 0.5 on token 1 -> 0.5 - log 0.5 - 1 ; token 2 -> 0
     assert m["rollout_corr/k3_kl"] == pytest.approx((0.5 + math.log(2) - 1) / 2)
     assert m["rollout_corr/log_ppl_diff"] == pytest.approx(-math.log(2) / 2)
     with pytest.raises(ValueError, match="no tokens"):
-        mismatch_metrics(lr, lt, torch.zeros(1, 3))
+        logprob_gap(lr, lt, torch.zeros(1, 3))
 
 
 def test_tokenizer_round_trip_and_errors():

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tracefp4.engines.model import from_config
-from tracefp4.rl.loop import model_signature
-from tracefp4.rl.arms import make_arm
+from tracefp4.pipeline.arms import make_arm
+from tracefp4.pipeline.steps import model_signature
 from tracefp4.rl.collect import ArmSetup, collect
 from tracefp4.rl.config import ModelSpec, RLConfig
 from tracefp4.rl.grpo import ISMode, grpo_loss, importance_weights

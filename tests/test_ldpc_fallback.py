@@ -23,7 +23,7 @@ from tracefp4.engines.trainer import TrainerOutput, TrainerSpec, forward_logprob
 from tracefp4.formats import reference as ref
 from tracefp4.formats import unpack_fp4
 from tracefp4.guidance.compact import GuidedMode, read_record
-from tracefp4.rl.arms import ARMS
+from tracefp4.pipeline.arms import ARMS
 
 torch.set_num_threads(1)
 

@@ -3,11 +3,14 @@ functions equal to the formulas the loop and the reports computed them with."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
 from tracefp4.engines.trainer import SiteMismatch
-from tracefp4.metrics import (
+from tracefp4.pipeline.metrics import (
     METRICS,
     TRL_PREFIX,
     canonical,
@@ -19,8 +22,10 @@ from tracefp4.metrics import (
     one_apart_share,
     reference_markdown,
     router_flip_rate,
+    trl_name,
 )
-from tracefp4.rl.grpo import mismatch_metrics
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "tracefp4"
 
 
 def test_the_five_names_of_the_mean_gap_are_one_metric() -> None:
@@ -44,7 +49,6 @@ def test_the_loop_metrics_keep_their_record_names() -> None:
     lp_t = torch.tensor([[-1.25, -1.5, -0.5], [-0.2, -2.0, 0.0]])
     mask = torch.tensor([[True, True, True], [True, True, False]])
     gap = logprob_gap(lp_r, lp_t, mask)
-    assert gap == mismatch_metrics(lp_r, lp_t, mask)
     assert set(gap) <= set(METRICS)
     assert gap["train_rollout_logprob_abs_diff_max"] == 1.0
 
@@ -72,3 +76,29 @@ def test_reference_page_lists_every_metric() -> None:
     # each row has exactly the four cells (an unescaped | in a formula would add one)
     assert all(line.replace("\\|", "").count("|") == 5 for line in rows)
     assert label("code_mismatch") == "code mismatch"
+
+
+def _string_literals(path: Path) -> list[tuple[int, str]]:
+    """The string constants of a module, docstrings left out (they name metrics to explain them)."""
+    tree = ast.parse(path.read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_no_metric_name_is_spelled_outside_the_registry() -> None:
+    """A record name or a TRL name written as a literal outside tracefp4.pipeline.metrics fails: code
+    that writes or reads a metric takes its name from ``Name`` (and ``trl_name``, ``alias``)."""
+    names = {m.name for m in METRICS.values()} | {trl_name(m.name) for m in METRICS.values() if "trl" in m.aliases}
+    registry = SRC / "pipeline" / "metrics.py"
+    found = [f"{p.relative_to(SRC)}:{line}: {text!r}" for p in sorted(SRC.rglob("*.py")) if p != registry
+             for line, text in _string_literals(p) if text in names]
+    assert not found, "metric names spelled outside the registry:\n" + "\n".join(found)
+
+
+def test_the_literal_check_sees_a_literal(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text('"""mentions code_mismatch_rate in a docstring"""\nx = {"code_mismatch_rate": 1}\n')
+    assert _string_literals(module) == [(2, "code_mismatch_rate")]

@@ -6,16 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tracefp4.engines.factory import EngineKind, make_engine
 from tracefp4.engines.model import from_config
+from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import SamplingParams
 from tracefp4.engines.rollout import HomeEngine
 from tracefp4.engines.sink import StoreTarget
 from tracefp4.engines.trainer import code_mismatch
 from tracefp4.formats import pack_fp4
 from tracefp4.guidance.store import StoreWriter, discard_step
-from tracefp4.rl import engine
-from tracefp4.rl.arms import make_arm
+from tracefp4.pipeline import steps
+from tracefp4.pipeline.arms import make_arm
+from tracefp4.pipeline.factory import EngineKind, make_engine, supports
 from tracefp4.rl.tasks import CharTokenizer
 from tracefp4.seeds import Stream, TrajectoryIds, derive, trajectory_ids
 
@@ -56,6 +57,18 @@ def test_engine_kind_and_factory():
     model = from_config(TINY["model"].hf_config(CharTokenizer()), seed=0)
     home = make_engine("home", model, pad_token_id=0)
     assert isinstance(home, HomeEngine) and home.model is model and home.pad_token_id == 0
+    # one kind per engine class; the benchmarks' vLLM baselines serve no plan, and a run offers the two that serve arms
+    assert EngineKind.names() == ("home", "vllm", "vllm-bf16", "vllm-fp8kv", "vllm-per-plan")
+    assert EngineKind.names(serving=True) == ("home", "vllm")
+    with pytest.raises(ValueError, match=r"engine = 'vllm-bf16': expected one of home, vllm$"):
+        EngineKind.parse("vllm-bf16", serving=True)
+    fp4 = PrecisionPlan()
+    assert supports("vllm", fp4) and supports("home", fp4) and supports("vllm-per-plan", fp4)
+    assert not supports("vllm-bf16", fp4) and not supports("vllm-fp8kv", fp4) and supports("vllm-bf16", None)
+    with pytest.raises(ValueError, match=r"engine 'vllm-fp8kv' serves vLLM's own numerics, not the precision plan"):
+        make_engine("vllm-fp8kv", checkpoint=".", plan=fp4)
+    with pytest.raises(ValueError, match="engine 'home' runs on the model object"):
+        make_engine("home")
 
 
 def test_rollout_step_discards_seals_and_reads_back(tmp_path):
@@ -65,11 +78,11 @@ def test_rollout_step_discards_seals_and_reads_back(tmp_path):
     prompts = [[1, 5, 6, 7], [1, 8, 9]]
     sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
     arm = make_arm("trace-full", guidance="lsb", n_layers=TINY["model"].layers)
-    in_memory, diagnostics = engine.rollout(HomeEngine(model), prompts, sampling, arm)
+    in_memory, diagnostics = steps.rollout(HomeEngine(model), prompts, sampling, arm)
     # an interrupted writer of the same name: its lock would refuse the new writer
     stale = StoreWriter(tmp_path, 2, "w0", model_signature="other", policy_version=0)  # noqa: F841 (never closed)
     target = StoreTarget(str(tmp_path), 2, "w0", ("a", "b"), "sig", 5)
-    out = engine.rollout_step(HomeEngine(model), prompts, sampling, arm, target)
+    out = steps.rollout_step(HomeEngine(model), prompts, sampling, arm, target)
     assert out.rollout.records == [] and set(out.timings) == {"time/rollout_s", "time/store_write_s", "time/store_read_s"}
     assert all(torch.equal(x, y) for x, y in zip(out.rollout.token_ids, in_memory.token_ids))
     for got, want in zip(out.records, in_memory.records):
@@ -77,6 +90,24 @@ def test_rollout_step_discards_seals_and_reads_back(tmp_path):
     for got, want in zip(out.diagnostics, diagnostics):
         assert all(torch.equal(got[k], want[k]) for k in want)
     assert discard_step(tmp_path, 2)  # sealed: the step is there
+
+
+def test_rollout_step_of_a_plan_and_a_guidance_mode_is_the_arms(tmp_path):
+    """``rollout_step(plan=, guidance=, target=folder)``: the records of the table's arm of that plan and
+    guidance, in step 0 of the folder; an arm and a plan at once are refused."""
+    model = from_config(TINY["model"].hf_config(CharTokenizer()), seed=0)
+    prompts, sampling = [[1, 5, 6, 7], [1, 8, 9]], SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
+    arm = make_arm("trace", guidance="lsb", n_layers=TINY["model"].layers)
+    by_arm = steps.rollout_step(HomeEngine(model), prompts, sampling, arm, StoreTarget(
+        str(tmp_path / "a"), 0, "w0", trajectory_ids(TrajectoryIds.REPORT, 2), "sig", 0))
+    by_plan = steps.rollout_step(make_engine("home", model), prompts, sampling, plan=PrecisionPlan(), guidance="lsb",
+                                 target=tmp_path / "b")
+    assert steps.step_arm(PrecisionPlan(), "lsb").trainer == arm.trainer == "trace"
+    for got, want in zip(by_plan.records, by_arm.records):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert discard_step(tmp_path / "b", 0)  # sealed: the step is there
+    with pytest.raises(ValueError, match="arm 'trace' names its plan"):
+        steps.rollout_step(make_engine("home", model), prompts, sampling, arm, tmp_path / "c", plan=PrecisionPlan())
 
 
 def test_code_mismatch_grouped_by_layer_and_position():

@@ -6,6 +6,7 @@ guidance knob at fault. The supported neighbours of each refused cell run.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -19,8 +20,8 @@ from tracefp4.engines.rollout import HomeEngine, generate
 from tracefp4.engines.trainer import forward_logprobs, forward_rollout
 from tracefp4.formats.quantizers import Grid, NVFP4Quantizer
 from tracefp4.guidance.compact import CompactRecord, GuidanceSpec, GuidedMode
-from tracefp4.rl import arms
-from tracefp4.rl.arms import CONFIGURED, ArmSpec, integration_arm, make_arm, plan_by_name
+from tracefp4.pipeline import arms
+from tracefp4.pipeline.arms import integration_arm, make_arm
 from tracefp4.rl.config import ModelSpec, RLConfig
 
 torch.set_num_threads(1)
@@ -73,12 +74,12 @@ SAMPLING = SamplingParams(max_new_tokens=3, seed=0)
 def test_check_names_the_field_the_plan_and_the_knob(plan: str, guidance: str, plan_knob: str, knob: str) -> None:
     for mode in (guidance, GuidedMode.parse(guidance), GuidedMode.parse(guidance).mode):
         with pytest.raises(ValueError, match=names("my_field = ", plan_knob, knob)):
-            check_supported(plan_by_name(plan), mode, field="my_field")
+            check_supported(PrecisionPlan.named(plan), mode, field="my_field")
 
 
 @pytest.mark.parametrize("plan, guidance", SUPPORTED, ids=SUPPORTED_IDS)
 def test_check_passes_the_supported_neighbours(plan: str, guidance: str) -> None:
-    check_supported(plan_by_name(plan), guidance)
+    check_supported(PrecisionPlan.named(plan), guidance)
 
 
 def test_nothing_to_check_without_a_plan_or_guidance() -> None:
@@ -135,15 +136,15 @@ def test_four_over_six_scale_knobs_would_pick_wrong_scales(guidance: str) -> Non
 def test_home_engine_generate_refuses(model, plan: str, guidance: str, plan_knob: str, knob: str) -> None:
     mode = GuidedMode.parse(guidance)
     with pytest.raises(ValueError, match=names("guidance = ", plan_knob, knob)):
-        HomeEngine(model).generate(PROMPTS, SAMPLING, plan=plan_by_name(plan), guidance=mode)
+        HomeEngine(model).generate(PROMPTS, SAMPLING, plan=PrecisionPlan.named(plan), guidance=mode)
     with pytest.raises(ValueError, match=names(plan_knob, knob)):
-        generate(model, PROMPTS, SAMPLING, plan=plan_by_name(plan), guidance=mode)
+        generate(model, PROMPTS, SAMPLING, plan=PrecisionPlan.named(plan), guidance=mode)
 
 
 @pytest.mark.parametrize("plan, guidance", [("4over6", "lsb"), ("mxfp4", "lsb"), ("nvfp4", "lsb+parity")])
 def test_supported_neighbours_roll_out_and_guide_the_trainer(model, plan: str, guidance: str) -> None:
-    out = HomeEngine(model).generate(PROMPTS, SAMPLING, plan=plan_by_name(plan), guidance=GuidedMode.parse(guidance))
-    assert out.plan == plan_by_name(plan) and all(any(".expert_in." in k for k in r) for r in out.records)
+    out = HomeEngine(model).generate(PROMPTS, SAMPLING, plan=PrecisionPlan.named(plan), guidance=GuidedMode.parse(guidance))
+    assert out.plan == PrecisionPlan.named(plan) and all(any(".expert_in." in k for k in r) for r in out.records)
     got = forward_rollout(model, out, mode="trace", temperature=SAMPLING.temperature)
     assert got.decode_failures == 0
     for lp, ref in zip(got.logprobs, out.logprobs):
@@ -178,25 +179,24 @@ TINY = dict(steps=1, warm_start_steps=0, prompts_per_step=2, group_size=2, updat
 def test_run_config_and_arms_refuse(monkeypatch, plan: str, guidance: str, plan_knob: str, knob: str) -> None:
     """No arm of the table pairs the configured guidance with a fixed non-standard plan today, so the
     config's check is shown on an arm that does: what a new table row would get."""
-    monkeypatch.setitem(arms.ARMS, "trace-x", ArmSpec(plan=plan, guidance=CONFIGURED, diagnostics="guided",
-                                                      trainer="trace"))
+    monkeypatch.setitem(arms.ARMS, "trace-x", dataclasses.replace(arms.ARMS["trace"], plan=plan))
     with pytest.raises(ValueError, match=names(f"guidance = {guidance!r}", "arm 'trace-x'", plan_knob, knob)):
         RLConfig(arms=("trace-x",), guidance=guidance, **TINY).validate()
     with pytest.raises(ValueError, match=names("arm 'trace-x'", plan_knob, knob)):
         make_arm("trace-x", guidance=guidance, n_layers=2)
     with pytest.raises(ValueError, match=names("arm 'trace'", plan_knob, knob)):  # the run's own plan
-        make_arm("trace", guidance=guidance, n_layers=2, plan=plan_by_name(plan))
+        make_arm("trace", guidance=guidance, n_layers=2, plan=PrecisionPlan.named(plan))
     with pytest.raises(ValueError, match=names(f"trace_plan = {plan!r}", "trace_guidance = ", plan_knob, knob)):
         integration_arm(plan, "trace", guidance, "all", 2)
 
 
 @pytest.mark.parametrize("plan, guidance", SUPPORTED, ids=SUPPORTED_IDS)
 def test_run_config_and_arms_pass_the_neighbours(monkeypatch, plan: str, guidance: str) -> None:
-    monkeypatch.setitem(arms.ARMS, "trace-x", ArmSpec(plan="run" if plan == "nvfp4" else plan, guidance=CONFIGURED,
-                                                      diagnostics="guided", trainer="trace"))
+    monkeypatch.setitem(arms.ARMS, "trace-x", dataclasses.replace(arms.ARMS["trace"],
+                                                                  plan="run" if plan == "nvfp4" else plan))
     RLConfig(arms=("trace-x",), guidance=guidance, **TINY).validate()
     assert make_arm("trace-x", guidance=guidance, n_layers=2).guidance == GuidedMode.parse(guidance)
-    assert integration_arm(plan, "trace", guidance, "all", 2).plan == plan_by_name(plan)
+    assert integration_arm(plan, "trace", guidance, "all", 2).plan == PrecisionPlan.named(plan)
 
 
 def test_the_qat_arms_carry_no_guidance_to_refuse() -> None:
@@ -251,6 +251,6 @@ def test_vllm_engine_generate_refuses(tmp_path) -> None:
                     max_num_seqs=2) as engine:
         for plan, guidance, plan_knob, knob in REFUSED:
             with pytest.raises(ValueError, match=names("guidance = ", plan_knob, knob)):
-                engine.generate(PROMPTS, SAMPLING, plan=plan_by_name(plan), guidance=GuidedMode.parse(guidance))
+                engine.generate(PROMPTS, SAMPLING, plan=PrecisionPlan.named(plan), guidance=GuidedMode.parse(guidance))
         out = engine.generate(PROMPTS, SAMPLING, plan=PrecisionPlan.four_over_six(), guidance=GuidedMode.parse("lsb"))
         assert all(any(".expert_in." in k for k in r) for r in out.records)

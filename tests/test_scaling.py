@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tracefp4.cli import main
+from tracefp4.pipeline.arms import SCALING_ARMS
 from tracefp4.reports.scaling import CENTRE, DEPTHS, LENGTHS, WIDTHS, Point, fit, grid, logprob_stats
-from tracefp4.rl.arms import SCALING_ARMS
 
 
 def test_grid_is_a_star_through_the_centre():

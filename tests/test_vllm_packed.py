@@ -234,8 +234,7 @@ def test_packed_kv_cache_holds_3_3x_the_tokens_of_bf16(tmp_path_factory):
     512/152 = 3.37x the tokens, less at most one block of rounding."""
     from transformers import AutoModelForCausalLM
 
-    from tracefp4.engines.vllm import VLLMEngine
-    from tracefp4.engines.vllm.engine import PlainVLLMEngine
+    from tracefp4.pipeline.factory import make_engine
 
     path = tmp_path_factory.mktemp("vllm_kv128") / "ckpt"
     torch.manual_seed(2)
@@ -244,8 +243,8 @@ def test_packed_kv_cache_holds_3_3x_the_tokens_of_bf16(tmp_path_factory):
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
     got = {}
-    for name, make in (("bf16", PlainVLLMEngine), ("packed", lambda p, **kw: VLLMEngine(p, plan=FP4, **kw))):
-        with make(str(path), max_model_len=64, max_num_seqs=4) as e:
+    for name, kind, plan in (("bf16", "vllm-bf16", {}), ("packed", "vllm", {"plan": FP4})):  # over the checkpoint as it is
+        with make_engine(kind, checkpoint=str(path), max_model_len=64, max_num_seqs=4, **plan) as e:
             kv = e.kv_cache_size()
             got[name] = (kv["tokens"], kv["bytes"] / kv["tokens"] / (cfg["layers"] * cfg["kv_heads"]),
                          e.llm.llm_engine.vllm_config.cache_config.block_size)

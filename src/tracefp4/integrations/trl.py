@@ -46,17 +46,24 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from tracefp4.engines.factory import EngineKind, make_engine
 from tracefp4.engines.model import load_model, model_layers, model_state, prepare_model
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, StoreTarget
 from tracefp4.engines.rows import RowMap
 from tracefp4.engines.trainer import TrainerMode, TrainerSpec, code_mismatch, token_logprobs, trainer_forward
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.store import StoreReader, bytes_per_token, discard_step
-from tracefp4.metrics import mismatch_totals
-from tracefp4.rl.arms import DIAGNOSTICS_CHOICES, integration_arm, integration_rollout
-from tracefp4.rl.engine import rollout_step
-from tracefp4.rl.loop import model_signature
+from tracefp4.pipeline.arms import DIAGNOSTICS_CHOICES, integration_arm, integration_rollout
+from tracefp4.pipeline.factory import EngineKind, make_engine
+from tracefp4.pipeline.metrics import (
+    Name,
+    code_mismatch_rate,
+    mismatch_totals,
+    one_apart_share,
+    router_flip_rate,
+    share,
+    trl_name,
+)
+from tracefp4.pipeline.steps import model_signature, rollout_step
 from tracefp4.seeds import Stream, TrajectoryIds, derive, trajectory_ids
 
 __all__ = ["TraceGRPOConfig", "TraceGRPOTrainer", "unsupported"]
@@ -111,7 +118,7 @@ class TraceGRPOConfig(GRPOConfig):
     @property
     def trace_engine_kind(self) -> EngineKind:
         """``trace_engine`` parsed (a ValueError naming the field for an unknown engine)."""
-        return EngineKind.parse(self.trace_engine, "trace_engine")
+        return EngineKind.parse(self.trace_engine, "trace_engine", serving=True)
 
 
 def unsupported(args: GRPOConfig, **trainer_kwargs: Any) -> str | None:
@@ -498,7 +505,7 @@ class TraceGRPOTrainer(GRPOTrainer):
         st.setdefault("gap_max", []).append(float(gap.max()) if gap.numel() else 0.0)
         st.setdefault("decode_failures", []).append(float(report.decode_failures))
         if report.router_flips:
-            st.setdefault("flips", []).append(sum(report.router_flips.values()) / len(report.router_flips))
+            st.setdefault("flips", []).append(router_flip_rate(report.router_flips))
 
     def _trace_log(self, mode: str) -> None:
         """This generation's TRACE metrics into TRL's logs, reduced over processes (every process calls it)."""
@@ -511,16 +518,20 @@ class TraceGRPOTrainer(GRPOTrainer):
         gap_max = torch.tensor([max(st.get("gap_max", [0.0]))], dtype=torch.float64, device=self.accelerator.device)
         gap_max = float(self.accelerator.gather(gap_max).max())
         mism, one, codes, gap_sum, gap_n, failures, flips, n_flips, guidance, procs = sums
+        # the registry's summaries over the processes' totals, each under its TRL name; a metric whose
+        # denominator is empty this generation is left out rather than logged as 0
+        figures = {
+            Name.CODE_MISMATCH: code_mismatch_rate(mism, codes),
+            Name.ONE_APART: one_apart_share(one, mism, empty=1.0) if codes > 0 else None,
+            Name.GAP_MEAN: share(gap_sum, gap_n),
+            Name.GAP_MAX: gap_max if gap_n > 0 else None,
+            Name.DECODE_FAILURES: failures,
+            Name.ROUTER_FLIPS: share(flips, n_flips),
+            Name.GUIDANCE_BYTES: guidance / procs,
+        }
         metrics = self._metrics[mode]
-        if codes > 0:
-            metrics["trace/code_mismatch"].append(mism / codes)
-            metrics["trace/code_mismatch_one_apart"].append(one / mism if mism else 1.0)
-        if gap_n > 0:
-            metrics["trace/logprob_gap_mean"].append(gap_sum / gap_n)
-            metrics["trace/logprob_gap_max"].append(gap_max)
-        metrics["trace/decode_failures"].append(failures)
-        if n_flips > 0:
-            metrics["trace/router_flip_rate"].append(flips / n_flips)
-        metrics["trace/guidance_bytes_per_token"].append(guidance / procs)
+        for name, value in figures.items():
+            if value is not None:
+                metrics[trl_name(name)].append(value)
         if not math.isfinite(gap_sum):
             raise RuntimeError("TraceGRPOTrainer: non-finite train-rollout log-prob gap")

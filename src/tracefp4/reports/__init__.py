@@ -1,7 +1,7 @@
 """Reports and benchmarks over the engines; the package CLI imports these, never the other way round.
+What they measure with (arms run through the store, the log-prob gap, code-mismatch totals, the
+store's byte accounting) is :mod:`tracefp4.pipeline.measure`.
 
-* :mod:`~tracefp4.reports.measure`: the measurements the mismatch report and the sweep share (log-prob
-  gap, code-mismatch totals, the store round trip and its byte accounting);
 * :mod:`~tracefp4.reports.mismatch`: ``tracefp4 mismatch``, trainer vs rollout per arm;
 * :mod:`~tracefp4.reports.sweep`: ``tracefp4 mismatch --sweep``, guidance bytes vs agreement per mode;
 * :mod:`~tracefp4.reports.commands`: the ``mismatch`` command, joining the two;

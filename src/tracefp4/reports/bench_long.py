@@ -96,10 +96,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from tracefp4.engines.factory import EngineKind
 from tracefp4.engines.model import TinyMoESpec, from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.guidance.compact import GuidedMode
+from tracefp4.pipeline.factory import EngineKind
 from tracefp4.provenance import environment
 from tracefp4.reports.decode_timing import (
     median_rate,
@@ -113,7 +113,7 @@ from tracefp4.reports.long_server import (
     LongServer,
     start_servers,
 )
-from tracefp4.rl.arms import ROLLOUT_MODES
+from tracefp4.pipeline.arms import ROLLOUT_MODES
 
 __all__ = ["LONG_MOE", "LONG_TARGETS", "LongConfig", "bench_long", "format_long", "long_targets", "profile_cell",
            "shrunk_budget"]

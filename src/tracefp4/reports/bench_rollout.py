@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tracefp4.engines.factory import EngineKind
+from tracefp4.pipeline.factory import EngineKind
 from tracefp4.engines.model import TinyMoESpec, from_config
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutEngine, SamplingParams
@@ -66,7 +66,7 @@ from tracefp4.guidance.compact import GuidedMode
 from tracefp4.provenance import environment
 from tracefp4.reports.bench_pipe import ServerProcess, answer_channel
 from tracefp4.reports.bench_long import LONG_MOE, LongConfig, bench_long, format_long
-from tracefp4.rl.arms import ROLLOUT_MODES
+from tracefp4.pipeline.arms import ROLLOUT_MODES
 
 __all__ = ["BANDWIDTH_MOE", "MID_MOE", "PRESETS", "Preset", "bench_rollout", "format_rollout",
            "add_rollout_command", "preset_spec", "TARGETS"]

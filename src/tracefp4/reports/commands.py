@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tracefp4.engines.factory import EngineKind, make_engine
 from tracefp4.engines.protocol import SamplingParams
+from tracefp4.pipeline.factory import EngineKind, make_engine
 from tracefp4.reports import mismatch, sweep
 
 __all__ = ["add_mismatch_parser", "run_mismatch"]
@@ -100,10 +100,8 @@ def run_mismatch(args: argparse.Namespace) -> int:
         max_len = args.prompt_len + args.new_tokens + 2
         try:
             if args.kv_store == "packed":
-                from tracefp4.engines.vllm.engine import EnginePerPlan
-
                 # packed K/V serves its plan's K/V format only: one engine per plan (BF16 arm, then the FP4 arms)
-                engine = EnginePerPlan(model, args.checkpoint, max_len=max_len)
+                engine = make_engine(EngineKind.VLLM_PER_PLAN, model, checkpoint=args.checkpoint, max_len=max_len)
             else:
                 engine = make_engine(kind, model, checkpoint=args.checkpoint, max_len=max_len, keep_bf16=True)
         except ValueError as e:

@@ -22,7 +22,7 @@ from tracefp4.reports.decode_timing import (
     random_prompts,
     run_lengths,
 )
-from tracefp4.rl.arms import ROLLOUT_MODES
+from tracefp4.pipeline.arms import ROLLOUT_MODES
 
 __all__ = ["CAPACITY_PROMPT", "VLLM_MODES", "CapacityRun", "LongServer", "serve", "start_servers", "vllm_decode"]
 

@@ -10,13 +10,13 @@ the metrics of ``docs/contracts.md`` section 5:
 * **Router flip rate without replay**: the share of (token, MoE layer) pairs whose top-k expert set
   differs between the rollout and a trainer that follows its own router.
 * **Log-prob gap** per arm (rollout / trainer): bf16/bf16, fp4/qat, fp4+lsb/trace, fp4+full/trace:
-  mean and max |delta logp| and k3 KL over completion tokens (:func:`tracefp4.rl.grpo.mismatch_metrics`).
+  mean and max |delta logp| and k3 KL over completion tokens (:func:`tracefp4.pipeline.metrics.logprob_gap`).
 * **Guidance bytes per generated token**, full information on all layers vs the compact default (lsb
   on the deeper half), through the record store's own accounting (:func:`tracefp4.guidance.store.bytes_per_token`).
 
 ``tracefp4 mismatch --plan fp8`` measures the same for W8A8 FP8 rollouts (E4M3 codes at every site,
 :meth:`~tracefp4.engines.plan.PrecisionPlan.fp8`); its lsb arm guides every layer (see
-:data:`REPORT_PLANS`), and the code tables count E4M3 codes (one apart: adjacent E4M3 codewords).
+:func:`report_guidance`), and the code tables count E4M3 codes (one apart: adjacent E4M3 codewords).
 
 ``tracefp4 mismatch --sweep [--modes M1,M2] [--json PATH] [--plot PATH]`` measures instead every
 guidance mode of :mod:`tracefp4.guidance.compact` against bytes per token (:mod:`tracefp4.reports.sweep`;
@@ -66,16 +66,18 @@ from typing import Any
 
 import torch
 
-from tracefp4.engines.factory import EngineKind
 from tracefp4.engines.model import TinyMoESpec, from_config, load_model, model_layers, moe_layers, tiny_config
+from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
 from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, TrainerSpec, code_mismatch, forward_logprobs
 from tracefp4.files import atomic_write_json
+from tracefp4.formats.constants import HintMode
 from tracefp4.guidance.compact import GuidedMode
-from tracefp4.guidance.names import Site, layer_tag, record_prefix, routing_key
 from tracefp4.guidance.hints import lsb_of_codes, record_format
-from tracefp4.metrics import one_apart_share
-from tracefp4.reports.measure import (
+from tracefp4.guidance.names import Site, layer_tag, record_prefix, routing_key
+from tracefp4.pipeline.factory import EngineKind
+from tracefp4.pipeline.metrics import Name, one_apart_share
+from tracefp4.pipeline.measure import (
     ArmRun,
     aggregate,
     config_signature,
@@ -85,7 +87,8 @@ from tracefp4.reports.measure import (
     store_bytes,
     store_root,
 )
-from tracefp4.rl.arms import MISMATCH_ARMS, REPORT_PLANS, Arm, canonical_arm, make_arm
+from tracefp4.pipeline import arms as arm_table
+from tracefp4.pipeline.arms import RUN_PLAN, Arm, make_arm, rollout_guidance
 
 __all__ = [
     "DEFAULTS",
@@ -233,24 +236,50 @@ class _Stored:
 # --- the report, step by step ---------------------------------------------------------------------
 
 
+#: The plans the report measures under (``--plan``; names of :meth:`PrecisionPlan.named`).
+REPORT_PLANS = ("nvfp4", "fp8")
+
+
+def report_guidance(plan_name: str) -> str:
+    """The lsb guidance the report's trace arm records under ``plan_name``: that of the arm table's
+    plain lsb-guided TRACE arm of the plan (``trace`` under the run's NVFP4 plan: the deeper half;
+    ``trace-fp8``: every layer, since E4M3's step is small beside the drift unguided FP8 layers pass on)."""
+    want = RUN_PLAN if plan_name == "nvfp4" else plan_name
+    for name, spec in arm_table.ARMS.items():
+        mode = rollout_guidance(spec)
+        if (spec.plan == want and "<n>" not in name and spec.loss is arm_table.PolicyLoss.GRPO and mode is not None
+                and GuidedMode.parse(mode).mode is HintMode.LSB):
+            return mode
+    raise ValueError(f"plan {plan_name!r}: the arm table has no lsb-guided arm for it")
+
+
 def arm_descriptions(plan_name: str = "nvfp4") -> dict[str, tuple[str, str]]:
-    """:data:`MISMATCH_ARMS` for a plan of :data:`REPORT_PLANS`: arm -> (rollout description, trainer mode)."""
-    if plan_name == "nvfp4":
-        return dict(MISMATCH_ARMS)
-    lsb = GuidedMode.parse(REPORT_PLANS[plan_name][1])
-    where = "all layers" if lsb.layers == "all" else "deeper half"
-    return {"bf16": MISMATCH_ARMS["bf16"], "qat": (plan_name, "qat"),
-            "trace_lsb": (f"{plan_name} + lsb hints, {where}", "trace"),
-            "trace_full": (f"{plan_name} + full hints, all layers", "trace")}
+    """The report's arms under a plan of :data:`REPORT_PLANS`: key -> (rollout description, trainer mode)."""
+    label = "fp4" if plan_name == "nvfp4" else plan_name
+    out = {}
+    for key, name in arm_table.report_arms("mismatch").items():
+        spec = arm_table.ARMS[name]
+        mode = rollout_guidance(spec)
+        if mode == arm_table.DEFAULT_GUIDANCE:
+            mode = report_guidance(plan_name)
+        if spec.plan is None:
+            rollout = "bf16"
+        elif mode is None:
+            rollout = label
+        else:
+            g = GuidedMode.parse(mode)
+            rollout = f"{label} + {g.mode.value} hints, {'all layers' if g.layers == 'all' else 'deeper half'}"
+        out[key] = (rollout, spec.trainer.value)
+    return out
 
 
 def report_arms(plan_name: str, n_layers: int) -> dict[str, Arm]:
-    """The report's arms (:data:`MISMATCH_ARMS`' keys, aliases of the arm table's ``bf16``, ``qat``,
-    ``trace`` and ``trace-full``) under a plan of :data:`REPORT_PLANS`, whose lsb mode the trace arm
-    records (lsb on the deeper half; all layers in FP8)."""
-    make_plan, lsb = REPORT_PLANS[plan_name]
-    plan = make_plan()
-    return {key: make_arm(canonical_arm(key), guidance=lsb, n_layers=n_layers, plan=plan) for key in MISMATCH_ARMS}
+    """The report's arms (the arm table's ``bf16``, ``qat``, ``trace`` and ``trace-full``, under the
+    report's keys) under a plan of :data:`REPORT_PLANS`, whose lsb mode the trace arm records
+    (:func:`report_guidance`)."""
+    plan, lsb = PrecisionPlan.named(plan_name), report_guidance(plan_name)
+    return {key: make_arm(name, guidance=lsb, n_layers=n_layers, plan=plan)
+            for key, name in arm_table.report_arms("mismatch").items()}
 
 
 def _fp4_rollouts_identical(rollouts: Mapping[str, RolloutOutput]) -> bool:
@@ -406,10 +435,11 @@ def mismatch_report(
     ``plan_name``: a key of :data:`REPORT_PLANS` (NVFP4 W4A4, or W8A8 FP8)."""
     if plan_name not in REPORT_PLANS:
         raise ValueError(f"plan {plan_name!r}: expected one of {sorted(REPORT_PLANS)}")
+    arms = arm_descriptions(plan_name)
     t_start = time.perf_counter()
     phase = _Phases(progress)
     n_layers, _ = model_layers(model)
-    compact_layers = GuidedMode.parse(REPORT_PLANS[plan_name][1]).layer_indices(n_layers)
+    compact_layers = GuidedMode.parse(report_guidance(plan_name)).layer_indices(n_layers)
     signature = config_signature("mismatch", model.config)
     with store_root(store_dir, "tracefp4-mismatch-") as root:
         runs = run_arms(model, prompts, sampling, report_arms(plan_name, n_layers), root, signature, engine=engine,
@@ -420,8 +450,7 @@ def mismatch_report(
     fp4_identical = _fp4_rollouts_identical(rollouts)
     qat_codes = _qat_codes(model, rollouts["trace_full"], phase)
     with phase("router flips without replay (qat, bf16)"):
-        flips = {arm: _router_flips_without_replay(model, rollouts[arm], MISMATCH_ARMS[arm][1]) for arm in ("qat", "bf16")}
-    arms = arm_descriptions(plan_name)
+        flips = {arm: _router_flips_without_replay(model, rollouts[arm], arms[arm][1]) for arm in ("qat", "bf16")}
     stats = _code_stats(qat_codes, trainers, stored.full_records)
     agg = _aggregates(stats, compact_layers)
     roll_full = rollouts["trace_full"]
@@ -439,9 +468,9 @@ def mismatch_report(
         "mismatch_rate": {k: v["rate"] for k, v in agg.items()},
         "adjacent_share": {k: v["adjacent_share"] for k, v in agg.items()},
         "mismatch_counts": {k: {f: v[f] for f in ("mismatched", "one_apart", "total")} for k, v in agg.items()},
-        "router_flip_rate": flips["qat"]["rate"],
+        Name.ROUTER_FLIPS: flips["qat"]["rate"],
         "router_flip": _router_flip_section(flips, trainers),
-        "logprob_gap": {arm: gap(rollouts[arm], trainers[arm]) for arm in MISMATCH_ARMS},
+        "logprob_gap": {arm: gap(rollouts[arm], trainers[arm]) for arm in arms},
         "bytes_per_token": _bytes_section(stored),
         "per_site": _per_site_table(stats, stored, n_layers),
         "seconds": {**phase.seconds, "total": time.perf_counter() - t_start},
@@ -511,7 +540,7 @@ def _router_flip_lines(rep: dict[str, Any]) -> list[str]:
     per_layer = "  ".join(f"{k} {v:.1%}" for k, v in fl["qat"]["per_layer"].items())
     return [
         f"router flips without replay (token x MoE layer, top-k set differs): {_kind(rep).lower()}/qat "
-        f"{rep['router_flip_rate']:.2%} "
+        f"{rep[Name.ROUTER_FLIPS]:.2%} "
         f"({fl['qat']['flips']}/{fl['qat']['token_layers']}; {per_layer}),  bf16/bf16 {fl['bf16']['rate']:.2%}",
         "  under replay (trainer's router_flips, given replayed upstream layers): "
         + ",  ".join(f"{arm} {v['mean']:.2%}" for arm, v in fl["under_replay"].items() if v["mean"] is not None),
@@ -524,7 +553,7 @@ def _gap_lines(rep: dict[str, Any]) -> list[str]:
         "log-prob gap over completion tokens",
         f"{'arm':<12}{'rollout':<31}{'trainer':<9}{'mean|dlogp|':>13}{'max|dlogp|':>12}{'k3 KL':>12}",
     ]
-    for arm, (roll, train) in rep.get("arms", MISMATCH_ARMS).items():
+    for arm, (roll, train) in rep.get("arms", arm_descriptions()).items():
         g = rep["logprob_gap"][arm]
         lines.append(f"{arm:<12}{roll:<31}{train:<9}{g['mean_abs']:>13.5f}{g['max_abs']:>12.5f}{g['k3_kl']:>12.2e}")
     return lines
@@ -579,11 +608,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-dir", metavar="DIR", help="keep the guidance store here (default: a temp dir, removed)")
     p.add_argument("--json", metavar="PATH", help="also write the report (or the sweep) as JSON (atomically)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    p.add_argument("--plan", choices=tuple(REPORT_PLANS), default="nvfp4",
+    p.add_argument("--plan", choices=REPORT_PLANS, default="nvfp4",
                    help="the rollout's precision plan: NVFP4 W4A4 (default) or W8A8 FP8 (E4M3 codes; lsb on all layers)")
     p.add_argument("--device", default="cpu",
                    help="where our engine and the trainer run: cpu, or cuda (the Triton kernels; scripts/gpu_check.py)")
-    p.add_argument("--engine", choices=EngineKind.names(), default=EngineKind.HOME.value,
+    p.add_argument("--engine", choices=EngineKind.names(serving=True), default=EngineKind.HOME.value,
                    help="rollout engine: ours, or vLLM with the tracefp4 plugin (needs vLLM; head_dim >= 32 on CPU)")  # fmt: skip
     p.add_argument("--kv-store", choices=("packed", "values"), default="packed",
                    help="--engine vllm: the FP4 arms' KV cache holds packed FP4 rows (one engine per plan) or the "

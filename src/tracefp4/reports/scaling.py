@@ -61,16 +61,16 @@ from typing import Any
 
 import torch
 
-from tracefp4.engines.factory import EngineKind, make_engine
 from tracefp4.engines.model import from_config, load_model, model_layers, tiny_config
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
 from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, code_mismatch, forward_logprobs
 from tracefp4.files import atomic_write_json
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import parse_name
-from tracefp4.metrics import code_mismatch_rate, one_apart_share
-from tracefp4.reports.measure import aggregate, config_signature, run_arms, same_rollout, store_root
-from tracefp4.rl.arms import ARM_STYLE, SCALING_ARMS, Arm, canonical_arm, make_arm
+from tracefp4.pipeline.arms import SCALING_ARMS, Arm, arm_style, make_arm
+from tracefp4.pipeline.factory import EngineKind, make_engine
+from tracefp4.pipeline.measure import aggregate, config_signature, run_arms, same_rollout, store_root
+from tracefp4.pipeline.metrics import code_mismatch_rate, one_apart_share
 
 __all__ = [
     "CENTRE", "DEPTHS", "WIDTHS", "LENGTHS", "BUCKETS", "TARGETS", "Point", "grid",
@@ -455,7 +455,7 @@ def fit(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     over ``rows`` (one weights kind), ``g`` the log or, for a share, the logit ``log(q / (1 - q))``
     (a power law in the odds, which for small shares is the power law in the share itself), and its
     predictions at :data:`TARGETS` with 95% prediction intervals mapped back through ``g``'s inverse."""
-    from tracefp4.rl.experiment import t_quantile_975
+    from tracefp4.stats import t_quantile_975
 
     out: dict[str, Any] = {}
     for arm in SCALING_ARMS:
@@ -559,7 +559,7 @@ def plot_scaling(rep: Mapping[str, Any], path: str | Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {arm: ARM_STYLE[canonical_arm(arm)]["color"] for arm in SCALING_ARMS}
+    colors = {arm: arm_style(arm)["color"] for arm in SCALING_ARMS}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _plot_axes(rep, path, plt, colors)
@@ -658,7 +658,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--batch", type=int, default=16, help="prompts per point")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sft-steps", type=int, default=SFT["steps"], help="fine-tuning steps of a trained point's model")
-    p.add_argument("--engine", choices=EngineKind.names(), default=EngineKind.HOME.value, help="the rollout engine")
+    p.add_argument("--engine", choices=EngineKind.names(serving=True), default=EngineKind.HOME.value, help="the rollout engine")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=run_cli)
     return p

@@ -47,8 +47,8 @@ from tracefp4.guidance import compact
 from tracefp4.guidance.compact import STANDARD_MODES, GuidedMode, read_record
 from tracefp4.guidance.names import deeper_half
 from tracefp4.guidance.store import parse_name
-from tracefp4.metrics import metric
-from tracefp4.reports.measure import (
+from tracefp4.pipeline.metrics import Name, metric
+from tracefp4.pipeline.measure import (
     aggregate,
     config_signature,
     gap,
@@ -57,7 +57,7 @@ from tracefp4.reports.measure import (
     store_bytes,
     store_root,
 )
-from tracefp4.rl.arms import make_arm
+from tracefp4.pipeline.arms import make_arm
 
 __all__ = ["COMPACT", "run_sweep", "format_sweep", "plot_sweep", "add_arguments", "run_cli"]
 
@@ -105,11 +105,11 @@ def _agreement(stats: Mapping[str, SiteMismatch], keep: Callable[[int, str], boo
 
 
 #: The log-prob gap metrics a sweep row carries, in its keys' order.
-SWEEP_GAP_METRICS = ("train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max", "rollout_corr/k3_kl")
+SWEEP_GAP_METRICS = (Name.GAP_MEAN, Name.GAP_MAX, Name.K3_KL)
 
 
 def _gap_fields(g: dict[str, float]) -> dict[str, float]:
-    """The sweep's spellings of three of :func:`~tracefp4.reports.measure.gap`'s metrics."""
+    """The sweep's spellings of three of :func:`~tracefp4.pipeline.measure.gap`'s metrics."""
     return {metric(k).aliases["sweep"]: g[metric(k).aliases["reports"]] for k in SWEEP_GAP_METRICS}
 
 

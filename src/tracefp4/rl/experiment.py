@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import statistics
 import sys
 import time
@@ -62,10 +61,12 @@ from pathlib import Path
 from typing import Any
 
 from tracefp4.files import atomic_write_json
-from tracefp4.metrics import canonical
-from tracefp4.rl.arms import ARM_STYLE
+from tracefp4.pipeline.arms import arm_style
+from tracefp4.pipeline.metrics import Name, alias, canonical
 from tracefp4.rl.config import RLConfig, check_fields, option, read_table, reject
+from tracefp4.rl.evaluate import POST_HOC_PLANS, post_hoc_metric
 from tracefp4.rl.runlog import read_metrics, rows_of_kind
+from tracefp4.stats import format_ci, format_mean_ci, mean_ci95, paired_differences
 
 __all__ = [
     "ExperimentConfig",
@@ -74,38 +75,12 @@ __all__ = [
     "run_job",
     "summarise",
     "format_summary",
-    "t_quantile_975",
-    "mean_ci95",
     "collapse_step",
     "plot_experiment",
 ]
 
 # Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom; beyond 30 the normal's 1.96
 # is within 2%.
-_T975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
-
-
-def t_quantile_975(df: int) -> float:
-    """t_{0.975, df}: the half-width factor of a two-sided 95% interval."""
-    if df < 1:
-        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
-    return _T975[df - 1] if df <= len(_T975) else 1.96
-
-
-def mean_ci95(values: Sequence[float]) -> dict[str, Any]:
-    """``{"mean", "ci95": [lo, hi], "n"}``; one value gives a zero-width interval."""
-    vals = [float(v) for v in values]
-    if not vals:
-        raise ValueError("mean_ci95: no values")
-    mean = statistics.fmean(vals)
-    half = 0.0 if len(vals) < 2 else t_quantile_975(len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
-    return {"mean": mean, "ci95": [mean - half, mean + half], "n": len(vals)}
-
-
 def collapse_step(series: Sequence[tuple[int, float]]) -> tuple[int, int] | None:
     """``(step, evals_after)`` of the collapse of one seed's ``(step, accuracy)`` evaluations (in step
     order), or None: the first evaluation from which the accuracy stays below half of its running
@@ -291,10 +266,11 @@ def run_job(cfg: ExperimentConfig, spec: str) -> None:
 
 #: Evaluations of the policy under post-hoc FP4 inference (vanilla NVFP4, Four over Six), reported
 #: by the bf16 arm's evaluations.
-POST_HOC = ("eval_accuracy_fp4", "eval_accuracy_fp4_4over6")
-#: The summary's spellings of the registry's metrics (:mod:`tracefp4.metrics`, alias ``experiment``)
+POST_HOC = tuple(post_hoc_metric(name) for name in POST_HOC_PLANS)
+#: The summary's spellings of the registry's metrics (:mod:`tracefp4.pipeline.metrics`, alias ``experiment``)
 #: and the record names they summarise.
-GAP_MEAN, GAP_MAX, CODES, BYTES = "logprob_gap_mean", "logprob_gap_max", "code_mismatch", "guidance_bytes_per_token"
+GAP_MEAN, GAP_MAX, CODES, BYTES = (alias(name, "experiment") for name in (Name.GAP_MEAN, Name.GAP_MAX,
+                                                                            Name.CODE_MISMATCH, Name.GUIDANCE_BYTES))
 RECORD = {key: canonical(key) for key in (GAP_MEAN, GAP_MAX, CODES, BYTES)}
 
 
@@ -455,7 +431,7 @@ STEP_MEANS = ("entropy", "grad_norm", "is_weight_mean", "is_truncated_frac", "is
 
 #: The mismatch whose growth :func:`_dynamics` measures: its mean over the last ``SLOPE_WINDOW`` steps
 #: over its mean over the first ``SLOPE_WINDOW`` (> 1: the mismatch grew during training).
-GROWTH = ("rollout_corr/k3_kl", RECORD[GAP_MAX])
+GROWTH = (Name.K3_KL, RECORD[GAP_MAX])
 SLOPE_WINDOW = 50
 
 
@@ -501,9 +477,9 @@ def _paired_differences(arms: dict[str, dict[str, Any]], reference: str, metric:
     for arm, entry in arms.items():
         if arm == reference or len(entry[f"final_{metric}_per_seed"]) != len(entry["seeds"]):
             continue
-        diffs = [a - ref_val[s] for s, a in zip(entry["seeds"], entry[f"final_{metric}_per_seed"]) if s in ref_val]
-        if diffs:
-            entry[f"final_{metric}_minus_{reference}"] = mean_ci95(diffs)
+        paired = paired_differences(dict(zip(entry["seeds"], entry[f"final_{metric}_per_seed"])), ref_val)
+        if paired is not None:
+            entry[f"final_{metric}_minus_{reference}"] = paired
 
 
 def _paired_curve(per_seed: Sequence[Sequence[Mapping]], ref_seed: Sequence[Sequence[Mapping]],
@@ -542,7 +518,7 @@ def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4))
         for arm, c in drawn.items():
             entry = summary["arms"][arm]
-            style = ARM_STYLE.get(arm, {})
+            style = arm_style(arm) or {}
             ax.plot(c["step"], c["mean"], label=f"{arm} (n={len(entry['seeds'])})", linewidth=1.6, **style)
             # a t-interval of a positive quantity can reach below 0: on the log axis it is drawn from mean/10
             lo = [max(lo, m / 10) for lo, m in zip(c["lo"], c["mean"])] if logy else c["lo"]
@@ -562,7 +538,7 @@ def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:
 
 
 def _paired(d: Mapping[str, Any] | None) -> str:
-    return f"{d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]" if d else "-"
+    return format_mean_ci(d, "+.3f")
 
 
 def _collapsed(c: Mapping[str, Any] | None) -> str:
@@ -587,7 +563,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
 
     for arm, e in summary["arms"].items():
         acc = e[f"final_{metric}"]
-        ci = f"[{acc['ci95'][0]:.3f}, {acc['ci95'][1]:.3f}]" if acc else "-"
+        ci = format_ci(acc)
         lines.append(
             f"{arm:<14}{len(e['seeds']):>6}{num(acc and acc['mean'], '.3f'):>13}{ci:>18}"
             f"{num(e[GAP_MEAN], '.5f'):>13}{num(e[GAP_MAX], '.3f'):>12}"
@@ -597,7 +573,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         for key, label in (("final_eval_accuracy_fp4", "post-hoc NVFP4"), ("final_eval_accuracy_fp4_4over6", "post-hoc 4/6")):
             post = e.get(key)
             if post:
-                ci = f"[{post['ci95'][0]:.3f}, {post['ci95'][1]:.3f}]"
+                ci = format_ci(post)
                 lines.append(f"{'  ' + label:<14}{len(e['seeds']):>6}{post['mean']:>13.3f}{ci:>18}   (the {arm} policy, FP4 inference)")
     if "is_mode" in summary:  # summaries written since the importance correction became a knob
         lines += _dynamics_table(summary, metric)

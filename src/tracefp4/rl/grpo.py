@@ -1,5 +1,7 @@
 """GRPO's arithmetic as pure functions: advantages, the clipped surrogate with truncated importance
-weights against the rollout, loss aggregation, and the train–rollout mismatch metrics (verl's names).
+weights against the rollout, and loss aggregation. (The train–rollout mismatch metrics are
+:func:`tracefp4.pipeline.metrics.logprob_gap`; the arm's loss choice is
+:class:`tracefp4.pipeline.arms.PolicyLoss`.)
 
 Conventions: per-token tensors are ``[B, T]`` over completion tokens, with ``mask`` 1 where a token
 was generated (0 for padding after the stop token).
@@ -102,26 +104,6 @@ def importance_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask:
     return w, stats
 
 
-class PolicyLoss(str, enum.Enum):
-    """The policy-gradient loss an arm's trainer minimises, per generated token t of trajectory b
-    (advantage ``A_b``; ``w_t`` the detached importance weight of :class:`ISMode`, by default
-    ``min(pi_old / pi_rollout, cap)``)."""
-
-    GRPO = "grpo"
-    """``-w_t * min(r_t A_b, clip(r_t, 1 - clip_low, 1 + clip_high) A_b)`` with ``r_t = pi / pi_old`` and
-    ``cap = is_cap`` (:func:`grpo_loss`)."""
-
-    SCORE_CENTERING = "score-centering"
-    """Score Centering (arXiv 2609.20807): REINFORCE with the sampler-expected score subtracted,
-    ``-w_t * A_b * (log p(y_t) - c_t)`` with ``c_t = sum_{v in K_t} q_v log p_v + (1 - Q_t) log(1 - P_t)``
-    over the sampler's top-k tokens ``K_t`` (``q`` the sampler's probabilities, ``Q_t``/``P_t`` the
-    sampler's and the trainer's mass on ``K_t``, the tail outside ``K_t`` modelled as ``p`` rescaled to
-    the sampler's tail mass), no ratio clip, ``cap = sc_is_cap`` (default 2)
-    (:func:`tracefp4.rl.score_centering.score_centering_loss`). The gradient of ``c_t`` is
-    ``E_q[grad log p]`` (exactly so when ``q`` is ``p`` on the tail), the drift term of a mismatched
-    sampler, which the centering removes; only ``Cov_q(A, grad log p)`` is left."""
-
-
 def pad_right(values: Sequence[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence 1-d tensors as float32 ``[B, width]``, zero-padded on the right, and the bool mask
     of real entries."""
@@ -191,29 +173,3 @@ def grpo_loss(
     with torch.no_grad():
         stats = {"clip_frac": float(((unclipped != clipped) & m).float().sum() / m.sum().clamp_min(1)), **is_stats}
     return loss, stats
-
-
-def mismatch_metrics(logp_rollout: torch.Tensor, logp_train: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """Train–rollout mismatch over generated tokens (names as verl logs them).
-
-    ``rollout_corr/kl`` = mean(logp_rollout - logp_train); ``rollout_corr/k3_kl`` = mean(r - log r - 1)
-    with r = pi_train/pi_rollout; ``rollout_corr/log_ppl_diff`` = mean over sequences of
-    (log-perplexity under the rollout - under the trainer); plus max and mean |delta logp|.
-    """
-    m = mask.bool()
-    if not m.any():
-        raise ValueError("mismatch_metrics: the mask selects no tokens")
-    lr, lt = logp_rollout.detach().double(), logp_train.detach().double()
-    d = (lr - lt)[m]
-    log_r = (lt - lr)[m]
-    k3 = torch.exp(log_r) - log_r - 1
-    n = mask.sum(1).clamp_min(1).double()
-    ppl_r = -(lr * mask).sum(1) / n
-    ppl_t = -(lt * mask).sum(1) / n
-    return {
-        "rollout_corr/kl": float(d.mean()),
-        "rollout_corr/k3_kl": float(k3.mean()),
-        "rollout_corr/log_ppl_diff": float((ppl_r - ppl_t)[mask.sum(1) > 0].mean()),
-        "train_rollout_logprob_abs_diff": float(d.abs().mean()),
-        "train_rollout_logprob_abs_diff_max": float(d.abs().max()),
-    }

@@ -12,7 +12,7 @@ on resume each arm restarts from its last good checkpoint, the metrics log is cu
 every store step after it is discarded, so a run killed at any moment resumes to the same weights
 and one metrics row per step. Every step is a function of the weights and the step number alone
 (prompts, sampling seeds and minibatch order are seeded by step), which is what makes that true. The arms (same seeds, same prompts,
-same sampling seeds) and what each records are in :mod:`tracefp4.rl.arms`; every field of the run
+same sampling seeds) and what each records are in :mod:`tracefp4.pipeline.arms`; every field of the run
 config in :mod:`tracefp4.rl.config`.
 
 With ``trainer_world_size = N > 1`` the update runs on N FSDP2 processes (:mod:`tracefp4.rl.distributed`,
@@ -28,8 +28,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import hashlib
-import json
 import random
 import sys
 import time
@@ -40,14 +38,16 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from tracefp4.engines.factory import EngineKind
 from tracefp4.engines.model import from_config, load_model, model_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.faults import crash_point
 from tracefp4.guidance.store import discard_step
+from tracefp4.pipeline import steps
+from tracefp4.pipeline.arms import Arm, make_arm
+from tracefp4.pipeline.factory import EngineKind
+from tracefp4.pipeline.metrics import Name
 from tracefp4.provenance import environment, weights_digest
-from tracefp4.rl import engine, runfolder, runlog
-from tracefp4.rl.arms import Arm, make_arm
+from tracefp4.rl import runfolder, runlog
 from tracefp4.rl.checkpoint import Checkpoint, latest_checkpoint, save_checkpoint
 from tracefp4.rl.collect import ArmSetup, collect
 from tracefp4.rl.config import ModelSpec, RLConfig
@@ -58,14 +58,8 @@ from tracefp4.rl.tasks import Task, Tokenizer, make_task
 from tracefp4.rl.update import update
 from tracefp4.rl.warm_start import warm_start
 
-__all__ = ["ArmRunner", "ModelSpec", "RLConfig", "WARM_START_JOB", "model_signature", "open_run_folder", "run", "run_job",
+__all__ = ["ArmRunner", "ModelSpec", "RLConfig", "WARM_START_JOB", "open_run_folder", "run", "run_job",
            "warm_start_dir"]
-
-
-def model_signature(model: PreTrainedModel, plan: PrecisionPlan) -> str:
-    """What the store checks that writer and reader agree on: the model config and precision plan."""
-    cfg = json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str)
-    return hashlib.sha256(f"{cfg}|{plan}".encode()).hexdigest()[:16]
 
 
 class ArmRunner:
@@ -81,7 +75,7 @@ class ArmRunner:
                        quads_fraction=cfg.quads_fraction)
         self.plan = arm.plan or PrecisionPlan()  # the arm's own (a format variant's preset, or the run's)
         self.setup = ArmSetup(name, arm, model, task, tok, cfg, run_dir / "store" / name,
-                              model_signature(model, self.plan), pool, serving)
+                              steps.model_signature(model, self.plan), pool, serving)
         self.version = 0  # policy version: optimizer steps taken so far, in whole GRPO steps
         self.step = 0
         self.log = runlog.MetricsLog(run_dir, name, resume_step=resume_step)
@@ -133,7 +127,7 @@ class ArmRunner:
 
     def evaluate(self) -> dict[str, float]:
         s = self.setup
-        engine.sync(s.serving, s.model, (s.name, self.version))
+        steps.sync(s.serving, s.model, (s.name, self.version))
         return evaluate(s.serving, s.arm, s.task, s.tok, s.cfg)
 
     # The runner's whole state, saved and restored here only (model, optimizer, step, policy version).
@@ -249,7 +243,7 @@ def _arm_services(cfg: RLConfig, base: PreTrainedModel, task: Task, tok: Tokeniz
     services = _ArmServices()
     try:
         if cfg.engine_kind is not EngineKind.HOME:  # one engine for the run, given each arm's weights in turn
-            services.serving = engine.serving_engine(cfg.engine_kind, base, max_len=_max_len(cfg, task, tok))
+            services.serving = steps.serving_engine(cfg.engine_kind, base, max_len=_max_len(cfg, task, tok))
         if cfg.rollout_workers > 0:  # the rollouts on engine actors (evaluation stays on this process's engine)
             from tracefp4.rl.workers import RolloutPool
 
@@ -320,7 +314,7 @@ def run_arm(name: str, base: PreTrainedModel, task: Task, tok: Tokenizer, cfg: R
                 runner.log.log(rec)
                 bar.update(1)
                 bar.set_postfix(reward=f"{rec['reward_mean']:.2f}",
-                                dlogp=f"{rec['train_rollout_logprob_abs_diff']:.4f}")
+                                dlogp=f"{rec[Name.GAP_MEAN]:.4f}")
                 if runner.step % cfg.eval_every == 0 or runner.step == cfg.steps:
                     runner.log.log({"kind": "eval", "step": runner.step, **runner.evaluate()})
                     runner.save(ckpt)

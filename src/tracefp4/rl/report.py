@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tracefp4.metrics import label
+from tracefp4.pipeline.metrics import Name, label
 from tracefp4.rl import runlog
 
 #: (metric, column title) of the summary table: means over the last 5 steps of each arm.
 SUMMARY_KEYS = [
     ("reward_mean", "reward"),
-    *((name, label(name)) for name in ("train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max",
-                                       "rollout_corr/k3_kl", "code_mismatch_rate", "guidance_bytes_per_token")),
+    *((name, label(name)) for name in (Name.GAP_MEAN, Name.GAP_MAX, Name.K3_KL, Name.CODE_MISMATCH, Name.GUIDANCE_BYTES)),
     ("time/rollout_s", "rollout s"),
     ("time/train_s", "train s"),
 ]
@@ -23,9 +22,9 @@ def write_report(run_dir: Path) -> str:
     metrics = runlog.read_metrics(run_dir)
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)
-    runlog.plot_metric(metrics, "train_rollout_logprob_abs_diff_max", plots / "logprob_gap_max.png",
+    runlog.plot_metric(metrics, Name.GAP_MAX, plots / "logprob_gap_max.png",
                        title="max |Δlogp| (trainer vs rollout) per step", ylabel="max |Δlogp|", logy=True)
-    runlog.plot_metric(metrics, "train_rollout_logprob_abs_diff", plots / "logprob_gap_mean.png",
+    runlog.plot_metric(metrics, Name.GAP_MEAN, plots / "logprob_gap_mean.png",
                        title="mean |Δlogp| (trainer vs rollout) per step", ylabel="mean |Δlogp|", logy=True)
     runlog.plot_metric(metrics, "reward_mean", plots / "reward.png", title="training reward", ylabel="mean reward")
     runlog.plot_metric(metrics, "eval_accuracy", plots / "eval_accuracy.png", title="held-out greedy accuracy",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from tracefp4.files import atomic_write_bytes
-from tracefp4.rl.arms import ARM_STYLE
+from tracefp4.pipeline.arms import CHART_ORDER, arm_style
 
 
 class MetricsLog:
@@ -145,8 +145,8 @@ def _rolling_mean(ys: list[float], window: int) -> list[float]:
 
 
 def _arm_order(metrics: dict[str, list[dict]]) -> list[str]:
-    known = [a for a in ARM_STYLE if a in metrics]
-    return known + sorted(a for a in metrics if a not in ARM_STYLE)
+    known = [a for a in CHART_ORDER if a in metrics]
+    return known + sorted(a for a in metrics if a not in CHART_ORDER)
 
 
 def plot_metric(metrics: dict[str, list[dict]], key: str, path: Path, *, title: str, ylabel: str,
@@ -163,7 +163,7 @@ def plot_metric(metrics: dict[str, list[dict]], key: str, path: Path, *, title: 
         xs, ys = _series(metrics[arm], key, kind)
         if not xs:
             continue
-        style = ARM_STYLE.get(arm, {})
+        style = arm_style(arm) or {}
         if kind == "eval" or smooth <= 1:
             ax.plot(xs, ys, label=arm, marker="o", markersize=3, **style)
         else:

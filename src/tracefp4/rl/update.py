@@ -1,7 +1,7 @@
 """The policy update: the arm's loss over a collected batch, in minibatches, written once.
 
 One pass over a fixed permutation of the batch, ``updates_per_step`` minibatches, one optimizer step
-each. The loss of a minibatch (:func:`minibatch_loss`) is the arm's :class:`~tracefp4.rl.grpo.PolicyLoss`
+each. The loss of a minibatch (:func:`minibatch_loss`) is the arm's :class:`~tracefp4.pipeline.arms.PolicyLoss`
 (GRPO, or Score Centering in :mod:`tracefp4.rl.score_centering`) with the importance weight of
 ``is_mode`` against the rollout (:func:`~tracefp4.rl.grpo.importance_weights`). The same function runs
 in one process (:func:`update`) and on each FSDP rank (:func:`tracefp4.rl.distributed.sharded_update`):
@@ -19,11 +19,11 @@ import torch
 from transformers import PreTrainedModel
 
 from tracefp4.engines.trainer import TrainerOutput
-from tracefp4.rl import engine
-from tracefp4.rl.arms import Arm
+from tracefp4.pipeline import steps
+from tracefp4.pipeline.arms import Arm, PolicyLoss
 from tracefp4.rl.collect import Batch
 from tracefp4.rl.config import RLConfig
-from tracefp4.rl.grpo import SEQUENCE_STATS, LossAgg, PolicyLoss, grpo_loss, pad_right
+from tracefp4.rl.grpo import SEQUENCE_STATS, LossAgg, grpo_loss, pad_right
 from tracefp4.rl.optim import MasterWeightAdamW
 from tracefp4.rl.score_centering import score_centering_loss, trainer_scores
 from tracefp4.seeds import Stream, derive
@@ -136,12 +136,5 @@ def _share(loss: torch.Tensor, st: dict[str, float], mask: torch.Tensor, agg: Lo
     return loss * scale, stats
 
 
-def minibatch_logprobs(model: PreTrainedModel, arm: Arm, cfg: RLConfig, batch: Batch, idx: list[int]
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The current policy's log-probs (with gradient) of trajectories ``idx``, padded to the batch's
-    width, and their mask."""
-    return pad_right(_trainer(model, arm, cfg, select(batch, idx)).logprobs, batch.width)
-
-
 def _trainer(model: PreTrainedModel, arm: Arm, cfg: RLConfig, mb: Minibatch) -> TrainerOutput:
-    return engine.trainer_logprobs(model, mb.token_ids, mb.prompt_lens, mb.records, arm, temperature=cfg.temperature)
+    return steps.trainer_logprobs(model, mb.token_ids, mb.prompt_lens, mb.records, arm, temperature=cfg.temperature)

@@ -27,11 +27,11 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from transformers import AutoConfig, PreTrainedModel
 
-from tracefp4.engines.factory import EngineKind
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, StoreTarget
 from tracefp4.guidance.compact import GuidedMode
-from tracefp4.rl import engine
+from tracefp4.pipeline import steps
+from tracefp4.pipeline.factory import EngineKind
 from tracefp4.seeds import Stream, derive
 
 
@@ -92,7 +92,7 @@ class _Worker:
         cfg = json.loads(config_json)
         config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
         self.model = from_config(config, dtype=torch.bfloat16)
-        self.serving = engine.serving_engine(EngineKind.parse(engine_name), self.model, max_len=max_len)
+        self.serving = steps.serving_engine(EngineKind.parse(engine_name), self.model, max_len=max_len)
         self.version = -1
 
     def load_weights(self, blob: bytes, version: int) -> int:

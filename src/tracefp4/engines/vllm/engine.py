@@ -424,20 +424,39 @@ class PlainVLLMEngine(VLLMEngine):
         raise NotImplementedError("PlainVLLMEngine is a benchmark baseline: build it from a checkpoint")
 
 
-def engine_for(model, checkpoint: str | os.PathLike[str] | None, *, max_len: int, **kwargs) -> VLLMEngine:
-    """A :class:`VLLMEngine` over ``model``'s weights: its checkpoint folder, or (a model built in
-    memory) the model written to a temporary folder that lives as long as the engine."""
+def engine_for(model, checkpoint: str | os.PathLike[str] | None, *, max_len: int, engine: type[VLLMEngine] = VLLMEngine,
+               **kwargs) -> VLLMEngine:
+    """An ``engine`` (:class:`VLLMEngine` or :class:`PlainVLLMEngine`) over ``model``'s weights: its
+    checkpoint folder, or (a model built in memory) the model written to a temporary folder that lives as
+    long as the engine. Without ``model``, over the ``checkpoint`` folder as it is (``max_len`` 0: the
+    ``max_model_len`` of ``kwargs``, or the engine's default)."""
+    if model is None:
+        if checkpoint is None:
+            raise ValueError("a vLLM engine needs a model or a checkpoint folder")
+        if max_len:
+            kwargs["max_model_len"] = _max_model_len(max_len)
+        return engine(checkpoint, **kwargs)
     checkpoint, tmp, max_model_len = _engine_checkpoint(model, checkpoint, max_len)
-    engine = VLLMEngine(checkpoint, max_model_len=max_model_len, **kwargs)
-    engine._tmp = tmp
-    return engine
+    built = engine(checkpoint, max_model_len=max_model_len, **kwargs)
+    built._tmp = tmp
+    return built
+
+
+def _max_model_len(max_len: int) -> int:
+    # vLLM's CPU KV cache is paged in blocks of 16 tokens
+    return max(64, -(-max_len // 16) * 16)
 
 
 def _engine_checkpoint(model, checkpoint, max_len: int):
     """``(folder, temporary folder or None, max_model_len)`` for an engine over ``model``'s weights
-    (refusing a head dim vLLM's CPU attention lacks before vLLM starts)."""
+    (refusing a head dim vLLM's CPU attention lacks before vLLM starts); without ``model``, the
+    ``checkpoint`` folder as it is."""
     import tempfile
 
+    if model is None:
+        if checkpoint is None:
+            raise ValueError("a vLLM engine needs a model or a checkpoint folder")
+        return checkpoint, None, _max_model_len(max_len)
     engine_env()  # before the import below, the first of vLLM in a command's process: it configures vLLM's logging
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
     from vllm.platforms import current_platform
@@ -455,7 +474,7 @@ def _engine_checkpoint(model, checkpoint, max_len: int):
         tmp = tempfile.TemporaryDirectory(prefix="tracefp4-vllm-")
         model.save_pretrained(tmp.name)
         checkpoint = tmp.name
-    return checkpoint, tmp, max(64, -(-max_len // 16) * 16)
+    return checkpoint, tmp, _max_model_len(max_len)
 
 
 class EnginePerPlan(_ClosedOnExit):

@@ -55,7 +55,7 @@ The paper's two closest baselines, and FP8 rollouts:
   BF16-activation trainer has no activation codes to compare); the log-prob gap is reported as for
   every arm (its paper's metric is the per-step max |Δlogp|, ``train_rollout_logprob_abs_diff_max``).
 * ``score-centering``: FP4 rollout as ``qat`` (vanilla QAT trainer), the loss Score Centering
-  (``loss``: :attr:`~tracefp4.rl.grpo.PolicyLoss.SCORE_CENTERING`) on the sampler's top-k log-probs.
+  (``loss``: :attr:`PolicyLoss.SCORE_CENTERING`) on the sampler's top-k log-probs.
 * ``trace-sc``: TRACE (the run's guidance mode) with the Score Centering loss: the two act on
   different causes of the gap (the trainer's codes vs the sampler's drift term).
 * ``qat-fp8``: W8A8 FP8 rollout (``PrecisionPlan.fp8()``: E4M3 weights with a scale per output
@@ -65,73 +65,145 @@ The paper's two closest baselines, and FP8 rollouts:
   guiding the deeper half alone leaves 4-7% of its codes apart (``tracefp4 mismatch --plan fp8``).
 
 Routing replay is on in every arm: the routing of every MoE layer always reaches the store.
+
+Each row also carries what the outputs show of it (its label, one line of description, its plot style)
+and its role (the paper's arm, a baseline, an ablation); a report's arms are a query over the rows
+(:func:`report_arms`: the rows that name a key for that report), not a table of their own. Plans are
+named by :meth:`~tracefp4.engines.plan.PrecisionPlan.named`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from tracefp4.engines.plan import PrecisionPlan, check_supported
+from tracefp4.engines.trainer import TrainerMode
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import deeper_half
-from tracefp4.rl.grpo import PolicyLoss
 
-TrainerMode = Literal["bf16", "qat", "trace"]
 LayerSet = Literal["deeper", "guided", "all"]
-PlanName = Literal["run", "4over6", "mxfp4", "w4a8", "fp8", "quads", "w4a16"]
 
 #: In :data:`ARMS`, the guidance mode the run config names (``RLConfig.guidance``).
 CONFIGURED = "<configured>"
+#: The guidance mode :data:`CONFIGURED` stands for where no run names one (the reports, the benchmarks).
+DEFAULT_GUIDANCE = "lsb"
+#: In :data:`ARMS`, the run's precision plan (NVFP4 W4A4 unless a caller gives another).
+RUN_PLAN = "run"
 
-#: The fixed precision plans an arm may name instead of the run's (``"run"``); ``quads`` takes the
-#: run's compensation fraction (``RLConfig.quads_fraction``).
-PLANS = {"4over6": PrecisionPlan.four_over_six, "mxfp4": PrecisionPlan.mxfp4, "w4a8": PrecisionPlan.w4a8,
-         "fp8": PrecisionPlan.fp8, "quads": PrecisionPlan.quads, "w4a16": PrecisionPlan.w4a16}
+
+class PolicyLoss(str, enum.Enum):
+    """The policy-gradient loss an arm's trainer minimises, per generated token t of trajectory b
+    (advantage ``A_b``; ``w_t`` the detached importance weight of :class:`~tracefp4.rl.grpo.ISMode`, by default
+    ``min(pi_old / pi_rollout, cap)``)."""
+
+    GRPO = "grpo"
+    """``-w_t * min(r_t A_b, clip(r_t, 1 - clip_low, 1 + clip_high) A_b)`` with ``r_t = pi / pi_old`` and
+    ``cap = is_cap`` (:func:`tracefp4.rl.grpo.grpo_loss`)."""
+
+    SCORE_CENTERING = "score-centering"
+    """Score Centering (arXiv 2609.20807): REINFORCE with the sampler-expected score subtracted,
+    ``-w_t * A_b * (log p(y_t) - c_t)`` with ``c_t = sum_{v in K_t} q_v log p_v + (1 - Q_t) log(1 - P_t)``
+    over the sampler's top-k tokens ``K_t`` (``q`` the sampler's probabilities, ``Q_t``/``P_t`` the
+    sampler's and the trainer's mass on ``K_t``, the tail outside ``K_t`` modelled as ``p`` rescaled to
+    the sampler's tail mass), no ratio clip, ``cap = sc_is_cap`` (default 2)
+    (:func:`tracefp4.rl.score_centering.score_centering_loss`). The gradient of ``c_t`` is
+    ``E_q[grad log p]`` (exactly so when ``q`` is ``p`` on the tail), the drift term of a mismatched
+    sampler, which the centering removes; only ``Cov_q(A, grad log p)`` is left."""
+
+
+class Role(enum.Flag):
+    """What an arm is in the comparison (one flag per row; the docs and charts group by it)."""
+
+    PAPER = enum.auto()  # the paper's arms: solid lines
+    BASELINE = enum.auto()  # what others do instead: dotted or dash-dot lines
+    ABLATION = enum.auto()  # TRACE variants: dashed lines
+
+
+#: The reports whose arms are rows of the table (:func:`report_arms`): the mismatch report, the scaling
+#: report and the rollout benchmarks' modes.
+Report = Literal["mismatch", "scaling", "rollout"]
 
 
 @dataclasses.dataclass(frozen=True)
 class ArmSpec:
     """One row of the arm table, before a run's guidance mode and model depth are known."""
 
-    plan: PlanName | None  # the rollout's precision plan: the run's, a fixed preset, or None (BF16)
+    plan: str | None  # the rollout's plan: RUN_PLAN, a PrecisionPlan.named name, or None (BF16)
     guidance: str | None  # a GuidedMode name, CONFIGURED, or None (routing only); "<n>" from the arm name
     diagnostics: LayerSet | None  # layers whose full codes the rollout keeps, or None
     trainer: TrainerMode
-    trainer_plan: PlanName | None = None  # the trainer's plan where it differs from the rollout's (QUADS)
-    loss: PolicyLoss = PolicyLoss.GRPO  # the policy-gradient loss (tracefp4.rl.grpo.PolicyLoss)
+    role: Role
+    label: str  # the arm in a table column or a legend
+    description: str  # one line: what the rollout and the trainer do
+    style: tuple[str, str]  # plot (color, linestyle)
+    trainer_plan: str | None = None  # the trainer's plan where it differs from the rollout's (QUADS)
+    loss: PolicyLoss = PolicyLoss.GRPO
+    # report -> the key that report writes this arm under (the reports' JSON keys predate the arm names)
+    reports: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # a family's members that have a plot style of their own: the number in the name -> (color, linestyle)
+    member_styles: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "trainer", TrainerMode(self.trainer))
+
+
+def _row(plan, guidance, diagnostics, trainer, role, label, description, style, **more) -> ArmSpec:
+    return ArmSpec(plan, guidance, diagnostics, TrainerMode(trainer), role, label, description, style, **more)
+
+
+_P, _B, _A = Role.PAPER, Role.BASELINE, Role.ABLATION
 
 #: The arm table. A name with ``<n>`` is a family (``trace-L<n>``: ``trace-L1``, ``trace-L2``, ...);
-#: the number of the arm's name replaces ``<n>`` in its guidance.
+#: the number of the arm's name replaces ``<n>`` in its guidance. Its order is the order of every
+#: summary and chart.
 ARMS: dict[str, ArmSpec] = {
-    "bf16": ArmSpec(plan=None, guidance=None, diagnostics=None, trainer="bf16"),
-    "qat": ArmSpec(plan="run", guidance=None, diagnostics="deeper", trainer="qat"),
-    "trace": ArmSpec(plan="run", guidance=CONFIGURED, diagnostics="guided", trainer="trace"),
-    "trace-full": ArmSpec(plan="run", guidance="full", diagnostics="all", trainer="trace"),
+    "bf16": _row(None, None, None, "bf16", _P, "bf16", "BF16 rollout, BF16 trainer", ("black", "-"),
+                 reports={"mismatch": "bf16", "scaling": "bf16", "rollout": "bf16"}),
+    "qat": _row(RUN_PLAN, None, "deeper", "qat", _P, "qat", "FP4 rollout, round-to-nearest QAT trainer",
+                ("tab:red", "-"), reports={"mismatch": "qat", "scaling": "qat", "rollout": "fp4"}),
+    "trace": _row(RUN_PLAN, CONFIGURED, "guided", "trace", _P, "trace",
+                  "FP4 rollout recording the run's guidance, guided trainer", ("tab:blue", "-"),
+                  reports={"mismatch": "trace_lsb", "scaling": "trace", "rollout": "trace_lsb"}),
+    # full@all: the layers are named, as the scaling report's metadata writes them ("full" is on all layers)
+    "trace-full": _row(RUN_PLAN, "full@all", "all", "trace", _P, "trace-full",
+                       "FP4 rollout recording full codes on all layers, guided trainer", ("tab:green", "--"),
+                       reports={"mismatch": "trace_full", "scaling": "full", "rollout": "trace_full"}),
     # baselines
-    "fp4-rollout": ArmSpec(plan="run", guidance=None, diagnostics=None, trainer="bf16"),
-    "qat-4over6": ArmSpec(plan="4over6", guidance=None, diagnostics="deeper", trainer="qat"),
-    "qat-mxfp4": ArmSpec(plan="mxfp4", guidance=None, diagnostics="deeper", trainer="qat"),
-    "qat-w4a8": ArmSpec(plan="w4a8", guidance=None, diagnostics="deeper", trainer="qat"),
+    "fp4-rollout": _row(RUN_PLAN, None, None, "bf16", _B, "fp4-rollout",
+                        "FP4 rollout, BF16 trainer (verl / FlashRL)", ("tab:gray", ":")),
+    "qat-4over6": _row("4over6", None, "deeper", "qat", _B, "qat-4over6", "qat with Four over Six block scales",
+                       ("tab:orange", "-.")),
+    "qat-mxfp4": _row("mxfp4", None, "deeper", "qat", _B, "qat-mxfp4", "qat in MXFP4", ("tab:brown", "-.")),
+    "qat-w4a8": _row("w4a8", None, "deeper", "qat", _B, "qat-w4a8", "qat in W4A8", ("tab:pink", "-.")),
     # ablations
-    "trace-L<n>": ArmSpec(plan="run", guidance="lsb@last<n>", diagnostics="guided", trainer="trace"),
-    "trace-ldpc": ArmSpec(plan="run", guidance="ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all", diagnostics="guided",
-                          trainer="trace"),
-    "trace-4over6": ArmSpec(plan="4over6", guidance="lsb", diagnostics="guided", trainer="trace"),
-    "trace-mxfp4": ArmSpec(plan="mxfp4", guidance="lsb", diagnostics="guided", trainer="trace"),
-    "trace-w4a8": ArmSpec(plan="w4a8", guidance="lsb", diagnostics="guided", trainer="trace"),
+    "trace-4over6": _row("4over6", "lsb", "guided", "trace", _A, "trace-4over6",
+                         "lsb guidance under Four over Six scales", ("tab:orange", "--")),
+    "trace-mxfp4": _row("mxfp4", "lsb", "guided", "trace", _A, "trace-mxfp4", "lsb guidance in MXFP4",
+                        ("tab:brown", "--")),
+    "trace-w4a8": _row("w4a8", "lsb", "guided", "trace", _A, "trace-w4a8", "lsb guidance in W4A8", ("tab:pink", "--")),
+    "trace-ldpc": _row(RUN_PLAN, "ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all", "guided", "trace", _A, "trace-ldpc",
+                       "the compact LDPC record on all layers", ("tab:purple", "--"), reports={"scaling": "ldpc@all"}),
+    # the scaling report's lsb@all is the member whose n is the model's depth
+    "trace-L<n>": _row(RUN_PLAN, "lsb@last<n>", "guided", "trace", _A, "trace-L<n>", "lsb guidance on the last n layers",
+                       ("tab:cyan", "--"), reports={"scaling": "lsb@all"},
+                       member_styles={"1": ("tab:cyan", "--"), "2": ("tab:olive", "--"), "all": ("tab:cyan", "--")}),
     # the paper's two closest baselines, and FP8 rollouts
-    "quads": ArmSpec(plan="quads", guidance=None, diagnostics=None, trainer="qat", trainer_plan="w4a16"),
-    "score-centering": ArmSpec(plan="run", guidance=None, diagnostics="deeper", trainer="qat",
-                               loss=PolicyLoss.SCORE_CENTERING),
-    "trace-sc": ArmSpec(plan="run", guidance=CONFIGURED, diagnostics="guided", trainer="trace",
-                        loss=PolicyLoss.SCORE_CENTERING),
+    "quads": _row("quads", None, None, "qat", _B, "quads",
+                  "QUADS: W4A4 rollout with residual compensation, W4A16 QAT trainer", ("goldenrod", ":"),
+                  trainer_plan="w4a16"),
+    "score-centering": _row(RUN_PLAN, None, "deeper", "qat", _B, "score-centering",
+                            "FP4 rollout, QAT trainer with the Score Centering loss", ("darkviolet", ":"),
+                            loss=PolicyLoss.SCORE_CENTERING),
+    "trace-sc": _row(RUN_PLAN, CONFIGURED, "guided", "trace", _A, "trace-sc", "trace with the Score Centering loss",
+                     ("darkviolet", "--"), loss=PolicyLoss.SCORE_CENTERING),
     # qat-fp8 keeps full codes on every layer: trace-fp8 guides them all, and the two compare there
-    "qat-fp8": ArmSpec(plan="fp8", guidance=None, diagnostics="all", trainer="qat"),
-    "trace-fp8": ArmSpec(plan="fp8", guidance="lsb@all", diagnostics="guided", trainer="trace"),
+    "qat-fp8": _row("fp8", None, "all", "qat", _B, "qat-fp8", "W8A8 FP8 rollout, FP8 QAT trainer", ("teal", "-.")),
+    "trace-fp8": _row("fp8", "lsb@all", "guided", "trace", _A, "trace-fp8", "lsb guidance on the E4M3 grid, all layers",
+                      ("teal", "--")),
 }
 
 
@@ -163,6 +235,9 @@ class Arm:
     trainer_plan: PrecisionPlan | None = None  # None: the rollout's plan
     loss: PolicyLoss = PolicyLoss.GRPO
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "trainer", TrainerMode(self.trainer))
+
     @property
     def trainer_precision(self) -> PrecisionPlan | None:
         """The plan the trainer's forward runs (the rollout's unless the arm names another)."""
@@ -175,7 +250,7 @@ class Arm:
             "plan": None if self.plan is None else self.plan.to_dict(),
             "guidance": None if self.guidance is None else self.guidance.name,
             "diagnostics": sorted(self.diagnostics),
-            "trainer": self.trainer,
+            "trainer": self.trainer.value,
             "trainer_plan": None if self.trainer_plan is None else self.trainer_plan.to_dict(),
             "loss": self.loss.value,
         }
@@ -187,18 +262,16 @@ class Arm:
             plan=None if d["plan"] is None else PrecisionPlan(**d["plan"]),
             guidance=None if d["guidance"] is None else GuidedMode.parse(d["guidance"]),
             diagnostics=frozenset(d["diagnostics"]),
-            trainer=d["trainer"],
+            trainer=TrainerMode(d["trainer"]),
             trainer_plan=None if d.get("trainer_plan") is None else PrecisionPlan(**d["trainer_plan"]),
             loss=PolicyLoss(d.get("loss", PolicyLoss.GRPO.value)),
         )
 
 
-def _preset(name: PlanName, run: PrecisionPlan | None, quads_fraction: float) -> PrecisionPlan:
-    if name == "run":
+def _plan(name: str, run: PrecisionPlan | None, quads_fraction: float) -> PrecisionPlan:
+    if name == RUN_PLAN:
         return run if run is not None else PrecisionPlan()
-    if name == "quads":
-        return PrecisionPlan.quads(quads_fraction)
-    return PLANS[name]()
+    return PrecisionPlan.named(name, quads_fraction=quads_fraction)
 
 
 def diagnostics_layers(which: LayerSet | Literal["none"] | None, n_layers: int, guided: frozenset[int]
@@ -219,7 +292,7 @@ def arm_rollout(name: str, *, guidance: str, plan: PrecisionPlan | None = None, 
     if mode_name is not None and n is not None:
         mode_name = mode_name.replace("<n>", str(n))
     mode = None if mode_name is None else GuidedMode.parse(mode_name)
-    arm_plan = None if spec.plan is None else _preset(spec.plan, plan, quads_fraction)
+    arm_plan = None if spec.plan is None else _plan(spec.plan, plan, quads_fraction)
     try:
         check_supported(arm_plan, mode)
     except ValueError as e:
@@ -241,17 +314,23 @@ def make_arm(name: str, *, guidance: str, n_layers: int, plan: PrecisionPlan | N
     except ValueError as e:
         raise ValueError(f"arm {name!r} on a {n_layers}-layer model: {e}") from None
     diagnostics = diagnostics_layers(spec.diagnostics, n_layers, guided)
-    trainer_plan = None if spec.trainer_plan is None else _preset(spec.trainer_plan, plan, quads_fraction)
+    trainer_plan = None if spec.trainer_plan is None else _plan(spec.trainer_plan, plan, quads_fraction)
     return Arm(name, arm_plan, mode, diagnostics, spec.trainer, trainer_plan, spec.loss)
 
 
-# --- the spellings and views other modules use of these arms -------------------------------------
+# --- the views the reports, the charts and the integrations take of the table ----------------------
 
-#: User-facing spellings of an arm of :data:`ARMS` that must keep working: the reports' JSON keys
-#: (``trace_lsb``, ``trace_full``) and the scaling report's ``full`` and ``ldpc@all``. The canonical name is the key of
-#: :data:`ARMS`; :func:`canonical_arm` maps an alias onto it.
-ARM_ALIASES: dict[str, str] = {"trace_lsb": "trace", "trace_full": "trace-full", "full": "trace-full",
-                               "ldpc@all": "trace-ldpc"}
+
+def report_arms(report: Report) -> dict[str, str]:
+    """The arms ``report`` writes: its key -> the arm's name, in table order (a family's key names the
+    member the report runs, e.g. the scaling report's ``lsb@all``)."""
+    return {spec.reports[report]: name for name, spec in ARMS.items() if report in spec.reports}
+
+
+#: Spellings of an arm that the reports' JSON keys use (``trace_lsb``, ``trace_full``, ``full``,
+#: ``ldpc@all``), onto its name in :data:`ARMS`; :func:`canonical_arm` maps one onto the name.
+ARM_ALIASES: dict[str, str] = {key: name for report in ("mismatch", "scaling") for key, name in
+                               report_arms(report).items() if key != name and "<n>" not in name}
 
 
 def canonical_arm(name: str) -> str:
@@ -259,26 +338,84 @@ def canonical_arm(name: str) -> str:
     return ARM_ALIASES.get(name, name)
 
 
-#: The trace_plan names of the TRL integration: ``nvfp4`` (the run's default plan) and :data:`PLANS`.
-PLAN_NAMES = ("nvfp4", *PLANS)
-#: The FP4 trainer modes (vanilla QAT and guided).
-FP4_TRAINER_MODES: tuple[TrainerMode, ...] = ("qat", "trace")
+def rollout_guidance(spec: ArmSpec, n: str | None = None) -> str | None:
+    """The guidance mode name a row's rollout records where no run configures one (:data:`CONFIGURED`:
+    :data:`DEFAULT_GUIDANCE`), with a family's ``<n>`` replaced by ``n`` (``all``: every layer)."""
+    if spec.guidance is None:
+        return None
+    mode = DEFAULT_GUIDANCE if spec.guidance == CONFIGURED else spec.guidance
+    if n == "all":
+        mode = mode.replace("last<n>", "all")
+    return mode if n is None else mode.replace("<n>", n)
+
+
+def _member(report: Report, key: str) -> tuple[ArmSpec, str | None]:
+    spec = ARMS[report_arms(report)[key]]
+    return spec, ("all" if "<n>" in report_arms(report)[key] else None)
+
+
+#: The scaling report's columns: least recorded first, the full-code reference every other arm's codes
+#: are compared with last.
+_SCALING_COLUMNS = ("bf16", "qat", "trace", "lsb@all", "ldpc@all", "full")
+#: The scaling report's arms: key -> the guidance mode of its FP4 rollout and trainer (None: vanilla
+#: QAT; ``bf16``: no FP4 at all).
+SCALING_ARMS: dict[str, str | None] = {
+    key: "bf16" if spec.plan is None else rollout_guidance(spec, n)
+    for key in sorted(report_arms("scaling"), key=_SCALING_COLUMNS.index) for spec, n in [_member("scaling", key)]
+}
+#: The rollout benchmarks' modes: mode -> (an FP4 plan?, the guidance mode name or None).
+ROLLOUT_MODES: dict[str, tuple[bool, str | None]] = {
+    key: (spec.plan is not None, rollout_guidance(spec)) for key, name in report_arms("rollout").items()
+    for spec in [ARMS[name]]
+}
+
+
+def arm_style(name: str) -> dict[str, str] | None:
+    """The plot style (``color``, ``linestyle``) of arm ``name`` (an arm, a family member with a style
+    of its own, or a report's key for one); None for a name the table does not style."""
+    name = canonical_arm(name)
+    if name in SCALING_ARMS and name not in ARMS:
+        spec, n = _member("scaling", name)
+    else:
+        try:
+            spec, number = arm_spec(name)
+        except ValueError:
+            return None
+        n = None if number is None else str(number)
+    style = spec.style if n is None else spec.member_styles.get(n)
+    return None if style is None else dict(color=style[0], linestyle=style[1])
+
+
+#: The arms every chart and summary lists first, in this order (the rest follow by name): the plain rows
+#: in table order, each styled family member after its family's place.
+CHART_ORDER: tuple[str, ...] = tuple(
+    member for name, spec in ARMS.items()
+    for member in ([name] if "<n>" not in name else
+                   [name.replace("<n>", n) if n != "all" else spec.reports["scaling"] for n in spec.member_styles])
+)
+
+
+# --- a single-arm integration (TRL) --------------------------------------------------------------
+
 #: The trainer modes a single-arm integration offers (TRL's ``trace_mode``): the FP4 ones and the BF16 reference.
-INTEGRATION_MODES: tuple[TrainerMode, ...] = ("bf16", *FP4_TRAINER_MODES)
+INTEGRATION_MODES: tuple[str, ...] = tuple(m.value for m in TrainerMode)
 #: The diagnostics layer sets an integration may name (TRL's ``trace_diagnostics``); ``none``: no codes kept.
 DIAGNOSTICS_CHOICES: tuple[str, ...] = ("all", "deeper", "guided", "none")
 
 
-def integration_rollout(plan_name: str, trainer: TrainerMode, guidance: str) -> tuple[PrecisionPlan, GuidedMode | None]:
+def integration_rollout(plan_name: str, trainer: str, guidance: str) -> tuple[PrecisionPlan, GuidedMode | None]:
     """The precision plan and the recorded guidance (``trace`` mode only; ``qat`` and ``bf16`` record
     routing alone) of a single-arm integration (TRL's ``trace_plan``, ``trace_mode`` and
     ``trace_guidance``); a ValueError naming the field for a bad value, and naming ``trace_plan``,
     ``trace_guidance`` and the knob where the plan cannot carry the guidance
     (:func:`~tracefp4.engines.plan.check_supported`)."""
-    plan = plan_by_name(plan_name)
+    try:
+        plan = PrecisionPlan.named(plan_name)
+    except ValueError as e:
+        raise ValueError(f"trace_plan = {plan_name!r}: {str(e).split(': ', 1)[1]}") from None
     if trainer not in INTEGRATION_MODES:
         raise ValueError(f"trace_mode = {trainer!r}: expected one of {', '.join(INTEGRATION_MODES)}")
-    mode = GuidedMode.parse(guidance) if trainer == "trace" else None
+    mode = GuidedMode.parse(guidance) if trainer == TrainerMode.TRACE else None
     try:
         check_supported(plan, mode, field="trace_guidance")
     except ValueError as e:
@@ -286,7 +423,7 @@ def integration_rollout(plan_name: str, trainer: TrainerMode, guidance: str) -> 
     return plan, mode
 
 
-def integration_arm(plan_name: str, trainer: TrainerMode, guidance: str, diagnostics: str, n_layers: int) -> Arm:
+def integration_arm(plan_name: str, trainer: str, guidance: str, diagnostics: str, n_layers: int) -> Arm:
     """The one arm of a single-arm integration (TRL's ``trace_plan``, ``trace_mode``, ``trace_guidance``
     and ``trace_diagnostics``): the plan and guidance of :func:`integration_rollout`, full codes kept at
     the :data:`DIAGNOSTICS_CHOICES` layers. Named ``<plan>-<trainer>``, e.g. ``nvfp4-trace``; ``bf16``
@@ -294,82 +431,8 @@ def integration_arm(plan_name: str, trainer: TrainerMode, guidance: str, diagnos
     plan, mode = integration_rollout(plan_name, trainer, guidance)
     if diagnostics not in DIAGNOSTICS_CHOICES:
         raise ValueError(f"trace_diagnostics = {diagnostics!r}: expected one of {', '.join(DIAGNOSTICS_CHOICES)}")
-    if trainer == "bf16":
+    if trainer == TrainerMode.BF16:
         return make_arm("bf16", guidance=guidance, n_layers=n_layers)
     guided = mode.layer_indices(n_layers) if mode is not None else frozenset()
-    return Arm(f"{plan_name}-{trainer}", plan, mode, diagnostics_layers(diagnostics, n_layers, guided), trainer)
-
-
-def plan_by_name(name: str) -> PrecisionPlan:
-    """The plan a :data:`PLAN_NAMES` name stands for (``nvfp4``: NVFP4 W4A4 and KV cache); a ValueError
-    naming TRL's ``trace_plan`` for any other name."""
-    if name == "nvfp4":
-        return PrecisionPlan()
-    if name not in PLANS:
-        raise ValueError(f"trace_plan = {name!r}: expected one of {', '.join(PLAN_NAMES)}")
-    return PLANS[name]()
-
-
-#: The mismatch report's arms (its JSON keys, aliases of :data:`ARMS`): arm -> (rollout description,
-#: trainer mode) under NVFP4.
-MISMATCH_ARMS: dict[str, tuple[str, TrainerMode]] = {
-    "bf16": ("bf16", "bf16"),
-    "qat": ("fp4", "qat"),
-    "trace_lsb": ("fp4 + lsb hints, deeper half", "trace"),
-    "trace_full": ("fp4 + full hints, all layers", "trace"),
-}
-#: The mismatch report's ``--plan``: the precision plan it measures and the guidance of its lsb arm. The
-#: FP8 lsb arm guides every layer: E4M3's step (1/8 to 1/16 relative) is small beside the drift that
-#: unguided FP8 layers pass on, so lsb hints on the deeper half alone leave several per cent of its
-#: codes apart.
-REPORT_PLANS: dict[str, tuple[Callable[[], PrecisionPlan], str]] = {
-    "nvfp4": (PrecisionPlan.w4a4, "lsb"),
-    "fp8": (PrecisionPlan.fp8, "lsb@all"),
-}
-#: The scaling report's arms: arm -> guidance mode of its FP4 rollout and trainer (None: vanilla QAT;
-#: "bf16": no FP4 at all). ``trace`` is the paper's compact cache (1 mantissa bit + scales on the deeper
-#: half), ``ldpc@all`` the trace-ldpc arm's record, ``full`` the trace-full arm.
-SCALING_ARMS: dict[str, str | None] = {
-    "bf16": "bf16",
-    "qat": None,
-    "trace": "lsb",
-    "lsb@all": "lsb@all",
-    "ldpc@all": ARMS["trace-ldpc"].guidance,
-    "full": "full@all",
-}
-#: The rollout benchmark's modes: mode -> (FP4 plan?, guidance mode name or None). ``fp4`` is the FP4
-#: rollout of ``qat``; ``trace_lsb`` and ``trace_full`` are :data:`ARM_ALIASES`.
-ROLLOUT_MODES: dict[str, tuple[bool, str | None]] = {
-    "bf16": (False, None),
-    "fp4": (True, None),
-    "trace_lsb": (True, "lsb"),
-    "trace_full": (True, "full"),
-}
-
-#: Plot style of each arm (the experiment's charts, the summary plots, the scaling figures): the
-#: paper's arms solid, baselines dotted or dash-dot, ablations dashed.
-ARM_STYLE: dict[str, dict[str, str]] = {
-    "bf16": dict(color="black", linestyle="-"),
-    "qat": dict(color="tab:red", linestyle="-"),
-    "trace": dict(color="tab:blue", linestyle="-"),
-    "trace-full": dict(color="tab:green", linestyle="--"),
-    # baselines (dotted, dash-dot) and ablations (dashed) of the arm table
-    "fp4-rollout": dict(color="tab:gray", linestyle=":"),
-    "qat-4over6": dict(color="tab:orange", linestyle="-."),
-    "qat-mxfp4": dict(color="tab:brown", linestyle="-."),
-    "qat-w4a8": dict(color="tab:pink", linestyle="-."),
-    "trace-4over6": dict(color="tab:orange", linestyle="--"),
-    "trace-mxfp4": dict(color="tab:brown", linestyle="--"),
-    "trace-w4a8": dict(color="tab:pink", linestyle="--"),
-    "trace-ldpc": dict(color="tab:purple", linestyle="--"),
-    "trace-L1": dict(color="tab:cyan", linestyle="--"),
-    "trace-L2": dict(color="tab:olive", linestyle="--"),
-    # the scaling report's lsb hints on every layer (trace-L<n> with n the model's depth)
-    "lsb@all": dict(color="tab:cyan", linestyle="--"),
-    # the paper's closest baselines and the FP8 arms
-    "quads": dict(color="goldenrod", linestyle=":"),
-    "score-centering": dict(color="darkviolet", linestyle=":"),
-    "trace-sc": dict(color="darkviolet", linestyle="--"),
-    "qat-fp8": dict(color="teal", linestyle="-."),
-    "trace-fp8": dict(color="teal", linestyle="--"),
-}
+    return Arm(f"{plan_name}-{trainer}", plan, mode, diagnostics_layers(diagnostics, n_layers, guided),
+               TrainerMode(trainer))

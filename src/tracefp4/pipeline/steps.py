@@ -1,33 +1,46 @@
-"""Every call the RL loop makes into ``tracefp4.engines``, in one place.
+"""The steps of the pipeline: a rollout through the store, the trainer's forward spec, and weight sync.
 
-The loop (collect, update, evaluate, the rollout workers) states what it wants in the terms of an
-:class:`Arm` (precision plan, guidance mode, diagnostics layers) and calls the functions here. The
-rollout of one store step (:func:`rollout_step`: discard, generate, seal, read back) is the one the
-TRL integration and the reports (:func:`tracefp4.reports.measure.run_arms`) use too.
+Every caller (the RL loop's collect, update, evaluate and rollout workers, the TRL integration, the
+reports through :func:`tracefp4.pipeline.measure.run_arms`) states what it wants in the terms of an
+:class:`~tracefp4.pipeline.arms.Arm` (precision plan, guidance mode, diagnostics layers), or of a plan
+and a guidance mode alone, and calls the functions here. The rollout of one store step
+(:func:`rollout_step`: discard, generate, seal, read back) is the store's whole life cycle in one call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
 import time
 from collections.abc import Mapping, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
-from tracefp4.engines.factory import EngineKind, make_engine
+from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutEngine, RolloutOutput, SamplingParams, StoreTarget
-from tracefp4.engines.trainer import TrainerOutput, TrainerSpec, code_mismatch, forward_logprobs
+from tracefp4.engines.trainer import TrainerMode, TrainerOutput, TrainerSpec, code_mismatch, forward_logprobs
 from tracefp4.faults import crash_point
+from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.store import StoreReader, discard_step, seal_step
-from tracefp4.metrics import code_mismatch_rate, mismatch_totals, one_apart_share
-from tracefp4.rl.arms import Arm
+from tracefp4.pipeline.arms import Arm
+from tracefp4.pipeline.factory import EngineKind, make_engine
+from tracefp4.pipeline.metrics import Name, code_mismatch_rate, mismatch_totals, one_apart_share
+from tracefp4.seeds import TrajectoryIds, trajectory_ids
 
 Records = list[dict[str, torch.Tensor]]
 
 
+def model_signature(model: PreTrainedModel, plan: PrecisionPlan | None) -> str:
+    """What the store checks that writer and reader agree on: the model config and precision plan."""
+    cfg = json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(f"{cfg}|{plan}".encode()).hexdigest()[:16]
+
+
 def serving_engine(kind: EngineKind, model: PreTrainedModel, *, max_len: int, **vllm_kwargs) -> RolloutEngine:
-    """The run's rollout engine (:func:`~tracefp4.engines.factory.make_engine`). A vLLM engine keeps its
+    """The run's rollout engine (:func:`~tracefp4.pipeline.factory.make_engine`). A vLLM engine keeps its
     BF16 expert weights beside the prepared FP4 ones unless told otherwise, since one engine serves
     every arm, BF16 ones included."""
     if kind is EngineKind.VLLM:
@@ -67,17 +80,46 @@ class StepRollout:
     timings: dict[str, float]  # time/rollout_s, time/store_write_s (sealing included), time/store_read_s
 
 
-def rollout_step(serving: RolloutEngine, prompts: Sequence[Sequence[int]], sampling: SamplingParams, arm: Arm,
-                 target: StoreTarget, *, read_back: bool = True) -> StepRollout:
+#: The writer, model signature and policy version of a store step that :func:`rollout_step` is given as
+#: a folder (one process writing one step of its own model).
+LOCAL_WRITER, LOCAL_SIGNATURE, LOCAL_POLICY_VERSION = "w0", "local", 0
+
+
+def step_arm(plan: PrecisionPlan | None, guidance: GuidedMode | str | None,
+             diagnostics: frozenset[int] = frozenset()) -> Arm:
+    """The arm of a rollout named by its plan and guidance alone (its trainer: guided where the rollout
+    records guidance, round to nearest under a plan, BF16 without one)."""
+    mode = GuidedMode.parse(guidance) if isinstance(guidance, str) else guidance
+    trainer = TrainerMode.TRACE if mode is not None else TrainerMode.QAT if plan is not None else TrainerMode.BF16
+    return Arm("custom", plan, mode, frozenset(diagnostics), trainer)
+
+
+def rollout_step(serving: RolloutEngine, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                 arm: Arm | None = None, target: StoreTarget | str | os.PathLike[str] | None = None, *,
+                 plan: PrecisionPlan | None = None, guidance: GuidedMode | str | None = None,
+                 diagnostics: frozenset[int] = frozenset(), read_back: bool = True) -> StepRollout:
     """The rollout of one store step: discard what an interrupted run may have left of the step,
     generate on the arm's serving path with the engine writing the records, seal the step, and read
     the records back (signature and policy version checked) unless ``read_back`` is off (a caller that
     reads rows lazily). ``serving`` may write under several writers (a pool of worker processes,
-    :meth:`~tracefp4.rl.workers.RolloutPool.writer_ids`); the step is sealed with all of them."""
+    :meth:`~tracefp4.rl.workers.RolloutPool.writer_ids`); the step is sealed with all of them.
+
+    The rollout is an ``arm``, or (no arm) the ``plan``, ``guidance`` and ``diagnostics`` layers
+    themselves (:func:`step_arm`). ``target`` is a store writer, or a store folder: step 0 of that
+    folder, written by one writer (:data:`LOCAL_WRITER`) for :data:`LOCAL_SIGNATURE`."""
+    if arm is None:
+        arm = step_arm(plan, guidance, diagnostics)
+    elif plan is not None or guidance is not None or diagnostics:
+        raise ValueError(f"rollout_step: arm {arm.name!r} names its plan, guidance and diagnostics; pass one or the other")
+    if target is None:
+        raise ValueError("rollout_step: the records need a store target (a StoreTarget or a store folder)")
+    if not isinstance(target, StoreTarget):
+        ids = trajectory_ids(TrajectoryIds.REPORT, len(prompts))
+        target = StoreTarget(os.fspath(target), 0, LOCAL_WRITER, ids, LOCAL_SIGNATURE, LOCAL_POLICY_VERSION)
     root, step = target.root, target.step
     discard_step(root, step)
     t0 = time.perf_counter()
-    roll, diagnostics = rollout(serving, prompts, sampling, arm, store=target)
+    roll, diagnostics_out = rollout(serving, prompts, sampling, arm, store=target)
     elapsed = time.perf_counter() - t0
     timings = {"time/store_write_s": roll.timings.get("store_write_s", 0.0)}
     timings["time/rollout_s"] = roll.timings.get("generate_s", elapsed - timings["time/store_write_s"])
@@ -92,7 +134,7 @@ def rollout_step(serving: RolloutEngine, prompts: Sequence[Sequence[int]], sampl
         with StoreReader(root, step, model_signature=target.model_signature, policy_version=target.policy_version) as r:
             records = r.batch(list(target.traj_ids), [t.numel() for t in roll.token_ids])
         timings["time/store_read_s"] = time.perf_counter() - t0
-    return StepRollout(roll, diagnostics, records, timings)
+    return StepRollout(roll, diagnostics_out, records, timings)
 
 
 def greedy(serving: RolloutEngine, prompts: Sequence[Sequence[int]], arm: Arm, *, max_new_tokens: int,
@@ -113,7 +155,7 @@ def trainer_logprobs(model: PreTrainedModel, token_ids: Sequence[torch.Tensor], 
 
 
 def trainer_spec(arm: Arm, *, temperature: float, capture: bool = False) -> TrainerSpec:
-    """The arm's trainer forward: its mode and plan (:attr:`~tracefp4.rl.arms.Arm.trainer_precision`:
+    """The arm's trainer forward: its mode and plan (:attr:`~tracefp4.pipeline.arms.Arm.trainer_precision`:
     QUADS' trainer runs W4A16 beside its W4A4 rollout), and (``capture``) its codes at the arm's
     diagnostics layers."""
     return TrainerSpec(arm.trainer, arm.trainer_precision, temperature,
@@ -125,8 +167,8 @@ def code_mismatch_metrics(out: TrainerOutput, diagnostics: Records) -> dict[str,
     rollout, and the share of those that are one codeword apart."""
     mism, one, total = mismatch_totals(code_mismatch(out.codes, diagnostics).values())
     return {  # the loop's records keep 0 and 1 for an empty denominator
-        "code_mismatch_rate": code_mismatch_rate(mism, total, empty=0.0),
-        "code_mismatch_one_apart_share": one_apart_share(one, mism, empty=1.0),
+        Name.CODE_MISMATCH: code_mismatch_rate(mism, total, empty=0.0),
+        Name.ONE_APART: one_apart_share(one, mism, empty=1.0),
     }
 
 

@@ -18,16 +18,31 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from tracefp4.engines.trainer import SiteMismatch
-from tracefp4.rl.grpo import mismatch_metrics
 
 __all__ = [
-    "Metric", "METRICS", "TRL_PREFIX", "canonical", "trl_name", "metric", "label", "share", "mismatch_totals",
+    "Metric", "METRICS", "Name", "TRL_PREFIX", "alias", "canonical", "trl_name", "metric", "label", "share", "mismatch_totals",
     "code_mismatch_rate", "one_apart_share", "logprob_gap", "router_flip_rate", "guidance_bytes_per_token",
     "reference_markdown",
 ]  # fmt: skip
 
 #: The prefix the TRL integration puts before its metric names in TRL's logs.
 TRL_PREFIX = "trace/"
+
+
+class Name:
+    """The registry's record names, for the code that writes or reads a metric: a name is spelled here
+    once (a literal one elsewhere fails ``tests/test_metrics.py``)."""
+
+    GAP_MEAN = "train_rollout_logprob_abs_diff"
+    GAP_MAX = "train_rollout_logprob_abs_diff_max"
+    KL = "rollout_corr/kl"
+    K3_KL = "rollout_corr/k3_kl"
+    LOG_PPL_DIFF = "rollout_corr/log_ppl_diff"
+    CODE_MISMATCH = "code_mismatch_rate"
+    ONE_APART = "code_mismatch_one_apart_share"
+    ROUTER_FLIPS = "router_flip_rate"
+    GUIDANCE_BYTES = "guidance_bytes_per_token"
+    DECODE_FAILURES = "guidance/decode_failures"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,38 +62,38 @@ def _m(name: str, label: str, measures: str, formula: str, **aliases: str) -> tu
 
 
 #: The registry, keyed by record name. Aliases: ``reports`` (the mismatch, scaling and sweep reports'
-#: JSON keys: :func:`tracefp4.reports.measure.gap`), ``sweep`` (the sweep's rows), ``experiment`` (the
+#: JSON keys: :func:`tracefp4.pipeline.measure.gap`), ``sweep`` (the sweep's rows), ``experiment`` (the
 #: multi-seed summary), ``trl`` (logged as ``trace/<alias>``), ``loop`` (the progress line).
 METRICS: dict[str, Metric] = dict([
-    _m("train_rollout_logprob_abs_diff", "mean |Δlogp|",
+    _m(Name.GAP_MEAN, "mean |Δlogp|",
        "mean log-prob gap between the trainer and the rollout over the completion tokens",
        "mean_t |d_t|", reports="mean_abs", sweep="logprob_gap_mean_abs", experiment="logprob_gap_mean",
        trl="logprob_gap_mean", loop="dlogp"),
-    _m("train_rollout_logprob_abs_diff_max", "max |Δlogp|",
+    _m(Name.GAP_MAX, "max |Δlogp|",
        "largest log-prob gap of one completion token (QUADS's metric)",
        "max_t |d_t|", reports="max_abs", sweep="logprob_gap_max_abs", experiment="logprob_gap_max",
        trl="logprob_gap_max"),
-    _m("rollout_corr/kl", "KL", "the rollout-vs-trainer KL estimate (as verl logs it)",
+    _m(Name.KL, "KL", "the rollout-vs-trainer KL estimate (as verl logs it)",
        "mean_t d_t", reports="kl"),
-    _m("rollout_corr/k3_kl", "k3 KL", "the k3 (non-negative, low-variance) KL estimate",
+    _m(Name.K3_KL, "k3 KL", "the k3 (non-negative, low-variance) KL estimate",
        "mean_t (r_t - log r_t - 1), r_t = exp(-d_t)", reports="k3_kl", sweep="k3_kl"),
-    _m("rollout_corr/log_ppl_diff", "log-ppl diff", "log-perplexity under the rollout minus under the trainer",
+    _m(Name.LOG_PPL_DIFF, "log-ppl diff", "log-perplexity under the rollout minus under the trainer",
        "mean over sequences of (mean_t -logp_rollout - mean_t -logp_train)", reports="log_ppl_diff"),
-    _m("code_mismatch_rate", "code mismatch",
+    _m(Name.CODE_MISMATCH, "code mismatch",
        "share of the trainer's quantized codes (diagnostics sites) that differ from the rollout's",
        "sum_sites mismatched / sum_sites codes (signed code line: +0 and -0 are one code)",
        reports="code_mismatch", experiment="code_mismatch", trl="code_mismatch"),
-    _m("code_mismatch_one_apart_share", "one apart",
+    _m(Name.ONE_APART, "one apart",
        "share of the mismatched codes exactly one codeword apart (what a 1-bit hint can correct)",
        "sum_sites one_apart / sum_sites mismatched", reports="adjacent_share", trl="code_mismatch_one_apart"),
-    _m("router_flip_rate", "router flips",
+    _m(Name.ROUTER_FLIPS, "router flips",
        "share of (token, MoE layer) pairs whose top-k expert set differs between the rollout and a trainer "
        "following its own router", "mean over MoE layers of flipped pairs / pairs", trl="router_flip_rate"),
-    _m("guidance_bytes_per_token", "guidance B/token",
+    _m(Name.GUIDANCE_BYTES, "guidance B/token",
        "bytes of guidance (routing excluded) that reached the store per generated token",
        "sum of guidance tensor bytes / generated tokens", experiment="guidance_bytes_per_token",
        trl="guidance_bytes_per_token"),
-    _m("guidance/decode_failures", "decode failures",
+    _m(Name.DECODE_FAILURES, "decode failures",
        "guidance blocks the trainer could not decode (rounded to nearest on the rollout's grid instead)",
        "count of failed blocks", reports="decode_failures", trl="decode_failures"),
 ])
@@ -99,7 +114,13 @@ def canonical(name: str) -> str:
 
 def trl_name(name: str) -> str:
     """The name the TRL integration logs metric ``name`` under: ``trace/`` + its TRL alias."""
-    return TRL_PREFIX + metric(name).aliases["trl"]
+    return TRL_PREFIX + alias(name, "trl")
+
+
+def alias(name: str, where: str) -> str:
+    """How output ``where`` (a key of :attr:`Metric.aliases`) spells metric ``name``; its record name
+    where that output has no spelling of its own."""
+    return metric(name).aliases.get(where, metric(name).name)
 
 
 def metric(name: str) -> Metric:
@@ -140,9 +161,30 @@ def one_apart_share(one_apart: int, mismatched: int, empty: float | None = None)
 
 
 def logprob_gap(logp_rollout: torch.Tensor, logp_train: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """The five log-prob gap metrics (``train_rollout_logprob_abs_diff[_max]``, ``rollout_corr/*``) over
-    the tokens of ``mask`` (:func:`tracefp4.rl.grpo.mismatch_metrics`, their one implementation)."""
-    return mismatch_metrics(logp_rollout, logp_train, mask)
+    """The five log-prob gap metrics over the generated tokens of ``mask`` (names as verl logs them).
+
+    ``rollout_corr/kl`` = mean(logp_rollout - logp_train); ``rollout_corr/k3_kl`` = mean(r - log r - 1)
+    with r = pi_train/pi_rollout; ``rollout_corr/log_ppl_diff`` = mean over sequences of
+    (log-perplexity under the rollout - under the trainer); ``train_rollout_logprob_abs_diff[_max]``:
+    mean and max |delta logp|. Computed in float64 so that a small gap is not lost to rounding.
+    """
+    m = mask.bool()
+    if not m.any():
+        raise ValueError("logprob_gap: the mask selects no tokens")
+    lr, lt = logp_rollout.detach().double(), logp_train.detach().double()
+    d = (lr - lt)[m]
+    log_r = (lt - lr)[m]
+    k3 = torch.exp(log_r) - log_r - 1
+    n = mask.sum(1).clamp_min(1).double()
+    ppl_r = -(lr * mask).sum(1) / n
+    ppl_t = -(lt * mask).sum(1) / n
+    return {
+        Name.KL: float(d.mean()),
+        Name.K3_KL: float(k3.mean()),
+        Name.LOG_PPL_DIFF: float((ppl_r - ppl_t)[mask.sum(1) > 0].mean()),
+        Name.GAP_MEAN: float(d.abs().mean()),
+        Name.GAP_MAX: float(d.abs().max()),
+    }
 
 
 def router_flip_rate(flips: Mapping[object, float]) -> float:
@@ -159,7 +201,7 @@ def reference_markdown() -> str:
     """The registry as a markdown reference page (one table: name, what it measures, formula, aliases)."""
     lines = [
         "# Metrics", "",
-        "Generated from `tracefp4.metrics.METRICS`. The name is the RL loop's record key "
+        "Generated from `tracefp4.pipeline.metrics.METRICS`. The name is the RL loop's record key "
         f"(`metrics/<arm>.jsonl`); the TRL integration logs its alias with the `{TRL_PREFIX}` prefix.", "",
         "| name | measures | formula | also called |", "|---|---|---|---|",
     ]  # fmt: skip

@@ -21,14 +21,14 @@ from typing import Any
 import torch
 
 from tracefp4.engines.protocol import RolloutEngine, RolloutOutput, SamplingParams
-from tracefp4.engines.rollout import HomeEngine
 from tracefp4.engines.sink import StoreTarget
 from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, forward_logprobs
 from tracefp4.guidance.names import layer_tag
 from tracefp4.guidance.store import StoreReader, bytes_per_token, parse_name
-from tracefp4.metrics import code_mismatch_rate, logprob_gap, metric, mismatch_totals, one_apart_share
-from tracefp4.rl.arms import Arm
-from tracefp4.rl.engine import rollout_step, trainer_spec
+from tracefp4.pipeline.arms import Arm
+from tracefp4.pipeline.factory import EngineKind, make_engine
+from tracefp4.pipeline.metrics import Name, code_mismatch_rate, logprob_gap, metric, mismatch_totals, one_apart_share
+from tracefp4.pipeline.steps import rollout_step, trainer_spec
 from tracefp4.seeds import TrajectoryIds, trajectory_ids
 
 __all__ = [
@@ -68,8 +68,7 @@ def store_root(store_dir: str | os.PathLike[str] | None, prefix: str) -> Iterato
 # --- log-prob gap and code mismatch --------------------------------------------------------------
 
 #: The log-prob gap metrics of :func:`gap`, in its keys' order (the reports' spellings of them).
-GAP_METRICS = ("train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max", "rollout_corr/k3_kl",
-               "rollout_corr/kl", "rollout_corr/log_ppl_diff")
+GAP_METRICS = (Name.GAP_MEAN, Name.GAP_MAX, Name.K3_KL, Name.KL, Name.LOG_PPL_DIFF)
 
 
 def _padded(seqs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,12 +127,12 @@ def run_arms(model, prompts: Sequence[Sequence[int]], sampling: SamplingParams, 
              signature: str, *, engine: RolloutEngine | None = None, first_step: int = 0, trainers: bool = True,
              phase: Callable[[str], contextlib.AbstractContextManager] | None = None) -> dict[str, ArmRun]:
     """Each arm of ``arms`` (report key -> arm, in order) over the same prompts and sampler seed: its
-    rollout through the store (:func:`~tracefp4.rl.engine.rollout_step`, one sealed step each from
+    rollout through the store (:func:`~tracefp4.pipeline.steps.rollout_step`, one sealed step each from
     ``first_step``, records read back with checksums verified) on ``engine`` (None: ours on ``model``),
     then (``trainers``) its trainer on what the store returned, in the arm's mode and plan at the
     sampler's temperature, capturing its codes at the arm's diagnostics layers. ``phase`` names and
     times each part (a context manager per name)."""
-    serving = engine if engine is not None else HomeEngine(model)
+    serving = engine if engine is not None else make_engine(EngineKind.HOME, model)
     phase = phase or (lambda name: contextlib.nullcontext())
     ids = tuple(trajectory_ids(TrajectoryIds.REPORT, len(prompts)))
     runs: dict[str, ArmRun] = {}
@@ -144,7 +143,7 @@ def run_arms(model, prompts: Sequence[Sequence[int]], sampling: SamplingParams, 
         roll = dataclasses.replace(out.rollout, records=out.records, diagnostics=out.diagnostics or [])
         runs[key] = ArmRun(arm, step, roll, None)
         if trainers:
-            with phase(f"trainer {key} ({arm.trainer})"), torch.no_grad():
+            with phase(f"trainer {key} ({arm.trainer.value})"), torch.no_grad():
                 # the engines report log-probs at temperature 1 for greedy sampling (SamplingParams)
                 temperature = sampling.temperature if sampling.temperature > 0 else 1.0
                 spec = trainer_spec(arm, temperature=temperature, capture=True)

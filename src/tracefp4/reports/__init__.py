@@ -1,4 +1,4 @@
-"""Reports and benchmarks over the engines; the package CLI imports these, never the other way round.
+"""Reports over the engines (the benchmarks are :mod:`tracefp4.bench`); the package CLI imports these, never the other way round.
 
 * :mod:`~tracefp4.reports.measure`: the measurements the mismatch report and the sweep share (log-prob
   gap, code-mismatch totals, the store round trip and its byte accounting);
@@ -6,7 +6,5 @@
 * :mod:`~tracefp4.reports.sweep`: ``tracefp4 mismatch --sweep``, guidance bytes vs agreement per mode;
 * :mod:`~tracefp4.reports.commands`: the ``mismatch`` command, joining the two;
 * :mod:`~tracefp4.reports.capacity`: ``tracefp4 plan``, guidance volume per RL step from a model config;
-* :mod:`~tracefp4.reports.bench`, :mod:`~tracefp4.reports.bench_system`, :mod:`~tracefp4.reports.timing`:
-  ``tracefp4 bench``;
 * :mod:`~tracefp4.reports.twopath`: ``tracefp4 twopath``, the model-free two-engine demonstration.
 """

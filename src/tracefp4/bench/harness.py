@@ -54,7 +54,8 @@ def interleave(calls: Mapping[str, Callable[[], float]], repeats: int, limits: M
                 continue
             samples[name].append(call())
             if say:
-                say(f"round {rnd + 1}/{repeats}: {name} {samples[name][-1]:.3g}s")
+                label = " ".join(name) if isinstance(name, tuple) else name  # (engine, mode) keys read as words
+                say(f"round {rnd + 1}/{repeats}: {label} {samples[name][-1]:.1f}s")
     return samples
 
 

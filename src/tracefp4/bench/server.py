@@ -37,6 +37,8 @@ from tracefp4.engines.factory import EngineKind
 __all__ = ["EngineServer", "serve", "start_servers"]
 
 MARK = "@tracefp4-bench "
+#: The kinds a server builds (vLLM's own BF16 and FP8-KV engines, our plugin's).
+VLLM_KINDS = (EngineKind.VLLM_BF16, EngineKind.VLLM_FP8KV, EngineKind.VLLM)
 
 
 class ServerProcess:
@@ -203,9 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     serve(kind, args[1])
     return 0
 
-
-#: The kinds a server builds (vLLM's own BF16 and FP8-KV engines, our plugin's).
-VLLM_KINDS = (EngineKind.VLLM_BF16, EngineKind.VLLM_FP8KV, EngineKind.VLLM)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -45,7 +45,8 @@ class Target:
         found = run.find(metric, fields.pop("engine", None), fields.pop("mode", None), **fields)
         keys = {tuple((k, r.engine if k == "engine" else r.mode if k == "mode" else r.shape.get(k)) for k in self.over)
                 for r in found}
-        return [dict(k) for k in sorted(keys, key=lambda k: [str(v).zfill(12) for _, v in k])
+        # in the order of their coordinates (contexts and batches as numbers, engines as names)
+        return [dict(k) for k in sorted(keys, key=lambda k: [(str(type(v)), v) for _, v in k])
                 if all(v is not None for _, v in k)]
 
     def judge(self, run: Run, cell: Mapping[str, Any]) -> Judgement | None:

@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -191,7 +190,9 @@ def _cuda_time(fn, repeats: int) -> float:
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(samples)
+    from tracefp4.bench.harness import median
+
+    return median(samples)
 
 
 def measure_bandwidth(tf, rows: int, cols: int, repeats: int) -> dict:
@@ -356,18 +357,11 @@ def check_graph(args) -> int:
 
 
 def _write_json(path: str, payload) -> None:
-    """``payload`` at ``path``, whole or not at all: written to a temporary name beside it, flushed to
-    disk (the machine may be taken away right after), then renamed over it."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(payload, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    """``payload`` at ``path``, whole or not at all (the machine may be taken away right after):
+    :func:`tracefp4.files.atomic_write_json`, keys in the report's order."""
+    from tracefp4.files import atomic_write_json
+
+    atomic_write_json(path, payload, sort_keys=False)
 
 
 def _say(line: str) -> None:
@@ -429,20 +423,27 @@ def step_commands(args, tmp: str) -> list[tuple[str, float, list[str], dict, str
             ("bench", 150, bench + ["--repeats", "2"], no_interp, f"{tmp}/bench.json")]
 
 
-def figures(step: str, data: dict | None) -> dict:
-    """What a step's JSON says, and whether it passes (``ok``)."""
+def figures(step: str, path: str) -> dict:
+    """What a step's JSON at ``path`` says, and whether it passes (``ok``)."""
+    if step == "bench":  # a results file of the rollout suite (tracefp4.bench.result)
+        from tracefp4.bench.result import ResultError, load
+
+        try:
+            (run,), _ = load(path)
+        except (ResultError, ValueError) as e:
+            return {"ok": False, "why": str(e)}
+        tps = {f"{r.mode}@b{r.shape['batch']}": r.value for r in run.find("rollout_tokens_per_s", "home")}
+        rate = lambda mode, b: run.value("rollout_tokens_per_s", "home", mode, batch=b)  # noqa: E731
+        ratios = {f"fp4/bf16@b{b}": rate("fp4", b) / rate("bf16", b) for b in run.config["batches"]}
+        ratios.update({f"trace_full/fp4@b{b}": rate("trace_full", b) / rate("fp4", b) for b in run.config["batches"]})
+        return {"ok": True, "tokens_per_s": tps, "ratios": ratios, "device": run.config.get("device")}
+    data = _read(path)
     if data is None:
         return {"ok": False, "why": "no JSON written"}
     if step == "mismatch":
         full = data["mismatch_counts"]["trace_full"]
         return {"ok": full["total"] > 0 and full["mismatched"] == 0, "trace_full": full,
                 "qat_rate": data["mismatch_rate"]["qat"], "fp4_rollouts_identical": data["fp4_rollouts_identical"]}
-    if step == "bench":
-        tps = {k.removeprefix("rollout_tokens_per_s.home."): v for k, v in data.items()
-               if k.startswith("rollout_tokens_per_s.home.") and "@b" in k}
-        ratios = {f"fp4/bf16@b{b}": tps[f"fp4@b{b}"] / tps[f"bf16@b{b}"] for b in data["batches"]}
-        ratios.update({f"trace_full/fp4@b{b}": tps[f"trace_full@b{b}"] / tps[f"fp4@b{b}"] for b in data["batches"]})
-        return {"ok": True, "tokens_per_s": tps, "ratios": ratios, "device": data.get("device")}
     return data
 
 
@@ -470,7 +471,7 @@ def run_steps(args) -> dict:
             res = _run(cmd, min(cap, left), env)
             res["ok"] = res["rc"] == 0
             if json_path:
-                fig = figures(step, _read(json_path))
+                fig = figures(step, json_path)
                 res.update({k: v for k, v in fig.items() if k != "ok"}, ok=res["ok"] and fig["ok"])
             report["steps"][step] = res
             _say(f"{step:<11}{'ok' if res['ok'] else 'FAILED'} ({res['seconds']:.0f}s)")

@@ -17,6 +17,9 @@ import sys
 
 import pytest
 
+from tracefp4.bench.result import load
+from tracefp4.bench.suites.attention import IMPLS
+
 pytestmark = pytest.mark.subprocess
 
 #: The Linux x86-64 system call and arch_prctl codes the kernel's permission mask is read with.
@@ -64,19 +67,20 @@ def test_init_cpu_ops_requests_the_amx_tile_state_and_says_so() -> None:
         assert not got["permitted"], got
 
 
-def _expected_keys(contexts: tuple[int, ...], bf16: str) -> set[str]:
-    keys = {"attention_shape", "attention_machine"}
+def _expected_records(contexts: tuple[int, ...], engine: str) -> set[tuple]:
+    """(metric, engine, mode, context) of every record the attention suite documents."""
+    out = set()
     for c in contexts:
-        keys |= {f"attention_s_per_step.fp4.{c}", f"attention_s_per_step.{bf16}.{c}",
-                 f"attention_ratio.fp4_over_bf16.{c}", f"attention_ratio.fp4_over_bf16.{c}_spread",
-                 f"attention_kv_bytes.fp4.{c}", f"attention_kv_bytes.{bf16}.{c}", f"attention_max_rel_diff.{c}"}
-    return keys
+        for metric in ("attention_s_per_step", "attention_kv_bytes"):
+            out |= {(metric, "tracefp4", "fp4", c), (metric, engine, "bf16", c)}
+        out |= {("attention_ratio", None, None, c), ("attention_max_rel_diff", None, None, c)}
+    return out
 
 
 def test_bench_attention_command_at_toy_size(tmp_path) -> None:
     """``tracefp4 bench attention`` end to end in its own process (where vLLM's AMX attention died of
     SIGILL on Sapphire Rapids): exit 0, the table on stdout, and the JSON with exactly the documented
-    keys. With vLLM installed the BF16 side must be vLLM's op (not the SDPA fallback), and the record
+    records. With vLLM installed the BF16 side must be vLLM's op (not the SDPA fallback), and the record
     says whether the process holds the AMX tile state."""
     from tracefp4.formats import ckv, clib
 
@@ -89,11 +93,14 @@ def test_bench_attention_command_at_toy_size(tmp_path) -> None:
            "--head-dim", "32", "--repeats", "1", "--json", str(path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"exit {out.returncode} (132/-4: SIGILL)\n{out.stderr[-3000:]}"
-    res = json.loads(path.read_text())
+    (run,), _ = load(path)
     has_vllm = importlib.util.find_spec("vllm") is not None
     bf16 = "vllm_bf16" if has_vllm else "sdpa_bf16"
-    assert set(res) == _expected_keys(contexts, bf16), sorted(set(res) ^ _expected_keys(contexts, bf16))
-    machine = res["attention_machine"]
+    got = {(r.metric, r.engine, r.mode, r.shape["context"]) for r in run.records}
+    expected = _expected_records(contexts, IMPLS[bf16][0])
+    assert got == expected and len(run.records) == len(expected), sorted(got ^ expected)
+    assert run.record("attention_ratio", context=contexts[0]).spread is not None
+    machine = run.machine
     assert machine["bf16_impl"] == bf16
     assert set(machine) == {"cpu_model", "cpu_capability", "torch_threads", "avx512_bf16", "amx", "vllm_amx_permitted",
                             "bf16_impl", "bf16_isa", "vllm"}
@@ -103,9 +110,10 @@ def test_bench_attention_command_at_toy_size(tmp_path) -> None:
         assert machine["bf16_isa"] != "amx" or machine["vllm_amx_permitted"], machine
     else:
         assert machine["vllm_amx_permitted"] is None and machine["bf16_isa"] == "sdpa"
-    assert res["attention_shape"] == {"batch": 2, "heads": 4, "kv_heads": 2, "head_dim": 32, "fmt": "nvfp4",
+    assert {k: v for k, v in run.config.items() if k != "command"} == {"batch": 2, "heads": 4, "kv_heads": 2, "head_dim": 32, "fmt": "nvfp4",
                                       "block_size": 128, "rounds": 1}
     for c in contexts:
-        assert res[f"attention_s_per_step.fp4.{c}"] > 0 and res[f"attention_s_per_step.{bf16}.{c}"] > 0
-        assert res[f"attention_max_rel_diff.{c}"] < 2e-2  # same rows on both sides: rounding only
+        assert run.value("attention_s_per_step", "tracefp4", context=c) > 0
+        assert run.value("attention_s_per_step", *IMPLS[bf16], context=c) > 0
+        assert run.value("attention_max_rel_diff", context=c) < 2e-2  # same rows on both sides: rounding only
     assert "fp4/bf16" in out.stdout and f"{bf16}" in out.stdout

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tracefp4.cli import main
+from tracefp4.bench.result import load
+from tracefp4.bench.suites.rollout import PRESETS, expert_params, preset_spec
 from tracefp4.pipeline.arms import ROLLOUT_MODES
-from tracefp4.reports.bench_rollout import PRESETS, expert_params, preset_spec
 
 SHAPE = ["--layers", "1", "--hidden", "64", "--experts", "4", "--top-k", "2", "--expert-dim", "32", "--heads", "2",
          "--kv-heads", "1", "--head-dim", "32"]
@@ -21,18 +20,19 @@ def test_shape_options_replace_the_presets_dimensions_and_drop_its_targets(tmp_p
     args = ["bench", "rollout", "--preset", "bandwidth", "--engines", "home", *SHAPE, "--batch", "2", "--new-tokens", "2",
             "--json", str(path)]
     assert main(args) == 0
-    res = json.loads(path.read_text())
+    (run,), _ = load(path)
+    res = run.config
     spec = preset_spec("bandwidth", layers=1, hidden=64, experts=4, top_k=2, moe_intermediate=32, heads=2, kv_heads=1,
                        head_dim=32)
     assert res["model"]["hidden"] == 64 and res["model"]["experts"] == 4 and res["model"]["moe_intermediate"] == 32
     assert res["model"]["vocab"] == PRESETS["bandwidth"].spec.vocab  # what no option names stays the preset's
     assert res["expert_params"] == expert_params(spec) == 1 * 4 * 3 * 64 * 32
     for mode in ROLLOUT_MODES:
-        assert res[f"rollout_tokens_per_s.home.{mode}@b2"] > 0
-    assert res["preset_shapes"] is False and res["targets"] == []
+        assert run.value("rollout_tokens_per_s", "home", mode, batch=2) > 0
+    assert res["preset_shapes"] is False and run.targets == []
     # the memory probe builds the model of the checkpoint it is given (these shapes, not the preset's)
-    assert res["resident_bytes_per_expert_param.home.bf16"] > 0
-    assert res["resident_bytes_per_expert_param.home.fp4"] > res["resident_bytes_per_expert_param.home.bf16"]
+    bf16, fp4 = (run.value("resident_bytes_per_expert_param", "home", m) for m in ("bf16", "fp4"))
+    assert 0 < bf16 < fp4
     out = capsys.readouterr().out
     assert "MoE hidden 64, 1 layers, 4 experts top-2, expert dim 32" in out and "no targets" in out
 
@@ -71,23 +71,24 @@ def test_vllm_kv_cache_figures_come_from_the_engines(tmp_path):
     rows 2 x (32 + 4 + 4) = 80; capacities in the inverse ratio, less one block of rounding."""
     pytest.importorskip("vllm")
     from tracefp4.engines.model import from_config
-    from tracefp4.reports.bench_rollout import TINY_MOE, measure_memory
+    from tracefp4.bench.result import Run
+    from tracefp4.bench.suites.rollout import TINY_MOE, measure_memory
 
     if not __import__("torch").cpu._is_avx512_supported():
         pytest.skip("vLLM's FP8 KV cache on CPU needs AVX-512")
     ckpt = tmp_path / "ckpt"
     from_config(TINY_MOE.config(), seed=0).save_pretrained(ckpt)
-    res = measure_memory(str(ckpt), "bandwidth", ["vllm"])
-    per_token = {m: res[f"kv_bytes_per_token.vllm.{m}"] for m in ("bf16", "fp8kv", "fp4")}
+    run = Run("rollout", measure_memory(str(ckpt), "bandwidth", ["vllm"]))
+    per_token = {m: run.value("kv_bytes_per_token", "vllm", m) for m in ("bf16", "fp8kv", "fp4")}
     assert per_token == {"bf16": 256, "fp8kv": 128, "fp4": 80}
-    tokens = {m: res[f"kv_capacity_tokens.vllm.{m}"] for m in ("bf16", "fp8kv", "fp4")}
+    tokens = {m: run.value("kv_capacity_tokens", "vllm", m) for m in ("bf16", "fp8kv", "fp4")}
     block = 128  # vLLM's CPU default block size: the capacities are whole blocks of the same budget
     assert abs(tokens["fp4"] * 80 - tokens["bf16"] * 256) <= block * 256
     assert abs(tokens["fp4"] * 80 - tokens["fp8kv"] * 128) <= block * 128
-    assert res["kv_cache_bytes.vllm.fp4"] == tokens["fp4"] * 80
+    assert run.value("kv_cache_bytes", "vllm", "fp4") == tokens["fp4"] * 80
 
 
-# --- the long preset (tracefp4.reports.bench_long) -------------------------------------------------
+# --- the long preset (tracefp4.bench.suites.long) -------------------------------------------------
 
 LONG_TINY = ["--preset", "long", "--layers", "1", "--hidden", "64", "--experts", "4", "--top-k", "2", "--expert-dim", "32",
              "--heads", "4", "--kv-heads", "1", "--head-dim", "128", "--contexts", "64", "--home-contexts", "64",
@@ -98,34 +99,34 @@ LONG_TINY = ["--preset", "long", "--layers", "1", "--hidden", "64", "--experts",
 def _long_args(*extra: str):
     import argparse
 
-    from tracefp4.reports.bench_rollout import add_rollout_command
+    from tracefp4.bench.suites.rollout import add_arguments
 
     p = argparse.ArgumentParser()
-    add_rollout_command(p.add_subparsers(), lambda path, res: None)
-    return p.parse_args(["rollout", *extra])
+    add_arguments(p)
+    return p.parse_args(list(extra))
 
 
 def test_the_long_preset_runs_one_layer_of_the_bandwidth_preset():
     import dataclasses
 
-    from tracefp4.reports.bench_long import LONG_MOE
-    from tracefp4.reports.bench_rollout import BANDWIDTH_MOE
+    from tracefp4.bench.suites.long import LONG_MOE
+    from tracefp4.bench.suites.rollout import BANDWIDTH_MOE
 
     assert LONG_MOE == dataclasses.replace(BANDWIDTH_MOE, layers=1)
 
 
 def test_alternating_runs_split_the_timed_steps_the_last_taking_the_remainder():
-    from tracefp4.reports.decode_timing import run_lengths
+    from tracefp4.bench.harness import run_lengths
 
     assert run_lengths(96, 3) == [32, 32, 32] and run_lengths(32, 3) == [10, 10, 12] and run_lengths(5, 1) == [5]
 
 
 def test_capacity_runs_side_by_side_take_turns_until_every_queue_is_done():
-    from tracefp4.reports.bench_long import side_by_side
+    from tracefp4.bench.suites.long import side_by_side
 
     log = []
 
-    class Server:  # a LongServer whose queue needs `turns` turns
+    class Server:  # an EngineServer whose queue needs `turns` turns
         def __init__(self, turns):
             self.left = turns
 
@@ -147,8 +148,8 @@ def test_capacity_runs_side_by_side_take_turns_until_every_queue_is_done():
 
 
 def test_long_cells_come_from_the_command_line_or_the_preset():
-    from tracefp4.reports.bench_long import LONG_MOE, LongConfig
-    from tracefp4.reports.bench_rollout import long_config
+    from tracefp4.bench.suites.long import LONG_MOE, LongConfig
+    from tracefp4.bench.suites.rollout import long_config
 
     cfg = long_config(_long_args("--preset", "long"), LONG_MOE)
     assert cfg.cells == LongConfig().cells and cfg.repeats == 1 and cfg.spec == LONG_MOE
@@ -163,24 +164,33 @@ def test_long_cells_come_from_the_command_line_or_the_preset():
 
 
 def test_long_targets_are_ratios_of_the_figures_run_and_name_those_not_run():
-    from tracefp4.reports.bench_long import LONG_TARGETS, long_targets
+    from tracefp4.bench.result import Record, Run
+    from tracefp4.bench.targets import judge, targets
 
-    res = {"kv_bytes_per_token.vllm.fp4": 152.0, "kv_bytes_per_token.vllm.bf16": 512.0,
-           "rollout_tokens_per_s.vllm.fp4.1024@b8": 100.0, "rollout_tokens_per_s.vllm.trace_lsb.1024@b8": 90.0}
-    got = {t["target"]: t for t in long_targets(res)}
+    def rec(metric, mode, value, **shape):
+        return Record("long", metric, value, "", "vllm", mode, shape)
+
+    records = [rec("kv_bytes_per_token", "fp4", 152.0), rec("kv_bytes_per_token", "bf16", 512.0),
+               rec("rollout_tokens_per_s", "fp4", 100.0, context=1024, batch=8),
+               rec("rollout_tokens_per_s", "trace_lsb", 90.0, context=1024, batch=8)]
+    run = Run("long", records, {"preset_shapes": True, "capacity_default": True})
+    got, not_run = judge(run)
+    got = {t.target: t for t in got}
     kv = got["KV bytes per token: vllm fp4 / vllm bf16"]
-    assert kv["value"] == pytest.approx(152 / 512) and kv["kind"] == "max" and kv["met"]
+    assert kv.value == pytest.approx(152 / 512) and kv.kind == "max" and kv.met
     lsb = got["decode at 1024@b8: vllm trace_lsb / vllm fp4"]
-    assert lsb["value"] == pytest.approx(0.9) and not lsb["met"]
-    assert len(got) == 2 and len(LONG_TARGETS) == 8
-    res.update({"capacity_tokens_per_s.vllm.fp4": 300.0, "capacity_tokens_per_s.vllm.bf16": 100.0})
-    assert "capacity run tokens/s: vllm fp4 / vllm bf16" in {t["target"] for t in long_targets(res)}
+    assert lsb.value == pytest.approx(0.9) and not lsb.met
+    fixed = [t for t in targets() if t.suite == "long" and not t.over]
+    assert len(got) == 2 and len(fixed) == 8 and len(not_run) == 7
+    run.records += [rec("capacity_tokens_per_s", "fp4", 300.0), rec("capacity_tokens_per_s", "bf16", 100.0)]
+    assert "capacity run tokens/s: vllm fp4 / vllm bf16" in {t.target for t in judge(run)[0]}
     # another queue than the one the capacity targets are set for: not evaluated
-    assert not any(t["target"].startswith("capacity") for t in long_targets(res, capacity=False))
+    run.config["capacity_default"] = False
+    assert not any(t.target.startswith("capacity") for t in judge(run)[0])
 
 
 def test_the_capacity_budget_shrinks_by_the_overshoot_in_whole_blocks():
-    from tracefp4.reports.bench_long import shrunk_budget
+    from tracefp4.bench.suites.long import shrunk_budget
 
     block, need = 16, 320  # 320-token requests: 20 blocks each
     start = 8 * need + block  # 8 whole requests and vLLM's null block
@@ -194,8 +204,8 @@ def test_the_capacity_budget_shrinks_by_the_overshoot_in_whole_blocks():
 def test_decode_time_shares_go_to_the_innermost_region():
     from types import SimpleNamespace as Ev
 
-    from tracefp4.reports.bench_long import profile_cell
-    from tracefp4.reports.decode_timing import share_of_events
+    from tracefp4.bench.decode import share_of_events
+    from tracefp4.bench.suites.long import profile_cell
 
     moe = Ev(name="vllm::moe_forward", cpu_parent=None, self_cpu_time_total=100_000)
     site = Ev(name="tracefp4::site", cpu_parent=moe, self_cpu_time_total=50_000)
@@ -220,34 +230,35 @@ def test_long_preset_through_the_command_line(tmp_path, capsys):
         pytest.skip("vLLM's FP8 KV cache on CPU needs AVX-512")
     path = tmp_path / "long.json"
     assert main(["bench", "rollout", *LONG_TINY, "--engines", "home,vllm", "--json", str(path)]) == 0
-    res = json.loads(path.read_text())
+    (run,), _ = load(path)
+    res, v = run.config, run.value
+    assert run.suite == "long"
     assert res["cells"] == [[64, 2]] and res["model"]["head_dim"] == 128 and "command line" in res["resized"]
     for engine, modes in (("home", ("bf16", "fp4", "trace_lsb")), ("vllm", ("bf16", "fp8kv", "fp4", "trace_lsb"))):
         for mode in modes:
-            plain, at_batch = (res[f"rollout_tokens_per_s.{engine}.{mode}.64{b}"] for b in ("", "@b2"))
-            assert plain == at_batch > 0
-            share = res[f"decode_time_share.{engine}.{mode}"]
-            assert set(share) == {"experts", "attention", "sites", "rest"} and share["attention"] > 0
-        assert res[f"decode_time_share_context.{engine}"] == 64
-    per_token = {k.split(".", 1)[1]: v for k, v in res.items() if k.startswith("kv_bytes_per_token.")}
+            assert v("rollout_tokens_per_s", engine, mode, context=64, batch=2) > 0
+            share = {r.shape["region"]: r for r in run.find("decode_time_share", engine, mode)}
+            assert set(share) == {"experts", "attention", "sites", "rest"} and share["attention"].value > 0
+            assert {r.shape["context"] for r in share.values()} == {64}
+    per_token = {f"{r.engine}.{r.mode}": r.value for r in run.find("kv_bytes_per_token")}
     assert per_token == {"home.bf16": 512, "home.fp4": 152, "home.trace_lsb": 152, "vllm.bf16": 512,
                          "vllm.fp8kv": 256, "vllm.fp4": 152, "vllm.trace_lsb": 152}
-    tokens = {m: res[f"kv_capacity_tokens.vllm.{m}"] for m in ("bf16", "fp8kv", "fp4")}
+    tokens = {m: v("kv_capacity_tokens", "vllm", m) for m in ("bf16", "fp8kv", "fp4")}
     block = 128  # one budget: the capacities in the inverse ratio of the bytes, less a block of rounding
     assert abs(tokens["fp4"] * 152 - tokens["bf16"] * 512) <= block * 512
     for mode in ("bf16", "fp8kv", "fp4", "trace_lsb"):
-        assert res[f"capacity_tokens_per_s.vllm.{mode}"] > 0
-        assert res[f"capacity_kv_tokens.vllm.{mode}"] >= block
+        assert v("capacity_tokens_per_s", "vllm", mode) > 0
+        assert v("capacity_kv_tokens", "vllm", mode) >= block
         # the first step runs the prompts, so some of the run is prompts' steps, never more than all of it
-        assert 0 < res[f"capacity_prefill_s.vllm.{mode}"] <= res[f"capacity_wall_s.vllm.{mode}"]
+        assert 0 < v("capacity_prefill_s", "vllm", mode) <= v("capacity_wall_s", "vllm", mode)
     # the budget holds one whole BF16 request (of one block) and all three FP4 ones: FP4 runs the three at
     # once and never preempts; vLLM admits BF16 requests while their prompts fit and preempts them as they
     # grow, so how many BF16 ones ran at once depends on its admission, not on the budget alone
-    assert res["capacity_peak_running.vllm.fp4"] == 3 and res["capacity_preemptions.vllm.fp4"] == 0
-    assert 1 <= res["capacity_peak_running.vllm.bf16"] <= 3
+    assert v("capacity_peak_running", "vllm", "fp4") == 3 and v("capacity_preemptions", "vllm", "fp4") == 0
+    assert 1 <= v("capacity_peak_running", "vllm", "bf16") <= 3
     # the budget starts at its floor (one whole request), so there is nothing to shrink: one BF16 run
     trail = res["capacity_calibration"]
     assert len(trail) == 1 and trail[0]["budget_bytes"] == res["capacity_budget_bytes"]
-    assert trail[0]["peak_running"] == res["capacity_peak_running.vllm.bf16"]
-    assert res["preset_shapes"] is False and res["targets"] == []
+    assert trail[0]["peak_running"] == v("capacity_peak_running", "vllm", "bf16")
+    assert res["preset_shapes"] is False and run.targets == []
     assert "no targets" in capsys.readouterr().out

@@ -91,7 +91,9 @@ def test_an_edited_results_json_makes_its_page_stale(tmp_path, monkeypatch):
     assert gendocs.stale() == ["docs/results/count3-8l.md"]
     path = tmp_path / "docs/results/bench-rollout/2026-12-04-amd-epyc.json"
     data = json.loads(path.read_text())
-    data["runs"][0]["rollout_tokens_per_s.home.fp4@b8"] += 1
+    rec = next(r for r in data["runs"][0]["records"] if (r["metric"], r["engine"], r["mode"], r["shape"]) ==
+               ("rollout_tokens_per_s", "home", "fp4", {"batch": 8}))
+    rec["value"] += 1
     path.write_text(json.dumps(data))
     assert gendocs.stale() == ["docs/results/count3-8l.md", "docs/performance/rollout.md"]
 
@@ -148,8 +150,10 @@ def test_a_speed_figure_is_the_spread_over_its_runs(tmp_path, monkeypatch):
     assert "1.51–1.76x (2 runs) on an AMD EPYC (AVX-512 BF16, no AMX)" in before
     path = tmp_path / "docs/results/bench-rollout/2026-12-04-amd-epyc.json"
     data = json.loads(path.read_text())
-    data["runs"][0]["printed_ratios"]["vllm.fp4/bf16@b8"] = 2.0
-    data["date"] = "2099-01-01"
+    rec = next(r for r in data["runs"][0]["records"] if (r["metric"], r["engine"], r["mode"], r["shape"]) ==
+               ("printed_ratio", "vllm", "fp4/bf16", {"batch": 8}))
+    rec["value"] = 2.0
+    data["provenance"]["date"] = "2099-01-01"
     (tmp_path / "docs/results/bench-rollout/2099-01-01-amd-epyc.json").write_text(json.dumps(data))
     after = gendocs.speed_block("<!-- SPEED begin -->\n<!-- SPEED end -->")
     assert "1.51–2.00x (3 runs) on an AMD EPYC (AVX-512 BF16, no AMX)" in after

@@ -278,7 +278,7 @@ def _add_twopath_parser(sub) -> None:
 
 
 def _add_bench_parser(sub) -> None:
-    from tracefp4.reports.bench import add_bench_commands
+    from tracefp4.bench.cli import add_bench_commands
 
     b = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one process)")
     add_bench_commands(b.add_subparsers(dest="bench", required=True))  # numerics (--memory, --threads), all, ...

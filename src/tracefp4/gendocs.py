@@ -33,7 +33,12 @@ import json
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from tracefp4.bench.result import spread_text
+
+if TYPE_CHECKING:
+    from tracefp4.bench.result import Judgement, Run
 
 from tracefp4.stats import format_mean_ci
 
@@ -247,58 +252,55 @@ def _command(cmd: str) -> str:
     return re.sub(r"\s+--(repeats|json)\s+\S+", "", cmd).strip()
 
 
+def _bench_files(kind: str) -> list[tuple[Path, list[Run], dict[str, Any]]]:
+    """Each committed results file of ``docs/results/<kind>/``: its path, runs and provenance."""
+    from tracefp4.bench.result import load
+
+    return [(path, *load(path)) for path in sorted((ROOT / "docs/results" / kind).glob("*.json"))]
+
+
 def rollout_runs() -> list[dict[str, Any]]:
     """Every committed ``bench rollout`` run (docs/results/bench-rollout/): its file, CPU kind, command, figures."""
     out = []
-    for path in sorted((ROOT / "docs/results/bench-rollout").glob("*.json")):
-        data = json.loads(path.read_text())
-        cpu = cpu_kind(data.get("cpu") or path.stem)
-        for run in data.get("runs", [data]):
-            out.append({"file": path.name, "cpu": cpu, "command": _command(run["command"]), "run": run})
+    for path, runs, prov in _bench_files("bench-rollout"):
+        for run in runs:
+            cpu = cpu_kind(prov.get("cpu") or run.cpu or path.stem)
+            out.append({"file": path.name, "cpu": cpu, "command": _command(run.config["command"]), "run": run})
     return out
 
 
 def long_runs() -> list[dict[str, Any]]:
     """Every committed ``bench rollout --preset long`` run (docs/results/bench-long/): its command is the
-    preset's default when it ran the default cells, else ``--contexts C --batch B`` (the JSON records its
+    preset's default when it ran the default cells, else ``--contexts C --batch B`` (the run records its
     cells, not its command line)."""
-    from tracefp4.reports.bench_long import LongConfig
+    from tracefp4.bench.suites.long import LongConfig
 
     default = [list(c) for c in LongConfig().cells]
     out = []
-    for path in sorted((ROOT / "docs/results/bench-long").glob("*.json")):
-        d = json.loads(path.read_text())
-        cmd = "tracefp4 bench rollout --preset long --engines home,vllm"
-        if d["cells"] != default:
-            cmd += (f" --contexts {','.join(str(c) for c in sorted({c for c, _ in d['cells']}))}"
-                    + "".join(f" --batch {b}" for b in sorted({b for _, b in d["cells"]})))
-        out.append({"file": path.name, "cpu": cpu_kind((d.get("environment") or {}).get("cpu_model") or path.stem),
-                    "command": cmd, "run": d})
+    for path, runs, _ in _bench_files("bench-long"):
+        for run in runs:
+            cells = run.config["cells"]
+            cmd = "tracefp4 bench rollout --preset long --engines home,vllm"
+            if cells != default:
+                cmd += (f" --contexts {','.join(str(c) for c in sorted({c for c, _ in cells}))}"
+                        + "".join(f" --batch {b}" for b in sorted({b for _, b in cells})))
+            out.append({"file": path.name, "cpu": cpu_kind(run.cpu or path.stem), "command": cmd, "run": run})
     return out
 
 
 def attention_runs() -> list[dict[str, Any]]:
     """Every committed ``bench attention`` run (docs/results/bench-attention/)."""
-    out = []
-    for path in sorted((ROOT / "docs/results/bench-attention").glob("*.json")):
-        d = json.loads(path.read_text())
-        out.append({"file": path.name, "cpu": cpu_kind(d.get("attention_machine", {}).get("cpu_model") or path.stem),
-                    "command": "tracefp4 bench attention", "run": d})
-    return out
+    return [{"file": path.name, "cpu": cpu_kind(run.cpu or path.stem), "command": "tracefp4 bench attention", "run": run}
+            for path, runs, _ in _bench_files("bench-attention") for run in runs]
 
 
-def spread(values: list[float], fmt: str = ".2f", unit: str = "x") -> str:
-    """``lo–hi`` of the values as shown (one value where they print alike), the unit after it."""
-    if fmt.endswith("%"):  # shares: 18–20%, not 18%–20%
-        values, fmt, unit = [100 * v for v in values], fmt[:-1] + "f", "%" + unit
-    lo, hi = format(min(values), fmt), format(max(values), fmt)
-    return (lo if lo == hi else f"{lo}–{hi}") + unit
+spread = spread_text  # the one formatting of a spread (tracefp4.bench.result)
 
 
 class Figures:
     """The values of one figure over a group of runs: ``str`` gives its spread and the count of runs."""
 
-    def __init__(self, runs: list[dict[str, Any]], value: Callable[[Mapping[str, Any]], Any]) -> None:
+    def __init__(self, runs: list[dict[str, Any]], value: Callable[[Run], Any]) -> None:
         vals = [(r, value(r["run"])) for r in runs]
         self.runs = [r for r, v in vals if v is not None]
         self.values: list[float] = [x for _, v in vals if v is not None for x in (v if isinstance(v, list) else [v])]
@@ -316,20 +318,24 @@ def _group(runs: list[dict[str, Any]], cpu: str, command: str) -> list[dict[str,
     return [r for r in runs if r["cpu"] == CPU_KINDS[cpu] and r["command"] == command]
 
 
-def _ratio(a: str, b: str) -> Callable[[Mapping[str, Any]], float | None]:
-    return lambda d: d[a] / d[b] if a in d and b in d else None
+def _ratio(metric: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> Callable[[Run], float | None]:
+    """A run's ``metric`` of the record named by ``a`` over that named by ``b`` (None where it lacks either)."""
+    def get(run: Run) -> float | None:
+        x, y = run.value(metric, **a), run.value(metric, **b)
+        return x / y if x is not None and y is not None else None
+    return get
 
 
-def _printed(engine: str) -> Callable[[Mapping[str, Any]], list[float] | None]:
+def _printed(engine: str) -> Callable[[Run], list[float] | None]:
     """fp4/bf16 of one engine at every batch of a bench-rollout run, as the bench printed it."""
-    def get(run: Mapping[str, Any]) -> list[float] | None:
-        vals = [v for k, v in run.get("printed_ratios", {}).items() if k.startswith(f"{engine}.fp4/bf16@")]
+    def get(run: Run) -> list[float] | None:
+        vals = [r.value for r in sorted(run.find("printed_ratio", engine, "fp4/bf16"), key=lambda r: r.shape["batch"])]
         return vals or None
     return get
 
 
 def _batches(runs: list[dict[str, Any]]) -> str:
-    bs = sorted({int(k.rsplit("@b", 1)[1]) for r in runs for k in r["run"] if k.startswith("rollout_tokens_per_s.")})
+    bs = sorted({b for r in runs for b in r["run"].values("rollout_tokens_per_s", "batch")})
     return " and ".join(map(str, bs))
 
 
@@ -347,8 +353,9 @@ def speed_block(readme: str) -> str:
     bw = {c: _group(ro, c, BENCH.format("bandwidth")) for c in CPU_KINDS}
     mid = {c: _group(ro, c, BENCH.format("mid")) for c in CPU_KINDS}
     b8 = _group(lo, "amd", LONG_B8)
-    vs_bf16 = _ratio('rollout_tokens_per_s.vllm.fp4.16384@b8', 'rollout_tokens_per_s.vllm.bf16.16384@b8')
-    vs_fp8kv = _ratio('rollout_tokens_per_s.vllm.fp4.16384@b8', 'rollout_tokens_per_s.vllm.fp8kv.16384@b8')
+    cell = {"engine": "vllm", "context": 16384, "batch": 8}
+    vs_bf16 = _ratio("rollout_tokens_per_s", {**cell, "mode": "fp4"}, {**cell, "mode": "bf16"})
+    vs_fp8kv = _ratio("rollout_tokens_per_s", {**cell, "mode": "fp4"}, {**cell, "mode": "fp8kv"})
     amd, intel = CPU_KINDS["amd"], CPU_KINDS["intel"]
     text = "\n".join([
         "FP4 rollout decode speed, as a ratio of tokens/s (min–max over the committed runs of each command "
@@ -375,11 +382,23 @@ def long_block(readme: str) -> str:
     runs of its command on the AMD EPYC (the only CPU kind with long-rollout runs)."""
     lo, at = long_runs(), attention_runs()
     default, b8, att = _group(lo, "amd", LONG_DEFAULT), _group(lo, "amd", LONG_B8), _group(at, "amd", "tracefp4 bench attention")
-    v = "{}.vllm.{}".format
-    per_head = lambda mode: lambda d: d[v("kv_bytes_per_token", mode)] / (d["model"]["layers"] * d["model"]["kv_heads"])
-    share = lambda d: d[v("capacity_prefill_s", "fp4")] / d[v("capacity_wall_s", "fp4")] if v("capacity_wall_s", "fp4") in d else None
-    attn = Figures(b8, lambda d: d.get("decode_time_share.vllm.fp4", {}).get("attention"))
-    cap = lambda key, b="bf16": Figures(default, _ratio(v(key, "fp4"), v(key, b)))
+    def per_head(mode: str) -> Callable[[Run], float]:
+        return lambda r: r.value("kv_bytes_per_token", "vllm", mode) / (r.config["model"]["layers"]
+                                                                       * r.config["model"]["kv_heads"])
+
+    def share(r: Run) -> float | None:
+        wall = r.value("capacity_wall_s", "vllm", "fp4")
+        return None if wall is None else r.value("capacity_prefill_s", "vllm", "fp4") / wall
+
+    def cap(metric: str, b: str = "bf16") -> Figures:
+        return Figures(default, _ratio(metric, {"engine": "vllm", "mode": "fp4"}, {"engine": "vllm", "mode": b}))
+
+    def decode(b: str) -> Callable[[Run], float | None]:
+        cell = {"engine": "vllm", "context": 16384, "batch": 8}
+        return _ratio("rollout_tokens_per_s", {**cell, "mode": "fp4"}, {**cell, "mode": b})
+
+    attn = Figures(b8, lambda r: r.value("decode_time_share", "vllm", "fp4", region="attention"))
+    ratio_at = lambda ctx: lambda r: r.value("attention_ratio", context=ctx)  # noqa: E731
     pre = Figures(default, share)
     text = (f"Measured on an {CPU_KINDS['amd']} (min–max over the committed runs, their count in brackets; per run: "
             f"[bench runs](docs/performance/bench-runs.md)): vLLM's BF16 cache takes "
@@ -389,12 +408,12 @@ def long_block(readme: str) -> str:
             f"{cap('kv_bytes_per_token').show('.3f', 'x', False)} BF16's bytes and "
             f"{cap('kv_bytes_per_token', 'fp8kv').show('.3f', 'x', False)} FP8's, and vLLM holds "
             f"{cap('kv_capacity_tokens').show()} the tokens at one budget. Our decode attention over the packed K/V "
-            f"takes {Figures(att, lambda d: d['attention_ratio.fp4_over_bf16.4096']).show(label='4K')} and "
-            f"{Figures(att, lambda d: d['attention_ratio.fp4_over_bf16.16384']).show(label='16K')} the time of vLLM's "
+            f"takes {Figures(att, ratio_at(4096)).show(label='4K')} and "
+            f"{Figures(att, ratio_at(16384)).show(label='16K')} the time of vLLM's "
             f"BF16 attention (`tracefp4 bench attention`); decode at 16K, batch 8 runs at "
-            f"{Figures(b8, _ratio(v('rollout_tokens_per_s', 'fp4.16384@b8'), v('rollout_tokens_per_s', 'bf16.16384@b8'))).show(runs=False)} "
+            f"{Figures(b8, decode('bf16')).show(runs=False)} "
             f"BF16's tokens/s and "
-            f"{Figures(b8, _ratio(v('rollout_tokens_per_s', 'fp4.16384@b8'), v('rollout_tokens_per_s', 'fp8kv.16384@b8'))).show(runs=False)} "
+            f"{Figures(b8, decode('fp8kv')).show(runs=False)} "
             f"FP8-KV's, attention taking {attn.show('.0%', '', False)} of FP4's decode time ({len(b8)} runs of "
             f"`--contexts 16384 --batch 8`). "
             f"The capacity run gives {cap('capacity_peak_running').show(runs=False)} BF16's peak and "
@@ -608,22 +627,22 @@ ROLLOUT_MODES = ("bf16", "fp4", "trace_lsb", "trace_full")
 
 
 def _rollout_rows(path: Path) -> list[str]:
-    """One table row per (preset, batch, engine) of a ``bench rollout --json`` file (or of a file of
-    several such runs under ``runs``, as the transcribed journal measurements are)."""
-    data = json.loads(path.read_text())
-    date, cpu = data.get("date", path.stem[:10]), data.get("cpu", path.stem[11:])
-    commit = data.get("recorded_in") or data.get("commit", "-")
+    """One table row per (preset, batch, engine) of each run of a ``bench rollout`` results file."""
+    from tracefp4.bench.result import load
+
+    runs, prov = load(path)
+    date, cpu = prov.get("date", path.stem[:10]), prov.get("cpu", path.stem[11:])
+    commit = prov.get("recorded_in") or prov.get("commit", "-")
     rows = []
-    for run in data.get("runs", [data]):
-        keys = [k.split(".", 1)[1] for k in run if k.startswith("rollout_tokens_per_s.")]
-        cells = sorted({(int(k.rsplit("@b", 1)[1]), k.split(".")[0]) for k in keys})
+    for run in runs:
+        cells = sorted({(r.shape["batch"], r.engine) for r in run.find("rollout_tokens_per_s")})
         for batch, engine in cells:
-            tps = [run.get(f"rollout_tokens_per_s.{engine}.{mode}@b{batch}") for mode in ROLLOUT_MODES]
+            tps = [run.value("rollout_tokens_per_s", engine, mode, batch=batch) for mode in ROLLOUT_MODES]
             # a transcription keeps the ratios as the bench printed them (from unrounded tokens/s)
-            printed = run.get("printed_ratios", {}).get(f"{engine}.fp4/bf16@b{batch}")
+            printed = run.value("printed_ratio", engine, "fp4/bf16", batch=batch)
             ratio = printed if printed is not None else (tps[1] / tps[0] if tps[0] and tps[1] else None)
             shown = " | ".join("-" if v is None else f"{v:.1f}" for v in tps)
-            rows.append(f"| {date} | {cpu} | `{commit}` | {run['preset']} | {batch} | {engine} | {shown} | "
+            rows.append(f"| {date} | {cpu} | `{commit}` | {run.config['preset']} | {batch} | {engine} | {shown} | "
                         + ("-" if ratio is None else f"{ratio:.2f}") + " |")
     return rows
 
@@ -650,31 +669,46 @@ NUMERIC_COLUMNS = (("per row", "quantize_per_row_over_copy"), ("per tensor", "qu
                    ("guided full", "guided_full_over_copy"), ("encode_hint", "encode_hint_over_copy"))
 
 
-def _met(value: float | None, target: Mapping[str, Any] | None, fmt: str = ".2f") -> str:
+def _met(value: float | None, target: Judgement | None, fmt: str = ".2f") -> str:
     if value is None:
         return "-"
-    return f"{value:{fmt}}" + ("" if target is None or target.get("met") is None else (" ✓" if target["met"] else " ✗"))
+    return f"{value:{fmt}}" + ("" if target is None else (" ✓" if target.met else " ✗"))
+
+
+def _suite_run(runs: list[Run], suite: str) -> Run:
+    return next(r for r in runs if r.suite == suite)
 
 
 def _bench_all_rows(path: Path) -> list[str]:
-    d = json.loads(path.read_text())
-    targets = {t["ratio"]: t for t in d.get("targets", [])}
-    cpu = (d.get("environment") or {}).get("cpu_model", "not recorded")
-    cells = [_met(d.get(k), targets.get(k)) for _, k in NUMERIC_COLUMNS]
-    ao = d.get("torchao_over_quantize")
-    return [f"| `{path.stem}` | {cpu} | {d['copy_ref_s'] * 1e3 if 'copy_ref_s' in d else d['copy_s'] * 1e3:.2f} | "
-            + " | ".join(cells) + f" | {_met(ao, targets.get('torchao_over_quantize'), '.0f')} | "
-            f"{d['rollout_record_over_plain']:.3f} | {d['train_step_trace_over_qat']:.3f} |"]
+    from tracefp4.bench.result import load
+
+    runs, _ = load(path)
+    num, system = _suite_run(runs, "numerics"), _suite_run(runs, "system")
+    targets = {t.target: t for t in num.targets}
+    cpu = num.machine.get("cpu_model", "not recorded")
+    cells = [_met(num.value(k), targets.get(k)) for _, k in NUMERIC_COLUMNS]
+    copy = num.value("copy_ref_s") or num.value("copy_s")
+    return [f"| `{path.stem}` | {cpu} | {copy * 1e3:.2f} | "
+            + " | ".join(cells) + f" | {_met(num.value('torchao_over_quantize'), targets.get('torchao_over_quantize'), '.0f')} | "
+            f"{system.value('rollout_record_over_plain'):.3f} | {system.value('train_step_trace_over_qat'):.3f} |"]
 
 
 def _attention_rows(path: Path) -> list[str]:
-    d = json.loads(path.read_text())
-    m = d.get("attention_machine", {})
-    ctxs = sorted({int(k.rsplit(".", 1)[1]) for k in d if k.startswith("attention_s_per_step.fp4.")})
-    ref = m.get("bf16_impl", "vllm_bf16")
-    return [f"| `{path.stem}` | {m.get('cpu_model', '?')} | {c} | {d[f'attention_s_per_step.fp4.{c}'] * 1e3:.2f} | "
-            f"{d[f'attention_s_per_step.{ref}.{c}'] * 1e3:.2f} ({ref}) | {d[f'attention_ratio.fp4_over_bf16.{c}']:.3f} | "
-            f"{d[f'attention_kv_bytes.fp4.{c}'] / d[f'attention_kv_bytes.{ref}.{c}']:.3f} |" for c in ctxs]
+    from tracefp4.bench.result import load
+    from tracefp4.bench.suites.attention import IMPLS
+
+    rows = []
+    for run in load(path)[0]:
+        m = run.machine
+        ref = m.get("bf16_impl", "vllm_bf16")
+        v = run.value
+        for c in run.values("attention_s_per_step", "context", "tracefp4"):
+            rows.append(f"| `{path.stem}` | {m.get('cpu_model', '?')} | {c} | "
+                        f"{v('attention_s_per_step', 'tracefp4', context=c) * 1e3:.2f} | "
+                        f"{v('attention_s_per_step', *IMPLS[ref], context=c) * 1e3:.2f} ({ref}) | "
+                        f"{v('attention_ratio', context=c):.3f} | "
+                        f"{v('attention_kv_bytes', 'tracefp4', context=c) / v('attention_kv_bytes', *IMPLS[ref], context=c):.3f} |")
+    return rows
 
 
 LONG_MODES = ("bf16", "fp8kv", "fp4", "trace_lsb")
@@ -683,37 +717,37 @@ LONG_MODES = ("bf16", "fp8kv", "fp4", "trace_lsb")
 def _long_section(path: Path) -> list[str]:
     """A ``bench rollout --preset long`` file: decode tokens/s per cell and mode, KV bytes, capacity, the
     capacity run, where decode time goes, the targets."""
-    d = json.loads(path.read_text())
-    cpu = (d.get("environment") or {}).get("cpu_model", "not recorded in the JSON")
-    out = [f"### `{path.stem}` ({cpu}, {d['threads']} threads)", "", f"Model: {d['resized']}.", "",
-           "| engine | context | batch | " + " | ".join(LONG_MODES) + " |", "|" + "---|" * (3 + len(LONG_MODES))]
-    cells = sorted({tuple(k.split(".", 2)[1:]) for k in d if k.startswith("rollout_tokens_per_s.") and "@b" in k})
-    order = sorted({(e, r.split(".", 1)[1]) for e, r in cells},
-                   key=lambda c: (c[0], *map(int, c[1].split("@b"))))
-    for engine, rest in order:
-        ctx, batch = rest.split("@b")
-        vals = [d.get(f"rollout_tokens_per_s.{engine}.{m}.{rest}") for m in LONG_MODES]
-        out.append(f"| {engine} | {ctx} | {batch} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in vals) + " |")
-    out += ["", "| vLLM | " + " | ".join(LONG_MODES) + " |", "|" + "---|" * (1 + len(LONG_MODES))]
-    for label, key, fmt in (("KV bytes per token", "kv_bytes_per_token", ".0f"),
-                            ("KV capacity tokens", "kv_capacity_tokens", ".0f"),
-                            ("capacity run tokens/s", "capacity_tokens_per_s", ".1f"),
-                            ("capacity run peak running", "capacity_peak_running", ".0f")):
-        vals = [d.get(f"{key}.vllm.{m}") for m in LONG_MODES]
-        out.append(f"| {label} | " + " | ".join("-" if v is None else format(v, fmt) for v in vals) + " |")
-    if any(f"capacity_wall_s.vllm.{m}" in d for m in LONG_MODES):  # recorded from 2026-12-05 on
-        shares = [(d.get(f"capacity_prefill_s.vllm.{m}"), d.get(f"capacity_wall_s.vllm.{m}")) for m in LONG_MODES]
-        out.append("| capacity run time in steps running prompts | "
-                   + " | ".join("-" if w is None else f"{p / w:.0%} of {w:.0f} s" for p, w in shares) + " |")
-    out += ["", "Decode time at the longest context run (experts / attention / sites / rest):", ""]
-    for k in sorted(k for k in d if k.startswith("decode_time_share.")):
-        sh = d[k]
-        ctx = d.get(f"decode_time_share_context.{k.split('.')[1]}")
-        out.append(f"* {k.split('.', 1)[1]} at {ctx}: " + ", ".join(f"{n} {sh[n]:.0%}" for n in
-                                                                   ("experts", "attention", "sites", "rest")))
-    out += ["", "Targets: " + "; ".join(f"{t['target']} (bound {t['bound']}): "
-                                          f"{t['value']:.3f} ({'met' if t['met'] else 'missed'})"
-                                          for t in d.get("targets", []) if t.get("value") is not None), ""]
+    from tracefp4.bench.result import load
+
+    out = []
+    for run in load(path)[0]:
+        c, v = run.config, run.value
+        cpu = run.machine.get("cpu_model", "not recorded in the JSON")
+        out += [f"### `{path.stem}` ({cpu}, {c['threads']} threads)", "", f"Model: {c['resized']}.", "",
+                "| engine | context | batch | " + " | ".join(LONG_MODES) + " |", "|" + "---|" * (3 + len(LONG_MODES))]
+        cells = sorted({(r.engine, r.shape["context"], r.shape["batch"]) for r in run.find("rollout_tokens_per_s")})
+        for engine, ctx, batch in cells:
+            vals = [v("rollout_tokens_per_s", engine, m, context=ctx, batch=batch) for m in LONG_MODES]
+            out.append(f"| {engine} | {ctx} | {batch} | " + " | ".join("-" if x is None else f"{x:.1f}" for x in vals)
+                       + " |")
+        out += ["", "| vLLM | " + " | ".join(LONG_MODES) + " |", "|" + "---|" * (1 + len(LONG_MODES))]
+        for label, key, fmt in (("KV bytes per token", "kv_bytes_per_token", ".0f"),
+                                ("KV capacity tokens", "kv_capacity_tokens", ".0f"),
+                                ("capacity run tokens/s", "capacity_tokens_per_s", ".1f"),
+                                ("capacity run peak running", "capacity_peak_running", ".0f")):
+            vals = [v(key, "vllm", m) for m in LONG_MODES]
+            out.append(f"| {label} | " + " | ".join("-" if x is None else format(x, fmt) for x in vals) + " |")
+        if run.find("capacity_wall_s"):  # recorded from 2026-12-05 on
+            shares = [(v("capacity_prefill_s", "vllm", m), v("capacity_wall_s", "vllm", m)) for m in LONG_MODES]
+            out.append("| capacity run time in steps running prompts | "
+                       + " | ".join("-" if w is None else f"{p / w:.0%} of {w:.0f} s" for p, w in shares) + " |")
+        out += ["", "Decode time at the longest context run (experts / attention / sites / rest):", ""]
+        for engine, mode in sorted({(r.engine, r.mode) for r in run.find("decode_time_share")}):
+            sh = {r.shape["region"]: r for r in run.find("decode_time_share", engine, mode)}
+            out.append(f"* {engine}.{mode} at {sh['experts'].shape['context']}: "
+                       + ", ".join(f"{n} {sh[n].value:.0%}" for n in ("experts", "attention", "sites", "rest")))
+        out += ["", "Targets: " + "; ".join(f"{t.target} (bound {t.bound}): {t.value:.3f} ({'met' if t.met else 'missed'})"
+                                            for t in run.targets), ""]
     return out
 
 

@@ -1,4 +1,4 @@
-"""One decode step of attention, side by side: our paged attention over packed FP4 K/V
+"""The attention suite: one decode step of attention, side by side: our paged attention over packed FP4 K/V
 (``formats/csrc/kv_attention.h``) against vLLM's own CPU attention over a BF16 cache holding the very
 same rows (the exact dequantized K/V our kernel attends over).
 
@@ -13,35 +13,38 @@ metadata, then ``cpu_attention_with_kv_cache``) with the ISA its backend would p
 not importable the BF16 side is torch's SDPA over the dequantized rows instead, and the keys say so
 (``sdpa_bf16`` in place of ``vllm_bf16``).
 
-Keys: ``attention_s_per_step.<impl>.<context>`` (impl ``fp4`` and ``vllm_bf16`` or ``sdpa_bf16``),
-``attention_ratio.fp4_over_bf16.<context>`` with ``..._spread`` (min, max over rounds),
-``attention_kv_bytes.<impl>.<context>`` (the bytes of the caches the step reads, from the tensors),
-``attention_max_rel_diff.<context>`` (the two outputs' largest difference over the largest output
-magnitude: they attend over the same rows, so this is rounding only, BF16's output rounding mostly),
-``attention_shape`` and ``attention_machine`` (what the figures depend on; ``vllm_amx_permitted``:
-whether this process holds the AMX tile state vLLM's AMX kernels need, None without vLLM).
+Records (suite ``attention``, at ``context`` and ``batch``): ``attention_s_per_step`` and
+``attention_kv_bytes`` (the bytes of the caches the step reads, from the tensors) per side (engine
+``tracefp4`` mode ``fp4``; engine ``vllm`` or ``sdpa`` mode ``bf16``), ``attention_ratio`` (fp4 over
+bf16, with its spread over rounds) and ``attention_max_rel_diff`` (the two outputs' largest
+difference over the largest output magnitude: they attend over the same rows, so this is rounding
+only, BF16's output rounding mostly). The run's machine says what the figures depend on
+(``vllm_amx_permitted``: whether this process holds the AMX tile state vLLM's AMX kernels need, None
+without vLLM).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
-import statistics
 import sys
 from collections.abc import Callable
 
 import torch
 
+from tracefp4.bench.harness import Spread, paired, time_rounds
+from tracefp4.bench.result import Record, Run, verdict
+from tracefp4.bench.targets import judged
 from tracefp4.formats import ckv, clib
 from tracefp4.formats.constants import Format
 from tracefp4.formats.quantizers import MXFP4Quantizer
 from tracefp4.provenance import environment
-from tracefp4.reports.timing import time_rounds
 
-__all__ = ["ATTENTION_TARGET", "bench_attention", "format_attention", "add_attention_command"]
+__all__ = ["IMPLS", "bench_attention", "format_attention"]
 
-#: Issue 35's target: our FP4 attention no slower than vLLM's own BF16 attention, per decode step.
-ATTENTION_TARGET = 1.0
+#: Each side's name in the run's machine (``bf16_impl``) as the records' (engine, mode).
+IMPLS = {"fp4": ("tracefp4", "fp4"), "vllm_bf16": ("vllm", "bf16"), "sdpa_bf16": ("sdpa", "bf16")}
 #: vLLM's CPU block size (its platform's default, which our vLLM backend runs with too).
 VLLM_BLOCK_SIZE = 128
 #: Rows generated and packed at a time while filling a cache (bounds the float32 temporaries).
@@ -190,24 +193,25 @@ def _machine(bf16: str, isa: str) -> dict:
 
 
 def _one_context(case: _Case, bf16: Callable[[], torch.Tensor], name: str, repeats: int, threads: int | None,
-                 context: int) -> dict:
+                 rec: Callable[..., Record]) -> list[Record]:
     fp4 = case.fp4(threads)
     ours, theirs = fp4(), bf16().float()
     diff = float((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30))
     samples = time_rounds({"fp4": fp4, name: bf16}, repeats)
-    ratios = sorted(a / b for a, b in zip(samples["fp4"], samples[name]))
-    return {f"attention_s_per_step.fp4.{context}": statistics.median(samples["fp4"]),
-            f"attention_s_per_step.{name}.{context}": statistics.median(samples[name]),
-            f"attention_ratio.fp4_over_bf16.{context}": statistics.median(ratios),
-            f"attention_ratio.fp4_over_bf16.{context}_spread": [ratios[0], ratios[-1]],
-            f"attention_max_rel_diff.{context}": diff}
+    ratio = paired(samples, "fp4", name)
+    out = []
+    for impl in ("fp4", name):
+        t = Spread.of(samples[impl])
+        out.append(rec("attention_s_per_step", t.median, "s", *IMPLS[impl], spread=t.span))
+    return out + [rec("attention_ratio", ratio.median, "x", spread=ratio.span),
+                  rec("attention_max_rel_diff", diff, "")]
 
 
 def bench_attention(contexts=(4096, 16384), batch: int = 8, heads: int = 32, kv_heads: int = 4, head_dim: int = 128,
                     fmt: str = "nvfp4", repeats: int = 7, block_size: int = VLLM_BLOCK_SIZE, seed: int = 0,
-                    threads: int | None = None) -> dict:
+                    threads: int | None = None) -> Run:
     """Time one decode step of both attentions at each context (see the module docstring for the
-    keys). ``threads``: ours (default torch's, which vLLM's op runs on). Raises ValueError on shapes
+    records). ``threads``: ours (default torch's, which vLLM's op runs on). Raises ValueError on shapes
     either kernel refuses, RuntimeError without our C library."""
     fmt = Format(fmt)
     if not fmt.fp4:
@@ -219,43 +223,45 @@ def bench_attention(contexts=(4096, 16384), batch: int = 8, heads: int = 32, kv_
         raise RuntimeError(f"bench_attention: the C library is unavailable: {clib.unavailable_reason()}")
     vllm = _vllm_ops()
     name = "vllm_bf16" if vllm else "sdpa_bf16"
-    res: dict = {"attention_shape": {"batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-                                     "fmt": fmt.value, "block_size": block_size, "rounds": repeats}}
-    isa = "sdpa"
+    config = {"batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "fmt": fmt.value,
+              "block_size": block_size, "rounds": repeats}
+    cpu = environment().get("cpu_model", "")
+    records, isa = [], "sdpa"
     for context in contexts:
+        rec = functools.partial(Record, "attention", shape={"context": context, "batch": batch}, machine=cpu)
         case = _Case(context, batch, heads, kv_heads, head_dim, fmt, block_size, seed + context)
         step, nbytes, isa = _vllm_bf16(case, *vllm) if vllm else _sdpa_bf16(case)
-        res.update(_one_context(case, step, name, repeats, threads, context))
-        res[f"attention_kv_bytes.fp4.{context}"] = _cache_bytes(case.k) + _cache_bytes(case.v)
-        res[f"attention_kv_bytes.{name}.{context}"] = nbytes
-    res["attention_machine"] = _machine(name, isa)
-    return res
+        records += _one_context(case, step, name, repeats, threads, rec)
+        records += [rec("attention_kv_bytes", _cache_bytes(case.k) + _cache_bytes(case.v), "B", *IMPLS["fp4"]),
+                    rec("attention_kv_bytes", nbytes, "B", *IMPLS[name])]
+    return judged(Run("attention", records, config, _machine(name, isa)))
 
 
-def format_attention(res: dict) -> str:
-    s, m = res["attention_shape"], res["attention_machine"]
+def format_attention(run: Run) -> str:
+    s, m = run.config, run.machine
     name = m["bf16_impl"]
+    engine, mode = IMPLS[name]
     lines = [f"decode attention, batch {s['batch']}, {s['heads']} query / {s['kv_heads']} KV heads of {s['head_dim']}, "
              f"{s['fmt']} K/V vs {name} (ISA {m['bf16_isa']}), block {s['block_size']}, median of {s['rounds']} "
              f"interleaved rounds, {m['torch_threads']} threads on {m['cpu_model']}",
              f"{'context':>8}{'fp4 ms':>10}{name + ' ms':>16}{'fp4/bf16':>10}{'[min, max]':>18}{'bytes':>8}"
              f"{'rel diff':>11}"]
-    for key in sorted((k for k in res if k.startswith("attention_ratio.") and not k.endswith("_spread")),
-                      key=lambda k: int(k.rsplit(".", 1)[1])):
-        c = key.rsplit(".", 1)[1]
-        lo, hi = res[f"{key}_spread"]
-        ok = "ok" if res[key] <= ATTENTION_TARGET else "MISSED"
-        byte_ratio = res[f"attention_kv_bytes.fp4.{c}"] / res[f"attention_kv_bytes.{name}.{c}"]
-        lines.append(f"{c:>8}{res[f'attention_s_per_step.fp4.{c}'] * 1e3:>10.2f}"
-                     f"{res[f'attention_s_per_step.{name}.{c}'] * 1e3:>16.2f}{res[key]:>10.3f}"
-                     f"{f'[{lo:.3f}, {hi:.3f}]':>18}{byte_ratio:>8.3f}{res[f'attention_max_rel_diff.{c}']:>11.2e}"
-                     f"  (target <= {ATTENTION_TARGET}: {ok})")
+    judgement = {t.target: t for t in run.targets}
+    for c in run.values("attention_ratio", "context"):
+        r = run.record("attention_ratio", context=c)
+        lo, hi = r.spread
+        byte_ratio = run.value("attention_kv_bytes", "tracefp4", context=c) / run.value("attention_kv_bytes", engine,
+                                                                                          mode, context=c)
+        t = judgement.get(f"attention fp4 / bf16 at {c}")
+        lines.append(f"{c:>8}{run.value('attention_s_per_step', 'tracefp4', context=c) * 1e3:>10.2f}"
+                     f"{run.value('attention_s_per_step', engine, mode, context=c) * 1e3:>16.2f}{r.value:>10.3f}"
+                     f"{f'[{lo:.3f}, {hi:.3f}]':>18}{byte_ratio:>8.3f}"
+                     f"{run.value('attention_max_rel_diff', context=c):>11.2e}"
+                     + (f"  (target {verdict(t)})" if t else ""))
     return "\n".join(lines)
 
 
-def add_attention_command(bsub, write_json: Callable[[str | None, dict], None]) -> None:
-    b = bsub.add_parser("attention", help="one decode step of FP4 paged attention vs vLLM's BF16 CPU attention",
-                        description=__doc__.split("\n\n")[0])
+def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--context", type=int, action="append", help="keys per sequence (repeatable; default 4096, 16384)")
     b.add_argument("--batch", type=int, default=8)
     b.add_argument("--heads", type=int, default=32)
@@ -264,17 +270,12 @@ def add_attention_command(bsub, write_json: Callable[[str | None, dict], None]) 
     b.add_argument("--fmt", choices=["nvfp4", "mxfp4"], default="nvfp4")
     b.add_argument("--repeats", type=int, default=7, help="interleaved rounds (median reported)")
     b.add_argument("--threads", type=int, help="threads for torch, vLLM's op and ours (default: as configured)")
-    b.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
 
-    def run(args: argparse.Namespace) -> int:
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        print(f"filling caches for contexts {args.context or [4096, 16384]} ...", file=sys.stderr, flush=True)
-        res = bench_attention(contexts=tuple(args.context or (4096, 16384)), batch=args.batch, heads=args.heads,
-                              kv_heads=args.kv_heads, head_dim=args.head_dim, fmt=args.fmt, repeats=args.repeats,
-                              threads=args.threads)
-        print(format_attention(res))
-        write_json(args.json, res)
-        return 0
 
-    b.set_defaults(func=run)
+def run(args: argparse.Namespace) -> Run:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"filling caches for contexts {args.context or [4096, 16384]} ...", file=sys.stderr, flush=True)
+    return bench_attention(contexts=tuple(args.context or (4096, 16384)), batch=args.batch, heads=args.heads,
+                           kv_heads=args.kv_heads, head_dim=args.head_dim, fmt=args.fmt, repeats=args.repeats,
+                           threads=args.threads)

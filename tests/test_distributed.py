@@ -140,7 +140,7 @@ def test_two_ranks_equal_one_process(tmp_path, monkeypatch):
 
     with TrainerGroup(2, base, s.cfg, s.arm, opt1.state_tensors()) as group:
         # 1. the sharded forward sees the gathered [E, N, K] expert weights: identical log-probs
-        ref = [lp.detach() for lp in update_mod.engine.trainer_logprobs(
+        ref = [lp.detach() for lp in update_mod.steps.trainer_logprobs(
             s.model, batches[0].token_ids, batches[0].prompt_lens, batches[0].records, s.arm, temperature=1.0).logprobs]
         for per_rank in group.logprobs(batches[0].token_ids, batches[0].prompt_lens, batches[0].records):
             assert all(torch.equal(a, b) for a, b in zip(per_rank, ref))

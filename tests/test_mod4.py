@@ -390,6 +390,7 @@ def trainer_at(model, roll):
         out = forward_logprobs(model, roll.token_ids, roll.prompt_lens, roll.records,
                                TrainerSpec("trace", capture_codes=frozenset(range(4)), plan=roll.plan))
     assert len(paths) == 1  # one forward, one path: its report is the whole forward's
+    assert out.decode == paths[0].decode_report  # what forward_logprobs hands its caller
     counts = [len(t) for t in roll.token_ids]
     return out, {name: x.split(counts) for name, x in inputs.items()}, paths[0].decode_report
 

@@ -13,13 +13,15 @@ from tracefp4.engines.trainer import SiteMismatch
 from tracefp4.pipeline.metrics import (
     METRICS,
     TRL_PREFIX,
+    Name,
+    at_sites,
     canonical,
-    code_mismatch_rate,
+    gap_quantile,
     guidance_bytes_per_token,
     label,
     logprob_gap,
-    mismatch_totals,
-    one_apart_share,
+    mismatch_by,
+    mismatch_summary,
     reference_markdown,
     router_flip_rate,
     trl_name,
@@ -51,18 +53,30 @@ def test_the_loop_metrics_keep_their_record_names() -> None:
     gap = logprob_gap(lp_r, lp_t, mask)
     assert set(gap) <= set(METRICS)
     assert gap["train_rollout_logprob_abs_diff_max"] == 1.0
+    # the quantiles of |delta logp| over the same five tokens (|d| = 0.25, 0.5, 0, 0.1, 1)
+    q = logprob_gap(lp_r, lp_t, mask, quantiles=(0.5, 0.99))
+    assert q[gap_quantile(0.5)] == pytest.approx(0.25)
+    abs_d = torch.tensor([0.25, 0.5, 0.0, 0.1, 1.0], dtype=torch.float64)
+    assert q[gap_quantile(0.99)] == pytest.approx(float(torch.quantile(abs_d, 0.99)))
+    assert {k: q[k] for k in gap} == gap and gap_quantile(0.99) == Name.GAP_MEAN + "_p99"
 
 
 def test_summary_functions() -> None:
     sites = [SiteMismatch(mismatched=3, total=10, one_apart=2), SiteMismatch(mismatched=1, total=6, one_apart=1)]
-    mis, one, tot = mismatch_totals(sites)
-    assert (mis, one, tot) == (4, 3, 16)
-    assert code_mismatch_rate(mis, tot) == 4 / 16
-    assert one_apart_share(one, mis) == 3 / 4
+    s = mismatch_summary(sites)
+    assert (s["mismatched"], s["one_apart"], s["total"]) == (4, 3, 16)
+    assert s[Name.CODE_MISMATCH] == 4 / 16 and s[Name.ONE_APART] == 3 / 4
     # the reports' empty value is None (JSON null); the loop records 0.0 and 1.0 (mism / max(total, 1),
     # one / mism if mism else 1.0)
-    assert code_mismatch_rate(0, 0) is None and code_mismatch_rate(0, 0, empty=0.0) == 0.0
-    assert one_apart_share(0, 0) is None and one_apart_share(0, 0, empty=1.0) == 1.0
+    empty = [SiteMismatch(mismatched=0, total=0, one_apart=0)]
+    assert mismatch_summary(empty)[Name.CODE_MISMATCH] is None and mismatch_summary(empty)[Name.ONE_APART] is None
+    loop = mismatch_summary(empty, empty_rate=0.0, empty_share=1.0)
+    assert loop[Name.CODE_MISMATCH] == 0.0 and loop[Name.ONE_APART] == 1.0
+    # by group, and a selection of sites by (layer, site)
+    by_site = dict(zip(("L00.k", "L03.expert_in"), sites))
+    assert mismatch_by(by_site)["L03.expert_in"][Name.CODE_MISMATCH] == 1 / 6
+    assert at_sites(by_site, lambda layer, site: layer >= 1) == [sites[1]]
+    assert at_sites(by_site, lambda layer, site: site == "k") == [sites[0]]
     assert router_flip_rate({0: 0.25, 1: 0.5}) == 0.375 and router_flip_rate({}) == 0.0
     assert guidance_bytes_per_token(96, 32) == 3.0 and guidance_bytes_per_token(0, 0) == 0.0
 

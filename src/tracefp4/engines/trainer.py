@@ -413,10 +413,6 @@ class SiteMismatch:
     total: int
     one_apart: int
 
-    @property
-    def rate(self) -> float:
-        return self.mismatched / self.total if self.total else 0.0
-
     def add(self, diff: torch.Tensor) -> None:
         """Count codewords at distance ``diff`` on the signed line (0: the same codeword)."""
         self.mismatched += int((diff != 0).sum())

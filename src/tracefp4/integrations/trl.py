@@ -49,16 +49,21 @@ from trl import GRPOConfig, GRPOTrainer
 from tracefp4.engines.model import load_model, model_layers, model_state, prepare_model
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, StoreTarget
 from tracefp4.engines.rows import RowMap
-from tracefp4.engines.trainer import TrainerMode, TrainerSpec, code_mismatch, token_logprobs, trainer_forward
+from tracefp4.engines.trainer import (
+    SiteMismatch,
+    TrainerMode,
+    TrainerSpec,
+    code_mismatch,
+    token_logprobs,
+    trainer_forward,
+)
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.store import StoreReader, bytes_per_token, discard_step
 from tracefp4.pipeline.arms import DIAGNOSTICS_CHOICES, integration_arm, integration_rollout
 from tracefp4.pipeline.factory import EngineKind, make_engine
 from tracefp4.pipeline.metrics import (
     Name,
-    code_mismatch_rate,
-    mismatch_totals,
-    one_apart_share,
+    mismatch_summary,
     router_flip_rate,
     share,
     trl_name,
@@ -492,9 +497,9 @@ class TraceGRPOTrainer(GRPOTrainer):
     def _trace_note(self, report, traj, gens, logp: torch.Tensor, valid: torch.Tensor) -> None:
         st = self._trace_stats
         if self._trace_arm.diagnostics:
-            counts = mismatch_totals(code_mismatch(report.codes, [g.diagnostics[b] for g, b in gens]).values())
-            for key, n in zip(("mismatched", "one_apart", "codes"), counts):
-                st.setdefault(key, []).append(float(n))
+            counts = mismatch_summary(code_mismatch(report.codes, [g.diagnostics[b] for g, b in gens]).values())
+            for key in ("mismatched", "one_apart", "total"):
+                st.setdefault(key, []).append(float(counts[key]))
         roll = torch.zeros_like(logp)
         for r, (g, b) in enumerate(gens):
             lp = g.logprobs[b].to(logp.device)
@@ -511,18 +516,20 @@ class TraceGRPOTrainer(GRPOTrainer):
         """This generation's TRACE metrics into TRL's logs, reduced over processes (every process calls it)."""
         st = self._trace_stats
         total = lambda k: sum(st.get(k, []))  # noqa: E731
-        local = torch.tensor([total("mismatched"), total("one_apart"), total("codes"), total("gap_sum"),
+        local = torch.tensor([total("mismatched"), total("one_apart"), total("total"), total("gap_sum"),
                               total("gap_n"), total("decode_failures"), total("flips"), float(len(st.get("flips", []))),
                               total("guidance_bytes"), 1.0], dtype=torch.float64, device=self.accelerator.device)
         sums = self.accelerator.reduce(local, reduction="sum").tolist()
         gap_max = torch.tensor([max(st.get("gap_max", [0.0]))], dtype=torch.float64, device=self.accelerator.device)
         gap_max = float(self.accelerator.gather(gap_max).max())
-        mism, one, codes, gap_sum, gap_n, failures, flips, n_flips, guidance, procs = sums
+        mism, one, n_codes, gap_sum, gap_n, failures, flips, n_flips, guidance, procs = sums
         # the registry's summaries over the processes' totals, each under its TRL name; a metric whose
         # denominator is empty this generation is left out rather than logged as 0
+        codes = mismatch_summary([SiteMismatch(mismatched=int(mism), total=int(n_codes), one_apart=int(one))],
+                                 empty_share=1.0)
         figures = {
-            Name.CODE_MISMATCH: code_mismatch_rate(mism, codes),
-            Name.ONE_APART: one_apart_share(one, mism, empty=1.0) if codes > 0 else None,
+            Name.CODE_MISMATCH: codes[Name.CODE_MISMATCH],
+            Name.ONE_APART: codes[Name.ONE_APART] if codes["total"] > 0 else None,
             Name.GAP_MEAN: share(gap_sum, gap_n),
             Name.GAP_MAX: gap_max if gap_n > 0 else None,
             Name.DECODE_FAILURES: failures,

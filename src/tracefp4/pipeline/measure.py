@@ -1,6 +1,7 @@
 """What every report measures: arms run over one model and prompts (:func:`run_arms`: each arm's
 rollout through the guidance store and its trainer on what the store returned), the log-prob gap of a
-trainer against its rollout, code-mismatch totals over a set of sites, and the store's byte accounting.
+trainer against its rollout, and the store's byte accounting (code mismatch is summarised by
+:func:`tracefp4.pipeline.metrics.mismatch_summary`).
 
 The reports push their rollouts' records through the real store (written, sealed, read back with
 checksums verified) so that the trainer consumes what a distributed run would hand it and the byte
@@ -22,12 +23,12 @@ import torch
 
 from tracefp4.engines.protocol import RolloutEngine, RolloutOutput, SamplingParams
 from tracefp4.engines.sink import StoreTarget
-from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, forward_logprobs
+from tracefp4.engines.trainer import TrainerOutput, forward_logprobs
 from tracefp4.guidance.names import layer_tag
 from tracefp4.guidance.store import StoreReader, bytes_per_token, parse_name
 from tracefp4.pipeline.arms import Arm
 from tracefp4.pipeline.factory import EngineKind, make_engine
-from tracefp4.pipeline.metrics import Name, code_mismatch_rate, logprob_gap, metric, mismatch_totals, one_apart_share
+from tracefp4.pipeline.metrics import Name, logprob_gap, metric
 from tracefp4.pipeline.steps import rollout_step, trainer_spec
 from tracefp4.seeds import TrajectoryIds, trajectory_ids
 
@@ -37,7 +38,6 @@ __all__ = [
     "config_signature",
     "store_root",
     "gap",
-    "aggregate",
     "same_rollout",
     "ArmRun",
     "run_arms",
@@ -65,7 +65,7 @@ def store_root(store_dir: str | os.PathLike[str] | None, prefix: str) -> Iterato
         yield Path(tmp)
 
 
-# --- log-prob gap and code mismatch --------------------------------------------------------------
+# --- log-prob gap --------------------------------------------------------------------------------
 
 #: The log-prob gap metrics of :func:`gap`, in its keys' order (the reports' spellings of them).
 GAP_METRICS = (Name.GAP_MEAN, Name.GAP_MAX, Name.K3_KL, Name.KL, Name.LOG_PPL_DIFF)
@@ -89,18 +89,6 @@ def gap(rollout: RolloutOutput, trainer: TrainerOutput) -> dict[str, float]:
         raise RuntimeError("trainer and rollout disagree on the completion lengths")
     m = logprob_gap(lr, lt.detach().float(), mask)
     return {**{metric(k).aliases["reports"]: m[k] for k in GAP_METRICS}, "tokens": int(mask.sum())}
-
-
-def aggregate(stats: Mapping[str, SiteMismatch], keep: Callable[[int, str], bool]) -> dict[str, Any]:
-    """Mismatch totals over the sites ``keep(layer, site)`` selects, their rate and adjacent share."""
-    mis, one, tot = mismatch_totals(s for name, s in stats.items() if keep(*parse_name(name + ".codes")[:2]))
-    return {
-        "mismatched": mis,
-        "one_apart": one,
-        "total": tot,
-        "rate": code_mismatch_rate(mis, tot),
-        "adjacent_share": one_apart_share(one, mis),
-    }
 
 
 def same_rollout(a: RolloutOutput, b: RolloutOutput) -> bool:

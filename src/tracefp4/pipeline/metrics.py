@@ -13,16 +13,18 @@ a "site" is one quantized tensor of one layer (``docs/contracts.md`` section 5).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from tracefp4.engines.trainer import SiteMismatch
+from tracefp4.guidance.store import parse_name
 
 __all__ = [
-    "Metric", "METRICS", "Name", "TRL_PREFIX", "alias", "canonical", "trl_name", "metric", "label", "share", "mismatch_totals",
-    "code_mismatch_rate", "one_apart_share", "logprob_gap", "router_flip_rate", "guidance_bytes_per_token",
-    "reference_markdown",
+    "Metric", "METRICS", "Name", "TRL_PREFIX", "alias", "canonical", "trl_name", "metric", "label", "share",
+    "mismatch_summary", "mismatch_by", "at_sites", "gap_quantile", "logprob_gap", "router_flip_rate",
+    "guidance_bytes_per_token", "reference_markdown",
 ]  # fmt: skip
 
 #: The prefix the TRL integration puts before its metric names in TRL's logs.
@@ -142,26 +144,46 @@ def share(num: float, den: float, empty: float | None = None) -> float | None:
     return num / den if den else empty
 
 
-def mismatch_totals(sites: Iterable[SiteMismatch]) -> tuple[int, int, int]:
-    """(mismatched, one apart, codes compared) summed over sites."""
+def mismatch_summary(counts: Iterable[SiteMismatch], *, empty_rate: float | None = None,
+                     empty_share: float | None = None) -> dict[str, Any]:
+    """The code-mismatch summary of ``counts``, every output's one way to count it: the counts of one
+    grouping of :func:`~tracefp4.engines.trainer.code_mismatch` (sites, layers or positions, or a
+    selection of them: :func:`at_sites`) summed into ``mismatched``, ``one_apart`` and ``total``, and
+    ``code_mismatch_rate`` (mismatched / total) and ``code_mismatch_one_apart_share`` (one apart /
+    mismatched) over the sums. An empty denominator gives ``empty_rate`` / ``empty_share`` (the reports:
+    None, a JSON ``null``; the loop keeps its records' values: 0.0 and 1.0)."""
     mis = one = tot = 0
-    for s in sites:
-        mis, one, tot = mis + s.mismatched, one + s.one_apart, tot + s.total
-    return mis, one, tot
+    for c in counts:
+        mis, one, tot = mis + c.mismatched, one + c.one_apart, tot + c.total
+    return {
+        "mismatched": mis,
+        "one_apart": one,
+        "total": tot,
+        Name.CODE_MISMATCH: share(mis, tot, empty_rate),
+        Name.ONE_APART: share(one, mis, empty_share),
+    }
 
 
-def code_mismatch_rate(mismatched: int, total: int, empty: float | None = None) -> float | None:
-    """``code_mismatch_rate``: mismatched / codes compared."""
-    return share(mismatched, total, empty)
+def mismatch_by(groups: Mapping[str, SiteMismatch]) -> dict[str, dict[str, Any]]:
+    """:func:`mismatch_summary` of each group (a site, a layer or a position key) on its own."""
+    return {key: mismatch_summary([c]) for key, c in groups.items()}
 
 
-def one_apart_share(one_apart: int, mismatched: int, empty: float | None = None) -> float | None:
-    """``code_mismatch_one_apart_share``: one apart / mismatched."""
-    return share(one_apart, mismatched, empty)
+def at_sites(counts: Mapping[str, SiteMismatch], keep: Callable[[int, str], bool]) -> list[SiteMismatch]:
+    """The counts of the sites (``code_mismatch``'s default grouping: ``L07.k`` -> counts) whose
+    (layer, site) ``keep`` selects."""
+    return [c for name, c in counts.items() if keep(*parse_name(name + ".codes")[:2])]
 
 
-def logprob_gap(logp_rollout: torch.Tensor, logp_train: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """The five log-prob gap metrics over the generated tokens of ``mask`` (names as verl logs them).
+def gap_quantile(q: float) -> str:
+    """The key :func:`logprob_gap` gives the ``q``-quantile of |delta logp| (``..._abs_diff_p99``: 0.99)."""
+    return f"{Name.GAP_MEAN}_p{100 * q:g}"
+
+
+def logprob_gap(logp_rollout: torch.Tensor, logp_train: torch.Tensor, mask: torch.Tensor,
+                quantiles: Sequence[float] = ()) -> dict[str, float]:
+    """The five log-prob gap metrics over the generated tokens of ``mask`` (names as verl logs them),
+    and the ``quantiles`` of |delta logp| (:func:`gap_quantile` names them).
 
     ``rollout_corr/kl`` = mean(logp_rollout - logp_train); ``rollout_corr/k3_kl`` = mean(r - log r - 1)
     with r = pi_train/pi_rollout; ``rollout_corr/log_ppl_diff`` = mean over sequences of
@@ -184,6 +206,7 @@ def logprob_gap(logp_rollout: torch.Tensor, logp_train: torch.Tensor, mask: torc
         Name.LOG_PPL_DIFF: float((ppl_r - ppl_t)[mask.sum(1) > 0].mean()),
         Name.GAP_MEAN: float(d.abs().mean()),
         Name.GAP_MAX: float(d.abs().max()),
+        **{gap_quantile(q): float(torch.quantile(d.abs(), q)) for q in quantiles},
     }
 
 

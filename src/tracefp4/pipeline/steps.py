@@ -27,7 +27,7 @@ from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.store import StoreReader, discard_step, seal_step
 from tracefp4.pipeline.arms import Arm
 from tracefp4.pipeline.factory import EngineKind, make_engine
-from tracefp4.pipeline.metrics import Name, code_mismatch_rate, mismatch_totals, one_apart_share
+from tracefp4.pipeline.metrics import Name, mismatch_summary
 from tracefp4.seeds import TrajectoryIds, trajectory_ids
 
 Records = list[dict[str, torch.Tensor]]
@@ -165,11 +165,9 @@ def trainer_spec(arm: Arm, *, temperature: float, capture: bool = False) -> Trai
 def code_mismatch_metrics(out: TrainerOutput, diagnostics: Records) -> dict[str, float]:
     """Share of FP4 codes at the diagnostics sites that the trainer picked differently from the
     rollout, and the share of those that are one codeword apart."""
-    mism, one, total = mismatch_totals(code_mismatch(out.codes, diagnostics).values())
-    return {  # the loop's records keep 0 and 1 for an empty denominator
-        Name.CODE_MISMATCH: code_mismatch_rate(mism, total, empty=0.0),
-        Name.ONE_APART: one_apart_share(one, mism, empty=1.0),
-    }
+    # the loop's records keep 0 and 1 for an empty denominator
+    s = mismatch_summary(code_mismatch(out.codes, diagnostics).values(), empty_rate=0.0, empty_share=1.0)
+    return {name: s[name] for name in (Name.CODE_MISMATCH, Name.ONE_APART)}
 
 
 def decode_failures(out: TrainerOutput) -> int:

@@ -76,10 +76,9 @@ from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.hints import lsb_of_codes, record_format
 from tracefp4.guidance.names import Site, layer_tag, record_prefix, routing_key
 from tracefp4.pipeline.factory import EngineKind
-from tracefp4.pipeline.metrics import Name, one_apart_share
+from tracefp4.pipeline.metrics import Name, at_sites, mismatch_by, mismatch_summary
 from tracefp4.pipeline.measure import (
     ArmRun,
-    aggregate,
     config_signature,
     gap,
     run_arms,
@@ -325,14 +324,13 @@ def _code_stats(
 
 def _aggregates(stats: Mapping[str, Mapping[str, SiteMismatch]], compact_layers) -> dict[str, dict[str, Any]]:
     """Totals at comparable sites: QAT everywhere and on the deeper half, each trace arm at its guided sites."""
-    everywhere = lambda layer, site: True  # noqa: E731
     deeper = lambda layer, site: layer in compact_layers  # noqa: E731
     return {
-        "qat": aggregate(stats["qat"], everywhere),
-        "qat_deeper_half": aggregate(stats["qat"], deeper),
-        "trace_lsb": aggregate(stats["trace_lsb"], everywhere),  # its guided sites = the deeper half
-        "trace_full": aggregate(stats["trace_full"], everywhere),
-        "trace_full_deeper_half": aggregate(stats["trace_full"], deeper),
+        "qat": mismatch_summary(stats["qat"].values()),
+        "qat_deeper_half": mismatch_summary(at_sites(stats["qat"], deeper)),
+        "trace_lsb": mismatch_summary(stats["trace_lsb"].values()),  # its guided sites = the deeper half
+        "trace_full": mismatch_summary(stats["trace_full"].values()),
+        "trace_full_deeper_half": mismatch_summary(at_sites(stats["trace_full"], deeper)),
     }
 
 
@@ -341,17 +339,15 @@ def _per_site_table(
 ) -> dict[str, dict[str, Any]]:
     """site -> layer -> elements, mismatch rate and adjacent share per arm, bytes per token full/compact."""
     per_site: dict[str, dict[str, Any]] = {}
+    by_site = {arm: mismatch_by(s) for arm, s in stats.items()}
     for site in _SITES:
         for layer in range(n_layers):
             name = record_prefix(layer, site)
             if name not in stats["qat"]:
                 continue  # no quantized site of this layer (a dense layer)
             row: dict[str, Any] = {"elements": stats["qat"][name].total}
-            row["mismatch_rate"] = {arm: stats[arm][name].rate if name in stats[arm] else None for arm in stats}
-            row["adjacent_share"] = {
-                arm: one_apart_share(stats[arm][name].one_apart, stats[arm][name].mismatched) if name in stats[arm] else None
-                for arm in stats
-            }
+            for key, figure in (("mismatch_rate", Name.CODE_MISMATCH), ("adjacent_share", Name.ONE_APART)):
+                row[key] = {arm: s[name][figure] if name in s else None for arm, s in by_site.items()}
             key = layer_tag(layer)
             row["bytes_per_token"] = {
                 "full": stored.bytes_full["by_site_layer"].get(site, {}).get(key, 0.0),
@@ -465,8 +461,8 @@ def mismatch_report(
             "generated_bf16": sum(lp.numel() for lp in rollouts["bf16"].logprobs),
         },
         "fp4_rollouts_identical": fp4_identical,
-        "mismatch_rate": {k: v["rate"] for k, v in agg.items()},
-        "adjacent_share": {k: v["adjacent_share"] for k, v in agg.items()},
+        "mismatch_rate": {k: v[Name.CODE_MISMATCH] for k, v in agg.items()},
+        "adjacent_share": {k: v[Name.ONE_APART] for k, v in agg.items()},
         "mismatch_counts": {k: {f: v[f] for f in ("mismatched", "one_apart", "total")} for k, v in agg.items()},
         Name.ROUTER_FLIPS: flips["qat"]["rate"],
         "router_flip": _router_flip_section(flips, trainers),

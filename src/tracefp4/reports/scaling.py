@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from tracefp4.engines.model import from_config, load_model, model_layers, tiny_config
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
@@ -69,8 +70,8 @@ from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import parse_name
 from tracefp4.pipeline.arms import SCALING_ARMS, Arm, arm_style, make_arm
 from tracefp4.pipeline.factory import EngineKind, make_engine
-from tracefp4.pipeline.measure import aggregate, config_signature, run_arms, same_rollout, store_root
-from tracefp4.pipeline.metrics import code_mismatch_rate, one_apart_share
+from tracefp4.pipeline.measure import config_signature, run_arms, same_rollout, store_root
+from tracefp4.pipeline.metrics import Name, at_sites, gap_quantile, logprob_gap, mismatch_by, mismatch_summary
 
 __all__ = [
     "CENTRE", "DEPTHS", "WIDTHS", "LENGTHS", "BUCKETS", "TARGETS", "Point", "grid",
@@ -250,13 +251,18 @@ def logprob_stats(rollout_logprobs: Sequence[torch.Tensor], trainer_logprobs: Se
         raise ValueError("logprob_stats: every sequence needs at least one completion token")
     flat = torch.cat(ds)
     seq = torch.stack([d.sum() for d in ds])
+    lengths = torch.tensor([d.numel() for d in ds])
+    mask = torch.arange(int(lengths.max())) < lengths[:, None]
+    lr, lt = (pad_sequence([x.detach().double() for x in xs], batch_first=True)
+              for xs in (rollout_logprobs, trainer_logprobs))
+    g = logprob_gap(lr, lt, mask, quantiles=(0.99,))
     out: dict[str, Any] = {
         "tokens": flat.numel(),
         "sequences": len(ds),
-        "mean_abs": float(flat.abs().mean()),
-        "p99_abs": float(torch.quantile(flat.abs(), 0.99)),
-        "max_abs": float(flat.abs().max()),
-        "mean": float(flat.mean()),
+        "mean_abs": g[Name.GAP_MEAN],
+        "p99_abs": g[gap_quantile(0.99)],
+        "max_abs": g[Name.GAP_MAX],
+        "mean": -g[Name.KL],  # the registry's KL is mean(rollout - train); this report's d is its negation
         "seq_mean": float(seq.mean()),
         "seq_abs_mean": float(seq.abs().mean()),
         "seq_abs_max": float(seq.abs().max()),
@@ -282,10 +288,8 @@ def _position_bucket(pos: int, prompt_len: int) -> str:
 
 
 def _rates(counts: Mapping[str, SiteMismatch]) -> dict[str, dict[str, float | None]]:
-    return {
-        k: {"rate": code_mismatch_rate(c.mismatched, c.total), "adjacent_share": one_apart_share(c.one_apart, c.mismatched)}
-        for k, c in counts.items()
-    }
+    return {k: {"rate": s[Name.CODE_MISMATCH], "adjacent_share": s[Name.ONE_APART]}
+            for k, s in mismatch_by(counts).items()}
 
 
 def _merged_codes(out: TrainerOutput, qat: TrainerOutput, guided: frozenset[int]) -> list[dict[str, torch.Tensor]]:
@@ -305,12 +309,14 @@ def _arm_row(rollout: RolloutOutput, trainer: TrainerOutput, codes, reference, g
     if codes is None:  # bf16: no FP4 codes
         return row
     stats = code_mismatch(codes, reference)
-    everywhere = aggregate(stats, lambda layer, site: True)
-    row["code_mismatch"] = everywhere["rate"]
-    row["adjacent_share"] = everywhere["adjacent_share"]
-    row["code_mismatch_deeper_half"] = aggregate(stats, lambda layer, site: layer >= n_layers // 2)["rate"]
+    everywhere = mismatch_summary(stats.values())
+    row["code_mismatch"] = everywhere[Name.CODE_MISMATCH]
+    row["adjacent_share"] = everywhere[Name.ONE_APART]
+    deeper = at_sites(stats, lambda layer, site: layer >= n_layers // 2)
+    row["code_mismatch_deeper_half"] = mismatch_summary(deeper)[Name.CODE_MISMATCH]
     if guided is not None:
-        row["code_mismatch_guided"] = aggregate(stats, lambda layer, site: layer in guided)["rate"]
+        in_guided = at_sites(stats, lambda layer, site: layer in guided)
+        row["code_mismatch_guided"] = mismatch_summary(in_guided)[Name.CODE_MISMATCH]
         row["guided_layers"] = sorted(guided)
     diffs = code_mismatch(codes, reference, by=("layer", "position"), prompt_lens=rollout.prompt_lens,
                           position_key=_position_bucket)

@@ -47,9 +47,8 @@ from tracefp4.guidance import compact
 from tracefp4.guidance.compact import STANDARD_MODES, GuidedMode, read_record
 from tracefp4.guidance.names import deeper_half
 from tracefp4.guidance.store import parse_name
-from tracefp4.pipeline.metrics import Name, metric
+from tracefp4.pipeline.metrics import Name, at_sites, metric, mismatch_summary
 from tracefp4.pipeline.measure import (
-    aggregate,
     config_signature,
     gap,
     run_arms,
@@ -100,8 +99,11 @@ def _grid_agreement(
 
 
 def _agreement(stats: Mapping[str, SiteMismatch], keep: Callable[[int, str], bool]) -> dict[str, Any]:
-    agg = aggregate(stats, keep)
-    return {**agg, "agreement": None if agg["rate"] is None else 1.0 - agg["rate"]}
+    s = mismatch_summary(at_sites(stats, keep))
+    rate = s[Name.CODE_MISMATCH]
+    counts = {k: s[k] for k in ("mismatched", "one_apart", "total")}
+    return {**counts, "rate": rate, "adjacent_share": s[Name.ONE_APART],
+            "agreement": None if rate is None else 1.0 - rate}
 
 
 #: The log-prob gap metrics a sweep row carries, in its keys' order.

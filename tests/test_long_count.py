@@ -83,3 +83,32 @@ def test_validation_and_model_sizing():
     t = LongCount()
     ex = t.eval_set(1)[0]
     assert len(t.make_tokenizer().encode(ex.prompt + ex.answer)) + 1 == 531
+
+
+def test_long_output_experiment_config_loads_and_fits_the_task():
+    """configs/experiment-long-output.toml (issue 49's matrix) validates, and its model and limits hold
+    the task's answers: max_new_tokens past the answer and its end token, positions past prompt + that."""
+    from pathlib import Path
+
+    from tracefp4.rl.experiment import ExperimentConfig
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "experiment-long-output.toml"
+    cfg = ExperimentConfig.from_file(str(path))
+    assert len(cfg.seeds) == 3
+    run = cfg.run_config(cfg.seeds[0])
+    assert set(run.arms) == {"bf16", "fp4-rollout", "qat", "trace", "trace-full"}
+    assert run.steps >= 200 and run.model.layers >= 8 and run.is_mode == "token-truncate"
+    task = make_task(run.task, **run.task_kwargs)
+    assert task.answer_tokens >= 512 and run.max_new_tokens >= task.answer_tokens + 1
+    tok = task.make_tokenizer()
+    longest_prompt = max(len(tok.encode(e.prompt)) for e in task.eval_set(run.eval_size))
+    assert run.model.max_positions >= longest_prompt + run.max_new_tokens
+    assert run.model.vocab >= tok.vocab_size
+
+
+def test_experiment_help_shows_one_job(capsys):
+    from tracefp4.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["experiment", "--help"])
+    assert "SEED:JOB" in capsys.readouterr().out

@@ -252,7 +252,11 @@ def _add_experiment_parser(sub) -> None:
     x.add_argument("--workers", type=int, default=1,
                    help="run the warm starts and (seed, arm) jobs in this many processes at once (default 1); "
                    "each uses the run config's threads, so give it workers x threads cores; same numbers as 1")
-    x.add_argument("--job", default=None, help=argparse.SUPPRESS)  # SEED:JOB, what a --workers process runs
+    x.add_argument("--job", default=None, metavar="SEED:JOB",
+                   help="run one job and stop (what each --workers process runs): SEED:warm_start, then SEED:<arm> "
+                   "for each arm, in parallel in the background if you like (each job locks only its own arm); "
+                   "a seed's arms need its warm_start done. A plain run afterwards finds every job done, "
+                   "resumes nothing and writes the results")
     x.set_defaults(func=cmd_experiment)
 
 

@@ -276,6 +276,114 @@ class CountBy:
         return [self._example(*p) for p in _distinct(rng, self._pair, self._held_out, n)]
 
 
+@dataclasses.dataclass
+class LongCount:
+    """The long-output task (issue 49): ``"A<start>+<step>="`` -> the next ``terms`` terms of
+    ``start + k * step`` (k = 1..terms) modulo ``m = 10**digits``, each written with ``digits`` digits
+    and followed by ``sep``: 130 terms of 3 digits and a comma, 520 answer tokens plus the end token with
+    the character tokenizer (every answer has the same length, so the eval set's mean is 520).
+
+    Why a long count rather than sorting with its steps written out or a search trace: it is the one
+    of the three a tiny model is known to learn here. The count task with 3-digit terms and 1-digit
+    steps reached a held-out per-position reward of 0.60 after 200 SFT steps on the 8-layer model
+    (docs/results/count3-8l.md), and each term needs only local context (the previous term a fixed
+    ``digits + 1`` tokens back, the step after the only ``+``), so its difficulty does not grow with
+    the answer's length while the summed train-rollout mismatch does, which is what issue 49
+    measures. A bubble-sort trace needs comparisons across a whole list the model must attend to,
+    and whether the 8-layer model learns it in an affordable SFT is unknown; it would spend the
+    issue's budget on a learnability question it does not ask. The chain carries a slip forward (one
+    wrong carry puts every later term off the answer), as in long reasoning, so the answer's tail
+    is where the model can still gain and where a mismatched rollout can lose.
+
+    The separator keeps a term's boundary explicit: a dropped or extra digit costs its own term in
+    the per-term credit below instead of shifting every later position.
+
+    Reward (graded, in [0, 1]): ``credit = "answer"``: the share of terms equal to the answer's term
+    at the same index (the completion split at ``sep``), over ``terms`` or the completion's term count
+    if larger, so extra terms are paid for. Because a slip puts the rest off the chain, this is
+    close to the correct prefix's length over the answer's: samples of a group slip at different
+    terms, so their rewards differ and GRPO's group-normalised advantage is non-zero (an exact-match
+    reward at 130 terms would be 0 for every sample of nearly every group, and no signal).
+    ``credit = "rule"``: the share of terms that equal the completion's own previous term plus the
+    step, so a slip costs one term (as in :class:`CountBy`). 1 exactly when the completion is the
+    answer; text that is not terms of ``digits`` digits earns 0.
+
+    The held-out (start, step) pairs are the same eleventh by hash as :class:`CountBy`'s (every
+    units digit, step and carry also occurs in training)."""
+
+    terms: int = 130
+    digits: int = 3
+    max_step: int | None = 9  # one-digit steps: the count3-8l setting the 8-layer model learnt
+    sep: str = ","
+    credit: str = "answer"  # "answer": terms equal to the answer's; "rule": terms that follow the rule
+    name: str = "long-count"
+
+    def __post_init__(self) -> None:
+        for field in ("terms", "digits"):
+            v = getattr(self, field)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{field} must be a positive integer, got {v!r}")
+        if self.credit not in ("answer", "rule"):
+            raise ValueError(f"credit must be 'answer' or 'rule', got {self.credit!r}")
+        if len(self.sep) != 1 or self.sep.isdigit() or self.sep in "+=A":
+            raise ValueError(f"sep must be one character other than a digit, '+', '=' or 'A', got {self.sep!r}")
+        top = 10**self.digits - 1
+        if self.max_step is not None and not (isinstance(self.max_step, int) and 1 <= self.max_step <= top):
+            raise ValueError(f"max_step must be an integer in [1, {top}] (or None), got {self.max_step!r}")
+
+    @property
+    def answer_tokens(self) -> int:
+        """Answer length in tokens (the end token excluded): what ``max_new_tokens`` must exceed."""
+        return self.terms * (self.digits + 1)
+
+    def _pair(self, rng: random.Random) -> tuple[int, int]:
+        m = 10**self.digits
+        return rng.randrange(m), rng.randrange(1, (self.max_step or m - 1) + 1)
+
+    def _example(self, start: int, step: int) -> Example:
+        m, d = 10**self.digits, self.digits
+        terms = "".join(f"{(start + k * step) % m:0{d}d}{self.sep}" for k in range(1, self.terms + 1))
+        return Example(f"A{start:0{d}d}+{step:0{d}d}=", terms)
+
+    def _held_out(self, start: int, step: int) -> bool:
+        return (start * 7 + step * 3) % 11 == 5
+
+    def make_tokenizer(self) -> CharTokenizer:
+        return CharTokenizer("0123456789+=A" + self.sep)
+
+    def sample(self, rng: random.Random, n: int) -> list[Example]:
+        return [self._example(*p) for p in _draws(rng, self._pair, lambda a, b: not self._held_out(a, b), n)]
+
+    def _chunks(self, completion: str) -> list[str]:
+        c = completion.strip()
+        if c.endswith(self.sep):  # the answer's own trailing separator closes the last term
+            c = c[:-1]
+        return c.split(self.sep) if c else []
+
+    def reward(self, example: Example, completion: str) -> float:
+        if completion.strip() == example.answer:
+            return 1.0
+        chunks, d = self._chunks(completion), self.digits
+        denom = max(self.terms, len(chunks))
+        if self.credit == "answer":
+            want = self._chunks(example.answer)
+            return sum(c == w for c, w in zip(chunks, want)) / denom
+        m = 10**d
+        start, step = int(example.prompt[1:1 + d]), int(example.prompt[2 + d:2 + 2 * d])
+        good, prev = 0, start
+        for chunk in chunks[: self.terms]:
+            if len(chunk) == d and chunk.isdigit():
+                good += int(chunk) == (prev + step) % m
+                prev = int(chunk)
+            else:  # a malformed term: no later term has a previous one to follow
+                break
+        return good / denom
+
+    def eval_set(self, n: int = 128) -> list[Example]:
+        rng = random.Random(24680)
+        return [self._example(*p) for p in _distinct(rng, self._pair, self._held_out, n)]
+
+
 def _draws(rng: random.Random, draw, keep, n: int) -> list:
     """The first ``n`` draws that ``keep`` accepts, in draw order (repeats included)."""
     out = []
@@ -298,7 +406,7 @@ def _distinct(rng: random.Random, draw, keep, n: int) -> list:
     return list(seen)
 
 
-TASKS: dict[str, type] = {"addition": Addition, "reverse": Reverse, "count": CountBy}
+TASKS: dict[str, type] = {"addition": Addition, "reverse": Reverse, "count": CountBy, "long-count": LongCount}
 """Task classes by the name a run config gives (``task = "reverse"``); add your own here."""
 
 

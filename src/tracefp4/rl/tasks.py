@@ -257,19 +257,25 @@ class CountBy:
         costs its own term, not every term after it, which per-position credit against the answer
         would charge (the following terms are then all off the answer's chain). 1 exactly when the
         completion is the answer."""
-        c, d, m = completion.strip(), self.digits, 10**self.digits
+        c, d = completion.strip(), self.digits
         if c == example.answer:
             return 1.0
-        start, step = int(example.prompt[1:1 + d]), int(example.prompt[2 + d:2 + 2 * d])
         chunks = [c[i:i + d] for i in range(0, len(c), d)]
+        return self._following(example, chunks) / max(self.terms, len(chunks))
+
+    def _following(self, example: Example, chunks: list[str]) -> int:
+        """How many of the first ``terms`` chunks equal the previous chunk (the first: the start) plus
+        the step, up to the first malformed one (no later term has a previous one to follow)."""
+        d, m = self.digits, 10**self.digits
+        start, step = int(example.prompt[1:1 + d]), int(example.prompt[2 + d:2 + 2 * d])
         good, prev = 0, start
         for chunk in chunks[: self.terms]:
             if len(chunk) == d and chunk.isdigit():
                 good += int(chunk) == (prev + step) % m
                 prev = int(chunk)
-            else:  # a malformed term: no later term has a previous one to follow
+            else:
                 break
-        return good / max(self.terms, len(chunks))
+        return good
 
     def eval_set(self, n: int = 128) -> list[Example]:
         rng = random.Random(13579)
@@ -277,7 +283,7 @@ class CountBy:
 
 
 @dataclasses.dataclass
-class LongCount:
+class LongCount(CountBy):
     """The long-output task (issue 49): ``"A<start>+<step>="`` -> the next ``terms`` terms of
     ``start + k * step`` (k = 1..terms) modulo ``m = 10**digits``, each written with ``digits`` digits
     and followed by ``sep``: 130 terms of 3 digits and a comma, 520 answer tokens plus the end token with
@@ -314,45 +320,27 @@ class LongCount:
     terms: int = 130
     digits: int = 3
     max_step: int | None = 9  # one-digit steps: the count3-8l setting the 8-layer model learnt
-    sep: str = ","
     credit: str = "answer"  # "answer": terms equal to the answer's; "rule": terms that follow the rule
     name: str = "long-count"
+    sep: str = ","
 
     def __post_init__(self) -> None:
-        for field in ("terms", "digits"):
-            v = getattr(self, field)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{field} must be a positive integer, got {v!r}")
-        if self.credit not in ("answer", "rule"):
-            raise ValueError(f"credit must be 'answer' or 'rule', got {self.credit!r}")
+        super().__post_init__()
         if len(self.sep) != 1 or self.sep.isdigit() or self.sep in "+=A":
             raise ValueError(f"sep must be one character other than a digit, '+', '=' or 'A', got {self.sep!r}")
-        top = 10**self.digits - 1
-        if self.max_step is not None and not (isinstance(self.max_step, int) and 1 <= self.max_step <= top):
-            raise ValueError(f"max_step must be an integer in [1, {top}] (or None), got {self.max_step!r}")
 
     @property
     def answer_tokens(self) -> int:
         """Answer length in tokens (the end token excluded): what ``max_new_tokens`` must exceed."""
         return self.terms * (self.digits + 1)
 
-    def _pair(self, rng: random.Random) -> tuple[int, int]:
-        m = 10**self.digits
-        return rng.randrange(m), rng.randrange(1, (self.max_step or m - 1) + 1)
-
     def _example(self, start: int, step: int) -> Example:
         m, d = 10**self.digits, self.digits
         terms = "".join(f"{(start + k * step) % m:0{d}d}{self.sep}" for k in range(1, self.terms + 1))
         return Example(f"A{start:0{d}d}+{step:0{d}d}=", terms)
 
-    def _held_out(self, start: int, step: int) -> bool:
-        return (start * 7 + step * 3) % 11 == 5
-
     def make_tokenizer(self) -> CharTokenizer:
         return CharTokenizer("0123456789+=A" + self.sep)
-
-    def sample(self, rng: random.Random, n: int) -> list[Example]:
-        return [self._example(*p) for p in _draws(rng, self._pair, lambda a, b: not self._held_out(a, b), n)]
 
     def _chunks(self, completion: str) -> list[str]:
         c = completion.strip()
@@ -363,21 +351,12 @@ class LongCount:
     def reward(self, example: Example, completion: str) -> float:
         if completion.strip() == example.answer:
             return 1.0
-        chunks, d = self._chunks(completion), self.digits
+        chunks = self._chunks(completion)
         denom = max(self.terms, len(chunks))
         if self.credit == "answer":
             want = self._chunks(example.answer)
             return sum(c == w for c, w in zip(chunks, want)) / denom
-        m = 10**d
-        start, step = int(example.prompt[1:1 + d]), int(example.prompt[2 + d:2 + 2 * d])
-        good, prev = 0, start
-        for chunk in chunks[: self.terms]:
-            if len(chunk) == d and chunk.isdigit():
-                good += int(chunk) == (prev + step) % m
-                prev = int(chunk)
-            else:  # a malformed term: no later term has a previous one to follow
-                break
-        return good / denom
+        return self._following(example, chunks) / denom
 
     def eval_set(self, n: int = 128) -> list[Example]:
         rng = random.Random(24680)

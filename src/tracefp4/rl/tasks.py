@@ -284,7 +284,7 @@ class CountBy:
 
 @dataclasses.dataclass
 class LongCount(CountBy):
-    """The long-output task (issue 49): ``"A<start>+<step>="`` -> the next ``terms`` terms of
+    """The long-output task: ``"A<start>+<step>="`` -> the next ``terms`` terms of
     ``start + k * step`` (k = 1..terms) modulo ``m = 10**digits``, each written with ``digits`` digits
     and followed by ``sep``: 130 terms of 3 digits and a comma, 520 answer tokens plus the end token with
     the character tokenizer (every answer has the same length, so the eval set's mean is 520).
@@ -294,7 +294,7 @@ class LongCount(CountBy):
     steps reached a held-out per-position reward of 0.60 after 200 SFT steps on the 8-layer model
     (docs/results/count3-8l.md), and each term needs only local context (the previous term a fixed
     ``digits + 1`` tokens back, the step after the only ``+``), so its difficulty does not grow with
-    the answer's length while the summed train-rollout mismatch does, which is what issue 49
+    the answer's length while the summed train-rollout mismatch does, which is what the long-output runs
     measures. A bubble-sort trace needs comparisons across a whole list the model must attend to,
     and whether the 8-layer model learns it in an affordable SFT is unknown; it would spend the
     issue's budget on a learnability question it does not ask. The chain carries a slip forward (one

@@ -96,7 +96,7 @@ The count: :class:`DecodeReport` ``bracket_checked`` (every element a ``mod4`` r
 :attr:`tracefp4.engines.guidance.TrainerGuidance.decode_report`. A per-step
 ``guidance_bracket_miss_rate`` is ``sum(bracket_misses) / sum(bracket_checked)`` over the step's
 forwards: the share of guided elements whose rollout code is 1-2 codewords off the trainer's bracket,
-a lower bound on the bracket-miss rate (3-4 step aliases are missing; the lag replay of issue 48 saw
+a lower bound on the bracket-miss rate (3-4 step aliases are missing; a first lag-k replay saw
 92-95% of misses one codeword out). Records that cannot tell (``full``, ``lsb`` and the other
 compact elements) add to neither count, so mixing them in does not dilute the rate; for a ``full``
 arm the exact rate comes from comparing codes instead (:func:`tracefp4.formats.reference.bracket_distance`).

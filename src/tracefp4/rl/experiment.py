@@ -176,6 +176,10 @@ class ExperimentConfig:
         return RLConfig.from_dict(fields)
 
 
+#: The scaling study's results in the results folder: the per-sequence mismatch is put beside its fit.
+SCALING_RESULTS = "scaling.json"
+
+
 def run_experiment(cfg: ExperimentConfig, results_dir: str | Path = "docs/results",
                    plots_dir: str | Path = "docs/img", *, workers: int = 1,
                    config_path: str | Path | None = None) -> dict[str, Any]:
@@ -196,8 +200,10 @@ def run_experiment(cfg: ExperimentConfig, results_dir: str | Path = "docs/result
     for i, seed in enumerate(cfg.seeds):
         print(f"experiment {cfg.name}: seed {seed} ({i + 1}/{len(cfg.seeds)})", file=sys.stderr, flush=True)
         run(cfg.run_config(seed))
+    scaling_file = Path(results_dir) / SCALING_RESULTS
+    scaling = json.loads(scaling_file.read_text()) if scaling_file.is_file() else None
     summary = summarise(cfg.name, {s: read_metrics(cfg.run_dir(s)) for s in cfg.seeds}, cfg.run_config(cfg.seeds[0]),
-                        {s: seed_provenance(cfg.run_dir(s)) for s in cfg.seeds}, metric=cfg.metric)
+                        {s: seed_provenance(cfg.run_dir(s)) for s in cfg.seeds}, metric=cfg.metric, scaling=scaling)
     Path(results_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_json(Path(results_dir) / f"{cfg.name}.json", summary, sort_keys=False)
     plot_experiment(summary, Path(plots_dir))
@@ -272,6 +278,9 @@ POST_HOC = tuple(post_hoc_metric(name) for name in POST_HOC_PLANS)
 GAP_MEAN, GAP_MAX, CODES, BYTES = (alias(name, "experiment") for name in (Name.GAP_MEAN, Name.GAP_MAX,
                                                                             Name.CODE_MISMATCH, Name.GUIDANCE_BYTES))
 RECORD = {key: canonical(key) for key in (GAP_MEAN, GAP_MAX, CODES, BYTES)}
+#: The per-sequence mismatch (each step's mean and p95 over its sequences): summary key -> record name.
+SEQUENCE_GAPS = {alias(name, "experiment"): name for name in (Name.SEQ_GAP_SUM, Name.SEQ_GAP_SUM_P95,
+                                                               Name.SEQ_LOG_RATIO, Name.SEQ_LOG_RATIO_P95)}
 
 
 def _seed_figures(rows: Sequence[Mapping]) -> dict[str, float | None]:
@@ -288,6 +297,9 @@ def _seed_figures(rows: Sequence[Mapping]) -> dict[str, float | None]:
         BYTES: statistics.fmean(r[RECORD[BYTES]] for r in train) if train else None,
         "steps": len(train),
         "response_length": statistics.fmean(r["response_length"] for r in train) if train else None,
+        # the seed's mean over its steps (runs from before these metrics have none)
+        **{key: statistics.fmean(v) if (v := [r[name] for r in train if r.get(name) is not None]) else None
+           for key, name in SEQUENCE_GAPS.items()},
     }
 
 
@@ -368,11 +380,14 @@ def _provenance_summary(provenance: Mapping[int, Mapping[str, Any]]) -> dict[str
 
 
 def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]], run_cfg: RLConfig,
-              provenance: Mapping[int, Mapping[str, Any]] | None = None, metric: str = "eval_accuracy"
-              ) -> dict[str, Any]:
+              provenance: Mapping[int, Mapping[str, Any]] | None = None, metric: str = "eval_accuracy",
+              scaling: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The results file's content from each seed's metrics (``{seed: {arm: rows}}``) and, when given,
     each seed's :func:`seed_provenance`. Every figure of :data:`HELD_OUT` is reported; ``metric`` is the
-    headline one: ``collapse`` is computed on it (``collapse_by`` has each) and the table shows it."""
+    headline one: ``collapse`` is computed on it (``collapse_by`` has each) and the table shows it.
+    ``scaling`` (a ``tracefp4 scaling`` report, docs/results/scaling.json) puts beside each arm's
+    per-sequence mismatch the scaling fit's prediction at the run's depth, width and mean completion
+    length (:func:`sequence_gap_prediction`)."""
     seeds = sorted(metrics)
     arms = [a for a in run_cfg.arms if all(a in metrics[s] for s in seeds)]
     out: dict[str, Any] = {
@@ -401,6 +416,11 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
         for key in (GAP_MEAN, GAP_MAX, CODES, BYTES, "response_length"):
             vals = [f[key] for f in figs if f[key] is not None]
             entry[key] = statistics.fmean(vals) if vals else None
+        for key in SEQUENCE_GAPS:  # mean and 95% interval over seeds of each seed's mean over steps
+            vals = [f[key] for f in figs if f[key] is not None]
+            entry[key] = mean_ci95(vals) if vals else None
+        if scaling is not None:
+            entry["seq_scaling_prediction"] = sequence_gap_prediction(scaling, arm, run_cfg, entry["response_length"])
         rows = [metrics[s][arm] for s in seeds]
         entry["curves"] = {key: _curve(rows, source, kind) for key, (source, kind) in CURVES.items()}
         entry["per_seed"] = {str(s): {"eval_step": [r["step"] for r in rows_of_kind(r_, "eval")],
@@ -419,6 +439,39 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
     if provenance is not None:
         out["provenance"] = _provenance_summary(provenance)
     return out
+
+
+def sequence_gap_prediction(scaling: Mapping[str, Any], arm: str, run_cfg: RLConfig, length: float | None
+                            ) -> dict[str, Any] | None:
+    """The scaling fit's prediction (:func:`tracefp4.reports.scaling.predict_at`, trained weights) of
+    the per-sequence mismatch at the run's layers, hidden size and mean completion ``length``, for the
+    scaling arm the arm table maps ``arm`` onto (``trace-full`` -> ``full``; None for an arm the scaling
+    study has no column of, e.g. ``fp4-rollout``, a run from a checkpoint, or no length):
+
+    * ``seq_log_ratio_abs_mean``: the fit of the mean |sequence log-ratio| itself (``seq_abs_mean``);
+    * ``seq_logprob_gap_sum``: ``length`` x the fit of the mean |Δlogp| per token, interval scaled alike
+      (the fit has no Σ_t |Δlogp| of its own; a sequence's sum has this mean at a mean-length sequence)."""
+    from tracefp4.pipeline.arms import ARMS
+    from tracefp4.reports.scaling import predict_at
+
+    spec = ARMS.get(arm)
+    key = spec.reports.get("scaling") if spec is not None else None
+    if key is None or run_cfg.checkpoint or not length:
+        return None
+    shape = {"layers": run_cfg.model.layers, "hidden": run_cfg.model.hidden, "new_tokens": length}
+    ratio = predict_at(scaling, key, alias(Name.SEQ_LOG_RATIO, "reports"), **shape)
+    per_token = predict_at(scaling, key, alias(Name.GAP_MEAN, "reports"), **shape)
+    return {
+        "scaling_arm": key, **shape,
+        SEQUENCE_GAPS_PREDICTED[0]: ratio,
+        SEQUENCE_GAPS_PREDICTED[1]: None if per_token is None else {
+            **per_token, "predicted": length * per_token["predicted"],
+            "interval95": [length * v for v in per_token["interval95"]]},
+    }
+
+
+#: The keys of :func:`sequence_gap_prediction`'s two predictions (the summary's spellings of the metrics).
+SEQUENCE_GAPS_PREDICTED = (alias(Name.SEQ_LOG_RATIO, "experiment"), alias(Name.SEQ_GAP_SUM, "experiment"))
 
 
 #: The arms every other arm's final held-out figures are paired with, seed by seed: the BF16 reference
@@ -577,6 +630,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
                 lines.append(f"{'  ' + label:<14}{len(e['seeds']):>6}{post['mean']:>13.3f}{ci:>18}   (the {arm} policy, FP4 inference)")
     if "is_mode" in summary:  # summaries written since the importance correction became a knob
         lines += _dynamics_table(summary, metric)
+    if any(e.get(key) for e in summary["arms"].values() for key in SEQUENCE_GAPS):
+        lines += _sequence_table(summary)
     prov = summary.get("provenance")
     if prov:
         groups = "; ".join(f"seeds {', '.join(map(str, g['seeds']))}: {g['weights_sha256']}" for g in prov["warm_starts"])
@@ -585,6 +640,27 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append(f"warm starts (seeds in one group started from identical weights): {groups}")
         lines.append(f"environments: {len(envs)} distinct ({prov['scope']})")
     return "\n".join(lines)
+
+
+def _sequence_table(summary: Mapping[str, Any]) -> list[str]:
+    """The per-sequence mismatch per arm (mean over seeds of each step's mean and p95 over its
+    sequences) beside the scaling fit's prediction at the run's shape, with its 95% interval."""
+    def mean(d):
+        return f"{d['mean']:.3g}" if d else "-"
+
+    def fitted(p):
+        return f"{p['predicted']:.3g} [{p['interval95'][0]:.2g}, {p['interval95'][1]:.2g}]" if p else "-"
+
+    sum_, sum95, ratio, ratio95 = SEQUENCE_GAPS
+    lines = ["per-sequence mismatch (each step's mean and p95 over its sequences, mean over seeds); the scaling "
+             "fit at this depth, width and mean length, 95% prediction interval:",
+             f"{'arm':<14}{'sum|dlogp|':>12}{'p95':>9}{'|log-ratio|':>13}{'p95':>9}{'fit |log-ratio|':>28}"
+             f"{'fit sum|dlogp|':>28}"]
+    for arm, e in summary["arms"].items():
+        pred = e.get("seq_scaling_prediction") or {}
+        lines.append(f"{arm:<14}{mean(e.get(sum_)):>12}{mean(e.get(sum95)):>9}{mean(e.get(ratio)):>13}"
+                     f"{mean(e.get(ratio95)):>9}{fitted(pred.get(ratio)):>28}{fitted(pred.get(sum_)):>28}")
+    return lines
 
 
 def _dynamics_table(summary: Mapping[str, Any], metric: str) -> list[str]:

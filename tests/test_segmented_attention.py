@@ -92,9 +92,9 @@ def _captured_calls(model, monkeypatch) -> list[tuple]:
     calls = []
     attend = Segments.attend
 
-    def keeping(self, module, query, key, value, base, causal_mask, *args, **kwargs):
+    def keeping(self, module, query, key, value, base, base_name, *args, **kwargs):
         calls.append((module, query.detach().clone(), key.detach().clone(), value.detach().clone(), kwargs))
-        return attend(self, module, query, key, value, base, causal_mask, *args, **kwargs)
+        return attend(self, module, query, key, value, base, base_name, *args, **kwargs)
 
     monkeypatch.setattr(Segments, "attend", keeping)
     g = torch.Generator().manual_seed(3)
@@ -121,7 +121,7 @@ def test_every_attention_call_meets_the_bound_on_both_layouts(model, monkeypatch
         mask = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
     for module, q, k, v, kwargs in calls:
         scale = kwargs["scaling"]
-        per_seq = Segments.of(LENGTHS).attend(module, q, k, v, fn, base != "sdpa", **kwargs)[0]
+        per_seq = Segments.of(LENGTHS).attend(module, q, k, v, fn, base, **kwargs)[0]
         dense = fn(module, q, k, v, mask, **kwargs)[0]
         for got in (per_seq, dense):
             assert got.shape == (1, total, q.shape[1], q.shape[3])
@@ -203,7 +203,9 @@ def test_bad_input_is_refused(model) -> None:
         Segments.of([3, 0])
     q = torch.zeros(1, 4, 7, 16)
     with pytest.raises(ValueError, match=r"not one packed row of 8 = sum of the sequences' lengths"):
-        Segments.of([3, 5]).attend(None, q, q[:, :2], q[:, :2], lambda *a, **k: (None, None), False)
+        Segments.of([3, 5]).attend(None, q, q[:, :2], q[:, :2], lambda *a, **k: (None, None), "sdpa")
+    with pytest.raises(NotImplementedError, match="over the 'flex_attention' implementation is not supported"):
+        Segments.of([3, 5]).attend(None, q, q, q, lambda *a, **k: (None, None), "flex_attention")
 
 
 def test_an_attention_that_ignores_the_segments_fails_loudly(model) -> None:

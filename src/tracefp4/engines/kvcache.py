@@ -331,8 +331,7 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
         return quantized.attend(query, query.shape[-1] ** -0.5 if scaling is None else scaling), None
     segments = kwargs.pop(SEGMENTS_KWARG, None)
     if segments is not None:  # packed sequences attended one by one (the mask passed is a placeholder)
-        return segments.attend(module, query, key, value, _base_attention(module, base), base != "sdpa", *args,
-                               **kwargs)
+        return segments.attend(module, query, key, value, _base_attention(module, base), base, *args, **kwargs)
     return _base_attention(module, base)(module, query, key, value, attention_mask, *args, **kwargs)
 
 

@@ -33,6 +33,10 @@ __all__ = ["SEGMENTS_KWARG", "Segments"]
 
 #: The keyword under which a forward hands its :class:`Segments` to the attention function.
 SEGMENTS_KWARG = "tracefp4_segments"
+#: Base attention implementations that are causal by themselves when called without a mask (SDPA's
+#: ``is_causal``, flash attention's ``causal``), and those that need an explicit causal mask (eager).
+_CAUSAL_WITHOUT_MASK = frozenset({"sdpa", "flash_attention_2", "flash_attention_3"})
+_CAUSAL_BY_MASK = frozenset({"eager"})
 
 
 @dataclasses.dataclass(eq=False)
@@ -53,12 +57,18 @@ class Segments:
         return cls(tuple(lengths))
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               base: Callable[..., tuple[torch.Tensor, Any]], causal_mask: bool, *args: Any, **kwargs: Any
+               base: Callable[..., tuple[torch.Tensor, Any]], base_name: str, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, None]:
-        """``base`` attention (transformers' signature: ``[1, H, N, D]`` states in, ``[1, N, H, D]`` out)
-        run on each sequence's rows. ``causal_mask``: ``base`` needs an explicit causal mask (eager
-        attention); otherwise it is called without one and applies causality itself (SDPA's
-        ``is_causal``, which it takes for any query longer than one row)."""
+        """``base`` attention, the implementation named ``base_name`` (transformers' signature:
+        ``[1, H, N, D]`` states in, ``[1, N, H, D]`` out), run on each sequence's rows: called without a
+        mask where it is causal by itself (SDPA takes ``is_causal`` for any query longer than one row,
+        flash attention its module's ``is_causal``), with an additive causal mask for eager attention;
+        any other implementation is refused (its causality without a mask is not known here)."""
+        if base_name not in _CAUSAL_WITHOUT_MASK | _CAUSAL_BY_MASK:
+            raise NotImplementedError(f"segments: per-sequence attention over the {base_name!r} implementation is not "
+                                      f"supported (one of {sorted(_CAUSAL_WITHOUT_MASK | _CAUSAL_BY_MASK)}); use "
+                                      "packed_attention='mask'")
+        causal_mask = base_name in _CAUSAL_BY_MASK
         total = sum(self.lengths)
         if query.shape[0] != 1 or query.shape[2] != total or key.shape[2] != total:
             raise ValueError(f"segments: the attention got query {tuple(query.shape)} and key {tuple(key.shape)}, "

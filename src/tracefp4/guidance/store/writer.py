@@ -440,6 +440,8 @@ def sorted_metadata(data: bytes, where: str) -> bytes:
     if "__metadata__" in header:
         header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
     out = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if out == text:
+        return data  # already in order: no copy of the shard
     assert len(out) == len(text)  # the same entries, reordered
     return data[:8] + out + raw[len(text):] + data[8 + n :]
 

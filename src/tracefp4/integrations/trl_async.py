@@ -99,8 +99,8 @@ from tracefp4.rl.grpo import ISMode, grpo_loss, group_advantages, pad_right
 from tracefp4.seeds import TrajectoryIds, trajectory_ids
 
 __all__ = [
-    "RolloutServer", "SampleBook", "TraceAsyncGRPOConfig", "TraceAsyncGRPOTrainer", "Trajectory", "decoupled_loss",
-    "records_by_version", "split_by_lag", "unsupported_async",
+    "KeyedCollator", "KeyedIds", "RolloutServer", "SampleBook", "TraceAsyncGRPOConfig", "TraceAsyncGRPOTrainer", "Trajectory", "decoupled_loss",
+    "records_by_version", "split_by_lag", "unsupported_async", "keyed_ids",
 ]  # fmt: skip
 
 WHO = "TraceAsyncGRPOTrainer"
@@ -315,15 +315,16 @@ def decoupled_loss(logprobs: Sequence[torch.Tensor], rollout_logprobs: Sequence[
 # --- the rollout server: TRL's rollout worker and weight transfer in one ------------------------------------
 
 
-class _KeyedIds(np.ndarray):
+class KeyedIds(np.ndarray):
     """A sample's ``input_ids`` carrying its :class:`SampleBook` key through TRL's queue, batcher and
     collator (which keep the array object itself: the key travels with its row)."""
 
     trace_key: int
 
 
-def _keyed(ids: torch.Tensor, key: int) -> _KeyedIds:
-    arr = np.asarray(ids.tolist(), dtype=np.int64).view(_KeyedIds)
+def keyed_ids(ids: torch.Tensor, key: int) -> KeyedIds:
+    """``ids`` as the int64 array TRL's sample carries, keyed."""
+    arr = np.asarray(ids.tolist(), dtype=np.int64).view(KeyedIds)
     arr.trace_key = key
     return arr
 
@@ -503,7 +504,7 @@ class RolloutServer:
             old[t.prompt_len:] = t.logprobs.float().numpy()
             metrics = {"reward": float(total[b]), "reward_std": float(total.std(unbiased=False)),
                        **{f"rewards/{name}": float(rewards[i, b]) for i, name in enumerate(names)}}
-            samples.append(RolloutSample(prompt=prompt, completion=completions[b], input_ids=_keyed(t.token_ids, key),
+            samples.append(RolloutSample(prompt=prompt, completion=completions[b], input_ids=keyed_ids(t.token_ids, key),
                                          completion_mask=mask, old_log_probs=old, advantage=t.advantage,
                                          model_version=version, group_id=group, metrics=metrics,
                                          enqueued_at=time.time()))
@@ -547,7 +548,7 @@ def _peak_flops_off_cuda() -> Iterator[None]:
         trl_async_module.get_peak_flops_per_device = original
 
 
-class _KeyedCollator:
+class KeyedCollator:
     """TRL's collator, plus ``trace_traj``: ``[num_processes, n]`` sample keys per row, in the row's
     sample order (-1 pads), which is the order of TRL's ``segment_id``."""
 
@@ -611,10 +612,10 @@ class TraceAsyncGRPOTrainer(AsyncGRPOTrainer):
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
-        # the sample keys travel as one more tensor of the batch TRL dispatches (see _KeyedCollator); accelerate's
+        # the sample keys travel as one more tensor of the batch TRL dispatches (see KeyedCollator); accelerate's
         # dispatcher iterates the DataLoader it wraps
         base = getattr(loader, "base_dataloader", loader)
-        base.collate_fn = _KeyedCollator(base.collate_fn)
+        base.collate_fn = KeyedCollator(base.collate_fn)
         return loader
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -101,6 +101,7 @@ from tracefp4.seeds import TrajectoryIds, trajectory_ids
 __all__ = [
     "KeyedCollator", "KeyedIds", "RolloutServer", "SampleBook", "TraceAsyncGRPOConfig", "TraceAsyncGRPOTrainer", "Trajectory", "decoupled_loss",
     "records_by_version", "split_by_lag", "unsupported_async", "keyed_ids",
+    "queue_depth",
 ]  # fmt: skip
 
 WHO = "TraceAsyncGRPOTrainer"
@@ -310,6 +311,18 @@ def decoupled_loss(logprobs: Sequence[torch.Tensor], rollout_logprobs: Sequence[
     adv = torch.tensor([float(a) for a in advantages])
     return grpo_loss(logp, logp.detach(), behaviour, adv, mask, clip_low=clip_low, clip_high=clip_high, is_cap=is_cap,
                      is_mode=is_mode, agg="token-mean")
+
+
+def queue_depth(args: AsyncGRPOConfig) -> int:
+    """How many scored samples the rollout server may queue ahead of the trainer.
+
+    A sample generated while the trainer is at version ``v`` (its own generation overlapping one
+    optimizer step) waits for the samples queued ahead of it (``depth / samples_per_step`` steps), then
+    for the batch accelerate's loader fetched ahead (one more step): its lag at the loss is about
+    ``depth / samples_per_step + 2``. So the queue holds ``max_staleness - 2`` steps' samples, at least
+    one group, at most ``queue_maxsize``: a deeper queue only makes samples that are dropped as stale."""
+    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    return max(min(args.queue_maxsize, (args.max_staleness - 2) * per_step), args.num_generations)
 
 
 # --- the rollout server: TRL's rollout worker and weight transfer in one ------------------------------------
@@ -592,7 +605,7 @@ class TraceAsyncGRPOTrainer(AsyncGRPOTrainer):
             raise ValueError(f"{WHO}: reward_funcs must be one or more callables (reward models are not supported)")
         rollout_model = load_model(model)
         server = RolloutServer(rollout_model, train_dataset, funcs, num_generations=args.num_generations,
-                               queue_maxsize=args.queue_maxsize)
+                               queue_maxsize=queue_depth(args))
         with _peak_flops_off_cuda():
             super().__init__(model=os.fspath(model), reward_funcs=funcs, args=args, train_dataset=train_dataset,
                              processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,

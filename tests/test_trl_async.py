@@ -235,6 +235,7 @@ def test_the_rollout_server_tags_each_group_with_the_version_of_its_weights(fold
                             trajs[-1].prompt_len, trajs[-1].logprobs, 0.0, {})
         with pytest.raises(StoreError, match="policy_version mismatch"):
             records_by_version(root, signature, [forged])
+        server.pause()  # a sync that fails before resume: stopping must still end the thread
     finally:
         server.stop()
     # stopped without trace_keep_steps: no step of the run is left behind

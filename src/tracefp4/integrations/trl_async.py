@@ -35,7 +35,8 @@ lag ``k = model_version - version`` is checked again where the loss consumes it 
 accelerate's loader fetches a batch ahead of TRL's own check, so a sample may reach the loss one
 version past ``max_staleness``; it is dropped there and counted with TRL's stale drops). Guidance is
 applied at every lag TRL admits; TRL logs the lags (``sample/staleness_mean``, ``..._max``) and the
-dropped samples (``sample/dropped_stale_total``).
+dropped samples (``sample/dropped_stale_total``). The rollout's queue is as deep as that bound allows
+(:func:`queue_depth`).
 
 The loss (:func:`decoupled_loss`) is decoupled as in AReaL: the rollout's log-probs are the behaviour
 policy, the trainer's log-probs at the consumed version the proximal one. TRL's asynchronous trainer
@@ -363,6 +364,7 @@ class RolloutServer:
         self._reward_funcs = list(reward_funcs)
         self._generations = int(num_generations)
         self._weights = threading.Lock()  # held while a group generates, and from pause to resume
+        self._paused = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -385,6 +387,7 @@ class RolloutServer:
 
     def pause(self) -> None:
         self._weights.acquire()
+        self._paused = True
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         if not self._weights.locked():
@@ -404,6 +407,7 @@ class RolloutServer:
         self._version = self._announced + 1
 
     def resume(self) -> None:
+        self._paused = False
         self._weights.release()
 
     def destroy(self) -> None:
@@ -430,6 +434,8 @@ class RolloutServer:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._paused:  # a sync that failed between pause and resume: the thread waits on the lock
+            self.resume()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -490,6 +496,8 @@ class RolloutServer:
         sampling = generation_sampling(args.max_completion_length, args.temperature, args.top_p, s["eos"], args.seed,
                                        group, 0)
         with self._weights:
+            if self._stop.is_set():
+                return []
             version = self._version
             target = StoreTarget(str(s["root"]), group, "w0", tuple(ids), s["signature"], version)
             roll = rollout_step(s["engine"], [list(prompt_ids)] * self._generations, sampling, arm, target,
@@ -596,8 +604,9 @@ class TraceAsyncGRPOTrainer(AsyncGRPOTrainer):
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"{WHO}: model must be a local folder (TRL's asynchronous trainer loads it), got "
                             f"{type(model).__name__}")
-        if train_dataset is None or not hasattr(train_dataset, "column_names"):
-            raise ValueError(f"{WHO}: a train_dataset with a 'prompt' column is needed")
+        if train_dataset is None or "prompt" not in (getattr(train_dataset, "column_names", None) or ()) \
+                or not len(train_dataset):
+            raise ValueError(f"{WHO}: a non-empty train_dataset with a 'prompt' column is needed")
         if set(train_dataset.column_names) & {"image", "images"}:
             raise ValueError(f"{WHO}: multimodal datasets (image columns) are not supported")
         funcs = reward_funcs if isinstance(reward_funcs, list) else [] if reward_funcs is None else [reward_funcs]

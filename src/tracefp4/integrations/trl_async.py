@@ -77,6 +77,14 @@ from tracefp4.engines.model import load_model, model_layers, model_state
 from tracefp4.engines.protocol import StoreTarget
 from tracefp4.engines.trainer import code_mismatch
 from tracefp4.guidance.store import StoreReader, bytes_per_token, discard_step, step_dir
+from tracefp4.integrations.trl import (
+    ROW_KEY,
+    TraceOptions,
+    generation_sampling,
+    prepared_policy,
+    store_folder,
+    unsupported_common,
+)
 from tracefp4.pipeline.arms import Arm, integration_arm
 from tracefp4.pipeline.factory import EngineKind, make_engine
 from tracefp4.pipeline.metrics import (
@@ -88,21 +96,13 @@ from tracefp4.pipeline.metrics import (
     trl_name,
 )
 from tracefp4.pipeline.steps import model_signature, rollout_step, trainer_logprobs
-from tracefp4.integrations.trl import (
-    ROW_KEY,
-    TraceOptions,
-    generation_sampling,
-    prepared_policy,
-    store_folder,
-    unsupported_common,
-)
 from tracefp4.rl.grpo import ISMode, grpo_loss, group_advantages, pad_right
 from tracefp4.seeds import TrajectoryIds, trajectory_ids
 
 __all__ = [
-    "KeyedCollator", "KeyedIds", "RolloutServer", "SampleBook", "TraceAsyncGRPOConfig", "TraceAsyncGRPOTrainer", "Trajectory", "decoupled_loss",
-    "records_by_version", "split_by_lag", "unsupported_async", "keyed_ids",
-    "queue_depth",
+    "KeyedCollator", "KeyedIds", "RolloutServer", "SampleBook", "TraceAsyncGRPOConfig", "TraceAsyncGRPOTrainer",
+    "Trajectory", "decoupled_loss", "keyed_ids", "queue_depth", "records_by_version", "split_by_lag",
+    "unsupported_async",
 ]  # fmt: skip
 
 WHO = "TraceAsyncGRPOTrainer"
@@ -113,7 +113,7 @@ STALE_KEY = "sample/dropped_stale_total"
 @dataclasses.dataclass
 class TraceAsyncGRPOConfig(TraceOptions, AsyncGRPOConfig):
     """``AsyncGRPOConfig`` plus TRACE's fields (:class:`~tracefp4.integrations.trl.TraceOptions`) and the
-    decoupled loss's importance weight; four of TRL's defaults differ (see each field)."""
+    decoupled loss's importance weight; five of TRL's defaults differ (see each field)."""
 
     trace_is_mode: str = dataclasses.field(default=ISMode.TOKEN_TRUNCATE.value, metadata={"help": (
         "The decoupled loss's importance weight pi_prox / pi_behav (proximal: the trainer at the consumed version; "
@@ -136,8 +136,10 @@ class TraceAsyncGRPOConfig(TraceOptions, AsyncGRPOConfig):
         if self.trace_is_mode not in {m.value for m in ISMode}:
             raise ValueError(f"trace_is_mode = {self.trace_is_mode!r}: expected one of "
                              f"{', '.join(m.value for m in ISMode)}")
-        if not self.trace_is_cap > 0:
-            raise ValueError(f"trace_is_cap = {self.trace_is_cap}: expected > 0")
+        mask = self.trace_is_mode in (ISMode.TOKEN_MASK.value, ISMode.SEQUENCE_MASK.value)
+        if not self.trace_is_cap > (1.0 if mask else 0.0):
+            raise ValueError(f"trace_is_cap = {self.trace_is_cap}: expected > {1 if mask else 0} for trace_is_mode "
+                             f"{self.trace_is_mode!r}")
 
 
 def unsupported_async(args: AsyncGRPOConfig, **trainer_kwargs: Any) -> str | None:

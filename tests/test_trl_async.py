@@ -31,6 +31,7 @@ from tracefp4.integrations.trl_async import (  # noqa: E402
     Trajectory,
     decoupled_loss,
     keyed_ids,
+    queue_depth,
     records_by_version,
     split_by_lag,
     unsupported_async,
@@ -117,6 +118,14 @@ def test_the_lag_bound_is_applied_where_the_sample_is_trained() -> None:
     assert [t.version for t in fresh] == [7]
     with pytest.raises(RuntimeError, match="of policy version 7, ahead of the trainer's 6"):
         split_by_lag(samples, version_now=6, max_staleness=3)
+
+
+def test_the_rollout_queue_is_as_deep_as_the_lag_bound_allows(tmp_path) -> None:
+    """(max_staleness - 2) optimizer steps of samples (a sample's own generation overlaps one step, the
+    batch accelerate fetches ahead another), at least one group, at most queue_maxsize."""
+    assert queue_depth(config(tmp_path, max_staleness=4, gradient_accumulation_steps=2, queue_maxsize=1024)) == 2 * 8
+    assert queue_depth(config(tmp_path, max_staleness=1)) == 4  # one group of num_generations
+    assert queue_depth(config(tmp_path, max_staleness=6, queue_maxsize=10)) == 10
 
 
 # --- the decoupled loss ----------------------------------------------------------------------------------------

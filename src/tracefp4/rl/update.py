@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from tracefp4.engines.trainer import TrainerOutput
+from tracefp4.engines.trainer import TrainerMode, TrainerOutput
 from tracefp4.pipeline import steps
 from tracefp4.pipeline.arms import Arm, PolicyLoss
 from tracefp4.rl.collect import Batch
@@ -89,6 +89,18 @@ def update(model: PreTrainedModel, opt: MasterWeightAdamW, arm: Arm, cfg: RLConf
             stats[k] = stats.get(k, 0.0) + v / cfg.updates_per_step
     model.eval()
     return {"grad_norm": sum(norms) / len(norms), **stats}
+
+
+def lag_arm(arm: Arm, lag: int, guidance_max_lag: int) -> Arm:
+    """The arm a trainer runs on samples generated ``lag`` policy versions before its weights: the arm
+    itself while ``lag <= guidance_max_lag``; beyond, a guided arm's trainer rounds to nearest on its
+    own grid (vanilla QAT, routing still replayed), since records of weights that have moved on may
+    no longer bracket the trainer's values. The one place the loop hands the trainer its lag bound."""
+    if lag < 0 or guidance_max_lag < 0:
+        raise ValueError(f"lag_arm: lag {lag} and guidance_max_lag {guidance_max_lag} must be >= 0")
+    if lag <= guidance_max_lag or arm.trainer is not TrainerMode.TRACE:
+        return arm
+    return dataclasses.replace(arm, trainer=TrainerMode.QAT)
 
 
 def minibatch_order(cfg: RLConfig, step: int, n: int) -> list[list[int]]:

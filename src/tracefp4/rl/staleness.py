@@ -49,6 +49,7 @@ import torch
 
 from tracefp4.engines.protocol import RolloutOutput
 from tracefp4.engines.trainer import TrainerMode
+from tracefp4.faults import crash_point
 from tracefp4.files import fsync_dir
 from tracefp4.pipeline.arms import Arm
 from tracefp4.pipeline.metrics import Name
@@ -245,4 +246,5 @@ class FixedSchedule:
             if not files:
                 raise ValueError(f"{where}: the checkpoint lists pending step {step} but holds no store files for it")
             restore_store_step(root, step, files)
+            crash_point("restored")  # some pending store steps back in the store, maybe not all
             self.pending[step] = p

@@ -1,5 +1,9 @@
 """One step's experience: rollout -> store -> read back -> rewards, advantages, old log-probs.
 
+:func:`collect` is the synchronous loop's step; the asynchronous loop (:mod:`tracefp4.rl.staleness`)
+calls its two halves apart: :func:`roll_out` when the batch is generated, :func:`read_records` and
+:func:`score` when a later step consumes it.
+
 The records cross from the rollout to the trainer through the guidance store, as they would between
 processes: written by the engine that recorded them (this process's engine, a vLLM worker, or each
 rollout worker: one writer each), sealed by the driver, and read back with the policy version and
@@ -68,8 +72,9 @@ class Batch:
     records: Records  # as read back from the store: what the trainer is given
     rewards: torch.Tensor  # [B]
     advantages: torch.Tensor  # [B], group-relative
-    logp_rollout: torch.Tensor  # what the rollout engine reported
-    logp_old: torch.Tensor  # the trainer's, before this step's updates (no gradient)
+    logp_rollout: torch.Tensor  # what the rollout engine reported: the behaviour policy
+    logp_old: torch.Tensor  # the trainer's, with the weights that consume the batch, before this step's updates
+    # (no gradient): the proximal policy (tracefp4.rl.grpo)
     mask: torch.Tensor
     metrics: dict[str, float]  # reward, mismatch, guidance bytes, code mismatch, ...
     timings: dict[str, float]  # time/rollout_s, time/store_write_s, time/store_read_s

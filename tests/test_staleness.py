@@ -166,7 +166,10 @@ def test_pending_batch_round_trip_is_exact(tmp_path):
     assert (back.step, back.version) == (7, 3)
     r, q = p.rollout, back.rollout
     assert r.prompt_lens == q.prompt_lens and r.finish_reasons == q.finish_reasons
-    for a, b in [*zip(r.token_ids, q.token_ids), *zip(r.logprobs, q.logprobs)]:
+    assert len(r.top_ids) == len(q.top_ids) == 2
+    pairs = [*zip(r.token_ids, q.token_ids), *zip(r.logprobs, q.logprobs), *zip(r.top_ids, q.top_ids),
+             *zip(r.top_logprobs, q.top_logprobs)]
+    for a, b in pairs:
         assert a.dtype == b.dtype and torch.equal(a, b)
     for da, db in zip(p.diagnostics, back.diagnostics):
         assert da.keys() == db.keys() and all(torch.equal(da[n], db[n]) for n in da)
@@ -177,7 +180,7 @@ def test_pending_batch_round_trip_is_exact(tmp_path):
 def _sampling():
     from tracefp4.engines.protocol import SamplingParams
 
-    return SamplingParams(max_new_tokens=3, seed=0)
+    return SamplingParams(max_new_tokens=3, seed=0, top_logprobs=3)  # the sampler's top-k too (Score Centering)
 
 
 def test_lag_arm_falls_back_to_nearest_beyond_the_bound():

@@ -15,6 +15,12 @@ and one metrics row per step. Every step is a function of the weights and the st
 same sampling seeds) and what each records are in :mod:`tracefp4.pipeline.arms`; every field of the run
 config in :mod:`tracefp4.rl.config`.
 
+With ``max_staleness = k > 0`` step ``s`` trains on a batch rolled out ``k`` versions earlier
+(:mod:`tracefp4.rl.staleness`, the fixed schedule): the runner rolls out the batch of step ``s + k``
+before it trains on step ``s``'s, and its checkpoints carry the ``k`` batches rolled out ahead, so
+the same resume guarantee holds (a step is then a function of the weights, the step number and the
+batches its checkpoint carries).
+
 With ``trainer_world_size = N > 1`` the update runs on N FSDP2 processes (:mod:`tracefp4.rl.distributed`,
 started once per run, given each arm in turn); rollout, scoring, evaluation and checkpoints stay here,
 and the new weights come back to this process's model after every step.

@@ -47,7 +47,6 @@ class Name:
     DECODE_FAILURES = "guidance/decode_failures"
     LAG_MEAN = "staleness/lag_mean"
     LAG_MAX = "staleness/lag_max"
-    DROPPED = "staleness/dropped_samples"
     LAG_GUIDED = "guidance/lag_guided_tokens"
     LAG_FALLBACK = "guidance/lag_fallback_tokens"
 
@@ -108,8 +107,6 @@ METRICS: dict[str, Metric] = dict([
        "policy versions between the weights a step trains (before its update) and those that generated "
        "its samples, averaged over the step's samples", "mean_b (v_train - v_rollout(b))"),
     _m(Name.LAG_MAX, "max lag", "the largest lag of one of the step's samples", "max_b (v_train - v_rollout(b))"),
-    _m(Name.DROPPED, "dropped samples",
-       "samples generated for the step but not trained on, their lag above max_staleness", "count of samples"),
     _m(Name.LAG_GUIDED, "lag-guided tokens",
        "generated tokens the trainer read guidance for, their lag at most guidance_max_lag (guided arms)",
        "count of tokens"),

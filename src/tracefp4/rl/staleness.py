@@ -19,9 +19,9 @@ batch is consumed, with the weights that train on it (:func:`~tracefp4.rl.collec
 A guided arm's trainer reads the rollout's guidance while the batch's lag is at most
 ``guidance_max_lag`` and rounds to nearest beyond it (:func:`~tracefp4.rl.update.lag_arm`); in this
 schedule every token of a batch has one lag, so the switch is per batch. Each step's metrics row
-adds the lag (mean and max over the samples), the samples dropped for a lag above ``max_staleness``
-(none in this schedule: each batch is made at the version it will be trained at minus at most ``k``)
-and the generated tokens trained with and without guidance (``tracefp4.pipeline.metrics.Name``).
+adds the lag (mean and max over the samples) and the generated tokens trained with and without
+guidance (``tracefp4.pipeline.metrics.Name``). No sample is ever dropped: each batch is rolled out
+exactly ``min(s, k)`` versions before the step that trains on it.
 
 Crash safety: a checkpoint after step ``s`` (``runner.step = s + 1``) carries the pending batches of
 steps ``s + 1`` … ``s + k`` in its ``extra/`` files (:func:`checkpoint_files`): each batch's tokens and
@@ -214,7 +214,6 @@ class FixedSchedule:
         guided = self.setup.arm.trainer is TrainerMode.TRACE
         metrics = {
             Name.LAG_MEAN: float(lag), Name.LAG_MAX: lag,
-            Name.DROPPED: 0,  # the fixed schedule makes every batch within the bound (module docstring)
             Name.LAG_GUIDED: generated if guided and arm is self.setup.arm else 0,
             Name.LAG_FALLBACK: generated if guided and arm is not self.setup.arm else 0,
         }

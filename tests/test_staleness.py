@@ -184,14 +184,14 @@ def _sampling():
 
 def test_lag_arm_falls_back_to_nearest_beyond_the_bound():
     trace = make_arm("trace", guidance="lsb", n_layers=2)
-    assert lag_arm(trace, 0, 0) is trace and lag_arm(trace, 3, 3) is trace
-    fallback = lag_arm(trace, 4, 3)
+    assert lag_arm(trace, 0, 0, 0) is trace and lag_arm(trace, 7, 4, 3) is trace
+    fallback = lag_arm(trace, 8, 4, 3)
     assert fallback.trainer is TrainerMode.QAT
     assert dataclasses.replace(fallback, trainer=TrainerMode.TRACE) == trace  # nothing else changes
     qat = make_arm("qat", guidance="lsb", n_layers=2)
-    assert lag_arm(qat, 9, 0) is qat
-    with pytest.raises(ValueError, match="must be >= 0"):
-        lag_arm(trace, -1, 0)
+    assert lag_arm(qat, 9, 0, 0) is qat
+    with pytest.raises(ValueError, match="trainer version 2 behind rollout version 3"):
+        lag_arm(trace, 2, 3, 0)
 
 
 def test_staleness_config_is_checked():

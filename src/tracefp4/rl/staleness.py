@@ -208,7 +208,7 @@ class FixedSchedule:
         p = self.pending.pop(step)
         records, timings["time/store_read_s"] = read_records(self.setup, step, p.version, p.rollout)
         lag = version - p.version
-        arm = lag_arm(self.setup.arm, lag, self.bound)
+        arm = lag_arm(self.setup.arm, version, p.version, self.bound)
         batch = score(self.setup, step, p.rollout, records, p.diagnostics, timings, arm)
         generated = int(batch.mask.sum())
         guided = self.setup.arm.trainer is TrainerMode.TRACE

@@ -270,5 +270,6 @@ def test_rollout_output_fields_are_the_ones_a_pending_batch_keeps():
     """A pending batch keeps every field of a rollout the scoring reads; a new RolloutOutput field must
     be decided on here (kept, or not needed after the store has the records)."""
     kept = {"token_ids", "prompt_lens", "logprobs", "finish_reasons", "top_ids", "top_logprobs"}
-    not_needed = {"records", "diagnostics", "plan", "guidance", "timings", "stored"}  # diagnostics: Pending's own
+    # diagnostics: Pending's own; versions: the store keeps them beside the records (read back with them)
+    not_needed = {"records", "diagnostics", "plan", "guidance", "timings", "stored", "versions"}
     assert {f.name for f in dataclasses.fields(RolloutOutput)} == kept | not_needed

@@ -49,6 +49,10 @@ class Name:
     SEQ_GAP_SUM_P95 = "seq_logprob_abs_diff_sum_p95"
     SEQ_LOG_RATIO = "seq_log_ratio_abs"
     SEQ_LOG_RATIO_P95 = "seq_log_ratio_abs_p95"
+    LAG_MEAN = "staleness/lag_mean"
+    LAG_MAX = "staleness/lag_max"
+    LAG_GUIDED = "guidance/lag_guided_tokens"
+    LAG_FALLBACK = "guidance/lag_fallback_tokens"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +121,17 @@ METRICS: dict[str, Metric] = dict([
     _m(Name.SEQ_LOG_RATIO_P95, "|seq. log-ratio| p95",
        "95th percentile over the step's sequences of the sequence log-ratio's magnitude",
        "p95_b |sum_t d_t|", experiment="seq_log_ratio_abs_p95"),
+    # the asynchronous loop's (tracefp4.rl.staleness; logged only when max_staleness > 0)
+    _m(Name.LAG_MEAN, "mean lag",
+       "policy versions between the weights a step trains (before its update) and those that generated "
+       "its samples, averaged over the step's samples", "mean_b (v_train - v_rollout(b))"),
+    _m(Name.LAG_MAX, "max lag", "the largest lag of one of the step's samples", "max_b (v_train - v_rollout(b))"),
+    _m(Name.LAG_GUIDED, "lag-guided tokens",
+       "generated tokens the trainer read guidance for, their lag at most guidance_max_lag (guided arms)",
+       "count of tokens"),
+    _m(Name.LAG_FALLBACK, "lag-fallback tokens",
+       "generated tokens of a guided arm whose lag exceeds guidance_max_lag: rounded to nearest instead",
+       "count of tokens"),
 ])
 
 _BY_ALIAS = {a: m.name for m in METRICS.values() for a in m.aliases.values()}

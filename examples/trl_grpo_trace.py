@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from tracefp4.integrations.trl import TraceGRPOConfig, TraceGRPOTrainer
+    from tracefp4.pipeline.metrics import Name, trl_name
     from tracefp4.rl.tasks import Example, make_task
 
     task = make_task(args.task)
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.max_steps} GRPO steps ({args.mode}{' ' + args.guidance if args.mode == 'trace' else ''}, {engine}) "
           f"in {time.perf_counter() - t0:.0f} s")
     rows = [r for r in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in r]
-    for key in ("sampling/sampling_logp_difference/mean", "trace/code_mismatch", "reward"):
+    for key in ("sampling/sampling_logp_difference/mean", trl_name(Name.CODE_MISMATCH), "reward"):
         vals = [r[key] for r in rows if r.get(key) is not None]
         if vals:
             print(f"  {key}: mean {sum(vals) / len(vals):.6g} over {len(vals)} steps")

@@ -195,12 +195,14 @@ def _collapse_rows(data: Mapping[str, Any]) -> list[str]:
 
 
 def _trl_rows(data: Mapping[str, Any]) -> list[str]:
+    from tracefp4.pipeline.metrics import Name
+
     rows = []
     for setting, arms in data["settings"].items():
         for arm, e in arms.items():
             rows.append(f"| `{setting}` | {arm} | {len(e['seeds'])} | {_ci(e['reward_last'], '.3f')} | "
                         f"{_ci(e.get('reward_last_minus_trace-full'))} | {_ci(e.get('reward_last_minus_bf16'))} | "
-                        f"{_ci(e['logprob_gap_mean'], '.4f')} | {_ci(e['gap_growth'], '.2f')} |")
+                        f"{_ci(e[Name.GAP_MEAN], '.4f')} | {_ci(e['gap_growth'], '.2f')} |")
     return rows
 
 
@@ -438,8 +440,6 @@ def _pm(d: Mapping[str, Any], fmt: str = ".3f", sign: float = 1.0) -> str:
 def reading_block(readme: str) -> str:
     """The README's reading of the collapse study (between the READING markers), every figure from the
     collapse-study JSONs and the scaling fit's prediction at the paper's lengths with its interval."""
-    from tracefp4.rl.experiment import BYTES, CODES
-
     load = lambda name: json.loads((ROOT / f"docs/results/{name}.json").read_text())
     a, mask, trunc, trl, sc = (load(n) for n in ("collapse-a", "collapse-c-sequence-mask", "collapse-c-sequence-truncate",
                                                  "collapse-trl", "scaling"))
@@ -450,7 +450,7 @@ def reading_block(readme: str) -> str:
                     for e in d["arms"].values())
     qat, full = arms["qat"], arms["trace-full"]
     length = qat["response_length"]
-    seq = qat["logprob_gap_mean"] * length
+    seq = qat[Name.GAP_MEAN] * length
     fits = sc["fit"]["trained"]
     pred = lambda arm: fits[arm]["seq_abs_mean"]["predictions"]
     q = pred("qat")
@@ -469,17 +469,17 @@ def reading_block(readme: str) -> str:
             f"reward, {'no seed collapses' if not collapsed else f'{collapsed} seeds collapse'}, and QAT's train-rollout mismatch does not grow over {a['steps']} steps "
             f"(k3 growth {_pm(qat['growth_k3_kl'], '.2f')}). Every FP4 arm trails BF16 by {spread(behind, '.2f', '')} "
             f"held-out reward ({spread(trl_behind, '.2f', '')} in TRL). QAT's mismatch is nonetheless about "
-            f"{qat['logprob_gap_mean'] / full['logprob_gap_mean']:.0f}x TRACE-full's per token, and what matters for "
+            f"{qat[Name.GAP_MEAN] / full[Name.GAP_MEAN]:.0f}x TRACE-full's per token, and what matters for "
             f"collapse is its sum over a sequence: ours is about {seq:.2f} nats per {length:.0f}-token answer. For the "
             f"{lengths}-token reasoning traces where the paper reports collapses, our scaling fit (trained weights, "
             f"extrapolated from {fits['qat']['seq_abs_mean']['points']} tiny models to {tgt['layers']} layers and hidden "
             f"{tgt['hidden']}; [scaling](docs/results/scaling.md)) predicts QAT's mean |sequence log-ratio| at "
             f"{shown('qat')} nats (95% prediction intervals {intervals}): "
             f"{spread([p['predicted'] / seq for p in q], '.1f')} what we measured at {length:.0f} tokens (the fit's "
-            f"|Σ Δlogp| is at most that Σ |Δlogp|). The fit places no collapse. It predicts {shown('full')} nats with "
+            f"|Σ Δlogp| is at most that Σ |Δlogp|). The fit places no collapse. It predicts {shown('trace-full')} nats with "
             f"`full` or `lsb@all` hints and {shown('trace')} with `lsb` hints, so at those lengths use `full` or "
-            f"`lsb@all` guidance (`trace-full` here: {full[BYTES]:.0f} B/token, code mismatch "
-            f"{full[CODES]:.1e}; `trace`, `lsb`: {arms['trace'][BYTES]:.0f} B/token). "
+            f"`lsb@all` guidance (`trace-full` here: {full[Name.GUIDANCE_BYTES]:.0f} B/token, code mismatch "
+            f"{full[Name.CODE_MISMATCH]:.1e}; `trace`, `lsb`: {arms['trace'][Name.GUIDANCE_BYTES]:.0f} B/token). "
             f"Sequence-level correction is where QAT's mismatch first costs something at this scale: masking sequences "
             f"whose train/rollout ratio leaves [1/{mask['is_cap']:g}, {mask['is_cap']:g}] discards "
             f"{format_mean_ci(masked, '.0%')} of QAT's samples and "
@@ -623,7 +623,7 @@ def results_index(results: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-ROLLOUT_MODES = ("bf16", "fp4", "trace_lsb", "trace_full")
+ROLLOUT_MODES = ("bf16", "fp4", "trace", "trace-full")
 
 
 def _rollout_rows(path: Path) -> list[str]:
@@ -711,7 +711,7 @@ def _attention_rows(path: Path) -> list[str]:
     return rows
 
 
-LONG_MODES = ("bf16", "fp8kv", "fp4", "trace_lsb")
+LONG_MODES = ("bf16", "fp8kv", "fp4", "trace")
 
 
 def _long_section(path: Path) -> list[str]:

@@ -24,7 +24,7 @@ __all__ = ["CAPACITY_PROMPT", "REGIONS", "VLLM_SERVES", "CapacityRun", "home_dec
 CAPACITY_PROMPT = 64
 #: The engine that serves each rollout mode in vLLM: vLLM's own for BF16 and FP8 K/V, our plugin's for FP4.
 VLLM_SERVES = {"bf16": EngineKind.VLLM_BF16, "fp8kv": EngineKind.VLLM_FP8KV, "fp4": EngineKind.VLLM,
-               "trace_lsb": EngineKind.VLLM, "trace_full": EngineKind.VLLM}
+               "trace": EngineKind.VLLM, "trace-full": EngineKind.VLLM}
 
 #: Profiler region names per category, innermost wins (a site inside the experts is a site).
 REGIONS = {"sites": ("tracefp4::site",),

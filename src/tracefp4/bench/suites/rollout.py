@@ -10,9 +10,9 @@ The shape options (``--layers``, ``--hidden``, ``--experts``, ``--top-k``, ``--e
 shapes (:func:`preset_spec` refuses those the FP4 paths cannot run); the targets are the presets' own
 and are not evaluated at other shapes.
 
-Modes: ``bf16`` (no quantization), ``fp4`` (the default W4A4 plan, routing recorded only),
-``trace_lsb`` (lsb guidance on the deeper half, the paper's compact cache), ``trace_full`` (full codes
-on every layer). Engines and what each mode runs on:
+Modes (:data:`~tracefp4.pipeline.arms.ROLLOUT_MODES`): ``bf16`` (no quantization), ``fp4`` (the default
+W4A4 plan, routing recorded only), ``trace`` (lsb guidance on the deeper half, the paper's compact cache),
+``trace-full`` (full codes on every layer); the recording modes go by their arm's name. Engines and what each mode runs on:
 
 * ``home``: our engine (:class:`~tracefp4.engines.rollout.HomeEngine`) over one transformers model;
   ``bf16`` is its BF16 forward (torch matmuls per expert), the FP4 modes the packed-FP4 experts
@@ -288,7 +288,7 @@ def _time_batch(kinds, model, ckpt, prompts, new_tokens, prompt_len, repeats, pl
             servers = start_servers({"bf16": EngineKind.VLLM_BF16, "fp4": EngineKind.VLLM}, ckpt,
                                     {"max_len": max_len, "max_seqs": len(prompts)},
                                     env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
-            for srv, modes in ((servers["bf16"], ("bf16",)), (servers["fp4"], ("fp4", "trace_lsb", "trace_full"))):
+            for srv, modes in ((servers["bf16"], ("bf16",)), (servers["fp4"], ("fp4", "trace", "trace-full"))):
                 for mode in modes:  # warm-up at the timed batch (vLLM compiles per batch shape; first-use costs here)
                     srv.ask("generate", mode=mode, prompts=prompts, new_tokens=4)
                     calls[("vllm", mode)] = lambda m=mode, s=srv: s.ask("generate", mode=m, prompts=prompts,
@@ -365,8 +365,8 @@ def format_rollout(run: Run) -> str:
             if any(v is None for v in vals.values()):
                 continue
             row = "".join(f"{vals[mode]:>13.1f}" for mode in ROLLOUT_MODES)
-            lines.append(f"{'':>9}{e:<8}{row}{vals['fp4'] / vals['bf16']:>10.2f}{vals['trace_lsb'] / vals['fp4']:>9.3f}"
-                         f"{vals['trace_full'] / vals['fp4']:>10.3f}")
+            lines.append(f"{'':>9}{e:<8}{row}{vals['fp4'] / vals['bf16']:>10.2f}{vals['trace'] / vals['fp4']:>9.3f}"
+                         f"{vals['trace-full'] / vals['fp4']:>10.3f}")
     mem = sorted((r.engine, r.mode, r.value) for r in run.find("resident_bytes_per_expert_param"))
     if mem:
         lines.append("resident bytes per routed-expert parameter (KV cache aside; home fp4 = the trainer's BF16 "

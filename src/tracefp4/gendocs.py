@@ -102,8 +102,8 @@ def _cell(value: Any) -> str:
     return f"`{text}`"
 
 
-#: The arm table's columns on the arms page (the plot style and the reports' keys are the charts' and
-#: the reports' business).
+#: The arm table's columns on the arms page (the plot style and the reports that run an arm are the
+#: charts' and the reports' business).
 ARM_COLUMNS = ("role", "plan", "guidance", "diagnostics", "trainer", "trainer_plan", "loss")
 
 
@@ -115,6 +115,11 @@ def arms_page() -> str:
              "What each arm's rollout records and how its trainer computes (`<n>` in a name: a family, "
              "e.g. `trace-L2`). `plan = run`: the run's precision plan; `guidance = <configured>`: the run's "
              "guidance mode; `-`: none (BF16 rollout, or routing records only).", "",
+             "An arm has one name in every output: the RL loop's files, the experiment summaries, the mismatch "
+             "and scaling reports' JSON and the rollout benchmarks' modes all write the name below (the scaling "
+             "report's lsb guidance on every layer is `trace-all`). A benchmark mode that is no recording arm "
+             "names the rollout's precision instead: `bf16`, `fp4` (FP4, routing only: a benchmark runs no "
+             "trainer) and `fp8kv` (vLLM's FP8 K/V engine).", "",
              "| arm | description | " + " | ".join(ARM_COLUMNS) + " |", "|" + "---|" * (len(ARM_COLUMNS) + 2)]
     for name, spec in ARMS.items():
         lines.append(f"| `{name}` | {spec.description} | " + " | ".join(_cell(getattr(spec, f)) for f in ARM_COLUMNS) + " |")
@@ -440,6 +445,8 @@ def _pm(d: Mapping[str, Any], fmt: str = ".3f", sign: float = 1.0) -> str:
 def reading_block(readme: str) -> str:
     """The README's reading of the collapse study (between the READING markers), every figure from the
     collapse-study JSONs and the scaling fit's prediction at the paper's lengths with its interval."""
+    from tracefp4.pipeline.metrics import Name
+
     load = lambda name: json.loads((ROOT / f"docs/results/{name}.json").read_text())
     a, mask, trunc, trl, sc = (load(n) for n in ("collapse-a", "collapse-c-sequence-mask", "collapse-c-sequence-truncate",
                                                  "collapse-trl", "scaling"))

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from tracefp4.bench.result import spread_text
 
 if TYPE_CHECKING:
-    from tracefp4.bench.result import Judgement, Run
+    from tracefp4.bench.result import Run
 
 from tracefp4.stats import format_mean_ci
 
@@ -633,9 +633,9 @@ def results_index(results: dict[str, str]) -> str:
 ROLLOUT_MODES = ("bf16", "fp4", "trace", "trace-full")
 
 
-def _rollout_rows(path: Path) -> list[str]:
+def _rollout_rows(path: Path) -> list[list[str]]:
     """One table row per (preset, batch, engine) of each run of a ``bench rollout`` results file."""
-    from tracefp4.bench.result import load
+    from tracefp4.bench.result import figure_text, load
 
     runs, prov = load(path)
     date, cpu = prov.get("date", path.stem[:10]), prov.get("cpu", path.stem[11:])
@@ -648,25 +648,24 @@ def _rollout_rows(path: Path) -> list[str]:
             # a transcription keeps the ratios as the bench printed them (from unrounded tokens/s)
             printed = run.value("printed_ratio", engine, "fp4/bf16", batch=batch)
             ratio = printed if printed is not None else (tps[1] / tps[0] if tps[0] and tps[1] else None)
-            shown = " | ".join("-" if v is None else f"{v:.1f}" for v in tps)
-            rows.append(f"| {date} | {cpu} | `{commit}` | {run.config['preset']} | {batch} | {engine} | {shown} | "
-                        + ("-" if ratio is None else f"{ratio:.2f}") + " |")
+            rows.append([date, cpu, f"`{commit}`", run.config["preset"], str(batch), engine,
+                         *(figure_text(v, ".1f") for v in tps), figure_text(ratio)])
     return rows
 
 
 def rollout_page() -> str:
     """The rollout-throughput table from docs/results/bench-rollout/<date>-<cpu>.json, oldest first."""
+    from tracefp4.bench.result import table
+
     files = sorted((ROOT / "docs/results/bench-rollout").glob("*.json"))
     lines = [GENERATED.format(source="docs/results/bench-rollout/*.json"), "", "# Rollout throughput", "",
              "Tokens per second of `tracefp4 bench rollout` (median of interleaved rounds), one row per date, CPU, "
              "commit, preset, batch and engine; `fp4/bf16` is the ratio of the two medians (as the bench printed it). The CPU matters: "
              "compare ratios across rows, not tokens/s (the VMs' speed varied by up to 1.7x between days). The "
              "narrative of each measurement is in the [journal](../dev/journal/README.md). Add a row: commit the "
-             "`--json` output of a run as `docs/results/bench-rollout/<date>-<cpu>.json`, then `make docs`.", "",
-             "| date | CPU | commit | preset | batch | engine | " + " | ".join(ROLLOUT_MODES) + " | fp4/bf16 |",
-             "|" + "---|" * (7 + len(ROLLOUT_MODES))]
-    for path in files:
-        lines += _rollout_rows(path)
+             "`--json` output of a run as `docs/results/bench-rollout/<date>-<cpu>.json`, then `make docs`.", ""]
+    lines += table(["date", "CPU", "commit", "preset", "batch", "engine", *ROLLOUT_MODES, "fp4/bf16"],
+                   [row for path in files for row in _rollout_rows(path)])
     return "\n".join(lines) + "\n"
 
 
@@ -676,32 +675,27 @@ NUMERIC_COLUMNS = (("per row", "quantize_per_row_over_copy"), ("per tensor", "qu
                    ("guided full", "guided_full_over_copy"), ("encode_hint", "encode_hint_over_copy"))
 
 
-def _met(value: float | None, target: Judgement | None, fmt: str = ".2f") -> str:
-    if value is None:
-        return "-"
-    return f"{value:{fmt}}" + ("" if target is None else (" ✓" if target.met else " ✗"))
-
-
 def _suite_run(runs: list[Run], suite: str) -> Run:
     return next(r for r in runs if r.suite == suite)
 
 
-def _bench_all_rows(path: Path) -> list[str]:
-    from tracefp4.bench.result import load
+def _bench_all_row(path: Path) -> list[str]:
+    from tracefp4.bench.result import figure_text, load
 
     runs, _ = load(path)
     num, system = _suite_run(runs, "numerics"), _suite_run(runs, "system")
     targets = {t.target: t for t in num.targets}
     cpu = num.machine.get("cpu_model", "not recorded")
-    cells = [_met(num.value(k), targets.get(k)) for _, k in NUMERIC_COLUMNS]
     copy = num.value("copy_ref_s") or num.value("copy_s")
-    return [f"| `{path.stem}` | {cpu} | {copy * 1e3:.2f} | "
-            + " | ".join(cells) + f" | {_met(num.value('torchao_over_quantize'), targets.get('torchao_over_quantize'), '.0f')} | "
-            f"{system.value('rollout_record_over_plain'):.3f} | {system.value('train_step_trace_over_qat'):.3f} |"]
+    return [f"`{path.stem}`", cpu, figure_text(copy * 1e3),
+            *(figure_text(num.value(k), target=targets.get(k)) for _, k in NUMERIC_COLUMNS),
+            figure_text(num.value("torchao_over_quantize"), ".0f", targets.get("torchao_over_quantize")),
+            figure_text(system.value("rollout_record_over_plain"), ".3f"),
+            figure_text(system.value("train_step_trace_over_qat"), ".3f")]
 
 
-def _attention_rows(path: Path) -> list[str]:
-    from tracefp4.bench.result import load
+def _attention_rows(path: Path) -> list[list[str]]:
+    from tracefp4.bench.result import figure_text, load
     from tracefp4.bench.suites.attention import IMPLS
 
     rows = []
@@ -710,11 +704,11 @@ def _attention_rows(path: Path) -> list[str]:
         ref = m.get("bf16_impl", "vllm_bf16")
         v = run.value
         for c in run.values("attention_s_per_step", "context", "tracefp4"):
-            rows.append(f"| `{path.stem}` | {m.get('cpu_model', '?')} | {c} | "
-                        f"{v('attention_s_per_step', 'tracefp4', context=c) * 1e3:.2f} | "
-                        f"{v('attention_s_per_step', *IMPLS[ref], context=c) * 1e3:.2f} ({ref}) | "
-                        f"{v('attention_ratio', context=c):.3f} | "
-                        f"{v('attention_kv_bytes', 'tracefp4', context=c) / v('attention_kv_bytes', *IMPLS[ref], context=c):.3f} |")
+            kv = v("attention_kv_bytes", "tracefp4", context=c) / v("attention_kv_bytes", *IMPLS[ref], context=c)
+            rows.append([f"`{path.stem}`", m.get("cpu_model", "?"), str(c),
+                         figure_text(v("attention_s_per_step", "tracefp4", context=c) * 1e3),
+                         f"{figure_text(v('attention_s_per_step', *IMPLS[ref], context=c) * 1e3)} ({ref})",
+                         figure_text(v("attention_ratio", context=c), ".3f"), figure_text(kv, ".3f")])
     return rows
 
 
@@ -724,30 +718,28 @@ LONG_MODES = ("bf16", "fp8kv", "fp4", "trace")
 def _long_section(path: Path) -> list[str]:
     """A ``bench rollout --preset long`` file: decode tokens/s per cell and mode, KV bytes, capacity, the
     capacity run, where decode time goes, the targets."""
-    from tracefp4.bench.result import load
+    from tracefp4.bench.result import figure_text, load, table
 
     out = []
     for run in load(path)[0]:
         c, v = run.config, run.value
         cpu = run.machine.get("cpu_model", "not recorded in the JSON")
-        out += [f"### `{path.stem}` ({cpu}, {c['threads']} threads)", "", f"Model: {c['resized']}.", "",
-                "| engine | context | batch | " + " | ".join(LONG_MODES) + " |", "|" + "---|" * (3 + len(LONG_MODES))]
+        out += [f"### `{path.stem}` ({cpu}, {c['threads']} threads)", "", f"Model: {c['resized']}.", ""]
         cells = sorted({(r.engine, r.shape["context"], r.shape["batch"]) for r in run.find("rollout_tokens_per_s")})
-        for engine, ctx, batch in cells:
-            vals = [v("rollout_tokens_per_s", engine, m, context=ctx, batch=batch) for m in LONG_MODES]
-            out.append(f"| {engine} | {ctx} | {batch} | " + " | ".join("-" if x is None else f"{x:.1f}" for x in vals)
-                       + " |")
-        out += ["", "| vLLM | " + " | ".join(LONG_MODES) + " |", "|" + "---|" * (1 + len(LONG_MODES))]
-        for label, key, fmt in (("KV bytes per token", "kv_bytes_per_token", ".0f"),
-                                ("KV capacity tokens", "kv_capacity_tokens", ".0f"),
-                                ("capacity run tokens/s", "capacity_tokens_per_s", ".1f"),
-                                ("capacity run peak running", "capacity_peak_running", ".0f")):
-            vals = [v(key, "vllm", m) for m in LONG_MODES]
-            out.append(f"| {label} | " + " | ".join("-" if x is None else format(x, fmt) for x in vals) + " |")
+        out += table(["engine", "context", "batch", *LONG_MODES],
+                     [[engine, str(ctx), str(batch), *(figure_text(v("rollout_tokens_per_s", engine, m, context=ctx,
+                                                                    batch=batch), ".1f") for m in LONG_MODES)]
+                      for engine, ctx, batch in cells])
+        rows = [[label, *(figure_text(v(key, "vllm", m), fmt) for m in LONG_MODES)]
+                for label, key, fmt in (("KV bytes per token", "kv_bytes_per_token", ".0f"),
+                                        ("KV capacity tokens", "kv_capacity_tokens", ".0f"),
+                                        ("capacity run tokens/s", "capacity_tokens_per_s", ".1f"),
+                                        ("capacity run peak running", "capacity_peak_running", ".0f"))]
         if run.find("capacity_wall_s"):  # recorded from 2026-12-05 on
             shares = [(v("capacity_prefill_s", "vllm", m), v("capacity_wall_s", "vllm", m)) for m in LONG_MODES]
-            out.append("| capacity run time in steps running prompts | "
-                       + " | ".join("-" if w is None else f"{p / w:.0%} of {w:.0f} s" for p, w in shares) + " |")
+            rows.append(["capacity run time in steps running prompts",
+                         *("-" if w is None else f"{p / w:.0%} of {w:.0f} s" for p, w in shares)])
+        out += ["", *table(["vLLM", *LONG_MODES], rows)]
         out += ["", "Decode time at the longest context run (experts / attention / sites / rest):", ""]
         for engine, mode in sorted({(r.engine, r.mode) for r in run.find("decode_time_share")}):
             sh = {r.shape["region"]: r for r in run.find("decode_time_share", engine, mode)}
@@ -760,6 +752,8 @@ def _long_section(path: Path) -> list[str]:
 
 def bench_page() -> str:
     """The CPU benchmark runs committed under docs/results/bench-all/ and bench-attention/, one row each."""
+    from tracefp4.bench.result import table
+
     lines = [GENERATED.format(source="docs/results/bench-{all,attention,long}/*.json"), "",
              "# CPU benchmark runs", "",
              "`tracefp4 bench all --json` and `tracefp4 bench attention --json` runs as committed, one row per file "
@@ -767,16 +761,13 @@ def bench_page() -> str:
              "[numerics performance](numerics.md) and [CPU kernels](cpu-kernels.md)). Quantizer columns are "
              "times over a copy of the same 4096x4096 bf16 tensor (the faster of `x.clone()` and a copy into a "
              "buffer, where the run recorded both).", "",
-             "## Quantizers and guidance cost (`bench all`)", "",
-             "| run | CPU | copy ms | " + " | ".join(n for n, _ in NUMERIC_COLUMNS)
-             + " | torchao / ours | record / plain rollout | trace / qat train step |",
-             "|" + "---|" * (6 + len(NUMERIC_COLUMNS))]
-    for p in sorted((ROOT / "docs/results/bench-all").glob("*.json")):
-        lines += _bench_all_rows(p)
-    lines += ["", "## Decode attention over packed K/V (`bench attention`)", "",
-              "| run | CPU | context | fp4 ms | bf16 ms | fp4 / bf16 | KV bytes fp4 / bf16 |", "|" + "---|" * 7]
-    for p in sorted((ROOT / "docs/results/bench-attention").glob("*.json")):
-        lines += _attention_rows(p)
+             "## Quantizers and guidance cost (`bench all`)", ""]
+    lines += table(["run", "CPU", "copy ms", *(n for n, _ in NUMERIC_COLUMNS), "torchao / ours", "record / plain rollout",
+                    "trace / qat train step"],
+                   [_bench_all_row(p) for p in sorted((ROOT / "docs/results/bench-all").glob("*.json"))])
+    lines += ["", "## Decode attention over packed K/V (`bench attention`)", ""]
+    lines += table(["run", "CPU", "context", "fp4 ms", "bf16 ms", "fp4 / bf16", "KV bytes fp4 / bf16"],
+                   [row for p in sorted((ROOT / "docs/results/bench-attention").glob("*.json")) for row in _attention_rows(p)])
     lines += ["", "## Long-output rollouts (`bench rollout --preset long`)", "",
               "Decode tokens/s at each context (prefill excluded), the KV cache per token and capacity from the "
               "engines, a capacity run at one KV budget.", ""]

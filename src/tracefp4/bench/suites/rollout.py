@@ -51,12 +51,12 @@ import importlib
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from tracefp4.bench.harness import Spread, interleave
+from tracefp4.bench.decode import generate_mode
+from tracefp4.bench.harness import Spread, interleave, timed
 from tracefp4.bench.memory import ResidentProbe, run_children
 from tracefp4.bench.result import Record, Run, target_line
 from tracefp4.bench.server import EngineServer, start_servers
@@ -65,8 +65,7 @@ from tracefp4.bench.targets import judged
 from tracefp4.pipeline.factory import EngineKind, make_engine
 from tracefp4.engines.model import TinyMoESpec, from_config
 from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.engines.protocol import RolloutEngine, SamplingParams
-from tracefp4.guidance.compact import GuidedMode
+from tracefp4.engines.protocol import SamplingParams
 from tracefp4.provenance import environment
 from tracefp4.pipeline.arms import ROLLOUT_MODES
 
@@ -261,13 +260,6 @@ def measure_memory(ckpt: str, preset: str, engines: Sequence[str], timeout: floa
     return out
 
 
-def _call(engine: RolloutEngine, mode: str, s: SamplingParams, prompts, plan: PrecisionPlan) -> float:
-    fp4, guidance = ROLLOUT_MODES[mode]
-    t0 = time.perf_counter()
-    engine.generate(prompts, s, plan=plan if fp4 else None, guidance=GuidedMode.parse(guidance) if guidance else None)
-    return time.perf_counter() - t0
-
-
 def _time_batch(kinds, model, ckpt, prompts, new_tokens, prompt_len, repeats, plan, batch, say) -> list[Record]:
     """Interleaved rounds at one batch size: every (engine, mode) once per round, in a fixed order.
     Our engine runs in this process; vLLM's own BF16 engine and our FP4 one each in a server process,
@@ -280,8 +272,8 @@ def _time_batch(kinds, model, ckpt, prompts, new_tokens, prompt_len, repeats, pl
         if EngineKind.HOME in kinds:
             home = make_engine(EngineKind.HOME, model)
             for mode in ROLLOUT_MODES:
-                _call(home, mode, warm, prompts, plan)
-                calls[("home", mode)] = lambda m=mode: _call(home, m, sampling, prompts, plan)
+                generate_mode(home, mode, prompts, warm, plan)
+                calls[("home", mode)] = timed(lambda m=mode: generate_mode(home, m, prompts, sampling, plan))
         if EngineKind.VLLM in kinds:
             max_len = max(64, -(-(prompt_len + new_tokens + 2) // 16) * 16)
             say(f"batch {batch}: building vLLM's own BF16 engine and our FP4 one (a server process each)")

@@ -99,7 +99,7 @@ class TraceGRPOConfig(GRPOConfig):
     trace_store: str | None = dataclasses.field(default=None, metadata={"help": (
         "Guidance store folder (one sub-folder per process). Default: {output_dir}/guidance.")})
     trace_diagnostics: str = dataclasses.field(default="all", metadata={"help": (
-        "Layers whose full FP4 codes the rollout keeps in memory to measure trace/code_mismatch: all, deeper, "
+        "Layers whose full FP4 codes the rollout keeps in memory to measure trace/code_mismatch_rate: all, deeper, "
         "guided (trace mode's guided layers) or none.")})
     trace_keep_steps: bool = dataclasses.field(default=False, metadata={"help": (
         "Keep every generation's records in the store (default: a step is discarded once a newer one replaces it).")})

@@ -10,6 +10,7 @@ import pytest
 from tracefp4.cli import main
 from tracefp4.rl.experiment import ExperimentConfig, collapse_step, run_experiment, run_job
 from tracefp4.stats import format_mean_ci, mean_ci95, paired_differences, t_quantile_975
+from tracefp4.pipeline.metrics import Name
 
 RUN = """
 [run]
@@ -85,7 +86,7 @@ def test_experiment_runs_seeds_and_resumes(tmp_path):
         assert e["seeds"] == [0, 1] and len(e["final_eval_accuracy_per_seed"]) == 2
         acc = e["final_eval_accuracy"]
         assert acc["ci95"][0] <= acc["mean"] <= acc["ci95"][1]
-        for key in ("logprob_gap_mean", "logprob_gap_max", "guidance_bytes_per_token"):
+        for key in (Name.GAP_MEAN, Name.GAP_MAX, Name.GUIDANCE_BYTES):
             assert e[key] is not None
     assert res["arms"]["bf16"]["guidance_bytes_per_token"] == 0 < res["arms"]["trace"]["guidance_bytes_per_token"]
     # post-hoc FP4 inference of the BF16-trained policy: from the bf16 arm's evaluations only
@@ -104,7 +105,7 @@ def test_experiment_runs_seeds_and_resumes(tmp_path):
             c = collapse_step(series)
             assert e["collapse"]["per_seed"][s] == (None if c is None else {"step": c[0], "evals_after": c[1]})
         assert e["collapse"]["share"] == e["collapse"]["seeds_collapsed"] / 2
-        assert set(e["curves"]) >= {"eval_accuracy", "reward_mean", "logprob_gap_mean", "is_truncated_frac"}
+        assert set(e["curves"]) >= {"eval_accuracy", "reward_mean", Name.GAP_MEAN, "is_truncated_frac"}
         assert e["response_length"] > 0
     for plot in ("eval_accuracy", "reward_mean", "is_truncated_frac"):
         assert (tmp_path / "img" / f"tiny_{plot}.png").exists()

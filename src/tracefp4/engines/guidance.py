@@ -55,7 +55,6 @@ class TrainerGuidance(ForwardPath):
     codes: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, init=False)
     grids: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = dataclasses.field(default_factory=dict, init=False)
     router_flips: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict, init=False)
-    decode_failures: int = dataclasses.field(default=0, init=False)
     decode_report: DecodeReport = dataclasses.field(default_factory=DecodeReport, init=False)
 
     def hint(self, name: str, x: torch.Tensor) -> Hint | None:
@@ -64,7 +63,6 @@ class TrainerGuidance(ForwardPath):
         if record is None:
             return None
         hint, report = record.decode(x.detach())
-        self.decode_failures += report.failed_blocks
         self.decode_report += report
         return hint
 

@@ -167,8 +167,8 @@ class ForwardReport:
         (a compact record's codes are only right on the right grid).
     router_flips: under replay, layer -> share of real tokens whose own top-k set differs from the
         replayed one (the router flip rate before replay).
-    decode_failures: compact-record blocks that did not decode (rounded to nearest instead).
-    decode: the forward's decode reports summed: its failed blocks, and the ``mod4`` records' elements
+    decode: the forward's decode reports summed: its failed blocks (``decode.failed_blocks``: compact-record
+        blocks that did not decode, rounded to nearest instead), and the ``mod4`` records' elements
         checked against the trainer's bracket and the misses detected there (``bracket_miss_rate``).
     stale_rows: in ``trace`` mode, the record rows (token positions the forward covers, each counted
         once) whose lag exceeded the spec's ``guidance_max_lag``: rounded to nearest at every guided site.
@@ -177,7 +177,6 @@ class ForwardReport:
     codes: list[dict[str, torch.Tensor]]
     grids: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]
     router_flips: dict[int, float]
-    decode_failures: int = 0
     decode: DecodeReport = dataclasses.field(default_factory=DecodeReport)
     stale_rows: int = 0
 
@@ -185,7 +184,7 @@ class ForwardReport:
 @dataclasses.dataclass
 class TrainerOutput:
     """logprobs[b]: ``[T_b - P_b]`` log-probs of the completion tokens, differentiable; codes, grids,
-    router_flips, decode_failures, decode and stale_rows as :class:`ForwardReport`.
+    router_flips, decode and stale_rows as :class:`ForwardReport`.
 
     logprob_rows[b]: float32 ``[T_b - P_b, V]``, the whole ``log_softmax(logits / temperature)`` row at
         each completion position (differentiable; what a loss over more than the sampled token reads,
@@ -196,7 +195,6 @@ class TrainerOutput:
     codes: list[dict[str, torch.Tensor]]
     grids: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]
     router_flips: dict[int, float]
-    decode_failures: int = 0
     logprob_rows: list[torch.Tensor] = dataclasses.field(default_factory=list)
     decode: DecodeReport = dataclasses.field(default_factory=DecodeReport)
     stale_rows: int = 0
@@ -319,7 +317,7 @@ class TrainerForward:
                 grids[t][name] = (s_part, a_part)
         flips = {layer: f / max(n, 1) for layer, (f, n) in path.router_flips.items()}
         stale = 0 if path.stale is None else int(path.stale.sum())
-        return ForwardReport(codes, grids, flips, path.decode_failures, path.decode_report, stale)
+        return ForwardReport(codes, grids, flips, path.decode_report, stale)
 
 
 @contextlib.contextmanager
@@ -464,7 +462,7 @@ def forward_logprobs(
     report = fwd.report()
     counts = [n - p for p, n in zip(prompt_lens, lengths)]
     return TrainerOutput(list(token_logp.split(counts)), report.codes, report.grids, report.router_flips,
-                         report.decode_failures, list(rows_logp.split(counts)), report.decode, report.stale_rows)
+                         list(rows_logp.split(counts)), report.decode, report.stale_rows)
 
 
 def forward_rollout(model: PreTrainedModel, rollout: RolloutOutput, spec: TrainerSpec | None = None,

@@ -28,7 +28,7 @@ from tracefp4.guidance.names import layer_tag
 from tracefp4.guidance.store import StoreReader, bytes_per_token, parse_name
 from tracefp4.pipeline.arms import Arm
 from tracefp4.pipeline.factory import EngineKind, make_engine
-from tracefp4.pipeline.metrics import Name, logprob_gap, metric
+from tracefp4.pipeline.metrics import Name, logprob_gap
 from tracefp4.pipeline.steps import rollout_step, trainer_spec
 from tracefp4.seeds import TrajectoryIds, trajectory_ids
 
@@ -67,7 +67,7 @@ def store_root(store_dir: str | os.PathLike[str] | None, prefix: str) -> Iterato
 
 # --- log-prob gap --------------------------------------------------------------------------------
 
-#: The log-prob gap metrics of :func:`gap`, in its keys' order (the reports' spellings of them).
+#: The log-prob gap metrics of :func:`gap`, in its keys' order.
 GAP_METRICS = (Name.GAP_MEAN, Name.GAP_MAX, Name.K3_KL, Name.KL, Name.LOG_PPL_DIFF)
 
 
@@ -88,7 +88,7 @@ def gap(rollout: RolloutOutput, trainer: TrainerOutput) -> dict[str, float]:
     if not torch.equal(mask, mask_t):
         raise RuntimeError("trainer and rollout disagree on the completion lengths")
     m = logprob_gap(lr, lt.detach().float(), mask)
-    return {**{metric(k).aliases["reports"]: m[k] for k in GAP_METRICS}, "tokens": int(mask.sum())}
+    return {**{k: m[k] for k in GAP_METRICS}, "tokens": int(mask.sum())}
 
 
 def same_rollout(a: RolloutOutput, b: RolloutOutput) -> bool:

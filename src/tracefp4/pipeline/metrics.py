@@ -1,10 +1,11 @@
 """The metrics vocabulary: every train-rollout mismatch metric by one name, what it measures, its
-formula, the other spellings it goes by, and the summary functions that compute it.
+formula, and the summary functions that compute it.
 
-A metric's ``name`` is the key the RL loop writes to ``metrics/<arm>.jsonl`` (the records: they do not
-change). The reports, the experiment summary and the TRL integration spell some of them otherwise
-(``aliases``: where -> spelling); each of those spellings maps onto the registry's name through
-:func:`canonical`. The TRL integration logs a metric as ``trace/`` + its TRL alias (:data:`TRL_PREFIX`).
+A metric's ``name`` is its key in every output: the RL loop's ``metrics/<arm>.jsonl``, the mismatch,
+sweep and scaling reports' JSON, the experiment and TRL-study summaries. It has no other spelling; the
+TRL integration only puts :data:`TRL_PREFIX` before it (:func:`trl_name`), since TRL's logs mix in its
+own metrics. A name is written in :class:`Name` once: the code that writes or reads a metric spells it
+``Name.X`` (a literal elsewhere fails ``tests/test_metrics.py``).
 
 Notation: over the completion tokens t of a step's trajectories, d_t = logp_rollout(t) - logp_train(t);
 a "site" is one quantized tensor of one layer (``docs/contracts.md`` section 5).
@@ -22,7 +23,7 @@ from tracefp4.engines.trainer import SiteMismatch
 from tracefp4.guidance.store import parse_name
 
 __all__ = [
-    "Metric", "METRICS", "Name", "TRL_PREFIX", "alias", "canonical", "trl_name", "metric", "label", "share",
+    "Metric", "METRICS", "Name", "TRL_PREFIX", "trl_name", "metric", "label", "share",
     "mismatch_summary", "mismatch_by", "at_sites", "gap_quantile", "logprob_gap", "router_flip_rate",
     "guidance_bytes_per_token", "reference_markdown",
 ]  # fmt: skip
@@ -53,55 +54,47 @@ class Name:
 
 @dataclasses.dataclass(frozen=True)
 class Metric:
-    """One metric: its record name, a column label, one line of what it measures, its formula, and its
-    other spellings (where -> name)."""
+    """One metric: its name, a column label, one line of what it measures, and its formula."""
 
     name: str
     label: str
     measures: str
     formula: str
-    aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
-def _m(name: str, label: str, measures: str, formula: str, **aliases: str) -> tuple[str, Metric]:
-    return name, Metric(name, label, measures, formula, aliases)
+def _m(name: str, label: str, measures: str, formula: str) -> tuple[str, Metric]:
+    return name, Metric(name, label, measures, formula)
 
 
-#: The registry, keyed by record name. Aliases: ``reports`` (the mismatch, scaling and sweep reports'
-#: JSON keys: :func:`tracefp4.pipeline.measure.gap`), ``sweep`` (the sweep's rows), ``experiment`` (the
-#: multi-seed summary), ``trl`` (logged as ``trace/<alias>``), ``loop`` (the progress line).
+#: The registry, keyed by name, in the order of the reference page.
 METRICS: dict[str, Metric] = dict([
     _m(Name.GAP_MEAN, "mean |Δlogp|",
        "mean log-prob gap between the trainer and the rollout over the completion tokens",
-       "mean_t |d_t|", reports="mean_abs", sweep="logprob_gap_mean_abs", experiment="logprob_gap_mean",
-       trl="logprob_gap_mean", loop="dlogp"),
+       "mean_t |d_t|"),
     _m(Name.GAP_MAX, "max |Δlogp|",
        "largest log-prob gap of one completion token (QUADS's metric)",
-       "max_t |d_t|", reports="max_abs", sweep="logprob_gap_max_abs", experiment="logprob_gap_max",
-       trl="logprob_gap_max"),
+       "max_t |d_t|"),
     _m(Name.KL, "KL", "the rollout-vs-trainer KL estimate (as verl logs it)",
-       "mean_t d_t", reports="kl"),
+       "mean_t d_t"),
     _m(Name.K3_KL, "k3 KL", "the k3 (non-negative, low-variance) KL estimate",
-       "mean_t (r_t - log r_t - 1), r_t = exp(-d_t)", reports="k3_kl", sweep="k3_kl"),
+       "mean_t (r_t - log r_t - 1), r_t = exp(-d_t)"),
     _m(Name.LOG_PPL_DIFF, "log-ppl diff", "log-perplexity under the rollout minus under the trainer",
-       "mean over sequences of (mean_t -logp_rollout - mean_t -logp_train)", reports="log_ppl_diff"),
+       "mean over sequences of (mean_t -logp_rollout - mean_t -logp_train)"),
     _m(Name.CODE_MISMATCH, "code mismatch",
        "share of the trainer's quantized codes (diagnostics sites) that differ from the rollout's",
-       "sum_sites mismatched / sum_sites codes (signed code line: +0 and -0 are one code)",
-       reports="code_mismatch", experiment="code_mismatch", trl="code_mismatch"),
+       "sum_sites mismatched / sum_sites codes (signed code line: +0 and -0 are one code)"),
     _m(Name.ONE_APART, "one apart",
        "share of the mismatched codes exactly one codeword apart (what a 1-bit hint can correct)",
-       "sum_sites one_apart / sum_sites mismatched", reports="adjacent_share", trl="code_mismatch_one_apart"),
+       "sum_sites one_apart / sum_sites mismatched"),
     _m(Name.ROUTER_FLIPS, "router flips",
        "share of (token, MoE layer) pairs whose top-k expert set differs between the rollout and a trainer "
-       "following its own router", "mean over MoE layers of flipped pairs / pairs", trl="router_flip_rate"),
+       "following its own router", "mean over MoE layers of flipped pairs / pairs"),
     _m(Name.GUIDANCE_BYTES, "guidance B/token",
        "bytes of guidance (routing excluded) that reached the store per generated token",
-       "sum of guidance tensor bytes / generated tokens", experiment="guidance_bytes_per_token",
-       trl="guidance_bytes_per_token"),
+       "sum of guidance tensor bytes / generated tokens"),
     _m(Name.DECODE_FAILURES, "decode failures",
        "guidance blocks the trainer could not decode (rounded to nearest on the rollout's grid instead)",
-       "count of failed blocks", reports="decode_failures", trl="decode_failures"),
+       "count of failed blocks"),
     # the asynchronous loop's (tracefp4.rl.staleness; logged only when max_staleness > 0)
     _m(Name.LAG_MEAN, "mean lag",
        "policy versions between the weights a step trains (before its update) and those that generated "
@@ -115,34 +108,18 @@ METRICS: dict[str, Metric] = dict([
        "count of tokens"),
 ])
 
-_BY_ALIAS = {a: m.name for m in METRICS.values() for a in m.aliases.values()}
 
-
-def canonical(name: str) -> str:
-    """The registry name of ``name``: a record name, an alias, or a TRL name (``trace/...``); a
-    KeyError names the unknown metric."""
-    bare = name.removeprefix(TRL_PREFIX)
-    if bare in METRICS:
-        return bare
-    if bare in _BY_ALIAS:
-        return _BY_ALIAS[bare]
-    raise KeyError(f"unknown metric {name!r}; the registry: {', '.join(METRICS)}")
+def metric(name: str) -> Metric:
+    """The registry entry of ``name``; a KeyError names the unknown metric and lists the registry."""
+    try:
+        return METRICS[name]
+    except KeyError:
+        raise KeyError(f"unknown metric {name!r}; the registry: {', '.join(METRICS)}") from None
 
 
 def trl_name(name: str) -> str:
-    """The name the TRL integration logs metric ``name`` under: ``trace/`` + its TRL alias."""
-    return TRL_PREFIX + alias(name, "trl")
-
-
-def alias(name: str, where: str) -> str:
-    """How output ``where`` (a key of :attr:`Metric.aliases`) spells metric ``name``; its record name
-    where that output has no spelling of its own."""
-    return metric(name).aliases.get(where, metric(name).name)
-
-
-def metric(name: str) -> Metric:
-    """The registry entry of ``name`` (any spelling :func:`canonical` accepts)."""
-    return METRICS[canonical(name)]
+    """The name the TRL integration logs metric ``name`` under: ``trace/`` + its name."""
+    return TRL_PREFIX + metric(name).name
 
 
 def label(name: str) -> str:
@@ -236,15 +213,15 @@ def guidance_bytes_per_token(guidance_bytes: int, generated: int) -> float:
 
 
 def reference_markdown() -> str:
-    """The registry as a markdown reference page (one table: name, what it measures, formula, aliases)."""
+    """The registry as a markdown reference page (one table: name, what it measures, formula)."""
     lines = [
         "# Metrics", "",
-        "Generated from `tracefp4.pipeline.metrics.METRICS`. The name is the RL loop's record key "
-        f"(`metrics/<arm>.jsonl`); the TRL integration logs its alias with the `{TRL_PREFIX}` prefix.", "",
-        "| name | measures | formula | also called |", "|---|---|---|---|",
+        "Generated from `tracefp4.pipeline.metrics.METRICS`. The name is the metric's key in every output "
+        "(the RL loop's `metrics/<arm>.jsonl`, the reports' and summaries' JSON); the TRL integration logs it "
+        f"with the `{TRL_PREFIX}` prefix.", "",
+        "| name | measures | formula |", "|---|---|---|",
     ]  # fmt: skip
     for m in METRICS.values():
-        also = ", ".join(f"`{a}` ({where})" for where, a in m.aliases.items()) or "-"
         # a bare | would end the table cell, also inside backticks (GitHub's tables)
-        lines.append(f"| `{m.name}` | {m.measures} | `{m.formula.replace('|', chr(92) + '|')}` | {also} |")
+        lines.append(f"| `{m.name}` | {m.measures} | `{m.formula.replace('|', chr(92) + '|')}` |")
     return "\n".join(lines) + "\n"

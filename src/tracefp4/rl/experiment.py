@@ -67,7 +67,7 @@ from typing import Any
 
 from tracefp4.files import atomic_write_json
 from tracefp4.pipeline.arms import arm_style
-from tracefp4.pipeline.metrics import Name, alias, canonical
+from tracefp4.pipeline.metrics import Name
 from tracefp4.rl.config import RLConfig, check_fields, option, read_table, reject
 from tracefp4.rl.evaluate import POST_HOC_PLANS, post_hoc_metric
 from tracefp4.rl.runlog import read_metrics, rows_of_kind
@@ -300,25 +300,20 @@ def run_job(cfg: ExperimentConfig, spec: str) -> None:
 #: Evaluations of the policy under post-hoc FP4 inference (vanilla NVFP4, Four over Six), reported
 #: by the bf16 arm's evaluations.
 POST_HOC = tuple(post_hoc_metric(name) for name in POST_HOC_PLANS)
-#: The summary's spellings of the registry's metrics (:mod:`tracefp4.pipeline.metrics`, alias ``experiment``)
-#: and the record names they summarise.
-GAP_MEAN, GAP_MAX, CODES, BYTES = (alias(name, "experiment") for name in (Name.GAP_MEAN, Name.GAP_MAX,
-                                                                            Name.CODE_MISMATCH, Name.GUIDANCE_BYTES))
-RECORD = {key: canonical(key) for key in (GAP_MEAN, GAP_MAX, CODES, BYTES)}
 
 
 def _seed_figures(rows: Sequence[Mapping]) -> dict[str, float | None]:
     train, evals = rows_of_kind(rows, "train"), rows_of_kind(rows, "eval")
-    gaps = [r[RECORD[GAP_MEAN]] for r in train]
-    codes = [r[RECORD[CODES]] for r in train if r.get(RECORD[CODES]) is not None]
+    gaps = [r[Name.GAP_MEAN] for r in train]
+    codes = [r[Name.CODE_MISMATCH] for r in train if r.get(Name.CODE_MISMATCH) is not None]
     return {
         **{f"final_{m}": evals[-1].get(m) if evals else None for m in HELD_OUT},
         # post-hoc FP4 inference of the policy (the bf16 arm's evaluations carry them)
         **{f"final_{k}": evals[-1].get(k) if evals else None for k in POST_HOC},
-        GAP_MEAN: statistics.fmean(gaps) if gaps else None,
-        GAP_MAX: max(r[RECORD[GAP_MAX]] for r in train) if train else None,
-        CODES: statistics.fmean(codes) if codes else None,
-        BYTES: statistics.fmean(r[RECORD[BYTES]] for r in train) if train else None,
+        Name.GAP_MEAN: statistics.fmean(gaps) if gaps else None,
+        Name.GAP_MAX: max(r[Name.GAP_MAX] for r in train) if train else None,
+        Name.CODE_MISMATCH: statistics.fmean(codes) if codes else None,
+        Name.GUIDANCE_BYTES: statistics.fmean(r[Name.GUIDANCE_BYTES] for r in train) if train else None,
         "steps": len(train),
         "response_length": statistics.fmean(r["response_length"] for r in train) if train else None,
     }
@@ -329,8 +324,8 @@ CURVES = {
     "eval_accuracy": ("eval_accuracy", "eval"),
     "eval_reward": ("eval_reward", "eval"),
     "reward_mean": ("reward_mean", "train"),
-    GAP_MEAN: (RECORD[GAP_MEAN], "train"),
-    GAP_MAX: (RECORD[GAP_MAX], "train"),
+    Name.GAP_MEAN: (Name.GAP_MEAN, "train"),
+    Name.GAP_MAX: (Name.GAP_MAX, "train"),
     "is_truncated_frac": ("is_truncated_frac", "train"),
 }
 
@@ -431,7 +426,7 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
             post = [f[f"final_{key}"] for f in figs if f[f"final_{key}"] is not None]
             if post:
                 entry[f"final_{key}"] = mean_ci95(post)
-        for key in (GAP_MEAN, GAP_MAX, CODES, BYTES, "response_length"):
+        for key in (Name.GAP_MEAN, Name.GAP_MAX, Name.CODE_MISMATCH, Name.GUIDANCE_BYTES, "response_length"):
             vals = [f[key] for f in figs if f[key] is not None]
             entry[key] = statistics.fmean(vals) if vals else None
         rows = [metrics[s][arm] for s in seeds]
@@ -464,7 +459,7 @@ STEP_MEANS = ("entropy", "grad_norm", "is_weight_mean", "is_truncated_frac", "is
 
 #: The mismatch whose growth :func:`_dynamics` measures: its mean over the last ``SLOPE_WINDOW`` steps
 #: over its mean over the first ``SLOPE_WINDOW`` (> 1: the mismatch grew during training).
-GROWTH = (Name.K3_KL, RECORD[GAP_MAX])
+GROWTH = (Name.K3_KL, Name.GAP_MAX)
 SLOPE_WINDOW = 50
 
 
@@ -541,8 +536,8 @@ def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:
                              ("eval_reward", "held-out greedy reward", False),
                              ("eval_reward_minus_bf16", "held-out reward minus bf16's, paired by seed", False),
                              ("reward_mean", "training reward", False),
-                             (GAP_MEAN, "mean |Δlogp| per step (trainer vs rollout)", True),
-                             (GAP_MAX, "max |Δlogp| per step (trainer vs rollout)", True),
+                             (Name.GAP_MEAN, "mean |Δlogp| per step (trainer vs rollout)", True),
+                             (Name.GAP_MAX, "max |Δlogp| per step (trainer vs rollout)", True),
                              ("is_truncated_frac", "share of tokens whose IS weight the cap truncates", False)):
         drawn = {arm: c for arm, entry in summary["arms"].items()
                  if (c := entry["curves"].get(key)) and c["step"] and not (logy and max(c["mean"]) <= 0)}
@@ -599,8 +594,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         ci = format_ci(acc)
         lines.append(
             f"{arm:<14}{len(e['seeds']):>6}{num(acc and acc['mean'], '.3f'):>13}{ci:>18}"
-            f"{num(e[GAP_MEAN], '.5f'):>13}{num(e[GAP_MAX], '.3f'):>12}"
-            f"{num(e[CODES], '.2e'):>12}{num(e[BYTES], '.1f'):>9}"
+            f"{num(e[Name.GAP_MEAN], '.5f'):>13}{num(e[Name.GAP_MAX], '.3f'):>12}"
+            f"{num(e[Name.CODE_MISMATCH], '.2e'):>12}{num(e[Name.GUIDANCE_BYTES], '.1f'):>9}"
             f"{_paired(e.get(f'final_{metric}_minus_bf16')):>26}{_collapsed(e.get('collapse')):>11}"
         )
         for key, label in (("final_eval_accuracy_fp4", "post-hoc NVFP4"), ("final_eval_accuracy_fp4_4over6", "post-hoc 4/6")):

@@ -8,7 +8,8 @@ A :class:`TrainerGuidance` holds, for one teacher-forced forward:
   :class:`~tracefp4.engines.rows.RowMap` of the forward's rows; records and replay are in record
   order (the trajectories' covered positions, concatenated), the map says which rows they belong to
   (None: the rows are the records' rows, a packed batch);
-* outputs: the trainer's packed FP4 codes and their grid at the capture layers (in record order),
+* outputs: the trainer's packed FP4 codes and their grid at the capture layers (in record order;
+  with ``capture_values`` also the values it quantized there, which a bracket needs),
   per-layer router flips under replay (over real rows), how many compact-record blocks failed to
   decode, and the sum of every record's :class:`~tracefp4.guidance.report.DecodeReport`
   (``decode_report``: also the ``mod4`` records' detected bracket misses, the counts a
@@ -49,7 +50,9 @@ class TrainerGuidance(ForwardPath):
     routing_replay: Mapping[int, torch.Tensor] | None = None
     capture_layers: frozenset[int] = frozenset()
     rows: RowMap | None = None
+    capture_values: bool = False  # at the capture layers, also each site's value before quantization
     codes: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, init=False)
+    values: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, init=False)
     grids: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = dataclasses.field(default_factory=dict, init=False)
     router_flips: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict, init=False)
     decode_failures: int = dataclasses.field(default=0, init=False)
@@ -65,10 +68,12 @@ class TrainerGuidance(ForwardPath):
         self.decode_report += report
         return hint
 
-    def capture_site(self, layer: int, name: str, q: NVFP4 | MXFP4 | FP8, grid: Grid) -> None:
+    def capture_site(self, layer: int, name: str, q: NVFP4 | MXFP4 | FP8, grid: Grid, x: torch.Tensor) -> None:
         if layer in self.capture_layers:
             self.codes[name] = q.codes
             self.grids[name] = (grid.scales, grid.global_amax)
+            if self.capture_values:
+                self.values[name] = x.detach()
 
     def replay(self, layer: int) -> torch.Tensor | None:
         """The rollout's routing of ``layer`` (None: no replay in this forward)."""
@@ -103,7 +108,7 @@ class TrainerGuidance(ForwardPath):
         if rows is None:
             hint = self.hint(name, x)
             q = quantizer.quantize(x.detach()) if hint is None else guided(quantizer, x.detach(), hint)
-            self.capture_site(layer, name, q, quantizer.grid(q))
+            self.capture_site(layer, name, q, quantizer.grid(q), x)
             return q
         if name not in self.hints and layer not in self.capture_layers:
             return quantizer.quantize(x.detach())
@@ -111,7 +116,7 @@ class TrainerGuidance(ForwardPath):
         xr = x.detach()[real]
         hint = self.hint(name, xr)
         qr = quantizer.quantize(xr) if hint is None else guided(quantizer, xr, hint)
-        self.capture_site(layer, name, qr, quantizer.grid(qr))
+        self.capture_site(layer, name, qr, quantizer.grid(qr), xr)
         pad = rows.pad.to(x.device)
         parts = [(real, qr)] + ([(pad, quantizer.quantize(x.detach()[pad]))] if pad.numel() else [])
         return scatter_rows(x.shape[0], parts)

@@ -100,6 +100,8 @@ class TrainerSpec:
     temperature: log-probs are ``log_softmax(logits / temperature)`` (the rollout's temperature).
     replay_routing: use the rollout's recorded experts at every MoE layer (R3).
     capture_codes: layers whose FP4 codes this forward picks are reported (whatever the records hold).
+    capture_values: at the ``capture_codes`` layers, also report each site's values before quantization
+        (what the trainer's bracket is computed from: :func:`tracefp4.pipeline.metrics.bracket_miss`).
     """
 
     mode: TrainerMode = TrainerMode.TRACE
@@ -107,6 +109,7 @@ class TrainerSpec:
     temperature: float = 1.0
     replay_routing: bool = True
     capture_codes: frozenset[int] = frozenset()
+    capture_values: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -118,6 +121,8 @@ class TrainerSpec:
         object.__setattr__(self, "capture_codes", frozenset(int(i) for i in self.capture_codes))
         if self.capture_codes and self.mode is TrainerMode.BF16:
             raise ValueError("capture_codes needs a quantized mode ('qat', 'trace'): BF16 has no codes")
+        if self.capture_values and not self.capture_codes:
+            raise ValueError("capture_values reports the values at the capture_codes layers: name some")
 
     @classmethod
     def of(cls, spec: TrainerSpec | None = None, **fields) -> TrainerSpec:
@@ -146,6 +151,8 @@ class ForwardReport:
     decode_failures: compact-record blocks that did not decode (rounded to nearest instead).
     decode: the forward's decode reports summed: its failed blocks, and the ``mod4`` records' elements
         checked against the trainer's bracket and the misses detected there (``bracket_miss_rate``).
+    values[t]: with the spec's ``capture_values``, the values each captured site quantized (same names
+        and rows as ``codes``, unquantized shape ``[n_t, ..., K]``); ``{}`` without.
     """
 
     codes: list[dict[str, torch.Tensor]]
@@ -153,12 +160,13 @@ class ForwardReport:
     router_flips: dict[int, float]
     decode_failures: int = 0
     decode: DecodeReport = dataclasses.field(default_factory=DecodeReport)
+    values: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class TrainerOutput:
     """logprobs[b]: ``[T_b - P_b]`` log-probs of the completion tokens, differentiable; codes, grids,
-    router_flips, decode_failures and decode as :class:`ForwardReport`.
+    router_flips, decode_failures, decode and values as :class:`ForwardReport`.
 
     logprob_rows[b]: float32 ``[T_b - P_b, V]``, the whole ``log_softmax(logits / temperature)`` row at
         each completion position (differentiable; what a loss over more than the sampled token reads,
@@ -172,6 +180,7 @@ class TrainerOutput:
     decode_failures: int = 0
     logprob_rows: list[torch.Tensor] = dataclasses.field(default_factory=list)
     decode: DecodeReport = dataclasses.field(default_factory=DecodeReport)
+    values: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
 
     def padded(self, value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(``[B, C_max]`` log-probs right-padded with ``value``, bool mask of real tokens)."""
@@ -282,15 +291,16 @@ class TrainerForward:
     def report(self) -> ForwardReport:
         """Codes and grids per trajectory, router flips, decode failures of the forward that ran."""
         path, counts = self.path, list(self.rows.counts)
-        codes = [dict(zip(path.codes, parts)) for parts in zip(*(v.split(counts) for v in path.codes.values()))] \
-            if path.codes else [{} for _ in counts]
+        codes, values = (
+            [dict(zip(d, parts)) for parts in zip(*(v.split(counts) for v in d.values()))] if d else [{} for _ in counts]
+            for d in (path.codes, path.values))
         grids: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = [{} for _ in counts]
         for name, (sc, amax) in path.grids.items():
             for t, (s_part, a_part) in enumerate(zip(sc.split(counts), [None] * len(counts) if amax is None
                                                      else amax.split(counts))):
                 grids[t][name] = (s_part, a_part)
         flips = {layer: f / max(n, 1) for layer, (f, n) in path.router_flips.items()}
-        return ForwardReport(codes, grids, flips, path.decode_failures, path.decode_report)
+        return ForwardReport(codes, grids, flips, path.decode_failures, path.decode_report, values)
 
 
 @contextlib.contextmanager
@@ -326,7 +336,7 @@ def trainer_forward(
             .to(model.device, torch.long)
             for layer in model_layers(model)[1]
         }
-    path = TrainerGuidance(hints, replay, spec.capture_codes, rows)
+    path = TrainerGuidance(hints, replay, spec.capture_codes, rows, spec.capture_values)
     with forward_state(model, spec.forward_plan, path):
         yield TrainerForward(path, rows)
 
@@ -391,7 +401,7 @@ def forward_logprobs(
     report = fwd.report()
     counts = [n - p for p, n in zip(prompt_lens, lengths)]
     return TrainerOutput(list(token_logp.split(counts)), report.codes, report.grids, report.router_flips,
-                         report.decode_failures, list(rows_logp.split(counts)), report.decode)
+                         report.decode_failures, list(rows_logp.split(counts)), report.decode, report.values)
 
 
 def forward_rollout(model: PreTrainedModel, rollout: RolloutOutput, spec: TrainerSpec | None = None,

@@ -86,9 +86,7 @@ class Batch:
 
 def collect(s: ArmSetup, step: int, version: int) -> Batch:
     """Roll out step ``step`` with policy ``version`` and score it."""
-    cfg = s.cfg
-    rng = random.Random(derive(cfg.seed, Stream.PROMPTS, step))  # same prompts for every arm, resumable
-    group = [e for e in s.task.sample(rng, cfg.prompts_per_step) for _ in range(cfg.group_size)]
+    group = step_examples(s, step)
     ids = trajectory_ids(TrajectoryIds.LOOP, len(group), step=step)
     out = _rollout_to_store(s, step, version, [s.tok.encode(e.prompt) for e in group], ids)
     diagnostics = out.diagnostics
@@ -100,13 +98,25 @@ def collect(s: ArmSetup, step: int, version: int) -> Batch:
     return batch
 
 
+def step_examples(s: ArmSetup, step: int) -> list[Example]:
+    """The examples of step ``step``'s trajectories: ``prompts_per_step`` prompts drawn for the step
+    (the same for every arm, and again on resume), each ``group_size`` times in a row."""
+    rng = random.Random(derive(s.cfg.seed, Stream.PROMPTS, step))
+    return [e for e in s.task.sample(rng, s.cfg.prompts_per_step) for _ in range(s.cfg.group_size)]
+
+
+def step_sampling(s: ArmSetup, step: int) -> SamplingParams:
+    """How step ``step``'s rollout samples: the run's length, temperature and top-p, the step's seed."""
+    cfg = s.cfg
+    return SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, (s.tok.EOS,),
+                          seed=derive(cfg.seed, Stream.SAMPLING, step), top_logprobs=sampler_top_k(s))
+
+
 def _rollout_to_store(s: ArmSetup, step: int, version: int, prompts: list[list[int]], ids: list[str]
                       ) -> steps.StepRollout:
     """The step's rollout through the store, on the worker pool (each worker writes its own shards) or
     on this process's engine, given the policy's weights first."""
-    cfg = s.cfg
-    sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, (s.tok.EOS,),
-                              seed=derive(cfg.seed, Stream.SAMPLING, step), top_logprobs=sampler_top_k(s))
+    sampling = step_sampling(s, step)
     t0 = time.perf_counter()
     if s.pool is not None:
         s.pool.sync_weights(s.model, version)

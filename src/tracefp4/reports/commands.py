@@ -120,7 +120,7 @@ def run_mismatch(args: argparse.Namespace) -> int:
     say = _progress(args.quiet)
     if args.lag is not None:
         try:
-            return replay.run_cli(args, say, command=" ".join(["tracefp4", *sys.argv[1:]]))
+            return replay.run_cli(args, say)
         except ValueError as e:
             raise SystemExit(f"tracefp4 mismatch: {e}") from None
     kind = EngineKind.parse(getattr(args, "engine", EngineKind.HOME.value), "--engine")

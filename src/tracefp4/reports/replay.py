@@ -472,11 +472,23 @@ def replay_config(args: argparse.Namespace) -> ReplayConfig:
     return rc
 
 
-def run_cli(args: argparse.Namespace, say: Callable[[str], None], command: str | None = None) -> int:
+def command_line(args: argparse.Namespace) -> str:
+    """The ``tracefp4 mismatch --lag`` command that computes what ``args`` asks for (the options that
+    change a number, and the outputs), as the results file records it."""
+    parts = ["tracefp4", "mismatch", "--lag", ",".join(map(str, parse_lags(args.lag)))]
+    for opt, value in (("--config", args.config), ("--lrs", args.lrs), ("--steps", args.steps),
+                       ("--train-arm", None if args.train_arm == "trace-full" else args.train_arm),
+                       ("--json", args.json), ("--plot", args.plot)):
+        if value is not None:
+            parts += [opt, str(value)]
+    return " ".join(parts)
+
+
+def run_cli(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     """Run the replay the arguments name; print it, write ``--json`` and ``--plot``."""
     rc = replay_config(args)
     torch.set_num_threads(rc.run.threads)  # the command owns the process
-    rep = replay_report(rc, store_dir=args.store_dir, progress=say, command=command)
+    rep = replay_report(rc, store_dir=args.store_dir, progress=say, command=command_line(args))
     print(format_replay(rep))
     if args.json:
         atomic_write_json(args.json, rep, sort_keys=False)

@@ -185,6 +185,12 @@ class ReplayConfig:
 
     def validate(self) -> None:
         self.run.validate()
+        # the trajectory and the replay run our engine and the trainer in this process
+        for name, value, alone in (("engine", self.run.engine, "home"), ("rollout_workers", self.run.rollout_workers, 0),
+                                   ("trainer_world_size", self.run.trainer_world_size, 1)):
+            if value != alone:
+                raise ValueError(f"run config {name} = {value!r}: the replay runs our engine and the trainer in one "
+                                 f"process; set {name} = {alone!r}")
         if not self.lags or list(self.lags) != sorted(set(self.lags)) or min(self.lags) < 0:
             raise ValueError(f"lags = {self.lags!r}: expected distinct whole numbers >= 0, ascending")
         if self.steps is not None and self.steps < max(self.lags):
@@ -339,10 +345,12 @@ def replay_report(rc: ReplayConfig, *, store_dir: str | None = None, progress: C
     return {
         "kind": KIND,
         "command": command,
-        "model": {"model_type": model_cfg.model_type, "layers": n_layers, "experts": model_cfg.num_experts,
+        "model": {"model_type": model_cfg.model_type, "layers": n_layers,
+                  "experts": getattr(model_cfg, "num_experts", getattr(model_cfg, "num_local_experts", None)),
                   "top_k": model_cfg.num_experts_per_tok, "hidden": model_cfg.hidden_size,
-                  "moe_intermediate": model_cfg.moe_intermediate_size, "heads": model_cfg.num_attention_heads,
-                  "kv_heads": model_cfg.num_key_value_heads, "head_dim": model_cfg.head_dim,
+                  "moe_intermediate": getattr(model_cfg, "moe_intermediate_size", None),
+                  "heads": model_cfg.num_attention_heads, "kv_heads": model_cfg.num_key_value_heads,
+                  "head_dim": getattr(model_cfg, "head_dim", model_cfg.hidden_size // model_cfg.num_attention_heads),
                   "vocab": model_cfg.vocab_size},
         "run": dataclasses.asdict(cfg),
         "train_arm": rc.train_arm,

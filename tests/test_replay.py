@@ -137,3 +137,10 @@ def test_options_the_replay_cannot_take_are_refused(extra: list[str], message: s
 def test_replay_options_need_lag() -> None:
     with pytest.raises(SystemExit, match=r"--steps, --train-arm go with --lag"):
         main(["mismatch", "--steps", "3", "--train-arm", "qat", "--quiet"])
+
+
+def test_a_run_config_on_other_processes_is_refused(tmp_path) -> None:
+    path = tmp_path / "workers.toml"
+    path.write_text(TINY_RUN.replace("threads = 1", "threads = 1\nrollout_workers = 2"))
+    with pytest.raises(SystemExit, match=r"rollout_workers = 2: the replay runs our engine and the trainer in one"):
+        main(["mismatch", "--lag", "0,1", "--config", str(path), "--quiet"])

@@ -58,6 +58,7 @@ def report(tmp_path_factory: pytest.TempPathFactory, config: str) -> dict:
     return json.loads((out / "r.json").read_text())
 
 
+@pytest.mark.slow  # the toy replay: a warm start, two GRPO steps, twelve rollouts (~25 s on 2 cores)
 def test_every_lag_and_arm_has_a_cell_with_registry_names(report: dict) -> None:
     assert report["kind"] == KIND and report["lags"] == list(LAGS) and report["steps"] == max(LAGS)
     cells = {(c["lag"], c["arm"]): c for c in report["cells"]}
@@ -76,6 +77,7 @@ def test_every_lag_and_arm_has_a_cell_with_registry_names(report: dict) -> None:
     assert all(report["fp4_rollouts_identical"][f"{report['lrs'][0]:g}"].values())
 
 
+@pytest.mark.slow  # the toy replay: a warm start, two GRPO steps, twelve rollouts (~25 s on 2 cores)
 def test_lag_zero_full_codes_are_exact(report: dict) -> None:
     full = next(c for c in report["cells"] if c["lag"] == 0 and c["arm"] == "trace-full")
     assert full[Name.CODE_MISMATCH] == 0.0 and full[Name.BRACKET_MISS] == 0.0 and full["bracket_elements"] > 0
@@ -86,6 +88,7 @@ def test_lag_zero_full_codes_are_exact(report: dict) -> None:
     assert mod4["detected"]["bracket_misses"] == 0 and mod4["agreement_minus_lsb"] == 0.0
 
 
+@pytest.mark.slow  # the toy replay: a warm start, two GRPO steps, twelve rollouts (~25 s on 2 cores)
 def test_mod4_detects_what_the_exact_count_says(report: dict) -> None:
     for c in report["cells"]:
         if c["arm"] != "trace-mod4":
@@ -96,11 +99,13 @@ def test_mod4_detects_what_the_exact_count_says(report: dict) -> None:
         assert g["bracket_one_out"] <= det["bracket_misses"] <= g["bracket_misses"]
 
 
+@pytest.mark.slow  # the toy replay: a warm start, two GRPO steps, twelve rollouts (~25 s on 2 cores)
 def test_guidance_bytes_order(report: dict) -> None:
     by_arm = {c["arm"]: c[Name.GUIDANCE_BYTES] for c in report["cells"] if c["lag"] == 0}
     assert by_arm["qat"] == 0.0 < by_arm["trace-lsb"] < by_arm["trace-mod4"] < by_arm["trace-full"]
 
 
+@pytest.mark.slow  # the toy replay: a warm start, two GRPO steps, twelve rollouts (~25 s on 2 cores)
 def test_the_table_has_a_row_per_cell(report: dict) -> None:
     text = format_replay(report)
     rows = [line.split() for line in text.splitlines() if line.split()[2:3] == ["trace-mod4"]]

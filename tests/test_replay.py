@@ -79,13 +79,11 @@ def test_every_lag_and_arm_has_a_cell_with_registry_names(report: dict) -> None:
 
 @pytest.mark.slow  # the toy replay: a warm start, two GRPO steps, twelve rollouts (~25 s on 2 cores)
 def test_lag_zero_full_codes_are_exact(report: dict) -> None:
+    # (lsb and mod4 guide the deeper half only: the unguided layers before it drift, so their guided
+    # layers can see misses even at lag 0, as the count3-8l replay shows; nothing exact to claim there)
     full = next(c for c in report["cells"] if c["lag"] == 0 and c["arm"] == "trace-full")
     assert full[Name.CODE_MISMATCH] == 0.0 and full[Name.BRACKET_MISS] == 0.0 and full["bracket_elements"] > 0
-    for arm in ("trace-lsb", "trace-mod4"):  # exact where they guide, and mod4 saw nothing to count
-        c = next(c for c in report["cells"] if c["lag"] == 0 and c["arm"] == arm)
-        assert c["guided_layers"][Name.CODE_MISMATCH] == 0.0 and c["guided_layers"][Name.BRACKET_MISS] == 0.0
-    mod4 = next(c for c in report["cells"] if c["lag"] == 0 and c["arm"] == "trace-mod4")
-    assert mod4["detected"]["bracket_misses"] == 0 and mod4["agreement_minus_lsb"] == 0.0
+    assert full["guided_layers"][Name.BRACKET_MISS] == 0.0 and full["bracket_one_out"] == 0
 
 
 @pytest.mark.slow  # the toy replay: a warm start, two GRPO steps, twelve rollouts (~25 s on 2 cores)

@@ -407,9 +407,14 @@ def format_replay(rep: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _span(layers: list[int]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if layers else "none"
+
+
 def plot_replay(rep: Mapping[str, Any], path: str | Path) -> None:
-    """Bracket-miss rate and code mismatch (over every layer) against lag, one line per arm, one row of
-    panels per learning rate; written whole or not at all."""
+    """Bracket-miss rate and code mismatch against lag at the guided layers (where ``lsb`` and ``mod4``
+    guide: the same elements in every arm; over every layer the unguided half would hide their
+    difference), one line per arm, one row of panels per learning rate; written whole or not at all."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -423,13 +428,13 @@ def plot_replay(rep: Mapping[str, Any], path: str | Path) -> None:
     for row, lr in zip(axes, lrs):
         for ax, metric in zip(row, (Name.BRACKET_MISS, Name.CODE_MISMATCH)):
             for key, (name, _) in REPLAY_ARMS.items():
-                pts = [(c["lag"], c[metric]) for c in rep["cells"] if c["arm"] == key and c["lr"] == lr]
+                pts = [(c["lag"], c["guided_layers"][metric]) for c in rep["cells"] if c["arm"] == key and c["lr"] == lr]
                 style = own.get(key) or arm_style(name) or {}
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers.get(key, "o"), label=key,
                         color=style.get("color"), linestyle=style.get("linestyle"))
             ax.set_yscale("symlog", linthresh=1e-4)
             ax.set_xlabel("lag k (policy versions between rollout and trainer)")
-            ax.set_ylabel(f"{METRICS[metric].label} (every layer)")
+            ax.set_ylabel(f"{METRICS[metric].label} (layers {_span(rep['guided_layers'])})")
             ax.set_title(f"lr {lr:g}: {METRICS[metric].label}", fontsize=10)
             ax.set_xticks(rep["lags"])
             ax.grid(True, alpha=0.3)

@@ -404,7 +404,9 @@ def format_replay(rep: Mapping[str, Any]) -> str:
             f"{_pct(g['agreement'], 16)}{c[Name.GAP_MEAN]:>14.5f}{c[Name.GAP_MAX]:>12.4f}{c[Name.K3_KL]:>11.2e}"
             f"{c[Name.GUIDANCE_BYTES]:>9.1f}  {extra}")
     lines.append("  1 out: share of the bracket misses one codeword outside; detected: the mod4 trainer's own count")
-    return "\n".join(lines)
+    if rep.get("command"):
+        lines.append(f"  command: {rep['command']}")
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def _span(layers: list[int]) -> str:

@@ -96,9 +96,6 @@ REPLAY_ARMS: dict[str, tuple[str, str | None]] = {
     "trace-mod4": ("trace", "mod4"),
 }
 
-#: The metrics of a cell that the table and the plot show, by registry name.
-_GAP = (Name.GAP_MEAN, Name.GAP_MAX, Name.K3_KL)
-
 
 # --- inputs ---------------------------------------------------------------------------------------
 
@@ -275,7 +272,7 @@ def _cells(lr: float, lag: int, v: int, runs, guided: frozenset[int], root: Path
     """One cell per arm of one (learning rate, lag)."""
     cells = []
     for key, run in runs.items():
-        name, mode = REPLAY_ARMS[key]
+        name = REPLAY_ARMS[key][0]
         cell: dict[str, Any] = {
             "lr": lr, "lag": lag, "arm": key, "arm_name": name, "guidance": None if run.arm.guidance is None
             else run.arm.guidance.name, "rollout_version": v - lag, "trainer_version": v,

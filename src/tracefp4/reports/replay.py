@@ -34,6 +34,9 @@ Decisions (and why)
     * **Metrics over every layer**: each replay arm keeps full codes at all layers (diagnostics change
       nothing the rollout computes), so the all-sites figures of every arm cover the same elements;
       ``guided_layers`` gives the like-for-like figures where ``lsb`` and ``mod4`` guide.
+    * **Guidance at every lag.** The trainer is given no record versions, so it guides every row as
+      the records ask (no ``guidance_max_lag`` fallback): the replay measures what guidance does at
+      lag k, which is what such a bound should be chosen from.
     * **The bracket is the rollout's grid's** for every arm (the grid a guided trainer rounds on; for
       ``qat``, whose trainer rounds on its own grid, the rate says where guidance would have failed).
     * **The FP4 rollouts of one lag must be one rollout**: same tokens and routing in every arm
@@ -75,7 +78,7 @@ from tracefp4.pipeline.metrics import (
     mismatch_summary,
 )
 from tracefp4.provenance import environment, weights_digest
-from tracefp4.rl.collect import step_examples, step_sampling
+from tracefp4.rl.collect import step_prompts, step_sampling
 from tracefp4.rl.config import RLConfig, read_table
 from tracefp4.rl.experiment import ExperimentConfig
 from tracefp4.rl.loop import ArmRunner, warm_start_model
@@ -322,7 +325,7 @@ def replay_report(rc: ReplayConfig, *, store_dir: str | None = None, progress: C
         for i, lr in enumerate(rc.learning_rates):
             work = root / f"lr-{i}"
             runner, versions, trajectories[f"{lr:g}"] = _trajectory(base, task, tok, cfg, rc, lr, work, say)
-            prompts = [tok.encode(e.prompt) for e in step_examples(runner.setup, v)]
+            prompts = [tok.encode(e.prompt) for e in step_prompts(runner.setup, v)]
             sampling = step_sampling(runner.setup, v)
             for j, lag in enumerate(rc.lags):
                 rollout_model = copy.deepcopy(runner.model)

@@ -7,7 +7,8 @@ as a difference:
 
 * ``docs/results/<name>.md``: each experiment JSON through ``rl.experiment.format_summary``, the
   scaling JSON through ``reports.scaling.format_scaling``, a TRL study's through
-  ``reports.trl_study.format_trl_study``;
+  ``reports.trl_study.format_trl_study``, a lag-k replay's (``tracefp4 mismatch --lag``) through
+  ``reports.replay.format_replay``;
 * ``docs/concepts/arms.md``: the arm table ``pipeline.arms.ARMS``;
 * ``docs/performance/rollout.md``: one row per date, CPU, commit, preset, batch and engine of
   ``docs/results/bench-rollout/*.json``;
@@ -76,6 +77,11 @@ def results_page(path: Path) -> str:
         from tracefp4.reports.scaling import format_scaling
 
         title, table, cpu = "Scaling of the mismatch with depth, width and length", format_scaling(data), None
+    elif data.get("kind") == "staleness-replay":
+        from tracefp4.reports.replay import format_replay
+
+        title, table, cpu = "Staleness replay (lag-k)", format_replay(data), \
+            (data.get("environment") or {}).get("cpu_model", "not recorded in the JSON")
     elif data.get("kind") == "trl-study":
         from tracefp4.reports.trl_study import format_trl_study
 

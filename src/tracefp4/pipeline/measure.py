@@ -113,13 +113,15 @@ class ArmRun:
 
 def run_arms(model, prompts: Sequence[Sequence[int]], sampling: SamplingParams, arms: Mapping[str, Arm], root: Path,
              signature: str, *, engine: RolloutEngine | None = None, first_step: int = 0, trainers: bool = True,
-             phase: Callable[[str], contextlib.AbstractContextManager] | None = None) -> dict[str, ArmRun]:
+             phase: Callable[[str], contextlib.AbstractContextManager] | None = None, trainer_model=None,
+             values: bool = False) -> dict[str, ArmRun]:
     """Each arm of ``arms`` (report key -> arm, in order) over the same prompts and sampler seed: its
     rollout through the store (:func:`~tracefp4.pipeline.steps.rollout_step`, one sealed step each from
     ``first_step``, records read back with checksums verified) on ``engine`` (None: ours on ``model``),
     then (``trainers``) its trainer on what the store returned, in the arm's mode and plan at the
-    sampler's temperature, capturing its codes at the arm's diagnostics layers. ``phase`` names and
-    times each part (a context manager per name)."""
+    sampler's temperature, capturing its codes (and with ``values`` the values it quantized) at the
+    arm's diagnostics layers. The trainer runs ``trainer_model`` (None: ``model``; a lag replay gives
+    it later weights of the same model). ``phase`` names and times each part (a context manager per name)."""
     serving = engine if engine is not None else make_engine(EngineKind.HOME, model)
     phase = phase or (lambda name: contextlib.nullcontext())
     ids = tuple(trajectory_ids(TrajectoryIds.REPORT, len(prompts)))
@@ -134,8 +136,10 @@ def run_arms(model, prompts: Sequence[Sequence[int]], sampling: SamplingParams, 
             with phase(f"trainer {key} ({arm.trainer.value})"), torch.no_grad():
                 # the engines report log-probs at temperature 1 for greedy sampling (SamplingParams)
                 temperature = sampling.temperature if sampling.temperature > 0 else 1.0
-                spec = trainer_spec(arm, temperature=temperature, capture=True)
-                runs[key].trainer = forward_logprobs(model, roll.token_ids, roll.prompt_lens, roll.records, spec)
+                spec = dataclasses.replace(trainer_spec(arm, temperature=temperature, capture=True),
+                                           capture_values=values and bool(arm.diagnostics))
+                runs[key].trainer = forward_logprobs(model if trainer_model is None else trainer_model,
+                                                     roll.token_ids, roll.prompt_lens, roll.records, spec)
     return runs
 
 

@@ -20,12 +20,17 @@ from typing import Any
 import torch
 
 from tracefp4.engines.trainer import SiteMismatch
+from tracefp4.formats import reference as ref
+from tracefp4.formats.constants import Format
+from tracefp4.formats.packing import unpack_fp4
+from tracefp4.guidance.hints import record_format
 from tracefp4.guidance.store import parse_name
 
 __all__ = [
     "Metric", "METRICS", "Name", "TRL_PREFIX", "trl_name", "metric", "label", "share",
     "mismatch_summary", "mismatch_by", "at_sites", "gap_quantile", "logprob_gap", "router_flip_rate",
-    "guidance_bytes_per_token", "reference_markdown",
+    "guidance_bytes_per_token", "BracketMiss", "bracket_distances", "bracket_miss", "bracket_miss_summary",
+    "reference_markdown",
 ]  # fmt: skip
 
 #: The prefix the TRL integration puts before its metric names in TRL's logs.
@@ -50,6 +55,7 @@ class Name:
     LAG_MAX = "staleness/lag_max"
     LAG_GUIDED = "guidance/lag_guided_tokens"
     LAG_FALLBACK = "guidance/lag_fallback_tokens"
+    BRACKET_MISS = "guidance_bracket_miss_rate"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +112,10 @@ METRICS: dict[str, Metric] = dict([
     _m(Name.LAG_FALLBACK, "lag-fallback tokens",
        "generated tokens of a guided arm whose lag exceeds guidance_max_lag: rounded to nearest instead",
        "count of tokens"),
+    _m(Name.BRACKET_MISS, "bracket miss",
+       "share of elements (diagnostics sites) whose rollout code is neither codeword bracketing the trainer's "
+       "value on the rollout's grid: where no guidance can land on the rollout's code",
+       "sum_sites (bracket_distance > 0) / sum_sites elements (formats.reference.bracket_distance)"),
 ])
 
 
@@ -161,7 +171,7 @@ def mismatch_by(groups: Mapping[str, SiteMismatch]) -> dict[str, dict[str, Any]]
     return {key: mismatch_summary([c]) for key, c in groups.items()}
 
 
-def at_sites(counts: Mapping[str, SiteMismatch], keep: Callable[[int, str], bool]) -> list[SiteMismatch]:
+def at_sites(counts: Mapping[str, Any], keep: Callable[[int, str], bool]) -> list[Any]:
     """The counts of the sites (``code_mismatch``'s default grouping: ``L07.k`` -> counts) whose
     (layer, site) ``keep`` selects."""
     return [c for name, c in counts.items() if keep(*parse_name(name + ".codes")[:2])]
@@ -210,6 +220,82 @@ def router_flip_rate(flips: Mapping[object, float]) -> float:
 def guidance_bytes_per_token(guidance_bytes: int, generated: int) -> float:
     """``guidance_bytes_per_token``: guidance bytes / generated tokens (at least one token)."""
     return guidance_bytes / max(generated, 1)
+
+
+# --- bracket misses ------------------------------------------------------------------------------
+# Guidance can only pick between the two codewords around the trainer's own value on the rollout's grid
+# (its bracket; one codeword where the value sits on it). Where the rollout's code is neither, every
+# guidance mode is wrong at that element: ``lsb`` silently (it names a bracket member), ``mod4``
+# detectably up to two codewords out, ``full`` too (it takes the nearer member). The bracket is the
+# one every guided trainer uses, the rollout's grid, also for a QAT arm whose own grid differs: its
+# bracket-miss rate says where guidance would not have helped it.
+
+
+@dataclasses.dataclass
+class BracketMiss:
+    """Elements of one site whose rollout code lies outside the trainer's bracket, by distance."""
+
+    misses: int  # codewords outside: >= 1
+    one_out: int  # exactly one codeword outside (the misses an adjacent-code hint would have named)
+    total: int
+
+    def add(self, distance: torch.Tensor) -> None:
+        self.misses += int((distance > 0).sum())
+        self.one_out += int((distance == 1).sum())
+        self.total += distance.numel()
+
+
+def bracket_distances(values: torch.Tensor, record: Mapping[str, torch.Tensor], prefix: str, what: str = ""
+                      ) -> torch.Tensor:
+    """How many codewords the full codes of ``record`` (``{prefix}.codes``, ``.scales``, ``.global_amax``:
+    a rollout's diagnostics) lie outside the bracket of ``values`` (the trainer's, ``[n, ..., K]``)
+    on the record's own grid, per element: :func:`tracefp4.formats.reference.bracket_distance` of the
+    reference's z (``nvfp4_z``, ``mxfp4_z``, ``fp8_z``). ``what`` names the record in errors."""
+    where = f"{what}{prefix}"
+    for fld in ("codes", "scales"):
+        if f"{prefix}.{fld}" not in record:
+            raise ValueError(f"{where}: the rollout kept no full {fld} (run it with this layer in diagnostics)")
+    fmt = record_format(record[f"{prefix}.scales"], where)
+    codes, scales = record[f"{prefix}.codes"].cpu(), record[f"{prefix}.scales"].cpu()
+    x = values.detach().cpu()
+    if fmt.fp4:
+        codes = unpack_fp4(codes)
+    if tuple(codes.shape) != tuple(x.shape):
+        raise ValueError(f"{where}: the trainer's values {tuple(x.shape)} vs the rollout's codes {tuple(codes.shape)}")
+    if fmt is Format.NVFP4:
+        if f"{prefix}.global_amax" not in record:
+            raise ValueError(f"{where}: an NVFP4 record without its global amax")
+        z = ref.nvfp4_z(x, scales, record[f"{prefix}.global_amax"].cpu())
+    elif fmt is Format.MXFP4:
+        z = ref.mxfp4_z(x, scales)
+    else:
+        z = ref.fp8_z(x, scales)
+    return ref.bracket_distance(z, codes, "e2m1" if fmt.fp4 else "e4m3")
+
+
+def bracket_miss(trainer_values: Sequence[Mapping[str, torch.Tensor]],
+                 diagnostics: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, BracketMiss]:
+    """Per site (``L07.k``), the elements whose rollout code (``diagnostics``: full codes per trajectory)
+    lies outside the bracket of the trainer's value (``TrainerOutput.values``: a forward with
+    ``capture_values``), summed over the trajectories (:func:`bracket_distances`)."""
+    if len(trainer_values) != len(diagnostics):
+        raise ValueError(f"{len(trainer_values)} trajectories of values for {len(diagnostics)} of the rollout's")
+    out: dict[str, BracketMiss] = {}
+    for b, (mine, rec) in enumerate(zip(trainer_values, diagnostics)):
+        for name, x in mine.items():
+            out.setdefault(name, BracketMiss(0, 0, 0)).add(bracket_distances(x, rec, name, f"trajectory {b}, "))
+    return out
+
+
+def bracket_miss_summary(counts: Iterable[BracketMiss], *, empty_rate: float | None = None) -> dict[str, Any]:
+    """The bracket-miss summary of ``counts`` (sites, or a selection: :func:`at_sites` takes these too):
+    ``bracket_misses``, ``bracket_one_out`` and ``bracket_elements`` summed, and
+    ``guidance_bracket_miss_rate`` (misses / elements; ``empty_rate`` for no element)."""
+    mis = one = tot = 0
+    for c in counts:
+        mis, one, tot = mis + c.misses, one + c.one_out, tot + c.total
+    return {"bracket_misses": mis, "bracket_one_out": one, "bracket_elements": tot,
+            Name.BRACKET_MISS: share(mis, tot, empty_rate)}
 
 
 def reference_markdown() -> str:

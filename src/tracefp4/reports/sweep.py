@@ -432,7 +432,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--sweep", action="store_true",
         help="instead of the report: guidance bytes per token vs agreement and log-prob gap for every mode",
     )  # fmt: skip
-    g.add_argument("--plot", metavar="PATH", help="with --sweep: write the curve as a PNG")
+    g.add_argument("--plot", metavar="PATH", help="with --sweep or --lag: write the plot as a PNG")
     g.add_argument(
         "--modes", metavar="M1,M2", help="with --sweep: comma-separated modes (default: the standard sweep; "
         "names as in tracefp4.guidance.compact, e.g. 'lsb,ldpc(1/16)+parity+amax:lo3@all')",

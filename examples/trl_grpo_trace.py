@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from tracefp4.integrations.trl import TraceGRPOConfig, TraceGRPOTrainer
+    from tracefp4.pipeline.metrics import Name, trl_name
     from tracefp4.rl.tasks import Example, make_task
 
     task = make_task(args.task)
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.max_steps} GRPO steps ({args.mode}{' ' + args.guidance if args.mode == 'trace' else ''}, {engine}) "
           f"in {time.perf_counter() - t0:.0f} s")
     rows = [r for r in trainer.state.log_history if "loss" in r]
-    for key in ("sampling/sampling_logp_difference/mean", "trace/logprob_gap_mean", "trace/code_mismatch",
+    for key in ("sampling/sampling_logp_difference/mean", trl_name(Name.GAP_MEAN), trl_name(Name.CODE_MISMATCH),
                 "sample/staleness_max", "sample/dropped_stale_total", "batch/samples_per_step", "reward"):
         vals = [r[key] for r in rows if r.get(key) is not None]
         if vals:

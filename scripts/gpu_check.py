@@ -41,7 +41,7 @@ vLLM (``--vllm``, where a CUDA build of vLLM is installed): the tracefp4 plugin 
 Qwen3-MoE checkpoint, a ``VLLMEngine`` (eager) rolling out W4A4 NVFP4 with full records on every layer;
 checks that every trajectory's records cover its positions, that our trainer on CUDA, guided by those
 records, reproduces every vLLM code (expert_in, expert_mid, K, V), that records written by the worker
-into the store equal the returned ones, and times fp4 / trace_lsb / trace_full rollouts side by side.
+into the store equal the returned ones, and times fp4 / trace / trace-full rollouts side by side.
 
 Prints one flushed line as each step starts and one as it ends, and rewrites the JSON (``--json``)
 after every step, whole each time (a temporary file renamed over it): a device that stops answering
@@ -298,14 +298,14 @@ def check_vllm(workdir: str, batch: int = 16, new_tokens: int = 32, device: str 
         stored_equal = all(sorted(a) == sorted(b) and all(torch.equal(a[k], b[k].cpu()) for k in b)
                            for a, b in zip(back, out.records))
     speeds = {}
-    for mode, guidance in (("fp4", None), ("trace_lsb", GuidedMode.parse("lsb")), ("trace_full", GuidedMode.parse("full"))):
+    for mode, guidance in (("fp4", None), ("trace", GuidedMode.parse("lsb")), ("trace-full", GuidedMode.parse("full"))):
         t0 = time.perf_counter()
         o = engine.generate(prompts, sampling, plan=plan, guidance=guidance)
         speeds[mode] = sum(lp.numel() for lp in o.logprobs) / (time.perf_counter() - t0)
     ok = covered and total > 0 and mism == 0 and stored_equal
-    return {"ok": ok, "records_cover_positions": covered, "codes_checked": total, "trace_full_mismatched": mism,
+    return {"ok": ok, "records_cover_positions": covered, "codes_checked": total, "trace-full_mismatched": mism,
             "qat_mismatched": qmism, "store_equal": stored_equal, "tokens_per_s": speeds,
-            "lsb_over_fp4": speeds["trace_lsb"] / speeds["fp4"], "full_over_fp4": speeds["trace_full"] / speeds["fp4"]}
+            "lsb_over_fp4": speeds["trace"] / speeds["fp4"], "full_over_fp4": speeds["trace-full"] / speeds["fp4"]}
 
 
 def check_kernels(args) -> int:
@@ -435,14 +435,14 @@ def figures(step: str, path: str) -> dict:
         tps = {f"{r.mode}@b{r.shape['batch']}": r.value for r in run.find("rollout_tokens_per_s", "home")}
         rate = lambda mode, b: run.value("rollout_tokens_per_s", "home", mode, batch=b)  # noqa: E731
         ratios = {f"fp4/bf16@b{b}": rate("fp4", b) / rate("bf16", b) for b in run.config["batches"]}
-        ratios.update({f"trace_full/fp4@b{b}": rate("trace_full", b) / rate("fp4", b) for b in run.config["batches"]})
+        ratios.update({f"trace-full/fp4@b{b}": rate("trace-full", b) / rate("fp4", b) for b in run.config["batches"]})
         return {"ok": True, "tokens_per_s": tps, "ratios": ratios, "device": run.config.get("device")}
     data = _read(path)
     if data is None:
         return {"ok": False, "why": "no JSON written"}
     if step == "mismatch":
-        full = data["mismatch_counts"]["trace_full"]
-        return {"ok": full["total"] > 0 and full["mismatched"] == 0, "trace_full": full,
+        full = data["mismatch_counts"]["trace-full"]
+        return {"ok": full["total"] > 0 and full["mismatched"] == 0, "trace-full": full,
                 "qat_rate": data["mismatch_rate"]["qat"], "fp4_rollouts_identical": data["fp4_rollouts_identical"]}
     return data
 

@@ -129,7 +129,7 @@ def test_paired_ratios_are_taken_within_rounds():
 
 def _run() -> Run:
     recs = [Record("long", "rollout_tokens_per_s", v, "tokens/s", "vllm", mode, {"context": 16384, "batch": 8})
-            for mode, v in (("fp4", 260.0), ("bf16", 200.0), ("trace_lsb", 250.0))]
+            for mode, v in (("fp4", 260.0), ("bf16", 200.0), ("trace", 250.0))]
     return Run("long", recs, {"preset_shapes": True}, {"cpu_model": "AMD EPYC"})
 
 
@@ -169,7 +169,7 @@ def test_targets_are_ratios_of_the_records_run_and_name_those_not_run():
     by = {j.target: j for j in got}
     assert by["decode at 16K, batch 8: vllm fp4 / vllm bf16"].value == 1.3
     assert by["decode at 16K, batch 8: vllm fp4 / vllm bf16"].met
-    assert by["decode at 16384@b8: vllm trace_lsb / vllm fp4"].value == 250.0 / 260.0
+    assert by["decode at 16384@b8: vllm trace / vllm fp4"].value == 250.0 / 260.0
     assert "decode at 16K, batch 8: vllm fp4 / vllm fp8kv" in not_run  # no fp8kv record
     # the capacity run's targets are set for the default queue only
     assert not any(label.startswith("capacity") for label in not_run)

@@ -172,13 +172,13 @@ def test_long_targets_are_ratios_of_the_figures_run_and_name_those_not_run():
 
     records = [rec("kv_bytes_per_token", "fp4", 152.0), rec("kv_bytes_per_token", "bf16", 512.0),
                rec("rollout_tokens_per_s", "fp4", 100.0, context=1024, batch=8),
-               rec("rollout_tokens_per_s", "trace_lsb", 90.0, context=1024, batch=8)]
+               rec("rollout_tokens_per_s", "trace", 90.0, context=1024, batch=8)]
     run = Run("long", records, {"preset_shapes": True, "capacity_default": True})
     got, not_run = judge(run)
     got = {t.target: t for t in got}
     kv = got["KV bytes per token: vllm fp4 / vllm bf16"]
     assert kv.value == pytest.approx(152 / 512) and kv.kind == "max" and kv.met
-    lsb = got["decode at 1024@b8: vllm trace_lsb / vllm fp4"]
+    lsb = got["decode at 1024@b8: vllm trace / vllm fp4"]
     assert lsb.value == pytest.approx(0.9) and not lsb.met
     fixed = [t for t in targets() if t.suite == "long" and not t.over]
     assert len(got) == 2 and len(fixed) == 8 and len(not_run) == 7
@@ -234,19 +234,19 @@ def test_long_preset_through_the_command_line(tmp_path, capsys):
     res, v = run.config, run.value
     assert run.suite == "long"
     assert res["cells"] == [[64, 2]] and res["model"]["head_dim"] == 128 and "command line" in res["resized"]
-    for engine, modes in (("home", ("bf16", "fp4", "trace_lsb")), ("vllm", ("bf16", "fp8kv", "fp4", "trace_lsb"))):
+    for engine, modes in (("home", ("bf16", "fp4", "trace")), ("vllm", ("bf16", "fp8kv", "fp4", "trace"))):
         for mode in modes:
             assert v("rollout_tokens_per_s", engine, mode, context=64, batch=2) > 0
             share = {r.shape["region"]: r for r in run.find("decode_time_share", engine, mode)}
             assert set(share) == {"experts", "attention", "sites", "rest"} and share["attention"].value > 0
             assert {r.shape["context"] for r in share.values()} == {64}
     per_token = {f"{r.engine}.{r.mode}": r.value for r in run.find("kv_bytes_per_token")}
-    assert per_token == {"home.bf16": 512, "home.fp4": 152, "home.trace_lsb": 152, "vllm.bf16": 512,
-                         "vllm.fp8kv": 256, "vllm.fp4": 152, "vllm.trace_lsb": 152}
+    assert per_token == {"home.bf16": 512, "home.fp4": 152, "home.trace": 152, "vllm.bf16": 512,
+                         "vllm.fp8kv": 256, "vllm.fp4": 152, "vllm.trace": 152}
     tokens = {m: v("kv_capacity_tokens", "vllm", m) for m in ("bf16", "fp8kv", "fp4")}
     block = 128  # one budget: the capacities in the inverse ratio of the bytes, less a block of rounding
     assert abs(tokens["fp4"] * 152 - tokens["bf16"] * 512) <= block * 512
-    for mode in ("bf16", "fp8kv", "fp4", "trace_lsb"):
+    for mode in ("bf16", "fp8kv", "fp4", "trace"):
         assert v("capacity_tokens_per_s", "vllm", mode) > 0
         assert v("capacity_kv_tokens", "vllm", mode) >= block
         # the first step runs the prompts, so some of the run is prompts' steps, never more than all of it

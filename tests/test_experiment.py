@@ -10,6 +10,7 @@ import pytest
 from tracefp4.cli import main
 from tracefp4.rl.experiment import ExperimentConfig, collapse_step, run_experiment, run_job
 from tracefp4.stats import format_mean_ci, mean_ci95, paired_differences, t_quantile_975
+from tracefp4.pipeline.metrics import Name
 
 RUN = """
 [run]
@@ -85,7 +86,7 @@ def test_experiment_runs_seeds_and_resumes(tmp_path):
         assert e["seeds"] == [0, 1] and len(e["final_eval_accuracy_per_seed"]) == 2
         acc = e["final_eval_accuracy"]
         assert acc["ci95"][0] <= acc["mean"] <= acc["ci95"][1]
-        for key in ("logprob_gap_mean", "logprob_gap_max", "guidance_bytes_per_token"):
+        for key in (Name.GAP_MEAN, Name.GAP_MAX, Name.GUIDANCE_BYTES):
             assert e[key] is not None
     assert res["arms"]["bf16"]["guidance_bytes_per_token"] == 0 < res["arms"]["trace"]["guidance_bytes_per_token"]
     # post-hoc FP4 inference of the BF16-trained policy: from the bf16 arm's evaluations only
@@ -104,7 +105,7 @@ def test_experiment_runs_seeds_and_resumes(tmp_path):
             c = collapse_step(series)
             assert e["collapse"]["per_seed"][s] == (None if c is None else {"step": c[0], "evals_after": c[1]})
         assert e["collapse"]["share"] == e["collapse"]["seeds_collapsed"] / 2
-        assert set(e["curves"]) >= {"eval_accuracy", "reward_mean", "logprob_gap_mean", "is_truncated_frac"}
+        assert set(e["curves"]) >= {"eval_accuracy", "reward_mean", Name.GAP_MEAN, "is_truncated_frac"}
         assert e["response_length"] > 0
     for plot in ("eval_accuracy", "reward_mean", "is_truncated_frac"):
         assert (tmp_path / "img" / f"tiny_{plot}.png").exists()
@@ -219,10 +220,10 @@ def test_summary_per_sequence_mismatch_beside_the_scaling_fit():
     """Each seed's mean over its steps of the four per-sequence figures, mean over seeds; beside it the
     scaling fit refitted from a report's points at the run's layers, hidden size and mean completion
     length (here exact power laws, so the prediction is the law's value), for the arms the scaling
-    study has a column of (trace-full -> full; fp4-rollout has none)."""
+    study runs (fp4-rollout it does not)."""
     from tracefp4.pipeline.arms import SCALING_ARMS
     from tracefp4.pipeline.metrics import Name
-    from tracefp4.reports.scaling import grid, predict_at
+    from tracefp4.reports.scaling import SEQ_ABS_MEAN, grid, predict_at
     from tracefp4.rl.config import RLConfig
     from tracefp4.rl.experiment import format_summary, summarise
 
@@ -236,8 +237,8 @@ def test_summary_per_sequence_mismatch_beside_the_scaling_fit():
     c, a, b, g = 0.003, 0.5, -0.75, 0.75
     points = [{"engine": "home", "point": {"layers": p.layers, "hidden": p.hidden, "new_tokens": p.new_tokens,
                                            "weights": "trained"},
-               "arms": {arm: {"mean_abs": c * p.layers**a * p.hidden**b * p.new_tokens**(g - 1),
-                              "seq_abs_mean": c * p.layers**a * p.hidden**b * p.new_tokens**g} for arm in SCALING_ARMS}}
+               "arms": {arm: {Name.GAP_MEAN: c * p.layers**a * p.hidden**b * p.new_tokens**(g - 1),
+                              SEQ_ABS_MEAN: c * p.layers**a * p.hidden**b * p.new_tokens**g} for arm in SCALING_ARMS}}
               for p in grid(("trained",))]
     cfg = RLConfig.from_dict({"task": "count", "arms": ["qat", "trace-full", "fp4-rollout"], "steps": 2,
                               "model": {"layers": 8, "hidden": 96}})
@@ -245,17 +246,17 @@ def test_summary_per_sequence_mismatch_beside_the_scaling_fit():
     out = summarise("m", metrics, cfg, metric="eval_reward", scaling={"points": points})
     qat = out["arms"]["qat"]
     # seed 0: steps 0.25, 0.5 (mean 0.375); seed 1: 0.5, 1.0 (mean 0.75)
-    assert qat["seq_logprob_gap_sum"]["mean"] == (0.375 + 0.75) / 2
-    assert qat["seq_logprob_gap_sum_p95"]["mean"] == (0.5 + 1.0) / 2
-    assert qat["seq_log_ratio_abs_mean"]["mean"] == 0.125 and qat["seq_log_ratio_abs_p95"]["mean"] == 0.5
+    assert qat[Name.SEQ_GAP_SUM]["mean"] == (0.375 + 0.75) / 2
+    assert qat[Name.SEQ_GAP_SUM_P95]["mean"] == (0.5 + 1.0) / 2
+    assert qat[Name.SEQ_LOG_RATIO]["mean"] == 0.125 and qat[Name.SEQ_LOG_RATIO_P95]["mean"] == 0.5
     pred = qat["seq_scaling_prediction"]
     assert (pred["scaling_arm"], pred["layers"], pred["hidden"], pred["new_tokens"]) == ("qat", 8, 96, 512.0)
     want = c * 8**a * 96**b * 512.0**g
-    assert pred["seq_log_ratio_abs_mean"]["predicted"] == pytest.approx(want, rel=1e-8)  # least squares: ulps
-    assert pred["seq_log_ratio_abs_mean"] == predict_at({"points": points}, "qat", "seq_abs_mean", layers=8,
-                                                        hidden=96, new_tokens=512.0)
-    assert pred["seq_logprob_gap_sum"]["predicted"] == pytest.approx(want, rel=1e-8)  # T x mean |dlogp| = T^g
-    assert out["arms"]["trace-full"]["seq_scaling_prediction"]["scaling_arm"] == "full"
+    assert pred[Name.SEQ_LOG_RATIO]["predicted"] == pytest.approx(want, rel=1e-8)  # least squares: ulps
+    assert pred[Name.SEQ_LOG_RATIO] == predict_at({"points": points}, "qat", SEQ_ABS_MEAN, layers=8, hidden=96,
+                                                  new_tokens=512.0)
+    assert pred[Name.SEQ_GAP_SUM]["predicted"] == pytest.approx(want, rel=1e-8)  # T x mean |dlogp| = T^g
+    assert out["arms"]["trace-full"]["seq_scaling_prediction"]["scaling_arm"] == "trace-full"
     assert out["arms"]["fp4-rollout"]["seq_scaling_prediction"] is None
     table = format_summary(out)
     assert "per-sequence mismatch" in table and "fit |log-ratio|" in table

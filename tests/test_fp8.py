@@ -276,8 +276,8 @@ def test_mismatch_report_fp8(tmp_path):
                                                                    "kv_cache": "fp8"}
     assert rep["config"]["compact_layers"] == [0, 1, 2, 3]  # FP8's lsb arm guides every layer
     counts = rep["mismatch_counts"]
-    assert counts["trace_full"]["mismatched"] == 0
-    assert counts["trace_lsb"]["total"] == counts["qat"]["total"]
-    assert counts["trace_lsb"]["mismatched"] <= 0.1 * counts["qat"]["mismatched"]
+    assert counts["trace-full"]["mismatched"] == 0
+    assert counts["trace"]["total"] == counts["qat"]["total"]
+    assert counts["trace"]["mismatched"] <= 0.1 * counts["qat"]["mismatched"]
     with pytest.raises(SystemExit, match="--plan fp8 goes without it"):
         main(["mismatch", "--sweep", "--plan", "fp8"])

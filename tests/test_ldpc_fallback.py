@@ -1,6 +1,6 @@
 """LDPC decode failures through the real pipeline (issue 46): our engine's rollout records the trace-ldpc
 arm's compact record, the trainer's forward decodes it with its own site values. A block that decodes
-gives the rollout's codes; a block that does not is counted in ``decode_failures`` and its elements
+gives the rollout's codes; a block that does not is counted in ``decode.failed_blocks`` and its elements
 take the trainer's round-to-nearest codes on the rollout's grid (tests/test_compact.py's
 ``test_an_undecodable_*`` check the same at the codec level).
 
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3MoeConfig
+from tiny_moe import ALL, CONFIG, PROMPTS, SAMPLING
 
 from tracefp4.engines.guidance import TrainerGuidance
 from tracefp4.engines.model import from_config
 from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.engines.protocol import RolloutOutput, SamplingParams
+from tracefp4.engines.protocol import RolloutOutput
 from tracefp4.engines.rollout import generate
 from tracefp4.engines.trainer import TrainerOutput, TrainerSpec, forward_logprobs
 from tracefp4.formats import reference as ref
@@ -27,15 +27,6 @@ from tracefp4.pipeline.arms import ARMS
 
 torch.set_num_threads(1)
 
-#: the tiny model and batch of tests/test_rollout_trainer.py (ragged prompts, 4 layers, 24 new tokens)
-CONFIG = Qwen3MoeConfig(
-    vocab_size=32, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-    max_position_embeddings=128, initializer_range=0.1,
-)  # fmt: skip
-PROMPTS = [torch.randint(2, 32, (n,), generator=torch.Generator().manual_seed(10 + n)) for n in (3, 7, 5, 9)]
-SAMPLING = SamplingParams(max_new_tokens=24, seed=0)
-ALL = frozenset(range(4))
 #: the blocks whose element syndromes are corrupted (site, trajectory): the last layer's K or V, where
 #: the fallback's changes reach the fewest other blocks (that layer's attention, then its expert sites
 #: of the same trajectory); each site keeps intact trajectories beside corrupted ones (blocks are per
@@ -151,7 +142,7 @@ def test_recorded_ldpc_guidance_decodes_to_the_rollouts_codes(model, rollout) ->
     out, inputs = trainer(model, rollout, rollout.records)
     assert set(inputs) == {f"L{i:02d}.{s}" for i in range(4) for s in ("k", "v", "expert_in", "expert_mid")}
     deviating, _ = block_outcomes(out, rollout, inputs)
-    assert deviating <= out.decode_failures <= len(inputs) * len(rollout.token_ids)
+    assert deviating <= out.decode.failed_blocks <= len(inputs) * len(rollout.token_ids)
     differs = 0
     for name, xs in inputs.items():
         for b, x in enumerate(xs):
@@ -170,5 +161,5 @@ def test_undecodable_element_blocks_are_counted_and_rounded_to_nearest_on_the_ro
     out, inputs = trainer(model, rollout, corrupted(rollout.records, CORRUPTED))
     deviating, observable = block_outcomes(out, rollout, inputs, corrupted=CORRUPTED)
     # every corrupted block is counted, and every other deviating block too (on this machine: none)
-    assert len(CORRUPTED) <= deviating <= out.decode_failures
+    assert len(CORRUPTED) <= deviating <= out.decode.failed_blocks
     assert observable > 0  # the fallback differs from the rollout's codes somewhere: a wrongly kept block fails

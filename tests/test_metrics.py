@@ -1,5 +1,5 @@
-"""The metrics registry: one name per metric, every other spelling mapped onto it, the summary
-functions equal to the formulas the loop and the reports computed them with."""
+"""The metrics registry: one name per metric and no other spelling, the summary functions equal to the
+formulas the loop and the reports computed them with."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from tracefp4.pipeline.metrics import (
     TRL_PREFIX,
     Name,
     at_sites,
-    canonical,
     gap_quantile,
     guidance_bytes_per_token,
     label,
     logprob_gap,
+    metric,
     mismatch_by,
     mismatch_summary,
     reference_markdown,
@@ -28,23 +28,23 @@ from tracefp4.pipeline.metrics import (
     trl_name,
 )
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "tracefp4"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "tracefp4"
 
 
-def test_the_five_names_of_the_mean_gap_are_one_metric() -> None:
-    for spelling in ("train_rollout_logprob_abs_diff", "mean_abs", "logprob_gap_mean", "logprob_gap_mean_abs",
-                     f"{TRL_PREFIX}logprob_gap_mean", "dlogp"):
-        assert canonical(spelling) == "train_rollout_logprob_abs_diff"
+def _names() -> dict[str, str]:
+    return {k: v for k, v in vars(Name).items() if not k.startswith("_")}
 
 
-def test_aliases_are_unambiguous_and_known() -> None:
-    owner: dict[str, str] = {}
-    for m in METRICS.values():
-        assert m.name not in owner or owner[m.name] == m.name
-        for alias in m.aliases.values():
-            assert owner.setdefault(alias, m.name) == m.name, f"{alias} names two metrics"
-    with pytest.raises(KeyError, match="unknown metric 'no_such'"):
-        canonical("no_such")
+def test_every_name_is_one_registry_entry() -> None:
+    names = _names()
+    assert len(set(names.values())) == len(names), "two Name attributes spell one metric"
+    assert set(names.values()) == set(METRICS) and all(METRICS[n].name == n for n in METRICS)
+    # one spelling: the former aliases of the mean gap are no metric
+    for spelling in ("mean_abs", "logprob_gap_mean", "logprob_gap_mean_abs", "dlogp", f"{TRL_PREFIX}logprob_gap_mean"):
+        with pytest.raises(KeyError, match=f"unknown metric '{spelling}'"):
+            metric(spelling)
+    assert all(trl_name(n) == TRL_PREFIX + n for n in METRICS)
 
 
 def test_the_loop_metrics_keep_their_record_names() -> None:
@@ -75,7 +75,6 @@ def test_sequence_gap_sums_each_sequence_then_summarises_over_sequences() -> Non
     assert g[Name.SEQ_LOG_RATIO] == 0.5625 == sum(ratios) / 2
     assert g[Name.SEQ_GAP_SUM_P95] == float(torch.quantile(torch.tensor(sums, dtype=torch.float64), 0.95))
     assert g[Name.SEQ_LOG_RATIO_P95] == float(torch.quantile(torch.tensor(ratios, dtype=torch.float64), 0.95))
-    assert canonical("seq_abs_mean") == Name.SEQ_LOG_RATIO  # the scaling report's spelling of the same figure
     with pytest.raises(ValueError, match="sequence_gap: the mask selects no tokens"):
         sequence_gap(lp_r, lp_t, torch.zeros_like(mask))
 
@@ -106,9 +105,9 @@ def test_reference_page_lists_every_metric() -> None:
         assert f"| `{m.name}` |" in page
     rows = [line for line in page.splitlines() if line.startswith("| `")]
     assert len(rows) == len(METRICS)
-    # each row has exactly the four cells (an unescaped | in a formula would add one)
-    assert all(line.replace("\\|", "").count("|") == 5 for line in rows)
-    assert label("code_mismatch") == "code mismatch"
+    # each row has exactly the three cells (an unescaped | in a formula would add one)
+    assert all(line.replace("\\|", "").count("|") == 4 for line in rows)
+    assert label(Name.CODE_MISMATCH) == "code mismatch"
 
 
 def _string_literals(path: Path) -> list[tuple[int, str]]:
@@ -121,13 +120,24 @@ def _string_literals(path: Path) -> list[tuple[int, str]]:
             if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
 
 
+#: Where a metric name may not be written as a literal: the library, its scripts and its examples.
+CHECKED = (SRC, ROOT / "scripts", ROOT / "examples")
+
+
+def _spelled(text: str, names: set[str]) -> bool:
+    """Whether ``text`` spells a registry name: the name itself, a TRL name, or a key built on the name
+    (``code_mismatch_rate_deeper_half``, ``train_rollout_logprob_abs_diff_p99``)."""
+    return any(text == n or text.startswith(n + "_") for n in names)
+
+
 def test_no_metric_name_is_spelled_outside_the_registry() -> None:
-    """A record name or a TRL name written as a literal outside tracefp4.pipeline.metrics fails: code
-    that writes or reads a metric takes its name from ``Name`` (and ``trl_name``, ``alias``)."""
-    names = {m.name for m in METRICS.values()} | {trl_name(m.name) for m in METRICS.values() if "trl" in m.aliases}
+    """A record name, a TRL name or a key built on either, written as a literal outside
+    tracefp4.pipeline.metrics, fails: code that writes or reads a metric takes its name from ``Name`` (and
+    ``trl_name``, ``gap_quantile``). Every :class:`Name` is checked."""
+    names = set(_names().values()) | {trl_name(n) for n in _names().values()}
     registry = SRC / "pipeline" / "metrics.py"
-    found = [f"{p.relative_to(SRC)}:{line}: {text!r}" for p in sorted(SRC.rglob("*.py")) if p != registry
-             for line, text in _string_literals(p) if text in names]
+    found = [f"{p.relative_to(ROOT)}:{line}: {text!r}" for root in CHECKED for p in sorted(root.rglob("*.py"))
+             if p != registry for line, text in _string_literals(p) if _spelled(text, names)]
     assert not found, "metric names spelled outside the registry:\n" + "\n".join(found)
 
 
@@ -135,3 +145,6 @@ def test_the_literal_check_sees_a_literal(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text('"""mentions code_mismatch_rate in a docstring"""\nx = {"code_mismatch_rate": 1}\n')
     assert _string_literals(module) == [(2, "code_mismatch_rate")]
+    names = {Name.CODE_MISMATCH, trl_name(Name.CODE_MISMATCH)}
+    assert _spelled("code_mismatch_rate", names) and _spelled("trace/code_mismatch_rate", names)
+    assert _spelled("code_mismatch_rate_deeper_half", names) and not _spelled("code_mismatch", names)

@@ -14,6 +14,7 @@ from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import SamplingParams
 from tracefp4.engines.rollout import generate
 from tracefp4.guidance.names import deeper_half, layer_tag
+from tracefp4.pipeline.metrics import Name
 
 torch.set_num_threads(1)
 
@@ -44,14 +45,14 @@ def _get(d: dict, dotted: str):
     return d
 
 
-ARMS = ("bf16", "qat", "trace_lsb", "trace_full")
+ARMS = ("bf16", "qat", "trace", "trace-full")
 REQUIRED = [
-    "mismatch_rate.qat",
-    "mismatch_rate.trace_lsb",
-    "mismatch_rate.trace_full",
-    "adjacent_share.qat",
-    "router_flip_rate",
-    *[f"logprob_gap.{arm}.{m}" for arm in ARMS for m in ("mean_abs", "max_abs", "k3_kl")],
+    f"{Name.CODE_MISMATCH}.qat",
+    f"{Name.CODE_MISMATCH}.trace",
+    f"{Name.CODE_MISMATCH}.trace-full",
+    f"{Name.ONE_APART}.qat",
+    Name.ROUTER_FLIPS,
+    *[f"logprob_gap.{arm}.{m}" for arm in ARMS for m in (Name.GAP_MEAN, Name.GAP_MAX, Name.K3_KL)],
     "bytes_per_token.full_all_layers",
     "bytes_per_token.compact_default",
     "bytes_per_token.ratio",
@@ -61,7 +62,7 @@ REQUIRED = [
 @pytest.mark.parametrize("key", REQUIRED)
 def test_required_keys_are_flat_numbers(report: dict, key: str) -> None:
     v = _get(report, key)
-    if key.startswith("adjacent_share.") and report["mismatch_counts"][key.split(".")[1]]["mismatched"] == 0:
+    if key.startswith(Name.ONE_APART + ".") and report["mismatch_counts"][key.split(".")[1]]["mismatched"] == 0:
         assert v is None  # no mismatch to classify: a JSON null, neither 0 nor NaN
         return
     assert isinstance(v, float) and v == v, (key, v)
@@ -75,36 +76,36 @@ def test_per_site_detail_covers_every_site_and_layer(report: dict) -> None:
         assert sorted(layers) == [layer_tag(i) for i in range(DIMS["layers"])], site
         for key, row in layers.items():
             # the lsb arm is guided (and measured) on the deeper half only
-            assert (row["mismatch_rate"]["trace_lsb"] is not None) == (key in guided), (site, key)
+            assert (row[Name.CODE_MISMATCH]["trace"] is not None) == (key in guided), (site, key)
             assert (row["bytes_per_token"]["compact"] > 0) == (key in guided), (site, key)
             assert row["bytes_per_token"]["full"] > 0
 
 
 def test_mismatch_rates(report: dict) -> None:
-    mr, counts = report["mismatch_rate"], report["mismatch_counts"]
+    mr, counts = report[Name.CODE_MISMATCH], report["mismatch_counts"]
     assert report["fp4_rollouts_identical"] is True
     # Guidance with full information on every layer never does worse than vanilla QAT (<=) and, where
     # the two paths drift at all, removes mismatches outright (<): a trainer that ignored the hints
     # would tie with QAT. Machine-specific: whether incremental decode and the packed forward drift
     # depends on the kernels (under ATEN_CPU_CAPABILITY=avx2 with eager attention they are bit for bit
     # the same); without drift every arm must agree exactly.
-    assert mr["trace_full"] <= mr["qat"]
+    assert mr["trace-full"] <= mr["qat"]
     if counts["qat"]["mismatched"] > 0:
-        assert mr["trace_full"] < mr["qat"]
+        assert mr["trace-full"] < mr["qat"]
     else:
-        assert counts["trace_full"]["mismatched"] == counts["trace_lsb"]["mismatched"] == 0
-    assert counts["trace_full"]["total"] == counts["qat"]["total"]
+        assert counts["trace-full"]["mismatched"] == counts["trace"]["mismatched"] == 0
+    assert counts["trace-full"]["total"] == counts["qat"]["total"]
     # ... and the lsb arm is compared at its guided sites, the deeper half, like for like.
-    assert counts["trace_lsb"]["total"] == counts["qat_deeper_half"]["total"] < counts["qat"]["total"]
-    assert mr["trace_lsb"] <= mr["qat_deeper_half"]
+    assert counts["trace"]["total"] == counts["qat_deeper_half"]["total"] < counts["qat"]["total"]
+    assert mr["trace"] <= mr["qat_deeper_half"]
     # The per-site detail adds up to the aggregate.
     per_site_mis = sum(
-        row["mismatch_rate"]["qat"] * row["elements"]
+        row[Name.CODE_MISMATCH]["qat"] * row["elements"]
         for layers in report["per_site"].values()
         for row in layers.values()
     )
     assert per_site_mis == pytest.approx(counts["qat"]["mismatched"])
-    share = report["adjacent_share"]["qat"]
+    share = report[Name.ONE_APART]["qat"]
     if counts["qat"]["mismatched"]:
         assert 0.0 <= share <= 1.0
         assert share == pytest.approx(counts["qat"]["one_apart"] / counts["qat"]["mismatched"])
@@ -141,13 +142,13 @@ def test_logprob_gap_bf16_below_qat(report: dict) -> None:
     # a flipped FP4 code moves a log-prob by far more than BF16 drift; without drift (see
     # test_mismatch_rates) both gaps are the paths' BF16 difference, which may be exactly 0
     if report["mismatch_counts"]["qat"]["mismatched"] > 0:
-        assert gap["bf16"]["max_abs"] < gap["qat"]["max_abs"]
+        assert gap["bf16"][Name.GAP_MAX] < gap["qat"][Name.GAP_MAX]
     else:
-        assert gap["qat"]["max_abs"] == gap["trace_full"]["max_abs"]
+        assert gap["qat"][Name.GAP_MAX] == gap["trace-full"][Name.GAP_MAX]
     for arm in ARMS:
         g = gap[arm]
-        assert 0.0 <= g["mean_abs"] <= g["max_abs"], arm
-        assert g["k3_kl"] >= 0.0, arm
+        assert 0.0 <= g[Name.GAP_MEAN] <= g[Name.GAP_MAX], arm
+        assert g[Name.K3_KL] >= 0.0, arm
         assert g["tokens"] == RUN["batch"] * RUN["new_tokens"], arm
 
 
@@ -200,4 +201,4 @@ def test_checkpoint_folder(tmp_path, capsys: pytest.CaptureFixture[str]) -> None
     assert rep["config"]["layers"] == 2 and rep["config"]["compact_layers"] == [1]
     assert rep["tokens"]["generated"] == 8
     captured = capsys.readouterr()
-    assert "log-prob gap" in captured.out and "rollout trace_full" in captured.err  # table and progress
+    assert "log-prob gap" in captured.out and "rollout trace-full" in captured.err  # table and progress

@@ -347,26 +347,18 @@ def test_plans_that_take_mod4() -> None:
 
 @pytest.fixture(scope="module")
 def tiny():
-    """The tiny MoE of tests/test_rollout_trainer.py, and its rollouts recorded as mod4 and as lsb on
+    """The tiny MoE of tests/tiny_moe.py, and its rollouts recorded as mod4 and as lsb on
     every layer (with the full codes and grids as diagnostics, what the trainer is checked against)."""
-    from transformers import Qwen3MoeConfig
+    from tiny_moe import ALL, CONFIG, PROMPTS, SAMPLING
 
     from tracefp4.engines.model import from_config
     from tracefp4.engines.plan import PrecisionPlan
-    from tracefp4.engines.protocol import SamplingParams
     from tracefp4.engines.rollout import generate
 
-    config = Qwen3MoeConfig(
-        vocab_size=32, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=128, initializer_range=0.1,
-    )  # fmt: skip
-    prompts = [torch.randint(2, 32, (n,), generator=torch.Generator().manual_seed(10 + n)) for n in (3, 7, 5, 9)]
-    model = from_config(config, seed=0)
-    sampling, every = SamplingParams(max_new_tokens=24, seed=0), frozenset(range(4))
+    model = from_config(CONFIG, seed=0)
     plans = {"fp4": PrecisionPlan(), "fp8kv": PrecisionPlan(kv_cache="fp8")}  # the second: E4M3 K/V, NVFP4 experts
-    rollouts = {(name, plan): generate(model, prompts, sampling, plan=plans[plan], guidance=GuidedMode.parse(f"{name}@all"),
-                                       diagnostics=every) for name in ("mod4", "lsb") for plan in plans}
+    rollouts = {(name, plan): generate(model, PROMPTS, SAMPLING, plan=plans[plan], guidance=GuidedMode.parse(f"{name}@all"),
+                                       diagnostics=ALL) for name in ("mod4", "lsb") for plan in plans}
     return model, rollouts
 
 

@@ -146,7 +146,7 @@ def test_supported_neighbours_roll_out_and_guide_the_trainer(model, plan: str, g
     out = HomeEngine(model).generate(PROMPTS, SAMPLING, plan=PrecisionPlan.named(plan), guidance=GuidedMode.parse(guidance))
     assert out.plan == PrecisionPlan.named(plan) and all(any(".expert_in." in k for k in r) for r in out.records)
     got = forward_rollout(model, out, mode="trace", temperature=SAMPLING.temperature)
-    assert got.decode_failures == 0
+    assert got.decode.failed_blocks == 0
     for lp, ref in zip(got.logprobs, out.logprobs):
         assert torch.isfinite(lp).all() and lp.shape == ref.shape
 
@@ -161,7 +161,7 @@ def test_trainer_refuses_records_its_plan_cannot_decode(model, guidance: str, kn
     batch = (model, out.token_ids, out.prompt_lens, out.records)
     with pytest.raises(ValueError, match=names("recorded guidance = ", FOUR_OVER_SIX, knob)):
         forward_logprobs(*batch, mode="trace", plan=PrecisionPlan.four_over_six())
-    assert forward_logprobs(*batch, mode="trace", plan=PrecisionPlan()).decode_failures == 0
+    assert forward_logprobs(*batch, mode="trace", plan=PrecisionPlan()).decode.failed_blocks == 0
     forward_logprobs(*batch, mode="qat", plan=PrecisionPlan.four_over_six())  # qat reads no guidance
     lsb = generate(model, PROMPTS, SAMPLING, plan=PrecisionPlan(), guidance=GuidedMode.parse("lsb"))
     forward_logprobs(model, lsb.token_ids, lsb.prompt_lens, lsb.records, mode="trace",

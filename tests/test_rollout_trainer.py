@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from tiny_moe import ALL, CONFIG, PROMPTS, SAMPLING
+from transformers import AutoModelForCausalLM
 
 from tracefp4.engines.contract import quantizer_contract
 from tracefp4.engines.model import from_config, moe_layers
@@ -21,27 +22,9 @@ from tracefp4.guidance.names import Site, deeper_half, parse_name, record_prefix
 
 torch.set_num_threads(1)
 
-CONFIG = Qwen3MoeConfig(
-    vocab_size=32,
-    hidden_size=64,
-    intermediate_size=64,
-    moe_intermediate_size=32,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_experts=8,
-    num_experts_per_tok=2,
-    max_position_embeddings=128,
-    initializer_range=0.1,  # peaked logits and routing, unlike the default 0.02
-)
-PROMPTS = [
-    torch.randint(2, 32, (n,), generator=torch.Generator().manual_seed(10 + n)) for n in (3, 7, 5, 9)
-]  # ragged on purpose
-SAMPLING = SamplingParams(max_new_tokens=24, seed=0)
 FP4 = PrecisionPlan()
 LSB = GuidedMode.parse("lsb")  # the paper's compact cache: lsb on the deeper half
-DEEPER, ALL = deeper_half(4), frozenset(range(4))
+DEEPER = deeper_half(4)
 
 
 def hf_logprobs(model: torch.nn.Module, ids: torch.Tensor, prompt_len: int, temperature: float = 1.0) -> Tensor:
@@ -427,7 +410,7 @@ def test_compact_mode_end_to_end(model: torch.nn.Module) -> None:
     # decodes and its elements take the rollout's codes; a block that fails is rounded to nearest on
     # the rollout's grid (counted in decode_failures), i.e. mismatches at most like QAT's there. Unless
     # most blocks fail, guidance removes the bulk of QAT's mismatches (we require 90%).
-    assert m_trace[0] <= 0.1 * m_qat[0], (m_trace, m_qat, trace.decode_failures)
+    assert m_trace[0] <= 0.1 * m_qat[0], (m_trace, m_qat, trace.decode.failed_blocks)
 
 
 def test_home_engine_is_a_rollout_engine(model: torch.nn.Module) -> None:

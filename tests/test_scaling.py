@@ -10,7 +10,9 @@ import torch
 
 from tracefp4.cli import main
 from tracefp4.pipeline.arms import SCALING_ARMS
-from tracefp4.reports.scaling import CENTRE, DEPTHS, LENGTHS, WIDTHS, Point, fit, grid, logprob_stats
+from tracefp4.pipeline.metrics import Name
+from tracefp4.reports.scaling import (CENTRE, CODE_DEEPER_HALF, CODE_GUIDED, DEPTHS, LENGTHS, P99, WIDTHS, Point, fit,
+                                     grid, logprob_stats)
 
 
 def test_grid_is_a_star_through_the_centre():
@@ -34,8 +36,8 @@ def test_logprob_stats_golden():
     # inputs, so each d carries the float32 rounding of the inputs (|err| <= 2^-24 * 2.5): rel 1e-6.
     d = [math.log(3.0), -0.5, 0.0, 2.0]
     assert s["tokens"] == 4 and s["sequences"] == 2
-    assert s["mean_abs"] == pytest.approx(sum(map(abs, d)) / 4, rel=1e-6)
-    assert s["max_abs"] == pytest.approx(2.0, rel=1e-6)
+    assert s[Name.GAP_MEAN] == pytest.approx(sum(map(abs, d)) / 4, rel=1e-6)
+    assert s[Name.GAP_MAX] == pytest.approx(2.0, rel=1e-6)
     assert s["seq_mean"] == pytest.approx((math.log(3.0) - 0.5 + 2.0) / 2, rel=1e-6)
     # the token weights 3, e^-0.5, 1, e^2: above 2 twice, above 5 once (e^2 = 7.39)
     assert s["tokens_truncated_cap2"] == 0.5 and s["tokens_truncated_cap5"] == 0.25
@@ -53,9 +55,9 @@ def test_fit_recovers_an_exact_power_law():
     for p in grid(("trained",)):
         q = c * p.layers**a * p.hidden**b * p.new_tokens**g
         rows.append({"point": {"layers": p.layers, "hidden": p.hidden, "new_tokens": p.new_tokens},
-                     "arms": {arm: {"code_mismatch": q, "mean_abs": 2 * q, "p99_abs": q, "max_abs": q,
+                     "arms": {arm: {Name.CODE_MISMATCH: q, Name.GAP_MEAN: 2 * q, P99: q, Name.GAP_MAX: q,
                                     "seq_abs_mean": q} for arm in SCALING_ARMS}})  # fmt: skip
-    f = fit(rows)["qat"]["mean_abs"]
+    f = fit(rows)["qat"][Name.GAP_MEAN]
     # exact data: least squares in float64 on a well-conditioned 14 x 4 design (logs of 16..512)
     # recovers the exponents to a few ulp of the normal equations' solution; 1e-9 leaves room.
     assert f["exponents"] == pytest.approx({"layers": a, "hidden": b, "new_tokens": g}, abs=1e-9)
@@ -76,8 +78,8 @@ def test_fit_of_a_share_is_a_power_law_in_its_odds_and_predicts_a_share():
         odds = c * p.layers**a * p.hidden**b * p.new_tokens**g
         q = odds / (1 + odds)
         rows.append({"point": {"layers": p.layers, "hidden": p.hidden, "new_tokens": p.new_tokens},
-                     "arms": {"qat": {"code_mismatch": q}}})  # fmt: skip
-    f = fit(rows)["qat"]["code_mismatch"]
+                     "arms": {"qat": {Name.CODE_MISMATCH: q}}})  # fmt: skip
+    f = fit(rows)["qat"][Name.CODE_MISMATCH]
     assert f["scale"] == "logit"
     assert f["exponents"] == pytest.approx({"layers": a, "hidden": b, "new_tokens": g}, abs=1e-9)
     for pred in f["predictions"]:
@@ -98,15 +100,15 @@ def test_scaling_runs_resumes_and_reruns_a_point_identically(tmp_path, capsys):
     for r in rep["points"]:
         arms = r["arms"]
         assert set(arms) == set(SCALING_ARMS)
-        assert "code_mismatch" not in arms["bf16"]
+        assert Name.CODE_MISMATCH not in arms["bf16"]
         # guidance never does worse than vanilla QAT at the sites it guides; full codes on every
         # layer reproduce every code QAT would have got right and remove mismatches where it did not
-        assert arms["full"]["code_mismatch"] <= arms["qat"]["code_mismatch"]
-        assert arms["trace"]["code_mismatch_guided"] <= arms["qat"]["code_mismatch_deeper_half"]
-        assert arms["trace"]["guided_layers"] == [1] and arms["lsb@all"]["guided_layers"] == [0, 1]
+        assert arms["trace-full"][Name.CODE_MISMATCH] <= arms["qat"][Name.CODE_MISMATCH]
+        assert arms["trace"][CODE_GUIDED] <= arms["qat"][CODE_DEEPER_HALF]
+        assert arms["trace"]["guided_layers"] == [1] and arms["trace-all"]["guided_layers"] == [0, 1]
         for arm in SCALING_ARMS:
             a = arms[arm]
-            assert a["tokens"] == 2 * 8 and a["mean_abs"] <= a["p99_abs"] <= a["max_abs"]
+            assert a["tokens"] == 2 * 8 and a[Name.GAP_MEAN] <= a[P99] <= a[Name.GAP_MAX]
             if arm != "bf16":
                 assert set(a["code_by_bucket"]) == {"prompt", "0-16"} and set(a["code_by_layer"]) == {"L00", "L01"}
     assert rep["points"][1]["model"]["weights"] == "trained" and rep["points"][1]["model"]["sft"]["steps"] == 2

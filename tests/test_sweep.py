@@ -15,6 +15,7 @@ from tracefp4.engines.rollout import generate
 from tracefp4.guidance.compact import CompactRecord, GuidedMode, read_record, site_bytes_per_token
 from tracefp4.guidance.names import record_prefix
 from tracefp4.engines.trainer import code_mismatch, forward_rollout
+from tracefp4.pipeline.metrics import Name
 
 torch.set_num_threads(1)
 
@@ -47,7 +48,7 @@ def test_sweep_json_has_every_mode_with_the_required_figures(sweep: tuple[dict, 
     names = [m["name"] for m in rep["modes"]]
     assert names == ["qat", *MODES]
     for m in rep["modes"]:
-        for key in ("bytes_per_token", "agreement", "logprob_gap_mean_abs"):
+        for key in ("bytes_per_token", "agreement", Name.GAP_MEAN):
             assert isinstance(m[key], float) and m[key] >= 0, (m["name"], key)
         assert 0 <= m["agreement"] <= 1
 
@@ -65,7 +66,7 @@ def test_sweep_figures_obey_their_relations(sweep: tuple[dict, bytes]) -> None:
     # the exact knobs (parity scales, 3 amax bits) lose nothing against full information at this drift
     for name in ("lsb+parity+amax:lo3@all", "ldpc(1/4)+scales:ldpc(1/4)+amax:lo3@all"):
         assert by[name]["agreement"] == 1.0 and by[name]["amax_agreement"] == 1.0
-        assert by[name]["logprob_gap_mean_abs"] == pytest.approx(by["full"]["logprob_gap_mean_abs"])
+        assert by[name][Name.GAP_MEAN] == pytest.approx(by["full"][Name.GAP_MEAN])
     assert by["sparse(0.1)+parity+amax:lo3@all"]["density"] > 0
     # bytes: the store's accounting equals the formula, per position, for fixed-size modes
     c = rep["config"]

@@ -82,7 +82,7 @@ def test_padded_batch_reproduces_every_code_and_the_packed_logprobs(full_rollout
         packed = forward_logprobs(model, roll.token_ids, roll.prompt_lens, roll.records, spec)
     assert sum(s.mismatched for s in code_mismatch(report.codes, roll.diagnostics).values()) == 0
     assert sum(s.mismatched for s in code_mismatch(packed.codes, roll.diagnostics).values()) == 0
-    assert sorted(report.router_flips) == [0, 1, 2, 3] and report.decode_failures == 0
+    assert sorted(report.router_flips) == [0, 1, 2, 3] and report.decode.failed_blocks == 0
     for a, b in zip(mine, packed.logprobs):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 

@@ -20,6 +20,7 @@ from tracefp4.engines.model import from_config, model_state, tiny_config  # noqa
 from tracefp4.guidance.names import deeper_half, parse_name  # noqa: E402
 from tracefp4.guidance.store import StoreReader  # noqa: E402
 from tracefp4.integrations.trl import TraceGRPOConfig, TraceGRPOTrainer, unsupported  # noqa: E402
+from tracefp4.pipeline.metrics import Name, trl_name  # noqa: E402
 from tracefp4.rl.tasks import Example, Reverse, hf_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
@@ -144,9 +145,9 @@ def test_trace_full_reproduces_every_rollout_code_inside_trl(folder, dataset, tm
         trainer = train(folder, dataset, args)
     # two generations: the second after an optimizer step (fused AdamW, which leaves the parameters'
     # version counters alone: the rollout's prepared expert weights must still follow)
-    assert logged(trainer, "trace/code_mismatch") == [0.0, 0.0]
-    assert logged(trainer, "trace/decode_failures") == [0.0, 0.0]
-    assert logged(trainer, "trace/guidance_bytes_per_token")[0] > 0
+    assert logged(trainer, trl_name(Name.CODE_MISMATCH)) == [0.0, 0.0]
+    assert logged(trainer, trl_name(Name.DECODE_FAILURES)) == [0.0, 0.0]
+    assert logged(trainer, trl_name(Name.GUIDANCE_BYTES))[0] > 0
     assert all(logged(trainer, k) for k in IS_KEYS)
     ref = trainer.ref_model
     assert ref is not trainer.model and ref.dtype == torch.bfloat16
@@ -172,13 +173,13 @@ def test_mismatch_metrics_with_the_correction_off_and_the_bf16_reference(folder,
     assert not any(logged(trainer, k) for k in IS_KEYS)  # TRL's correction is off
     # every step's mismatch measured (TRL ran no scoring forward: these come from ours); on this tiny
     # model our engine's FP4 rollout and the QAT trainer may agree exactly, so the values may be 0
-    gaps = logged(trainer, "trace/logprob_gap_mean")
+    gaps = logged(trainer, trl_name(Name.GAP_MEAN))
     assert len(gaps) == 2 and all(math.isfinite(g) and g >= 0 for g in gaps)
-    assert len(logged(trainer, "trace/code_mismatch")) == 2
+    assert len(logged(trainer, trl_name(Name.CODE_MISMATCH))) == 2
     bf16 = train(folder, dataset, config(tmp_path / "bf16", trace_mode="bf16"))
     assert bf16._trace_arm.plan is None and not bf16._trace_arm.diagnostics
-    assert not logged(bf16, "trace/code_mismatch")  # BF16 rollout: no FP4 codes
-    bf16_gaps = logged(bf16, "trace/logprob_gap_mean")
+    assert not logged(bf16, trl_name(Name.CODE_MISMATCH))  # BF16 rollout: no FP4 codes
+    bf16_gaps = logged(bf16, trl_name(Name.GAP_MEAN))
     assert len(bf16_gaps) == 2 and all(math.isfinite(g) and g >= 0 for g in bf16_gaps)
     with pytest.raises(ValueError, match="trace_mode = 'fp4': expected one of bf16, qat, trace"):
         config(tmp_path, trace_mode="fp4")
@@ -231,10 +232,10 @@ def test_vllm_rollouts_qat_against_trace_full(folder, dataset, tmp_path) -> None
     for trainer in runs.values():
         assert all(logged(trainer, k) for k in IS_KEYS)
         assert trainer._last_loaded_step == 1  # weights pushed at step 0 and again at step 1
-    assert logged(runs["trace"], "trace/code_mismatch") == [0.0, 0.0]
+    assert logged(runs["trace"], trl_name(Name.CODE_MISMATCH)) == [0.0, 0.0]
     qat_gap = logged(runs["qat"], "sampling/sampling_logp_difference/mean")[0]
     trace_gap = logged(runs["trace"], "sampling/sampling_logp_difference/mean")[0]
-    if logged(runs["qat"], "trace/code_mismatch")[0] > 0:
+    if logged(runs["qat"], trl_name(Name.CODE_MISMATCH))[0] > 0:
         assert trace_gap < qat_gap
     else:  # no drift on this machine: both reproduce every code, the same gap
         assert trace_gap == qat_gap

@@ -37,6 +37,7 @@ from tracefp4.integrations.trl_async import (  # noqa: E402
     unsupported_async,
 )
 from tracefp4.pipeline.arms import integration_arm  # noqa: E402
+from tracefp4.pipeline.metrics import Name, trl_name  # noqa: E402
 from tracefp4.pipeline.steps import model_signature  # noqa: E402
 from tracefp4.rl.tasks import Example, Reverse, hf_tokenizer  # noqa: E402
 
@@ -317,9 +318,10 @@ def test_a_short_asynchronous_run_trains_on_versioned_records(folder, dataset, t
     assert trainer.state.global_step == 3 and trainer.model_version == 4  # the first sync, then one per step
     assert consumed and all(0 <= now - v <= 1 for now, v in consumed)
     assert read == [v for _, v in consumed]  # every trained sample's records, read at its own version
-    rows = [r for r in trainer.state.log_history if "trace/code_mismatch" in r]
-    assert rows and rows[0]["trace/code_mismatch"] == 0.0 and rows[0]["sample/staleness_max"] == 0
-    assert all(r["trace/decode_failures"] == 0 for r in rows)
+    codes, failures = trl_name(Name.CODE_MISMATCH), trl_name(Name.DECODE_FAILURES)
+    rows = [r for r in trainer.state.log_history if codes in r]
+    assert rows and rows[0][codes] == 0.0 and rows[0]["sample/staleness_max"] == 0
+    assert all(r[failures] == 0 for r in rows)
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
     root = trainer._trace_root
     assert not list(root.glob(step_dir(root, 0).name.split("-")[0] + "-*"))

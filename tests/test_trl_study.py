@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tracefp4.reports.trl_study import arm_of, format_trl_study, load_runs, run_figures, setting_of, summarise_runs
+from tracefp4.pipeline.metrics import Name, trl_name
 
 
 def _history(rewards, gaps=None, maxes=None):
@@ -14,9 +15,9 @@ def _history(rewards, gaps=None, maxes=None):
     for i, r in enumerate(rewards):
         row = {"step": 2 * i + 1, "reward": r, "entropy": 0.5}
         if gaps is not None:
-            row["trace/logprob_gap_mean"] = gaps[i]
-            row["trace/logprob_gap_max"] = maxes[i]
-            row["trace/code_mismatch"] = 0.1
+            row[trl_name(Name.GAP_MEAN)] = gaps[i]
+            row[trl_name(Name.GAP_MAX)] = maxes[i]
+            row[trl_name(Name.CODE_MISMATCH)] = 0.1
         rows.append(row)
         rows.append({"step": 2 * i + 2, "loss": 0.0})  # the second update of a generation: no reward
     return rows
@@ -35,6 +36,7 @@ def test_setting_and_arm_names():
     assert setting_of({}) == "token"
     assert arm_of({"mode": "trace", "guidance": "full"}) == "trace-full"
     assert arm_of({"mode": "qat", "guidance": None}) == "qat"
+    assert arm_of({"mode": "trace", "guidance": "lsb"}) == "trace"  # the default guidance: the table's trace
 
 
 def test_run_figures_quarters_and_growth():
@@ -45,12 +47,12 @@ def test_run_figures_quarters_and_growth():
     f = run_figures(_history(rewards, gaps, maxes))
     assert f["reward_first"] == pytest.approx(0.2, abs=1e-15)
     assert f["reward_last"] == pytest.approx(0.7, abs=1e-15)
-    assert f["logprob_gap_mean"] == pytest.approx(0.025, abs=1e-15)
-    assert f["logprob_gap_max"] == 0.9
+    assert f[Name.GAP_MEAN] == pytest.approx(0.025, abs=1e-15)
+    assert f[Name.GAP_MAX] == 0.9
     assert f["gap_growth"] == pytest.approx(0.04 / 0.02, rel=1e-12)
-    assert f["code_mismatch"] == pytest.approx(0.1, abs=1e-15)
+    assert f[Name.CODE_MISMATCH] == pytest.approx(0.1, abs=1e-15)
     bf16 = run_figures(_history(rewards))
-    assert bf16["logprob_gap_mean"] is None and bf16["gap_growth"] is None
+    assert bf16[Name.GAP_MEAN] is None and bf16["gap_growth"] is None
 
 
 def test_run_without_rewards_is_refused():

@@ -48,6 +48,7 @@ from tracefp4.engines.rollout import generate  # noqa: E402
 from tracefp4.engines.trainer import code_mismatch, forward_rollout  # noqa: E402
 from tracefp4.guidance.compact import GuidedMode  # noqa: E402
 from tracefp4.guidance.names import Site, parse_name, record_prefix, routing_key  # noqa: E402
+from tracefp4.pipeline.metrics import Name  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -443,7 +444,7 @@ def test_compact_mode_records_guide_the_trainer(engine, hf: torch.nn.Module, ful
     guided = mode.layer_indices(LAYERS)
     trace = forward_rollout(hf, out, mode="trace", capture_codes=guided)
     qat = forward_rollout(hf, out, mode="qat", capture_codes=guided)
-    assert trace.decode_failures == 0
+    assert trace.decode.failed_blocks == 0
     rate = {}
     for name, t in (("trace", trace), ("qat", qat)):
         stats = code_mismatch(t.codes, out.diagnostics).values()
@@ -465,8 +466,8 @@ def test_mismatch_report_with_the_vllm_rollout(engine, hf: torch.nn.Module, tmp_
     prompts = make_prompts(3, 256, 8, seed=0)
     rep = mismatch_report(hf, prompts, SamplingParams(max_new_tokens=6, seed=0), store_dir=tmp_path, engine=engine)
     assert rep["engine"] == "vllm" and rep["fp4_rollouts_identical"] is True
-    rates = rep["mismatch_rate"]
-    assert rates["trace_full"] == 0.0 < rates["qat"], rates
+    rates = rep[Name.CODE_MISMATCH]
+    assert rates["trace-full"] == 0.0 < rates["qat"], rates
     assert "rollout engine: vllm" in format_report(rep)
 
 
@@ -482,8 +483,8 @@ def test_mismatch_report_fp8_with_the_vllm_rollout(engine, hf: torch.nn.Module, 
     assert rep["engine"] == "vllm" and rep["fp4_rollouts_identical"] is True
     assert rep["config"]["plan"] == {"weights": "fp8", "activations": "fp8", "kv_cache": "fp8"}
     counts = rep["mismatch_counts"]
-    assert counts["trace_full"]["mismatched"] == 0 < counts["qat"]["mismatched"], counts
-    assert counts["trace_lsb"]["mismatched"] <= 0.1 * counts["qat"]["mismatched"], counts
+    assert counts["trace-full"]["mismatched"] == 0 < counts["qat"]["mismatched"], counts
+    assert counts["trace"]["mismatched"] <= 0.1 * counts["qat"]["mismatched"], counts
     assert "FP8 code mismatch rate" in format_report(rep)
 
 
@@ -529,7 +530,7 @@ def test_mismatch_cli_engine_vllm(tmp_path) -> None:
     out = subprocess.run(cmd + ["--json", str(tmp_path / "rep.json")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rep = json.loads((tmp_path / "rep.json").read_text())
-    assert rep["engine"] == "vllm" and rep["mismatch_rate"]["trace_full"] == 0.0
+    assert rep["engine"] == "vllm" and rep[Name.CODE_MISMATCH]["trace-full"] == 0.0
     assert rep["config"]["head_dim"] == 32
 
 

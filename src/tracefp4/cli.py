@@ -215,7 +215,7 @@ def _add_demo_parser(sub) -> None:
     d.add_argument("--task", default="reverse", help="reverse or addition")
     d.add_argument("--arms", default=None, help="comma-separated arms (default bf16,qat,trace,trace-full); also the "
                    "baselines fp4-rollout,qat-4over6,qat-mxfp4,qat-w4a8,quads,score-centering,qat-fp8, the TRACE variants "
-                   "trace-sc,trace-fp8 and the ablations trace-L<n>,trace-ldpc,trace-4over6,trace-mxfp4,trace-w4a8 "
+                   "trace-sc,trace-fp8 and the ablations trace-L<n>,trace-all,trace-ldpc,trace-4over6,trace-mxfp4,trace-w4a8 "
                    "(see tracefp4.pipeline.arms)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--engine", choices=("home", "vllm"), default="home",

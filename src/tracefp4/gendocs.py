@@ -7,7 +7,8 @@ as a difference:
 
 * ``docs/results/<name>.md``: each experiment JSON through ``rl.experiment.format_summary``, the
   scaling JSON through ``reports.scaling.format_scaling``, a TRL study's through
-  ``reports.trl_study.format_trl_study``;
+  ``reports.trl_study.format_trl_study``, a lag-k replay's (``tracefp4 mismatch --lag``) through
+  ``reports.replay.format_replay``;
 * ``docs/concepts/arms.md``: the arm table ``pipeline.arms.ARMS``;
 * ``docs/performance/rollout.md``: one row per date, CPU, commit, preset, batch and engine of
   ``docs/results/bench-rollout/*.json``;
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from tracefp4.bench.result import spread_text
 
 if TYPE_CHECKING:
-    from tracefp4.bench.result import Judgement, Run
+    from tracefp4.bench.result import Run
 
 from tracefp4.stats import format_mean_ci
 
@@ -76,6 +77,11 @@ def results_page(path: Path) -> str:
         from tracefp4.reports.scaling import format_scaling
 
         title, table, cpu = "Scaling of the mismatch with depth, width and length", format_scaling(data), None
+    elif data.get("kind") == "staleness-replay":
+        from tracefp4.reports.replay import format_replay
+
+        title, table, cpu = "Staleness replay (lag-k)", format_replay(data), \
+            (data.get("environment") or {}).get("cpu_model", "not recorded in the JSON")
     elif data.get("kind") == "trl-study":
         from tracefp4.reports.trl_study import format_trl_study
 
@@ -102,8 +108,8 @@ def _cell(value: Any) -> str:
     return f"`{text}`"
 
 
-#: The arm table's columns on the arms page (the plot style and the reports' keys are the charts' and
-#: the reports' business).
+#: The arm table's columns on the arms page (the plot style and the reports that run an arm are the
+#: charts' and the reports' business).
 ARM_COLUMNS = ("role", "plan", "guidance", "diagnostics", "trainer", "trainer_plan", "loss")
 
 
@@ -115,6 +121,11 @@ def arms_page() -> str:
              "What each arm's rollout records and how its trainer computes (`<n>` in a name: a family, "
              "e.g. `trace-L2`). `plan = run`: the run's precision plan; `guidance = <configured>`: the run's "
              "guidance mode; `-`: none (BF16 rollout, or routing records only).", "",
+             "An arm has one name in every output: the RL loop's files, the experiment summaries, the mismatch "
+             "and scaling reports' JSON and the rollout benchmarks' modes all write the name below (the scaling "
+             "report's lsb guidance on every layer is `trace-all`). A benchmark mode that is no recording arm "
+             "names the rollout's precision instead: `bf16`, `fp4` (FP4, routing only: a benchmark runs no "
+             "trainer) and `fp8kv` (vLLM's FP8 K/V engine).", "",
              "| arm | description | " + " | ".join(ARM_COLUMNS) + " |", "|" + "---|" * (len(ARM_COLUMNS) + 2)]
     for name, spec in ARMS.items():
         lines.append(f"| `{name}` | {spec.description} | " + " | ".join(_cell(getattr(spec, f)) for f in ARM_COLUMNS) + " |")
@@ -195,12 +206,14 @@ def _collapse_rows(data: Mapping[str, Any]) -> list[str]:
 
 
 def _trl_rows(data: Mapping[str, Any]) -> list[str]:
+    from tracefp4.pipeline.metrics import Name
+
     rows = []
     for setting, arms in data["settings"].items():
         for arm, e in arms.items():
             rows.append(f"| `{setting}` | {arm} | {len(e['seeds'])} | {_ci(e['reward_last'], '.3f')} | "
                         f"{_ci(e.get('reward_last_minus_trace-full'))} | {_ci(e.get('reward_last_minus_bf16'))} | "
-                        f"{_ci(e['logprob_gap_mean'], '.4f')} | {_ci(e['gap_growth'], '.2f')} |")
+                        f"{_ci(e[Name.GAP_MEAN], '.4f')} | {_ci(e['gap_growth'], '.2f')} |")
     return rows
 
 
@@ -438,7 +451,7 @@ def _pm(d: Mapping[str, Any], fmt: str = ".3f", sign: float = 1.0) -> str:
 def reading_block(readme: str) -> str:
     """The README's reading of the collapse study (between the READING markers), every figure from the
     collapse-study JSONs and the scaling fit's prediction at the paper's lengths with its interval."""
-    from tracefp4.rl.experiment import BYTES, CODES
+    from tracefp4.pipeline.metrics import Name
 
     load = lambda name: json.loads((ROOT / f"docs/results/{name}.json").read_text())
     a, mask, trunc, trl, sc = (load(n) for n in ("collapse-a", "collapse-c-sequence-mask", "collapse-c-sequence-truncate",
@@ -450,7 +463,7 @@ def reading_block(readme: str) -> str:
                     for e in d["arms"].values())
     qat, full = arms["qat"], arms["trace-full"]
     length = qat["response_length"]
-    seq = qat["logprob_gap_mean"] * length
+    seq = qat[Name.GAP_MEAN] * length
     fits = sc["fit"]["trained"]
     pred = lambda arm: fits[arm]["seq_abs_mean"]["predictions"]
     q = pred("qat")
@@ -469,17 +482,17 @@ def reading_block(readme: str) -> str:
             f"reward, {'no seed collapses' if not collapsed else f'{collapsed} seeds collapse'}, and QAT's train-rollout mismatch does not grow over {a['steps']} steps "
             f"(k3 growth {_pm(qat['growth_k3_kl'], '.2f')}). Every FP4 arm trails BF16 by {spread(behind, '.2f', '')} "
             f"held-out reward ({spread(trl_behind, '.2f', '')} in TRL). QAT's mismatch is nonetheless about "
-            f"{qat['logprob_gap_mean'] / full['logprob_gap_mean']:.0f}x TRACE-full's per token, and what matters for "
+            f"{qat[Name.GAP_MEAN] / full[Name.GAP_MEAN]:.0f}x TRACE-full's per token, and what matters for "
             f"collapse is its sum over a sequence: ours is about {seq:.2f} nats per {length:.0f}-token answer. For the "
             f"{lengths}-token reasoning traces where the paper reports collapses, our scaling fit (trained weights, "
             f"extrapolated from {fits['qat']['seq_abs_mean']['points']} tiny models to {tgt['layers']} layers and hidden "
             f"{tgt['hidden']}; [scaling](docs/results/scaling.md)) predicts QAT's mean |sequence log-ratio| at "
             f"{shown('qat')} nats (95% prediction intervals {intervals}): "
             f"{spread([p['predicted'] / seq for p in q], '.1f')} what we measured at {length:.0f} tokens (the fit's "
-            f"|Σ Δlogp| is at most that Σ |Δlogp|). The fit places no collapse. It predicts {shown('full')} nats with "
+            f"|Σ Δlogp| is at most that Σ |Δlogp|). The fit places no collapse. It predicts {shown('trace-full')} nats with "
             f"`full` or `lsb@all` hints and {shown('trace')} with `lsb` hints, so at those lengths use `full` or "
-            f"`lsb@all` guidance (`trace-full` here: {full[BYTES]:.0f} B/token, code mismatch "
-            f"{full[CODES]:.1e}; `trace`, `lsb`: {arms['trace'][BYTES]:.0f} B/token). "
+            f"`lsb@all` guidance (`trace-full` here: {full[Name.GUIDANCE_BYTES]:.0f} B/token, code mismatch "
+            f"{full[Name.CODE_MISMATCH]:.1e}; `trace`, `lsb`: {arms['trace'][Name.GUIDANCE_BYTES]:.0f} B/token). "
             f"Sequence-level correction is where QAT's mismatch first costs something at this scale: masking sequences "
             f"whose train/rollout ratio leaves [1/{mask['is_cap']:g}, {mask['is_cap']:g}] discards "
             f"{format_mean_ci(masked, '.0%')} of QAT's samples and "
@@ -623,12 +636,12 @@ def results_index(results: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-ROLLOUT_MODES = ("bf16", "fp4", "trace_lsb", "trace_full")
+ROLLOUT_MODES = ("bf16", "fp4", "trace", "trace-full")
 
 
-def _rollout_rows(path: Path) -> list[str]:
+def _rollout_rows(path: Path) -> list[list[str]]:
     """One table row per (preset, batch, engine) of each run of a ``bench rollout`` results file."""
-    from tracefp4.bench.result import load
+    from tracefp4.bench.result import figure_text, load
 
     runs, prov = load(path)
     date, cpu = prov.get("date", path.stem[:10]), prov.get("cpu", path.stem[11:])
@@ -641,25 +654,24 @@ def _rollout_rows(path: Path) -> list[str]:
             # a transcription keeps the ratios as the bench printed them (from unrounded tokens/s)
             printed = run.value("printed_ratio", engine, "fp4/bf16", batch=batch)
             ratio = printed if printed is not None else (tps[1] / tps[0] if tps[0] and tps[1] else None)
-            shown = " | ".join("-" if v is None else f"{v:.1f}" for v in tps)
-            rows.append(f"| {date} | {cpu} | `{commit}` | {run.config['preset']} | {batch} | {engine} | {shown} | "
-                        + ("-" if ratio is None else f"{ratio:.2f}") + " |")
+            rows.append([date, cpu, f"`{commit}`", run.config["preset"], str(batch), engine,
+                         *(figure_text(v, ".1f") for v in tps), figure_text(ratio)])
     return rows
 
 
 def rollout_page() -> str:
     """The rollout-throughput table from docs/results/bench-rollout/<date>-<cpu>.json, oldest first."""
+    from tracefp4.bench.result import table
+
     files = sorted((ROOT / "docs/results/bench-rollout").glob("*.json"))
     lines = [GENERATED.format(source="docs/results/bench-rollout/*.json"), "", "# Rollout throughput", "",
              "Tokens per second of `tracefp4 bench rollout` (median of interleaved rounds), one row per date, CPU, "
              "commit, preset, batch and engine; `fp4/bf16` is the ratio of the two medians (as the bench printed it). The CPU matters: "
              "compare ratios across rows, not tokens/s (the VMs' speed varied by up to 1.7x between days). The "
              "narrative of each measurement is in the [journal](../dev/journal/README.md). Add a row: commit the "
-             "`--json` output of a run as `docs/results/bench-rollout/<date>-<cpu>.json`, then `make docs`.", "",
-             "| date | CPU | commit | preset | batch | engine | " + " | ".join(ROLLOUT_MODES) + " | fp4/bf16 |",
-             "|" + "---|" * (7 + len(ROLLOUT_MODES))]
-    for path in files:
-        lines += _rollout_rows(path)
+             "`--json` output of a run as `docs/results/bench-rollout/<date>-<cpu>.json`, then `make docs`.", ""]
+    lines += table(["date", "CPU", "commit", "preset", "batch", "engine", *ROLLOUT_MODES, "fp4/bf16"],
+                   [row for path in files for row in _rollout_rows(path)])
     return "\n".join(lines) + "\n"
 
 
@@ -669,32 +681,27 @@ NUMERIC_COLUMNS = (("per row", "quantize_per_row_over_copy"), ("per tensor", "qu
                    ("guided full", "guided_full_over_copy"), ("encode_hint", "encode_hint_over_copy"))
 
 
-def _met(value: float | None, target: Judgement | None, fmt: str = ".2f") -> str:
-    if value is None:
-        return "-"
-    return f"{value:{fmt}}" + ("" if target is None else (" ✓" if target.met else " ✗"))
-
-
 def _suite_run(runs: list[Run], suite: str) -> Run:
     return next(r for r in runs if r.suite == suite)
 
 
-def _bench_all_rows(path: Path) -> list[str]:
-    from tracefp4.bench.result import load
+def _bench_all_row(path: Path) -> list[str]:
+    from tracefp4.bench.result import figure_text, load
 
     runs, _ = load(path)
     num, system = _suite_run(runs, "numerics"), _suite_run(runs, "system")
     targets = {t.target: t for t in num.targets}
     cpu = num.machine.get("cpu_model", "not recorded")
-    cells = [_met(num.value(k), targets.get(k)) for _, k in NUMERIC_COLUMNS]
     copy = num.value("copy_ref_s") or num.value("copy_s")
-    return [f"| `{path.stem}` | {cpu} | {copy * 1e3:.2f} | "
-            + " | ".join(cells) + f" | {_met(num.value('torchao_over_quantize'), targets.get('torchao_over_quantize'), '.0f')} | "
-            f"{system.value('rollout_record_over_plain'):.3f} | {system.value('train_step_trace_over_qat'):.3f} |"]
+    return [f"`{path.stem}`", cpu, figure_text(copy * 1e3),
+            *(figure_text(num.value(k), target=targets.get(k)) for _, k in NUMERIC_COLUMNS),
+            figure_text(num.value("torchao_over_quantize"), ".0f", targets.get("torchao_over_quantize")),
+            figure_text(system.value("rollout_record_over_plain"), ".3f"),
+            figure_text(system.value("train_step_trace_over_qat"), ".3f")]
 
 
-def _attention_rows(path: Path) -> list[str]:
-    from tracefp4.bench.result import load
+def _attention_rows(path: Path) -> list[list[str]]:
+    from tracefp4.bench.result import figure_text, load
     from tracefp4.bench.suites.attention import IMPLS
 
     rows = []
@@ -703,44 +710,42 @@ def _attention_rows(path: Path) -> list[str]:
         ref = m.get("bf16_impl", "vllm_bf16")
         v = run.value
         for c in run.values("attention_s_per_step", "context", "tracefp4"):
-            rows.append(f"| `{path.stem}` | {m.get('cpu_model', '?')} | {c} | "
-                        f"{v('attention_s_per_step', 'tracefp4', context=c) * 1e3:.2f} | "
-                        f"{v('attention_s_per_step', *IMPLS[ref], context=c) * 1e3:.2f} ({ref}) | "
-                        f"{v('attention_ratio', context=c):.3f} | "
-                        f"{v('attention_kv_bytes', 'tracefp4', context=c) / v('attention_kv_bytes', *IMPLS[ref], context=c):.3f} |")
+            kv = v("attention_kv_bytes", "tracefp4", context=c) / v("attention_kv_bytes", *IMPLS[ref], context=c)
+            rows.append([f"`{path.stem}`", m.get("cpu_model", "?"), str(c),
+                         figure_text(v("attention_s_per_step", "tracefp4", context=c) * 1e3),
+                         f"{figure_text(v('attention_s_per_step', *IMPLS[ref], context=c) * 1e3)} ({ref})",
+                         figure_text(v("attention_ratio", context=c), ".3f"), figure_text(kv, ".3f")])
     return rows
 
 
-LONG_MODES = ("bf16", "fp8kv", "fp4", "trace_lsb")
+LONG_MODES = ("bf16", "fp8kv", "fp4", "trace")
 
 
 def _long_section(path: Path) -> list[str]:
     """A ``bench rollout --preset long`` file: decode tokens/s per cell and mode, KV bytes, capacity, the
     capacity run, where decode time goes, the targets."""
-    from tracefp4.bench.result import load
+    from tracefp4.bench.result import figure_text, load, table
 
     out = []
     for run in load(path)[0]:
         c, v = run.config, run.value
         cpu = run.machine.get("cpu_model", "not recorded in the JSON")
-        out += [f"### `{path.stem}` ({cpu}, {c['threads']} threads)", "", f"Model: {c['resized']}.", "",
-                "| engine | context | batch | " + " | ".join(LONG_MODES) + " |", "|" + "---|" * (3 + len(LONG_MODES))]
+        out += [f"### `{path.stem}` ({cpu}, {c['threads']} threads)", "", f"Model: {c['resized']}.", ""]
         cells = sorted({(r.engine, r.shape["context"], r.shape["batch"]) for r in run.find("rollout_tokens_per_s")})
-        for engine, ctx, batch in cells:
-            vals = [v("rollout_tokens_per_s", engine, m, context=ctx, batch=batch) for m in LONG_MODES]
-            out.append(f"| {engine} | {ctx} | {batch} | " + " | ".join("-" if x is None else f"{x:.1f}" for x in vals)
-                       + " |")
-        out += ["", "| vLLM | " + " | ".join(LONG_MODES) + " |", "|" + "---|" * (1 + len(LONG_MODES))]
-        for label, key, fmt in (("KV bytes per token", "kv_bytes_per_token", ".0f"),
-                                ("KV capacity tokens", "kv_capacity_tokens", ".0f"),
-                                ("capacity run tokens/s", "capacity_tokens_per_s", ".1f"),
-                                ("capacity run peak running", "capacity_peak_running", ".0f")):
-            vals = [v(key, "vllm", m) for m in LONG_MODES]
-            out.append(f"| {label} | " + " | ".join("-" if x is None else format(x, fmt) for x in vals) + " |")
+        out += table(["engine", "context", "batch", *LONG_MODES],
+                     [[engine, str(ctx), str(batch), *(figure_text(v("rollout_tokens_per_s", engine, m, context=ctx,
+                                                                    batch=batch), ".1f") for m in LONG_MODES)]
+                      for engine, ctx, batch in cells])
+        rows = [[label, *(figure_text(v(key, "vllm", m), fmt) for m in LONG_MODES)]
+                for label, key, fmt in (("KV bytes per token", "kv_bytes_per_token", ".0f"),
+                                        ("KV capacity tokens", "kv_capacity_tokens", ".0f"),
+                                        ("capacity run tokens/s", "capacity_tokens_per_s", ".1f"),
+                                        ("capacity run peak running", "capacity_peak_running", ".0f"))]
         if run.find("capacity_wall_s"):  # recorded from 2026-12-05 on
             shares = [(v("capacity_prefill_s", "vllm", m), v("capacity_wall_s", "vllm", m)) for m in LONG_MODES]
-            out.append("| capacity run time in steps running prompts | "
-                       + " | ".join("-" if w is None else f"{p / w:.0%} of {w:.0f} s" for p, w in shares) + " |")
+            rows.append(["capacity run time in steps running prompts",
+                         *("-" if w is None else f"{p / w:.0%} of {w:.0f} s" for p, w in shares)])
+        out += ["", *table(["vLLM", *LONG_MODES], rows)]
         out += ["", "Decode time at the longest context run (experts / attention / sites / rest):", ""]
         for engine, mode in sorted({(r.engine, r.mode) for r in run.find("decode_time_share")}):
             sh = {r.shape["region"]: r for r in run.find("decode_time_share", engine, mode)}
@@ -753,6 +758,8 @@ def _long_section(path: Path) -> list[str]:
 
 def bench_page() -> str:
     """The CPU benchmark runs committed under docs/results/bench-all/ and bench-attention/, one row each."""
+    from tracefp4.bench.result import table
+
     lines = [GENERATED.format(source="docs/results/bench-{all,attention,long}/*.json"), "",
              "# CPU benchmark runs", "",
              "`tracefp4 bench all --json` and `tracefp4 bench attention --json` runs as committed, one row per file "
@@ -760,16 +767,13 @@ def bench_page() -> str:
              "[numerics performance](numerics.md) and [CPU kernels](cpu-kernels.md)). Quantizer columns are "
              "times over a copy of the same 4096x4096 bf16 tensor (the faster of `x.clone()` and a copy into a "
              "buffer, where the run recorded both).", "",
-             "## Quantizers and guidance cost (`bench all`)", "",
-             "| run | CPU | copy ms | " + " | ".join(n for n, _ in NUMERIC_COLUMNS)
-             + " | torchao / ours | record / plain rollout | trace / qat train step |",
-             "|" + "---|" * (6 + len(NUMERIC_COLUMNS))]
-    for p in sorted((ROOT / "docs/results/bench-all").glob("*.json")):
-        lines += _bench_all_rows(p)
-    lines += ["", "## Decode attention over packed K/V (`bench attention`)", "",
-              "| run | CPU | context | fp4 ms | bf16 ms | fp4 / bf16 | KV bytes fp4 / bf16 |", "|" + "---|" * 7]
-    for p in sorted((ROOT / "docs/results/bench-attention").glob("*.json")):
-        lines += _attention_rows(p)
+             "## Quantizers and guidance cost (`bench all`)", ""]
+    lines += table(["run", "CPU", "copy ms", *(n for n, _ in NUMERIC_COLUMNS), "torchao / ours", "record / plain rollout",
+                    "trace / qat train step"],
+                   [_bench_all_row(p) for p in sorted((ROOT / "docs/results/bench-all").glob("*.json"))])
+    lines += ["", "## Decode attention over packed K/V (`bench attention`)", ""]
+    lines += table(["run", "CPU", "context", "fp4 ms", "bf16 ms", "fp4 / bf16", "KV bytes fp4 / bf16"],
+                   [row for p in sorted((ROOT / "docs/results/bench-attention").glob("*.json")) for row in _attention_rows(p)])
     lines += ["", "## Long-output rollouts (`bench rollout --preset long`)", "",
               "Decode tokens/s at each context (prefill excluded), the KV cache per token and capacity from the "
               "engines, a capacity run at one KV budget.", ""]

@@ -17,14 +17,23 @@ from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.pipeline.arms import ROLLOUT_MODES
 
-__all__ = ["CAPACITY_PROMPT", "REGIONS", "VLLM_SERVES", "CapacityRun", "home_decode", "profiled", "random_prompts",
-           "share_of_events", "vllm_decode"]
+__all__ = ["CAPACITY_PROMPT", "REGIONS", "VLLM_SERVES", "CapacityRun", "generate_mode", "home_decode", "profiled",
+           "random_prompts", "share_of_events", "vllm_decode"]
 
 #: Capacity run prompts: long enough to be a prompt, short beside the outputs.
 CAPACITY_PROMPT = 64
 #: The engine that serves each rollout mode in vLLM: vLLM's own for BF16 and FP8 K/V, our plugin's for FP4.
 VLLM_SERVES = {"bf16": EngineKind.VLLM_BF16, "fp8kv": EngineKind.VLLM_FP8KV, "fp4": EngineKind.VLLM,
-               "trace_lsb": EngineKind.VLLM, "trace_full": EngineKind.VLLM}
+               "trace": EngineKind.VLLM, "trace-full": EngineKind.VLLM}
+
+def generate_mode(engine, mode: str, prompts, sampling, plan: PrecisionPlan | None) -> None:
+    """One generation of ``prompts`` as rollout mode ``mode`` does it (:data:`~tracefp4.pipeline.arms.ROLLOUT_MODES`:
+    FP4 under ``plan`` or BF16, recording its guidance mode or routing only); a mode that is no arm's
+    (``fp8kv``: vLLM's FP8 K/V engine) is its engine's own BF16 generation."""
+    fp4, guidance = ROLLOUT_MODES.get(mode, (False, None))
+    engine.generate(prompts, sampling, plan=plan if fp4 else None,
+                    guidance=GuidedMode.parse(guidance) if guidance else None)
+
 
 #: Profiler region names per category, innermost wins (a site inside the experts is a site).
 REGIONS = {"sites": ("tracefp4::site",),

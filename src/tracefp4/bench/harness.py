@@ -14,7 +14,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["Spread", "interleave", "median", "median_rate", "paired", "run_lengths", "time_rounds"]
+__all__ = ["Spread", "interleave", "median", "median_rate", "paired", "run_lengths", "time_rounds", "timed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,10 @@ def interleave(calls: Mapping[str, Callable[[], float]], repeats: int, limits: M
     return samples
 
 
-def _timed(fn: Callable[[], object]) -> Callable[[], float]:
+def timed(fn: Callable[[], object]) -> Callable[[], float]:
+    """``fn`` as a call of :func:`interleave`: it runs ``fn`` and reports the seconds it took (the one
+    clock reading of the package)."""
+
     def call() -> float:
         t0 = time.perf_counter()
         fn()
@@ -72,7 +75,7 @@ def time_rounds(fns: Mapping[str, Callable[[], object]], repeats: int,
     """:func:`interleave` of callables timed here, after one warm-up call each (compilation, weight caches)."""
     for fn in fns.values():
         fn()
-    return interleave({name: _timed(fn) for name, fn in fns.items()}, repeats, limits)
+    return interleave({name: timed(fn) for name, fn in fns.items()}, repeats, limits)
 
 
 def paired(samples: Mapping[str, Sequence[float]], num: str, den: str) -> Spread:

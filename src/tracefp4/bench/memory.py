@@ -20,12 +20,12 @@ import resource
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tracefp4.files import atomic_write_json
 
-__all__ = ["ResidentProbe", "rss_bytes", "run_child", "run_children"]
+__all__ = ["ResidentProbe", "peak_growth", "rss_bytes", "run_child", "run_children"]
 
 
 def _status_kb(field: str) -> int | None:
@@ -95,6 +95,14 @@ class ResidentProbe:
     def peak_resettable() -> bool:
         """Whether one process can measure several peaks (else one fresh process per peak)."""
         return _reset_peak()
+
+
+def peak_growth(fn: Callable[[], Any]) -> tuple[int, Any, str]:
+    """One call of ``fn`` in this process: the peak resident growth it caused (its temporaries included),
+    its result, and how the peak was read (:attr:`ResidentProbe.method`)."""
+    probe = ResidentProbe(peak=True)
+    result = fn()
+    return probe.growth(), result, probe.method
 
 
 # --- fresh processes ----------------------------------------------------------------------------------

@@ -9,8 +9,10 @@ holds runs under ``schema_version`` :data:`SCHEMA_VERSION`; :func:`load` validat
 file and the field of anything wrong, and :func:`save` writes it whole or not at all.
 
 Readers (``gendocs``, ``scripts/gpu_check.py``, the suites' formatters) ask a run for a figure by its
-fields (:meth:`Run.value`), never by parsing a key. :func:`spread_text` and :func:`target_line` are
-the one formatting of a figure's spread and of a target's judgement, for the terminal and the pages.
+fields (:meth:`Run.value`), never by parsing a key. The one formatting, for the terminal and the
+generated pages: :func:`figure_text` (a figure, ``-`` where the run has none, with its target's mark),
+:func:`spread_text` (a figure's spread over runs), :func:`target_line` (a target's judgement) and
+:func:`table` (a markdown table of such cells).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from typing import Any
 
 from tracefp4.files import atomic_write_json
 
-__all__ = ["SCHEMA_VERSION", "SUITES", "Judgement", "Record", "ResultError", "Run", "load", "load_runs", "save",
-           "spread_text", "target_line", "verdict"]
+__all__ = ["SCHEMA_VERSION", "SUITES", "Judgement", "Record", "ResultError", "Run", "figure_text", "load", "load_runs",
+           "save", "spread_text", "table", "target_line", "verdict"]
 
 #: The results schema. Version 1: runs of records (this module); the flat dotted-key dicts before it
 #: were migrated once, when this package was made.
@@ -225,6 +227,25 @@ def _judgement(d: Any, where: str) -> Judgement:
 
 
 # --- formatting, for the terminal and the generated pages -----------------------------------------
+
+
+def figure_text(value: Value, fmt: str = ".2f", target: Judgement | None = None) -> str:
+    """A figure as a cell: ``value`` in ``fmt`` (``-`` where the run has none), then ✓ or ✗ where a
+    ``target`` judged it."""
+    if value is None:
+        return "-"
+    return format(value, fmt) + ("" if target is None else (" ✓" if target.met else " ✗"))
+
+
+def table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """A markdown table's lines: the header, its rule, a line per row (each row as many cells as ``head``;
+    a ValueError names the row that has not)."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, row in enumerate(rows):
+        if len(row) != len(head):
+            raise ValueError(f"table row {i}: {len(row)} cells for {len(head)} columns ({', '.join(head)})")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
 
 
 def spread_text(values: Sequence[float], fmt: str = ".2f", unit: str = "x") -> str:

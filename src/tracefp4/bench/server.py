@@ -28,7 +28,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -133,15 +132,12 @@ def _answer_channel() -> Callable[[Any], None]:
 
 
 def _generate(e, mode: str, prompts: list[list[int]], new_tokens: int) -> float:
+    from tracefp4.bench.decode import generate_mode
+    from tracefp4.bench.harness import timed
     from tracefp4.engines.protocol import SamplingParams
-    from tracefp4.guidance.compact import GuidedMode
-    from tracefp4.pipeline.arms import ROLLOUT_MODES
 
-    fp4, guidance = ROLLOUT_MODES.get(mode, (False, None))
     s = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0)
-    t0 = time.perf_counter()
-    e.generate(prompts, s, plan=e.plan if fp4 else None, guidance=GuidedMode.parse(guidance) if guidance else None)
-    return time.perf_counter() - t0
+    return timed(lambda: generate_mode(e, mode, prompts, s, e.plan))()
 
 
 def serve(kind: EngineKind, ckpt: str) -> None:

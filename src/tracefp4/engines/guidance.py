@@ -10,7 +10,8 @@ A :class:`TrainerGuidance` holds, for one teacher-forced forward:
   (None: the rows are the records' rows, a packed batch); ``stale``, in record order, marks the rows
   whose record is too many policy versions behind the trainer to guide it (they round to nearest on
   the trainer's own grid; None: none is);
-* outputs: the trainer's packed FP4 codes and their grid at the capture layers (in record order),
+* outputs: the trainer's packed FP4 codes and their grid at the capture layers (in record order;
+  with ``capture_values`` also the values it quantized there, which a bracket needs),
   per-layer router flips under replay (over real rows), how many compact-record blocks failed to
   decode, and the sum of every record's :class:`~tracefp4.guidance.report.DecodeReport`
   (``decode_report``: also the ``mod4`` records' detected bracket misses, the counts a
@@ -52,10 +53,11 @@ class TrainerGuidance(ForwardPath):
     capture_layers: frozenset[int] = frozenset()
     rows: RowMap | None = None
     stale: torch.Tensor | None = None
+    capture_values: bool = False  # at the capture layers, also each site's value before quantization
     codes: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, init=False)
+    values: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, init=False)
     grids: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = dataclasses.field(default_factory=dict, init=False)
     router_flips: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict, init=False)
-    decode_failures: int = dataclasses.field(default=0, init=False)
     decode_report: DecodeReport = dataclasses.field(default_factory=DecodeReport, init=False)
 
     def hint(self, name: str, x: torch.Tensor) -> Hint | None:
@@ -64,14 +66,15 @@ class TrainerGuidance(ForwardPath):
         if record is None:
             return None
         hint, report = record.decode(x.detach())
-        self.decode_failures += report.failed_blocks
         self.decode_report += report
         return hint
 
-    def capture_site(self, layer: int, name: str, q: NVFP4 | MXFP4 | FP8, grid: Grid) -> None:
+    def capture_site(self, layer: int, name: str, q: NVFP4 | MXFP4 | FP8, grid: Grid, x: torch.Tensor) -> None:
         if layer in self.capture_layers:
             self.codes[name] = q.codes
             self.grids[name] = (grid.scales, grid.global_amax)
+            if self.capture_values:
+                self.values[name] = x.detach()
 
     def replay(self, layer: int) -> torch.Tensor | None:
         """The rollout's routing of ``layer`` (None: no replay in this forward)."""
@@ -105,13 +108,14 @@ class TrainerGuidance(ForwardPath):
         rows = self._mapped()
         if rows is None:
             q = self._record_rows(name, x.detach(), quantizer)
-            self.capture_site(layer, name, q, quantizer.grid(q))
+            self.capture_site(layer, name, q, quantizer.grid(q), x)
             return q
         if name not in self.hints and layer not in self.capture_layers:
             return quantizer.quantize(x.detach())
         real = rows.real.to(x.device)
-        qr = self._record_rows(name, x.detach()[real], quantizer)
-        self.capture_site(layer, name, qr, quantizer.grid(qr))
+        xr = x.detach()[real]
+        qr = self._record_rows(name, xr, quantizer)
+        self.capture_site(layer, name, qr, quantizer.grid(qr), xr)
         pad = rows.pad.to(x.device)
         parts = [(real, qr)] + ([(pad, quantizer.quantize(x.detach()[pad]))] if pad.numel() else [])
         return scatter_rows(x.shape[0], parts)

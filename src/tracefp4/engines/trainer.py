@@ -149,6 +149,8 @@ class TrainerSpec:
     guidance_max_lag: in ``trace`` mode, the largest lag (trainer's policy version minus a record row's)
         at which a row is still rounded toward the rollout's record; rows further behind round to
         nearest (see the module docstring). 0: only rows of the trainer's own weights are guided.
+    capture_values: at the ``capture_codes`` layers, also report each site's values before quantization
+        (what the trainer's bracket is computed from: :func:`tracefp4.pipeline.metrics.bracket_miss`).
     packed_attention: how :func:`forward_logprobs`' packed row attends (:class:`PackedAttention`; the
         default picks by the row's length). Unused by :func:`trainer_forward`, whose caller runs the forward.
     """
@@ -159,6 +161,7 @@ class TrainerSpec:
     replay_routing: bool = True
     capture_codes: frozenset[int] = frozenset()
     guidance_max_lag: int = 0
+    capture_values: bool = False
     packed_attention: PackedAttention = PackedAttention.AUTO
 
     def __post_init__(self) -> None:
@@ -179,6 +182,8 @@ class TrainerSpec:
         if not isinstance(self.guidance_max_lag, int) or isinstance(self.guidance_max_lag, bool) \
                 or self.guidance_max_lag < 0:
             raise ValueError(f"guidance_max_lag must be an int >= 0, got {self.guidance_max_lag!r}")
+        if self.capture_values and not self.capture_codes:
+            raise ValueError("capture_values reports the values at the capture_codes layers: name some")
 
     @classmethod
     def of(cls, spec: TrainerSpec | None = None, **fields) -> TrainerSpec:
@@ -204,25 +209,27 @@ class ForwardReport:
         (a compact record's codes are only right on the right grid).
     router_flips: under replay, layer -> share of real tokens whose own top-k set differs from the
         replayed one (the router flip rate before replay).
-    decode_failures: compact-record blocks that did not decode (rounded to nearest instead).
-    decode: the forward's decode reports summed: its failed blocks, and the ``mod4`` records' elements
+    decode: the forward's decode reports summed: its failed blocks (``decode.failed_blocks``: compact-record
+        blocks that did not decode, rounded to nearest instead), and the ``mod4`` records' elements
         checked against the trainer's bracket and the misses detected there (``bracket_miss_rate``).
     stale_rows: in ``trace`` mode, the record rows (token positions the forward covers, each counted
         once) whose lag exceeded the spec's ``guidance_max_lag``: rounded to nearest at every guided site.
+    values[t]: with the spec's ``capture_values``, the values each captured site quantized (same names
+        and rows as ``codes``, unquantized shape ``[n_t, ..., K]``); ``{}`` without.
     """
 
     codes: list[dict[str, torch.Tensor]]
     grids: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]
     router_flips: dict[int, float]
-    decode_failures: int = 0
     decode: DecodeReport = dataclasses.field(default_factory=DecodeReport)
     stale_rows: int = 0
+    values: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class TrainerOutput:
     """logprobs[b]: ``[T_b - P_b]`` log-probs of the completion tokens, differentiable; codes, grids,
-    router_flips, decode_failures, decode and stale_rows as :class:`ForwardReport`.
+    router_flips, decode, stale_rows and values as :class:`ForwardReport`.
 
     logprob_rows[b]: float32 ``[T_b - P_b, V]``, the whole ``log_softmax(logits / temperature)`` row at
         each completion position (differentiable; what a loss over more than the sampled token reads,
@@ -233,10 +240,10 @@ class TrainerOutput:
     codes: list[dict[str, torch.Tensor]]
     grids: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]
     router_flips: dict[int, float]
-    decode_failures: int = 0
     logprob_rows: list[torch.Tensor] = dataclasses.field(default_factory=list)
     decode: DecodeReport = dataclasses.field(default_factory=DecodeReport)
     stale_rows: int = 0
+    values: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
 
     def padded(self, value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(``[B, C_max]`` log-probs right-padded with ``value``, bool mask of real tokens)."""
@@ -347,8 +354,9 @@ class TrainerForward:
     def report(self) -> ForwardReport:
         """Codes and grids per trajectory, router flips, decode failures of the forward that ran."""
         path, counts = self.path, list(self.rows.counts)
-        codes = [dict(zip(path.codes, parts)) for parts in zip(*(v.split(counts) for v in path.codes.values()))] \
-            if path.codes else [{} for _ in counts]
+        codes, values = (
+            [dict(zip(d, parts)) for parts in zip(*(v.split(counts) for v in d.values()))] if d else [{} for _ in counts]
+            for d in (path.codes, path.values))
         grids: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = [{} for _ in counts]
         for name, (sc, amax) in path.grids.items():
             for t, (s_part, a_part) in enumerate(zip(sc.split(counts), [None] * len(counts) if amax is None
@@ -356,7 +364,7 @@ class TrainerForward:
                 grids[t][name] = (s_part, a_part)
         flips = {layer: f / max(n, 1) for layer, (f, n) in path.router_flips.items()}
         stale = 0 if path.stale is None else int(path.stale.sum())
-        return ForwardReport(codes, grids, flips, path.decode_failures, path.decode_report, stale)
+        return ForwardReport(codes, grids, flips, path.decode_report, stale, values)
 
 
 @contextlib.contextmanager
@@ -404,7 +412,7 @@ def trainer_forward(
             .to(model.device, torch.long)
             for layer in model_layers(model)[1]
         }
-    path = TrainerGuidance(hints, replay, spec.capture_codes, rows, stale)
+    path = TrainerGuidance(hints, replay, spec.capture_codes, rows, stale, spec.capture_values)
     with forward_state(model, spec.forward_plan, path):
         yield TrainerForward(path, rows)
 
@@ -509,7 +517,8 @@ def forward_logprobs(
     report = fwd.report()
     counts = [n - p for p, n in zip(prompt_lens, lengths)]
     return TrainerOutput(list(token_logp.split(counts)), report.codes, report.grids, report.router_flips,
-                         report.decode_failures, list(rows_logp.split(counts)), report.decode, report.stale_rows)
+                         list(rows_logp.split(counts)), report.decode, report.stale_rows,
+                         report.values)
 
 
 def forward_rollout(model: PreTrainedModel, rollout: RolloutOutput, spec: TrainerSpec | None = None,

@@ -326,20 +326,29 @@ def bracket_distance(z: torch.Tensor, rollout_codes: torch.Tensor, element: str 
     return torch.clamp(q_minus - r, min=0) + torch.clamp(r - q_plus, min=0)
 
 
-def guided_quantize_nvfp4(x, s8, amax, rollout_codes=None, rollout_lsb=None) -> torch.Tensor:
-    """Guided NVFP4 codes of ``x`` on the rollout's grid ``(s8, amax)``; unpacked uint8 [..., K]."""
+def nvfp4_z(x: torch.Tensor, s8: torch.Tensor, amax) -> torch.Tensor:
+    """float32 ``clamp(x * enc, +-6)`` of ``x`` on the NVFP4 grid ``(s8, amax)`` (block scales
+    ``[..., K/16]``, global amax): the value each E2M1 code of that grid rounds."""
     s_enc = nvfp4_global_encode_scale(torch.as_tensor(amax, dtype=_F32))
     enc = nvfp4_encode_factor(s8, s_enc)
     xb = x.to(_F32).reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
-    z = torch.clamp(xb * enc.unsqueeze(-1), -E2M1_MAX, E2M1_MAX).reshape(x.shape)
-    return guided_round(z, rollout_codes, rollout_lsb)
+    return torch.clamp(xb * enc.unsqueeze(-1), -E2M1_MAX, E2M1_MAX).reshape(x.shape)
+
+
+def mxfp4_z(x: torch.Tensor, biased: torch.Tensor) -> torch.Tensor:
+    """float32 ``clamp(x / 2^e, +-6)`` of ``x`` on the MXFP4 grid of biased E8M0 exponents ``[..., K/32]``."""
+    xb = x.to(_F32).reshape(*x.shape[:-1], -1, MXFP4_BLOCK)
+    inv_scale = torch.tensor(1.0, dtype=_F32) / mx_scale(biased)
+    return torch.clamp(xb * inv_scale.unsqueeze(-1), -E2M1_MAX, E2M1_MAX).reshape(x.shape)
+
+
+def guided_quantize_nvfp4(x, s8, amax, rollout_codes=None, rollout_lsb=None) -> torch.Tensor:
+    """Guided NVFP4 codes of ``x`` on the rollout's grid ``(s8, amax)``; unpacked uint8 [..., K]."""
+    return guided_round(nvfp4_z(x, s8, amax), rollout_codes, rollout_lsb)
 
 
 def guided_quantize_mxfp4(x, biased, rollout_codes=None, rollout_lsb=None) -> torch.Tensor:
-    xb = x.to(_F32).reshape(*x.shape[:-1], -1, MXFP4_BLOCK)
-    inv_scale = torch.tensor(1.0, dtype=_F32) / mx_scale(biased)
-    z = torch.clamp(xb * inv_scale.unsqueeze(-1), -E2M1_MAX, E2M1_MAX).reshape(x.shape)
-    return guided_round(z, rollout_codes, rollout_lsb)
+    return guided_round(mxfp4_z(x, biased), rollout_codes, rollout_lsb)
 
 
 # --- FP8 E4M3 with a per-row scale ---------------------------------------------------------------

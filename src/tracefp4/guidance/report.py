@@ -18,8 +18,10 @@ class DecodeReport:
     lies in the trainer's bracket (``mod4``: every element it decodes), and those found outside it (a
     ``mod4`` residue naming neither bracket member: the rollout's code is 1 or 2 codewords away), which
     took the trainer's round-to-nearest code. ``bracket_misses / bracket_checked`` is the detected
-    bracket-miss rate (``guidance_bracket_miss_rate`` for a ``mod4`` arm; misses of 3 or more codewords
-    can alias to a bracket member and are not in it). Records that cannot tell (``full``, ``lsb``, the
+    bracket-miss rate, what a ``mod4`` trainer knows without full codes: a lower bound on the registry's
+    ``guidance_bracket_miss_rate`` (misses of 3 or more codewords can alias to a bracket member and are
+    not in it; the registry's rate counts them, from full-code diagnostics:
+    :func:`tracefp4.pipeline.metrics.bracket_miss`). Records that cannot tell (``full``, ``lsb``, the
     other compact elements) add nothing to either count, so the rate is never diluted by them.
     Reports add up (``sum(reports, DecodeReport())``) over sites, layers and steps.
     """

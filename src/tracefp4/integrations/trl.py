@@ -25,9 +25,11 @@ A TRL GRPO script becomes a TRACE one by swapping the two class names (and, opti
   temperature as the engines define them. The reference model (``beta > 0``) runs our forward in BF16.
 * **TRL's loss is unchanged**: its loss types, its importance-sampling correction against the
   rollout's log-probs (``vllm_importance_sampling_*``; our engines report them) and its ``sampling/*``
-  metrics apply as with its own vLLM. Ours join its logs: ``trace/code_mismatch``,
-  ``trace/code_mismatch_one_apart``, ``trace/guidance_bytes_per_token``, ``trace/logprob_gap_mean``,
-  ``trace/logprob_gap_max``, ``trace/decode_failures``, ``trace/router_flip_rate``.
+  metrics apply as with its own vLLM. Ours join its logs under ``trace/`` + the registry's name
+  (:func:`tracefp4.pipeline.metrics.trl_name`): ``trace/code_mismatch_rate``,
+  ``trace/code_mismatch_one_apart_share``, ``trace/guidance_bytes_per_token``,
+  ``trace/train_rollout_logprob_abs_diff``, ``trace/train_rollout_logprob_abs_diff_max``,
+  ``trace/guidance/decode_failures``, ``trace/router_flip_rate``.
 
 Options that our engines or forward cannot honour are refused at construction with a one-line error
 naming the option (:func:`unsupported`); see ``docs/integrations.md`` for the list and why.
@@ -97,7 +99,7 @@ class TraceOptions:
     trace_store: str | None = dataclasses.field(default=None, metadata={"help": (
         "Guidance store folder (one sub-folder per process). Default: {output_dir}/guidance.")})
     trace_diagnostics: str = dataclasses.field(default="all", metadata={"help": (
-        "Layers whose full FP4 codes the rollout keeps in memory to measure trace/code_mismatch: all, deeper, "
+        "Layers whose full FP4 codes the rollout keeps in memory to measure trace/code_mismatch_rate: all, deeper, "
         "guided (trace mode's guided layers) or none.")})
     trace_keep_steps: bool = dataclasses.field(default=False, metadata={"help": (
         "Keep every generation's records in the store (default: a step is discarded once its rows are used).")})
@@ -544,7 +546,7 @@ class TraceGRPOTrainer(GRPOTrainer):
         st.setdefault("gap_sum", []).append(float(gap.sum()))
         st.setdefault("gap_n", []).append(float(gap.numel()))
         st.setdefault("gap_max", []).append(float(gap.max()) if gap.numel() else 0.0)
-        st.setdefault("decode_failures", []).append(float(report.decode_failures))
+        st.setdefault("decode_failures", []).append(float(report.decode.failed_blocks))
         if report.router_flips:
             st.setdefault("flips", []).append(router_flip_rate(report.router_flips))
 

@@ -46,11 +46,11 @@ detached importance weight ``w = pi_prox / pi_behav`` of ``trace_is_mode`` (trun
 ``trace_is_cap``). TRL's own loss clips ``pi / pi_behav`` instead, which lets rollout-guided rounding's
 smaller gap hide the staleness inside the clip.
 
-Our metrics join TRL's logs per micro-batch: ``trace/code_mismatch`` (against the rollout's codes,
-which at lag ``k`` were chosen by weights ``k`` versions older), ``trace/code_mismatch_one_apart``,
-``trace/logprob_gap_mean`` / ``_max`` (trainer at the consumed version against the rollout: staleness
-included), ``trace/decode_failures``, ``trace/router_flip_rate``, ``trace/guidance_bytes_per_token`` (per
-group) and the loss's importance-weight statistics under ``trace/``.
+Our metrics join TRL's logs per micro-batch, each ``trace/`` + its registry name
+(:mod:`tracefp4.pipeline.metrics`): the code-mismatch rate (against the rollout's codes, which at lag
+``k`` were chosen by weights ``k`` versions older) and its one-apart share, the log-prob gap's mean and
+max (trainer at the consumed version against the rollout: staleness included), decode failures, the
+router flip rate, guidance bytes per token (per group) and the loss's importance-weight statistics.
 """
 
 from __future__ import annotations
@@ -689,7 +689,7 @@ class TraceAsyncGRPOTrainer(AsyncGRPOTrainer):
         n = float(mask.sum())
         metrics[trl_name(Name.GAP_MEAN)].append((gap[Name.GAP_MEAN] * n, n))
         metrics[trl_name(Name.GAP_MAX)].append(gap[Name.GAP_MAX])
-        metrics[trl_name(Name.DECODE_FAILURES)].append(float(out.decode_failures))
+        metrics[trl_name(Name.DECODE_FAILURES)].append(float(out.decode.failed_blocks))
         if out.router_flips:
             metrics[trl_name(Name.ROUTER_FLIPS)].append(router_flip_rate(out.router_flips))
         for key, value in stats.items():

@@ -36,7 +36,9 @@ Baselines:
 Ablations (TRACE variants):
 
 * ``trace-L<n>``: ``lsb`` guidance on the last n layers only (``lsb@last<n>``), diagnostics there;
-  n between 1 and the model's layers (n = all layers is ``lsb@all``). E.g. ``trace-L1``.
+  n between 1 and the model's layers. E.g. ``trace-L1``.
+* ``trace-all``: ``lsb`` guidance on every layer (``lsb@all``), diagnostics there: ``trace-L<n>`` with n
+  the model's depth, under one name at every depth (the scaling report's grid varies the depth).
 * ``trace-ldpc``: the compact LDPC record ``ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all``.
 * ``trace-4over6``: ``lsb`` guidance under Four over Six scales. The record already holds each
   block's E4M3 scale byte, and the trainer quantizes on the rollout's grid as every guided NVFP4 site
@@ -68,8 +70,15 @@ Routing replay is on in every arm: the routing of every MoE layer always reaches
 
 Each row also carries what the outputs show of it (its label, one line of description, its plot style)
 and its role (the paper's arm, a baseline, an ablation); a report's arms are a query over the rows
-(:func:`report_arms`: the rows that name a key for that report), not a table of their own. Plans are
-named by :meth:`~tracefp4.engines.plan.PrecisionPlan.named`.
+(:func:`report_arms`: the rows that name that report), not a table of their own. Plans are named by
+:meth:`~tracefp4.engines.plan.PrecisionPlan.named`.
+
+One name per arm: every output (the RL loop's files, the experiment summaries, the mismatch and scaling
+reports' JSON, the rollout benchmarks' modes) writes an arm under its name in :data:`ARMS` (``trace``,
+``trace-full``, ``trace-ldpc``, ``trace-all``; no second spelling). The benchmarks' modes that are no
+arm's rollout name the engine's precision instead (``bf16``, ``fp4``: FP4 without guidance, the ``qat``
+arm's rollout, since a benchmark has no trainer; ``fp8kv``: vLLM's FP8 K/V engine), see
+:data:`ROLLOUT_MODES`.
 """
 
 from __future__ import annotations
@@ -142,8 +151,8 @@ class ArmSpec:
     style: tuple[str, str]  # plot (color, linestyle)
     trainer_plan: str | None = None  # the trainer's plan where it differs from the rollout's (QUADS)
     loss: PolicyLoss = PolicyLoss.GRPO
-    # report -> the key that report writes this arm under (the reports' JSON keys predate the arm names)
-    reports: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # the reports that run this arm (under its name)
+    reports: frozenset[str] = frozenset()
     # a family's members that have a plot style of their own: the number in the name -> (color, linestyle)
     member_styles: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
@@ -162,16 +171,16 @@ _P, _B, _A = Role.PAPER, Role.BASELINE, Role.ABLATION
 #: summary and chart.
 ARMS: dict[str, ArmSpec] = {
     "bf16": _row(None, None, None, "bf16", _P, "bf16", "BF16 rollout, BF16 trainer", ("black", "-"),
-                 reports={"mismatch": "bf16", "scaling": "bf16", "rollout": "bf16"}),
+                 reports=frozenset({"mismatch", "scaling", "rollout"})),
     "qat": _row(RUN_PLAN, None, "deeper", "qat", _P, "qat", "FP4 rollout, round-to-nearest QAT trainer",
-                ("tab:red", "-"), reports={"mismatch": "qat", "scaling": "qat", "rollout": "fp4"}),
+                ("tab:red", "-"), reports=frozenset({"mismatch", "scaling", "rollout"})),
     "trace": _row(RUN_PLAN, CONFIGURED, "guided", "trace", _P, "trace",
                   "FP4 rollout recording the run's guidance, guided trainer", ("tab:blue", "-"),
-                  reports={"mismatch": "trace_lsb", "scaling": "trace", "rollout": "trace_lsb"}),
+                  reports=frozenset({"mismatch", "scaling", "rollout"})),
     # full@all: the layers are named, as the scaling report's metadata writes them ("full" is on all layers)
     "trace-full": _row(RUN_PLAN, "full@all", "all", "trace", _P, "trace-full",
                        "FP4 rollout recording full codes on all layers, guided trainer", ("tab:green", "--"),
-                       reports={"mismatch": "trace_full", "scaling": "full", "rollout": "trace_full"}),
+                       reports=frozenset({"mismatch", "scaling", "rollout"})),
     # baselines
     "fp4-rollout": _row(RUN_PLAN, None, None, "bf16", _B, "fp4-rollout",
                         "FP4 rollout, BF16 trainer (verl / FlashRL)", ("tab:gray", ":")),
@@ -186,11 +195,12 @@ ARMS: dict[str, ArmSpec] = {
                         ("tab:brown", "--")),
     "trace-w4a8": _row("w4a8", "lsb", "guided", "trace", _A, "trace-w4a8", "lsb guidance in W4A8", ("tab:pink", "--")),
     "trace-ldpc": _row(RUN_PLAN, "ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all", "guided", "trace", _A, "trace-ldpc",
-                       "the compact LDPC record on all layers", ("tab:purple", "--"), reports={"scaling": "ldpc@all"}),
-    # the scaling report's lsb@all is the member whose n is the model's depth
+                       "the compact LDPC record on all layers", ("tab:purple", "--"), reports=frozenset({"scaling"})),
     "trace-L<n>": _row(RUN_PLAN, "lsb@last<n>", "guided", "trace", _A, "trace-L<n>", "lsb guidance on the last n layers",
-                       ("tab:cyan", "--"), reports={"scaling": "lsb@all"},
-                       member_styles={"1": ("tab:cyan", "--"), "2": ("tab:olive", "--"), "all": ("tab:cyan", "--")}),
+                       ("tab:cyan", "--"), member_styles={"1": ("tab:cyan", "--"), "2": ("tab:olive", "--")}),
+    # trace-L<n> at n = the depth, one name at every depth (the scaling report's grid varies it)
+    "trace-all": _row(RUN_PLAN, "lsb@all", "guided", "trace", _A, "trace-all", "lsb guidance on every layer",
+                      ("tab:cyan", "--"), reports=frozenset({"scaling"})),
     # the paper's two closest baselines, and FP8 rollouts
     "quads": _row("quads", None, None, "qat", _B, "quads",
                   "QUADS: W4A4 rollout with residual compensation, W4A16 QAT trainer", ("goldenrod", ":"),
@@ -321,77 +331,63 @@ def make_arm(name: str, *, guidance: str, n_layers: int, plan: PrecisionPlan | N
 # --- the views the reports, the charts and the integrations take of the table ----------------------
 
 
-def report_arms(report: Report) -> dict[str, str]:
-    """The arms ``report`` writes: its key -> the arm's name, in table order (a family's key names the
-    member the report runs, e.g. the scaling report's ``lsb@all``)."""
-    return {spec.reports[report]: name for name, spec in ARMS.items() if report in spec.reports}
-
-
-#: Spellings of an arm that the reports' JSON keys use (``trace_lsb``, ``trace_full``, ``full``,
-#: ``ldpc@all``), onto its name in :data:`ARMS`; :func:`canonical_arm` maps one onto the name.
-ARM_ALIASES: dict[str, str] = {key: name for report in ("mismatch", "scaling") for key, name in
-                               report_arms(report).items() if key != name and "<n>" not in name}
-
-
-def canonical_arm(name: str) -> str:
-    """The :data:`ARMS` name of ``name`` (itself unless it is one of :data:`ARM_ALIASES`)."""
-    return ARM_ALIASES.get(name, name)
+def report_arms(report: Report) -> tuple[str, ...]:
+    """The arms ``report`` runs, in table order."""
+    return tuple(name for name, spec in ARMS.items() if report in spec.reports)
 
 
 def rollout_guidance(spec: ArmSpec, n: str | None = None) -> str | None:
     """The guidance mode name a row's rollout records where no run configures one (:data:`CONFIGURED`:
-    :data:`DEFAULT_GUIDANCE`), with a family's ``<n>`` replaced by ``n`` (``all``: every layer)."""
+    :data:`DEFAULT_GUIDANCE`), with a family's ``<n>`` replaced by ``n``."""
     if spec.guidance is None:
         return None
     mode = DEFAULT_GUIDANCE if spec.guidance == CONFIGURED else spec.guidance
-    if n == "all":
-        mode = mode.replace("last<n>", "all")
     return mode if n is None else mode.replace("<n>", n)
-
-
-def _member(report: Report, key: str) -> tuple[ArmSpec, str | None]:
-    spec = ARMS[report_arms(report)[key]]
-    return spec, ("all" if "<n>" in report_arms(report)[key] else None)
 
 
 #: The scaling report's columns: least recorded first, the full-code reference every other arm's codes
 #: are compared with last.
-_SCALING_COLUMNS = ("bf16", "qat", "trace", "lsb@all", "ldpc@all", "full")
-#: The scaling report's arms: key -> the guidance mode of its FP4 rollout and trainer (None: vanilla
+_SCALING_COLUMNS = ("bf16", "qat", "trace", "trace-all", "trace-ldpc", "trace-full")
+#: The scaling report's arms: name -> the guidance mode of its FP4 rollout and trainer (None: vanilla
 #: QAT; ``bf16``: no FP4 at all).
 SCALING_ARMS: dict[str, str | None] = {
-    key: "bf16" if spec.plan is None else rollout_guidance(spec, n)
-    for key in sorted(report_arms("scaling"), key=_SCALING_COLUMNS.index) for spec, n in [_member("scaling", key)]
+    name: "bf16" if ARMS[name].plan is None else rollout_guidance(ARMS[name])
+    for name in sorted(report_arms("scaling"), key=_SCALING_COLUMNS.index)
 }
-#: The rollout benchmarks' modes: mode -> (an FP4 plan?, the guidance mode name or None).
+
+
+def rollout_mode(name: str) -> str:
+    """The rollout benchmarks' mode of arm ``name``: the arm's name where its rollout records guidance,
+    else its rollout's precision (``bf16``, ``fp4``): a benchmark runs no trainer, so an unguided FP4
+    rollout is not ``qat``'s more than any other FP4 arm's."""
+    spec = ARMS[name]
+    if spec.guidance is not None:
+        return name
+    return "bf16" if spec.plan is None else "fp4"
+
+
+#: The rollout benchmarks' modes: mode (:func:`rollout_mode`) -> (an FP4 plan?, the guidance mode name or None).
 ROLLOUT_MODES: dict[str, tuple[bool, str | None]] = {
-    key: (spec.plan is not None, rollout_guidance(spec)) for key, name in report_arms("rollout").items()
-    for spec in [ARMS[name]]
+    rollout_mode(name): (ARMS[name].plan is not None, rollout_guidance(ARMS[name])) for name in report_arms("rollout")
 }
 
 
 def arm_style(name: str) -> dict[str, str] | None:
-    """The plot style (``color``, ``linestyle``) of arm ``name`` (an arm, a family member with a style
-    of its own, or a report's key for one); None for a name the table does not style."""
-    name = canonical_arm(name)
-    if name in SCALING_ARMS and name not in ARMS:
-        spec, n = _member("scaling", name)
-    else:
-        try:
-            spec, number = arm_spec(name)
-        except ValueError:
-            return None
-        n = None if number is None else str(number)
-    style = spec.style if n is None else spec.member_styles.get(n)
+    """The plot style (``color``, ``linestyle``) of arm ``name`` (an arm, or a family member with a style
+    of its own); None for a name the table does not style."""
+    try:
+        spec, number = arm_spec(name)
+    except ValueError:
+        return None
+    style = spec.style if number is None else spec.member_styles.get(str(number))
     return None if style is None else dict(color=style[0], linestyle=style[1])
 
 
 #: The arms every chart and summary lists first, in this order (the rest follow by name): the plain rows
-#: in table order, each styled family member after its family's place.
+#: in table order, each styled family member at its family's place.
 CHART_ORDER: tuple[str, ...] = tuple(
     member for name, spec in ARMS.items()
-    for member in ([name] if "<n>" not in name else
-                   [name.replace("<n>", n) if n != "all" else spec.reports["scaling"] for n in spec.member_styles])
+    for member in ([name] if "<n>" not in name else [name.replace("<n>", n) for n in spec.member_styles])
 )
 
 

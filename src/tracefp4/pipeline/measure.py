@@ -28,7 +28,7 @@ from tracefp4.guidance.names import layer_tag
 from tracefp4.guidance.store import StoreReader, bytes_per_token, parse_name
 from tracefp4.pipeline.arms import Arm
 from tracefp4.pipeline.factory import EngineKind, make_engine
-from tracefp4.pipeline.metrics import Name, logprob_gap, metric
+from tracefp4.pipeline.metrics import Name, logprob_gap
 from tracefp4.pipeline.steps import rollout_step, trainer_spec
 from tracefp4.seeds import TrajectoryIds, trajectory_ids
 
@@ -67,7 +67,7 @@ def store_root(store_dir: str | os.PathLike[str] | None, prefix: str) -> Iterato
 
 # --- log-prob gap --------------------------------------------------------------------------------
 
-#: The log-prob gap metrics of :func:`gap`, in its keys' order (the reports' spellings of them).
+#: The log-prob gap metrics of :func:`gap`, in its keys' order.
 GAP_METRICS = (Name.GAP_MEAN, Name.GAP_MAX, Name.K3_KL, Name.KL, Name.LOG_PPL_DIFF)
 
 
@@ -88,7 +88,7 @@ def gap(rollout: RolloutOutput, trainer: TrainerOutput) -> dict[str, float]:
     if not torch.equal(mask, mask_t):
         raise RuntimeError("trainer and rollout disagree on the completion lengths")
     m = logprob_gap(lr, lt.detach().float(), mask)
-    return {**{metric(k).aliases["reports"]: m[k] for k in GAP_METRICS}, "tokens": int(mask.sum())}
+    return {**{k: m[k] for k in GAP_METRICS}, "tokens": int(mask.sum())}
 
 
 def same_rollout(a: RolloutOutput, b: RolloutOutput) -> bool:
@@ -113,13 +113,15 @@ class ArmRun:
 
 def run_arms(model, prompts: Sequence[Sequence[int]], sampling: SamplingParams, arms: Mapping[str, Arm], root: Path,
              signature: str, *, engine: RolloutEngine | None = None, first_step: int = 0, trainers: bool = True,
-             phase: Callable[[str], contextlib.AbstractContextManager] | None = None) -> dict[str, ArmRun]:
+             phase: Callable[[str], contextlib.AbstractContextManager] | None = None, trainer_model=None,
+             values: bool = False) -> dict[str, ArmRun]:
     """Each arm of ``arms`` (report key -> arm, in order) over the same prompts and sampler seed: its
     rollout through the store (:func:`~tracefp4.pipeline.steps.rollout_step`, one sealed step each from
     ``first_step``, records read back with checksums verified) on ``engine`` (None: ours on ``model``),
     then (``trainers``) its trainer on what the store returned, in the arm's mode and plan at the
-    sampler's temperature, capturing its codes at the arm's diagnostics layers. ``phase`` names and
-    times each part (a context manager per name)."""
+    sampler's temperature, capturing its codes (and with ``values`` the values it quantized) at the
+    arm's diagnostics layers. The trainer runs ``trainer_model`` (None: ``model``; a lag replay gives
+    it later weights of the same model). ``phase`` names and times each part (a context manager per name)."""
     serving = engine if engine is not None else make_engine(EngineKind.HOME, model)
     phase = phase or (lambda name: contextlib.nullcontext())
     ids = tuple(trajectory_ids(TrajectoryIds.REPORT, len(prompts)))
@@ -134,8 +136,10 @@ def run_arms(model, prompts: Sequence[Sequence[int]], sampling: SamplingParams, 
             with phase(f"trainer {key} ({arm.trainer.value})"), torch.no_grad():
                 # the engines report log-probs at temperature 1 for greedy sampling (SamplingParams)
                 temperature = sampling.temperature if sampling.temperature > 0 else 1.0
-                spec = trainer_spec(arm, temperature=temperature, capture=True)
-                runs[key].trainer = forward_logprobs(model, roll.token_ids, roll.prompt_lens, roll.records, spec)
+                spec = dataclasses.replace(trainer_spec(arm, temperature=temperature, capture=True),
+                                           capture_values=values and bool(arm.diagnostics))
+                runs[key].trainer = forward_logprobs(model if trainer_model is None else trainer_model,
+                                                     roll.token_ids, roll.prompt_lens, roll.records, spec)
     return runs
 
 

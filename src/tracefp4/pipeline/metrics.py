@@ -1,10 +1,11 @@
 """The metrics vocabulary: every train-rollout mismatch metric by one name, what it measures, its
-formula, the other spellings it goes by, and the summary functions that compute it.
+formula, and the summary functions that compute it.
 
-A metric's ``name`` is the key the RL loop writes to ``metrics/<arm>.jsonl`` (the records: they do not
-change). The reports, the experiment summary and the TRL integration spell some of them otherwise
-(``aliases``: where -> spelling); each of those spellings maps onto the registry's name through
-:func:`canonical`. The TRL integration logs a metric as ``trace/`` + its TRL alias (:data:`TRL_PREFIX`).
+A metric's ``name`` is its key in every output: the RL loop's ``metrics/<arm>.jsonl``, the mismatch,
+sweep and scaling reports' JSON, the experiment and TRL-study summaries. It has no other spelling; the
+TRL integration only puts :data:`TRL_PREFIX` before it (:func:`trl_name`), since TRL's logs mix in its
+own metrics. A name is written in :class:`Name` once: the code that writes or reads a metric spells it
+``Name.X`` (a literal elsewhere fails ``tests/test_metrics.py``).
 
 Notation: over the completion tokens t of a step's trajectories, d_t = logp_rollout(t) - logp_train(t);
 a "site" is one quantized tensor of one layer (``docs/contracts.md`` section 5).
@@ -19,12 +20,17 @@ from typing import Any
 import torch
 
 from tracefp4.engines.trainer import SiteMismatch
+from tracefp4.formats import reference as ref
+from tracefp4.formats.constants import Format
+from tracefp4.formats.packing import unpack_fp4
+from tracefp4.guidance.hints import record_format
 from tracefp4.guidance.store import parse_name
 
 __all__ = [
-    "Metric", "METRICS", "Name", "TRL_PREFIX", "alias", "canonical", "trl_name", "metric", "label", "share",
+    "Metric", "METRICS", "Name", "TRL_PREFIX", "trl_name", "metric", "label", "share",
     "mismatch_summary", "mismatch_by", "at_sites", "gap_quantile", "logprob_gap", "sequence_gap", "router_flip_rate",
-    "guidance_bytes_per_token", "reference_markdown",
+    "guidance_bytes_per_token", "BracketMiss", "bracket_distances", "bracket_miss", "bracket_miss_summary",
+    "reference_markdown",
 ]  # fmt: skip
 
 #: The prefix the TRL integration puts before its metric names in TRL's logs.
@@ -45,82 +51,60 @@ class Name:
     ROUTER_FLIPS = "router_flip_rate"
     GUIDANCE_BYTES = "guidance_bytes_per_token"
     DECODE_FAILURES = "guidance/decode_failures"
-    SEQ_GAP_SUM = "seq_logprob_abs_diff_sum"
-    SEQ_GAP_SUM_P95 = "seq_logprob_abs_diff_sum_p95"
-    SEQ_LOG_RATIO = "seq_log_ratio_abs"
-    SEQ_LOG_RATIO_P95 = "seq_log_ratio_abs_p95"
     LAG_MEAN = "staleness/lag_mean"
     LAG_MAX = "staleness/lag_max"
     LAG_GUIDED = "guidance/lag_guided_tokens"
     LAG_FALLBACK = "guidance/lag_fallback_tokens"
+    BRACKET_MISS = "guidance_bracket_miss_rate"
+    SEQ_GAP_SUM = "seq_logprob_abs_diff_sum"
+    SEQ_GAP_SUM_P95 = "seq_logprob_abs_diff_sum_p95"
+    SEQ_LOG_RATIO = "seq_log_ratio_abs"
+    SEQ_LOG_RATIO_P95 = "seq_log_ratio_abs_p95"
 
 
 @dataclasses.dataclass(frozen=True)
 class Metric:
-    """One metric: its record name, a column label, one line of what it measures, its formula, and its
-    other spellings (where -> name)."""
+    """One metric: its name, a column label, one line of what it measures, and its formula."""
 
     name: str
     label: str
     measures: str
     formula: str
-    aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
-def _m(name: str, label: str, measures: str, formula: str, **aliases: str) -> tuple[str, Metric]:
-    return name, Metric(name, label, measures, formula, aliases)
+def _m(name: str, label: str, measures: str, formula: str) -> tuple[str, Metric]:
+    return name, Metric(name, label, measures, formula)
 
 
-#: The registry, keyed by record name. Aliases: ``reports`` (the mismatch, scaling and sweep reports'
-#: JSON keys: :func:`tracefp4.pipeline.measure.gap`), ``sweep`` (the sweep's rows), ``experiment`` (the
-#: multi-seed summary), ``trl`` (logged as ``trace/<alias>``), ``loop`` (the progress line).
+#: The registry, keyed by name, in the order of the reference page.
 METRICS: dict[str, Metric] = dict([
     _m(Name.GAP_MEAN, "mean |Δlogp|",
        "mean log-prob gap between the trainer and the rollout over the completion tokens",
-       "mean_t |d_t|", reports="mean_abs", sweep="logprob_gap_mean_abs", experiment="logprob_gap_mean",
-       trl="logprob_gap_mean", loop="dlogp"),
+       "mean_t |d_t|"),
     _m(Name.GAP_MAX, "max |Δlogp|",
        "largest log-prob gap of one completion token (QUADS's metric)",
-       "max_t |d_t|", reports="max_abs", sweep="logprob_gap_max_abs", experiment="logprob_gap_max",
-       trl="logprob_gap_max"),
+       "max_t |d_t|"),
     _m(Name.KL, "KL", "the rollout-vs-trainer KL estimate (as verl logs it)",
-       "mean_t d_t", reports="kl"),
+       "mean_t d_t"),
     _m(Name.K3_KL, "k3 KL", "the k3 (non-negative, low-variance) KL estimate",
-       "mean_t (r_t - log r_t - 1), r_t = exp(-d_t)", reports="k3_kl", sweep="k3_kl"),
+       "mean_t (r_t - log r_t - 1), r_t = exp(-d_t)"),
     _m(Name.LOG_PPL_DIFF, "log-ppl diff", "log-perplexity under the rollout minus under the trainer",
-       "mean over sequences of (mean_t -logp_rollout - mean_t -logp_train)", reports="log_ppl_diff"),
+       "mean over sequences of (mean_t -logp_rollout - mean_t -logp_train)"),
     _m(Name.CODE_MISMATCH, "code mismatch",
        "share of the trainer's quantized codes (diagnostics sites) that differ from the rollout's",
-       "sum_sites mismatched / sum_sites codes (signed code line: +0 and -0 are one code)",
-       reports="code_mismatch", experiment="code_mismatch", trl="code_mismatch"),
+       "sum_sites mismatched / sum_sites codes (signed code line: +0 and -0 are one code)"),
     _m(Name.ONE_APART, "one apart",
        "share of the mismatched codes exactly one codeword apart (what a 1-bit hint can correct)",
-       "sum_sites one_apart / sum_sites mismatched", reports="adjacent_share", trl="code_mismatch_one_apart"),
+       "sum_sites one_apart / sum_sites mismatched"),
     _m(Name.ROUTER_FLIPS, "router flips",
        "share of (token, MoE layer) pairs whose top-k expert set differs between the rollout and a trainer "
-       "following its own router", "mean over MoE layers of flipped pairs / pairs", trl="router_flip_rate"),
+       "following its own router", "mean over MoE layers of flipped pairs / pairs"),
     _m(Name.GUIDANCE_BYTES, "guidance B/token",
        "bytes of guidance (routing excluded) that reached the store per generated token",
-       "sum of guidance tensor bytes / generated tokens", experiment="guidance_bytes_per_token",
-       trl="guidance_bytes_per_token"),
+       "sum of guidance tensor bytes / generated tokens"),
     _m(Name.DECODE_FAILURES, "decode failures",
        "guidance blocks the trainer could not decode (rounded to nearest on the rollout's grid instead)",
-       "count of failed blocks", reports="decode_failures", trl="decode_failures"),
-    # Per sequence: what decides a collapse is the gap summed over a sequence (sequence-level correction
-    # masks on exp(sum_t d_t); token-level correction's bias grows with T), not its per-token mean.
-    _m(Name.SEQ_GAP_SUM, "seq. Σ|Δlogp|",
-       "log-prob gap summed over one completion, mean over the step's sequences",
-       "mean_b sum_t |d_t|", experiment="seq_logprob_gap_sum"),
-    _m(Name.SEQ_GAP_SUM_P95, "seq. Σ|Δlogp| p95",
-       "95th percentile over the step's sequences of the log-prob gap summed over one completion",
-       "p95_b sum_t |d_t|", experiment="seq_logprob_gap_sum_p95"),
-    _m(Name.SEQ_LOG_RATIO, "|seq. log-ratio|",
-       "magnitude of the sequence log-ratio log(pi_rollout / pi_train) of one completion (what a sequence-level "
-       "importance weight exponentiates), mean over the step's sequences",
-       "mean_b |sum_t d_t|", experiment="seq_log_ratio_abs_mean", reports="seq_abs_mean"),
-    _m(Name.SEQ_LOG_RATIO_P95, "|seq. log-ratio| p95",
-       "95th percentile over the step's sequences of the sequence log-ratio's magnitude",
-       "p95_b |sum_t d_t|", experiment="seq_log_ratio_abs_p95"),
+       "count of failed blocks"),
     # the asynchronous loop's (tracefp4.rl.staleness; logged only when max_staleness > 0)
     _m(Name.LAG_MEAN, "mean lag",
        "policy versions between the weights a step trains (before its update) and those that generated "
@@ -132,36 +116,37 @@ METRICS: dict[str, Metric] = dict([
     _m(Name.LAG_FALLBACK, "lag-fallback tokens",
        "generated tokens of a guided arm whose lag exceeds guidance_max_lag: rounded to nearest instead",
        "count of tokens"),
+    _m(Name.BRACKET_MISS, "bracket miss",
+       "share of elements (diagnostics sites) whose rollout code is neither codeword bracketing the trainer's "
+       "value on the rollout's grid: where no guidance can land on the rollout's code",
+       "sum_sites (bracket_distance > 0) / sum_sites elements (formats.reference.bracket_distance)"),
+    # Per sequence: what decides a collapse is the gap summed over a sequence (sequence-level correction
+    # masks on exp(sum_t d_t); token-level correction's bias grows with T), not its per-token mean.
+    _m(Name.SEQ_GAP_SUM, "seq. Σ|Δlogp|",
+       "log-prob gap summed over one completion, mean over the step's sequences", "mean_b sum_t |d_t|"),
+    _m(Name.SEQ_GAP_SUM_P95, "seq. Σ|Δlogp| p95",
+       "95th percentile over the step's sequences of the log-prob gap summed over one completion",
+       "p95_b sum_t |d_t|"),
+    _m(Name.SEQ_LOG_RATIO, "|seq. log-ratio|",
+       "magnitude of the sequence log-ratio log(pi_rollout / pi_train) of one completion (what a sequence-level "
+       "importance weight exponentiates), mean over the step's sequences (the scaling report's seq_abs_mean)",
+       "mean_b |sum_t d_t|"),
+    _m(Name.SEQ_LOG_RATIO_P95, "|seq. log-ratio| p95",
+       "95th percentile over the step's sequences of the sequence log-ratio's magnitude", "p95_b |sum_t d_t|"),
 ])
-
-_BY_ALIAS = {a: m.name for m in METRICS.values() for a in m.aliases.values()}
-
-
-def canonical(name: str) -> str:
-    """The registry name of ``name``: a record name, an alias, or a TRL name (``trace/...``); a
-    KeyError names the unknown metric."""
-    bare = name.removeprefix(TRL_PREFIX)
-    if bare in METRICS:
-        return bare
-    if bare in _BY_ALIAS:
-        return _BY_ALIAS[bare]
-    raise KeyError(f"unknown metric {name!r}; the registry: {', '.join(METRICS)}")
-
-
-def trl_name(name: str) -> str:
-    """The name the TRL integration logs metric ``name`` under: ``trace/`` + its TRL alias."""
-    return TRL_PREFIX + alias(name, "trl")
-
-
-def alias(name: str, where: str) -> str:
-    """How output ``where`` (a key of :attr:`Metric.aliases`) spells metric ``name``; its record name
-    where that output has no spelling of its own."""
-    return metric(name).aliases.get(where, metric(name).name)
 
 
 def metric(name: str) -> Metric:
-    """The registry entry of ``name`` (any spelling :func:`canonical` accepts)."""
-    return METRICS[canonical(name)]
+    """The registry entry of ``name``; a KeyError names the unknown metric and lists the registry."""
+    try:
+        return METRICS[name]
+    except KeyError:
+        raise KeyError(f"unknown metric {name!r}; the registry: {', '.join(METRICS)}") from None
+
+
+def trl_name(name: str) -> str:
+    """The name the TRL integration logs metric ``name`` under: ``trace/`` + its name."""
+    return TRL_PREFIX + metric(name).name
 
 
 def label(name: str) -> str:
@@ -203,7 +188,7 @@ def mismatch_by(groups: Mapping[str, SiteMismatch]) -> dict[str, dict[str, Any]]
     return {key: mismatch_summary([c]) for key, c in groups.items()}
 
 
-def at_sites(counts: Mapping[str, SiteMismatch], keep: Callable[[int, str], bool]) -> list[SiteMismatch]:
+def at_sites(counts: Mapping[str, Any], keep: Callable[[int, str], bool]) -> list[Any]:
     """The counts of the sites (``code_mismatch``'s default grouping: ``L07.k`` -> counts) whose
     (layer, site) ``keep`` selects."""
     return [c for name, c in counts.items() if keep(*parse_name(name + ".codes")[:2])]
@@ -274,16 +259,92 @@ def guidance_bytes_per_token(guidance_bytes: int, generated: int) -> float:
     return guidance_bytes / max(generated, 1)
 
 
+# --- bracket misses ------------------------------------------------------------------------------
+# Guidance can only pick between the two codewords around the trainer's own value on the rollout's grid
+# (its bracket; one codeword where the value sits on it). Where the rollout's code is neither, every
+# guidance mode is wrong at that element: ``lsb`` silently (it names a bracket member), ``mod4``
+# detectably up to two codewords out, ``full`` too (it takes the nearer member). The bracket is the
+# one every guided trainer uses, the rollout's grid, also for a QAT arm whose own grid differs: its
+# bracket-miss rate says where guidance would not have helped it.
+
+
+@dataclasses.dataclass
+class BracketMiss:
+    """Elements of one site whose rollout code lies outside the trainer's bracket, by distance."""
+
+    misses: int  # codewords outside: >= 1
+    one_out: int  # exactly one codeword outside (the misses an adjacent-code hint would have named)
+    total: int
+
+    def add(self, distance: torch.Tensor) -> None:
+        self.misses += int((distance > 0).sum())
+        self.one_out += int((distance == 1).sum())
+        self.total += distance.numel()
+
+
+def bracket_distances(values: torch.Tensor, record: Mapping[str, torch.Tensor], prefix: str, what: str = ""
+                      ) -> torch.Tensor:
+    """How many codewords the full codes of ``record`` (``{prefix}.codes``, ``.scales``, ``.global_amax``:
+    a rollout's diagnostics) lie outside the bracket of ``values`` (the trainer's, ``[n, ..., K]``)
+    on the record's own grid, per element: :func:`tracefp4.formats.reference.bracket_distance` of the
+    reference's z (``nvfp4_z``, ``mxfp4_z``, ``fp8_z``). ``what`` names the record in errors."""
+    where = f"{what}{prefix}"
+    for fld in ("codes", "scales"):
+        if f"{prefix}.{fld}" not in record:
+            raise ValueError(f"{where}: the rollout kept no full {fld} (run it with this layer in diagnostics)")
+    fmt = record_format(record[f"{prefix}.scales"], where)
+    codes, scales = record[f"{prefix}.codes"].cpu(), record[f"{prefix}.scales"].cpu()
+    x = values.detach().cpu()
+    if fmt.fp4:
+        codes = unpack_fp4(codes)
+    if tuple(codes.shape) != tuple(x.shape):
+        raise ValueError(f"{where}: the trainer's values {tuple(x.shape)} vs the rollout's codes {tuple(codes.shape)}")
+    if fmt is Format.NVFP4:
+        if f"{prefix}.global_amax" not in record:
+            raise ValueError(f"{where}: an NVFP4 record without its global amax")
+        z = ref.nvfp4_z(x, scales, record[f"{prefix}.global_amax"].cpu())
+    elif fmt is Format.MXFP4:
+        z = ref.mxfp4_z(x, scales)
+    else:
+        z = ref.fp8_z(x, scales)
+    return ref.bracket_distance(z, codes, "e2m1" if fmt.fp4 else "e4m3")
+
+
+def bracket_miss(trainer_values: Sequence[Mapping[str, torch.Tensor]],
+                 diagnostics: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, BracketMiss]:
+    """Per site (``L07.k``), the elements whose rollout code (``diagnostics``: full codes per trajectory)
+    lies outside the bracket of the trainer's value (``TrainerOutput.values``: a forward with
+    ``capture_values``), summed over the trajectories (:func:`bracket_distances`)."""
+    if len(trainer_values) != len(diagnostics):
+        raise ValueError(f"{len(trainer_values)} trajectories of values for {len(diagnostics)} of the rollout's")
+    out: dict[str, BracketMiss] = {}
+    for b, (mine, rec) in enumerate(zip(trainer_values, diagnostics)):
+        for name, x in mine.items():
+            out.setdefault(name, BracketMiss(0, 0, 0)).add(bracket_distances(x, rec, name, f"trajectory {b}, "))
+    return out
+
+
+def bracket_miss_summary(counts: Iterable[BracketMiss], *, empty_rate: float | None = None) -> dict[str, Any]:
+    """The bracket-miss summary of ``counts`` (sites, or a selection: :func:`at_sites` takes these too):
+    ``bracket_misses``, ``bracket_one_out`` and ``bracket_elements`` summed, and
+    ``guidance_bracket_miss_rate`` (misses / elements; ``empty_rate`` for no element)."""
+    mis = one = tot = 0
+    for c in counts:
+        mis, one, tot = mis + c.misses, one + c.one_out, tot + c.total
+    return {"bracket_misses": mis, "bracket_one_out": one, "bracket_elements": tot,
+            Name.BRACKET_MISS: share(mis, tot, empty_rate)}
+
+
 def reference_markdown() -> str:
-    """The registry as a markdown reference page (one table: name, what it measures, formula, aliases)."""
+    """The registry as a markdown reference page (one table: name, what it measures, formula)."""
     lines = [
         "# Metrics", "",
-        "Generated from `tracefp4.pipeline.metrics.METRICS`. The name is the RL loop's record key "
-        f"(`metrics/<arm>.jsonl`); the TRL integration logs its alias with the `{TRL_PREFIX}` prefix.", "",
-        "| name | measures | formula | also called |", "|---|---|---|---|",
+        "Generated from `tracefp4.pipeline.metrics.METRICS`. The name is the metric's key in every output "
+        "(the RL loop's `metrics/<arm>.jsonl`, the reports' and summaries' JSON); the TRL integration logs it "
+        f"with the `{TRL_PREFIX}` prefix.", "",
+        "| name | measures | formula |", "|---|---|---|",
     ]  # fmt: skip
     for m in METRICS.values():
-        also = ", ".join(f"`{a}` ({where})" for where, a in m.aliases.items()) or "-"
         # a bare | would end the table cell, also inside backticks (GitHub's tables)
-        lines.append(f"| `{m.name}` | {m.measures} | `{m.formula.replace('|', chr(92) + '|')}` | {also} |")
+        lines.append(f"| `{m.name}` | {m.measures} | `{m.formula.replace('|', chr(92) + '|')}` |")
     return "\n".join(lines) + "\n"

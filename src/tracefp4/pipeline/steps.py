@@ -178,4 +178,4 @@ def code_mismatch_metrics(out: TrainerOutput, diagnostics: Records) -> dict[str,
 
 def decode_failures(out: TrainerOutput) -> int:
     """Guidance blocks the trainer could not decode (rounded to nearest on the rollout's grid instead)."""
-    return out.decode_failures
+    return out.decode.failed_blocks

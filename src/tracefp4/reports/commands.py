@@ -16,7 +16,7 @@ import torch
 
 from tracefp4.engines.protocol import SamplingParams
 from tracefp4.pipeline.factory import EngineKind, make_engine
-from tracefp4.reports import mismatch, sweep
+from tracefp4.reports import mismatch, replay, sweep
 
 __all__ = ["add_mismatch_parser", "run_mismatch"]
 
@@ -29,23 +29,55 @@ def add_mismatch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         description="Run a tiny Qwen3-MoE (or a local checkpoint) through the rollout engine in bf16, fp4, "
         "trace (lsb hints, deeper half) and trace (full hints, all layers), and the trainer on each mode's "
         "completions; print code mismatch rates per site and layer, router flips without replay, the log-prob "
-        "gap per arm and the guidance bytes per generated token.",
+        "gap per arm and the guidance bytes per generated token. With --sweep: every guidance mode's bytes "
+        "against its agreement; with --lag: a lag-k replay of a short GRPO run (rollouts k versions behind).",
     )
     mismatch.add_arguments(p)
     sweep.add_arguments(p)
+    replay.add_arguments(p)
     p.set_defaults(func=run_mismatch)
     return p
+
+
+#: The report's options that the replay takes from its run config instead, with their defaults.
+_RUN_FIXED = {"batch": mismatch.DEFAULTS["batch"], "new_tokens": mismatch.DEFAULTS["new_tokens"],
+              "prompt_len": mismatch.DEFAULTS["prompt_len"], "temperature": mismatch.DEFAULTS["temperature"],
+              "seed": mismatch.DEFAULTS["seed"], "plan": "nvfp4", "device": "cpu", "engine": EngineKind.HOME.value}
+
+
+def _check_replay_args(args: argparse.Namespace, dims: dict[str, object]) -> None:
+    """``--lag`` takes its model, batch and sampling from the run config: exits on an option that
+    would be ignored, naming it."""
+    if args.sweep:
+        raise SystemExit("tracefp4 mismatch: --lag and --sweep are two different measurements; give one")
+    given = sorted(f"--{k.replace('_', '-')}" for k in dims)
+    given += [f"--{k.replace('_', '-')}" for k, default in _RUN_FIXED.items()
+              if getattr(args, k, default) != default]
+    given += ["--checkpoint"] * (args.checkpoint is not None) + ["--modes"] * (args.modes is not None)
+    if given:
+        raise SystemExit(f"tracefp4 mismatch --lag: {', '.join(given)} set what the run config sets (model, batch, "
+                         "sampling, plan: NVFP4 on our engine); give those in --config")
 
 
 def _check_args(args: argparse.Namespace) -> dict[str, object]:
     """The model dims given on the command line; exits on a combination that cannot run."""
     dims = {k: getattr(args, k) for k in mismatch.MODEL_DIMS if getattr(args, k, None) is not None}
+    if getattr(args, "lag", None) is not None:
+        _check_replay_args(args, dims)
+        return dims
+    stray = [opt for opt, value, default in (("--config", args.config, None), ("--lrs", args.lrs, None),
+                                             ("--steps", args.steps, None), ("--train-arm", args.train_arm, "trace-full"))
+             if value != default]
+    if stray:
+        raise SystemExit(f"tracefp4 mismatch: {', '.join(stray)} go with --lag")
     if args.checkpoint is not None and dims:
         raise SystemExit(f"tracefp4 mismatch: --checkpoint fixes the model; drop {sorted(dims)}")
     if args.batch < 1 or args.new_tokens < 1 or args.prompt_len < 1:
         raise SystemExit("tracefp4 mismatch: --batch, --new-tokens and --prompt-len must be >= 1")
-    if not args.sweep and (args.plot or args.modes):
-        raise SystemExit("tracefp4 mismatch: --plot and --modes go with --sweep")
+    if not args.sweep and args.modes:
+        raise SystemExit("tracefp4 mismatch: --modes goes with --sweep")
+    if not args.sweep and args.plot:
+        raise SystemExit("tracefp4 mismatch: --plot goes with --sweep or --lag")
     if args.sweep and getattr(args, "plan", "nvfp4") != "nvfp4":
         raise SystemExit("tracefp4 mismatch: --sweep measures the FP4 guidance modes; --plan fp8 goes without it")
     return dims
@@ -86,6 +118,11 @@ VLLM_TINY_HEAD_DIM = 32
 def run_mismatch(args: argparse.Namespace) -> int:
     dims = _check_args(args)
     say = _progress(args.quiet)
+    if args.lag is not None:
+        try:
+            return replay.run_cli(args, say)
+        except ValueError as e:
+            raise SystemExit(f"tracefp4 mismatch: {e}") from None
     kind = EngineKind.parse(getattr(args, "engine", EngineKind.HOME.value), "--engine")
     if kind is EngineKind.VLLM and args.checkpoint is None and "head_dim" not in dims:
         dims["head_dim"] = VLLM_TINY_HEAD_DIM

@@ -256,7 +256,7 @@ def arm_descriptions(plan_name: str = "nvfp4") -> dict[str, tuple[str, str]]:
     """The report's arms under a plan of :data:`REPORT_PLANS`: key -> (rollout description, trainer mode)."""
     label = "fp4" if plan_name == "nvfp4" else plan_name
     out = {}
-    for key, name in arm_table.report_arms("mismatch").items():
+    for name in arm_table.report_arms("mismatch"):
         spec = arm_table.ARMS[name]
         mode = rollout_guidance(spec)
         if mode == arm_table.DEFAULT_GUIDANCE:
@@ -268,35 +268,33 @@ def arm_descriptions(plan_name: str = "nvfp4") -> dict[str, tuple[str, str]]:
         else:
             g = GuidedMode.parse(mode)
             rollout = f"{label} + {g.mode.value} hints, {'all layers' if g.layers == 'all' else 'deeper half'}"
-        out[key] = (rollout, spec.trainer.value)
+        out[name] = (rollout, spec.trainer.value)
     return out
 
 
 def report_arms(plan_name: str, n_layers: int) -> dict[str, Arm]:
-    """The report's arms (the arm table's ``bf16``, ``qat``, ``trace`` and ``trace-full``, under the
-    report's keys) under a plan of :data:`REPORT_PLANS`, whose lsb mode the trace arm records
+    """The report's arms (the arm table's ``bf16``, ``qat``, ``trace`` and ``trace-full``) under a plan of :data:`REPORT_PLANS`, whose lsb mode the trace arm records
     (:func:`report_guidance`)."""
     plan, lsb = PrecisionPlan.named(plan_name), report_guidance(plan_name)
-    return {key: make_arm(name, guidance=lsb, n_layers=n_layers, plan=plan)
-            for key, name in arm_table.report_arms("mismatch").items()}
+    return {name: make_arm(name, guidance=lsb, n_layers=n_layers, plan=plan) for name in arm_table.report_arms("mismatch")}
 
 
 def _fp4_rollouts_identical(rollouts: Mapping[str, RolloutOutput]) -> bool:
     """Whether every FP4 rollout sampled the same tokens and routing; the two trace ones must."""
-    if not same_rollout(rollouts["trace_lsb"], rollouts["trace_full"]):
+    if not same_rollout(rollouts["trace"], rollouts["trace-full"]):
         raise RuntimeError(
             "the lsb and full-hint FP4 rollouts sampled different tokens or routing: recording changed the "
             "numerics, so the trace-lsb code mismatch cannot be measured"
         )
-    return same_rollout(rollouts["qat"], rollouts["trace_lsb"]) and same_rollout(
-        rollouts["qat"], rollouts["trace_full"]
+    return same_rollout(rollouts["qat"], rollouts["trace"]) and same_rollout(
+        rollouts["qat"], rollouts["trace-full"]
     )
 
 
 def _stored(root, runs: Mapping[str, ArmRun], signature: str) -> _Stored:
     """Both trace rollouts' records as read back from the store, checked against each other, and the
     store's bytes of each."""
-    full, lsb = runs["trace_full"], runs["trace_lsb"]
+    full, lsb = runs["trace-full"], runs["trace"]
     _check_lsb_matches_full(lsb.rollout.records, full.rollout.records)
     return _Stored(full.rollout.records, lsb.rollout.records, store_bytes(root, full.step, signature),
                    store_bytes(root, lsb.step, signature))
@@ -317,8 +315,8 @@ def _code_stats(
     """Per arm and site, the trainer's codes against the full-hint rollout's (see the module docstring)."""
     return {
         "qat": code_mismatch(qat_codes.codes, full_records),
-        "trace_lsb": code_mismatch(trainers["trace_lsb"].codes, full_records),
-        "trace_full": code_mismatch(trainers["trace_full"].codes, full_records),
+        "trace": code_mismatch(trainers["trace"].codes, full_records),
+        "trace-full": code_mismatch(trainers["trace-full"].codes, full_records),
     }
 
 
@@ -328,9 +326,9 @@ def _aggregates(stats: Mapping[str, Mapping[str, SiteMismatch]], compact_layers)
     return {
         "qat": mismatch_summary(stats["qat"].values()),
         "qat_deeper_half": mismatch_summary(at_sites(stats["qat"], deeper)),
-        "trace_lsb": mismatch_summary(stats["trace_lsb"].values()),  # its guided sites = the deeper half
-        "trace_full": mismatch_summary(stats["trace_full"].values()),
-        "trace_full_deeper_half": mismatch_summary(at_sites(stats["trace_full"], deeper)),
+        "trace": mismatch_summary(stats["trace"].values()),  # its guided sites = the deeper half
+        "trace-full": mismatch_summary(stats["trace-full"].values()),
+        "trace-full_deeper_half": mismatch_summary(at_sites(stats["trace-full"], deeper)),
     }
 
 
@@ -346,8 +344,8 @@ def _per_site_table(
             if name not in stats["qat"]:
                 continue  # no quantized site of this layer (a dense layer)
             row: dict[str, Any] = {"elements": stats["qat"][name].total}
-            for key, figure in (("mismatch_rate", Name.CODE_MISMATCH), ("adjacent_share", Name.ONE_APART)):
-                row[key] = {arm: s[name][figure] if name in s else None for arm, s in by_site.items()}
+            for figure in (Name.CODE_MISMATCH, Name.ONE_APART):
+                row[figure] = {arm: s[name][figure] if name in s else None for arm, s in by_site.items()}
             key = layer_tag(layer)
             row["bytes_per_token"] = {
                 "full": stored.bytes_full["by_site_layer"].get(site, {}).get(key, 0.0),
@@ -444,12 +442,12 @@ def mismatch_report(
     rollouts = {arm: r.rollout for arm, r in runs.items()}
     trainers = {arm: r.trainer for arm, r in runs.items()}
     fp4_identical = _fp4_rollouts_identical(rollouts)
-    qat_codes = _qat_codes(model, rollouts["trace_full"], phase)
+    qat_codes = _qat_codes(model, rollouts["trace-full"], phase)
     with phase("router flips without replay (qat, bf16)"):
         flips = {arm: _router_flips_without_replay(model, rollouts[arm], arms[arm][1]) for arm in ("qat", "bf16")}
     stats = _code_stats(qat_codes, trainers, stored.full_records)
     agg = _aggregates(stats, compact_layers)
-    roll_full = rollouts["trace_full"]
+    roll_full = rollouts["trace-full"]
     return {
         "engine": EngineKind.HOME.value if engine is None else engine.name,
         "plan_name": plan_name,
@@ -461,8 +459,8 @@ def mismatch_report(
             "generated_bf16": sum(lp.numel() for lp in rollouts["bf16"].logprobs),
         },
         "fp4_rollouts_identical": fp4_identical,
-        "mismatch_rate": {k: v[Name.CODE_MISMATCH] for k, v in agg.items()},
-        "adjacent_share": {k: v[Name.ONE_APART] for k, v in agg.items()},
+        Name.CODE_MISMATCH: {k: v[Name.CODE_MISMATCH] for k, v in agg.items()},
+        Name.ONE_APART: {k: v[Name.ONE_APART] for k, v in agg.items()},
         "mismatch_counts": {k: {f: v[f] for f in ("mismatched", "one_apart", "total")} for k, v in agg.items()},
         Name.ROUTER_FLIPS: flips["qat"]["rate"],
         "router_flip": _router_flip_section(flips, trainers),
@@ -510,23 +508,23 @@ def _kind(rep: dict[str, Any]) -> str:
 def _code_table_lines(rep: dict[str, Any]) -> list[str]:
     lines = [
         f"{_kind(rep)} code mismatch rate, trainer vs rollout (routing replayed; lsb hints on {_guided_span(rep)})",
-        f"{'site':<11}{'layer':<6}{'elements':>9}{'qat':>10}{'1-apart':>10}{'trace-lsb':>11}{'trace-full':>11}"
+        f"{'site':<11}{'layer':<6}{'elements':>9}{'qat':>10}{'1-apart':>10}{'trace':>11}{'trace-full':>11}"
         f"{'full B/tok':>12}{'lsb B/tok':>11}",
     ]
     for site, layers in rep["per_site"].items():
         for key, row in layers.items():
-            mr = row["mismatch_rate"]
+            mr = row[Name.CODE_MISMATCH]
             bt = row["bytes_per_token"]
             lines.append(
-                f"{site:<11}{key:<6}{row['elements']:>9}{_pct(mr['qat'])}{_pct(row['adjacent_share']['qat'])}"
-                f"{_pct(mr['trace_lsb'], 11)}{_pct(mr['trace_full'], 11)}{bt['full']:>12.1f}{bt['compact']:>11.1f}"
+                f"{site:<11}{key:<6}{row['elements']:>9}{_pct(mr['qat'])}{_pct(row[Name.ONE_APART]['qat'])}"
+                f"{_pct(mr['trace'], 11)}{_pct(mr['trace-full'], 11)}{bt['full']:>12.1f}{bt['compact']:>11.1f}"
             )
-    mr, adj = rep["mismatch_rate"], rep["adjacent_share"]
+    mr, adj = rep[Name.CODE_MISMATCH], rep[Name.ONE_APART]
     return lines + [
         f"{'all sites':<17}{rep['mismatch_counts']['qat']['total']:>9}{_pct(mr['qat'])}{_pct(adj['qat'])}"
-        f"{'-':>11}{_pct(mr['trace_full'], 11)}",
+        f"{'-':>11}{_pct(mr['trace-full'], 11)}",
         f"{_lsb_rows_label(rep):<17}{rep['mismatch_counts']['qat_deeper_half']['total']:>9}{_pct(mr['qat_deeper_half'])}"
-        f"{_pct(adj['qat_deeper_half'])}{_pct(mr['trace_lsb'], 11)}{_pct(mr['trace_full_deeper_half'], 11)}",
+        f"{_pct(adj['qat_deeper_half'])}{_pct(mr['trace'], 11)}{_pct(mr['trace-full_deeper_half'], 11)}",
         "",
     ]
 
@@ -551,7 +549,7 @@ def _gap_lines(rep: dict[str, Any]) -> list[str]:
     ]
     for arm, (roll, train) in rep.get("arms", arm_descriptions()).items():
         g = rep["logprob_gap"][arm]
-        lines.append(f"{arm:<12}{roll:<31}{train:<9}{g['mean_abs']:>13.5f}{g['max_abs']:>12.5f}{g['k3_kl']:>12.2e}")
+        lines.append(f"{arm:<12}{roll:<31}{train:<9}{g[Name.GAP_MEAN]:>13.5f}{g[Name.GAP_MAX]:>12.5f}{g[Name.K3_KL]:>12.2e}")
     return lines
 
 

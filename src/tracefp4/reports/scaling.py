@@ -19,8 +19,10 @@ At each point one batch of ``--batch`` prompts is rolled out (temperature 1, no 
 completion has exactly the point's length) and the trainer runs on the rollout's tokens in every arm
 (:data:`SCALING_ARMS`): ``bf16`` (BF16 rollout, BF16 trainer: the floor), ``qat`` (FP4 rollout, vanilla
 round-to-nearest QAT), ``trace`` (lsb hints on the deeper half, the paper's compact cache),
-``lsb@all``, ``ldpc@all`` (our compact LDPC record on every layer) and ``full`` (full codes, every
-layer). Recording never changes what an FP4 rollout computes, so every FP4 arm sees the same tokens;
+``trace-all`` (lsb hints on every layer), ``trace-ldpc`` (our compact LDPC record on every layer) and
+``trace-full`` (full codes, every layer): the arm table's names (:mod:`tracefp4.pipeline.arms`); the
+metrics go by the registry's names (:mod:`tracefp4.pipeline.metrics`: ``code_mismatch_rate``,
+``train_rollout_logprob_abs_diff`` and its ``_p99`` and ``_max``). Recording never changes what an FP4 rollout computes, so every FP4 arm sees the same tokens;
 the report checks it. Records go through the guidance store, as in the mismatch report.
 
 Per arm and point: the FP4 code mismatch (trainer vs the rollout's full codes) per layer and per
@@ -68,7 +70,7 @@ from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, code_mismatch,
 from tracefp4.files import atomic_write_json
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import parse_name
-from tracefp4.pipeline.arms import SCALING_ARMS, Arm, arm_style, make_arm
+from tracefp4.pipeline.arms import DEFAULT_GUIDANCE, SCALING_ARMS, Arm, arm_style, make_arm
 from tracefp4.pipeline.factory import EngineKind, make_engine
 from tracefp4.pipeline.measure import config_signature, run_arms, same_rollout, store_root
 from tracefp4.pipeline.metrics import Name, at_sites, gap_quantile, logprob_gap, mismatch_by, mismatch_summary
@@ -93,16 +95,22 @@ TARGETS = tuple(dict(layers=48, hidden=2048, new_tokens=t) for t in (8192, 16384
 EXPERTS, TOP_K, HEAD_DIM = 8, 2, 32
 RANDOM_INIT_STD = 0.1  # the mismatch report's peaked random init
 SFT = dict(steps=300, batch=32, lr=2e-3)
+#: The p99 of |Δlogp| (:func:`~tracefp4.pipeline.metrics.gap_quantile`).
+P99 = gap_quantile(0.99)
 #: Quantities the fit models: arm row key -> label. Shares (:data:`SHARES`) are fitted on the logit
 #: scale, so a prediction stays a share; the others (positive, unbounded) on the log scale.
 FITTED = {
-    "code_mismatch": "FP4 code mismatch, all sites",
-    "mean_abs": "mean |Δlogp|",
-    "p99_abs": "p99 |Δlogp|",
-    "max_abs": "max |Δlogp|",
+    Name.CODE_MISMATCH: "FP4 code mismatch, all sites",
+    Name.GAP_MEAN: "mean |Δlogp|",
+    P99: "p99 |Δlogp|",
+    Name.GAP_MAX: "max |Δlogp|",
     "seq_abs_mean": "mean |sequence log-ratio|",
 }
-SHARES = frozenset({"code_mismatch"})
+SHARES = frozenset({Name.CODE_MISMATCH})
+#: This report's key of the mean |sequence log-ratio| (the loop's ``Name.SEQ_LOG_RATIO``, per step).
+SEQ_ABS_MEAN = "seq_abs_mean"
+#: The code mismatch restricted to the deeper half of the layers, and to an arm's guided layers.
+CODE_DEEPER_HALF, CODE_GUIDED = f"{Name.CODE_MISMATCH}_deeper_half", f"{Name.CODE_MISMATCH}_guided"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,9 +267,9 @@ def logprob_stats(rollout_logprobs: Sequence[torch.Tensor], trainer_logprobs: Se
     out: dict[str, Any] = {
         "tokens": flat.numel(),
         "sequences": len(ds),
-        "mean_abs": g[Name.GAP_MEAN],
-        "p99_abs": g[gap_quantile(0.99)],
-        "max_abs": g[Name.GAP_MAX],
+        Name.GAP_MEAN: g[Name.GAP_MEAN],
+        P99: g[P99],
+        Name.GAP_MAX: g[Name.GAP_MAX],
         "mean": -g[Name.KL],  # the registry's KL is mean(rollout - train); this report's d is its negation
         "seq_mean": float(seq.mean()),
         "seq_abs_mean": float(seq.abs().mean()),
@@ -277,7 +285,7 @@ def logprob_stats(rollout_logprobs: Sequence[torch.Tensor], trainer_logprobs: Se
         part = [d[lo:hi] for d in ds if d.numel() > lo]
         if part:
             x = torch.cat(part).abs()
-            by_bucket[f"{lo}-{hi}"] = {"tokens": x.numel(), "mean_abs": float(x.mean()), "max_abs": float(x.max())}
+            by_bucket[f"{lo}-{hi}"] = {"tokens": x.numel(), Name.GAP_MEAN: float(x.mean()), Name.GAP_MAX: float(x.max())}
     out["by_bucket"] = by_bucket
     return out
 
@@ -288,8 +296,7 @@ def _position_bucket(pos: int, prompt_len: int) -> str:
 
 
 def _rates(counts: Mapping[str, SiteMismatch]) -> dict[str, dict[str, float | None]]:
-    return {k: {"rate": s[Name.CODE_MISMATCH], "adjacent_share": s[Name.ONE_APART]}
-            for k, s in mismatch_by(counts).items()}
+    return {k: {name: s[name] for name in (Name.CODE_MISMATCH, Name.ONE_APART)} for k, s in mismatch_by(counts).items()}
 
 
 def _merged_codes(out: TrainerOutput, qat: TrainerOutput, guided: frozenset[int]) -> list[dict[str, torch.Tensor]]:
@@ -310,35 +317,31 @@ def _arm_row(rollout: RolloutOutput, trainer: TrainerOutput, codes, reference, g
         return row
     stats = code_mismatch(codes, reference)
     everywhere = mismatch_summary(stats.values())
-    row["code_mismatch"] = everywhere[Name.CODE_MISMATCH]
-    row["adjacent_share"] = everywhere[Name.ONE_APART]
+    row[Name.CODE_MISMATCH] = everywhere[Name.CODE_MISMATCH]
+    row[Name.ONE_APART] = everywhere[Name.ONE_APART]
     deeper = at_sites(stats, lambda layer, site: layer >= n_layers // 2)
-    row["code_mismatch_deeper_half"] = mismatch_summary(deeper)[Name.CODE_MISMATCH]
+    row[CODE_DEEPER_HALF] = mismatch_summary(deeper)[Name.CODE_MISMATCH]
     if guided is not None:
         in_guided = at_sites(stats, lambda layer, site: layer in guided)
-        row["code_mismatch_guided"] = mismatch_summary(in_guided)[Name.CODE_MISMATCH]
+        row[CODE_GUIDED] = mismatch_summary(in_guided)[Name.CODE_MISMATCH]
         row["guided_layers"] = sorted(guided)
     diffs = code_mismatch(codes, reference, by=("layer", "position"), prompt_lens=rollout.prompt_lens,
                           position_key=_position_bucket)
     row["code_by_layer"] = _rates(diffs["layer"])
     row["code_by_bucket"] = _rates(diffs["position"])
-    row["decode_failures"] = trainer.decode_failures
+    row[Name.DECODE_FAILURES] = trainer.decode.failed_blocks
     return row
 
 
 def scaling_arms(n_layers: int) -> dict[str, Arm]:
     """The arms of :data:`SCALING_ARMS` that roll out on their own, from the arm table: ``bf16``, then the
-    guided ones (``full`` first: the reference every FP4 arm's codes are compared with), each named by
-    its key. ``qat`` is measured on the ``full`` rollout (recording changes nothing an FP4 rollout
-    computes)."""
+    guided ones (``trace-full`` first: the reference every FP4 arm's codes are compared with). ``qat`` is
+    measured on the ``trace-full`` rollout (recording changes nothing an FP4 rollout computes)."""
     guided = sorted((k for k, m in SCALING_ARMS.items() if m not in (None, "bf16")), key=lambda k: k != _REFERENCE)
-    arms = {"bf16": make_arm("bf16", guidance="lsb", n_layers=n_layers)}
-    for key in guided:
-        arms[key] = dataclasses.replace(make_arm("trace", guidance=SCALING_ARMS[key], n_layers=n_layers), name=key)
-    return arms
+    return {name: make_arm(name, guidance=DEFAULT_GUIDANCE, n_layers=n_layers) for name in ("bf16", *guided)}
 
 
-_REFERENCE = "full"  # the arm whose rollout records the full codes at every layer
+_REFERENCE = "trace-full"  # the arm whose rollout records the full codes at every layer
 
 
 def measure_point(model, prompts: Sequence[torch.Tensor], sampling: SamplingParams, *,
@@ -356,7 +359,7 @@ def measure_point(model, prompts: Sequence[torch.Tensor], sampling: SamplingPara
                                capture_codes=frozenset(range(n_layers)))  # fmt: skip
     arms: dict[str, Any] = {"bf16": _arm_row(runs["bf16"].rollout, runs["bf16"].trainer, None, None, None, n_layers),
                             "qat": _arm_row(ref, qat, qat.codes, ref.records, None, n_layers)}
-    say(f"  bf16, qat: mean|dlogp| {arms['bf16']['mean_abs']:.4f}, {arms['qat']['mean_abs']:.4f}")
+    say(f"  bf16, qat: mean|dlogp| {arms['bf16'][Name.GAP_MEAN]:.4f}, {arms['qat'][Name.GAP_MEAN]:.4f}")
     for key, run in runs.items():
         if key == "bf16":
             continue
@@ -365,7 +368,7 @@ def measure_point(model, prompts: Sequence[torch.Tensor], sampling: SamplingPara
         guided = run.arm.diagnostics
         arms[key] = _arm_row(run.rollout, run.trainer, _merged_codes(run.trainer, qat, guided), ref.records, guided,
                              n_layers)
-        say(f"  {key}: code mismatch {arms[key]['code_mismatch']:.3%}, mean|dlogp| {arms[key]['mean_abs']:.4f}")
+        say(f"  {key}: code mismatch {arms[key][Name.CODE_MISMATCH]:.3%}, mean|dlogp| {arms[key][Name.GAP_MEAN]:.4f}")
     return {"arms": arms, "buckets": _bucket_names(sampling.max_new_tokens), "seconds": time.perf_counter() - t0}
 
 
@@ -556,19 +559,19 @@ def format_scaling(rep: Mapping[str, Any]) -> str:
             cells = []
             for arm in SCALING_ARMS:
                 a = r["arms"][arm]
-                cm = f"{a['code_mismatch']:.2%}" if a.get("code_mismatch") is not None else "-"
-                cells.append(f"{cm}/{a['mean_abs']:.4f}/{a['seq_abs_mean']:.2f}/{a['sequences_masked_cap5']:.0%}")
+                cm = f"{a[Name.CODE_MISMATCH]:.2%}" if a.get(Name.CODE_MISMATCH) is not None else "-"
+                cells.append(f"{cm}/{a[Name.GAP_MEAN]:.4f}/{a['seq_abs_mean']:.2f}/{a['sequences_masked_cap5']:.0%}")
             lines.append(f"{r['name']:<24}" + "".join(f"{c:>28}" for c in cells))
         lines.append("")
         for arm, fits in rep["fit"].get(weights, {}).items():
-            for key in ("code_mismatch", "mean_abs", "seq_abs_mean"):
+            for key in (Name.CODE_MISMATCH, Name.GAP_MEAN, "seq_abs_mean"):
                 f = fits.get(key)
                 if not f:
                     continue
                 e, se = f["exponents"], f["exponent_se"]
                 pr = f["predictions"]
                 lines.append(
-                    f"fit {weights} {arm:<9} {key:<14} ~ L^{e['layers']:.2f}±{se['layers']:.2f} "
+                    f"fit {weights} {arm:<10} {key:<30} ~ L^{e['layers']:.2f}±{se['layers']:.2f} "
                     f"H^{e['hidden']:.2f}±{se['hidden']:.2f} T^{e['new_tokens']:.2f}±{se['new_tokens']:.2f}; at "
                     + ", ".join(f"L{q['layers']} T{q['new_tokens']}: {q['predicted']:.3g} "
                                 f"[{q['interval95'][0]:.2g}, {q['interval95'][1]:.2g}]" for q in pr)
@@ -600,7 +603,7 @@ def _plot_axes(rep: Mapping[str, Any], path: Path, plt, colors: Mapping[str, str
     """The three metrics against each axis of the star, one panel each."""
     c = rep["grid"]["centre"]
     axes_keys = (("layers", "layers"), ("hidden", "hidden size"), ("new_tokens", "completion tokens"))
-    metrics = (("code_mismatch", "FP4 code mismatch (all sites)"), ("mean_abs", "mean |Δlogp|"),
+    metrics = ((Name.CODE_MISMATCH, "FP4 code mismatch (all sites)"), (Name.GAP_MEAN, "mean |Δlogp|"),
                ("seq_abs_mean", "mean |sequence log-ratio|"))  # fmt: skip
     fig, axs = plt.subplots(len(metrics), len(axes_keys), figsize=(13, 10), squeeze=False)
     for j, (axis, label) in enumerate(axes_keys):
@@ -648,7 +651,7 @@ def _plot_details(rep: Mapping[str, Any], path: Path, plt, colors: Mapping[str, 
                 a = row["arms"][arm]
                 table = a.get(field) or {}
                 keys = list(table)
-                ys = [table[k]["rate"] if field == "code_by_layer" else table[k]["mean_abs"] for k in keys]
+                ys = [table[k][Name.CODE_MISMATCH if field == "code_by_layer" else Name.GAP_MEAN] for k in keys]
                 pairs = [(k, y) for k, y in zip(keys, ys) if y]
                 if pairs:
                     ax.plot([k for k, _ in pairs], [y for _, y in pairs], marker="o", ms=3, color=colors[arm], label=arm)

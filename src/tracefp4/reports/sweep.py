@@ -10,7 +10,8 @@ and reports per mode:
   payload bytes, routing excluded, over ``sum(T - prompt_len)``), so padding and headers count;
 * ``agreement``: share of FP4 codes at the mode's guided sites equal to the rollout's; also over
   every site (``agreement_all_sites``) and over the deeper half (``agreement_deeper_half``);
-* ``logprob_gap_mean_abs`` / ``_max_abs`` / ``k3_kl``: trainer vs rollout over completion tokens.
+* ``train_rollout_logprob_abs_diff`` / ``..._max`` / ``rollout_corr/k3_kl`` (the registry's names,
+  :mod:`tracefp4.pipeline.metrics`): trainer vs rollout over completion tokens.
 
 Decisions (and why)
     * **One rollout per mode, all identical.** Recording never changes what the rollout computes, so
@@ -47,7 +48,7 @@ from tracefp4.guidance import compact
 from tracefp4.guidance.compact import STANDARD_MODES, GuidedMode, read_record
 from tracefp4.guidance.names import deeper_half
 from tracefp4.guidance.store import parse_name
-from tracefp4.pipeline.metrics import Name, at_sites, metric, mismatch_summary
+from tracefp4.pipeline.metrics import Name, at_sites, mismatch_summary
 from tracefp4.pipeline.measure import (
     config_signature,
     gap,
@@ -102,7 +103,7 @@ def _agreement(stats: Mapping[str, SiteMismatch], keep: Callable[[int, str], boo
     s = mismatch_summary(at_sites(stats, keep))
     rate = s[Name.CODE_MISMATCH]
     counts = {k: s[k] for k in ("mismatched", "one_apart", "total")}
-    return {**counts, "rate": rate, "adjacent_share": s[Name.ONE_APART],
+    return {**counts, "rate": rate, Name.ONE_APART: s[Name.ONE_APART],
             "agreement": None if rate is None else 1.0 - rate}
 
 
@@ -111,8 +112,8 @@ SWEEP_GAP_METRICS = (Name.GAP_MEAN, Name.GAP_MAX, Name.K3_KL)
 
 
 def _gap_fields(g: dict[str, float]) -> dict[str, float]:
-    """The sweep's spellings of three of :func:`~tracefp4.pipeline.measure.gap`'s metrics."""
-    return {metric(k).aliases["sweep"]: g[metric(k).aliases["reports"]] for k in SWEEP_GAP_METRICS}
+    """Three of :func:`~tracefp4.pipeline.measure.gap`'s metrics."""
+    return {k: g[k] for k in SWEEP_GAP_METRICS}
 
 
 def _everywhere(layer: int, site: str) -> bool:
@@ -207,7 +208,7 @@ def _mode_row(model, prompts, sampling: SamplingParams, g: GuidedMode, step: int
         "elements": guided["total"],
         **_grid_agreement(out.grids or [], ref.records),
         "density": _density(records, prefixes),
-        "decode_failures": out.decode_failures,
+        Name.DECODE_FAILURES: out.decode.failed_blocks,
         **_gap_fields(gap(roll, out)),
         "seconds": time.perf_counter() - t0,
     }
@@ -255,7 +256,7 @@ def run_sweep(
             rows.append(row)
             say(
                 f"[{i + 1}/{len(parsed)}] {g.name}: {row['bytes_per_token']:.1f} B/token, agreement "
-                f"{row['agreement']:.5%}, mean|dlogp| {row['logprob_gap_mean_abs']:.5f}"
+                f"{row['agreement']:.5%}, mean|dlogp| {row[Name.GAP_MEAN]:.5f}"
             )
     reference = ref.rollout
     rep: dict[str, Any] = {
@@ -281,7 +282,7 @@ def _target(rows: list[dict[str, Any]], ref: dict[str, Any]) -> dict[str, Any]:
         if r["name"] != ref["name"]
         and r["bytes_per_token"] <= budget
         and r["agreement"] >= ref["agreement"]
-        and r["logprob_gap_mean_abs"] <= ref["logprob_gap_mean_abs"]
+        and r[Name.GAP_MEAN] <= ref[Name.GAP_MEAN]
     ]
     best = min(met, key=lambda r: r["bytes_per_token"]) if met else None
     exact = [r for r in met if r.get("scale_agreement") == 1.0 and r.get("amax_agreement") in (1.0, None)]
@@ -291,7 +292,7 @@ def _target(rows: list[dict[str, Any]], ref: dict[str, Any]) -> dict[str, Any]:
         "compact_bytes_per_token": ref["bytes_per_token"],
         "budget_bytes_per_token": budget,
         "compact_agreement": ref["agreement"],
-        "compact_logprob_gap_mean_abs": ref["logprob_gap_mean_abs"],
+        "compact_" + Name.GAP_MEAN: ref[Name.GAP_MEAN],
         "met_by": [r["name"] for r in met],
         "best": None if best is None else best["name"],
         "best_ratio": None if best is None else best["bytes_per_token"] / ref["bytes_per_token"],
@@ -324,8 +325,8 @@ def format_sweep(rep: dict[str, Any]) -> str:
         )
         lines.append(
             f"{r['name']:<48}{r['bytes_per_token']:>9.1f}{ratio:>7}{r['agreement']:>12.5%}"
-            f"{r['agreement_all_sites']:>12.5%}{grid}{r['logprob_gap_mean_abs']:>13.5f}"
-            f"{r['logprob_gap_max_abs']:>12.5f}{dens:>9}"
+            f"{r['agreement_all_sites']:>12.5%}{grid}{r[Name.GAP_MEAN]:>13.5f}"
+            f"{r[Name.GAP_MAX]:>12.5f}{dens:>9}"
         )
     t = rep.get("target")
     if t:
@@ -333,7 +334,7 @@ def format_sweep(rep: dict[str, Any]) -> str:
             "",
             f"target: <= {t['budget_bytes_per_token']:.1f} B/token (1/4 of {t['compact']}'s "
             f"{t['compact_bytes_per_token']:.1f}) at agreement >= {t['compact_agreement']:.5%} and mean|dlogp| <= "
-            f"{t['compact_logprob_gap_mean_abs']:.5f}:",
+            f"{t['compact_' + Name.GAP_MEAN]:.5f}:",
             f"  met by {len(t['met_by'])} mode(s)"
             + (f"; smallest: {t['best']} ({t['best_ratio']:.3f} x {t['compact']})" if t["best"] else ""),
             f"  with every block scale and amax also exact: {len(t['met_by_exact_grid'])} mode(s)"
@@ -406,7 +407,7 @@ def plot_sweep(rep: dict[str, Any], path: str | Path) -> None:
     floor = 0.5 / max(r["elements"] for r in rows)  # where a mode without a single mismatch is drawn
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
     _draw_panel(axes[0], rep, "agreement", "code mismatch at guided sites (1 - agreement)", floor)
-    _draw_panel(axes[1], rep, "logprob_gap_mean_abs", "mean |logp_train - logp_rollout|", floor)
+    _draw_panel(axes[1], rep, Name.GAP_MEAN, "mean |logp_train - logp_rollout|", floor)
     axes[0].axhline(floor, color="gray", lw=0.5, ls=":")
     axes[0].text(axes[0].get_xlim()[0], floor, " no mismatch", fontsize=7, va="bottom", color="gray")
     axes[1].legend(handles=_legend_handles(plt), fontsize=8, loc="best")
@@ -431,7 +432,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--sweep", action="store_true",
         help="instead of the report: guidance bytes per token vs agreement and log-prob gap for every mode",
     )  # fmt: skip
-    g.add_argument("--plot", metavar="PATH", help="with --sweep: write the curve as a PNG")
+    g.add_argument("--plot", metavar="PATH", help="with --sweep or --lag: write the plot as a PNG")
     g.add_argument(
         "--modes", metavar="M1,M2", help="with --sweep: comma-separated modes (default: the standard sweep; "
         "names as in tracefp4.guidance.compact, e.g. 'lsb,ldpc(1/16)+parity+amax:lo3@all')",

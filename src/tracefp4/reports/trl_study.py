@@ -4,16 +4,18 @@ A run is the JSON that script writes with ``--json``: ``{"run": {...}, "log_hist
 arguments and TRL's log history. Its *setting* is TRL's importance-correction knobs: ``off``
 (``vllm_importance_sampling_correction = False``: rollout samples taken as on-policy), ``sequence``
 (``importance_sampling_level = "sequence"``, TRL's own sequence-level correction on), or ``token`` (both at
-TRL's defaults). Its *arm* is the trainer forward: ``bf16``, ``qat`` or ``trace-<guidance>``.
+TRL's defaults). Its *arm* is the trainer forward: ``bf16``, ``qat``, or the arm table's name of a guided
+trainer (``trace`` for the default ``lsb`` guidance; ``trace-<guidance>`` otherwise, e.g. ``trace-full``).
 
 Per run, over the log rows that carry a generation's metrics (those with ``reward``; with
 ``num_iterations = 2`` every other optimizer step), in order:
 
 * ``reward_first`` / ``reward_last``: the mean training reward of the first and the last quarter of them
   (TRL logs no held-out evaluation: the rewards are of the rollouts' own samples);
-* ``logprob_gap_mean`` (mean of ``trace/logprob_gap_mean``: the mean |log pi_train - log pi_rollout| per
-  token), ``logprob_gap_max`` (the largest ``trace/logprob_gap_max``), ``code_mismatch`` (mean of
-  ``trace/code_mismatch``), ``entropy`` (mean);
+* the registry's metrics (:mod:`tracefp4.pipeline.metrics`) under their names: ``train_rollout_logprob_abs_diff``
+  (mean of TRL's ``trace/train_rollout_logprob_abs_diff``: the mean |log pi_train - log pi_rollout| per
+  token), ``train_rollout_logprob_abs_diff_max`` (the largest logged), ``code_mismatch_rate`` (mean);
+  ``entropy`` (mean);
 * ``gap_growth``: the last quarter's mean logprob gap over the first quarter's (> 1: the mismatch grew).
 
 Per setting and arm: each figure's mean and Student-t 95% interval over seeds; ``reward_last`` paired
@@ -27,14 +29,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tracefp4.pipeline.arms import DEFAULT_GUIDANCE
 from tracefp4.pipeline.metrics import Name, trl_name
 from tracefp4.stats import mean_ci95, paired_differences
 
 __all__ = ["FIGURES", "run_figures", "setting_of", "arm_of", "summarise_runs", "load_runs", "format_trl_study"]
 
 #: The per-run figures, in table order.
-FIGURES = ("reward_first", "reward_last", "logprob_gap_mean", "logprob_gap_max", "gap_growth", "code_mismatch",
-           "entropy")
+FIGURES = ("reward_first", "reward_last", Name.GAP_MEAN, Name.GAP_MAX, "gap_growth", Name.CODE_MISMATCH, "entropy")
 #: The arms each arm is paired with, seed by seed.
 REFERENCES = ("trace-full", "bf16")
 
@@ -47,9 +49,11 @@ def setting_of(meta: Mapping[str, Any]) -> str:
 
 
 def arm_of(meta: Mapping[str, Any]) -> str:
-    """``bf16``, ``qat`` or ``trace-<guidance>`` from a run's recorded mode."""
+    """``bf16``, ``qat``, ``trace`` (the default guidance) or ``trace-<guidance>`` from a run's recorded mode."""
     mode = meta["mode"]
-    return f"trace-{meta['guidance']}" if mode == "trace" else mode
+    if mode != "trace":
+        return mode
+    return "trace" if meta["guidance"] == DEFAULT_GUIDANCE else f"trace-{meta['guidance']}"
 
 
 def _quarter_means(values: Sequence[float]) -> tuple[float, float]:
@@ -69,9 +73,9 @@ def run_figures(log_history: Sequence[Mapping[str, Any]], where: str = "run") ->
     ent = [float(r["entropy"]) for r in rows if r.get("entropy") is not None]
     first, last = _quarter_means(reward)
     out: dict[str, float | None] = {"reward_first": first, "reward_last": last,
-                                    "logprob_gap_mean": sum(gaps) / len(gaps) if gaps else None,
-                                    "logprob_gap_max": max(maxes) if maxes else None,
-                                    "code_mismatch": sum(codes) / len(codes) if codes else None,
+                                    Name.GAP_MEAN: sum(gaps) / len(gaps) if gaps else None,
+                                    Name.GAP_MAX: max(maxes) if maxes else None,
+                                    Name.CODE_MISMATCH: sum(codes) / len(codes) if codes else None,
                                     "entropy": sum(ent) / len(ent) if ent else None, "gap_growth": None}
     if gaps:
         g0, g1 = _quarter_means(gaps)
@@ -156,7 +160,7 @@ def format_trl_study(summary: Mapping[str, Any]) -> str:
         for arm, e in arms.items():
             cells = [arm, str(len(e["seeds"])), _cell(e["reward_first"]), _cell(e["reward_last"]),
                      _cell(e.get("reward_last_minus_trace-full")), _cell(e.get("reward_last_minus_bf16")),
-                     _cell(e["logprob_gap_mean"]), _cell(e["logprob_gap_max"]), _cell(e["gap_growth"]),
-                     _cell(e["code_mismatch"])]
+                     _cell(e[Name.GAP_MEAN]), _cell(e[Name.GAP_MAX]), _cell(e["gap_growth"]),
+                     _cell(e[Name.CODE_MISMATCH])]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -139,13 +139,18 @@ def score(s: ArmSetup, step: int, roll: RolloutOutput, records: Records, diagnos
     return batch
 
 
+def step_sampling(s: ArmSetup, step: int) -> SamplingParams:
+    """How step ``step``'s rollout samples: the run's length, temperature and top-p, the step's seed."""
+    cfg = s.cfg
+    return SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, (s.tok.EOS,),
+                          seed=derive(cfg.seed, Stream.SAMPLING, step), top_logprobs=sampler_top_k(s))
+
+
 def _rollout_to_store(s: ArmSetup, step: int, version: int, prompts: list[list[int]], ids: list[str],
                       read_back: bool = True) -> steps.StepRollout:
     """The step's rollout through the store, on the worker pool (each worker writes its own shards) or
     on this process's engine, given the policy's weights first."""
-    cfg = s.cfg
-    sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, (s.tok.EOS,),
-                              seed=derive(cfg.seed, Stream.SAMPLING, step), top_logprobs=sampler_top_k(s))
+    sampling = step_sampling(s, step)
     t0 = time.perf_counter()
     if s.pool is not None:
         s.pool.sync_weights(s.model, version)

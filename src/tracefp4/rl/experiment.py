@@ -67,7 +67,7 @@ from typing import Any
 
 from tracefp4.files import atomic_write_json
 from tracefp4.pipeline.arms import arm_style
-from tracefp4.pipeline.metrics import Name, alias, canonical
+from tracefp4.pipeline.metrics import Name
 from tracefp4.rl.config import RLConfig, check_fields, option, read_table, reject
 from tracefp4.rl.evaluate import POST_HOC_PLANS, post_hoc_metric
 from tracefp4.rl.runlog import read_metrics, rows_of_kind
@@ -306,33 +306,29 @@ def run_job(cfg: ExperimentConfig, spec: str) -> None:
 #: Evaluations of the policy under post-hoc FP4 inference (vanilla NVFP4, Four over Six), reported
 #: by the bf16 arm's evaluations.
 POST_HOC = tuple(post_hoc_metric(name) for name in POST_HOC_PLANS)
-#: The summary's spellings of the registry's metrics (:mod:`tracefp4.pipeline.metrics`, alias ``experiment``)
-#: and the record names they summarise.
-GAP_MEAN, GAP_MAX, CODES, BYTES = (alias(name, "experiment") for name in (Name.GAP_MEAN, Name.GAP_MAX,
-                                                                            Name.CODE_MISMATCH, Name.GUIDANCE_BYTES))
-RECORD = {key: canonical(key) for key in (GAP_MEAN, GAP_MAX, CODES, BYTES)}
-#: The per-sequence mismatch (each step's mean and p95 over its sequences): summary key -> record name.
-SEQUENCE_GAPS = {alias(name, "experiment"): name for name in (Name.SEQ_GAP_SUM, Name.SEQ_GAP_SUM_P95,
-                                                               Name.SEQ_LOG_RATIO, Name.SEQ_LOG_RATIO_P95)}
+
+
+#: The per-sequence mismatch (each step's mean and p95 over its sequences), summarised per arm.
+SEQUENCE_GAPS = (Name.SEQ_GAP_SUM, Name.SEQ_GAP_SUM_P95, Name.SEQ_LOG_RATIO, Name.SEQ_LOG_RATIO_P95)
 
 
 def _seed_figures(rows: Sequence[Mapping]) -> dict[str, float | None]:
     train, evals = rows_of_kind(rows, "train"), rows_of_kind(rows, "eval")
-    gaps = [r[RECORD[GAP_MEAN]] for r in train]
-    codes = [r[RECORD[CODES]] for r in train if r.get(RECORD[CODES]) is not None]
+    gaps = [r[Name.GAP_MEAN] for r in train]
+    codes = [r[Name.CODE_MISMATCH] for r in train if r.get(Name.CODE_MISMATCH) is not None]
     return {
         **{f"final_{m}": evals[-1].get(m) if evals else None for m in HELD_OUT},
         # post-hoc FP4 inference of the policy (the bf16 arm's evaluations carry them)
         **{f"final_{k}": evals[-1].get(k) if evals else None for k in POST_HOC},
-        GAP_MEAN: statistics.fmean(gaps) if gaps else None,
-        GAP_MAX: max(r[RECORD[GAP_MAX]] for r in train) if train else None,
-        CODES: statistics.fmean(codes) if codes else None,
-        BYTES: statistics.fmean(r[RECORD[BYTES]] for r in train) if train else None,
+        Name.GAP_MEAN: statistics.fmean(gaps) if gaps else None,
+        Name.GAP_MAX: max(r[Name.GAP_MAX] for r in train) if train else None,
+        Name.CODE_MISMATCH: statistics.fmean(codes) if codes else None,
+        Name.GUIDANCE_BYTES: statistics.fmean(r[Name.GUIDANCE_BYTES] for r in train) if train else None,
         "steps": len(train),
         "response_length": statistics.fmean(r["response_length"] for r in train) if train else None,
         # the seed's mean over its steps (runs from before these metrics have none)
-        **{key: statistics.fmean(v) if (v := [r[name] for r in train if r.get(name) is not None]) else None
-           for key, name in SEQUENCE_GAPS.items()},
+        **{key: statistics.fmean(v) if (v := [r[key] for r in train if r.get(key) is not None]) else None
+           for key in SEQUENCE_GAPS},
     }
 
 
@@ -341,8 +337,8 @@ CURVES = {
     "eval_accuracy": ("eval_accuracy", "eval"),
     "eval_reward": ("eval_reward", "eval"),
     "reward_mean": ("reward_mean", "train"),
-    GAP_MEAN: (RECORD[GAP_MEAN], "train"),
-    GAP_MAX: (RECORD[GAP_MAX], "train"),
+    Name.GAP_MEAN: (Name.GAP_MEAN, "train"),
+    Name.GAP_MAX: (Name.GAP_MAX, "train"),
     "is_truncated_frac": ("is_truncated_frac", "train"),
 }
 
@@ -446,7 +442,7 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
             post = [f[f"final_{key}"] for f in figs if f[f"final_{key}"] is not None]
             if post:
                 entry[f"final_{key}"] = mean_ci95(post)
-        for key in (GAP_MEAN, GAP_MAX, CODES, BYTES, "response_length"):
+        for key in (Name.GAP_MEAN, Name.GAP_MAX, Name.CODE_MISMATCH, Name.GUIDANCE_BYTES, "response_length"):
             vals = [f[key] for f in figs if f[key] is not None]
             entry[key] = statistics.fmean(vals) if vals else None
         for key in SEQUENCE_GAPS:  # mean and 95% interval over seeds of each seed's mean over steps
@@ -478,33 +474,28 @@ def sequence_gap_prediction(scaling: Mapping[str, Any], arm: str, run_cfg: RLCon
                             ) -> dict[str, Any] | None:
     """The scaling fit's prediction (:func:`tracefp4.reports.scaling.predict_at`, trained weights) of
     the per-sequence mismatch at the run's layers, hidden size and mean completion ``length``, for the
-    scaling arm the arm table maps ``arm`` onto (``trace-full`` -> ``full``; None for an arm the scaling
-    study has no column of, e.g. ``fp4-rollout``, a run from a checkpoint, or no length):
+    arm's own column of the scaling study (None for an arm the study does not run, e.g. ``fp4-rollout``,
+    a run from a checkpoint, or no length):
 
-    * ``seq_log_ratio_abs_mean``: the fit of the mean |sequence log-ratio| itself (``seq_abs_mean``);
-    * ``seq_logprob_gap_sum``: ``length`` x the fit of the mean |Δlogp| per token, interval scaled alike
-      (the fit has no Σ_t |Δlogp| of its own; a sequence's sum has this mean at a mean-length sequence)."""
-    from tracefp4.pipeline.arms import ARMS
-    from tracefp4.reports.scaling import predict_at
+    * ``seq_log_ratio_abs``: the fit of the mean |sequence log-ratio| itself (the report's ``seq_abs_mean``);
+    * ``seq_logprob_abs_diff_sum``: ``length`` x the fit of the mean |Δlogp| per token, interval scaled
+      alike (the fit has no Σ_t |Δlogp| of its own; a sequence's sum has this mean at a mean-length sequence)."""
+    from tracefp4.pipeline.arms import SCALING_ARMS
+    from tracefp4.reports.scaling import SEQ_ABS_MEAN, predict_at
 
-    spec = ARMS.get(arm)
-    key = spec.reports.get("scaling") if spec is not None else None
-    if key is None or run_cfg.checkpoint or not length:
+    if arm not in SCALING_ARMS or run_cfg.checkpoint or not length:
         return None
+    key = arm
     shape = {"layers": run_cfg.model.layers, "hidden": run_cfg.model.hidden, "new_tokens": length}
-    ratio = predict_at(scaling, key, alias(Name.SEQ_LOG_RATIO, "reports"), **shape)
-    per_token = predict_at(scaling, key, alias(Name.GAP_MEAN, "reports"), **shape)
+    ratio = predict_at(scaling, key, SEQ_ABS_MEAN, **shape)
+    per_token = predict_at(scaling, key, Name.GAP_MEAN, **shape)
     return {
         "scaling_arm": key, **shape,
-        SEQUENCE_GAPS_PREDICTED[0]: ratio,
-        SEQUENCE_GAPS_PREDICTED[1]: None if per_token is None else {
+        Name.SEQ_LOG_RATIO: ratio,
+        Name.SEQ_GAP_SUM: None if per_token is None else {
             **per_token, "predicted": length * per_token["predicted"],
             "interval95": [length * v for v in per_token["interval95"]]},
     }
-
-
-#: The keys of :func:`sequence_gap_prediction`'s two predictions (the summary's spellings of the metrics).
-SEQUENCE_GAPS_PREDICTED = (alias(Name.SEQ_LOG_RATIO, "experiment"), alias(Name.SEQ_GAP_SUM, "experiment"))
 
 
 #: The arms every other arm's final held-out figures are paired with, seed by seed: the BF16 reference
@@ -517,7 +508,7 @@ STEP_MEANS = ("entropy", "grad_norm", "is_weight_mean", "is_truncated_frac", "is
 
 #: The mismatch whose growth :func:`_dynamics` measures: its mean over the last ``SLOPE_WINDOW`` steps
 #: over its mean over the first ``SLOPE_WINDOW`` (> 1: the mismatch grew during training).
-GROWTH = (Name.K3_KL, RECORD[GAP_MAX])
+GROWTH = (Name.K3_KL, Name.GAP_MAX)
 SLOPE_WINDOW = 50
 
 
@@ -594,8 +585,8 @@ def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:
                              ("eval_reward", "held-out greedy reward", False),
                              ("eval_reward_minus_bf16", "held-out reward minus bf16's, paired by seed", False),
                              ("reward_mean", "training reward", False),
-                             (GAP_MEAN, "mean |Δlogp| per step (trainer vs rollout)", True),
-                             (GAP_MAX, "max |Δlogp| per step (trainer vs rollout)", True),
+                             (Name.GAP_MEAN, "mean |Δlogp| per step (trainer vs rollout)", True),
+                             (Name.GAP_MAX, "max |Δlogp| per step (trainer vs rollout)", True),
                              ("is_truncated_frac", "share of tokens whose IS weight the cap truncates", False)):
         drawn = {arm: c for arm, entry in summary["arms"].items()
                  if (c := entry["curves"].get(key)) and c["step"] and not (logy and max(c["mean"]) <= 0)}
@@ -652,8 +643,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         ci = format_ci(acc)
         lines.append(
             f"{arm:<14}{len(e['seeds']):>6}{num(acc and acc['mean'], '.3f'):>13}{ci:>18}"
-            f"{num(e[GAP_MEAN], '.5f'):>13}{num(e[GAP_MAX], '.3f'):>12}"
-            f"{num(e[CODES], '.2e'):>12}{num(e[BYTES], '.1f'):>9}"
+            f"{num(e[Name.GAP_MEAN], '.5f'):>13}{num(e[Name.GAP_MAX], '.3f'):>12}"
+            f"{num(e[Name.CODE_MISMATCH], '.2e'):>12}{num(e[Name.GUIDANCE_BYTES], '.1f'):>9}"
             f"{_paired(e.get(f'final_{metric}_minus_bf16')):>26}{_collapsed(e.get('collapse')):>11}"
         )
         for key, label in (("final_eval_accuracy_fp4", "post-hoc NVFP4"), ("final_eval_accuracy_fp4_4over6", "post-hoc 4/6")):
@@ -684,15 +675,15 @@ def _sequence_table(summary: Mapping[str, Any]) -> list[str]:
     def fitted(p):
         return f"{p['predicted']:.3g} [{p['interval95'][0]:.2g}, {p['interval95'][1]:.2g}]" if p else "-"
 
-    sum_, sum95, ratio, ratio95 = SEQUENCE_GAPS
     lines = ["per-sequence mismatch (each step's mean and p95 over its sequences, mean over seeds); the scaling "
              "fit at this depth, width and mean length, 95% prediction interval:",
              f"{'arm':<14}{'sum|dlogp|':>12}{'p95':>9}{'|log-ratio|':>13}{'p95':>9}{'fit |log-ratio|':>28}"
              f"{'fit sum|dlogp|':>28}"]
     for arm, e in summary["arms"].items():
         pred = e.get("seq_scaling_prediction") or {}
-        lines.append(f"{arm:<14}{mean(e.get(sum_)):>12}{mean(e.get(sum95)):>9}{mean(e.get(ratio)):>13}"
-                     f"{mean(e.get(ratio95)):>9}{fitted(pred.get(ratio)):>28}{fitted(pred.get(sum_)):>28}")
+        lines.append(f"{arm:<14}{mean(e.get(Name.SEQ_GAP_SUM)):>12}{mean(e.get(Name.SEQ_GAP_SUM_P95)):>9}"
+                     f"{mean(e.get(Name.SEQ_LOG_RATIO)):>13}{mean(e.get(Name.SEQ_LOG_RATIO_P95)):>9}"
+                     f"{fitted(pred.get(Name.SEQ_LOG_RATIO)):>28}{fitted(pred.get(Name.SEQ_GAP_SUM)):>28}")
     return lines
 
 

@@ -14,8 +14,8 @@ same attention, the capacity run's FP4 tokens/s was 2.36x BF16's, with this laye
 Modes and engines (each vLLM engine in a server process of its own, see :mod:`tracefp4.bench.server`;
 the servers a phase needs are built side by side, before anything of that phase is timed):
 ``vllm.bf16`` vLLM's own unquantized engine, ``vllm.fp8kv`` the same with ``kv_cache_dtype="fp8"``
-(BF16 experts: what a user would pick instead), ``vllm.fp4`` and ``vllm.trace_lsb`` our plugin's engine
-(packed FP4 experts, packed NVFP4 K/V), ``home.bf16``/``home.fp4``/``home.trace_lsb`` our engine (its
+(BF16 experts: what a user would pick instead), ``vllm.fp4`` and ``vllm.trace`` our plugin's engine
+(packed FP4 experts, packed NVFP4 K/V), ``home.bf16``/``home.fp4``/``home.trace`` our engine (its
 packed FP4 K/V read by the C kernel, including at prefill: so it runs at the short contexts only,
 ``--home-contexts``).
 
@@ -26,10 +26,10 @@ Records (suite ``long``; the context is prompt plus generated tokens):
   :func:`~tracefp4.engines.rollout.decode_one_token`) and only steps in which every sequence decodes
   one token and none prefills are timed: ``n = --new-tokens`` of them per mode, in ``--repeats``
   equal runs of steps whose median rate is reported; the prompts stop that many steps short of the
-  context. Our vLLM engine runs ``fp4`` and ``trace_lsb`` over one prefill, alternating runs of
+  context. Our vLLM engine runs ``fp4`` and ``trace`` over one prefill, alternating runs of
   steps and switching the recording between them (the cached K/V codes are the same in both modes;
   only what is recorded differs): one prefill per engine and cell, not per mode, and the two modes
-  timed side by side. A rollout's recording runs as in any rollout (trace_lsb records its guidance
+  timed side by side. A rollout's recording runs as in any rollout (trace records its guidance
   every step); assembling the records afterwards is not decode and is left out (the vLLM engines
   drop them). Our engine prefills per mode (its modes' plans differ) and alternates the modes' runs of
   steps the same way.
@@ -72,7 +72,7 @@ The default run (contexts 1K at batches 8 and 32, 4K at batch 8, 16K at batch 1;
 batch 8; the capacity run) is sized for ~25 minutes on 2 quiet cores with ``--repeats 3``: the
 prefills and the capacity run are most of it. With the lighter MoE this preset first ran (32 experts
 top-4 of dim 384, hidden 1024) one 4K prompt with its decode steps took 2.8 s in vLLM's BF16 engine,
-4.0 s with its FP8 K/V and 16 s in our FP4 engine (fp4 and trace_lsb together; its prompt attention
+4.0 s with its FP8 K/V and 16 s in our FP4 engine (fp4 and trace together; its prompt attention
 dequantizes and runs SDPA in float32), attention growing with the square of the prompt to about a
 minute per 16K prompt in BF16 and two in FP4. On quiet cores of an AMD EPYC, with this model, the
 default run took 23 minutes (17 with the capacity runs one after another, before they ran side by
@@ -114,7 +114,7 @@ RESIZED = ("1 decoder layer of the bandwidth preset's model (not its 4, nor Qwen
            "real model's 128): each 16K-token prefill is ~4 TFLOP per sequence and layer (minutes on 2 cores), so "
            "one layer keeps the default run near 25 minutes; the KV figures per layer, the attention's and the "
            "experts' shares of a decode step are those of the real layer, the vocabulary's (1024) is smaller")
-HOME_MODES = ("bf16", "fp4", "trace_lsb")
+HOME_MODES = ("bf16", "fp4", "trace")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +125,7 @@ class LongConfig:
     cells: tuple[tuple[int, int], ...] = ((1024, 8), (1024, 32), (4096, 8), (16384, 1))
     home_contexts: tuple[int, ...] = (1024,)
     #: timed decode steps per mode and cell: 96 makes each of the default 3 runs 32 steps (at 32, runs of
-    #: ~10 steps of 16 ms put trace_lsb/fp4 at 4K, batch 8 at 0.912 in one quiet run and 0.974 in another)
+    #: ~10 steps of 16 ms put trace/fp4 at 4K, batch 8 at 0.912 in one quiet run and 0.974 in another)
     new_tokens: int = 96
     repeats: int = 3
     capacity_fit: int = 8
@@ -138,10 +138,10 @@ class LongConfig:
         if not self.cells:
             raise ValueError("long preset: no (context, batch) cell to run")
         for ctx, batch in self.cells:
-            # our vLLM engine decodes fp4 and trace_lsb in turn after one prefill: 2 x new_tokens steps
+            # our vLLM engine decodes fp4 and trace in turn after one prefill: 2 x new_tokens steps
             if batch < 1 or ctx <= 2 * self.new_tokens:
                 raise ValueError(f"long preset: context {ctx} must exceed 2 x --new-tokens {self.new_tokens} (fp4 "
-                                 f"and trace_lsb decode in turn) and batch {batch} be at least 1")
+                                 f"and trace decode in turn) and batch {batch} be at least 1")
         if self.new_tokens < self.repeats:
             raise ValueError(f"--new-tokens {self.new_tokens}: at least one timed step per repeat ({self.repeats})")
         if self.capacity_fit < 1 or self.capacity_requests < 1 or self.capacity_output < 1:
@@ -172,7 +172,7 @@ class LongConfig:
 
 
 #: The modes the long suite runs in vLLM, each on the engine :data:`~tracefp4.bench.decode.VLLM_SERVES` names.
-VLLM_MODES = ("bf16", "fp8kv", "fp4", "trace_lsb")
+VLLM_MODES = ("bf16", "fp8kv", "fp4", "trace")
 
 
 def _vllm_modes(kind: EngineKind) -> list[str]:
@@ -364,7 +364,7 @@ def _capacity_cells(ckpt: str, cfg: LongConfig, common: dict, config: dict, rec,
         tokens = shrunk_budget(tokens, peak, cfg.capacity_fit, block, floor)
     config["capacity_budget_bytes"] = build["kv_bytes"]
     config["capacity_calibration"] = trail
-    # every mode at the final budget, a server each (fp4 and trace_lsb: two of our engine), run side by side
+    # every mode at the final budget, a server each (fp4 and trace: two of our engine), run side by side
     say(f"capacity run: {', '.join(VLLM_MODES)} side by side, {build['kv_bytes'] / 2**20:.2f} MiB of KV each")
     servers = start_servers({m: VLLM_SERVES[m] for m in VLLM_MODES}, ckpt, build)
     out: list[Record] = []

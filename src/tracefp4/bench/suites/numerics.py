@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from tracefp4.bench.harness import Spread, time_rounds
-from tracefp4.bench.memory import ResidentProbe, run_child
+from tracefp4.bench.memory import ResidentProbe, peak_growth, run_child
 from tracefp4.bench.result import Record, Run, target_line
 from tracefp4.bench.targets import judged
 from tracefp4.formats import dequantize_nvfp4, quantize_nvfp4
@@ -243,12 +243,11 @@ def peak_memory(rows: int, cols: int, ops: list[str], seed: int = 0) -> dict:
     for name in ops:
         kind, dtype = MEMORY_OPS[name]
         fn, in_bytes = _memory_inputs(kind, dtype, rows, cols, seed)
-        probe = ResidentProbe(peak=True)
-        result = fn()
-        growth, out_bytes = probe.growth(), _nbytes(result)
+        growth, result, method = peak_growth(fn)
+        out_bytes = _nbytes(result)
         out[name] = {"input_bytes": in_bytes, "output_bytes": out_bytes, "peak_growth_bytes": growth,
                      "extra_bytes": growth - out_bytes, "extra_over_input": (growth - out_bytes) / in_bytes,
-                     "method": probe.method}
+                     "method": method}
         del fn, result
     return out
 

@@ -10,9 +10,9 @@ The shape options (``--layers``, ``--hidden``, ``--experts``, ``--top-k``, ``--e
 shapes (:func:`preset_spec` refuses those the FP4 paths cannot run); the targets are the presets' own
 and are not evaluated at other shapes.
 
-Modes: ``bf16`` (no quantization), ``fp4`` (the default W4A4 plan, routing recorded only),
-``trace_lsb`` (lsb guidance on the deeper half, the paper's compact cache), ``trace_full`` (full codes
-on every layer). Engines and what each mode runs on:
+Modes (:data:`~tracefp4.pipeline.arms.ROLLOUT_MODES`): ``bf16`` (no quantization), ``fp4`` (the default
+W4A4 plan, routing recorded only), ``trace`` (lsb guidance on the deeper half, the paper's compact cache),
+``trace-full`` (full codes on every layer); the recording modes go by their arm's name. Engines and what each mode runs on:
 
 * ``home``: our engine (:class:`~tracefp4.engines.rollout.HomeEngine`) over one transformers model;
   ``bf16`` is its BF16 forward (torch matmuls per expert), the FP4 modes the packed-FP4 experts
@@ -51,12 +51,12 @@ import importlib
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from tracefp4.bench.harness import Spread, interleave
+from tracefp4.bench.decode import generate_mode
+from tracefp4.bench.harness import Spread, interleave, timed
 from tracefp4.bench.memory import ResidentProbe, run_children
 from tracefp4.bench.result import Record, Run, target_line
 from tracefp4.bench.server import EngineServer, start_servers
@@ -65,8 +65,7 @@ from tracefp4.bench.targets import judged
 from tracefp4.pipeline.factory import EngineKind, make_engine
 from tracefp4.engines.model import TinyMoESpec, from_config
 from tracefp4.engines.plan import PrecisionPlan
-from tracefp4.engines.protocol import RolloutEngine, SamplingParams
-from tracefp4.guidance.compact import GuidedMode
+from tracefp4.engines.protocol import SamplingParams
 from tracefp4.provenance import environment
 from tracefp4.pipeline.arms import ROLLOUT_MODES
 
@@ -261,13 +260,6 @@ def measure_memory(ckpt: str, preset: str, engines: Sequence[str], timeout: floa
     return out
 
 
-def _call(engine: RolloutEngine, mode: str, s: SamplingParams, prompts, plan: PrecisionPlan) -> float:
-    fp4, guidance = ROLLOUT_MODES[mode]
-    t0 = time.perf_counter()
-    engine.generate(prompts, s, plan=plan if fp4 else None, guidance=GuidedMode.parse(guidance) if guidance else None)
-    return time.perf_counter() - t0
-
-
 def _time_batch(kinds, model, ckpt, prompts, new_tokens, prompt_len, repeats, plan, batch, say) -> list[Record]:
     """Interleaved rounds at one batch size: every (engine, mode) once per round, in a fixed order.
     Our engine runs in this process; vLLM's own BF16 engine and our FP4 one each in a server process,
@@ -280,15 +272,15 @@ def _time_batch(kinds, model, ckpt, prompts, new_tokens, prompt_len, repeats, pl
         if EngineKind.HOME in kinds:
             home = make_engine(EngineKind.HOME, model)
             for mode in ROLLOUT_MODES:
-                _call(home, mode, warm, prompts, plan)
-                calls[("home", mode)] = lambda m=mode: _call(home, m, sampling, prompts, plan)
+                generate_mode(home, mode, prompts, warm, plan)
+                calls[("home", mode)] = timed(lambda m=mode: generate_mode(home, m, prompts, sampling, plan))
         if EngineKind.VLLM in kinds:
             max_len = max(64, -(-(prompt_len + new_tokens + 2) // 16) * 16)
             say(f"batch {batch}: building vLLM's own BF16 engine and our FP4 one (a server process each)")
             servers = start_servers({"bf16": EngineKind.VLLM_BF16, "fp4": EngineKind.VLLM}, ckpt,
                                     {"max_len": max_len, "max_seqs": len(prompts)},
                                     env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
-            for srv, modes in ((servers["bf16"], ("bf16",)), (servers["fp4"], ("fp4", "trace_lsb", "trace_full"))):
+            for srv, modes in ((servers["bf16"], ("bf16",)), (servers["fp4"], ("fp4", "trace", "trace-full"))):
                 for mode in modes:  # warm-up at the timed batch (vLLM compiles per batch shape; first-use costs here)
                     srv.ask("generate", mode=mode, prompts=prompts, new_tokens=4)
                     calls[("vllm", mode)] = lambda m=mode, s=srv: s.ask("generate", mode=m, prompts=prompts,
@@ -365,8 +357,8 @@ def format_rollout(run: Run) -> str:
             if any(v is None for v in vals.values()):
                 continue
             row = "".join(f"{vals[mode]:>13.1f}" for mode in ROLLOUT_MODES)
-            lines.append(f"{'':>9}{e:<8}{row}{vals['fp4'] / vals['bf16']:>10.2f}{vals['trace_lsb'] / vals['fp4']:>9.3f}"
-                         f"{vals['trace_full'] / vals['fp4']:>10.3f}")
+            lines.append(f"{'':>9}{e:<8}{row}{vals['fp4'] / vals['bf16']:>10.2f}{vals['trace'] / vals['fp4']:>9.3f}"
+                         f"{vals['trace-full'] / vals['fp4']:>10.3f}")
     mem = sorted((r.engine, r.mode, r.value) for r in run.find("resident_bytes_per_expert_param"))
     if mem:
         lines.append("resident bytes per routed-expert parameter (KV cache aside; home fp4 = the trainer's BF16 "

@@ -14,11 +14,10 @@ import argparse
 import dataclasses
 import functools
 import tempfile
-import time
 
 import torch
 
-from tracefp4.bench.harness import Spread, median, paired, time_rounds
+from tracefp4.bench.harness import Spread, interleave, median, paired, time_rounds, timed
 from tracefp4.bench.result import Record, Run, verdict
 from tracefp4.bench.targets import judged
 
@@ -36,22 +35,27 @@ from tracefp4.provenance import environment
 SYSTEM_SPEC = TinyMoESpec(hidden=128, layers=4, experts=8, top_k=2, moe_intermediate=128, heads=4, kv_heads=2,
                           head_dim=32)
 def _time_store(records, prompt_lens, lengths, repeats: int) -> tuple[float, float]:
-    """Median seconds to write and seal one step of ``records``, and to read them back."""
-    writes, reads = [], []
+    """Median seconds to write and seal one step of ``records``, and to read them back: each round writes
+    a step of its own, then reads it."""
+    ids = [f"t{b}" for b in range(len(records))]
+    steps = iter(range(repeats))
+    step = 0
+
+    def write() -> None:
+        nonlocal step
+        step = next(steps)
+        with StoreWriter(root, step, "w0", model_signature="bench", policy_version=0, contract="bench") as w:
+            for tid, rec, p in zip(ids, records, prompt_lens):
+                w.add(tid, rec, prompt_len=p)
+        seal_step(root, step, ["w0"])
+
+    def read() -> None:
+        with StoreReader(root, step, model_signature="bench", policy_version=0) as r:
+            r.batch(ids, lengths)
+
     with tempfile.TemporaryDirectory() as root:
-        ids = [f"t{b}" for b in range(len(records))]
-        for step in range(repeats):
-            t0 = time.perf_counter()
-            with StoreWriter(root, step, "w0", model_signature="bench", policy_version=0, contract="bench") as w:
-                for tid, rec, p in zip(ids, records, prompt_lens):
-                    w.add(tid, rec, prompt_len=p)
-            seal_step(root, step, ["w0"])
-            writes.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            with StoreReader(root, step, model_signature="bench", policy_version=0) as r:
-                r.batch(ids, lengths)
-            reads.append(time.perf_counter() - t0)
-    return median(writes), median(reads)
+        t = interleave({"write": timed(write), "read": timed(read)}, repeats)
+    return median(t["write"]), median(t["read"])
 
 
 def bench_system(batch: int = 64, new_tokens: int = 64, repeats: int = 5, seed: int = 0,

@@ -93,13 +93,14 @@ or two codewords outside, on a side that cannot be told. So:
       one step beyond the bracket has the far member's low bit and two steps the near one's.
 The count: :class:`DecodeReport` ``bracket_checked`` (every element a ``mod4`` record decodes) and
 ``bracket_misses`` (the detected misses); the trainer's forward sums them over sites in
-:attr:`tracefp4.engines.guidance.TrainerGuidance.decode_report`. A per-step
-``guidance_bracket_miss_rate`` is ``sum(bracket_misses) / sum(bracket_checked)`` over the step's
-forwards: the share of guided elements whose rollout code is 1-2 codewords off the trainer's bracket,
-a lower bound on the bracket-miss rate (3-4 step aliases are missing; a first lag-k replay saw
-92-95% of misses one codeword out). Records that cannot tell (``full``, ``lsb`` and the other
-compact elements) add to neither count, so mixing them in does not dilute the rate; for a ``full``
-arm the exact rate comes from comparing codes instead (:func:`tracefp4.formats.reference.bracket_distance`).
+:attr:`tracefp4.engines.guidance.TrainerGuidance.decode_report`. Their ratio over a step's forwards,
+``sum(bracket_misses) / sum(bracket_checked)``, is the detected rate: the share of guided elements
+whose rollout code is 1-2 codewords off the trainer's bracket, a lower bound on the registry's
+``guidance_bracket_miss_rate`` (3-4 step aliases are missing; the lag-k replays saw most misses one
+codeword out). Records that cannot tell (``full``, ``lsb`` and the other compact elements) add to
+neither count, so mixing them in does not dilute the rate. The registry's rate itself is exact and
+needs the rollout's full codes and the trainer's values: :func:`tracefp4.pipeline.metrics.bracket_miss`
+(on :func:`tracefp4.formats.reference.bracket_distance`), as ``tracefp4 mismatch --lag`` measures it.
 A detected miss is not a decode failure: ``failed_blocks`` and ``decode_failures`` stay LDPC's.
 
 Trajectory scope: ``ldpc`` checks and ``sparse`` streams are computed over a whole trajectory (code

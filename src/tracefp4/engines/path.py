@@ -31,7 +31,18 @@ if TYPE_CHECKING:  # the experts package imports the sites, which import this mo
     from tracefp4.engines.experts.base import ExpertGEMM, PreparedWeight
     from tracefp4.engines.experts.cache import PreparedCache
 
-__all__ = ["ForwardPath", "PLAIN", "weights_may_be_freed"]
+__all__ = ["ForwardPath", "PLAIN", "WeightSource", "joined_weight", "weights_may_be_freed"]
+
+#: One GEMM's weight as a seam hands it over: an ``[E, N, K]`` tensor, or parts ``[E, N_i, K]`` that
+#: the GEMM multiplies as their concatenation along N (a dense MLP's ``gate_proj`` and ``up_proj``,
+#: which the GEMM takes as one ``[gate; up]`` weight on one global scale, as vLLM merges them).
+WeightSource = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def joined_weight(w: WeightSource) -> torch.Tensor:
+    """The ``[E, N, K]`` weight a :data:`WeightSource` stands for (parts concatenated along N: a copy,
+    which carries gradients back to each part)."""
+    return w if isinstance(w, torch.Tensor) else torch.cat(w, dim=1)
 
 
 def weights_may_be_freed() -> bool:
@@ -67,12 +78,13 @@ class ForwardPath:
         renormalises its top-k probabilities."""
         return weights, indices
 
-    def expert_weights(self, cache: PreparedCache, owner: Hashable, name: str, w: torch.Tensor,
+    def expert_weights(self, cache: PreparedCache, owner: Hashable, name: str, w: WeightSource,
                        quantizer: Quantizer | None, gemm: ExpertGEMM) -> PreparedWeight:
-        """Routed-expert weight ``name`` (``w [E, N, K]``) of ``owner`` as ``gemm`` takes it; ``cache``
-        is the prepared model's cache of kept weights. Plain: prepared every forward with a
-        straight-through gradient to ``w``."""
-        return gemm.prepare(w, quantizer, gradients=True, copy=weights_may_be_freed())
+        """GEMM weight ``name`` (``w``: ``[E, N, K]`` routed-expert weights, or a dense MLP's as one
+        expert, :data:`WeightSource`) of ``owner`` as ``gemm`` takes it; ``cache`` is the prepared
+        model's cache of kept weights. Plain: prepared every forward with a straight-through gradient
+        to ``w``."""
+        return gemm.prepare(joined_weight(w), quantizer, gradients=True, copy=weights_may_be_freed())
 
 
 #: The path of a forward that records nothing and is guided by nothing.

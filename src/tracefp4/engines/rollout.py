@@ -327,7 +327,7 @@ def _generate(
     decode_n_tokens(st, logits, sampling, generator)
     t2 = time.perf_counter()
     token_ids = [torch.cat([p, torch.tensor(c, dtype=torch.long)]) for p, c in zip(prompt_ids, st.completions)]
-    n_experts = max(m.experts.gate_up_proj.shape[0] for m in moe_layers(model))
+    n_experts = max((m.experts.gate_up_proj.shape[0] for m in moe_layers(model)), default=0)  # 0: dense, no routing
     records, diagnostics = assemble_records(st.steps, [t.numel() for t in token_ids], n_experts, capture)
     t3 = time.perf_counter()
     return RolloutOutput(
@@ -381,7 +381,7 @@ class HomeEngine:
         if store is None:
             return out
         t0 = time.perf_counter()
-        write_records(store, out.records, out.prompt_lens)
+        write_records(store, out.records, out.prompt_lens, [t.numel() for t in out.token_ids])
         timings = {**out.timings, "store_write_s": time.perf_counter() - t0}
         return dataclasses.replace(out, records=[], stored=store, timings=timings)
 

@@ -57,21 +57,23 @@ class StoreTarget:
         return dataclasses.replace(self, writer_id=writer_id, traj_ids=self.traj_ids[lo:hi])
 
 
-def write_records(target: StoreTarget, records: Sequence[Mapping[str, torch.Tensor]], prompt_lens: Sequence[int]) -> int:
+def write_records(target: StoreTarget, records: Sequence[Mapping[str, torch.Tensor]], prompt_lens: Sequence[int],
+                  lengths: Sequence[int]) -> int:
     """Write one rollout's records under ``target``'s writer; returns the bytes of tensors written.
-    The writer's manifest is committed only when every trajectory is in (a crash leaves nothing a
-    reader would take for complete)."""
-    if len(records) != len(target.traj_ids) or len(prompt_lens) != len(target.traj_ids):
+    ``lengths``: each trajectory's token positions (what an empty record, a BF16 rollout of a dense
+    model's, is stored with). The writer's manifest is committed only when every trajectory is in (a
+    crash leaves nothing a reader would take for complete)."""
+    if len({len(records), len(prompt_lens), len(lengths), len(target.traj_ids)}) != 1:
         raise ValueError(
             f"store target {target.writer_id!r} names {len(target.traj_ids)} trajectories, the rollout has "
-            f"{len(records)} records and {len(prompt_lens)} prompts"
+            f"{len(records)} records, {len(prompt_lens)} prompts and {len(lengths)} lengths"
         )
     crash_point("rollout")  # sampled, nothing written
     total = 0
     with StoreWriter(target.root, target.step, target.writer_id, model_signature=target.model_signature,
                      policy_version=target.policy_version) as w:
-        for tid, rec, p in zip(target.traj_ids, records, prompt_lens):
-            w.add(tid, rec, prompt_len=int(p))
+        for tid, rec, p, n in zip(target.traj_ids, records, prompt_lens, lengths):
+            w.add(tid, rec, prompt_len=int(p), length=int(n))
             total += sum(t.nbytes for t in rec.values())
             crash_point("store-write")  # a writer with part of its records (and maybe shards) on disk
     return total

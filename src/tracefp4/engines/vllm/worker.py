@@ -121,7 +121,7 @@ class TraceWorkerExtension:
         if store is not None:
             store = dict(store)
             prompt_lens = store.pop("prompt_lens")
-            write_records(StoreTarget.from_dict(store), records, prompt_lens)
+            write_records(StoreTarget.from_dict(store), records, prompt_lens, [t.numel() for t in ids])
             records = [{} for _ in records]
         return pack_records(records, diagnostics)
 

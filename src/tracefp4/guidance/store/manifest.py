@@ -192,9 +192,8 @@ def _trajectory_meta(tid: str, t: Any, shards: Mapping[str, ShardMeta], where: s
     if length < 1 or not 0 <= prompt_len <= length:
         raise StoreError(f"{w}: invalid length {length} / prompt_len {prompt_len}")
     sha = _req_sha(t, "sha256", w)
+    # no tensors is a record too: a BF16 rollout of a dense model has nothing to record
     tensors = {tname: _tensor_meta(tname, m, length, w) for tname, m in req(t, "tensors", dict, w).items()}
-    if not tensors:
-        raise StoreError(f"{w}: no tensors")
     return TrajectoryMeta(tid, shard, length, prompt_len, tensors, sha)
 
 

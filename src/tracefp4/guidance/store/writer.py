@@ -114,10 +114,13 @@ class StoreWriter:
 
     # -- public ---------------------------------------------------------------------------
 
-    def add(self, traj_id: str, record: Mapping[str, torch.Tensor], *, prompt_len: int) -> None:
+    def add(self, traj_id: str, record: Mapping[str, torch.Tensor], *, prompt_len: int,
+            length: int | None = None) -> None:
         """Buffer one trajectory's record; flush a shard once ``shard_bytes`` are buffered.
 
         Tensors are copied (to contiguous CPU memory), so the caller may reuse its buffers.
+        ``length``: the trajectory's token positions, checked against the tensors' leading dim where
+        given; an empty record (a BF16 rollout of a dense model records nothing) needs it.
         """
         if self._closed:
             raise StoreError(f"{self._where}: add() after close()")
@@ -125,10 +128,12 @@ class StoreWriter:
         where = f"{self._where}, trajectory {traj_id!r}"
         if traj_id in self._trajs or traj_id in self._pending:
             raise StoreError(f"{where}: duplicate trajectory id in this writer")
-        if not isinstance(record, Mapping) or not record:
-            raise StoreError(f"{where}: record must be a non-empty dict of tensors")
+        if not isinstance(record, Mapping) or not (record or length is not None):
+            raise StoreError(f"{where}: record must be a non-empty dict of tensors (or an empty one with "
+                             "the trajectory's length)")
+        if length is not None and (not isinstance(length, int) or isinstance(length, bool)):
+            raise StoreError(f"{where}: length must be an int, got {length!r}")
 
-        length: int | None = None
         tensors: dict[str, torch.Tensor] = {}
         metas: dict[str, TensorMeta] = {}
         for name, t in record.items():
@@ -139,7 +144,7 @@ class StoreWriter:
             elif t.shape[0] != length:
                 raise StoreError(
                     f"{wt}: leading dim {t.shape[0]} differs from the record's T={length} "
-                    f"(first tensor {next(iter(record))!r})"
+                    f"(the given length, or the first tensor {next(iter(record))!r})"
                 )
             tensors[name] = _owned_contiguous_cpu(t)
             metas[name] = TensorMeta(tuple(t.shape), dtype)
@@ -366,7 +371,7 @@ class StoreWriter:
             ) from None
 
     def _flush(self) -> None:
-        if not self._buffer:
+        if not self._pending:  # trajectories without tensors (empty records) still get a shard to name them
             return
         if self._seq > MAX_SEQ:
             raise StoreError(f"{self._where}: more than {MAX_SEQ + 1} shards; raise shard_bytes")

@@ -91,6 +91,8 @@ __all__ = [
     "MoELayer",
     "DenseLayer",
     "DenseMLPForward",
+    "DENSE_FAMILIES",
+    "mlp_weights",
     "FP4KVLayer",
     "FP4KVCache",
     "TinyMoESpec",

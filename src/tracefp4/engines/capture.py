@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from tracefp4.engines.device_sites import StepChecks, site_values
-from tracefp4.engines.path import ForwardPath, WeightSource
+from tracefp4.engines.path import ForwardPath
+from tracefp4.engines.weight_source import WeightSource
 from tracefp4.engines.rows import take_rows
 from tracefp4.formats.constants import HintMode
 from tracefp4.formats import FP8, MXFP4, NVFP4

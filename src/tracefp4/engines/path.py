@@ -25,24 +25,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from tracefp4.formats import MXFP4, NVFP4
+from tracefp4.engines.weight_source import WeightSource, joined_weight
 from tracefp4.formats.quantizers import Quantizer
 
 if TYPE_CHECKING:  # the experts package imports the sites, which import this module
     from tracefp4.engines.experts.base import ExpertGEMM, PreparedWeight
     from tracefp4.engines.experts.cache import PreparedCache
 
-__all__ = ["ForwardPath", "PLAIN", "WeightSource", "joined_weight", "weights_may_be_freed"]
+__all__ = ["ForwardPath", "PLAIN", "weights_may_be_freed"]
 
-#: One GEMM's weight as a seam hands it over: an ``[E, N, K]`` tensor, or parts ``[E, N_i, K]`` that
-#: the GEMM multiplies as their concatenation along N (a dense MLP's ``gate_proj`` and ``up_proj``,
-#: which the GEMM takes as one ``[gate; up]`` weight on one global scale, as vLLM merges them).
-WeightSource = torch.Tensor | tuple[torch.Tensor, ...]
-
-
-def joined_weight(w: WeightSource) -> torch.Tensor:
-    """The ``[E, N, K]`` weight a :data:`WeightSource` stands for (parts concatenated along N: a copy,
-    which carries gradients back to each part)."""
-    return w if isinstance(w, torch.Tensor) else torch.cat(w, dim=1)
 
 
 def weights_may_be_freed() -> bool:
@@ -81,7 +72,7 @@ class ForwardPath:
     def expert_weights(self, cache: PreparedCache, owner: Hashable, name: str, w: WeightSource,
                        quantizer: Quantizer | None, gemm: ExpertGEMM) -> PreparedWeight:
         """GEMM weight ``name`` (``w``: ``[E, N, K]`` routed-expert weights, or a dense MLP's as one
-        expert, :data:`WeightSource`) of ``owner`` as ``gemm`` takes it; ``cache`` is the prepared
+        expert, :data:`~tracefp4.engines.weight_source.WeightSource`) of ``owner`` as ``gemm`` takes it; ``cache`` is the prepared
         model's cache of kept weights. Plain: prepared every forward with a straight-through gradient
         to ``w``."""
         return gemm.prepare(joined_weight(w), quantizer, gradients=True, copy=weights_may_be_freed())

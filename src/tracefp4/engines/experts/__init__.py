@@ -29,7 +29,7 @@ the float32 additions.
 from tracefp4.engines.experts.base import ExpertGEMM, PreparedWeight, Routing
 from tracefp4.engines.experts.cache import PreparedCache
 from tracefp4.engines.experts.oracle import choose_gemm, gemm_named
-from tracefp4.engines.experts.routed import dense_mlp, routed_experts
+from tracefp4.engines.experts.routed import dense_gemm, dense_mlp, routed_experts
 
 __all__ = [
     "ExpertGEMM",
@@ -37,6 +37,7 @@ __all__ = [
     "PreparedWeight",
     "Routing",
     "choose_gemm",
+    "dense_gemm",
     "dense_mlp",
     "gemm_named",
     "routed_experts",

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from tracefp4.engines.experts.base import ExpertGEMM, PreparedWeight
-from tracefp4.engines.path import WeightSource, joined_weight
+from tracefp4.engines.weight_source import WeightSource, joined_weight
 from tracefp4.formats.quantizers import Quantizer
 
 __all__ = ["PreparedCache"]
@@ -16,7 +16,7 @@ __all__ = ["PreparedCache"]
 class PreparedCache:
     """``(owner, name) -> prepared weight``, keyed on the source tensors' storage and version counters
     (an optimizer step or a weight load bumps them), shapes, dtypes, the quantizer and the backend, so
-    a stale entry is never used (a weight given in parts, :data:`~tracefp4.engines.path.WeightSource`,
+    a stale entry is never used (a weight given in parts, :data:`~tracefp4.engines.weight_source.WeightSource`,
     is keyed on every part and joined only when prepared). One entry per weight: a new key replaces
     the old one.
 

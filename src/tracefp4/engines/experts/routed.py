@@ -10,7 +10,7 @@ from tracefp4.engines.sites import ForwardState, quantize_site
 from tracefp4.formats import backend
 from tracefp4.guidance.names import Site, layer_tag
 
-__all__ = ["dense_mlp", "routed_experts"]
+__all__ = ["dense_gemm", "dense_mlp", "routed_experts"]
 
 
 def _check_expert_ids(state: ForwardState, layer: int, ids: torch.Tensor, n_experts: int) -> None:
@@ -75,8 +75,16 @@ def dense_mlp(
     0, so the packed kernels serve dense layers as they serve experts. No top-k sum: a single expert
     of weight 1 is its own output (the sum of one float32 term, rounded back, is that term).
     """
+    mid = gemm.activate(dense_gemm(state, layer, Site.MLP_IN, x, gate_up, gemm), act)  # [N, I]
+    return dense_gemm(state, layer, Site.MLP_MID, mid, down, gemm).to(x.dtype)
+
+
+def dense_gemm(state: ForwardState, layer: int, site: Site, x: torch.Tensor, weight: PreparedWeight,
+               gemm: ExpertGEMM) -> torch.Tensor:
+    """One GEMM of a dense MLP: ``x [N, K]`` quantized per row at ``site`` (``mlp_in`` or ``mlp_mid``),
+    times ``weight`` (``[1, N_out, K]``, prepared by ``gemm``) as the routed GEMM of one expert that
+    every row goes to -> ``[N, N_out]`` in x's dtype. :func:`dense_mlp` runs two; the vLLM plugin's
+    linear method runs one per linear layer (vLLM computes the gate between them)."""
+    xq = quantize_site(state, layer, site, x)
     routing = Routing(torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device), 1)
-    xq = quantize_site(state, layer, Site.MLP_IN, x)
-    mid = gemm.activate(gemm.matmul(xq, gate_up, routing, per_token=True), act)  # [N, I]
-    mid = quantize_site(state, layer, Site.MLP_MID, mid)
-    return gemm.matmul(mid, down, routing, per_token=False).to(x.dtype)
+    return gemm.matmul(xq, weight, routing, per_token=True)

@@ -300,3 +300,28 @@ def test_active_twin_has_the_moes_active_mlp_width() -> None:
         tiny_dense_config(**{**DIMS, "family": "gpt2"})
     with pytest.raises(ValueError, match="intermediate must be a positive multiple of 16"):
         tiny_dense_config(**{**DIMS, "intermediate": 40})
+
+
+def test_the_dense_experiment_config_builds_the_moes_active_twin() -> None:
+    """configs/experiment-count3-8l-dense.toml: count3-8l's run with ``model.dense``: a dense Qwen3 of
+    the MoE's 8 layers and widths whose MLP is top_k x moe_intermediate wide, prepared as a dense model."""
+    from pathlib import Path
+
+    from tracefp4.rl.experiment import ExperimentConfig
+    from tracefp4.rl.tasks import make_task
+
+    root = Path(__file__).resolve().parents[1]
+    dense_cfg = ExperimentConfig.from_file(str(root / "configs/experiment-count3-8l-dense.toml"))
+    moe_cfg = ExperimentConfig.from_file(str(root / "configs/experiment-count3-8l.toml"))
+    assert dense_cfg.name == "count3-8l-dense" and dense_cfg.seeds == moe_cfg.seeds
+    run, moe_run = dense_cfg.run_config(0), moe_cfg.run_config(0)
+    assert run.model.dense and not moe_run.model.dense
+    assert dataclasses.replace(run.model, dense=False) == moe_run.model  # the same dims otherwise
+    # and the same run (but for the folder the results go to)
+    assert dataclasses.replace(run, model=moe_run.model, out=moe_run.out) == moe_run
+    tok = make_task(run.task, **run.task_kwargs).make_tokenizer()
+    config = run.model.hf_config(tok)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.intermediate_size) == \
+        ("qwen3", 8, 96, 2 * 96)
+    net = from_config(config, seed=0)
+    assert model_layers(net) == (8, ()) and model_state(net).dense_layers == tuple(range(8))

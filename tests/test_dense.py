@@ -228,21 +228,26 @@ def test_rollout_weight_cache_follows_in_place_updates() -> None:
 # --- both paths ----------------------------------------------------------------------------------
 
 
-def test_trace_full_reproduces_every_code_and_records_have_no_routing() -> None:
-    """A generated rollout (FP4 K/V cache, incremental decode) and the trainer's packed forward: with
-    full hints at every layer the trainer picks the rollout's codeword at every site (it lies in the
-    trainer's bracket: the paths differ at BF16 level, far below a codeword step), with routing replay
-    on (the default) and nothing to replay."""
-    model = dense()
+@pytest.mark.parametrize("family,plan_name", [(f, "nvfp4") for f in FAMILIES] + [
+    ("qwen3", "mxfp4"), ("llama", "mxfp4"), ("qwen3", "w4a8"), ("qwen3", "fp8"), ("qwen3", "4over6")])
+def test_trace_full_reproduces_every_code_and_records_have_no_routing(family: str, plan_name: str) -> None:
+    """A generated rollout (quantized K/V cache, incremental decode) and the trainer's packed forward,
+    under every plan: with full hints at every layer the trainer picks the rollout's codeword at every
+    site (it lies in the trainer's bracket: the paths differ at BF16 level, far below a codeword step;
+    an FP8 full hint is taken as it is), with routing replay on (the default) and nothing to replay;
+    vanilla QAT does not."""
+    model = dense(family, **({"head_dim": 32} if plan_name == "mxfp4" else {}))
+    plan = PrecisionPlan.named(plan_name)
     prompts = [[3, 4, 5, 6], [6, 7, 8, 9, 10], [1, 2]]
-    roll = generate(model, prompts, SamplingParams(max_new_tokens=10, seed=1), plan=PrecisionPlan(),
+    roll = generate(model, prompts, SamplingParams(max_new_tokens=10, seed=1), plan=plan,
                     guidance=GuidedMode.parse("full@all"), diagnostics=EVERY)
     assert not any(parse_name(k).is_routing for k in roll.records[0])
-    out = forward_logprobs(model, roll.token_ids, roll.prompt_lens, roll.records, mode="trace", capture_codes=EVERY)
+    out = forward_logprobs(model, roll.token_ids, roll.prompt_lens, roll.records, mode="trace", plan=plan,
+                           capture_codes=EVERY)
     stats = code_mismatch(out.codes, roll.diagnostics)
     assert set(stats) == {record_prefix(i, s) for i in EVERY for s in (*MLP_SITES, *KV_SITES)}
     assert sum(s.mismatched for s in stats.values()) == 0, stats
-    qat = forward_logprobs(model, roll.token_ids, roll.prompt_lens, None, mode="qat", capture_codes=EVERY)
+    qat = forward_logprobs(model, roll.token_ids, roll.prompt_lens, None, mode="qat", plan=plan, capture_codes=EVERY)
     assert sum(s.mismatched for s in code_mismatch(qat.codes, roll.diagnostics).values()) > 0
 
 
@@ -325,3 +330,26 @@ def test_the_dense_experiment_config_builds_the_moes_active_twin() -> None:
         ("qwen3", 8, 96, 2 * 96)
     net = from_config(config, seed=0)
     assert model_layers(net) == (8, ()) and model_state(net).dense_layers == tuple(range(8))
+
+
+def test_mismatch_report_on_the_dense_twin(tmp_path, capsys) -> None:
+    """``tracefp4 mismatch --dense``: the report on the tiny MoE's dense twin, per dense-MLP and K/V site,
+    trace-full reproducing every code, no router to flip."""
+    import json
+
+    from tracefp4.cli import main
+
+    path = tmp_path / "report.json"
+    argv = ["mismatch", "--dense", "--layers", "4", "--hidden", "32", "--top-k", "2", "--moe-intermediate", "16",
+            "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--vocab", "32", "--batch", "4", "--new-tokens", "12",
+            "--prompt-len", "8", "--json", str(path), "--quiet"]
+    assert main(argv) == 0
+    rep = json.loads(path.read_text())
+    assert sorted(rep["per_site"]) == ["k", "mlp_in", "mlp_mid", "v"]
+    assert rep["config"]["intermediate"] == 32 and rep["config"]["moe_layers"] == []
+    assert rep["mismatch_counts"]["trace_full"]["mismatched"] == 0 < rep["mismatch_counts"]["qat"]["mismatched"]
+    assert rep["router_flip"]["qat"]["rate"] is None
+    dense(layers=1).save_pretrained(tmp_path / "ck")
+    capsys.readouterr()
+    assert main(["mismatch", "--dense", "--checkpoint", str(tmp_path / "ck")]) == 2
+    assert "--checkpoint fixes the model; drop ['dense']" in capsys.readouterr().err

@@ -40,8 +40,8 @@ def add_mismatch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
 def _check_args(args: argparse.Namespace) -> dict[str, object]:
     """The model dims given on the command line; exits on a combination that cannot run."""
     dims = {k: getattr(args, k) for k in mismatch.MODEL_DIMS if getattr(args, k, None) is not None}
-    if args.checkpoint is not None and dims:
-        raise SystemExit(f"tracefp4 mismatch: --checkpoint fixes the model; drop {sorted(dims)}")
+    if args.checkpoint is not None and (dims or getattr(args, "dense", False)):
+        raise SystemExit(f"tracefp4 mismatch: --checkpoint fixes the model; drop {sorted(dims) or ['dense']}")
     if args.batch < 1 or args.new_tokens < 1 or args.prompt_len < 1:
         raise SystemExit("tracefp4 mismatch: --batch, --new-tokens and --prompt-len must be >= 1")
     if not args.sweep and (args.plot or args.modes):
@@ -69,10 +69,11 @@ def _inputs(
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"tracefp4 mismatch: --device {device}: no CUDA device here (torch.cuda.is_available() is False)")
     try:
-        model = mismatch.build_model(args.checkpoint, seed=args.seed, **dims).to(device)
+        model = mismatch.build_model(args.checkpoint, seed=args.seed, dense=getattr(args, "dense", False), **dims).to(device)
     except ValueError as e:
         raise SystemExit(f"tracefp4 mismatch: {e}") from None
-    say(f"model ready ({'checkpoint ' + args.checkpoint if args.checkpoint else 'tiny Qwen3-MoE from config'})")
+    built = "tiny dense Qwen3 from config" if getattr(args, "dense", False) else "tiny Qwen3-MoE from config"
+    say(f"model ready ({'checkpoint ' + args.checkpoint if args.checkpoint else built})")
     prompts = mismatch.make_prompts(args.batch, model.config.vocab_size, args.prompt_len, args.seed)
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, seed=args.seed)
     return model, prompts, sampling

@@ -66,7 +66,8 @@ from typing import Any
 
 import torch
 
-from tracefp4.engines.model import TinyMoESpec, from_config, load_model, model_layers, moe_layers, tiny_config
+from tracefp4.engines.model import (TinyDenseSpec, TinyMoESpec, from_config, load_model, model_layers, moe_layers,
+                                    tiny_config)
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
 from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, TrainerSpec, code_mismatch, forward_logprobs
@@ -133,12 +134,16 @@ def make_prompts(batch: int, vocab: int, max_len: int, seed: int) -> list[torch.
     return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
 
 
-def build_model(checkpoint: str | os.PathLike[str] | None = None, seed: int = 0, **dims: Any):
+def build_model(checkpoint: str | os.PathLike[str] | None = None, seed: int = 0, dense: bool = False, **dims: Any):
     """A prepared model: loaded from a local folder, or a fresh tiny Qwen3-MoE whose dims not given
-    take this report's :data:`DEFAULTS`."""
+    take this report's :data:`DEFAULTS`; ``dense``: that MoE's dense twin of the same active size
+    instead (a Qwen3 whose MLP is ``top_k x moe_intermediate`` wide, :meth:`TinyDenseSpec.active_twin`)."""
     if checkpoint is not None:
         return load_model(checkpoint)
-    return from_config(tiny_config(**{**{k: DEFAULTS[k] for k in MODEL_DIMS}, **dims}), seed=seed)
+    moe = TinyMoESpec(**{**{k: DEFAULTS[k] for k in MODEL_DIMS}, **dims})
+    if dense:
+        return from_config(TinyDenseSpec.active_twin(moe).config(), seed=seed)
+    return from_config(tiny_config(**dataclasses.asdict(moe)), seed=seed)
 
 
 # --- measurements of this report ------------------------------------------------------------------
@@ -599,6 +604,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--vocab", type=int, default=None, help=f"vocabulary (default {DEFAULTS['vocab']})")
     m.add_argument("--init-std", type=float, default=None,
                    help=f"initializer range (default {DEFAULTS['init_std']})")  # fmt: skip
+    m.add_argument("--dense", action="store_true",
+                   help="the tiny MoE's dense twin instead: a Qwen3 whose MLP is top-k x moe-intermediate wide")
     m.add_argument(
         "--checkpoint", metavar="DIR", help="load a local checkpoint folder instead (config.json + safetensors)"
     )

@@ -138,8 +138,9 @@ def test_tiny_spec_defaults_are_the_rl_demo() -> None:
 
     tiny, spec = dataclasses.asdict(TinyMoESpec()), dataclasses.asdict(ModelSpec())
     assert all(tiny[k] == spec[k] for k in tiny.keys() & spec.keys())  # one set of defaults
-    # the RL config's own field: its runs' sequence limit (128, what every run folder saved before it)
-    assert set(spec) - set(tiny) == {"max_positions"} and spec["max_positions"] == 128
+    # the RL config's own fields: its runs' sequence limit (128, what every run folder saved before it) and
+    # whether it builds the MoE's dense twin instead (off: every run folder before it is a MoE)
+    assert set(spec) - set(tiny) == {"max_positions", "dense"} and spec["max_positions"] == 128 and not spec["dense"]
     cfg = TinyMoESpec().config()
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts, cfg.vocab_size) == (64, 4, 8, 32)
 

@@ -13,6 +13,11 @@ TRL's own importance-sampling knobs pass through: ``--is-level sequence`` (its `
 and ``--no-is-correction`` (``vllm_importance_sampling_correction=False``: rollout samples taken as
 on-policy; TRL then skips its old-log-prob forward, and tracefp4 runs one for its ``trace/*`` metrics).
 
+``--async K`` runs TRL's asynchronous trainer instead (``TraceAsyncGRPOTrainer``, ``max_staleness=K``,
+K >= 1): rollouts on tracefp4's engine in a thread, over a copy of the policy, while the trainer steps on.
+
+    python examples/trl_grpo_trace.py --async 4 --mode trace --max-steps 20 --json runs/trl-async4-lsb.json
+
 The runs share the warm-started model folder (``--model-dir``, built on first use with ``--seed``), so
 arms of one seed start from the same weights and see the same prompts. ``--json`` writes TRL's log
 history (every logged row: TRL's ``sampling/*`` metrics and tracefp4's ``trace/*`` beside its own).
@@ -52,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="TRL's importance_sampling_level (default token)")
     p.add_argument("--no-is-correction", action="store_true",
                    help="vllm_importance_sampling_correction=False: no train-rollout importance correction")
+    p.add_argument("--async", dest="max_staleness", type=int, default=None, metavar="K",
+                   help="TRL's asynchronous trainer (TraceAsyncGRPOTrainer) with max_staleness K (>= 1); its rollouts "
+                   "run on tracefp4's own engine (--engine, --is-level and --no-is-correction do not apply)")
     return p.parse_args(argv)
 
 
@@ -102,41 +110,40 @@ def main(argv: list[str] | None = None) -> int:
     def task_reward(completions: list[str], answer: list[str], **_) -> list[float]:
         return [task.reward(Example("", a), c) for c, a in zip(completions, answer)]
 
-    engine = args.engine or ("vllm" if importlib.util.find_spec("vllm") else "home")
-    config = TraceGRPOConfig(
-        output_dir=args.output_dir,
-        max_steps=args.max_steps,
-        per_device_train_batch_size=16,
-        num_generations=8,
-        max_completion_length=8,
-        temperature=1.0,
-        learning_rate=1e-4,
-        beta=0.0,
-        num_iterations=2,  # two updates per generation, as in tracefp4's own loop
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=args.seed,
-        use_cpu=True,
-        router_aux_loss_coef=0.0,
-        use_vllm=engine == "vllm",
-        trace_mode=args.mode,
-        trace_guidance=args.guidance,
-        trace_plan=args.plan,
-        importance_sampling_level=args.is_level,
-        vllm_importance_sampling_correction=not args.no_is_correction,
-    )
-    trainer = TraceGRPOTrainer(model=str(folder), reward_funcs=task_reward, args=config, train_dataset=dataset,
-                               processing_class=tokenizer)
+    common = dict(output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=16,
+                  num_generations=8, max_completion_length=8, temperature=1.0, learning_rate=1e-4, logging_steps=1,
+                  save_strategy="no", report_to=[], seed=args.seed, use_cpu=True, router_aux_loss_coef=0.0,
+                  trace_mode=args.mode, trace_guidance=args.guidance, trace_plan=args.plan)
+    if args.max_staleness is not None:
+        from tracefp4.integrations.trl_async import TraceAsyncGRPOConfig, TraceAsyncGRPOTrainer
+
+        engine = "home"
+        trainer = TraceAsyncGRPOTrainer(model=str(folder), reward_funcs=task_reward, processing_class=tokenizer,
+                                        args=TraceAsyncGRPOConfig(max_staleness=args.max_staleness, **common),
+                                        train_dataset=dataset)
+    else:
+        engine = args.engine or ("vllm" if importlib.util.find_spec("vllm") else "home")
+        config = TraceGRPOConfig(
+            beta=0.0,
+            num_iterations=2,  # two updates per generation, as in tracefp4's own loop
+            use_vllm=engine == "vllm",
+            importance_sampling_level=args.is_level,
+            vllm_importance_sampling_correction=not args.no_is_correction,
+            **common,
+        )
+        trainer = TraceGRPOTrainer(model=str(folder), reward_funcs=task_reward, args=config, train_dataset=dataset,
+                                   processing_class=tokenizer)
     t0 = time.perf_counter()
     try:
         trainer.train()
     finally:
-        trainer.close()
+        if hasattr(trainer, "close"):  # the synchronous trainer's engine; the asynchronous one stops its own
+            trainer.close()
     print(f"{args.max_steps} GRPO steps ({args.mode}{' ' + args.guidance if args.mode == 'trace' else ''}, {engine}) "
           f"in {time.perf_counter() - t0:.0f} s")
-    rows = [r for r in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in r]
-    for key in ("sampling/sampling_logp_difference/mean", "trace/code_mismatch", "reward"):
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    for key in ("sampling/sampling_logp_difference/mean", "trace/logprob_gap_mean", "trace/code_mismatch",
+                "sample/staleness_max", "sample/dropped_stale_total", "batch/samples_per_step", "reward"):
         vals = [r[key] for r in rows if r.get(key) is not None]
         if vals:
             print(f"  {key}: mean {sum(vals) / len(vals):.6g} over {len(vals)} steps")
@@ -145,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"mode": args.mode, "guidance": args.guidance if args.mode == "trace" else None,
                 "plan": None if args.mode == "bf16" else args.plan, "engine": engine, "task": args.task,
                 "seed": args.seed, "max_steps": args.max_steps, "importance_sampling_level": args.is_level,
-                "vllm_importance_sampling_correction": not args.no_is_correction}
+                "vllm_importance_sampling_correction": not args.no_is_correction, "max_staleness": args.max_staleness,
+                "trainer": "TraceAsyncGRPOTrainer" if args.max_staleness is not None else "TraceGRPOTrainer"}
         out = Path(args.json)
         tmp = out.with_name(out.name + ".tmp")  # renamed into place: a killed run leaves no half-written file
         tmp.write_text(json.dumps({"run": meta, "log_history": trainer.state.log_history}, indent=1))

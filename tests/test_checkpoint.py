@@ -194,3 +194,21 @@ def test_checksums_written_last_and_complete(tmp_path, model):
     table = json.loads((path / CHECKSUMS_NAME).read_text())
     listed = set(table["files"])
     assert listed == set(os.listdir(path)) - {CHECKSUMS_NAME}
+
+
+def test_extra_files_round_trip_and_damage_is_named(tmp_path, model):
+    extra = {"pending/step-00000004.safetensors": b"\x00\x01batch", "store/step-00000004/COMPLETE.json": b"{}"}
+    path = save_checkpoint(tmp_path, 4, model=model, optimizer_tensors=opt_tensors(), state={"k": 1}, extra=extra)
+    assert load_checkpoint(path).extra == extra
+    assert latest_checkpoint(tmp_path).extra == extra  # the fallback search returns them too
+    assert "extra/store/step-00000004/COMPLETE.json" in json.loads((path / CHECKSUMS_NAME).read_text())["files"]
+    (path / "extra" / "pending" / "step-00000004.safetensors").write_bytes(b"\x00\x01batcH")
+    with pytest.raises(CheckpointError, match=r"extra/pending/step-00000004.safetensors: sha256 mismatch"):
+        load_checkpoint(path)
+    (path / "extra" / "stray").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"extra/stray: not listed"):
+        load_checkpoint(path)
+    for bad in ("../x", "/abs", "a//b", "a/./b", ""):
+        with pytest.raises(ValueError, match="extra file name"):
+            save_checkpoint(tmp_path / "bad", 1, model=model, optimizer_tensors={}, state={}, extra={bad: b""})
+    assert not (tmp_path / "bad").exists() or not list_checkpoints(tmp_path / "bad")

@@ -282,7 +282,7 @@ def test_store_round_trip_equals_the_direct_path(name: str, tmp_path) -> None:
     xs = [site_value((t, 2, 16), t) for t in (5, 9)]
     qs = [quantize_nvfp4(x, per_row=True) for x in xs]
     records = [CompactRecord.encode(x, q, spec).to_tensors("L02.v") for x, q in zip(xs, qs)]
-    with StoreWriter(tmp_path, 0, "w0", model_signature="sig", policy_version=3) as w:
+    with StoreWriter(tmp_path, 0, "w0", model_signature="sig", policy_version=3, contract=name) as w:
         for i, rec in enumerate(records):
             w.add(f"t{i}", {**rec, "L02.routing": torch.zeros(rec[next(iter(rec))].shape[0], 2, dtype=torch.uint8)},
                   prompt_len=1)  # fmt: skip

@@ -292,3 +292,22 @@ def test_experiment_config_from_dict_names_unknown_and_missing_keys():
         ExperimentConfig.from_dict({"name": "e", "seed": 0, "seeds": [0], "run": {}})
     with pytest.raises(ValueError, match="missing 'run'"):
         ExperimentConfig.from_dict({"name": "e", "seeds": [0]})
+
+
+def test_an_experiment_file_names_its_base_instead_of_copying_it(tmp_path):
+    (tmp_path / "a.toml").write_text('name = "a"\nseeds = [0, 1]\nmetric = "eval_reward"\n' + RUN)
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "b.toml").write_text('base = "../a.toml"\nname = "b"\n[run]\nmax_staleness = 1\n[run.model]\nlayers = 3\n')
+    a, b = (ExperimentConfig.from_file(str(p)) for p in (tmp_path / "a.toml", sub / "b.toml"))
+    assert (b.name, b.seeds, b.metric) == ("b", [0, 1], "eval_reward")
+    assert b.run == {**a.run, "max_staleness": 1, "model": {**a.run["model"], "layers": 3}} != a.run
+    (sub / "c.toml").write_text('base = "../a.toml"\n[run]\nmax_staleness = 1\n')
+    with pytest.raises(ValueError, match=r"c.toml: base = '../a.toml': expected a name of its own"):
+        ExperimentConfig.from_file(str(sub / "c.toml"))
+    (sub / "d.toml").write_text('base = "d.toml"\nname = "d"\n')
+    with pytest.raises(ValueError, match=r"base = 'd.toml': expected a file that does not lead back"):
+        ExperimentConfig.from_file(str(sub / "d.toml"))
+    (sub / "e.toml").write_text('base = "missing.toml"\nname = "e"\n')
+    with pytest.raises(ValueError, match=r"e.toml: base .*missing.toml: .*No such file"):
+        ExperimentConfig.from_file(str(sub / "e.toml"))

@@ -80,7 +80,8 @@ def test_rollout_step_discards_seals_and_reads_back(tmp_path):
     arm = make_arm("trace-full", guidance="lsb", n_layers=TINY["model"].layers)
     in_memory, diagnostics = steps.rollout(HomeEngine(model), prompts, sampling, arm)
     # an interrupted writer of the same name: its lock would refuse the new writer
-    stale = StoreWriter(tmp_path, 2, "w0", model_signature="other", policy_version=0)  # noqa: F841 (never closed)
+    stale = StoreWriter(tmp_path, 2, "w0", model_signature="other", policy_version=0,  # noqa: F841 (never closed)
+                        contract="other")
     target = StoreTarget(str(tmp_path), 2, "w0", ("a", "b"), "sig", 5)
     out = steps.rollout_step(HomeEngine(model), prompts, sampling, arm, target)
     assert out.rollout.records == [] and set(out.timings) == {"time/rollout_s", "time/store_write_s", "time/store_read_s"}
@@ -89,6 +90,8 @@ def test_rollout_step_discards_seals_and_reads_back(tmp_path):
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     for got, want in zip(out.diagnostics, diagnostics):
         assert all(torch.equal(got[k], want[k]) for k in want)
+    # an engine on a model whose version it was never told: its rows are at the target's version
+    assert [v.tolist() for v in out.versions] == [[5] * t.numel() for t in out.rollout.token_ids]
     assert discard_step(tmp_path, 2)  # sealed: the step is there
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
+from tracefp4.engines.contract import quantizer_contract
 from tracefp4.engines.model import from_config, moe_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutEngine, RolloutOutput, SamplingParams
@@ -320,7 +321,8 @@ def test_records_travel_through_the_store(tmp_path, model: torch.nn.Module) -> N
 
     rollout = generate(model, PROMPTS, SamplingParams(max_new_tokens=8, seed=2), plan=FP4, guidance=LSB)
     ids = [f"t{b}" for b in range(len(PROMPTS))]
-    with StoreWriter(tmp_path, 0, "w0", model_signature="tiny", policy_version=0) as writer:
+    with StoreWriter(tmp_path, 0, "w0", model_signature="tiny", policy_version=0,
+                     contract=quantizer_contract(FP4, LSB)) as writer:
         for tid, rec, p in zip(ids, rollout.records, rollout.prompt_lens):
             writer.add(tid, rec, prompt_len=p)
     seal_step(tmp_path, 0, ["w0"])

@@ -32,6 +32,7 @@ torch.set_num_threads(1)
 
 SIG = "toy-moe-4L-e8k2:sha256=0123abcd"
 PV = 5
+CONTRACT = "tracefp4.contract/1 weights=nvfp4 guidance=lsb"
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,7 +73,7 @@ def write_writer(
     """Target of the spawned writer processes (top level, so 'spawn' can import it)."""
     torch.set_num_threads(1)
     with StoreWriter(
-        root, step, writer_id, model_signature=SIG, policy_version=PV, shard_bytes=shard_bytes
+        root, step, writer_id, model_signature=SIG, policy_version=PV, contract=CONTRACT, shard_bytes=shard_bytes
     ) as w:
         for i in range(n):
             tid, rec, p = make_record(seed, i)
@@ -186,13 +187,20 @@ def test_round_trip_in_process_and_shards_are_plain_safetensors(tmp_path):
         for tid, (rec, p) in expected.items():
             assert_record_equal(r.get(tid), rec)
             assert r.length(tid) == rec["L02.routing"].shape[0] and r.prompt_len(tid) == p
-    # The files are plain safetensors with "{traj_id}/{name}" keys (no pickle, any reader works).
+    # The files are plain safetensors with "{traj_id}/{name}" keys (no pickle, any reader works), and
+    # each trajectory's per-token policy versions under "{traj_id}/policy_version".
     for shard in shard_files(tmp_path):
         loaded = safetensors.torch.load_file(shard)
         for key, t in loaded.items():
             tid, name = key.split("/")
-            assert bit_equal(t, expected[tid][0][name])
+            want = stored_versions(expected, tid) if name == "policy_version" else expected[tid][0][name]
+            assert bit_equal(t, want)
     assert len(shard_files(tmp_path)) == 2
+
+
+def stored_versions(expected: dict, tid: str) -> torch.Tensor:
+    """What the shard holds as ``tid``'s per-token versions when the writer was given none: PV per row."""
+    return torch.full((expected[tid][0]["L02.routing"].shape[0],), PV, dtype=torch.int64)
 
 
 def test_positions_must_lie_inside_the_record(tmp_path):
@@ -240,17 +248,30 @@ def test_seal_refuses_duplicate_trajectory_across_writers(tmp_path):
     assert not (step_dir(tmp_path, 3) / COMPLETE_NAME).exists()
 
 
-def test_seal_refuses_writers_that_disagree_on_policy_or_model(tmp_path):
+def test_seal_refuses_writers_that_disagree_on_model_or_contract(tmp_path):
     small_step(tmp_path, writers={"w0": 0})
-    with StoreWriter(tmp_path, 3, "w1", model_signature=SIG, policy_version=PV + 1) as w:
-        tid, rec, p = make_record(1, 0)
-        w.add(tid, rec, prompt_len=p)
-    with pytest.raises(StoreError, match=r"disagree on policy_version: \{'w0': 5, 'w1': 6\}"):
-        seal_step(tmp_path, 3, ["w0", "w1"])
-    with StoreWriter(tmp_path, 3, "w2", model_signature="other", policy_version=PV) as w:
+    tid, rec, p = make_record(1, 0)
+    with StoreWriter(tmp_path, 3, "w2", model_signature="other", policy_version=PV, contract=CONTRACT) as w:
         w.add(tid, rec, prompt_len=p)
     with pytest.raises(StoreError, match=r"disagree on model_signature"):
         seal_step(tmp_path, 3, ["w0", "w2"])
+    with StoreWriter(tmp_path, 3, "w3", model_signature=SIG, policy_version=PV, contract=CONTRACT + "x") as w:
+        w.add(tid, rec, prompt_len=p)
+    with pytest.raises(StoreError, match=r"disagree on the quantizer contract: \{'w0': '.*lsb', 'w3': '.*lsbx'\}"):
+        seal_step(tmp_path, 3, ["w0", "w3"])
+
+
+def test_writers_of_different_versions_seal_one_step_spanning_them(tmp_path):
+    # Each row carries its version: writers holding different weights may share a step (a pool whose
+    # workers run ahead of the trainer); the seal records the step's newest and oldest versions.
+    small_step(tmp_path, writers={"w0": 0})
+    with StoreWriter(tmp_path, 3, "w1", model_signature=SIG, policy_version=PV + 1, contract=CONTRACT) as w:
+        tid, rec, p = make_record(1, 0)
+        w.add(tid, rec, prompt_len=p)
+    seal = json.loads(seal_step(tmp_path, 3, ["w0", "w1"]).read_text())
+    assert (seal["policy_version"], seal["oldest_policy_version"], seal["contract"]) == (PV + 1, PV, CONTRACT)
+    with open_reader(tmp_path, policy_version=PV + 1, max_lag=1) as r:
+        assert r.version_range(tid) == (PV + 1, PV + 1) and r.version_range("s0.traj-000") == (PV, PV)
 
 
 def test_seal_is_idempotent_but_not_rewritable(tmp_path):
@@ -261,17 +282,17 @@ def test_seal_is_idempotent_but_not_rewritable(tmp_path):
     with pytest.raises(StoreError, match="already sealed with different contents"):
         seal_step(tmp_path, 3, ["w0"])
     with pytest.raises(StoreError, match="already sealed"):
-        StoreWriter(tmp_path, 3, "w9", model_signature=SIG, policy_version=PV)
-    StoreWriter(tmp_path, 4, "w0", model_signature=SIG, policy_version=PV).close()
+        StoreWriter(tmp_path, 3, "w9", model_signature=SIG, policy_version=PV, contract=CONTRACT)
+    StoreWriter(tmp_path, 4, "w0", model_signature=SIG, policy_version=PV, contract=CONTRACT).close()
     with pytest.raises(StoreError, match="manifest for this writer already exists"):
-        StoreWriter(tmp_path, 4, "w0", model_signature=SIG, policy_version=PV)
+        StoreWriter(tmp_path, 4, "w0", model_signature=SIG, policy_version=PV, contract=CONTRACT)
 
 
 def test_writer_that_raised_leaves_no_visible_trace(tmp_path):
     small_step(tmp_path, writers={"w0": 0})
     with pytest.raises(RuntimeError, match="worker died"):
         with StoreWriter(
-            tmp_path, 3, "w1", model_signature=SIG, policy_version=PV, shard_bytes=500
+            tmp_path, 3, "w1", model_signature=SIG, policy_version=PV, contract=CONTRACT, shard_bytes=500
         ) as w:
             for i in range(4):
                 tid, rec, p = make_record(1, i)
@@ -333,7 +354,7 @@ def test_one_flipped_byte_is_detected(tmp_path):
     differs = []
     for key, t in loaded.items():
         tid, name = key.split("/")
-        if not bit_equal(t, expected[tid][0][name]):
+        if not bit_equal(t, stored_versions(expected, tid) if name == "policy_version" else expected[tid][0][name]):
             differs.append(tid)
     assert len(differs) == 1
     bad = differs[0]
@@ -438,9 +459,13 @@ def test_wrong_model_signature(sealed):
 def test_wrong_policy_version(sealed):
     root, _ = sealed
     with pytest.raises(
-        StoreError, match=r"policy_version mismatch: store has 5, reader expects 4"
+        StoreError, match=r"policy_version mismatch: the store holds rows of version 5, newer than the "
+                          r"reader's 4; the reader at policy version 4 accepts version 4 only \(max_lag=0\)"
     ):
         open_reader(root, policy_version=4)
+    with pytest.raises(StoreError, match=r"the newest rows of the store are of version 5, older than the window: "
+                                         r"the reader at policy version 7 accepts versions 6..7 \(max_lag=1\)"):
+        open_reader(root, policy_version=7, max_lag=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -459,7 +484,7 @@ def test_parse_name():
 
 
 def test_add_validates_records(tmp_path):
-    w = StoreWriter(tmp_path, 0, "w0", model_signature=SIG, policy_version=PV)
+    w = StoreWriter(tmp_path, 0, "w0", model_signature=SIG, policy_version=PV, contract=CONTRACT)
     ok = torch.zeros(4, 3, dtype=torch.uint8)
     cases = [
         ("t/1", {"L01.k.codes": ok}, 0, "invalid trajectory id 't/1'"),
@@ -481,7 +506,7 @@ def test_add_validates_records(tmp_path):
         w.add("t", {"L01.k.codes": ok}, prompt_len=0)
     w.close()
     seal_step(tmp_path, 0, ["w0"])
-    r = StoreReader(tmp_path, 0, model_signature=SIG, policy_version=PV)
+    r = StoreReader(tmp_path, 0, model_signature=SIG, policy_version=PV, contract=CONTRACT)
     for tid in ("t", "u"):
         want = torch.arange(12, dtype=torch.uint8).reshape(4, 3)
         assert torch.equal(r.get(tid)["L01.k.codes"], want)
@@ -494,7 +519,7 @@ def test_add_validates_records(tmp_path):
 
 def test_bytes_per_token_matches_hand_arithmetic(tmp_path):
     u8, f8 = torch.uint8, torch.float8_e4m3fn
-    with StoreWriter(tmp_path, 1, "w0", model_signature=SIG, policy_version=PV) as w:
+    with StoreWriter(tmp_path, 1, "w0", model_signature=SIG, policy_version=PV, contract=CONTRACT) as w:
         w.add(
             "a",
             {
@@ -507,7 +532,7 @@ def test_bytes_per_token_matches_hand_arithmetic(tmp_path):
             },
             prompt_len=4,  # 6 generated tokens
         )
-    with StoreWriter(tmp_path, 1, "w1", model_signature=SIG, policy_version=PV) as w:
+    with StoreWriter(tmp_path, 1, "w1", model_signature=SIG, policy_version=PV, contract=CONTRACT) as w:
         w.add("b", {"L07.routing": torch.zeros(5, 8, dtype=torch.int16)}, prompt_len=3)  # 80, 2 gen
     seal_step(tmp_path, 1, ["w0", "w1"])
     gen = 6 + 2
@@ -545,7 +570,7 @@ def test_bytes_per_token_matches_hand_arithmetic(tmp_path):
 
 
 def writer(root: Path, step: int = 3, wid: str = "w0", **kw) -> StoreWriter:
-    return StoreWriter(root, step, wid, model_signature=SIG, policy_version=PV, **kw)
+    return StoreWriter(root, step, wid, model_signature=SIG, policy_version=PV, contract=CONTRACT, **kw)
 
 
 def test_second_writer_of_the_same_name_is_refused_at_creation(tmp_path):
@@ -743,17 +768,17 @@ def test_deeply_nested_json_is_a_store_error(tmp_path):
 def test_format_version_1_is_refused_with_a_clear_message(sealed):
     root, _ = sealed
     sdir = step_dir(root, 3)
-    assert FORMAT_VERSION == 2
+    assert FORMAT_VERSION == 3
     m = json.loads((sdir / "w0.manifest.json").read_text())
     m["version"] = 1
-    msg = r"manifest format version 1, this code reads only version 2 \(version 1 has no per-traj"
+    msg = r"manifest format version 1, this code reads only versions 2, 3 \(version 1 has no per-traj"
     with pytest.raises(StoreError, match=msg):
         Manifest.from_json(m)
     seal = sdir / COMPLETE_NAME
     c = json.loads(seal.read_text())
     c["version"] = 1
     seal.write_text(json.dumps(c))
-    with pytest.raises(StoreError, match=r"seal format version 1, this code reads only version 2"):
+    with pytest.raises(StoreError, match=r"seal format version 1, this code reads only versions 2, 3"):
         open_reader(root)
 
 
@@ -792,7 +817,8 @@ def test_rank_local_reads_count_bytes_and_verify_each_trajectory(tmp_path):
         assert_record_equal(r.get(f"t{i}"), big_record(i))
     (sm,) = r.manifests[0].shards.values()
     traj_bytes = r.manifests[0].trajectories["t0"].nbytes
-    assert r.bytes_read == sm.header_bytes + 2 * traj_bytes
+    versions_bytes = 16 * 8  # each trajectory's per-token versions, int64 [T], read and hashed with it
+    assert r.bytes_read == sm.header_bytes + 2 * (traj_bytes + versions_bytes)
     assert step_bytes(r) == shard.stat().st_size == sm.nbytes
     assert r.bytes_read < step_bytes(r) / 4
     assert bytes_per_token(r)["total_bytes"] == 16 * traj_bytes
@@ -800,9 +826,9 @@ def test_rank_local_reads_count_bytes_and_verify_each_trajectory(tmp_path):
     before = r.bytes_read
     got = r.get("t2", slice(3, 5), ["L02.routing"])
     assert bit_equal(got["L02.routing"], big_record(2)["L02.routing"][3:5])
-    assert r.bytes_read - before == traj_bytes
+    assert r.bytes_read - before == traj_bytes + versions_bytes
     r.verify()
-    assert r.bytes_read - before == traj_bytes + sm.nbytes
+    assert r.bytes_read - before == traj_bytes + versions_bytes + sm.nbytes
     r.close()
 
     # A flipped byte in trajectory 5's data: caught when t5 is read, t0 and t1 still fine.

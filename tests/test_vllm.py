@@ -570,6 +570,8 @@ if __name__ == "__main__":
     eng.load_weights(moved, 1)
     after = eng.generate(prompts, s, plan=PrecisionPlan(), guidance=None)
     assert any(not torch.equal(a, b) for a, b in zip(out.token_ids, after.token_ids))
+    # the engine-core process stamps every row with the version its weights were pushed as
+    assert [v.tolist() for v in after.versions] == [[1] * t.numel() for t in after.token_ids], after.versions
     print("MULTIPROCESS OK")
 """
 
@@ -594,7 +596,8 @@ def test_multiprocess_engine(_children) -> None:
 def test_engine_writes_records_into_the_store_itself(engine, tmp_path) -> None:
     """generate(..., store=target): the worker writes exactly the records it would have returned,
     under the target's writer; the rollout comes back with tokens and log-probs only."""
-    from tracefp4.engines.sink import StoreTarget
+    from tracefp4.engines.contract import quantizer_contract
+    from tracefp4.engines.sink import UNKNOWN_VERSION, StoreTarget
     from tracefp4.guidance.store import StoreReader, seal_step
 
     s, lsb = SamplingParams(max_new_tokens=6, seed=9), GuidedMode.parse("lsb")
@@ -604,8 +607,12 @@ def test_engine_writes_records_into_the_store_itself(engine, tmp_path) -> None:
     assert got.records == [] and got.stored is not None
     assert all(torch.equal(a, b) for a, b in zip(got.logprobs, want.logprobs))
     seal_step(tmp_path, 4, ["w2"])
-    with StoreReader(tmp_path, 4, model_signature="sig", policy_version=1) as r:
+    with StoreReader(tmp_path, 4, model_signature="sig", policy_version=1, max_lag=1,
+                     contract=quantizer_contract(FP4, lsb)) as r:
         back = r.batch(list(ids), [t.numel() for t in want.token_ids])
+        # each row's version as the worker stamped it (an engine never given weights: the target's)
+        for t, w in zip(ids, want.versions):
+            assert torch.equal(r.versions(t), torch.where(w == UNKNOWN_VERSION, 1, w))
     for g, w in zip(back, want.records):
         assert sorted(g) == sorted(w) and all(torch.equal(g[k], w[k]) for k in w)
     with pytest.raises(ValueError, match="names 2 trajectories"):
@@ -669,6 +676,7 @@ def test_load_weights_changes_the_generation_and_back(engine, hf: torch.nn.Modul
     engine.load_weights(moved, version=1)
     after = engine.generate(PROMPTS, s, plan=FP4, guidance=None)
     assert engine.version == 1
+    assert [v.tolist() for v in after.versions] == [[1] * t.numel() for t in after.token_ids]
     assert any(not torch.equal(a, b) for a, b in zip(before.token_ids, after.token_ids))
     # the FP4 expert weights were re-quantized from the pushed ones
     ex = moe_layers(hf)[0].experts
@@ -698,6 +706,7 @@ def test_load_weights_changes_the_generation_and_back(engine, hf: torch.nn.Modul
     assert fp4_gap <= 3 * bf16_gap, (fp4_gap, bf16_gap)
     engine.load_weights(state, version=2)
     again = engine.generate(PROMPTS, s, plan=FP4, guidance=None)
+    assert [v.tolist() for v in again.versions] == [[2] * t.numel() for t in again.token_ids]
     assert all(torch.equal(a, b) for a, b in zip(before.token_ids, again.token_ids))
     assert all(torch.equal(a, b) for a, b in zip(before.logprobs, again.logprobs))
     del ex

@@ -7,7 +7,9 @@ A :class:`TrainerGuidance` holds, for one teacher-forced forward:
   that decodes into one given the trainer's own value), the routing to replay per MoE layer, the layers whose codes to capture, and the
   :class:`~tracefp4.engines.rows.RowMap` of the forward's rows; records and replay are in record
   order (the trajectories' covered positions, concatenated), the map says which rows they belong to
-  (None: the rows are the records' rows, a packed batch);
+  (None: the rows are the records' rows, a packed batch); ``stale``, in record order, marks the rows
+  whose record is too many policy versions behind the trainer to guide it (they round to nearest on
+  the trainer's own grid; None: none is);
 * outputs: the trainer's packed FP4 codes and their grid at the capture layers (in record order),
   per-layer router flips under replay (over real rows), how many compact-record blocks failed to
   decode, and the sum of every record's :class:`~tracefp4.guidance.report.DecodeReport`
@@ -29,7 +31,7 @@ from collections.abc import Mapping
 import torch
 
 from tracefp4.engines.path import ForwardPath
-from tracefp4.engines.rows import RowMap, scatter_rows
+from tracefp4.engines.rows import RowMap, scatter_rows, select_rows
 from tracefp4.formats.constants import HintMode
 from tracefp4.formats import FP8, MXFP4, NVFP4
 from tracefp4.formats.quantizers import Grid, Quantizer
@@ -49,6 +51,7 @@ class TrainerGuidance(ForwardPath):
     routing_replay: Mapping[int, torch.Tensor] | None = None
     capture_layers: frozenset[int] = frozenset()
     rows: RowMap | None = None
+    stale: torch.Tensor | None = None
     codes: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, init=False)
     grids: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = dataclasses.field(default_factory=dict, init=False)
     router_flips: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict, init=False)
@@ -101,20 +104,33 @@ class TrainerGuidance(ForwardPath):
         self._check_rows(name, x.shape[0])
         rows = self._mapped()
         if rows is None:
-            hint = self.hint(name, x)
-            q = quantizer.quantize(x.detach()) if hint is None else guided(quantizer, x.detach(), hint)
+            q = self._record_rows(name, x.detach(), quantizer)
             self.capture_site(layer, name, q, quantizer.grid(q))
             return q
         if name not in self.hints and layer not in self.capture_layers:
             return quantizer.quantize(x.detach())
         real = rows.real.to(x.device)
-        xr = x.detach()[real]
-        hint = self.hint(name, xr)
-        qr = quantizer.quantize(xr) if hint is None else guided(quantizer, xr, hint)
+        qr = self._record_rows(name, x.detach()[real], quantizer)
         self.capture_site(layer, name, qr, quantizer.grid(qr))
         pad = rows.pad.to(x.device)
         parts = [(real, qr)] + ([(pad, quantizer.quantize(x.detach()[pad]))] if pad.numel() else [])
         return scatter_rows(x.shape[0], parts)
+
+    def _record_rows(self, name: str, x: torch.Tensor, quantizer: Quantizer) -> NVFP4 | MXFP4 | FP8:
+        """``x``'s rows (the records' rows, in record order) rounded toward the rollout's record where the
+        site has one, except the stale rows, which (like every row of a site without one) round to nearest."""
+        stale = self.stale if name in self.hints else None
+        if stale is not None and bool(stale.all()):
+            return quantizer.quantize(x)  # nothing to decode: no row takes the record
+        hint = self.hint(name, x)
+        if hint is None:
+            return quantizer.quantize(x)
+        q = guided(quantizer, x, hint)
+        if stale is None or not bool(stale.any()):
+            return q
+        # every scale is per row, so the stale rows quantized apart are what quantizing all rows gives there
+        old, fresh = stale.nonzero().squeeze(-1).to(x.device), (~stale).nonzero().squeeze(-1).to(x.device)
+        return scatter_rows(x.shape[0], [(fresh, select_rows(q, fresh)), (old, quantizer.quantize(x[old]))])
 
     def route(self, layer: int, weights: torch.Tensor, indices: torch.Tensor, logits: torch.Tensor | None = None,
               renormalises: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,6 +69,12 @@ class RolloutOutput:
     top_ids[b], top_logprobs[b]: with ``SamplingParams.top_logprobs = k``, int64 and float32
         ``[T_b - P_b, k]``: the sampler's k most likely tokens at each generated position, most likely
         first, and their log-probs; empty lists otherwise.
+    versions[b]: int64 ``[T_b]``, the policy version of the weights whose forward computed each row of
+        the record (the engine's version at that forward: a weight update during the generation, or a
+        K/V row written under older weights and attended to later, shows as it happened;
+        :data:`~tracefp4.engines.sink.UNKNOWN_VERSION` where the engine did not know its version). Empty
+        where the engine wrote them into the store with the records (``stored``), and from an engine
+        that records nothing.
     """
 
     token_ids: list[torch.Tensor]
@@ -83,6 +89,7 @@ class RolloutOutput:
     stored: StoreTarget | None = None
     top_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)
     top_logprobs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    versions: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     def completion(self, b: int) -> torch.Tensor:
         return self.token_ids[b][self.prompt_lens[b] :]
@@ -114,7 +121,8 @@ class RolloutEngine(Protocol):
         ...
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Take the policy's weights (pushed after every optimizer step)."""
+        """Take the policy's weights (pushed after every optimizer step) as policy version ``version``:
+        every forward from then on stamps its rows with it."""
         ...
 
 

@@ -30,6 +30,11 @@ Decisions
       at diagnostic layers go to ``RolloutOutput.diagnostics``, never to the records.
     * Everything runs under ``torch.no_grad``; quantized expert weights are cached across steps, keyed
       on each parameter's version (an optimizer step invalidates them).
+    * **Every row carries its policy version.** Each forward reads the engine's version when it runs
+      (``version``: an int, or a callable asked at every forward, so that weights loaded while a
+      generation is under way are seen from the next forward on) and stamps it on the rows it computes;
+      a row keeps the version of the forward that computed it, also when its K/V entry is attended to
+      by later forwards under newer weights (:func:`row_versions`, ``RolloutOutput.versions``).
 
 The loop is split the way gpt-fast splits it: :func:`prefill`, :func:`decode_one_token`,
 :func:`decode_n_tokens`, then :func:`assemble_records`.
@@ -40,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -50,7 +55,8 @@ from tracefp4.engines.model import CACHE_KWARG, FP4KVCache, forward_state, model
 from tracefp4.engines.plan import PrecisionPlan, check_supported
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts, check_top_logprobs
 from tracefp4.engines.rows import take_rows
-from tracefp4.engines.sink import StoreTarget, write_records
+from tracefp4.engines.contract import quantizer_contract
+from tracefp4.engines.sink import UNKNOWN_VERSION, StoreTarget, write_records
 from tracefp4.guidance.compact import GuidedMode, record_cat
 from tracefp4.guidance.names import routing_key
 
@@ -63,6 +69,7 @@ __all__ = [
     "decode_one_token",
     "decode_n_tokens",
     "assemble_records",
+    "row_versions",
 ]
 
 
@@ -97,6 +104,7 @@ class ForwardStep:
     rows: torch.Tensor  # which flattened rows of the forward are real tokens
     traj: torch.Tensor  # their trajectory index
     record: ForwardRecord
+    version: int = UNKNOWN_VERSION  # the policy version of the weights this forward ran with
 
 
 @dataclasses.dataclass
@@ -113,6 +121,7 @@ class _Decode:
     completions: list[list[int]]
     logprobs: list[list[float]]
     finish: list[str]
+    version: Callable[[], int]  # the engine's policy version now (read at every forward)
     steps: list[ForwardStep] = dataclasses.field(default_factory=list)
     top: list[list[tuple[torch.Tensor, torch.Tensor]]] = dataclasses.field(default_factory=list)  # per trajectory
 
@@ -122,6 +131,7 @@ def _forward(
 ) -> torch.Tensor:
     """One forward against the cache; keeps its records; returns the last position's float32 logits."""
     st.cache.begin_forward(st.attention[:, -ids.shape[1]:].bool())  # pads are neither stored nor attended to
+    version = st.version()
     with forward_state(st.model, st.plan, st.capture):
         out = st.model(
             input_ids=ids,
@@ -131,14 +141,16 @@ def _forward(
             use_cache=True,
             logits_to_keep=1,
         )
-    st.steps.append(ForwardStep(rows, traj, st.capture.take()))
+    st.steps.append(ForwardStep(rows, traj, st.capture.take(), version))
     return out.logits[:, -1, :].to(torch.float32)
 
 
 def prefill(
-    model: PreTrainedModel, plan: PrecisionPlan | None, capture: RolloutCapture, prompt_ids: list[torch.Tensor], pad: int
+    model: PreTrainedModel, plan: PrecisionPlan | None, capture: RolloutCapture, prompt_ids: list[torch.Tensor], pad: int,
+    version: int | Callable[[], int] = UNKNOWN_VERSION,
 ) -> tuple[_Decode, torch.Tensor]:
-    """Left-padded prompts through the model once; returns the decode state and the next-token logits."""
+    """Left-padded prompts through the model once; returns the decode state and the next-token logits.
+    ``version``: the policy version every forward stamps on its rows (a callable: asked per forward)."""
     device = model.device
     n = len(prompt_ids)
     prompt_lens = [int(p.numel()) for p in prompt_ids]
@@ -153,6 +165,7 @@ def prefill(
     st = _Decode(
         model, plan, capture, FP4KVCache(model), attention, torch.arange(n, device=device), prompt_lens,
         [[] for _ in range(n)], [[] for _ in range(n)], ["length"] * n,
+        version if callable(version) else (lambda: version),
     )
     real = attention.reshape(-1).nonzero().squeeze(-1)
     return st, _forward(st, input_ids, positions, real, real // width)
@@ -273,6 +286,16 @@ def assemble_records(
     return records, _site_records(steps, "diagnostics", gather, counts)
 
 
+def row_versions(steps: list[ForwardStep], lengths: list[int]) -> list[torch.Tensor]:
+    """int64 ``[T_b]`` per trajectory: the version each row's forward ran with, rows in position order
+    (as :func:`assemble_records` orders the records: steps are chronological, rows within a step in
+    order)."""
+    traj = torch.cat([s.traj.cpu() for s in steps])
+    stamped = torch.cat([torch.full((s.traj.numel(),), s.version, dtype=torch.int64) for s in steps])
+    counts = torch.bincount(traj, minlength=len(lengths)).tolist()
+    return list(stamped[torch.argsort(traj, stable=True)].split(counts))
+
+
 def generate(
     model: PreTrainedModel,
     prompts: Sequence[Sequence[int] | torch.Tensor],
@@ -282,6 +305,7 @@ def generate(
     guidance: GuidedMode | None = None,
     diagnostics: frozenset[int] = frozenset(),
     pad_token_id: int | None = None,
+    version: int | Callable[[], int] = UNKNOWN_VERSION,
 ) -> RolloutOutput:
     """Sample completions for ``prompts`` on a model prepared with
     :func:`tracefp4.engines.model.prepare_model`.
@@ -290,7 +314,9 @@ def generate(
     what is recorded besides routing; ``diagnostics`` the layers whose full codes are kept in memory.
     ``sampling.max_new_tokens == 0`` runs the prompts through one prefill and records them (no
     sampling): the engine's scoring mode. The model runs in eval mode (no dropout, no router jitter)
-    and is put back in the mode it was in.
+    and is put back in the mode it was in. ``version``: the policy version of the model's weights,
+    stamped on every row (``RolloutOutput.versions``); a callable is asked at every forward (weights
+    that may be replaced during the generation).
     """
     if plan is None and (guidance is not None or diagnostics):
         raise ValueError("a BF16 rollout (plan=None) has no FP4 codes: no guidance or diagnostics")
@@ -303,7 +329,7 @@ def generate(
     model.eval()
     try:
         with torch.no_grad():
-            return _generate(model, prompts, sampling, plan, guidance, capture, pad_token_id)
+            return _generate(model, prompts, sampling, plan, guidance, capture, pad_token_id, version)
     finally:
         model.train(was_training)
 
@@ -316,19 +342,22 @@ def _generate(
     guidance: GuidedMode | None,
     capture: RolloutCapture,
     pad_token_id: int | None,
+    version: int | Callable[[], int],
 ) -> RolloutOutput:
     prompt_ids = check_prompts(prompts, model.config.vocab_size)
     check_top_logprobs(sampling, model.config.vocab_size)
     pad = pad_token_id if pad_token_id is not None else (model.config.pad_token_id or 0)
     generator = torch.Generator(device=model.device).manual_seed(sampling.seed)
     t0 = time.perf_counter()
-    st, logits = prefill(model, plan, capture, prompt_ids, pad)
+    st, logits = prefill(model, plan, capture, prompt_ids, pad, version)
     t1 = time.perf_counter()
     decode_n_tokens(st, logits, sampling, generator)
     t2 = time.perf_counter()
     token_ids = [torch.cat([p, torch.tensor(c, dtype=torch.long)]) for p, c in zip(prompt_ids, st.completions)]
     n_experts = max((m.experts.gate_up_proj.shape[0] for m in moe_layers(model)), default=0)  # 0: dense, no routing
-    records, diagnostics = assemble_records(st.steps, [t.numel() for t in token_ids], n_experts, capture)
+    lengths = [t.numel() for t in token_ids]
+    records, diagnostics = assemble_records(st.steps, lengths, n_experts, capture)
+    versions = row_versions(st.steps, lengths)
     t3 = time.perf_counter()
     return RolloutOutput(
         token_ids=token_ids,
@@ -341,6 +370,7 @@ def _generate(
         guidance=guidance,
         timings={"prefill_s": t1 - t0, "decode_s": t2 - t1, "records_s": t3 - t2},
         **_top_tensors(st.top, sampling.top_logprobs, len(token_ids)),
+        versions=versions,
     )
 
 
@@ -355,14 +385,21 @@ def _top_tensors(top: list[list[tuple[torch.Tensor, torch.Tensor]]], k: int, n: 
 
 
 class HomeEngine:
-    """Our :class:`~tracefp4.engines.protocol.RolloutEngine` over a prepared transformers model."""
+    """Our :class:`~tracefp4.engines.protocol.RolloutEngine` over a prepared transformers model.
+
+    ``version``: the policy version of the model's weights, stamped on every row of every forward
+    (:data:`~tracefp4.engines.sink.UNKNOWN_VERSION` until :meth:`load_weights` or the driver sets it: an
+    engine on the trainer's own model object cannot know which version its weights are, and its rows
+    go to the store at the target's ``policy_version``). Weights loaded while a generation runs (from
+    another thread) are stamped from the next forward on.
+    """
 
     name = "home"
 
     def __init__(self, model: PreTrainedModel, *, pad_token_id: int | None = None) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
-        self.version = 0
+        self.version = UNKNOWN_VERSION
 
     def generate(
         self,
@@ -376,14 +413,15 @@ class HomeEngine:
     ) -> RolloutOutput:
         out = generate(
             self.model, prompts, sampling, plan=plan, guidance=guidance, diagnostics=diagnostics,
-            pad_token_id=self.pad_token_id,
+            pad_token_id=self.pad_token_id, version=lambda: self.version,
         )
         if store is None:
             return out
         t0 = time.perf_counter()
-        write_records(store, out.records, out.prompt_lens, [t.numel() for t in out.token_ids])
+        write_records(store, out.records, out.prompt_lens, versions=out.versions,
+                      contract=quantizer_contract(plan, guidance))
         timings = {**out.timings, "store_write_s": time.perf_counter() - t0}
-        return dataclasses.replace(out, records=[], stored=store, timings=timings)
+        return dataclasses.replace(out, records=[], versions=[], stored=store, timings=timings)
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy ``state`` into the model in place (bumping the version counters the quantized-weight

@@ -6,6 +6,13 @@ into the store under the target's writer (one writer per engine, keyed by trajec
 back only token ids, log-probs and finish reasons; the driver seals the step once every engine has
 returned (:func:`tracefp4.guidance.store.seal_step`). The target is plain data (JSON), so it crosses
 into a vLLM worker or a Ray actor without pickling anything of ours.
+
+Each row goes to the store with the policy version of the weights that computed it (the engine's
+stamp, :attr:`~tracefp4.engines.protocol.RolloutOutput.versions`) and the records with their quantizer
+contract (:func:`~tracefp4.engines.contract.quantizer_contract` of the rollout's plan and guidance). A
+row the engine could not stamp (:data:`UNKNOWN_VERSION`: an engine on a model whose weights others
+update, such as ours on the trainer's own model object, which never had ``load_weights``) is written
+at the target's ``policy_version``: the version the driver says those weights are.
 """
 
 from __future__ import annotations
@@ -19,7 +26,10 @@ import torch
 from tracefp4.faults import crash_point
 from tracefp4.guidance.store import StoreWriter
 
-__all__ = ["StoreTarget", "write_records", "pack_records", "unpack_records"]
+__all__ = ["UNKNOWN_VERSION", "StoreTarget", "write_records", "pack_records", "unpack_records", "unpack_rollout"]
+
+#: A row's policy version where the engine does not know the version of its weights (see the module docstring).
+UNKNOWN_VERSION = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +38,10 @@ class StoreTarget:
 
     root: the store's folder (shared by every engine and trainer rank: a local or shared filesystem).
     step: the step the records belong to. writer_id: this engine's writer (``w0``, ``w1``, ...; unique
-    per step). traj_ids: the store's name of each trajectory, in prompt order. model_signature and
-    policy_version: what every reader checks before it hands a record to a trainer.
+    per step). traj_ids: the store's name of each trajectory, in prompt order. model_signature: what
+    every reader checks before it hands a record to a trainer. policy_version: the version of the
+    weights the driver gave the engine, written for rows the engine could not stamp itself
+    (:data:`UNKNOWN_VERSION`); rows it stamped keep their own version.
     """
 
     root: str
@@ -58,41 +70,49 @@ class StoreTarget:
 
 
 def write_records(target: StoreTarget, records: Sequence[Mapping[str, torch.Tensor]], prompt_lens: Sequence[int],
-                  lengths: Sequence[int]) -> int:
+                  *, versions: Sequence[torch.Tensor], contract: str) -> int:
     """Write one rollout's records under ``target``'s writer; returns the bytes of tensors written.
-    ``lengths``: each trajectory's token positions (what an empty record, a BF16 rollout of a dense
-    model's, is stored with). The writer's manifest is committed only when every trajectory is in (a
-    crash leaves nothing a reader would take for complete)."""
-    if len({len(records), len(prompt_lens), len(lengths), len(target.traj_ids)}) != 1:
+    ``versions[b]``: the policy version of each row of trajectory b (``RolloutOutput.versions``;
+    :data:`UNKNOWN_VERSION` rows are written at ``target.policy_version``); ``contract``: the quantizer
+    contract the records were computed under. The writer's manifest is committed only when every
+    trajectory is in (a crash leaves nothing a reader would take for complete)."""
+    n = len(target.traj_ids)
+    if len(records) != n or len(prompt_lens) != n or len(versions) != n:
         raise ValueError(
-            f"store target {target.writer_id!r} names {len(target.traj_ids)} trajectories, the rollout has "
-            f"{len(records)} records, {len(prompt_lens)} prompts and {len(lengths)} lengths"
+            f"store target {target.writer_id!r} names {n} trajectories, the rollout has "
+            f"{len(records)} records, {len(prompt_lens)} prompts and {len(versions)} version rows"
         )
     crash_point("rollout")  # sampled, nothing written
     total = 0
     with StoreWriter(target.root, target.step, target.writer_id, model_signature=target.model_signature,
-                     policy_version=target.policy_version) as w:
-        for tid, rec, p, n in zip(target.traj_ids, records, prompt_lens, lengths):
-            w.add(tid, rec, prompt_len=int(p), length=int(n))
+                     policy_version=target.policy_version, contract=contract) as w:
+        for tid, rec, p, v in zip(target.traj_ids, records, prompt_lens, versions):
+            w.add(tid, rec, prompt_len=int(p), versions=torch.where(v == UNKNOWN_VERSION, target.policy_version, v))
             total += sum(t.nbytes for t in rec.values())
             crash_point("store-write")  # a writer with part of its records (and maybe shards) on disk
     return total
 
 
-def pack_records(records: list[dict[str, torch.Tensor]], diagnostics: list[dict[str, torch.Tensor]]) -> bytes:
-    """Records and diagnostics of a batch of trajectories as safetensors bytes, for a process boundary
-    the store is not on (a vLLM worker's RPC reply, a trainer rank's job): no pickled objects."""
+_VERSIONS = "policy_version"  # the name of a trajectory's per-row versions in a packed batch
+
+
+def pack_records(records: list[dict[str, torch.Tensor]], diagnostics: list[dict[str, torch.Tensor]],
+                 versions: Sequence[torch.Tensor] = ()) -> bytes:
+    """Records, diagnostics and (optionally) per-row versions of a batch of trajectories as safetensors
+    bytes, for a process boundary the store is not on (a vLLM worker's RPC reply, a trainer rank's
+    job): no pickled objects."""
     from safetensors.torch import save
 
     flat = {}
-    for kind, per_traj in (("r", records), ("d", diagnostics)):
+    for kind, per_traj in (("r", records), ("d", diagnostics), ("v", [{_VERSIONS: v} for v in versions])):
         for b, rec in enumerate(per_traj):
             for name, t in rec.items():
                 flat[f"{kind}/{b}/{name}"] = t.clone(memory_format=torch.contiguous_format)  # no shared storage
     return save(flat, metadata={"trajectories": str(len(records))})
 
 
-def unpack_records(blob: bytes) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+def unpack_rollout(blob: bytes) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]], list[torch.Tensor]]:
+    """(records, diagnostics, versions) of :func:`pack_records`' bytes (versions: ``[]`` if none were packed)."""
     import json
     import struct
 
@@ -102,8 +122,15 @@ def unpack_records(blob: bytes) -> tuple[list[dict[str, torch.Tensor]], list[dic
     # the count is in the header's metadata: a batch may carry no tensor at all
     header_len = struct.unpack("<Q", blob[:8])[0]
     n = int(json.loads(blob[8 : 8 + header_len])["__metadata__"]["trajectories"])
-    out: dict[str, list[dict[str, torch.Tensor]]] = {"r": [{} for _ in range(n)], "d": [{} for _ in range(n)]}
+    out: dict[str, list[dict[str, torch.Tensor]]] = {k: [{} for _ in range(n)] for k in "rdv"}
     for key, t in flat.items():
         kind, b, name = key.split("/", 2)
         out[kind][int(b)][name] = t
-    return out["r"], out["d"]
+    versions = [v[_VERSIONS] for v in out["v"]] if any(out["v"]) else []
+    return out["r"], out["d"], versions
+
+
+def unpack_records(blob: bytes) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """(records, diagnostics) of :func:`pack_records`' bytes."""
+    records, diagnostics, _ = unpack_rollout(blob)
+    return records, diagnostics

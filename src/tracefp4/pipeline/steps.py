@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from tracefp4.engines.contract import quantizer_contract
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutEngine, RolloutOutput, SamplingParams, StoreTarget
 from tracefp4.engines.trainer import TrainerMode, TrainerOutput, TrainerSpec, code_mismatch, forward_logprobs
@@ -48,12 +49,13 @@ def serving_engine(kind: EngineKind, model: PreTrainedModel, *, max_len: int, **
     return make_engine(kind, model, max_len=max_len, **vllm_kwargs)
 
 
-def sync(serving: RolloutEngine, model: PreTrainedModel, key: object) -> None:
-    """Give ``serving`` the trainer's current weights, unless it serves the trainer's own model object
-    or already holds the weights of ``key`` (an arm and its policy version)."""
+def sync(serving: RolloutEngine, model: PreTrainedModel, key: tuple[str, int]) -> None:
+    """Give ``serving`` the trainer's current weights as policy version ``key[1]`` (``key``: the arm's
+    name and the version), unless it serves the trainer's own model object (whose rows then take the
+    store target's version, :mod:`tracefp4.engines.sink`) or already holds the weights of ``key``."""
     if getattr(serving, "model", None) is model or getattr(serving, "synced", None) == key:
         return
-    serving.load_weights({k: v.detach() for k, v in model.state_dict().items()}, 0)
+    serving.load_weights({k: v.detach() for k, v in model.state_dict().items()}, key[1])
     serving.synced = key
 
 
@@ -78,6 +80,8 @@ class StepRollout:
     diagnostics: Records | None  # the rollout's full codes at the arm's diagnostics layers (in memory)
     records: Records | None  # as read back from the store (None: not read back)
     timings: dict[str, float]  # time/rollout_s, time/store_write_s (sealing included), time/store_read_s
+    # each record's per-row policy versions as read back (int64 [T]; None: not read back)
+    versions: list[torch.Tensor] | None = None
 
 
 #: The writer, model signature and policy version of a store step that :func:`rollout_step` is given as
@@ -100,8 +104,8 @@ def rollout_step(serving: RolloutEngine, prompts: Sequence[Sequence[int]], sampl
                  diagnostics: frozenset[int] = frozenset(), read_back: bool = True) -> StepRollout:
     """The rollout of one store step: discard what an interrupted run may have left of the step,
     generate on the arm's serving path with the engine writing the records, seal the step, and read
-    the records back (signature and policy version checked) unless ``read_back`` is off (a caller that
-    reads rows lazily). ``serving`` may write under several writers (a pool of worker processes,
+    the records back (signature, policy version and the arm's quantizer contract checked) with their
+    per-row versions unless ``read_back`` is off (a caller that reads rows lazily). ``serving`` may write under several writers (a pool of worker processes,
     :meth:`~tracefp4.rl.workers.RolloutPool.writer_ids`); the step is sealed with all of them.
 
     The rollout is an ``arm``, or (no arm) the ``plan``, ``guidance`` and ``diagnostics`` layers
@@ -128,13 +132,15 @@ def rollout_step(serving: RolloutEngine, prompts: Sequence[Sequence[int]], sampl
     seal_step(root, step, writer_ids(target) if writer_ids is not None else [target.writer_id])
     crash_point("sealed")  # the step is sealed, not yet consumed
     timings["time/store_write_s"] += time.perf_counter() - t0
-    records = None
+    records = versions = None
     if read_back:
         t0 = time.perf_counter()
-        with StoreReader(root, step, model_signature=target.model_signature, policy_version=target.policy_version) as r:
+        with StoreReader(root, step, model_signature=target.model_signature, policy_version=target.policy_version,
+                         contract=quantizer_contract(arm.plan, arm.guidance)) as r:
             records = r.batch(list(target.traj_ids), [t.numel() for t in roll.token_ids])
+            versions = [r.versions(t) for t in target.traj_ids]
         timings["time/store_read_s"] = time.perf_counter() - t0
-    return StepRollout(roll, diagnostics_out, records, timings)
+    return StepRollout(roll, diagnostics_out, records, timings, versions)
 
 
 def greedy(serving: RolloutEngine, prompts: Sequence[Sequence[int]], arm: Arm, *, max_new_tokens: int,

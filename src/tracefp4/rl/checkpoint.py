@@ -7,6 +7,8 @@ Layout of an arm folder::
         model.safetensors         /  or sharded weights with their index for large models)
         optimizer.safetensors     the optimizer's tensors (FP32 masters, Adam moments, step counts)
         trainer_state.json        {"format_version", "step", "state": the caller's JSON state}
+        extra/...                 the caller's own files, if any (the asynchronous loop's pending
+                                  rollouts, tracefp4.rl.staleness)
         CHECKSUMS.json            size and sha256 of every other file, written last
     arm_dir/step-00000050/
     arm_dir/.tmp-step-00000060-<pid>-<random>/   only while a save is under way (or after a kill)
@@ -22,6 +24,10 @@ Decisions (and why)
       linked files, and parses the optimizer tensors and the state from the very bytes it hashed. The
       model files are verified here and loaded by the caller from :attr:`Checkpoint.model_path`.
       Every problem is a :class:`CheckpointError` (a ``ValueError``) of one line naming the file.
+    * **The caller's own files travel inside.** ``extra`` (relative names, bytes) is written under
+      ``extra/`` and checksummed like every other file, and comes back in :attr:`Checkpoint.extra`
+      from the very bytes that were verified, so what a run must resume with beside its weights is
+      never older or newer than the weights it goes with.
     * **Keep the last good ones.** After a new checkpoint is in place, older step folders beyond the
       newest ``keep`` (default 2) are deleted; a folder only counts towards ``keep`` if its files have
       the sizes its checksums list (a cheap check; a full hash of old checkpoints on every save would
@@ -56,6 +62,7 @@ from tracefp4.files import fsync_dir
 
 __all__ = [
     "CHECKSUMS_NAME",
+    "EXTRA_DIR",
     "FORMAT_VERSION",
     "OPTIMIZER_NAME",
     "STATE_NAME",
@@ -75,6 +82,7 @@ FORMAT_VERSION = 1
 CHECKSUMS_NAME = "CHECKSUMS.json"
 OPTIMIZER_NAME = "optimizer.safetensors"
 STATE_NAME = "trainer_state.json"
+EXTRA_DIR = "extra"
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 _HIDDEN_PREFIXES = (".tmp-step-", ".old-step-")
 _CHUNK = 1 << 20
@@ -95,6 +103,7 @@ class Checkpoint:
     state: dict[str, Any]
     optimizer_tensors: dict[str, torch.Tensor]
     skipped: tuple[str, ...] = field(default=())  # one line per newer checkpoint that failed to verify
+    extra: dict[str, bytes] = field(default_factory=dict)  # the caller's files (save_checkpoint's extra), verified
 
     @property
     def model_path(self) -> Path:
@@ -179,15 +188,20 @@ def save_checkpoint(
     optimizer_tensors: Mapping[str, torch.Tensor],
     state: Mapping[str, Any],
     keep: int = 2,
+    extra: Mapping[str, bytes] | None = None,
 ) -> Path:
     """Write ``arm_dir/step-{step:08d}/`` as a whole (see the module docstring); returns its path.
 
     ``model`` is anything with ``save_pretrained(folder, safe_serialization=True)`` (a Hugging Face
-    model); ``state`` must be JSON (ints, floats, strings, lists, dicts) and comes back equal.
+    model); ``state`` must be JSON (ints, floats, strings, lists, dicts) and comes back equal, and so
+    do the bytes of each ``extra`` file (a relative ``/``-separated name, without ``..``).
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     name = checkpoint_name(step)
+    extra = dict(extra or {})
+    for rel in extra:
+        _check_extra_name(rel)
     arm_dir = Path(arm_dir)
     arm_dir.mkdir(parents=True, exist_ok=True)
     remove_stale(arm_dir)
@@ -205,6 +219,11 @@ def save_checkpoint(
         for reserved in (OPTIMIZER_NAME, STATE_NAME, CHECKSUMS_NAME):
             if reserved in sums:
                 raise CheckpointError(f"{tmp / reserved}: save_pretrained wrote a file with a reserved name")
+        if any(rel.split("/")[0] == EXTRA_DIR for rel in sums):
+            raise CheckpointError(f"{tmp / EXTRA_DIR}: save_pretrained wrote into the reserved folder")
+        for rel, data in sorted(extra.items()):
+            (tmp / EXTRA_DIR / rel).parent.mkdir(parents=True, exist_ok=True)
+            sums[f"{EXTRA_DIR}/{rel}"] = _write_new(tmp / EXTRA_DIR / rel, data)
         tensors = {k: v.detach().contiguous().cpu() for k, v in optimizer_tensors.items()}
         sums[OPTIMIZER_NAME] = _write_new(tmp / OPTIMIZER_NAME, safetensors.torch.save(tensors))
         sums[STATE_NAME] = _write_new(
@@ -224,6 +243,12 @@ def save_checkpoint(
     fsync_dir(arm_dir)
     _prune(arm_dir, keep)
     return arm_dir / name
+
+
+def _check_extra_name(rel: object) -> None:
+    parts = rel.split("/") if isinstance(rel, str) else []
+    if not parts or any(p in ("", ".", "..") for p in parts) or "\\" in rel:
+        raise ValueError(f"extra file name {rel!r}: expected a relative '/'-separated path without '.' or '..' parts")
 
 
 def _sizes_match(path: Path) -> bool:
@@ -326,7 +351,7 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]
     return _verify(Path(path), skip=())
 
 
-def _verify(path: Path, skip: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+def _verify(path: Path, skip: tuple[str, ...], skip_extra: bool = False) -> dict[str, dict[str, Any]]:
     if path.is_symlink() or not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint folder not found (or not a plain folder)")
     files = _read_checksums(path)
@@ -335,7 +360,7 @@ def _verify(path: Path, skip: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     if extra:
         raise CheckpointError(f"{path / extra[0]}: not listed in {CHECKSUMS_NAME}")
     for rel in sorted(files):
-        if rel not in skip:
+        if rel not in skip and not (skip_extra and rel.split("/")[0] == EXTRA_DIR):
             _check_file(path / rel, files[rel])
     return files
 
@@ -343,7 +368,8 @@ def _verify(path: Path, skip: tuple[str, ...]) -> dict[str, dict[str, Any]]:
 def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Verify a checkpoint folder, then read its state and optimizer tensors (see the module docstring)."""
     path = Path(path)
-    files = _verify(path, skip=(OPTIMIZER_NAME, STATE_NAME))  # those two: checked on the bytes parsed
+    # the optimizer, the state and the extra files: checked on the bytes parsed, below
+    files = _verify(path, skip=(OPTIMIZER_NAME, STATE_NAME), skip_extra=True)
     state_bytes = _read_bytes(path / STATE_NAME)
     _check_file(path / STATE_NAME, files[STATE_NAME], state_bytes)
     opt_bytes = _read_bytes(path / OPTIMIZER_NAME)
@@ -360,7 +386,12 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         tensors = safetensors.torch.load(opt_bytes)
     except Exception as e:  # safetensors raises its own SafetensorError; the hash passed, so this is a bug upstream
         raise CheckpointError(f"{path / OPTIMIZER_NAME}: unreadable safetensors ({e})") from None
-    return Checkpoint(path=path, step=doc["step"], state=doc["state"], optimizer_tensors=tensors)
+    extra = {}
+    for rel in sorted(r for r in files if r.split("/")[0] == EXTRA_DIR):
+        data = _read_bytes(path / rel)
+        _check_file(path / rel, files[rel], data)  # parsed by the caller from these very bytes
+        extra[rel.removeprefix(EXTRA_DIR + "/")] = data
+    return Checkpoint(path=path, step=doc["step"], state=doc["state"], optimizer_tensors=tensors, extra=extra)
 
 
 def latest_checkpoint(arm_dir: str | os.PathLike[str], *, fallback: bool = True) -> Checkpoint | None:
@@ -383,7 +414,7 @@ def latest_checkpoint(arm_dir: str | os.PathLike[str], *, fallback: bool = True)
             skipped.append(str(e))
             warnings.warn(f"skipping damaged checkpoint: {e}", CheckpointWarning, stacklevel=2)
             continue
-        return Checkpoint(ckpt.path, ckpt.step, ckpt.state, ckpt.optimizer_tensors, tuple(skipped))
+        return Checkpoint(ckpt.path, ckpt.step, ckpt.state, ckpt.optimizer_tensors, tuple(skipped), ckpt.extra)
     if first_error is not None:
         raise CheckpointError(f"no checkpoint in {arm_dir} verifies; newest: {first_error}")
     return None

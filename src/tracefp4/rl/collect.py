@@ -1,5 +1,9 @@
 """One step's experience: rollout -> store -> read back -> rewards, advantages, old log-probs.
 
+:func:`collect` is the synchronous loop's step; the asynchronous loop (:mod:`tracefp4.rl.staleness`)
+calls its two halves apart: :func:`roll_out` when the batch is generated, :func:`read_records` and
+:func:`score` when a later step consumes it.
+
 The records cross from the rollout to the trainer through the guidance store, as they would between
 processes: written by the engine that recorded them (this process's engine, a vLLM worker, or each
 rollout worker: one writer each), sealed by the driver, and read back with the policy version and
@@ -20,6 +24,7 @@ from transformers import PreTrainedModel
 
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, StoreTarget
 from tracefp4.formats.constants import HintMode
+from tracefp4.guidance.store import StoreReader
 from tracefp4.pipeline import steps
 from tracefp4.pipeline.arms import Arm, PolicyLoss
 from tracefp4.pipeline.factory import EngineKind, make_engine
@@ -67,8 +72,9 @@ class Batch:
     records: Records  # as read back from the store: what the trainer is given
     rewards: torch.Tensor  # [B]
     advantages: torch.Tensor  # [B], group-relative
-    logp_rollout: torch.Tensor  # what the rollout engine reported
-    logp_old: torch.Tensor  # the trainer's, before this step's updates (no gradient)
+    logp_rollout: torch.Tensor  # what the rollout engine reported: the behaviour policy
+    logp_old: torch.Tensor  # the trainer's, with the weights that consume the batch, before this step's updates
+    # (no gradient): the proximal policy (tracefp4.rl.grpo)
     mask: torch.Tensor
     metrics: dict[str, float]  # reward, mismatch, guidance bytes, code mismatch, ...
     timings: dict[str, float]  # time/rollout_s, time/store_write_s, time/store_read_s
@@ -85,23 +91,56 @@ class Batch:
 
 
 def collect(s: ArmSetup, step: int, version: int) -> Batch:
-    """Roll out step ``step`` with policy ``version`` and score it."""
-    cfg = s.cfg
-    rng = random.Random(derive(cfg.seed, Stream.PROMPTS, step))  # same prompts for every arm, resumable
-    group = [e for e in s.task.sample(rng, cfg.prompts_per_step) for _ in range(cfg.group_size)]
-    ids = trajectory_ids(TrajectoryIds.LOOP, len(group), step=step)
-    out = _rollout_to_store(s, step, version, [s.tok.encode(e.prompt) for e in group], ids)
-    diagnostics = out.diagnostics
-    if diagnostics is None and _stored_full_codes(s.arm):
-        diagnostics = out.records  # from worker processes: the full codes that reached the store
+    """Roll out step ``step`` with policy ``version`` and score it (the synchronous loop's step)."""
+    out = roll_out(s, step, version)
+    return score(s, step, out.rollout, out.records, out.diagnostics, out.timings)
+
+
+def step_prompts(s: ArmSetup, step: int) -> list[Example]:
+    """Step ``step``'s prompts, each ``group_size`` times: a function of the seed and the step alone
+    (same prompts for every arm, and for a resumed run)."""
+    rng = random.Random(derive(s.cfg.seed, Stream.PROMPTS, step))
+    return [e for e in s.task.sample(rng, s.cfg.prompts_per_step) for _ in range(s.cfg.group_size)]
+
+
+def step_traj_ids(s: ArmSetup, step: int) -> list[str]:
+    """The store's names of step ``step``'s trajectories."""
+    return trajectory_ids(TrajectoryIds.LOOP, s.cfg.prompts_per_step * s.cfg.group_size, step=step)
+
+
+def roll_out(s: ArmSetup, step: int, version: int, *, read_back: bool = True) -> steps.StepRollout:
+    """The rollout of step ``step`` with policy ``version`` (the weights in ``s.model`` now), written to
+    the store as that step; with ``read_back``, its records read back (else ``records`` is None and
+    :func:`read_records` reads them when the step is consumed)."""
+    group = step_prompts(s, step)
+    return _rollout_to_store(s, step, version, [s.tok.encode(e.prompt) for e in group], step_traj_ids(s, step),
+                             read_back)
+
+
+def read_records(s: ArmSetup, step: int, version: int, roll: RolloutOutput) -> tuple[Records, float]:
+    """Step ``step``'s records as the rollout of policy ``version`` wrote them (signature and version
+    checked by the store), and the seconds the read took."""
     t0 = time.perf_counter()
-    batch = _score(s, step, group, out.rollout, out.records, diagnostics)
-    batch.timings, batch.score_s, batch.traj_ids = out.timings, time.perf_counter() - t0, ids
+    with StoreReader(s.store_root, step, model_signature=s.signature, policy_version=version) as r:
+        records = r.batch(step_traj_ids(s, step), [t.numel() for t in roll.token_ids])
+    return records, time.perf_counter() - t0
+
+
+def score(s: ArmSetup, step: int, roll: RolloutOutput, records: Records, diagnostics: Records | None,
+          timings: dict[str, float], arm: Arm | None = None) -> Batch:
+    """Rewards, advantages and the trainer's log-probs under the weights in ``s.model`` now (the
+    proximal policy, before this step's update) of step ``step``'s rollout ``roll``; ``arm`` replaces
+    the setup's for the trainer's forward (a guidance fallback, :func:`tracefp4.rl.update.lag_arm`)."""
+    if diagnostics is None and _stored_full_codes(s.arm):
+        diagnostics = records  # from worker processes: the full codes that reached the store
+    t0 = time.perf_counter()
+    batch = _score(s, step, step_prompts(s, step), roll, records, diagnostics, arm or s.arm)
+    batch.timings, batch.score_s, batch.traj_ids = timings, time.perf_counter() - t0, step_traj_ids(s, step)
     return batch
 
 
-def _rollout_to_store(s: ArmSetup, step: int, version: int, prompts: list[list[int]], ids: list[str]
-                      ) -> steps.StepRollout:
+def _rollout_to_store(s: ArmSetup, step: int, version: int, prompts: list[list[int]], ids: list[str],
+                      read_back: bool = True) -> steps.StepRollout:
     """The step's rollout through the store, on the worker pool (each worker writes its own shards) or
     on this process's engine, given the policy's weights first."""
     cfg = s.cfg
@@ -114,7 +153,8 @@ def _rollout_to_store(s: ArmSetup, step: int, version: int, prompts: list[list[i
         steps.sync(s.serving, s.model, (s.name, version))
     t_sync = time.perf_counter() - t0
     target = StoreTarget(str(s.store_root), step, "w0", tuple(ids), s.signature, version)
-    out = steps.rollout_step(s.pool if s.pool is not None else s.serving, prompts, sampling, s.arm, target)
+    out = steps.rollout_step(s.pool if s.pool is not None else s.serving, prompts, sampling, s.arm, target,
+                             read_back=read_back)
     out.timings["time/weight_sync_s"] = t_sync
     return out
 
@@ -132,15 +172,15 @@ def _stored_full_codes(arm: Arm) -> bool:
 
 
 def _score(s: ArmSetup, step: int, group: list[Example], roll: RolloutOutput, records: Records,
-           diagnostics: Records | None) -> Batch:
+           diagnostics: Records | None, arm: Arm) -> Batch:
     """Rewards, advantages and the trainer's log-probs before the update, with the step's metrics."""
     cfg = s.cfg
     completions = [s.tok.decode(roll.completion(b).tolist()) for b in range(len(group))]
     rewards = torch.tensor([s.task.reward(e, c) for e, c in zip(group, completions)])
     adv = group_advantages(rewards, cfg.group_size, normalize_std=cfg.normalize_std)
-    measure = s.arm.plan is not None and diagnostics is not None  # code mismatch: FP4 arms with full codes
+    measure = arm.plan is not None and diagnostics is not None  # code mismatch: FP4 arms with full codes
     with torch.no_grad():  # the policy before this step's updates, with the codes it picks
-        old = steps.trainer_logprobs(s.model, roll.token_ids, roll.prompt_lens, records, s.arm,
+        old = steps.trainer_logprobs(s.model, roll.token_ids, roll.prompt_lens, records, arm,
                                       temperature=cfg.temperature, diagnostics=diagnostics if measure else None)
     width = max(lp.numel() for lp in roll.logprobs)
     logp_roll, mask = pad_right(roll.logprobs, width)

@@ -9,6 +9,7 @@ field, the value and what is expected.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import types
 import typing
@@ -143,6 +144,16 @@ class ModelSpec:
         )
 
 
+class Schedule(str, enum.Enum):
+    """When the rollouts a step trains on were generated, with ``max_staleness = k > 0``
+    (:mod:`tracefp4.rl.staleness`)."""
+
+    FIXED = "fixed"
+    """Step ``s`` trains on a rollout generated with the weights of version ``max(0, s - k)``: every
+    sample of step ``s`` has lag ``min(s, k)``. Deterministic, so a killed run resumes to the same
+    weights: the schedule of experiments."""
+
+
 @dataclass
 class RLConfig:
     """Every knob of a run (GRPO with BF16, vanilla FP4 QAT and TRACE arms side by side)."""
@@ -193,6 +204,16 @@ class RLConfig:
     normalize_std: bool = option(True, help="divide advantages by their group's reward std")
     updates_per_step: int = option(2, help="minibatches per rollout batch, one optimizer step each (one pass); "
                                    "divides prompts_per_step * group_size", ge=1)
+    # --- asynchrony: rollouts generated with older weights than the trainer's (tracefp4.rl.staleness)
+    max_staleness: int = option(0, help="k: the most policy versions a sample's weights may be behind the weights "
+                                "that train on it; 0 is the synchronous loop (every batch trained on the weights "
+                                "that generated it)", ge=0)
+    staleness_schedule: str = option(Schedule.FIXED.value, help="with max_staleness > 0, which rollouts a step "
+                                     "trains on: fixed (step s on the weights of version max(0, s - k)) "
+                                     "(tracefp4.rl.config.Schedule)", choices=tuple(m.value for m in Schedule))
+    guidance_max_lag: int | None = option(None, help="a guided arm's trainer rounds toward the rollout's codes for "
+                                          "samples at most this many versions old and to nearest beyond (counted); "
+                                          "null: max_staleness (always guided)", ge=0)
     # --- supervised warm start (once, shared by every arm)
     warm_start_steps: int = option(120, help="supervised fine-tuning steps before GRPO (0: none)", ge=0)
     warm_start_lr: float = option(3e-3, help="learning rate of the warm start", gt=0)
@@ -214,6 +235,11 @@ class RLConfig:
     trainer_world_size: int = option(1, help="processes the update step runs on (FSDP2, data parallel; "
                                      "tracefp4.rl.distributed); 1: in this process. At most the minibatch "
                                      "size prompts_per_step * group_size / updates_per_step", ge=1)
+
+    @property
+    def guidance_lag_bound(self) -> int:
+        """The largest lag at which a guided trainer still reads the rollout's guidance."""
+        return self.max_staleness if self.guidance_max_lag is None else self.guidance_max_lag
 
     @property
     def engine_kind(self) -> EngineKind:
@@ -291,6 +317,12 @@ class RLConfig:
         if self.prompts_per_step * self.group_size % self.updates_per_step:
             reject("updates_per_step", self.updates_per_step,
                    f"a divisor of prompts_per_step * group_size = {self.prompts_per_step * self.group_size}")
+        if self.guidance_max_lag is not None and self.guidance_max_lag > self.max_staleness:
+            reject("guidance_max_lag", self.guidance_max_lag, f"at most max_staleness = {self.max_staleness} (no "
+                   "sample is older), or null")
+        if self.max_staleness > 0 and self.trainer_world_size > 1:
+            reject("max_staleness", self.max_staleness, "0 with trainer_world_size > 1 (the trainer processes read "
+                   "each step's records under the trainer's own policy version)")
         minibatch = self.prompts_per_step * self.group_size // self.updates_per_step
         if self.trainer_world_size > minibatch:
             reject("trainer_world_size", self.trainer_world_size,

@@ -11,6 +11,11 @@
     arms = ["bf16", "qat", "trace", "trace-full"]
     steps = 200
 
+An experiment that varies another in a few fields names it instead of copying it: ``base =
+"experiment-count3-8l.toml"`` (a path relative to this file) reads that file first, and this file's
+keys replace its keys, table by table (``[run]`` and its ``[run.model]`` key by key; a list, such as
+``arms``, as a whole). ``name`` must be given again: two experiments never share a results file.
+
 Each seed is one ordinary run folder (all arms of that seed, the same warm start), so the matrix is
 resumable the way a run is: a seed whose folder exists is resumed (the saved config must agree), a
 finished one is only read. The summary (:func:`summarise`) is a pure function of the run folders.
@@ -136,7 +141,7 @@ class ExperimentConfig:
     @classmethod
     def from_file(cls, path: str) -> ExperimentConfig:
         try:
-            return cls.from_dict(read_table(path))
+            return cls.from_dict(read_experiment_table(path))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from None
 
@@ -174,6 +179,34 @@ class ExperimentConfig:
         if (run_dir / "config.json").exists():
             fields["resume"] = str(run_dir)
         return RLConfig.from_dict(fields)
+
+
+def read_experiment_table(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """An experiment file as a dict, its ``base`` file (the module docstring) read first and
+    overridden by it."""
+    d = read_table(str(path))
+    if "base" not in d:
+        return d
+    base = d.pop("base")
+    if "name" not in d:
+        raise ValueError(f"base = {base!r}: expected a name of its own beside it (the base's results file is the base's)")
+    if not isinstance(base, str) or not base:
+        reject("base", base, "the path of another experiment file, relative to this one")
+    base_path = (Path(path).parent / base).resolve()
+    if base_path in _seen or base_path == Path(path).resolve():
+        reject("base", base, "a file that does not lead back to this one")
+    try:
+        return _override(read_experiment_table(base_path, (*_seen, Path(path).resolve())), d)
+    except (OSError, TypeError, ValueError) as e:
+        raise ValueError(f"base {base_path}: {e}") from None
+
+
+def _override(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _override(out[key], value) if both else value
+    return out
 
 
 def run_experiment(cfg: ExperimentConfig, results_dir: str | Path = "docs/results",

@@ -5,6 +5,18 @@ weights against the rollout, and loss aggregation. (The train–rollout mismatch
 
 Conventions: per-token tensors are ``[B, T]`` over completion tokens, with ``mask`` 1 where a token
 was generated (0 for padding after the stop token).
+
+Three policies, decoupled as in AReaL (arXiv 2505.24298): the **behaviour** policy ``pi_rollout`` is
+what the rollout engine sampled with and reported (``logp_rollout``: its own numerics, and in the
+asynchronous loop its older weights); the **proximal** policy ``pi_old`` is the trainer's forward, with
+the weights of the step that consumes the batch, before that step's updates (``logp_old``, no
+gradient); ``pi`` is the trainer's current forward (``logp``, with gradient). The PPO ratio
+``pi / pi_old`` is clipped against the proximal policy, and the importance weight (:class:`ISMode`) is
+proximal / behaviour. In the synchronous loop the weights of the two coincide and the weight corrects
+the train-rollout numerics alone; with ``max_staleness = k`` (:mod:`tracefp4.rl.staleness`) it
+corrects the k versions of staleness too, and guidance, which can only bring the trainer's numerics
+to the rollout's, never moves the proximal weights toward the behaviour ones: it cannot hide
+staleness inside the weight.
 """
 
 from __future__ import annotations
@@ -156,11 +168,13 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate with an importance weight against the rollout (token-level truncated by default).
 
-    ``logp`` is the trainer's current log-prob (with gradient), ``logp_old`` the trainer's log-prob of
-    the policy that generated the batch (before this step's updates, no gradient), ``logp_rollout``
-    what the rollout engine reported. The PPO ratio is ``pi/pi_old`` (both trainer-side); the
-    train–rollout mismatch is corrected by the detached weight of ``is_mode`` (:func:`importance_weights`),
-    by default ``w = min(pi_old/pi_rollout, is_cap)`` (truncated importance sampling), as in the paper's setup.
+    ``logp`` is the trainer's current log-prob (with gradient), ``logp_old`` the proximal policy's (the
+    trainer's, with the weights that consume the batch, before this step's updates, no gradient),
+    ``logp_rollout`` the behaviour policy's, as the rollout engine reported it (the module docstring).
+    The PPO ratio is ``pi/pi_old`` (both trainer-side); the mismatch between the proximal and the
+    behaviour policy (numerics, and in the asynchronous loop staleness) is corrected by the detached
+    weight of ``is_mode`` (:func:`importance_weights`), by default ``w = min(pi_old/pi_rollout, is_cap)``
+    (truncated importance sampling), as in the paper's setup.
     """
     ratio = torch.exp(logp - logp_old)
     adv = advantages.unsqueeze(1)

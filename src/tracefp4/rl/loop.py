@@ -15,6 +15,12 @@ and one metrics row per step. Every step is a function of the weights and the st
 same sampling seeds) and what each records are in :mod:`tracefp4.pipeline.arms`; every field of the run
 config in :mod:`tracefp4.rl.config`.
 
+With ``max_staleness = k > 0`` step ``s`` trains on a batch rolled out ``k`` versions earlier
+(:mod:`tracefp4.rl.staleness`, the fixed schedule): the runner rolls out the batch of step ``s + k``
+before it trains on step ``s``'s, and its checkpoints carry the ``k`` batches rolled out ahead, so
+the same resume guarantee holds (a step is then a function of the weights, the step number and the
+batches its checkpoint carries).
+
 With ``trainer_world_size = N > 1`` the update runs on N FSDP2 processes (:mod:`tracefp4.rl.distributed`,
 started once per run, given each arm in turn); rollout, scoring, evaluation and checkpoints stay here,
 and the new weights come back to this process's model after every step.
@@ -54,6 +60,7 @@ from tracefp4.rl.config import ModelSpec, RLConfig
 from tracefp4.rl.evaluate import evaluate
 from tracefp4.rl.optim import MasterWeightAdamW
 from tracefp4.rl.report import write_report
+from tracefp4.rl.staleness import FixedSchedule
 from tracefp4.rl.tasks import Task, Tokenizer, make_task
 from tracefp4.rl.update import update
 from tracefp4.rl.warm_start import warm_start
@@ -83,6 +90,10 @@ class ArmRunner:
         # given this arm at the first step from this model and self.opt (which a resume has loaded by then)
         self.group = group
         self.group_ready = False
+        # max_staleness > 0: the batches rolled out ahead of the steps that train on them
+        self.schedule = FixedSchedule(self.setup, cfg.max_staleness, cfg.guidance_lag_bound) \
+            if cfg.max_staleness > 0 else None
+        self._restore: tuple[Any, dict[str, bytes], str] | None = None  # a loaded checkpoint's pending batches
 
     @property
     def name(self) -> str:
@@ -97,19 +108,24 @@ class ArmRunner:
         return self.setup.model
 
     def train_step(self) -> dict[str, Any]:
-        """One GRPO step: collect, update; returns the step's metrics record."""
-        batch = collect(self.setup, self.step, self.version)
+        """One GRPO step: collect (or, max_staleness > 0, take the step's batch generated ahead), update;
+        returns the step's metrics record."""
+        arm, staleness = self.arm, {}
+        if self.schedule is None:
+            batch = collect(self.setup, self.step, self.version)
+        else:
+            batch, arm, staleness = self.schedule.batch(self.step, self.version)
         t0 = time.perf_counter()
         if self.group is not None:
             stats = self._trainer_group().update(batch, self.setup.store_root, self.setup.signature, self.version,
                                                  self.model)  # the new weights are in self.model on return
         else:
-            stats = update(self.model, self.opt, self.arm, self.cfg, batch)
+            stats = update(self.model, self.opt, arm, self.cfg, batch)
         crash_point("updated")  # the weights moved in memory only
         self.version += 1
         rec = {
             "kind": "train", "step": self.step, "policy_version": self.version,
-            **batch.metrics, **stats, **batch.timings,
+            **batch.metrics, **staleness, **stats, **batch.timings,
             "time/train_s": batch.score_s + time.perf_counter() - t0,
         }
         discard_step(self.setup.store_root, self.step)  # consumed
@@ -135,9 +151,11 @@ class ArmRunner:
     def save(self, arm_dir: Path) -> None:
         # with trainer processes: their FP32 masters and Adam state, gathered in full (same names, same format)
         tensors = self.group.optimizer_tensors() if self.group_ready else self.opt.state_tensors()
-        save_checkpoint(arm_dir, self.step, model=self.model, optimizer_tensors=tensors, state={
-            "arm": self.name, "step": self.step, "policy_version": self.version, "signature": self.setup.signature,
-        })
+        state = {"arm": self.name, "step": self.step, "policy_version": self.version, "signature": self.setup.signature}
+        extra = None
+        if self.schedule is not None:  # the batches rolled out ahead travel with the weights they go with
+            state["pending"], extra = self.schedule.state(), self.schedule.checkpoint_files()
+        save_checkpoint(arm_dir, self.step, model=self.model, optimizer_tensors=tensors, state=state, extra=extra)
 
     def load(self, ck: Checkpoint) -> None:
         state = ck.state
@@ -147,12 +165,20 @@ class ArmRunner:
             raise ValueError(f"{ck.path}: model signature {state['signature']} differs from {self.setup.signature}")
         self.opt.load_state_tensors(ck.optimizer_tensors)
         self.step, self.version = int(state["step"]), int(state["policy_version"])
+        if self.schedule is not None:
+            if "pending" not in state:
+                raise ValueError(f"{ck.path}: a checkpoint of a run without max_staleness (no pending batches)")
+            self._restore = (state["pending"], ck.extra, str(ck.path))
 
     def discard_unconsumed_steps(self) -> None:
-        """Store steps a killed attempt left behind (sealed, half-written, or with a stale writer lock)."""
+        """Store steps a killed attempt left behind (sealed, half-written, or with a stale writer lock);
+        then, max_staleness > 0, the pending batches of the loaded checkpoint written back."""
         root = self.setup.store_root
         for p in sorted(root.glob("step-*")) if root.is_dir() else ():
             discard_step(root, int(p.name.split("-")[1]))
+        if self._restore is not None:
+            self.schedule.restore(*self._restore)
+            self._restore = None
 
 
 def run(cfg: RLConfig) -> Path:

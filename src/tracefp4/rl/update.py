@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from tracefp4.engines.trainer import TrainerOutput
+from tracefp4.engines.trainer import TrainerMode, TrainerOutput
 from tracefp4.pipeline import steps
 from tracefp4.pipeline.arms import Arm, PolicyLoss
 from tracefp4.rl.collect import Batch
@@ -89,6 +89,22 @@ def update(model: PreTrainedModel, opt: MasterWeightAdamW, arm: Arm, cfg: RLConf
             stats[k] = stats.get(k, 0.0) + v / cfg.updates_per_step
     model.eval()
     return {"grad_norm": sum(norms) / len(norms), **stats}
+
+
+def lag_arm(arm: Arm, trainer_version: int, rollout_version: int, guidance_max_lag: int) -> Arm:
+    """The arm a trainer at policy ``trainer_version`` runs on samples that the weights of
+    ``rollout_version`` generated: the arm itself while the lag (their difference) is at most
+    ``guidance_max_lag``; beyond, a guided arm's trainer rounds to nearest on its own grid (vanilla
+    QAT, routing still replayed), since records of weights that have moved on may no longer bracket
+    the trainer's values. The one place the loop hands the trainer its version and lag bound (with
+    records that carry a version per token, the trainer would take both and decide per token)."""
+    lag = trainer_version - rollout_version
+    if lag < 0 or guidance_max_lag < 0:
+        raise ValueError(f"lag_arm: trainer version {trainer_version} behind rollout version {rollout_version}, "
+                         f"or guidance_max_lag {guidance_max_lag} < 0")
+    if lag <= guidance_max_lag or arm.trainer is not TrainerMode.TRACE:
+        return arm
+    return dataclasses.replace(arm, trainer=TrainerMode.QAT)
 
 
 def minibatch_order(cfg: RLConfig, step: int, n: int) -> list[list[int]]:

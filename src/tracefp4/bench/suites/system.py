@@ -42,7 +42,7 @@ def _time_store(records, prompt_lens, lengths, repeats: int) -> tuple[float, flo
         ids = [f"t{b}" for b in range(len(records))]
         for step in range(repeats):
             t0 = time.perf_counter()
-            with StoreWriter(root, step, "w0", model_signature="bench", policy_version=0) as w:
+            with StoreWriter(root, step, "w0", model_signature="bench", policy_version=0, contract="bench") as w:
                 for tid, rec, p in zip(ids, records, prompt_lens):
                     w.add(tid, rec, prompt_len=p)
             seal_step(root, step, ["w0"])

@@ -50,9 +50,11 @@ import torch
 from tracefp4.engines.capture import RolloutCapture
 from tracefp4.engines.plan import PrecisionPlan, check_supported
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts, check_top_logprobs
-from tracefp4.engines.sink import StoreTarget, unpack_records
+from tracefp4.engines.contract import quantizer_contract
+from tracefp4.engines.sink import UNKNOWN_VERSION, StoreTarget, unpack_rollout
 from tracefp4.engines.vllm.kv_layout import KVStore, resolve_kv_store
 from tracefp4.engines.vllm.process import quiet_vllm_logging
+from tracefp4.engines.vllm.runtime import RUNTIME
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.names import Site
 
@@ -185,7 +187,7 @@ class VLLMEngine(_ClosedOnExit):
         self.plan = plan
         self.keep_bf16 = bool(keep_bf16) or plan is None
         self.max_model_len = max_model_len
-        self.version = 0
+        self.version = UNKNOWN_VERSION  # of weights loaded from a checkpoint: unknown until load_weights
         self.llm.collective_rpc("tracefp4_install")
         cfg = self.llm.llm_engine.model_config.hf_config
         self.n_layers = int(cfg.num_hidden_layers)
@@ -252,9 +254,10 @@ class VLLMEngine(_ClosedOnExit):
         blob = self.llm.collective_rpc(
             "tracefp4_finish",
             args=(owners, [t.tolist() for t in token_ids], self.n_experts,
-                  None if store is None else {**store.to_dict(), "prompt_lens": prompt_lens}),
+                  None if store is None else {**store.to_dict(), "prompt_lens": prompt_lens,
+                                              "contract": quantizer_contract(plan, guidance)}),
         )[0]
-        records, diag = unpack_records(blob)
+        records, diag, versions = unpack_rollout(blob)
         t3 = time.perf_counter()
         return RolloutOutput(
             token_ids=token_ids,
@@ -269,17 +272,20 @@ class VLLMEngine(_ClosedOnExit):
             stored=store,
             top_ids=top[0],
             top_logprobs=top[1],
+            versions=versions,
         )
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Push a transformers state dict into the running engine, without disk: vLLM's in-place
         ``reload_weights`` (which re-runs ``process_weights_after_loading``: the FP4 expert weights
-        are re-quantized once), then ``reset_prefix_cache``."""
+        are re-quantized once), then ``reset_prefix_cache``. The worker's forwards from then on stamp
+        their rows with policy version ``version``."""
         named = list(checkpoint_names(state))
         if self.in_process:  # the worker shares this process: hand it the tensors themselves
 
             def push(worker) -> int:
                 worker.model_runner.reload_weights(weights_iterator=iter(named))
+                RUNTIME.version = int(version)
                 return len(named)
 
             self.llm.collective_rpc(push)
@@ -287,7 +293,7 @@ class VLLMEngine(_ClosedOnExit):
             from safetensors.torch import save
 
             blob = save({k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format) for k, v in named})
-            self.llm.collective_rpc("tracefp4_reload", args=(blob,))
+            self.llm.collective_rpc("tracefp4_reload", args=(blob, int(version)))
         self.llm.reset_prefix_cache()
         self.version = version
 

@@ -10,7 +10,9 @@ process-global :data:`RUNTIME` at run time:
 * ``capture``: a :class:`~tracefp4.engines.capture.RolloutCapture`: the same object our own engine
   hands its seams, so the recorded tensors are exactly what our engine records.
 * ``steps``: while recording, one :class:`StepRecord` per model forward: the batch's rows mapped to
-  (internal request id, position) plus that forward's :class:`~tracefp4.engines.capture.ForwardRecord`.
+  (internal request id, position) plus that forward's :class:`~tracefp4.engines.capture.ForwardRecord`
+  and the policy version its weights were (``version``: set by every weight load, so a load between two
+  forwards of one generation shows in the rows of the second).
 
 This module does not import vLLM. The runtime is per process, the worker's: the engine reaches it
 through the worker extension's RPC methods (:mod:`.worker`), in-process or across processes alike.
@@ -27,6 +29,7 @@ import torch
 from tracefp4.engines.capture import ForwardRecord, RolloutCapture
 from tracefp4.engines.sites import ForwardState
 from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.sink import UNKNOWN_VERSION
 
 __all__ = ["StepRecord", "WorkerRuntime", "RUNTIME", "layer_index", "install_step_recorder", "dummy_forward"]
 
@@ -52,6 +55,7 @@ class StepRecord:
     positions: torch.Tensor
     input_ids: torch.Tensor | None
     record: ForwardRecord
+    version: int = UNKNOWN_VERSION
 
 
 class WorkerRuntime:
@@ -67,6 +71,8 @@ class WorkerRuntime:
         # their inputs may be NaN, which the quantizers rightly refuse, and their outputs are thrown away
         self.dummy = False
         self._state: ForwardState | None = None
+        # the policy version of the weights the worker holds (set by every weight load; unknown before)
+        self.version = UNKNOWN_VERSION
 
     @property
     def plan(self) -> PrecisionPlan | None:
@@ -123,6 +129,7 @@ def install_step_recorder(worker) -> str:
                         positions=positions.detach().cpu().clone(),
                         input_ids=None if input_ids is None else input_ids.detach().cpu().clone(),
                         record=record,
+                        version=RUNTIME.version,
                     )
                 )
 

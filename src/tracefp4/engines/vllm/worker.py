@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from tracefp4.engines.capture import RolloutCapture  # noqa: E402
 from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
-from tracefp4.engines.rollout import ForwardStep, assemble_records  # noqa: E402
+from tracefp4.engines.rollout import ForwardStep, assemble_records, row_versions  # noqa: E402
 from tracefp4.engines.sink import StoreTarget, pack_records, write_records  # noqa: E402
 from tracefp4.engines.vllm.runtime import RUNTIME, StepRecord, install_step_recorder  # noqa: E402
 from tracefp4.guidance.compact import GuidedMode  # noqa: E402
@@ -66,7 +66,7 @@ def map_steps(steps: list[StepRecord], owners: dict[str, tuple[int, str]], token
         seen_b.append(traj)
         seen_pos.append(pos)
         if rows.size:
-            out.append(ForwardStep(torch.from_numpy(rows), torch.from_numpy(traj), st.record))
+            out.append(ForwardStep(torch.from_numpy(rows), torch.from_numpy(traj), st.record, st.version))
     traj = np.concatenate(seen_b) if seen_b else np.empty(0, dtype=np.int64)
     pos = np.concatenate(seen_pos) if seen_pos else np.empty(0, dtype=np.int64)
     order = np.argsort(traj, kind="stable")  # per trajectory, in the order the forwards recorded them
@@ -109,21 +109,24 @@ class TraceWorkerExtension:
 
     def tracefp4_finish(self, owners: dict[str, list], token_ids: list[list[int]], n_experts: int,
                         store: dict | None = None) -> bytes:
-        """Stop recording; the records (and diagnostics) of the trajectories, as safetensors bytes.
-        ``owners``: external request id -> (trajectory, "main" | "flush"). With ``store``
-        (``StoreTarget.to_dict()`` plus ``prompt_lens``) the records are written into the guidance
-        store from here, under that writer, and only the diagnostics come back."""
+        """Stop recording; the records (and diagnostics) of the trajectories, and each row's policy
+        version, as safetensors bytes. ``owners``: external request id -> (trajectory, "main" |
+        "flush"). With ``store`` (``StoreTarget.to_dict()`` plus ``prompt_lens`` and the records'
+        ``contract``) the records and versions are written into the guidance store from here, under
+        that writer, and only the diagnostics come back."""
         capture = RUNTIME.capture
         steps = RUNTIME.end()
         ids = [torch.tensor(t, dtype=torch.long) for t in token_ids]
         mapped = map_steps(steps, {k: (int(v[0]), str(v[1])) for k, v in owners.items()}, ids)
-        records, diagnostics = assemble_records(mapped, [t.numel() for t in ids], int(n_experts), capture)
+        lengths = [t.numel() for t in ids]
+        records, diagnostics = assemble_records(mapped, lengths, int(n_experts), capture)
+        versions = row_versions(mapped, lengths)
         if store is not None:
             store = dict(store)
-            prompt_lens = store.pop("prompt_lens")
-            write_records(StoreTarget.from_dict(store), records, prompt_lens, [t.numel() for t in ids])
-            records = [{} for _ in records]
-        return pack_records(records, diagnostics)
+            prompt_lens, contract = store.pop("prompt_lens"), store.pop("contract")
+            write_records(StoreTarget.from_dict(store), records, prompt_lens, versions=versions, contract=contract)
+            records, versions = [{} for _ in records], []
+        return pack_records(records, diagnostics, versions)
 
     def tracefp4_kv_cache_bytes(self) -> int:
         """Bytes of the KV cache tensors this worker allocated (every layer's, K and V, as laid out)."""
@@ -132,10 +135,12 @@ class TraceWorkerExtension:
     def tracefp4_abort(self) -> None:
         RUNTIME.end()
 
-    def tracefp4_reload(self, blob: bytes) -> int:
-        """Weights in checkpoint names as safetensors bytes -> in-place ``reload_weights``."""
+    def tracefp4_reload(self, blob: bytes, version: int) -> int:
+        """Weights in checkpoint names as safetensors bytes -> in-place ``reload_weights``; the forwards
+        from then on stamp their rows with policy version ``version``."""
         from safetensors.torch import load
 
         named = load(blob)
         self.model_runner.reload_weights(weights_iterator=iter(named.items()))
+        RUNTIME.version = int(version)
         return len(named)

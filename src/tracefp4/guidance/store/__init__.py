@@ -8,7 +8,7 @@ anywhere.
 Layout of one RL step::
 
     root/step-00000012/
-        w0-00000.safetensors      # shard: keys "{traj_id}/{tensor_name}", plain safetensors
+        w0-00000.safetensors      # shard: keys "{traj_id}/{tensor_name}" and "{traj_id}/policy_version"
         w0-00001.safetensors
         w0.manifest.json          # per writer, published last, never replaced
         w1-00000.safetensors
@@ -21,6 +21,19 @@ Record
     token positions (prompt + completion). Names are ``L{layer:02d}.{site}.{field}`` for guidance
     (site in :class:`~tracefp4.guidance.names.Site`) and ``L{layer:02d}.routing`` for the routed expert
     indices (routing replay travels in the same store; it is just one more tensor).
+
+Versions and contract (format 3)
+    Each row of a record carries the policy version of the weights that computed it:
+    ``StoreWriter.add(..., versions=)`` (an integer ``[T]``; None: every row at the writer's
+    ``policy_version``), kept as int64 ``[T]`` under the shard key ``{traj_id}/policy_version`` (not a
+    record name, so never returned as a record tensor; covered by the trajectory's hash), and
+    ``StoreReader.versions(traj_id)``. The manifest lists each trajectory's ``[oldest, newest]`` and,
+    as its ``policy_version``, the newest row; the seal the step's newest (``policy_version``) and
+    oldest (``oldest_policy_version``): writers of one step may hold different versions. Every
+    manifest and the seal carry the records' quantizer contract (a one-line id,
+    :func:`tracefp4.engines.contract.quantizer_contract`), on which a step's writers must agree. A
+    reader at version v with ``max_lag=k`` accepts rows of versions v-k .. v (default k = 0: its own
+    version only) and, given a ``contract``, refuses another one naming both.
 
 Decisions (and why)
     * **Visibility without replacement.** Every shard, manifest and seal is written to a hidden
@@ -61,9 +74,9 @@ Decisions (and why)
       step's size (:func:`step_bytes`) or its payload (``bytes_per_token(...)['total_bytes']``).
     * **Strictness.** Every disagreement is a :class:`StoreError` that names what and where (path,
       step, writer, trajectory id, tensor name): unknown trajectory, length, trailing shape, dtype,
-      model signature, policy version, out-of-range position slice, duplicate trajectory id,
-      duplicate JSON keys, malformed JSON of any kind (including nesting too deep to decode), a
-      manifest or seal of another format version. Nothing is ever clipped, padded or skipped
+      model signature, policy version or lag, quantizer contract, out-of-range position slice,
+      duplicate trajectory id, duplicate JSON keys, malformed JSON of any kind (including nesting too
+      deep to decode), a manifest or seal of another format version. Nothing is ever clipped, padded or skipped
       silently.
     * **No links followed.** A step folder, shard, manifest, seal or lock that is a symbolic link
       (or not a regular file) is an error, never followed: step folders are opened with
@@ -95,14 +108,23 @@ Decisions (and why)
       load it back. Store packed FP4 codes as ``uint8`` (``t.view(torch.uint8)``), which is the same
       bytes. Routing indices must have an integer dtype. Data is little-endian (safetensors'
       byte order); readers on big-endian hosts are refused.
-    * **Versions.** Manifests and seals carry :data:`FORMAT_VERSION` (2: header and per-trajectory
-      hashes). Other versions, including version 1 (whole-shard hashes only), are refused with a
-      message saying so; such a step has to be written again.
+    * **Versions.** Manifests and seals carry :data:`FORMAT_VERSION` (3: per-token policy versions
+      and the quantizer contract). Format 2 (header and per-trajectory hashes, one policy version per
+      step) is still read (:data:`READABLE_VERSIONS`), as version-uniform: every row at the step's
+      ``policy_version``, which is what format 2 meant (one version per step, on which every writer
+      had to agree at sealing); it has no contract, so a reader given one refuses it (naming that),
+      and this code does not seal a format-2 step. Other versions, including version 1 (whole-shard
+      hashes only), are refused with a message saying so; such a step has to be written again.
+    * **Byte-identical shards.** safetensors writes the header's ``__metadata__`` from a hash map
+      seeded per process; the writer rewrites those entries in sorted key order (the tensor entries
+      already have a fixed order), so two processes writing the same records write the same shard
+      and manifest bytes.
     * **Positions.** :meth:`StoreReader.get` takes a step-1 slice with ``0 <= start <= stop <= T``;
       negative or out-of-range bounds are an error instead of Python's silent clipping. The whole
       trajectory is read (its hash covers all of it) and then sliced.
     * **Accounting** (:func:`bytes_per_token`) counts tensor payload bytes (numel x itemsize, from
-      the manifest metadata; safetensors headers and file-system overhead excluded) over all
+      the manifest metadata; safetensors headers, the per-token versions and file-system overhead
+      excluded) over all
       recorded positions, divided by the number of *generated* tokens (``T - prompt_len``
       summed), which is the unit the paper's bytes-per-token figures use. :func:`step_bytes` is
       the size of the step's shard files, headers included.
@@ -119,8 +141,10 @@ from tracefp4.guidance.store.common import (
     COMPLETE_NAME,
     FORMAT_VERSION,
     LOCK_SUFFIX,
+    READABLE_VERSIONS,
     ROUTING,
     SUPPORTED_DTYPES,
+    VERSIONS_KEY,
     StoreError,
     parse_name,
     step_dir,
@@ -135,8 +159,10 @@ __all__ = [
     "COMPLETE_NAME",
     "FORMAT_VERSION",
     "LOCK_SUFFIX",
+    "READABLE_VERSIONS",
     "ROUTING",
     "SUPPORTED_DTYPES",
+    "VERSIONS_KEY",
     "StoreError",
     "TensorMeta",
     "TrajectoryMeta",

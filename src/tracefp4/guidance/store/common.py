@@ -18,8 +18,14 @@ import torch
 from tracefp4.guidance import names
 
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+#: The format versions a reader opens: 3, and 2 (no per-token versions, no quantizer contract: read as
+#: version-uniform, see :mod:`tracefp4.guidance.store`).
+READABLE_VERSIONS = (2, 3)
 ROUTING = names.ROUTING
+#: The shard key suffix of a trajectory's per-token policy versions (``{traj_id}/policy_version``, int64
+#: ``[T]``): not a record name (those start with ``L``), so it can never alias a record tensor.
+VERSIONS_KEY = "policy_version"
 MANIFEST_SUFFIX = ".manifest.json"
 SHARD_SUFFIX = ".safetensors"
 LOCK_SUFFIX = ".lock"
@@ -133,6 +139,19 @@ def check_policy_version(policy_version: object) -> int:
     if not isinstance(pv, int) or isinstance(pv, bool) or pv < 0:
         raise StoreError(f"policy_version must be a non-negative int, got {policy_version!r}")
     return policy_version
+
+
+def check_contract(contract: object) -> str:
+    """A quantizer contract id: a non-empty single-line str (see :mod:`tracefp4.engines.contract`)."""
+    if not isinstance(contract, str) or not contract or "\n" in contract:
+        raise StoreError(f"contract must be a non-empty single-line str, got {contract!r}")
+    return contract
+
+
+def check_max_lag(max_lag: object) -> int:
+    if not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 0:
+        raise StoreError(f"max_lag must be a non-negative int, got {max_lag!r}")
+    return max_lag
 
 
 def check_signature(model_signature: object) -> str:
@@ -324,8 +343,8 @@ def version_error(where: str, what: str, version: object) -> StoreError:
             "write the step again with this code, e.g. discard_step() and roll out again)"
         )
     return StoreError(
-        f"{where}: {what} format version {version!r}, this code reads only version "
-        f"{FORMAT_VERSION}{hint}"
+        f"{where}: {what} format version {version!r}, this code reads only versions "
+        f"{', '.join(map(str, READABLE_VERSIONS))}{hint}"
     )
 
 

@@ -13,9 +13,11 @@ from tracefp4.guidance.store.common import (
     FORMAT_VERSION,
     ITEMSIZE,
     MANIFEST_FORMAT,
+    READABLE_VERSIONS,
     SHARD_SUFFIX,
     SHA_RE,
     StoreError,
+    check_contract,
     check_policy_version,
     check_signature,
     check_step,
@@ -65,8 +67,13 @@ class TrajectoryMeta:
     length: int
     prompt_len: int
     tensors: dict[str, TensorMeta]
-    #: sha256 of the trajectory's tensor bytes, concatenated in sorted tensor-name order
+    #: sha256 of the trajectory's tensor bytes, concatenated in sorted tensor-name order, then (format 3)
+    #: the bytes of its per-token policy versions
     sha256: str = ""
+    #: (oldest, newest) policy version of its rows (format 3, whose shard holds the per-token versions as
+    #: int64 ``[T]`` under ``{traj_id}/policy_version``); None in format 2: every row is at the manifest's
+    #: ``policy_version``
+    versions: tuple[int, int] | None = None
 
     @property
     def generated_tokens(self) -> int:
@@ -74,7 +81,14 @@ class TrajectoryMeta:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the record's tensors (what :func:`~tracefp4.guidance.store.bytes_per_token` counts;
+        the per-token versions are store overhead, like the headers)."""
         return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def versions_meta(self) -> TensorMeta | None:
+        """The shard tensor of the per-token versions (None in format 2, which has none)."""
+        return None if self.versions is None else TensorMeta((self.length,), "int64")
 
 
 @dataclass(frozen=True)
@@ -89,7 +103,12 @@ class ShardMeta:
 
 @dataclass(frozen=True)
 class Manifest:
-    """One writer's contribution to one step."""
+    """One writer's contribution to one step.
+
+    policy_version: the newest policy version of any row the writer wrote (format 2: the version of
+    every row). contract: the quantizer contract the records were computed under (format 3; None in
+    format 2, which did not record one).
+    """
 
     step: int
     writer_id: str
@@ -98,15 +117,27 @@ class Manifest:
     shards: dict[str, ShardMeta]
     trajectories: dict[str, TrajectoryMeta]
     version: int = FORMAT_VERSION
+    contract: str | None = None
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest policy version of any row (the manifest's ``policy_version`` without rows)."""
+        return min((t.versions[0] if t.versions is not None else self.policy_version
+                    for t in self.trajectories.values()), default=self.policy_version)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "format": MANIFEST_FORMAT,
             "version": self.version,
             "step": self.step,
             "writer_id": self.writer_id,
             "model_signature": self.model_signature,
             "policy_version": self.policy_version,
+        }
+        if self.contract is not None:
+            out["contract"] = self.contract
+        return {
+            **out,
             "shards": {
                 s.name: {
                     "bytes": s.nbytes,
@@ -122,6 +153,7 @@ class Manifest:
                     "length": t.length,
                     "prompt_len": t.prompt_len,
                     "sha256": t.sha256,
+                    **({} if t.versions is None else {"versions": list(t.versions)}),
                     "tensors": {
                         n: {"shape": list(m.shape), "dtype": m.dtype} for n, m in t.tensors.items()
                     },
@@ -138,7 +170,7 @@ class Manifest:
                 f"{where}: not a tracefp4 store manifest (format={obj.get('format')!r})"
             )
         version = req(obj, "version", int, where)
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise version_error(where, "manifest", version)
         step = req(obj, "step", int, where)
         writer_id = req(obj, "writer_id", str, where)
@@ -147,14 +179,18 @@ class Manifest:
             check_writer_id(writer_id)
             sig = check_signature(req(obj, "model_signature", str, where))
             pv = check_policy_version(req(obj, "policy_version", int, where))
+            contract = check_contract(req(obj, "contract", str, where)) if version >= 3 else None
         except StoreError as e:
             raise StoreError(f"{where}: {e}") from None
 
         shards = {name: _shard_meta(name, s, writer_id, f"{where}, shard {name!r}")
                   for name, s in req(obj, "shards", dict, where).items()}
-        trajs = {tid: _trajectory_meta(tid, t, shards, where)
+        trajs = {tid: _trajectory_meta(tid, t, shards, where, version)
                  for tid, t in req(obj, "trajectories", dict, where).items()}
-        return cls(step, writer_id, sig, pv, shards, trajs, version)
+        newest = max((t.versions[1] for t in trajs.values() if t.versions is not None), default=pv)
+        if newest != pv:
+            raise StoreError(f"{where}: policy_version {pv} is not the newest version of its rows ({newest})")
+        return cls(step, writer_id, sig, pv, shards, trajs, version, contract)
 
 
 def _shard_meta(name: str, s: Any, writer_id: str, w: str) -> ShardMeta:
@@ -175,8 +211,9 @@ def _shard_meta(name: str, s: Any, writer_id: str, w: str) -> ShardMeta:
     return ShardMeta(name, nbytes, sha, header_bytes, header_sha)
 
 
-def _trajectory_meta(tid: str, t: Any, shards: Mapping[str, ShardMeta], where: str) -> TrajectoryMeta:
-    """One validated entry of a manifest's ``trajectories``, in a shard of ``shards``."""
+def _trajectory_meta(tid: str, t: Any, shards: Mapping[str, ShardMeta], where: str, version: int) -> TrajectoryMeta:
+    """One validated entry of a manifest's ``trajectories``, in a shard of ``shards`` (format ``version``:
+    3 has the rows' version range)."""
     w = f"{where}, trajectory {tid!r}"
     try:
         check_traj_id(tid)
@@ -192,9 +229,21 @@ def _trajectory_meta(tid: str, t: Any, shards: Mapping[str, ShardMeta], where: s
     if length < 1 or not 0 <= prompt_len <= length:
         raise StoreError(f"{w}: invalid length {length} / prompt_len {prompt_len}")
     sha = _req_sha(t, "sha256", w)
-    # no tensors is a record too: a BF16 rollout of a dense model has nothing to record
+    # no record tensors is a record too (a BF16 rollout of a dense model has nothing to record): the
+    # shard still holds the trajectory's per-row versions
     tensors = {tname: _tensor_meta(tname, m, length, w) for tname, m in req(t, "tensors", dict, w).items()}
-    return TrajectoryMeta(tid, shard, length, prompt_len, tensors, sha)
+    if not tensors and version < 3:
+        raise StoreError(f"{w}: no tensors")
+    versions = _version_range(req(t, "versions", list, w), w) if version >= 3 else None
+    return TrajectoryMeta(tid, shard, length, prompt_len, tensors, sha, versions)
+
+
+def _version_range(v: list, w: str) -> tuple[int, int]:
+    """A trajectory's ``[oldest, newest]`` policy versions (``w``: the trajectory, for the error)."""
+    if (len(v) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+            or not 0 <= v[0] <= v[1]):
+        raise StoreError(f"{w}: field 'versions' must be [oldest, newest] with 0 <= oldest <= newest, got {v!r}")
+    return v[0], v[1]
 
 
 def _tensor_meta(tname: str, m: Any, length: int, w: str) -> TensorMeta:

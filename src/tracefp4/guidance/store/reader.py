@@ -15,13 +15,16 @@ import torch
 from tracefp4.guidance.store.common import (
     COMPLETE_FORMAT,
     COMPLETE_NAME,
-    FORMAT_VERSION,
     HASH_CHUNK,
+    READABLE_VERSIONS,
     SAFETENSORS_DTYPE,
     SHARD_FORMAT,
     SHARD_SUFFIX,
     SUPPORTED_DTYPES,
     StoreError,
+    VERSIONS_KEY,
+    check_contract,
+    check_max_lag,
     check_policy_version,
     check_signature,
     check_step,
@@ -53,6 +56,14 @@ from tracefp4.guidance.store.seal import check_agreement, read_manifest
 class _Located:
     writer_id: str
     meta: TrajectoryMeta
+    policy_version: int  # its manifest's (the version of every row in store format 2)
+
+
+def _stored_tensors(meta: TrajectoryMeta) -> dict[str, TensorMeta]:
+    """Every tensor a trajectory has in its shard, by key suffix: the record's, and (format 3) its
+    per-token versions."""
+    vm = meta.versions_meta
+    return meta.tensors if vm is None else {**meta.tensors, VERSIONS_KEY: vm}
 
 
 @dataclass
@@ -135,10 +146,20 @@ def _tensor_range(key: str, info: object, tm: TensorMeta, header_bytes: int, whe
 class StoreReader:
     """Reads a sealed step, refusing anything that disagrees with what the caller expects.
 
+    ``policy_version``: the trainer's own version v. ``max_lag`` k: the records it accepts were
+    computed by weights of versions v-k .. v, row by row (0, the default: its own weights only). A row
+    newer than v, or older than v-k, is a :class:`StoreError` naming the trajectory, its rows' versions
+    and the window; a step whose newest row is older than v-k is refused when opened. ``contract``: the
+    trainer's quantizer contract (:func:`tracefp4.engines.contract.quantizer_contract`); a step recorded
+    under another one is refused, naming both; None reads any contract unchecked. A step of store format
+    2 records neither per-token versions nor a contract: its rows are read as all at its
+    ``policy_version`` (format 2 wrote one version per step, and every writer of the step had to agree
+    on it), and it is refused when a ``contract`` is given (it cannot be checked).
+
     Shards are opened lazily, once, and every byte returned is verified right after it was read
     from that open file (see the module docstring). ``bytes_read`` counts the shard bytes read so
-    far: safetensors headers, the requested trajectories' tensor bytes and, after
-    :meth:`verify`, whole shards (manifests and the seal are not counted).
+    far: safetensors headers, the requested trajectories' tensor bytes (per-token versions included)
+    and, after :meth:`verify`, whole shards (manifests and the seal are not counted).
     """
 
     def __init__(
@@ -148,14 +169,19 @@ class StoreReader:
         *,
         model_signature: str,
         policy_version: int,
+        max_lag: int = 0,
+        contract: str | None = None,
     ) -> None:
         self._dfd = -1  # first, so that close() and __del__ work whatever fails below
         self._shards: dict[str, _OpenShard] = {}
+        self._versions: dict[str, torch.Tensor] = {}  # read and verified, per trajectory
         self.bytes_read = 0
         self.step = check_step(step)
         self.dir = step_dir(root, step)
         self.model_signature = check_signature(model_signature)
         self.policy_version = check_policy_version(policy_version)
+        self.max_lag = check_max_lag(max_lag)
+        self.contract = None if contract is None else check_contract(contract)
         if sys.byteorder != "little":
             raise StoreError("the store's data is little-endian; big-endian hosts are unsupported")
         try:
@@ -185,11 +211,17 @@ class StoreReader:
         if c.get("format") != COMPLETE_FORMAT:
             raise StoreError(f"{where}: unknown format {c.get('format')!r}")
         version = req(c, "version", int, where)
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise version_error(where, "seal", version)
+        self.format_version = version
         if req(c, "step", int, where) != step:
             raise StoreError(f"{where}: file claims step {c.get('step')!r}")
-        self._check_expected(c.get("model_signature"), c.get("policy_version"), where)
+        self._check_signature(c.get("model_signature"), where)
+        newest = req(c, "policy_version", int, where)
+        self._check_newest(newest, where)
+        oldest = req(c, "oldest_policy_version", int, where) if version >= 3 else newest
+        sealed_contract = req(c, "contract", str, where) if version >= 3 else None
+        self._check_contract(sealed_contract, where)
         writers = req(c, "writers", dict, where)
         if not writers:
             raise StoreError(f"{where}: no writers")
@@ -208,14 +240,23 @@ class StoreReader:
                     f"step {step}, writer {w!r}: manifest {self.dir / manifest_name(w)} changed "
                     f"after sealing (sha256 {h}, sealed {expected})"
                 )
-            self._check_expected(
-                m.model_signature, m.policy_version, f"step {step}, writer {w!r} manifest"
-            )
+            mw = f"step {step}, writer {w!r} manifest"
+            self._check_signature(m.model_signature, mw)
+            if m.version != version:
+                raise StoreError(f"{mw}: store format {m.version}, the seal's is {version}")
+            if m.contract != sealed_contract:
+                raise StoreError(f"{mw}: quantizer contract {m.contract!r}, the seal's is {sealed_contract!r}")
+            if m.policy_version > self.policy_version:
+                self._check_newest(m.policy_version, mw)
             self.manifests.append(m)
         check_agreement(self.manifests, step)
+        span = (min(m.oldest_version for m in self.manifests), max(m.policy_version for m in self.manifests))
+        if span != (oldest, newest):
+            raise StoreError(f"{where}: seal says policy versions {oldest}..{newest}, "
+                             f"the manifests hold {span[0]}..{span[1]}")
         for m in self.manifests:
             for tid, t in m.trajectories.items():
-                self._index[tid] = _Located(m.writer_id, t)
+                self._index[tid] = _Located(m.writer_id, t, m.policy_version)
         n = c.get("num_trajectories")
         if n != len(self._index):
             raise StoreError(
@@ -240,6 +281,20 @@ class StoreReader:
     def tensor_meta(self, traj_id: str) -> dict[str, TensorMeta]:
         return dict(self._locate(traj_id).meta.tensors)
 
+    def version_range(self, traj_id: str) -> tuple[int, int]:
+        """(oldest, newest) policy version of a trajectory's rows, from its manifest (format 2: the
+        step's version, twice)."""
+        loc = self._locate(traj_id)
+        return loc.meta.versions if loc.meta.versions is not None else (loc.policy_version,) * 2
+
+    def versions(self, traj_id: str) -> torch.Tensor:
+        """int64 ``[T]``: the policy version of the weights that computed each row of a trajectory's
+        record (format 2: all at the step's version), checked against the reader's window like the
+        record itself. Read and verified with the record (:meth:`get`; read here if it was not)."""
+        if traj_id not in self._versions:
+            self.get(traj_id, names=[])
+        return self._versions[traj_id].clone()
+
     def get(
         self,
         traj_id: str,
@@ -256,11 +311,13 @@ class StoreReader:
         loc = self._locate(traj_id)
         meta = loc.meta
         where = f"step {self.step}, writer {loc.writer_id!r}, trajectory {traj_id!r}"
+        self._check_lag(traj_id, where)
         wanted = _wanted_names(meta, names, where)
         start, stop = self._positions(positions, meta.length, where)
         shard = self._open_shard(meta.shard)
         where = f"{where}, shard {shard.path}"
         bufs = self._read_verified(shard, traj_id, meta, where)
+        self._versions[traj_id] = self._row_versions(bufs, loc, where)
         out: dict[str, torch.Tensor] = {}
         for name in wanted:
             tm = meta.tensors[name]
@@ -281,8 +338,8 @@ class StoreReader:
         """Every tensor's bytes of one trajectory, read from ``shard``'s descriptor and checked against
         the trajectory's sha256 before anything is built from them."""
         # One buffer per tensor; tensors adjacent in the file are read with one preadv.
-        bufs = {n: bytearray(tm.nbytes) for n, tm in meta.tensors.items()}
-        in_file_order = sorted(meta.tensors, key=lambda n: shard.ranges[f"{traj_id}/{n}"])
+        bufs = {n: bytearray(tm.nbytes) for n, tm in _stored_tensors(meta).items()}
+        in_file_order = sorted(bufs, key=lambda n: shard.ranges[f"{traj_id}/{n}"])
         runs: list[tuple[int, list[bytearray]]] = []
         run_end = -1
         for n in in_file_order:
@@ -295,7 +352,7 @@ class StoreReader:
         for offset, run in runs:
             self.bytes_read += preadv_exact(shard.fd, run, offset, where)
         h = hashlib.sha256()
-        for n in sorted(meta.tensors):
+        for n in sorted(meta.tensors) + ([VERSIONS_KEY] if meta.versions is not None else []):
             h.update(bufs[n])
         if h.hexdigest() != meta.sha256:
             raise StoreError(
@@ -326,6 +383,7 @@ class StoreReader:
             )
         for tid, n in zip(traj_ids, lengths):
             loc = self._locate(tid)
+            self._check_lag(tid, f"step {self.step}, writer {loc.writer_id!r}, trajectory {tid!r}")
             if n != loc.meta.length:
                 raise StoreError(
                     f"step {self.step}, writer {loc.writer_id!r}, trajectory {tid!r}: batch "
@@ -404,17 +462,59 @@ class StoreReader:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _check_expected(self, sig: object, pv: object, where: str) -> None:
+    def _check_signature(self, sig: object, where: str) -> None:
         if sig != self.model_signature:
             raise StoreError(
                 f"{where}: model_signature mismatch: store has {sig!r}, reader expects "
                 f"{self.model_signature!r}"
             )
-        if pv != self.policy_version or isinstance(pv, bool):
-            raise StoreError(
-                f"{where}: policy_version mismatch: store has {pv!r}, reader expects "
-                f"{self.policy_version!r}"
-            )
+
+    def _window(self) -> str:
+        v, k = self.policy_version, self.max_lag
+        return (f"the reader at policy version {v} accepts " +
+                (f"version {v} only (max_lag=0)" if k == 0 else f"versions {max(v - k, 0)}..{v} (max_lag={k})"))
+
+    def _check_newest(self, newest: int, where: str) -> None:
+        """The step's (or a writer's) newest row is neither newer than the reader nor older than its window."""
+        if newest > self.policy_version:
+            raise StoreError(f"{where}: policy_version mismatch: the store holds rows of version {newest}, "
+                             f"newer than the reader's {self.policy_version}; {self._window()}")
+        if newest < self.policy_version - self.max_lag:
+            raise StoreError(f"{where}: policy_version mismatch: the newest rows of the store are of version "
+                             f"{newest}, older than the window: {self._window()}")
+
+    def _check_contract(self, contract: str | None, where: str) -> None:
+        if self.contract is None or contract == self.contract:
+            return
+        if contract is None:
+            raise StoreError(f"{where}: store format {self.format_version} recorded no quantizer contract, the "
+                             f"reader expects {self.contract!r}; read it with contract=None to accept it "
+                             "unchecked, or write the step again")
+        raise StoreError(f"{where}: quantizer contract mismatch: the records were computed under {contract!r}, "
+                         f"the reader expects {self.contract!r}")
+
+    def _check_lag(self, traj_id: str, where: str) -> None:
+        """Every row of the trajectory is of a version in the reader's window (from its manifest)."""
+        oldest, newest = self.version_range(traj_id)
+        v, k = self.policy_version, self.max_lag
+        if newest > v:
+            raise StoreError(f"{where}: rows of policy version {newest}, newer than the reader's {v}; "
+                             f"{self._window()}")
+        if oldest < v - k:
+            raise StoreError(f"{where}: rows of policy version {oldest} (lag {v - oldest}); {self._window()}")
+
+    def _row_versions(self, bufs: Mapping[str, bytearray], loc: _Located, where: str) -> torch.Tensor:
+        """The verified per-token versions of a trajectory (format 2: its step's version), which must
+        span exactly the range its manifest states."""
+        meta = loc.meta
+        if meta.versions is None:
+            return torch.full((meta.length,), loc.policy_version, dtype=torch.int64)
+        rows = _tensor_from_bytes(bufs[VERSIONS_KEY], meta.versions_meta)
+        span = (int(rows.min()), int(rows.max()))
+        if span != meta.versions:
+            raise StoreError(f"{where}: per-token versions span {span[0]}..{span[1]}, the manifest says "
+                             f"{meta.versions[0]}..{meta.versions[1]}")
+        return rows
 
     def _locate(self, traj_id: str) -> _Located:
         loc = self._index.get(traj_id) if isinstance(traj_id, str) else None
@@ -477,7 +577,7 @@ class StoreReader:
             f"{tid}/{n}": tm
             for tid, loc in self._index.items()
             if loc.meta.shard == sm.name
-            for n, tm in loc.meta.tensors.items()
+            for n, tm in _stored_tensors(loc.meta).items()
         }
         if set(header) != set(expected):
             extra = sorted(set(header) - set(expected))

@@ -59,11 +59,20 @@ def read_manifest(dfd: int, sdir: Path, writer_id: str, step: int) -> tuple[Mani
 
 
 def check_agreement(manifests: Sequence[Manifest], step: int) -> None:
+    """The writers of one step agree on the model signature, format version and quantizer contract, and
+    no trajectory id is written twice. In format 2 they also agree on the policy version (every row of a
+    format-2 step is at it); in format 3 each row carries its own, and writers may hold different ones."""
     sigs = {m.writer_id: m.model_signature for m in manifests}
     if len(set(sigs.values())) > 1:
         raise StoreError(f"step {step}: writers disagree on model_signature: {sigs}")
+    formats = {m.writer_id: m.version for m in manifests}
+    if len(set(formats.values())) > 1:
+        raise StoreError(f"step {step}: writers of different store format versions: {formats}")
+    contracts = {m.writer_id: m.contract for m in manifests}
+    if len(set(contracts.values())) > 1:
+        raise StoreError(f"step {step}: writers disagree on the quantizer contract: {contracts}")
     pvs = {m.writer_id: m.policy_version for m in manifests}
-    if len(set(pvs.values())) > 1:
+    if manifests and manifests[0].version < 3 and len(set(pvs.values())) > 1:
         raise StoreError(f"step {step}: writers disagree on policy_version: {pvs}")
     owner: dict[str, str] = {}
     for m in manifests:
@@ -80,8 +89,8 @@ def seal_step(root: str | os.PathLike[str], step: int, writers: Sequence[str]) -
     """Make ``step`` visible to readers, after checking the writers' manifests agree.
 
     The driver calls this once every rollout worker has returned. It checks that every named
-    writer's manifest exists and parses, that all agree on model signature and policy version, that
-    no trajectory id appears twice, and that every listed shard exists as a regular file with the
+    writer's manifest exists and parses, that all agree on model signature and quantizer contract
+    (:func:`check_agreement`), that no trajectory id appears twice, and that every listed shard exists as a regular file with the
     recorded size (hashes are left to the reader). It then publishes ``COMPLETE.json`` and removes
     everything else in the step folder: temp files, lock files, shards no sealed manifest lists,
     manifests (and files) of writers it was not given. Sealing again with the same writers is a
@@ -114,12 +123,18 @@ def seal_step(root: str | os.PathLike[str], step: int, writers: Sequence[str]) -
                 keep.add(s.name)
                 _check_shard_file(dfd, sdir, s, f"cannot seal step {step}: writer {m.writer_id!r}")
 
+        if manifests[0].version != FORMAT_VERSION:
+            raise StoreError(f"cannot seal step {step}: its manifests are of store format "
+                             f"{manifests[0].version}; this code seals format {FORMAT_VERSION} only")
         complete = {
             "format": COMPLETE_FORMAT,
             "version": FORMAT_VERSION,
             "step": step,
             "model_signature": manifests[0].model_signature,
-            "policy_version": manifests[0].policy_version,
+            "contract": manifests[0].contract,
+            # the newest and the oldest policy version of any row of the step
+            "policy_version": max(m.policy_version for m in manifests),
+            "oldest_policy_version": min(m.oldest_version for m in manifests),
             "num_trajectories": sum(len(m.trajectories) for m in manifests),
             "writers": {w: {"manifest_sha256": hashes[w]} for w in writers},
         }

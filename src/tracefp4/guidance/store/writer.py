@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 import socket
@@ -26,6 +27,8 @@ from tracefp4.guidance.store.common import (
     SHARD_FORMAT,
     SHARD_SUFFIX,
     StoreError,
+    VERSIONS_KEY,
+    check_contract,
     check_policy_version,
     check_signature,
     check_step,
@@ -57,6 +60,11 @@ class StoreWriter:
     creation, ownership check and no-replace publish at close). Nothing this writer wrote becomes
     visible before :meth:`close` has published the manifest, and the step as a whole only after
     :func:`seal_step`.
+
+    ``contract``: the quantizer contract the records were computed under
+    (:func:`tracefp4.engines.contract.quantizer_contract`), which a reader compares with its own.
+    ``policy_version``: the version of the rows :meth:`add` is given without per-token ``versions``.
+    The manifest's ``policy_version`` is the newest version of any row written (this one while none is).
     """
 
     def __init__(
@@ -67,6 +75,7 @@ class StoreWriter:
         *,
         model_signature: str,
         policy_version: int,
+        contract: str,
         shard_bytes: int = 256 << 20,
     ) -> None:
         self._dfd = -1  # first, so that __del__ works whatever fails below
@@ -74,6 +83,7 @@ class StoreWriter:
         self.writer_id = check_writer_id(writer_id)
         self.model_signature = check_signature(model_signature)
         self.policy_version = check_policy_version(policy_version)
+        self.contract = check_contract(contract)
         if not isinstance(shard_bytes, int) or isinstance(shard_bytes, bool) or shard_bytes < 1:
             raise StoreError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
         self.shard_bytes = shard_bytes
@@ -115,12 +125,13 @@ class StoreWriter:
     # -- public ---------------------------------------------------------------------------
 
     def add(self, traj_id: str, record: Mapping[str, torch.Tensor], *, prompt_len: int,
-            length: int | None = None) -> None:
+            versions: torch.Tensor | None = None) -> None:
         """Buffer one trajectory's record; flush a shard once ``shard_bytes`` are buffered.
 
-        Tensors are copied (to contiguous CPU memory), so the caller may reuse its buffers.
-        ``length``: the trajectory's token positions, checked against the tensors' leading dim where
-        given; an empty record (a BF16 rollout of a dense model records nothing) needs it.
+        ``versions``: the policy version of the weights that computed each row (an integer tensor
+        ``[T]``, every value >= 0); None: every row at the writer's ``policy_version``. Tensors are
+        copied (to contiguous CPU memory), so the caller may reuse its buffers. An empty record (a
+        BF16 rollout of a dense model records nothing) needs ``versions``: its rows are their rows.
         """
         if self._closed:
             raise StoreError(f"{self._where}: add() after close()")
@@ -128,12 +139,11 @@ class StoreWriter:
         where = f"{self._where}, trajectory {traj_id!r}"
         if traj_id in self._trajs or traj_id in self._pending:
             raise StoreError(f"{where}: duplicate trajectory id in this writer")
-        if not isinstance(record, Mapping) or not (record or length is not None):
-            raise StoreError(f"{where}: record must be a non-empty dict of tensors (or an empty one with "
-                             "the trajectory's length)")
-        if length is not None and (not isinstance(length, int) or isinstance(length, bool)):
-            raise StoreError(f"{where}: length must be an int, got {length!r}")
+        if not isinstance(record, Mapping) or not (record or versions is not None):
+            raise StoreError(f"{where}: record must be a non-empty dict of tensors (or an empty one with the "
+                             "trajectory's per-row versions)")
 
+        length: int | None = None
         tensors: dict[str, torch.Tensor] = {}
         metas: dict[str, TensorMeta] = {}
         for name, t in record.items():
@@ -144,11 +154,12 @@ class StoreWriter:
             elif t.shape[0] != length:
                 raise StoreError(
                     f"{wt}: leading dim {t.shape[0]} differs from the record's T={length} "
-                    f"(the given length, or the first tensor {next(iter(record))!r})"
+                    f"(first tensor {next(iter(record))!r})"
                 )
             tensors[name] = _owned_contiguous_cpu(t)
             metas[name] = TensorMeta(tuple(t.shape), dtype)
-        assert length is not None
+        if length is None:  # an empty record: as many rows as its versions (checked below)
+            length = int(versions.shape[0]) if isinstance(versions, torch.Tensor) and versions.dim() == 1 else 0
         if length < 1:
             raise StoreError(f"{where}: trajectory has T=0 token positions")
         if (
@@ -157,12 +168,16 @@ class StoreWriter:
             or not 0 <= prompt_len <= length
         ):
             raise StoreError(f"{where}: prompt_len {prompt_len!r} not in [0, T={length}]")
+        rows = _row_versions(versions, length, self.policy_version, where)
 
         for name, t in tensors.items():
             self._buffer[f"{traj_id}/{name}"] = t
             self._buffer_bytes += metas[name].nbytes
+        self._buffer[f"{traj_id}/{VERSIONS_KEY}"] = rows
+        self._buffer_bytes += rows.nbytes
         self._pending[traj_id] = TrajectoryMeta(
-            traj_id, self._shard_name(self._seq), length, prompt_len, metas
+            traj_id, self._shard_name(self._seq), length, prompt_len, metas,
+            versions=(int(rows.min()), int(rows.max())),
         )
         if self._buffer_bytes >= self.shard_bytes:
             self._flush()
@@ -215,13 +230,15 @@ class StoreWriter:
 
     def manifest(self) -> Manifest:
         """The manifest of what this writer has published so far (flushed shards only)."""
+        newest = max((t.versions[1] for t in self._trajs.values()), default=self.policy_version)
         return Manifest(
             step=self.step,
             writer_id=self.writer_id,
             model_signature=self.model_signature,
-            policy_version=self.policy_version,
+            policy_version=newest,
             shards=dict(self._shards),
             trajectories=dict(self._trajs),
+            contract=self.contract,
         )
 
     def __enter__(self) -> StoreWriter:
@@ -371,24 +388,25 @@ class StoreWriter:
             ) from None
 
     def _flush(self) -> None:
-        if not self._pending:  # trajectories without tensors (empty records) still get a shard to name them
+        if not self._buffer:
             return
         if self._seq > MAX_SEQ:
             raise StoreError(f"{self._where}: more than {MAX_SEQ + 1} shards; raise shard_bytes")
         name = self._shard_name(self._seq)
         meta = {"format": SHARD_FORMAT, "step": str(self.step), "writer_id": self.writer_id}
         # Serialise to memory so that the hashes cover exactly the bytes that reach the disk.
-        data = safetensors.torch.save(self._buffer, metadata=meta)
-        header_bytes, header = shard_header(data, f"{self._where}, shard {name}")
+        where = f"{self._where}, shard {name}"
+        data = sorted_metadata(safetensors.torch.save(self._buffer, metadata=meta), where)
+        header_bytes, header = shard_header(data, where)
         view = memoryview(data)
         trajs: dict[str, TrajectoryMeta] = {}
         for tid, t in self._pending.items():
             h = hashlib.sha256()
-            for tname in sorted(t.tensors):
-                begin, end = header[f"{tid}/{tname}"]["data_offsets"]
+            for key in [f"{tid}/{tname}" for tname in sorted(t.tensors)] + [f"{tid}/{VERSIONS_KEY}"]:
+                begin, end = header[key]["data_offsets"]
                 h.update(view[header_bytes + begin : header_bytes + end])
             trajs[tid] = TrajectoryMeta(
-                tid, name, t.length, t.prompt_len, t.tensors, h.hexdigest()
+                tid, name, t.length, t.prompt_len, t.tensors, h.hexdigest(), t.versions
             )
         self._publish(name, data, "shard")
         self._shards[name] = ShardMeta(
@@ -403,6 +421,51 @@ class StoreWriter:
         self._buffer = {}
         self._buffer_bytes = 0
         self._seq += 1
+
+
+def sorted_metadata(data: bytes, where: str) -> bytes:
+    """safetensors bytes with the header's ``__metadata__`` entries in sorted key order.
+
+    safetensors writes ``__metadata__`` from a Rust hash map, whose iteration order is seeded per
+    process: two processes writing the same records would write different bytes (and hashes). The
+    tensor entries are already in a fixed order (by dtype alignment, then name). The header is parsed
+    keeping its order, the metadata sorted, and the header written again in safetensors' own compact
+    JSON, which has the same length (the same entries), so the padding and every data offset stay.
+    """
+    n = int.from_bytes(data[:8], "little")
+    raw = data[8 : 8 + n]
+    text = raw.rstrip(b" ")  # safetensors pads the header with spaces to a multiple of 8 bytes
+    header = json.loads(text)  # a dict keeps the order of the file's entries
+    if json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode() != text:
+        # a safetensors release that formats its header otherwise: refuse rather than write a
+        # header that the hashes would then cover but safetensors might not parse alike
+        raise StoreError(f"{where}: safetensors wrote a header this code cannot put in canonical order")
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    out = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if out == text:
+        return data  # already in order: no copy of the shard
+    assert len(out) == len(text)  # the same entries, reordered
+    return data[:8] + out + raw[len(text):] + data[8 + n :]
+
+
+def _row_versions(versions: object, length: int, default: int, where: str) -> torch.Tensor:
+    """A trajectory's per-token policy versions as int64 ``[T]`` (``default`` everywhere for None)."""
+    if versions is None:
+        return torch.full((length,), default, dtype=torch.int64)
+    if (not isinstance(versions, torch.Tensor) or versions.dtype not in _INT_DTYPES
+            or tuple(versions.shape) != (length,)):
+        got = (f"{versions.dtype} {list(versions.shape)}" if isinstance(versions, torch.Tensor)
+               else type(versions).__name__)
+        raise StoreError(f"{where}: versions must be an integer tensor [T={length}], got {got}")
+    rows = versions.detach().to("cpu", torch.int64).clone(memory_format=torch.contiguous_format)
+    if length and int(rows.min()) < 0:
+        bad = int((rows < 0).nonzero()[0])
+        raise StoreError(f"{where}: row {bad} has policy version {int(rows[bad])}; versions must be >= 0")
+    return rows
+
+
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def _stored_dtype(name: str, t: object, where: str) -> str:

@@ -40,7 +40,7 @@ from tracefp4.engines.trainer import code_mismatch, forward_logprobs
 from tracefp4.formats.constants import Format, HintMode
 from tracefp4.formats.quantizers import CompensatedNVFP4Quantizer, FP8Quantizer, MXFP4Quantizer, NVFP4Quantizer
 from tracefp4.guidance.compact import GuidedMode
-from tracefp4.guidance.names import Site, deeper_half, parse_name, record_prefix, routing_key
+from tracefp4.guidance.names import EXPERT_SITES, KV_SITES, Site, deeper_half, parse_name, record_prefix, routing_key
 
 torch.set_num_threads(1)
 
@@ -138,8 +138,9 @@ def test_tiny_spec_defaults_are_the_rl_demo() -> None:
 
     tiny, spec = dataclasses.asdict(TinyMoESpec()), dataclasses.asdict(ModelSpec())
     assert all(tiny[k] == spec[k] for k in tiny.keys() & spec.keys())  # one set of defaults
-    # the RL config's own field: its runs' sequence limit (128, what every run folder saved before it)
-    assert set(spec) - set(tiny) == {"max_positions"} and spec["max_positions"] == 128
+    # the RL config's own fields: its runs' sequence limit (128, what every run folder saved before it) and
+    # whether it builds the MoE's dense twin instead (off: every run folder before it is a MoE)
+    assert set(spec) - set(tiny) == {"max_positions", "dense"} and spec["max_positions"] == 128 and not spec["dense"]
     cfg = TinyMoESpec().config()
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts, cfg.vocab_size) == (64, 4, 8, 32)
 
@@ -152,7 +153,7 @@ def test_precision_plan() -> None:
     fp8 = PrecisionPlan.fp8()
     assert (fp8.weights, fp8.kv_cache, fp8.site_format(Site.EXPERT_IN)) == (Format.FP8, Format.FP8, "fp8")
     w4a16 = PrecisionPlan.w4a16()  # QUADS' trainer: BF16 activation and KV sites (no quantizer)
-    assert [w4a16.quantizer(s) for s in Site] == [None] * 4 and w4a16.site_format(Site.K) == "bf16"
+    assert [w4a16.quantizer(s) for s in Site] == [None] * len(Site) and w4a16.site_format(Site.K) == "bf16"
     assert w4a16.weight_quantizer == NVFP4Quantizer("expert") and not w4a16.guidable(Site.V)
     quads = PrecisionPlan.quads(0.25)  # QUADS' rollout: compensated NVFP4 expert inputs, NVFP4 KV
     assert quads.quantizer(Site.EXPERT_IN) == CompensatedNVFP4Quantizer(0.25) and not quads.guidable(Site.EXPERT_MID)
@@ -187,8 +188,8 @@ def test_one_forward_records_every_site_with_its_granularity(model: torch.nn.Mod
         model(ids, **{CACHE_KWARG: FP4KVCache(model)}, use_cache=True)
     rec = capture.take()
     n = ids.numel()
-    assert set(rec.guidance) == {record_prefix(i, s) for i in (1, 3) for s in Site}
-    assert set(rec.diagnostics) == {record_prefix(0, s) for s in Site}
+    assert set(rec.guidance) == {record_prefix(i, s) for i in (1, 3) for s in (*EXPERT_SITES, *KV_SITES)}
+    assert set(rec.diagnostics) == {record_prefix(0, s) for s in (*EXPERT_SITES, *KV_SITES)}
     assert rec.guidance["L01.expert_in"].q.shape == (n, 64)  # per token
     assert rec.guidance["L01.expert_mid"].q.shape == (n, 2, 32)  # per token and selected expert
     assert rec.guidance["L03.k"].q.shape == rec.guidance["L03.v"].q.shape == (n, 2, 16)  # per token and KV head

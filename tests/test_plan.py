@@ -141,3 +141,20 @@ def test_cli_defaults_to_one_typical_step(tmp_path) -> None:
     out = tmp_path / "plan.json"
     assert main(["plan", "--preset", "qwen3-30b-a3b", "--modes", "full", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["modes"]["full"]["bytes_per_step"] == 252_096 * 64 * 8 * 4096
+
+
+def test_qwen3_8b_dense_by_hand_beside_qwen3_30b_a3b() -> None:
+    """A dense model: mlp_in (1 row of hidden) and mlp_mid (1 row of intermediate) at every layer."""
+    dims = ModelDims.from_config(PRESETS["qwen3-8b"])
+    assert (dims.layers, dims.moe_layers, dims.dense_layers, dims.intermediate) == (36, (), tuple(range(36)), 12288)
+    assert set(dims.sites(0)) == {"mlp_in", "mlp_mid", "k", "v"}
+    p = plan(dims, **STEP)["modes"]
+    # full: mlp_in 2048 + 256 + 4 = 2308; mlp_mid 6144 + 768 + 4 = 6916; k, v 8 x (64 + 8 + 4) = 608
+    assert p["full"]["bytes_per_token"] == 36 * (2308 + 6916 + 2 * 608) == 375_840
+    # lsb on layers 18..35: mlp_in 512 + 256 + 4 = 772; mlp_mid 1536 + 768 + 4 = 2308; k, v 8 x (16 + 8 + 4) = 224
+    assert p["lsb"]["bytes_per_token"] == 18 * (772 + 2308 + 2 * 224) == 63_504
+    # ldpc(1/16)+scales:ldpc(1/4)+amax:lo3 on all layers: 3/row + ceil(blocks/4) + ceil(elements/16) bits
+    # mlp_in 3 + 64 + 256 = 323 -> 41 B; mlp_mid 3 + 192 + 768 = 963 -> 121 B; k, v 24 + 16 + 64 = 104 -> 13 B
+    assert p["ldpc(1/16)+scales:ldpc(1/4)+amax:lo3@all"]["bytes_per_token"] == 36 * (41 + 121 + 2 * 13) == 6_768
+    moe = plan(ModelDims.from_config(PRESETS["qwen3-30b-a3b"]), **STEP)["modes"]
+    assert (moe["full"]["bytes_per_token"], moe["lsb"]["bytes_per_token"]) == (252_096, 43_104)

@@ -18,7 +18,7 @@ from tracefp4.engines.rollout import HomeEngine, generate, sample
 from tracefp4.engines.trainer import code_mismatch, forward_logprobs, forward_rollout
 from tracefp4.formats import lsb_bits
 from tracefp4.guidance.compact import GuidedMode
-from tracefp4.guidance.names import Site, deeper_half, parse_name, record_prefix, routing_key
+from tracefp4.guidance.names import EXPERT_SITES, KV_SITES, deeper_half, parse_name, record_prefix, routing_key
 
 torch.set_num_threads(1)
 
@@ -186,7 +186,7 @@ def test_trace_reproduces_rollout_codes_on_identical_inputs(model: torch.nn.Modu
         full = generate(model, [ids], score, plan=FP4, diagnostics=ALL).diagnostics[0]
         with torch.no_grad():
             out = forward_logprobs(model, [ids], [p], [rec], mode="trace", capture_codes=ALL)
-        assert set(out.codes[0]) == {record_prefix(i, s) for i in range(4) for s in Site}
+        assert set(out.codes[0]) == {record_prefix(i, s) for i in range(4) for s in (*EXPERT_SITES, *KV_SITES)}
         assert mismatches(out.codes, [full])[0] == 0
 
 
@@ -358,7 +358,7 @@ def test_qat_rollout_records_only_routing_and_capture_needs_no_guidance(model: t
         }
     with torch.no_grad():
         qat = forward_rollout(model, roll, mode="qat", capture_codes=DEEPER)
-    assert set(qat.codes[0]) == {record_prefix(i, s) for i in DEEPER for s in Site}
+    assert set(qat.codes[0]) == {record_prefix(i, s) for i in DEEPER for s in (*EXPERT_SITES, *KV_SITES)}
     mism, one, total = mismatches(qat.codes, roll.diagnostics)
     # two paths' BF16 drift flips some codes (none where this machine computes both bit for bit alike),
     # never most of them (a flip needs a value within the drift of a rounding midpoint; half flipped

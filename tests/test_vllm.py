@@ -47,7 +47,7 @@ from tracefp4.engines.protocol import RolloutEngine, SamplingParams  # noqa: E40
 from tracefp4.engines.rollout import generate  # noqa: E402
 from tracefp4.engines.trainer import code_mismatch, forward_rollout  # noqa: E402
 from tracefp4.guidance.compact import GuidedMode  # noqa: E402
-from tracefp4.guidance.names import Site, parse_name, record_prefix, routing_key  # noqa: E402
+from tracefp4.guidance.names import EXPERT_SITES, KV_SITES, Site, parse_name, record_prefix, routing_key  # noqa: E402
 from tracefp4.pipeline.metrics import Name  # noqa: E402
 
 torch.set_num_threads(1)
@@ -393,7 +393,7 @@ def test_other_plans_run_through_the_quantizers(engine, hf: torch.nn.Module, pla
                           guidance=GuidedMode.parse("full@all"))
     names = {parse_name(k) for k in out.records[0]}
     sites = {n.site for n in names if not n.is_routing}
-    assert sites == {s.value for s in Site if plan.guidable(s)}
+    assert sites == {s.value for s in (*EXPERT_SITES, *KV_SITES) if plan.guidable(s)}
     base = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, seed=2), plan=FP4, guidance=None)
     assert any(not torch.equal(a, b) for a, b in zip(out.logprobs, base.logprobs))
     full = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, seed=2), plan=plan,

@@ -534,6 +534,9 @@ _OTHER = "tests/test_vllm.py::test_other_plans_run_through_the_quantizers[{}]"
 _PACKED = "tests/test_vllm_packed.py::test_every_fp4_kv_plan_runs_packed_and_trace_full_reproduces_it[{}]"
 _KV = "tests/test_kv_cache.py::test_stored_rows_are_the_simulators_and_the_records_are_the_stored_codes[{}]"
 _GEMM = "tests/test_fp4_gemm.py::test_exact_where_the_sums_are_exact"
+_DENSE_GEMM = "tests/test_dense.py::test_packed_gemm_serves_a_dense_layer_as_one_expert[{}]"
+_FAMILY = "tests/test_model.py::test_identical_inputs_give_identical_codes[{}-w4a4]"
+_DENSE = "tests/test_dense.py::test_trace_full_reproduces_every_code_and_records_have_no_routing[{}]"
 #: The status table: row -> one cell per :data:`STATUS_COLUMNS`, each naming the tests that cover it.
 STATUS: dict[str, tuple[Cell, ...]] = {
     "our rollout engine (`HomeEngine`)": (
@@ -561,9 +564,10 @@ STATUS: dict[str, tuple[Cell, ...]] = {
         Cell("✅", tests=("tests/test_four_over_six.py::test_guided_on_the_rollouts_grid_reproduces_its_codes",
                           _PACKED.format("four_over_six"))),
         Cell("❌", "(the residual pass is not guidable)", ("tests/test_model.py::test_precision_plan",))),
-    "packed FP4 CPU kernel (expert GEMM)": (
-        Cell("✅", tests=(_GEMM,)),
-        Cell("✅", tests=(_GEMM, "tests/test_fp4_gemm.py::test_tiny_mxfp4_scales_are_not_flushed")),
+    "packed FP4 CPU kernel (expert GEMM; a dense MLP as one expert)": (
+        Cell("✅", tests=(_GEMM, _DENSE_GEMM.format("nvfp4"))),
+        Cell("✅", tests=(_GEMM, "tests/test_fp4_gemm.py::test_tiny_mxfp4_scales_are_not_flushed",
+                          _DENSE_GEMM.format("mxfp4"))),
         Cell("➖", "(dense path)"),
         Cell("✅", "(vLLM's packed engine)", (_PACKED.format("four_over_six"),)),
         Cell("✅", "(vLLM's packed engine)", (_PACKED.format("quads"),))),
@@ -595,13 +599,41 @@ STATUS: dict[str, tuple[Cell, ...]] = {
              ("tests/test_four_over_six.py::test_guided_on_the_rollouts_grid_reproduces_its_codes",
               "tests/test_arm_runs.py::test_baseline_and_ablation_arms", *REFUSALS)),
         Cell("➖")),
+    # one row per model family: our engine's rollout and the trainer (QAT, TRACE) on it
+    "Qwen3-MoE (`Qwen3MoeForCausalLM`)": (
+        Cell("✅", "(vLLM and TRL too)", (_FAMILY.format("qwen3_moe"), "tests/test_vllm.py::test_plugin_experts_equal_ours_bit_for_bit[w4a4]",
+                                          "tests/test_trl.py::test_trace_full_reproduces_every_rollout_code_inside_trl")),
+        Cell("✅", tests=(_CODES.format("mxfp4"),)),
+        Cell("✅", tests=(_CODES.format("w4a8"), "tests/test_fp8.py::test_fp8_sites_are_recorded_and_full_hints_reproduce_every_code")),
+        Cell("✅", tests=(_EVERY_ARM,)),
+        Cell("✅", tests=("tests/test_baselines.py::test_quads_arm_rollout_and_trainer",))),
+    **{f"{name} (`{cls}`{note})": (
+        Cell("✅", tests=(f"tests/test_model.py::test_prepared_model_is_the_transformers_model[{fam}]", _FAMILY.format(fam))),
+        Cell("✅"), Cell("✅"), Cell("✅"), Cell("✅"))
+       for name, cls, fam, note in (("Qwen2-MoE", "Qwen2MoeForCausalLM", "qwen2_moe", "; shared expert BF16"),
+                                    ("OLMoE", "OlmoeForCausalLM", "olmoe", ""), ("Mixtral", "MixtralForCausalLM", "mixtral", ""))},
+    "Qwen3 dense (`Qwen3ForCausalLM`)": (
+        Cell("✅", "(vLLM and TRL too)", (_DENSE.format("qwen3-nvfp4"),
+                                          "tests/test_dense.py::test_every_site_is_the_readable_reference_on_both_paths[nvfp4]",
+                                          "tests/test_vllm_dense.py::test_trainer_reproduces_every_code_of_the_dense_vllm_rollout",
+                                          "tests/test_trl_dense.py::test_trace_full_reproduces_every_rollout_code_on_a_dense_model")),
+        Cell("✅", tests=(_DENSE.format("qwen3-mxfp4"), "tests/test_dense.py::test_every_site_is_the_readable_reference_on_both_paths[mxfp4]")),
+        Cell("✅", tests=(_DENSE.format("qwen3-w4a8"), _DENSE.format("qwen3-fp8"))),
+        Cell("✅", tests=(_DENSE.format("qwen3-4over6"),)),
+        Cell("✅")),
+    "Llama, Mistral (`LlamaForCausalLM`, `MistralForCausalLM`)": (
+        Cell("✅", tests=(_DENSE.format("llama-nvfp4"), _DENSE.format("mistral-nvfp4"),
+                          "tests/test_dense.py::test_prepared_dense_model_is_the_transformers_model[llama]")),
+        Cell("✅", tests=(_DENSE.format("llama-mxfp4"),)),
+        Cell("✅"), Cell("✅"), Cell("✅")),
 }
 STATUS_PAGE = "docs/reference/status.md"
 
 
 def status_block(readme: str) -> str:
     """The README's status table (between the STATUS markers), from :data:`STATUS`."""
-    lines = ["By format and path (✅ supported, each cell backed by the tests "
+    lines = ["By format and path, then by model family (a bfloat16 causal LM, MoE or dense: our engine and trainer "
+             "on it; ✅ supported, each cell backed by the tests "
              f"[status tests]({STATUS_PAGE}) lists; refused: raises a ValueError naming it; untested: no test "
              "covers it; ➖ not applicable; ❌ not supported):", "",
              "| | " + " | ".join(STATUS_COLUMNS) + " |", "|---|" + "---|" * len(STATUS_COLUMNS)]

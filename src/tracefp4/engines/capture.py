@@ -31,6 +31,7 @@ import torch
 
 from tracefp4.engines.device_sites import StepChecks, site_values
 from tracefp4.engines.path import ForwardPath
+from tracefp4.engines.weight_source import WeightSource
 from tracefp4.engines.rows import take_rows
 from tracefp4.formats.constants import HintMode
 from tracefp4.formats import FP8, MXFP4, NVFP4
@@ -176,7 +177,7 @@ class RolloutCapture(ForwardPath):
         self.record_routing(layer, indices)
         return weights, indices
 
-    def expert_weights(self, cache: PreparedCache, owner: Hashable, name: str, w: torch.Tensor,
+    def expert_weights(self, cache: PreparedCache, owner: Hashable, name: str, w: WeightSource,
                        quantizer: Quantizer | None, gemm: ExpertGEMM) -> PreparedWeight:
         """Kept in ``cache`` across forwards, keyed on the weight's storage and version counter (an
         optimizer step or a weight load bumps it); BF16 weights are used as they are."""

@@ -1,7 +1,8 @@
-"""A Hugging Face MoE model on two FP4 paths: the rollout engine's and the QAT trainer's.
+"""A Hugging Face MoE or dense model on two FP4 paths: the rollout engine's and the QAT trainer's.
 
 The model code stays transformers' own (Qwen3-MoE first; Qwen2-MoE, OLMoE and Mixtral share the
-seams). We plug into three of its extension points and copy no model code:
+seams; dense decoders with a gated ``gate_proj``/``up_proj``/``down_proj`` MLP: Qwen3, Llama,
+Mistral). We plug into its extension points and copy no model code:
 
 * **Experts** -- transformers dispatches ``<Family>Experts.forward`` through
   ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`` (the ``@use_experts_implementation``
@@ -11,6 +12,14 @@ seams). We plug into three of its extension points and copy no model code:
 * **Router** -- ``mlp.gate`` (``<Family>TopKRouter``) returns ``(logits, weights, indices)``. A forward
   hook hands them to the path's routing hook (a rollout records the indices, a trainer replays
   recorded ones: R3).
+* **Dense MLP** -- in a model with no MoE layer, each decoder layer's gated MLP
+  (``mlp.gate_proj``/``up_proj``/``down_proj``, no bias) is the layer's FP4 GEMMs: its module's
+  ``forward`` is our :class:`DenseMLPForward` (an instance attribute; the module's class, parameters
+  and state dict are untouched), which runs transformers' own forward where the forward has no plan,
+  else :func:`tracefp4.engines.experts.dense_mlp`: the MLP as one expert that every row goes to,
+  weights ``[gate; up]`` and ``down`` quantized like an expert's (one global scale per GEMM weight),
+  sites ``mlp_in`` and ``mlp_mid``. No router: a dense model's records have no routing. The dense
+  layers of a MoE model (``mlp_only_layers``) stay BF16, as its shared experts do.
 * **KV cache** -- the attention module calls ``cache.update`` with post-RoPE keys and values, which
   is where a real FP4 KV cache quantizes (sites ``k`` and ``v``): our :class:`FP4KVCache` (made of
   :class:`FP4KVLayer`, a ``DynamicLayer``) quantizes there and keeps the codes, packed
@@ -32,9 +41,10 @@ expert weights. The seams find it from the module they are called on through a w
 filled by :func:`prepare_model` (and again when the model is deep-copied or unpickled), so nothing
 is stored on transformers' modules themselves.
 
-Quantization granularity: routed-expert weights per expert (one global scale per expert),
-activations per token (``expert_in``: rows of ``[T, H]``; ``expert_mid``: rows of ``[T, top_k, I]``,
-i.e. per token and selected expert), KV per token and KV head (rows of ``[T, n_kv, head_dim]``).
+Quantization granularity: routed-expert weights per expert (one global scale per expert), a dense
+MLP's per GEMM weight, activations per token (``expert_in``, ``mlp_in``: rows of ``[T, H]``;
+``expert_mid``: rows of ``[T, top_k, I]``, i.e. per token and selected expert; ``mlp_mid``: rows of
+``[T, I]``), KV per token and KV head (rows of ``[T, n_kv, head_dim]``).
 Because every activation scale is per row, a token's codes never depend on what else shares its
 batch, which is what lets records move between differently batched paths.
 """
@@ -59,7 +69,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 from transformers.masking_utils import create_causal_mask
 
-from tracefp4.engines.experts import ExpertGEMM, PreparedCache, PreparedWeight, choose_gemm, routed_experts
+from tracefp4.engines.experts import ExpertGEMM, PreparedCache, PreparedWeight, choose_gemm, dense_mlp, routed_experts
 from tracefp4.engines.experts.base import SILU_GATE, Activation
 from tracefp4.engines.kvcache import (ATTENTION_PREFIX, KV_LAYER_KWARG, KVRead, KVStorage, PageTable, QuantizedKV,
                                       attention_implementation, kv_storage)
@@ -79,6 +89,10 @@ __all__ = [
     "ForwardState",
     "ModelState",
     "MoELayer",
+    "DenseLayer",
+    "DenseMLPForward",
+    "DENSE_FAMILIES",
+    "mlp_weights",
     "FP4KVLayer",
     "FP4KVCache",
     "TinyMoESpec",
@@ -86,6 +100,7 @@ __all__ = [
     "from_config",
     "load_model",
     "moe_layers",
+    "dense_layers",
     "model_layers",
     "model_state",
     "forward_state",
@@ -93,6 +108,8 @@ __all__ = [
     "quantize_kv",
     "expert_weights",
     "tiny_config",
+    "tiny_dense_config",
+    "TinyDenseSpec",
 ]
 
 #: Name under which our experts forward is registered in transformers' ExpertsInterface.
@@ -147,19 +164,31 @@ class MoELayer:
     router: nn.Module
 
 
+@dataclasses.dataclass(frozen=True)
+class DenseLayer:
+    """One gated MLP of a dense model (``layer.mlp`` with ``gate_proj``, ``up_proj`` and ``down_proj``),
+    as found by :func:`prepare_model`."""
+
+    index: int
+    mlp: nn.Module
+
+
 @dataclasses.dataclass(eq=False)
 class ModelState:
     """Everything tracefp4 keeps for one prepared model (see the module docstring).
 
     n_layers: decoder layers. moe: the MoE blocks found (their layer indices are :attr:`moe_layers`).
     attention: each decoder layer's attention module and the name under which it takes the cache.
+    dense: a dense model's gated MLPs, every layer's (empty in a MoE model).
     current: the forward in progress (None: BF16, no path). weights: the rollout's prepared
-    expert weights. A copy (``copy.deepcopy``, pickling) starts with no forward and an empty cache.
+    expert and dense-MLP weights. A copy (``copy.deepcopy``, pickling) starts with no forward and an
+    empty cache.
     """
 
     n_layers: int
     moe: tuple[MoELayer, ...]
     attention: tuple[tuple[nn.Module, str], ...]
+    dense: tuple[DenseLayer, ...] = ()
     current: ForwardState | None = None
     weights: PreparedCache = dataclasses.field(default_factory=PreparedCache)
 
@@ -170,17 +199,23 @@ class ModelState:
     def moe_layers(self) -> tuple[int, ...]:
         return tuple(m.index for m in self.moe)
 
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(d.index for d in self.dense)
+
     def _register(self) -> None:
         for m in self.moe:
             _BOUND[m.experts] = (self, m.index)
             _BOUND[m.router] = (self, m.index)
+        for d in self.dense:
+            _BOUND[d.mlp] = (self, d.index)
         for i, (attn, _) in enumerate(self.attention):
             _BOUND[attn] = (self, i)
             if attn.config._attn_implementation.startswith(ATTENTION_PREFIX):  # a copy in a fresh process
                 attention_implementation(attn.config._attn_implementation)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"n_layers": self.n_layers, "moe": self.moe, "attention": self.attention}
+        return {"n_layers": self.n_layers, "moe": self.moe, "attention": self.attention, "dense": self.dense}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, current=None, weights=PreparedCache())
@@ -225,15 +260,74 @@ def tracefp4_experts_forward(
                           experts_gate(self))
 
 
+def _is_silu(act: Any) -> bool:
+    return type(act).__name__ in ("SiLUActivation", "SiLU")
+
+
 def experts_gate(experts: nn.Module) -> Activation:
     """``SILU_GATE`` for experts that gate as transformers' default ``_apply_gate`` does with a SiLU
     ``act_fn`` (``F.silu(gate) * up``: the backend may then run its own kernel, bit for bit), else the
     module's own ``_apply_gate`` (a kin model's other gate or activation runs as it is)."""
     gate = getattr(type(experts), "_apply_gate", None)
     act = getattr(experts, "act_fn", None)
-    if getattr(gate, "__name__", None) == "_default_apply_gate" and type(act).__name__ in ("SiLUActivation", "SiLU"):
+    if getattr(gate, "__name__", None) == "_default_apply_gate" and _is_silu(act):
         return SILU_GATE
     return experts._apply_gate
+
+
+# --- seam 1b: a dense model's gated MLP ----------------------------------------------------------
+
+
+def _act_gate(act: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` of a ``[gate; up]`` GEMM output, as transformers' gated MLPs compute it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate) * up
+
+
+def mlp_gate(mlp: nn.Module) -> Activation:
+    """``SILU_GATE`` for a SiLU ``act_fn`` (what ``act_fn(gate_proj(x)) * up_proj(x)`` computes, bit
+    for bit, so the backend may run its own kernel), else that expression with the module's own
+    ``act_fn``."""
+    return SILU_GATE if _is_silu(mlp.act_fn) else functools.partial(_act_gate, mlp.act_fn)
+
+
+def mlp_weights(state: ForwardState, mlp: nn.Module, gemm: ExpertGEMM) -> tuple[PreparedWeight, PreparedWeight]:
+    """A dense MLP's ``[gate; up]`` (``[1, 2I, H]``) and ``down`` (``[1, H, I]``) weights as this
+    forward's GEMM takes them, through the path's expert-weights hook as one expert's (kept across a
+    rollout's forwards, keyed on the parameters themselves; prepared anew with straight-through
+    gradients by the trainer)."""
+    model_state_, layer = _bound(mlp)
+    quantizer = state.plan.weight_quantizer
+    sources = {"gate_up_proj": (mlp.gate_proj.weight[None], mlp.up_proj.weight[None]),
+               "down_proj": mlp.down_proj.weight[None]}
+    out = []
+    for name, w in sources.items():
+        try:
+            out.append(state.path.expert_weights(model_state_.weights, layer, name, w, quantizer, gemm))
+        except ValueError as e:
+            raise ValueError(f"{layer_tag(layer)} mlp.{name}: {e}") from e
+    return out[0], out[1]
+
+
+class DenseMLPForward:
+    """The ``forward`` :func:`prepare_model` gives each gated MLP of a dense model: transformers' own
+    forward where the forward in progress has no plan (BF16, bit for bit the model's), else the MLP as
+    one FP4 expert (:func:`tracefp4.engines.experts.dense_mlp`) on this forward's backend. An object
+    rather than a closure so that a deep copy of the model binds its copy to the copied module."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        self.mlp = mlp
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.mlp
+        model_state_, layer = _bound(mlp)
+        state = model_state_.forward()
+        if state.plan is None:
+            return type(mlp).forward(mlp, x)
+        gemm = choose_gemm(state.plan, x.device, x.dtype, gradients=not state.rollout)
+        gate_up, down = mlp_weights(state, mlp, gemm)
+        out = dense_mlp(state, layer, x.reshape(-1, x.shape[-1]), gate_up, down, gemm, mlp_gate(mlp))
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _register_experts_implementation() -> None:
@@ -441,6 +535,31 @@ def moe_layers(model: PreTrainedModel) -> list[MoELayer]:
     return found
 
 
+def dense_layers(model: PreTrainedModel) -> list[DenseLayer]:
+    """Every decoder layer's gated MLP (``layer.mlp`` with ``gate_proj``, ``up_proj`` and ``down_proj``
+    linears without bias, and an ``act_fn``), in layer order; a layer without one is refused, naming
+    what it lacks."""
+    found = []
+    for i, layer in enumerate(_decoder_layers(model)):
+        mlp = getattr(layer, "mlp", None)
+        linears = {n: getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")}
+        missing = [n for n, m in linears.items() if not isinstance(m, nn.Linear)]
+        if missing or not callable(getattr(mlp, "act_fn", None)):
+            what = f"no nn.Linear {', '.join(missing)}" if missing else "no act_fn"
+            raise NotImplementedError(f"layer {i}: the MLP ({type(mlp).__name__}) is not a gated "
+                                      f"gate_proj/up_proj/down_proj MLP: {what}")
+        biased = [n for n, m in linears.items() if m.bias is not None]
+        if biased:
+            raise NotImplementedError(f"layer {i}: mlp.{', mlp.'.join(biased)} has a bias (e.g. Llama's "
+                                      "mlp_bias=True); the FP4 MLP GEMMs have none")
+        gate, up, down = (linears[n].weight for n in ("gate_proj", "up_proj", "down_proj"))
+        if gate.shape != up.shape or down.shape != gate.shape[::-1]:
+            raise NotImplementedError(f"layer {i}: MLP weights gate {tuple(gate.shape)}, up {tuple(up.shape)}, "
+                                      f"down {tuple(down.shape)} are not [I, H], [I, H], [H, I]")
+        found.append(DenseLayer(i, mlp))
+    return found
+
+
 @functools.lru_cache(maxsize=1)
 def bf16_sdpa_broken() -> bool:
     """Whether PyTorch's CPU scaled-dot-product attention fails in bf16 on this machine: torch 2.13 on
@@ -458,11 +577,13 @@ def bf16_sdpa_broken() -> bool:
 
 
 def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
-    """Route the model's experts, routers and (via :class:`FP4KVCache`) KV cache through tracefp4.
+    """Route the model's experts and routers (a MoE model) or its gated MLPs (a dense model: no MoE
+    layer) and (via :class:`FP4KVCache`) KV cache through tracefp4.
 
     Idempotent. Outside :func:`forward_state` the prepared model computes in BF16 exactly
-    like transformers' eager experts up to the summation order. Nothing is added to the state dict
-    or the config, so ``save_pretrained`` writes a plain transformers checkpoint.
+    like transformers' eager experts up to the summation order (a dense model's MLPs: exactly).
+    Nothing is added to the state dict or the config, so ``save_pretrained`` writes a plain
+    transformers checkpoint.
     """
     if isinstance(model.__dict__.get("tracefp4_state"), ModelState):
         return model
@@ -475,19 +596,25 @@ def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
     if sliding:
         raise NotImplementedError("sliding-window attention is not supported by the FP4 KV cache")
     found = moe_layers(model)
-    if not found:
-        raise NotImplementedError(f"{type(model).__name__}: no sparse MoE block found")
+    try:  # a model with no MoE layer is dense: every layer's MLP must then be a gated one
+        dense = () if found else tuple(dense_layers(model))
+    except NotImplementedError as e:
+        raise NotImplementedError(f"{type(model).__name__}: no sparse MoE block found, and not a dense model "
+                                  f"with gated MLPs ({e})") from None
     decoder = _decoder_layers(model)
     attention = tuple((_attention(layer, i), _cache_kwarg(_attention(layer, i))) for i, layer in enumerate(decoder))
-    state = ModelState(len(decoder), tuple(found), attention)
-    _register_experts_implementation()
+    state = ModelState(len(decoder), tuple(found), attention, dense)
     for m in found:
         m.router.register_forward_hook(_router_hook)
+    for d in dense:
+        d.mlp.forward = DenseMLPForward(d.mlp)
     for attn, _ in attention:
         attn.register_forward_pre_hook(_attention_pre_hook, with_kwargs=True)
-    model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
-    if config._experts_implementation != EXPERTS_IMPLEMENTATION:
-        raise RuntimeError(f"transformers kept experts implementation {config._experts_implementation!r}")
+    if found:
+        _register_experts_implementation()
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+        if config._experts_implementation != EXPERTS_IMPLEMENTATION:
+            raise RuntimeError(f"transformers kept experts implementation {config._experts_implementation!r}")
     if config._attn_implementation == "sdpa" and model.dtype == torch.bfloat16 and bf16_sdpa_broken():
         warnings.warn("tracefp4: PyTorch's bf16 CPU attention fails on this CPU at this ATEN_CPU_CAPABILITY "
                       "(AMX path below AVX512); using transformers' eager attention", RuntimeWarning, stacklevel=2)
@@ -556,6 +683,74 @@ def tiny_config(
     )
 
 
+#: The dense decoder families :func:`tiny_dense_config` builds: transformers config class by name.
+DENSE_FAMILIES = ("qwen3", "llama", "mistral")
+
+
+def tiny_dense_config(
+    *,
+    layers: int,
+    hidden: int,
+    intermediate: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    vocab: int,
+    family: str = "qwen3",
+    init_std: float = 0.02,
+    max_positions: int = 512,
+    **extra: Any,
+) -> PretrainedConfig:
+    """A small dense decoder config (Qwen3, Llama or Mistral: a gated SiLU MLP of width
+    ``intermediate`` in every layer) for tests and experiments; ``extra`` goes to the config class as
+    is. The FP4 sites need ``hidden``, ``intermediate`` and ``head_dim`` to be multiples of 16."""
+    from transformers import LlamaConfig, MistralConfig, Qwen3Config
+
+    classes = {"qwen3": Qwen3Config, "llama": LlamaConfig, "mistral": MistralConfig}
+    if family not in classes:
+        raise ValueError(f"family must be one of {', '.join(DENSE_FAMILIES)}, got {family!r}")
+    for name, v in (("hidden", hidden), ("intermediate", intermediate), ("head_dim", head_dim)):
+        if v <= 0 or v % 16:
+            raise ValueError(f"{name} must be a positive multiple of 16 (the NVFP4 block), got {v}")
+    if layers < 1 or heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"need layers >= 1 and heads a multiple of kv_heads, got {layers}, {heads}, {kv_heads}")
+    if vocab < 2:
+        raise ValueError(f"vocab must be >= 2, got {vocab}")
+    window = {"sliding_window": None} if family == "mistral" else {}  # Mistral's default is a 4096 window
+    return classes[family](
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=max_positions, initializer_range=init_std, **{**window, **extra},
+    )
+
+
+@dataclasses.dataclass
+class TinyDenseSpec:
+    """The dimensions of a tiny dense decoder; the defaults are the tiny MoE's (:class:`TinyMoESpec`)
+    with an MLP as wide as the MoE's active experts (``top_k x moe_intermediate``), the same active
+    size."""
+
+    hidden: int = 64
+    layers: int = 4
+    intermediate: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    vocab: int = 32
+    init_std: float = 0.02
+    family: str = "qwen3"
+
+    @classmethod
+    def active_twin(cls, moe: TinyMoESpec, family: str = "qwen3") -> TinyDenseSpec:
+        """The dense model of ``moe``'s active size: its dims, an MLP ``top_k x moe_intermediate`` wide."""
+        return cls(moe.hidden, moe.layers, moe.top_k * moe.moe_intermediate, moe.heads, moe.kv_heads, moe.head_dim,
+                   moe.vocab, moe.init_std, family)
+
+    def config(self, **extra: Any) -> PretrainedConfig:
+        """:func:`tiny_dense_config` with these dimensions; ``extra`` as there."""
+        return tiny_dense_config(**dataclasses.asdict(self), **extra)
+
+
 @dataclasses.dataclass
 class TinyMoESpec:
     """The dimensions of a tiny Qwen3-MoE (every layer sparse); the defaults are the RL demo's."""
@@ -600,6 +795,7 @@ def forward_state(
 
 
 def model_layers(model: PreTrainedModel) -> tuple[int, tuple[int, ...]]:
-    """(number of decoder layers, indices of the MoE layers) of a prepared model."""
+    """(number of decoder layers, indices of the MoE layers) of a prepared model (a dense model has
+    none: nothing to route or replay)."""
     st = model_state(model)
     return st.n_layers, st.moe_layers

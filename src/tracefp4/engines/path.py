@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tracefp4.formats import MXFP4, NVFP4
+from tracefp4.engines.weight_source import WeightSource, joined_weight
 from tracefp4.formats.quantizers import Quantizer
 
 if TYPE_CHECKING:  # the experts package imports the sites, which import this module
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # the experts package imports the sites, which import this mo
     from tracefp4.engines.experts.cache import PreparedCache
 
 __all__ = ["ForwardPath", "PLAIN", "weights_may_be_freed"]
+
 
 
 def weights_may_be_freed() -> bool:
@@ -67,12 +69,13 @@ class ForwardPath:
         renormalises its top-k probabilities."""
         return weights, indices
 
-    def expert_weights(self, cache: PreparedCache, owner: Hashable, name: str, w: torch.Tensor,
+    def expert_weights(self, cache: PreparedCache, owner: Hashable, name: str, w: WeightSource,
                        quantizer: Quantizer | None, gemm: ExpertGEMM) -> PreparedWeight:
-        """Routed-expert weight ``name`` (``w [E, N, K]``) of ``owner`` as ``gemm`` takes it; ``cache``
-        is the prepared model's cache of kept weights. Plain: prepared every forward with a
-        straight-through gradient to ``w``."""
-        return gemm.prepare(w, quantizer, gradients=True, copy=weights_may_be_freed())
+        """GEMM weight ``name`` (``w``: ``[E, N, K]`` routed-expert weights, or a dense MLP's as one
+        expert, :data:`~tracefp4.engines.weight_source.WeightSource`) of ``owner`` as ``gemm`` takes it; ``cache`` is the prepared
+        model's cache of kept weights. Plain: prepared every forward with a straight-through gradient
+        to ``w``."""
+        return gemm.prepare(joined_weight(w), quantizer, gradients=True, copy=weights_may_be_freed())
 
 
 #: The path of a forward that records nothing and is guided by nothing.

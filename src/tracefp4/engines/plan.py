@@ -35,13 +35,17 @@ BF16_SITE = "bf16"
 @dataclasses.dataclass(frozen=True, repr=False)
 class PrecisionPlan:
     """Which tensors are quantized, and in which format. Everything not named here stays BF16
-    (attention projections, shared experts, router, embeddings, norms, lm_head).
+    (attention projections, shared experts, router, embeddings, norms, lm_head; in a MoE model also
+    the MLP of a dense layer, as its shared experts are).
 
     weights: routed-expert weights (NVFP4 with one global scale per expert, MXFP4, or FP8 E4M3 with one
-        scale per output channel of each expert: the W8A8 plan).
-    activations: the routed-expert GEMM inputs ``expert_in``/``expert_mid`` (NVFP4 with a global
-        scale per row, MXFP4, FP8 E4M3 with a per-row scale = W4A8 / W8A8, or ``"bf16"``: left
-        unquantized, the W4A16 trainer of QUADS). FP8 sites are guided like FP4 ones (E4M3 codes).
+        scale per output channel of each expert: the W8A8 plan); in a dense model (no MoE layer) the
+        MLP's weights, quantized as one expert per GEMM (``[gate; up]`` on one global scale, ``down``
+        on another).
+    activations: the GEMM inputs: a MoE layer's routed-expert ``expert_in``/``expert_mid``, a dense
+        model's MLP ``mlp_in``/``mlp_mid`` (NVFP4 with a global scale per row, MXFP4, FP8 E4M3 with a
+        per-row scale = W4A8 / W8A8, or ``"bf16"``: left unquantized, the W4A16 trainer of QUADS).
+        FP8 sites are guided like FP4 ones (E4M3 codes).
     kv_cache: keys and values as the cache stores them (NVFP4 per token and KV head, MXFP4, FP8 E4M3
         per token and KV head, or ``"bf16"``).
     mx_scale_mode: E8M0 scale rule of every MXFP4 tensor.
@@ -201,7 +205,8 @@ def _site_quantizer(plan: PrecisionPlan, site: Site) -> Quantizer | None:
 
 
 #: The plan field that sets each guided site's format (what an error names as the cause).
-_SITE_FIELD = {Site.EXPERT_IN: "activations", Site.EXPERT_MID: "activations", Site.K: "kv_cache", Site.V: "kv_cache"}
+_SITE_FIELD = {Site.EXPERT_IN: "activations", Site.EXPERT_MID: "activations", Site.MLP_IN: "activations",
+               Site.MLP_MID: "activations", Site.K: "kv_cache", Site.V: "kv_cache"}
 
 
 def check_supported(plan: PrecisionPlan | None, guidance: GuidedMode | HintMode | GuidanceSpec | str | None, *,

@@ -354,7 +354,7 @@ def _generate(
     decode_n_tokens(st, logits, sampling, generator)
     t2 = time.perf_counter()
     token_ids = [torch.cat([p, torch.tensor(c, dtype=torch.long)]) for p, c in zip(prompt_ids, st.completions)]
-    n_experts = max(m.experts.gate_up_proj.shape[0] for m in moe_layers(model))
+    n_experts = max((m.experts.gate_up_proj.shape[0] for m in moe_layers(model)), default=0)  # 0: dense, no routing
     lengths = [t.numel() for t in token_ids]
     records, diagnostics = assemble_records(st.steps, lengths, n_experts, capture)
     versions = row_versions(st.steps, lengths)

@@ -11,7 +11,8 @@ sites as the rollout engine, quantized with a straight-through gradient, in the
 
 In every mode the rollout's routing is replayed by default (R3): each MoE layer uses the recorded
 top-k experts, with probabilities recomputed from the trainer's own router logits (softmax, gathered
-at the replayed experts, renormalised as the model's router does), so the router still learns.
+at the replayed experts, renormalised as the model's router does), so the router still learns. A
+dense model has no router: its records hold no routing, and replay has nothing to do.
 
 Two levels:
 
@@ -301,7 +302,8 @@ def _check_records(
         raise ValueError(f"capture_codes {sorted(spec.capture_codes)} outside [0, {n_layers})")
     mode = spec.mode.value
     if records is None:
-        if spec.replay_routing or spec.mode is TrainerMode.TRACE:
+        # a dense model has no routing to replay: replay_routing then asks for nothing
+        if (spec.replay_routing and moe) or spec.mode is TrainerMode.TRACE:
             raise ValueError(f"mode {mode!r} with replay_routing={spec.replay_routing} needs the rollout's records")
         return set()
     if len(records) != len(lengths):
@@ -405,8 +407,7 @@ def trainer_forward(
         if lag is not None:
             stale = _in_record_order(lag, rows, "versions") > spec.guidance_max_lag
     replay = None
-    if spec.replay_routing:
-        assert records is not None
+    if spec.replay_routing and records is not None:
         replay = {
             layer: _in_record_order(torch.cat([rec[routing_key(layer)] for rec in records]), rows, routing_key(layer))
             .to(model.device, torch.long)

@@ -16,6 +16,9 @@ from typing import NamedTuple
 
 __all__ = [
     "Site",
+    "EXPERT_SITES",
+    "MLP_SITES",
+    "KV_SITES",
     "ROUTING",
     "RecordName",
     "layer_tag",
@@ -28,7 +31,8 @@ __all__ = [
 
 
 class Site(str, enum.Enum):
-    """Quantization sites per MoE layer that carry guidance."""
+    """Quantization sites per layer that carry guidance: a MoE layer's routed-expert GEMM inputs, a
+    dense model's MLP GEMM inputs, and the KV cache."""
 
     EXPERT_IN = "expert_in"
     """Token hidden state entering the routed experts (per token)."""
@@ -36,12 +40,23 @@ class Site(str, enum.Enum):
     EXPERT_MID = "expert_mid"
     """Input of the down projection (per token and selected expert)."""
 
+    MLP_IN = "mlp_in"
+    """Hidden state entering a dense MLP's gate and up projections (per token)."""
+
+    MLP_MID = "mlp_mid"
+    """Input of a dense MLP's down projection (per token)."""
+
     K = "k"
     """Key cache entry (per token and KV head)."""
 
     V = "v"
     """Value cache entry (per token and KV head)."""
 
+
+#: The sites of each kind of layer: a MoE layer's routed experts, a dense model's MLP, the KV cache.
+EXPERT_SITES: tuple[Site, ...] = (Site.EXPERT_IN, Site.EXPERT_MID)
+MLP_SITES: tuple[Site, ...] = (Site.MLP_IN, Site.MLP_MID)
+KV_SITES: tuple[Site, ...] = (Site.K, Site.V)
 
 #: The "site" part of a routing record's name.
 ROUTING = "routing"

@@ -3,7 +3,10 @@
 Per token position, a guided layer records (the sites of ``docs/contracts.md`` section 3):
 
 * MoE layers: ``expert_in`` (1 row of ``hidden_size``) and ``expert_mid`` (``num_experts_per_tok`` rows
-  of ``moe_intermediate_size``); dense-MLP layers have no FP4 expert sites;
+  of ``moe_intermediate_size``); the dense-MLP layers of a MoE model have no FP4 sites (BF16, as its
+  shared experts);
+* every layer of a dense model (a config without routed experts): ``mlp_in`` (1 row of
+  ``hidden_size``) and ``mlp_mid`` (1 row of ``intermediate_size``);
 * layers with a KV cache: ``k`` and ``v`` (``num_key_value_heads`` rows of ``head_dim`` each); linear-
   attention layers (Gated DeltaNet, ``layer_types`` = ``linear_attention``) have none.
 
@@ -17,7 +20,8 @@ bandwidth in GB/s (10^9 bytes per second).
 
 Layer layout read from a Hugging Face ``config.json`` (or its ``text_config``): MoE layers are those
 not in ``mlp_only_layers``, with ``(i + 1) % decoder_sparse_step == 0`` and ``i >= first_k_dense_replace``,
-when the config has routed experts (``num_experts``/``num_local_experts``/``n_routed_experts``); KV
+when the config has routed experts (``num_experts``/``num_local_experts``/``n_routed_experts``), else
+every layer is a dense-MLP layer; KV
 layers are those whose ``layer_types`` entry is an attention type other than ``linear_attention``
 (else every ``full_attention_interval``-th layer, else every layer).
 """
@@ -54,6 +58,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model_type": "qwen3_moe", "num_hidden_layers": 48, "hidden_size": 2048, "num_experts": 128,
         "num_experts_per_tok": 8, "moe_intermediate_size": 768, "num_attention_heads": 32,
         "num_key_value_heads": 4, "head_dim": 128, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    },
+    # Dense: every layer's gated MLP (12288 wide) in FP4, sites mlp_in and mlp_mid.
+    "qwen3-8b": {
+        "model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 4096, "intermediate_size": 12288,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
     },
     "qwen3-235b-a22b": {
         "model_type": "qwen3_moe", "num_hidden_layers": 94, "hidden_size": 4096, "num_experts": 128,
@@ -95,7 +104,8 @@ def sparse_density(delta: float, measured: Mapping[float, float] | None = None) 
 
 @dataclasses.dataclass(frozen=True)
 class ModelDims:
-    """What the planner needs of a model: its FP4 site shapes per layer."""
+    """What the planner needs of a model: its FP4 site shapes per layer (a dense model: ``top_k`` and
+    ``moe_intermediate`` 0, no MoE layers, its MLP width ``intermediate`` at every ``dense_layers``)."""
 
     name: str
     layers: int
@@ -106,6 +116,8 @@ class ModelDims:
     head_dim: int
     moe_layers: tuple[int, ...]
     kv_layers: tuple[int, ...]
+    intermediate: int = 0
+    dense_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], name: str = "config") -> ModelDims:
@@ -121,16 +133,19 @@ class ModelDims:
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         experts = next((int(cfg[k]) for k in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(k)), 0)
-        if experts <= 0:
-            raise ValueError(f"{name}: no routed experts in the config (num_experts / num_local_experts)")
-        top_k = need("num_experts_per_tok")
-        moe_intermediate = need("moe_intermediate_size", "intermediate_size")
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
-        dense = set(cfg.get("mlp_only_layers") or [])
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        first = int(cfg.get("first_k_dense_replace") or 0)
-        moe = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0 and i >= first)
+        if experts > 0:
+            top_k = need("num_experts_per_tok")
+            moe_intermediate = need("moe_intermediate_size", "intermediate_size")
+            intermediate, dense_layers = 0, ()
+            dense = set(cfg.get("mlp_only_layers") or [])
+            step = int(cfg.get("decoder_sparse_step") or 1)
+            first = int(cfg.get("first_k_dense_replace") or 0)
+            moe = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0 and i >= first)
+        else:  # a dense model: every layer's MLP is FP4
+            top_k, moe_intermediate, moe = 0, 0, ()
+            intermediate, dense_layers = need("intermediate_size"), tuple(range(layers))
         types = cfg.get("layer_types")
         if types:
             if len(types) != layers:
@@ -141,10 +156,11 @@ class ModelDims:
             kv = tuple(i for i in range(layers) if (i + 1) % every == 0)
         else:
             kv = tuple(range(layers))
-        for what, v in (("hidden_size", hidden), ("moe_intermediate_size", moe_intermediate), ("head_dim", head_dim)):
+        for what, v in (("hidden_size", hidden), ("moe_intermediate_size", moe_intermediate),
+                        ("intermediate_size", intermediate), ("head_dim", head_dim)):
             if v % NVFP4_BLOCK:
                 raise ValueError(f"{name}: {what} {v} is not a multiple of the NVFP4 block ({NVFP4_BLOCK})")
-        return cls(name, layers, hidden, top_k, moe_intermediate, kv_heads, head_dim, moe, kv)
+        return cls(name, layers, hidden, top_k, moe_intermediate, kv_heads, head_dim, moe, kv, intermediate, dense_layers)
 
     def sites(self, layer: int) -> dict[Site, tuple[int, ...]]:
         """Per-token shape of each FP4 site of a layer."""
@@ -152,6 +168,9 @@ class ModelDims:
         if layer in self.moe_layers:
             out[Site.EXPERT_IN] = (self.hidden,)
             out[Site.EXPERT_MID] = (self.top_k, self.moe_intermediate)
+        if layer in self.dense_layers:
+            out[Site.MLP_IN] = (self.hidden,)
+            out[Site.MLP_MID] = (self.intermediate,)
         if layer in self.kv_layers:
             out[Site.K] = out[Site.V] = (self.kv_heads, self.head_dim)
         return out
@@ -234,10 +253,12 @@ def _human(n: float) -> str:
 
 def format_plan(p: dict[str, Any]) -> str:
     d, b = p["model"], p["batch"]
+    mlp = (f"dense, MLP dim {d['intermediate']}" if d.get("dense_layers")
+           else f"top-{d['top_k']} of experts with dim {d['moe_intermediate']}")
     lines = [
         f"guidance plan for {d['name']}: {d['layers']} layers ({len(d['moe_layers'])} MoE, "
-        f"{len(d['kv_layers'])} with a KV cache), hidden {d['hidden']}, top-{d['top_k']} of experts with dim "
-        f"{d['moe_intermediate']}, {d['kv_heads']} KV heads x {d['head_dim']}",
+        f"{len(d['kv_layers'])} with a KV cache), hidden {d['hidden']}, {mlp}, {d['kv_heads']} KV heads x "
+        f"{d['head_dim']}",
         f"  step: {b['prompts']} prompts x {b['samples']} samples x {b['tokens']} tokens = {b['tokens_per_step']:,} "
         "token positions" + (f"; I/O at {p['bandwidth_gbps']:g} GB/s" if p["bandwidth_gbps"] else ""),
         "",

@@ -54,6 +54,7 @@ def _check_replay_args(args: argparse.Namespace, dims: dict[str, object]) -> Non
     given += [f"--{k.replace('_', '-')}" for k, default in _RUN_FIXED.items()
               if getattr(args, k, default) != default]
     given += ["--checkpoint"] * (args.checkpoint is not None) + ["--modes"] * (args.modes is not None)
+    given += ["--dense"] * bool(getattr(args, "dense", False))  # the run config's [model] dense = true builds it
     if given:
         raise SystemExit(f"tracefp4 mismatch --lag: {', '.join(given)} set what the run config sets (model, batch, "
                          "sampling, plan: NVFP4 on our engine); give those in --config")
@@ -70,8 +71,8 @@ def _check_args(args: argparse.Namespace) -> dict[str, object]:
              if value != default]
     if stray:
         raise SystemExit(f"tracefp4 mismatch: {', '.join(stray)} go with --lag")
-    if args.checkpoint is not None and dims:
-        raise SystemExit(f"tracefp4 mismatch: --checkpoint fixes the model; drop {sorted(dims)}")
+    if args.checkpoint is not None and (dims or getattr(args, "dense", False)):
+        raise SystemExit(f"tracefp4 mismatch: --checkpoint fixes the model; drop {sorted(dims) or ['dense']}")
     if args.batch < 1 or args.new_tokens < 1 or args.prompt_len < 1:
         raise SystemExit("tracefp4 mismatch: --batch, --new-tokens and --prompt-len must be >= 1")
     if not args.sweep and args.modes:
@@ -101,10 +102,11 @@ def _inputs(
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"tracefp4 mismatch: --device {device}: no CUDA device here (torch.cuda.is_available() is False)")
     try:
-        model = mismatch.build_model(args.checkpoint, seed=args.seed, **dims).to(device)
+        model = mismatch.build_model(args.checkpoint, seed=args.seed, dense=getattr(args, "dense", False), **dims).to(device)
     except ValueError as e:
         raise SystemExit(f"tracefp4 mismatch: {e}") from None
-    say(f"model ready ({'checkpoint ' + args.checkpoint if args.checkpoint else 'tiny Qwen3-MoE from config'})")
+    built = "tiny dense Qwen3 from config" if getattr(args, "dense", False) else "tiny Qwen3-MoE from config"
+    say(f"model ready ({'checkpoint ' + args.checkpoint if args.checkpoint else built})")
     prompts = mismatch.make_prompts(args.batch, model.config.vocab_size, args.prompt_len, args.seed)
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, seed=args.seed)
     return model, prompts, sampling

@@ -66,7 +66,8 @@ from typing import Any
 
 import torch
 
-from tracefp4.engines.model import TinyMoESpec, from_config, load_model, model_layers, moe_layers, tiny_config
+from tracefp4.engines.model import (TinyDenseSpec, TinyMoESpec, from_config, load_model, model_layers, moe_layers,
+                                    tiny_config)
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
 from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, TrainerSpec, code_mismatch, forward_logprobs
@@ -133,12 +134,16 @@ def make_prompts(batch: int, vocab: int, max_len: int, seed: int) -> list[torch.
     return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
 
 
-def build_model(checkpoint: str | os.PathLike[str] | None = None, seed: int = 0, **dims: Any):
+def build_model(checkpoint: str | os.PathLike[str] | None = None, seed: int = 0, dense: bool = False, **dims: Any):
     """A prepared model: loaded from a local folder, or a fresh tiny Qwen3-MoE whose dims not given
-    take this report's :data:`DEFAULTS`."""
+    take this report's :data:`DEFAULTS`; ``dense``: that MoE's dense twin of the same active size
+    instead (a Qwen3 whose MLP is ``top_k x moe_intermediate`` wide, :meth:`TinyDenseSpec.active_twin`)."""
     if checkpoint is not None:
         return load_model(checkpoint)
-    return from_config(tiny_config(**{**{k: DEFAULTS[k] for k in MODEL_DIMS}, **dims}), seed=seed)
+    moe = TinyMoESpec(**{**{k: DEFAULTS[k] for k in MODEL_DIMS}, **dims})
+    if dense:
+        return from_config(TinyDenseSpec.active_twin(moe).config(), seed=seed)
+    return from_config(tiny_config(**dataclasses.asdict(moe)), seed=seed)
 
 
 # --- measurements of this report ------------------------------------------------------------------
@@ -197,7 +202,8 @@ def _router_flips_without_replay(model, rollout: RolloutOutput, mode: str) -> di
         differ = int((own != rec).any(dim=-1).sum())
         per_layer[layer_tag(layer)] = differ / own.shape[0]
         flips, total = flips + differ, total + own.shape[0]
-    return {"rate": flips / total, "flips": flips, "token_layers": total, "per_layer": per_layer}
+    # a dense model has no router: no rate (None), not a rate of 0
+    return {"rate": flips / total if total else None, "flips": flips, "token_layers": total, "per_layer": per_layer}
 
 
 def _check_lsb_matches_full(
@@ -366,9 +372,11 @@ def _config_section(model, prompts, sampling: SamplingParams, plan, compact_laye
         "layers": n_layers,
         "moe_layers": list(moe),
         "experts": getattr(cfg, "num_experts", getattr(cfg, "num_local_experts", None)),
-        "top_k": cfg.num_experts_per_tok,
+        "top_k": getattr(cfg, "num_experts_per_tok", None),
         "hidden": cfg.hidden_size,
         "moe_intermediate": getattr(cfg, "moe_intermediate_size", None),
+        # a dense model's MLP width (None for a MoE, whose dense-layer MLPs stay BF16)
+        "intermediate": None if moe else cfg.intermediate_size,
         "heads": cfg.num_attention_heads,
         "kv_heads": cfg.num_key_value_heads,
         "head_dim": getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads),
@@ -485,9 +493,11 @@ def _guided_span(rep: dict[str, Any]) -> str:
 
 def _header_lines(rep: dict[str, Any]) -> list[str]:
     c, tok = rep["config"], rep["tokens"]
+    mlp = (f"dense, MLP dim {c['intermediate']}" if c.get("intermediate") is not None
+           else f"{c['experts']} experts top-{c['top_k']}, expert dim {c['moe_intermediate']}")
     return [
-        f"mismatch report: {c['model_type']} {c['layers']} layers, {c['experts']} experts top-{c['top_k']}, "
-        f"hidden {c['hidden']}, expert dim {c['moe_intermediate']}, {c['kv_heads']} KV heads x {c['head_dim']}",
+        f"mismatch report: {c['model_type']} {c['layers']} layers, {mlp}, hidden {c['hidden']}, "
+        f"{c['kv_heads']} KV heads x {c['head_dim']}",
         f"  batch {c['batch']} ragged prompts ({min(c['prompt_lens'])}-{max(c['prompt_lens'])} tokens), "
         f"{c['new_tokens']} new tokens, seed {c['seed']}: {tok['generated']} generated tokens, "
         f"{tok['positions']} positions; {_kind(rep)} rollouts identical across modes: {rep['fp4_rollouts_identical']}",
@@ -531,6 +541,8 @@ def _code_table_lines(rep: dict[str, Any]) -> list[str]:
 
 def _router_flip_lines(rep: dict[str, Any]) -> list[str]:
     fl = rep["router_flip"]
+    if fl["qat"]["rate"] is None:
+        return ["router flips: none (a dense model: no router)", ""]
     per_layer = "  ".join(f"{k} {v:.1%}" for k, v in fl["qat"]["per_layer"].items())
     return [
         f"router flips without replay (token x MoE layer, top-k set differs): {_kind(rep).lower()}/qat "
@@ -590,6 +602,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--vocab", type=int, default=None, help=f"vocabulary (default {DEFAULTS['vocab']})")
     m.add_argument("--init-std", type=float, default=None,
                    help=f"initializer range (default {DEFAULTS['init_std']})")  # fmt: skip
+    m.add_argument("--dense", action="store_true",
+                   help="the tiny MoE's dense twin instead: a Qwen3 whose MLP is top-k x moe-intermediate wide")
     m.add_argument(
         "--checkpoint", metavar="DIR", help="load a local checkpoint folder instead (config.json + safetensors)"
     )

@@ -73,7 +73,6 @@ from tracefp4.pipeline.metrics import (
     at_sites,
     bracket_miss,
     bracket_miss_summary,
-    canonical,
     label,
     mismatch_summary,
 )
@@ -280,7 +279,7 @@ def _cells(lr: float, lag: int, v: int, runs, guided: frozenset[int], root: Path
             "lr": lr, "lag": lag, "arm": key, "arm_name": name, "guidance": None if run.arm.guidance is None
             else run.arm.guidance.name, "rollout_version": v - lag, "trainer_version": v,
             **_scoped(run.trainer, run.rollout, None),
-            **{canonical(k): x for k, x in gap(run.rollout, run.trainer).items() if k != "tokens"},
+            **{k: x for k, x in gap(run.rollout, run.trainer).items() if k != "tokens"},
             Name.GUIDANCE_BYTES: store_bytes(root, run.step, signature)["guidance"],
         }
         inside = _scoped(run.trainer, run.rollout, lambda layer, site: layer in guided)

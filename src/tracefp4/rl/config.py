@@ -19,7 +19,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from tracefp4.engines.model import TinyMoESpec, tiny_config
+from tracefp4.engines.model import TinyDenseSpec, TinyMoESpec, tiny_config
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.pipeline.arms import ARMS, arm_rollout, arm_spec
 from tracefp4.pipeline.factory import EngineKind
@@ -101,9 +101,9 @@ _TINY = TinyMoESpec()
 
 @dataclass
 class ModelSpec:
-    """A tiny Qwen3-MoE (every layer sparse), built from these fields. Ignored when
-    ``RLConfig.checkpoint`` is given. The FP4 sites quantize blocks of 16 along ``hidden``,
-    ``moe_intermediate`` and ``head_dim``: each must be a multiple of 16."""
+    """A tiny Qwen3-MoE (every layer sparse), or with ``dense`` its dense twin of the same active size,
+    built from these fields. Ignored when ``RLConfig.checkpoint`` is given. The FP4 sites quantize
+    blocks of 16 along ``hidden``, ``moe_intermediate`` and ``head_dim``: each must be a multiple of 16."""
 
     hidden: int = option(_TINY.hidden, help="width of the residual stream", ge=16, multiple_of=16)
     layers: int = option(_TINY.layers, help="decoder layers (every one a sparse MoE layer)", ge=1)
@@ -116,6 +116,8 @@ class ModelSpec:
     vocab: int = option(_TINY.vocab, help="embedding rows; at least the task tokenizer's vocab_size", ge=1)
     max_positions: int = option(128, help="longest sequence (prompt plus completion) the model's rotary "
                                 "positions and the engines' caches hold", ge=2)
+    dense: bool = option(False, help="a dense Qwen3 instead: every layer's MLP top_k x moe_intermediate wide "
+                         "(the MoE's active width), no experts (TinyDenseSpec.active_twin)")
 
     def validate(self) -> None:
         check_fields(self, "model.")
@@ -127,6 +129,12 @@ class ModelSpec:
     def hf_config(self, tok: Tokenizer) -> PretrainedConfig:
         if self.vocab < tok.vocab_size:
             raise ValueError(f"model.vocab = {self.vocab}: expected at least the tokenizer's {tok.vocab_size}")
+        tokens = dict(pad_token_id=tok.PAD, bos_token_id=tok.BOS, eos_token_id=tok.EOS)
+        if self.dense:
+            moe = TinyMoESpec(self.hidden, self.layers, self.experts, self.top_k, self.moe_intermediate, self.heads,
+                              self.kv_heads, self.head_dim, self.vocab)
+            return TinyDenseSpec.active_twin(moe).config(max_positions=self.max_positions, tie_word_embeddings=False,
+                                                         **tokens)
         return tiny_config(
             layers=self.layers, experts=self.experts, top_k=self.top_k, hidden=self.hidden,
             moe_intermediate=self.moe_intermediate, heads=self.heads, kv_heads=self.kv_heads,

@@ -3,7 +3,8 @@
 * :func:`routed.routed_experts` is the routed-experts computation both seams call (our transformers
   experts implementation and the vLLM plugin's MoE method): the ``expert_in`` site, the gate-up GEMM,
   the gate, the ``expert_mid`` site, the down GEMM, the top-k sum in float32, every tensor in the
-  router's (token, slot) order.
+  router's (token, slot) order. :func:`routed.dense_mlp` is a dense model's gated MLP as one expert
+  that every row goes to (sites ``mlp_in`` and ``mlp_mid``), on the same backends.
 * A backend (:class:`~tracefp4.engines.experts.base.ExpertGEMM`) says which forwards it runs
   (``supports(plan, device, dtype)``), owns its weight storage: it builds it from one GEMM's expert
   weights (``prepare``) and gives it as named tensors a module can hold as parameters, and takes it
@@ -28,7 +29,7 @@ the float32 additions.
 from tracefp4.engines.experts.base import ExpertGEMM, PreparedWeight, Routing
 from tracefp4.engines.experts.cache import PreparedCache
 from tracefp4.engines.experts.oracle import choose_gemm, gemm_named
-from tracefp4.engines.experts.routed import routed_experts
+from tracefp4.engines.experts.routed import dense_gemm, dense_mlp, routed_experts
 
 __all__ = [
     "ExpertGEMM",
@@ -36,6 +37,8 @@ __all__ = [
     "PreparedWeight",
     "Routing",
     "choose_gemm",
+    "dense_gemm",
+    "dense_mlp",
     "gemm_named",
     "routed_experts",
 ]

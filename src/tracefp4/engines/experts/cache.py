@@ -7,15 +7,18 @@ from typing import Any
 import torch
 
 from tracefp4.engines.experts.base import ExpertGEMM, PreparedWeight
+from tracefp4.engines.weight_source import WeightSource, joined_weight
 from tracefp4.formats.quantizers import Quantizer
 
 __all__ = ["PreparedCache"]
 
 
 class PreparedCache:
-    """``(owner, name) -> prepared weight``, keyed on the source tensor's storage and version counter
-    (an optimizer step or a weight load bumps it), shape, dtype, the quantizer and the backend, so a
-    stale entry is never used. One entry per weight: a new key replaces the old one.
+    """``(owner, name) -> prepared weight``, keyed on the source tensors' storage and version counters
+    (an optimizer step or a weight load bumps them), shapes, dtypes, the quantizer and the backend, so
+    a stale entry is never used (a weight given in parts, :data:`~tracefp4.engines.weight_source.WeightSource`,
+    is keyed on every part and joined only when prepared). One entry per weight: a new key replaces
+    the old one.
 
     An in-place update that does not bump the version counter is not seen: torch's fused AdamW
     (``fused=True``, transformers' default ``adamw_torch_fused``) writes the parameters without bumping
@@ -25,13 +28,14 @@ class PreparedCache:
     def __init__(self) -> None:
         self._entries: dict[Any, tuple[tuple, PreparedWeight]] = {}
 
-    def get(self, owner: Any, name: str, weight: torch.Tensor, quantizer: Quantizer | None, gemm: ExpertGEMM
+    def get(self, owner: Any, name: str, weight: WeightSource, quantizer: Quantizer | None, gemm: ExpertGEMM
             ) -> PreparedWeight:
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, quantizer, gemm.name)
+        parts = (weight,) if isinstance(weight, torch.Tensor) else tuple(weight)
+        key = (tuple((p.data_ptr(), p._version, tuple(p.shape), p.dtype) for p in parts), quantizer, gemm.name)
         hit = self._entries.get((owner, name))
         if hit is None or hit[0] != key:
             with torch.no_grad():
-                hit = (key, gemm.prepare(weight, quantizer))
+                hit = (key, gemm.prepare(joined_weight(weight), quantizer))
             self._entries[(owner, name)] = hit
         return hit[1]
 

@@ -96,16 +96,21 @@ class DenseGEMM(ExpertGEMM):
         return DenseWeight(blocks.to(device=weight.device, dtype=exact), divisor.to(weight.device))
 
     def matmul(self, x: torch.Tensor, weight: DenseWeight, routing: Routing, *, per_token: bool) -> torch.Tensor:
+        if routing.n_experts == 1 and routing.top_k == 1:  # a dense MLP: every row, in order, to the one expert
+            return self._linear(x, weight, 0)
         order, offsets, inverse = routing.grouped
         rows = x[order // routing.top_k] if per_token else x[order]
         counts = (offsets[1:] - offsets[:-1]).tolist()  # a host synchronisation: one matmul per expert
         chunks = torch.split(rows, counts, dim=0)
-        w = weight.values
-        if weight.divisor is None:
-            outs = [F.linear(c, w[e]) for e, c in enumerate(chunks) if counts[e]]
-            grouped = torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
-        else:
-            outs = [F.linear(c.to(torch.float32), w[e].to(torch.float32)) / weight.divisor[e]
-                    for e, c in enumerate(chunks) if counts[e]]
-            grouped = (torch.cat(outs) if outs else x.new_zeros(0, w.shape[1], dtype=torch.float32)).to(x.dtype)
+        outs = [self._linear(c, weight, e) for e, c in enumerate(chunks) if counts[e]]
+        grouped = torch.cat(outs) if outs else x.new_zeros(0, weight.values.shape[1])
         return grouped[inverse]
+
+    @staticmethod
+    def _linear(rows: torch.Tensor, weight: DenseWeight, e: int) -> torch.Tensor:
+        """``rows`` times expert ``e``'s weight, in rows' dtype: BF16 as it is; a quantized weight in
+        float32, divided by the expert's divisor after the sum."""
+        w = weight.values[e]
+        if weight.divisor is None:
+            return F.linear(rows, w)
+        return (F.linear(rows.to(torch.float32), w.to(torch.float32)) / weight.divisor[e]).to(rows.dtype)

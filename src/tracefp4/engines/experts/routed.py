@@ -1,4 +1,5 @@
-"""The routed-experts forward, as every engine and the trainer compute it (one function, both seams)."""
+"""The MLP forwards every engine and the trainer compute (one function per kind, both seams): a MoE
+layer's routed experts, and a dense model's gated MLP as one expert that every row goes to."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from tracefp4.engines.sites import ForwardState, quantize_site
 from tracefp4.formats import backend
 from tracefp4.guidance.names import Site, layer_tag
 
-__all__ = ["routed_experts"]
+__all__ = ["dense_gemm", "dense_mlp", "routed_experts"]
 
 
 def _check_expert_ids(state: ForwardState, layer: int, ids: torch.Tensor, n_experts: int) -> None:
@@ -54,3 +55,36 @@ def routed_experts(
     mid = quantize_site(state, layer, Site.EXPERT_MID, mid.reshape(n, k, -1))
     out = gemm.matmul(mid.reshape(n * k, -1), down, routing, per_token=False).reshape(n, k, -1)
     return gemm.combine(out, topk_weights).to(x.dtype)
+
+
+def dense_mlp(
+    state: ForwardState,
+    layer: int,
+    x: torch.Tensor,
+    gate_up: PreparedWeight,
+    down: PreparedWeight,
+    gemm: ExpertGEMM,
+    act: Activation,
+) -> torch.Tensor:
+    """A dense gated MLP on ``x [N, H]`` (flattened tokens): ``down(act(gate_up(x)))`` with the
+    ``mlp_in`` and ``mlp_mid`` sites quantized per token (rows of ``[N, H]`` and ``[N, I]``).
+
+    The layer is one expert with every row: ``gate_up`` (``[1, 2I, H]``, ``[gate; up]``) and ``down``
+    (``[1, H, I]``) are prepared by ``gemm`` like routed-expert weights (one global scale per GEMM
+    weight), and each GEMM is the backend's routed GEMM over a routing that sends every row to expert
+    0, so the packed kernels serve dense layers as they serve experts. No top-k sum: a single expert
+    of weight 1 is its own output (the sum of one float32 term, rounded back, is that term).
+    """
+    mid = gemm.activate(dense_gemm(state, layer, Site.MLP_IN, x, gate_up, gemm), act)  # [N, I]
+    return dense_gemm(state, layer, Site.MLP_MID, mid, down, gemm).to(x.dtype)
+
+
+def dense_gemm(state: ForwardState, layer: int, site: Site, x: torch.Tensor, weight: PreparedWeight,
+               gemm: ExpertGEMM) -> torch.Tensor:
+    """One GEMM of a dense MLP: ``x [N, K]`` quantized per row at ``site`` (``mlp_in`` or ``mlp_mid``),
+    times ``weight`` (``[1, N_out, K]``, prepared by ``gemm``) as the routed GEMM of one expert that
+    every row goes to -> ``[N, N_out]`` in x's dtype. :func:`dense_mlp` runs two; the vLLM plugin's
+    linear method runs one per linear layer (vLLM computes the gate between them)."""
+    xq = quantize_site(state, layer, site, x)
+    routing = Routing(torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device), 1)
+    return gemm.matmul(xq, weight, routing, per_token=True)

@@ -191,7 +191,7 @@ class VLLMEngine(_ClosedOnExit):
         self.llm.collective_rpc("tracefp4_install")
         cfg = self.llm.llm_engine.model_config.hf_config
         self.n_layers = int(cfg.num_hidden_layers)
-        self.n_experts = int(cfg.num_experts)
+        self.n_experts = int(getattr(cfg, "num_experts", 0) or 0)  # 0: a dense model, no routing
         self.vocab = int(cfg.vocab_size)
 
     # --- RolloutEngine --------------------------------------------------------------------------
@@ -410,7 +410,8 @@ class PlainVLLMEngine(VLLMEngine):
         self.max_model_len = max_model_len
         self.version = 0
         cfg = self.llm.llm_engine.model_config.hf_config
-        self.n_layers, self.n_experts, self.vocab = int(cfg.num_hidden_layers), int(cfg.num_experts), int(cfg.vocab_size)
+        self.n_layers, self.vocab = int(cfg.num_hidden_layers), int(cfg.vocab_size)
+        self.n_experts = int(getattr(cfg, "num_experts", 0) or 0)  # 0: a dense model, no routing
 
     def generate(self, prompts, sampling: SamplingParams, *, plan: PrecisionPlan | None = None,
                  guidance: GuidedMode | None = None, diagnostics: frozenset[int] = frozenset(),

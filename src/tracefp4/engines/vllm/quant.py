@@ -15,6 +15,14 @@
   set per weight quantizer. ``apply`` runs :func:`tracefp4.engines.experts.routed_experts`, the very
   function our engine calls: ``expert_in`` and ``expert_mid`` quantized per row with
   ``plan.quantizer(site)``, the routing recorded, the top-k outputs summed in float32.
+* A dense model's MLP linears (no routed experts in the model: ``mlp.gate_up_proj``, vLLM's merged
+  ``[gate; up]``, and ``mlp.down_proj``): :class:`TraceFP4DenseMLPMethod`, vLLM's linear-method
+  hook. Each linear is one expert with every row, as in our engine
+  (:func:`tracefp4.engines.experts.dense_gemm`): its input quantized at ``mlp_in`` / ``mlp_mid`` and
+  recorded, its weight ``[1, N, K]`` prepared for the plan's backend after every load and, without
+  ``keep_bf16``, held packed in place of the BF16 one (``weight``, ``weight_scale``, ``divisor``).
+  The gate between the two (vLLM's ``SiluAndMul``) is vLLM's own kernel; a BF16 call runs vLLM's own
+  linear method. The dense layers of a MoE model stay BF16, as in our engine.
 * Every other linear layer (attention projections, router, shared experts, lm_head) stays
   unquantized. Attention gets no quant method; with ``kv_store`` ``packed`` its layers get the packed
   FP4 KV backend (:mod:`.kv_backend`), with ``values`` the cache stays in the model dtype and holds
@@ -48,14 +56,15 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig  # noqa: E402
 from vllm.model_executor.utils import set_weight_attrs  # noqa: E402
 
-from tracefp4.engines.experts import ExpertGEMM, PreparedWeight, choose_gemm, routed_experts  # noqa: E402
+from tracefp4.engines.experts import ExpertGEMM, PreparedWeight, choose_gemm, dense_gemm, routed_experts  # noqa: E402
 from tracefp4.engines.experts.base import SILU_GATE  # noqa: E402
 from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
 from tracefp4.engines.vllm.kv_layout import KVStore, resolve_kv_store  # noqa: E402
 from tracefp4.engines.vllm.runtime import RUNTIME, layer_index  # noqa: E402
 from tracefp4.formats.quantizers import Quantizer  # noqa: E402
+from tracefp4.guidance.names import Site  # noqa: E402
 
-__all__ = ["QUANT_METHOD", "TraceFP4Config", "TraceFP4MoEMethod"]
+__all__ = ["QUANT_METHOD", "TraceFP4Config", "TraceFP4DenseMLPMethod", "TraceFP4MoEMethod"]
 
 QUANT_METHOD = "tracefp4"
 
@@ -100,6 +109,9 @@ class TraceFP4Config(QuantizationConfig):
         if isinstance(layer, RoutedExperts):
             return TraceFP4MoEMethod(layer.moe_config, prefix, self.plan, keep_bf16=self.keep_bf16)
         if isinstance(layer, LinearBase):
+            site = _dense_mlp_site(prefix)
+            if site is not None:
+                return TraceFP4DenseMLPMethod(prefix, site, self.plan, keep_bf16=self.keep_bf16)
             return UnquantizedLinearMethod()
         if isinstance(layer, Attention) and self.kv_store is KVStore.PACKED:
             from tracefp4.engines.vllm.kv_backend import install_packed_attention
@@ -109,6 +121,25 @@ class TraceFP4Config(QuantizationConfig):
 
 
 _PARTS = ("w13", "w2")
+#: A dense MLP's linear layers by the end of their vLLM prefix, and the site of their input.
+_DENSE_LINEARS = {".mlp.gate_up_proj": Site.MLP_IN, ".mlp.down_proj": Site.MLP_MID}
+
+
+def _dense_mlp_site(prefix: str) -> Site | None:
+    """The site of a dense model's MLP linear ``prefix`` (``model.layers.N.mlp.gate_up_proj`` or
+    ``...down_proj``); None for any other linear, and for every linear of a model with routed experts
+    (whose dense-layer MLPs stay BF16, as its shared experts do)."""
+    site = next((s for end, s in _DENSE_LINEARS.items() if prefix.endswith(end)), None)
+    if site is None:
+        return None
+    from vllm.config import get_current_vllm_config_or_none
+
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None or vllm_config.model_config is None:
+        raise RuntimeError(f"tracefp4: {prefix} built outside a vLLM config: cannot tell a dense model from a MoE")
+    cfg = vllm_config.model_config.hf_text_config
+    experts = max(int(getattr(cfg, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return site if experts == 0 else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +155,35 @@ class _Held:
 
     def weight(self, layer, part: str) -> PreparedWeight:
         names, spec = self.parts[part]
-        return self.gemm.from_parameters({n: getattr(layer, f"{part}_{n}") for n in names}, spec)
+        return self.gemm.from_parameters({n: getattr(layer, _held_name(part, n)) for n in names}, spec)
+
+
+def _held_name(part: str, field: str) -> str:
+    """The layer parameter a prepared weight's ``field`` is held as: ``{part}_{field}`` (the experts'
+    ``w13``/``w2``), or the field itself for a linear layer's one weight (part ``""``)."""
+    return f"{part}_{field}" if part else field
+
+
+def _hold(layer, gemm: ExpertGEMM, quantizer: Quantizer, prepared: dict[str, PreparedWeight]) -> _Held:
+    """Register the backend's parameters of each prepared part in place of the layer's BF16 ones,
+    under names vLLM's layer-wise reload copies back by."""
+    parts = {}
+    for part, p in prepared.items():
+        held = gemm.to_parameters(p)
+        for field, t in held.tensors.items():
+            name = _held_name(part, field)
+            if name in layer._parameters:
+                del layer._parameters[name]
+            layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+        parts[part] = (tuple(held.tensors), held.spec)
+    return _Held(gemm, quantizer, parts)
+
+
+def _refuse_unheld(prefix: str, held: _Held, plan: PrecisionPlan | None, what: str) -> None:
+    if plan is None or plan.weight_quantizer != held.quantizer:
+        want = "BF16" if plan is None else f"weights quantized by {plan.weight_quantizer}"
+        raise ValueError(f"{prefix}: this engine holds only its plan's prepared {what} ({held.quantizer}); a "
+                         f"call asking for {want} needs an engine built with keep_bf16=True")
 
 
 class TraceFP4MoEMethod(FusedMoEMethodBase):
@@ -174,16 +233,7 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         if self.keep_bf16:
             self._prepared[quantizer] = (gemm, prepared)
             return
-        parts = {}
-        for part, p in zip(_PARTS, prepared):
-            held = gemm.to_parameters(p)
-            for field, t in held.tensors.items():
-                name = f"{part}_{field}"
-                if name in layer._parameters:
-                    del layer._parameters[name]
-                layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
-            parts[part] = (tuple(held.tensors), held.spec)
-        self._in_layer = _Held(gemm, quantizer, parts)
+        self._in_layer = _hold(layer, gemm, quantizer, dict(zip(_PARTS, prepared)))
 
     def _prepare(self, layer, gemm: ExpertGEMM, quantizer) -> tuple[PreparedWeight, PreparedWeight]:
         out = []
@@ -198,11 +248,7 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         """The backend and (w13, w2) as the plan's GEMMs take them."""
         held = self._in_layer
         if held is not None:
-            if plan is None or plan.weight_quantizer != held.quantizer:
-                want = "BF16" if plan is None else f"weights quantized by {plan.weight_quantizer}"
-                raise ValueError(f"{self.prefix}: this engine holds only its plan's prepared expert weights "
-                                 f"({held.quantizer}); a call asking for {want} needs an engine built with "
-                                 "keep_bf16=True")
+            _refuse_unheld(self.prefix, held, plan, "expert weights")
             return held.gemm, (held.weight(layer, "w13"), held.weight(layer, "w2"))
         if plan is None:
             gemm = choose_gemm(None, layer.w13_weight.device, layer.w13_weight.dtype, gradients=False)
@@ -228,3 +274,66 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         topk_weights, topk_ids = state.path.route(self.layer_index, topk_weights, topk_ids.to(torch.long))
         return routed_experts(state, self.layer_index, RUNTIME.site_input(x), topk_ids, topk_weights, w13, w2, gemm,
                               SILU_GATE)
+
+
+class TraceFP4DenseMLPMethod(UnquantizedLinearMethod):
+    """A dense model's MLP linear (``gate_up_proj`` or ``down_proj``) as one FP4 expert with every row
+    (see the module docstring). The BF16 weight is created and loaded as vLLM's unquantized method
+    does; after loading it is prepared (and, without ``keep_bf16``, replaced) as the MoE method
+    prepares expert weights, and kept as it is otherwise: vLLM's CPU processing of an unquantized
+    weight would replace it by a oneDNN handle that nothing else can read, so a BF16 call of a
+    ``keep_bf16`` engine multiplies the weight itself (``F.linear``), as the MoE method's BF16 calls do."""
+
+    def __init__(self, prefix: str, site: Site, plan: PrecisionPlan | None, *, keep_bf16: bool = False) -> None:
+        super().__init__()
+        self.prefix, self.site = prefix, site
+        self.config_plan = plan
+        self.keep_bf16 = keep_bf16 or plan is None
+        self.layer_index = layer_index(prefix)
+        self._prepared: dict[Any, tuple[ExpertGEMM, PreparedWeight]] = {}  # keep_bf16: per weight quantizer
+        self._in_layer: _Held | None = None  # without keep_bf16: what the layer's parameters hold
+
+    def _prepare(self, layer, plan: PrecisionPlan) -> tuple[ExpertGEMM, PreparedWeight]:
+        gemm = choose_gemm(plan, layer.weight.device, layer.weight.dtype, gradients=False)
+        try:
+            return gemm, gemm.prepare(layer.weight[None], plan.weight_quantizer)
+        except ValueError as e:
+            raise ValueError(f"{self.prefix}.weight: {e}") from e
+
+    def process_weights_after_loading(self, layer) -> None:
+        """After every load: the new BF16 weight ``[N, K]`` prepared as a ``[1, N, K]`` expert for the
+        config's plan; without ``keep_bf16`` its parameters replace the BF16 one."""
+        self._prepared.clear()
+        plan = self.config_plan
+        if plan is None:
+            return
+        gemm, prepared = self._prepare(layer, plan)
+        if self.keep_bf16:
+            self._prepared[plan.weight_quantizer] = (gemm, prepared)
+        else:
+            self._in_layer = _hold(layer, gemm, plan.weight_quantizer, {"": prepared})
+
+    def _weight(self, layer, plan: PrecisionPlan) -> tuple[ExpertGEMM, PreparedWeight]:
+        held = self._in_layer
+        if held is not None:
+            _refuse_unheld(self.prefix, held, plan, "MLP weights")
+            return held.gemm, held.weight(layer, "")
+        hit = self._prepared.get(plan.weight_quantizer)
+        if hit is None:
+            hit = self._prepared[plan.weight_quantizer] = self._prepare(layer, plan)
+        return hit
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if bias is not None:
+            raise NotImplementedError(f"tracefp4: {self.prefix} has a bias; the FP4 MLP GEMMs have none")
+        state = RUNTIME.state()
+        if state.plan is None:
+            if self._in_layer is not None:
+                _refuse_unheld(self.prefix, self._in_layer, None, "MLP weights")
+            return torch.nn.functional.linear(x, layer.weight)
+        if torch.compiler.is_compiling():  # the experts hide in vLLM's custom op; a linear has none
+            raise NotImplementedError(f"tracefp4: {self.prefix}: a dense model's FP4 MLP runs in eager mode only "
+                                      "(VLLMEngine(compilation='none'))")
+        gemm, weight = self._weight(layer, state.plan)
+        rows = RUNTIME.site_input(x).reshape(-1, x.shape[-1])
+        return dense_gemm(state, self.layer_index, self.site, rows, weight, gemm).reshape(*x.shape[:-1], -1)

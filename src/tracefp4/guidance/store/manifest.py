@@ -229,8 +229,10 @@ def _trajectory_meta(tid: str, t: Any, shards: Mapping[str, ShardMeta], where: s
     if length < 1 or not 0 <= prompt_len <= length:
         raise StoreError(f"{w}: invalid length {length} / prompt_len {prompt_len}")
     sha = _req_sha(t, "sha256", w)
+    # no record tensors is a record too (a BF16 rollout of a dense model has nothing to record): the
+    # shard still holds the trajectory's per-row versions
     tensors = {tname: _tensor_meta(tname, m, length, w) for tname, m in req(t, "tensors", dict, w).items()}
-    if not tensors:
+    if not tensors and version < 3:
         raise StoreError(f"{w}: no tensors")
     versions = _version_range(req(t, "versions", list, w), w) if version >= 3 else None
     return TrajectoryMeta(tid, shard, length, prompt_len, tensors, sha, versions)

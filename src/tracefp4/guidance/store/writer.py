@@ -130,7 +130,8 @@ class StoreWriter:
 
         ``versions``: the policy version of the weights that computed each row (an integer tensor
         ``[T]``, every value >= 0); None: every row at the writer's ``policy_version``. Tensors are
-        copied (to contiguous CPU memory), so the caller may reuse its buffers.
+        copied (to contiguous CPU memory), so the caller may reuse its buffers. An empty record (a
+        BF16 rollout of a dense model records nothing) needs ``versions``: its rows are their rows.
         """
         if self._closed:
             raise StoreError(f"{self._where}: add() after close()")
@@ -138,8 +139,9 @@ class StoreWriter:
         where = f"{self._where}, trajectory {traj_id!r}"
         if traj_id in self._trajs or traj_id in self._pending:
             raise StoreError(f"{where}: duplicate trajectory id in this writer")
-        if not isinstance(record, Mapping) or not record:
-            raise StoreError(f"{where}: record must be a non-empty dict of tensors")
+        if not isinstance(record, Mapping) or not (record or versions is not None):
+            raise StoreError(f"{where}: record must be a non-empty dict of tensors (or an empty one with the "
+                             "trajectory's per-row versions)")
 
         length: int | None = None
         tensors: dict[str, torch.Tensor] = {}
@@ -156,7 +158,8 @@ class StoreWriter:
                 )
             tensors[name] = _owned_contiguous_cpu(t)
             metas[name] = TensorMeta(tuple(t.shape), dtype)
-        assert length is not None
+        if length is None:  # an empty record: as many rows as its versions (checked below)
+            length = int(versions.shape[0]) if isinstance(versions, torch.Tensor) and versions.dim() == 1 else 0
         if length < 1:
             raise StoreError(f"{where}: trajectory has T=0 token positions")
         if (

@@ -12,8 +12,8 @@ from transformers import (
     MixtralConfig,
     OlmoeConfig,
     Qwen2MoeConfig,
-    Qwen3MoeConfig,
 )
+from tiny_moe import COMMON, qwen3_config
 
 from tracefp4 import dequantize, quantize_nvfp4
 from tracefp4.engines.capture import RolloutCapture
@@ -44,31 +44,13 @@ from tracefp4.guidance.names import EXPERT_SITES, KV_SITES, Site, deeper_half, p
 
 torch.set_num_threads(1)
 
-_COMMON = dict(
-    vocab_size=32,
-    hidden_size=64,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_experts_per_tok=2,
-    max_position_embeddings=128,
-    # Larger than the default 0.02 so that logits, routing and codes are far from uniform.
-    initializer_range=0.1,
-)
-
-
-def qwen3_config(**over: object) -> Qwen3MoeConfig:
-    return Qwen3MoeConfig(**{**_COMMON, "moe_intermediate_size": 32, "head_dim": 16, "num_experts": 8, **over})
-
-
 FAMILIES = {
     "qwen3_moe": qwen3_config,
     "qwen2_moe": lambda: Qwen2MoeConfig(
-        **_COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8
+        **COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8
     ),
-    "olmoe": lambda: OlmoeConfig(**_COMMON, num_experts=8, pad_token_id=0, eos_token_id=1, bos_token_id=None),
-    "mixtral": lambda: MixtralConfig(**_COMMON, num_local_experts=8, head_dim=16),
+    "olmoe": lambda: OlmoeConfig(**COMMON, num_experts=8, pad_token_id=0, eos_token_id=1, bos_token_id=None),
+    "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=8, head_dim=16),
 }
 
 

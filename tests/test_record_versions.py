@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen3MoeConfig
+from tiny_moe import CONFIG, ragged_prompts
 
 from tracefp4.engines.contract import quantizer_contract
 from tracefp4.engines.model import from_config
@@ -23,12 +23,7 @@ from tracefp4.guidance.store import StoreError, StoreReader, seal_step
 
 torch.set_num_threads(1)
 
-CONFIG = Qwen3MoeConfig(
-    vocab_size=32, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-    max_position_embeddings=128, initializer_range=0.1,
-)
-PROMPTS = [torch.randint(2, 32, (n,), generator=torch.Generator().manual_seed(30 + n)) for n in (3, 6, 4)]
+PROMPTS = ragged_prompts(30, (3, 6, 4))
 NEW = 6  # tokens per completion (no stop token: every trajectory has T = P + NEW rows)
 SAMPLING = SamplingParams(max_new_tokens=NEW, seed=3)
 FP4, LSB = PrecisionPlan(), GuidedMode.parse("lsb@all")

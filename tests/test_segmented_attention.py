@@ -30,7 +30,7 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen3MoeConfig
+from tiny_moe import qwen3_config
 from transformers.masking_utils import create_causal_mask
 
 from tracefp4.engines import kvcache, segments as seg_mod
@@ -48,11 +48,7 @@ torch.set_num_threads(1)
 U = 2.0**-24
 EXP_ULPS = 8  # torch's float32 exp is within 1 ulp (SLEEF u10); 8 stated, as tests/test_kv_attention.py
 
-CONFIG = Qwen3MoeConfig(
-    vocab_size=32, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-    max_position_embeddings=128, initializer_range=0.1,
-)
+CONFIG = qwen3_config(num_hidden_layers=3)
 LENGTHS = (1, 37, 5, 64, 19)  # ragged, one of a single token, one above the kernels' 32-row blocks
 ALL = frozenset(range(3))
 

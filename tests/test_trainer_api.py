@@ -7,7 +7,8 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache, Qwen3MoeConfig
+from tiny_moe import CONFIG, ragged_prompts
+from transformers import DynamicCache
 
 from tracefp4.engines import path as path_mod
 from tracefp4.engines.capture import RolloutCapture
@@ -24,12 +25,7 @@ from tracefp4.guidance.compact import GuidedMode
 
 torch.set_num_threads(1)
 
-CONFIG = Qwen3MoeConfig(
-    vocab_size=32, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-    max_position_embeddings=128, initializer_range=0.1,
-)
-PROMPTS = [torch.randint(2, 32, (n,), generator=torch.Generator().manual_seed(20 + n)) for n in (3, 6, 4)]
+PROMPTS = ragged_prompts(20, (3, 6, 4))
 ALL = frozenset(range(4))
 
 

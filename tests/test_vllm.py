@@ -19,13 +19,9 @@ import pytest
 vllm = pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-for _k, _v in {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "OMP_NUM_THREADS": "1",
-}.items():
-    os.environ.setdefault(_k, _v)
+from vllm_tiny import PROMPTS, save_checkpoint, use_cpu_engine  # noqa: E402
+
+use_cpu_engine()
 
 import torch  # noqa: E402
 from child_process import Child  # noqa: E402
@@ -60,20 +56,14 @@ CONFIG = dict(
     layers=LAYERS, experts=8, top_k=2, hidden=128, moe_intermediate=64, heads=4, kv_heads=2, head_dim=32,
     vocab=256, init_std=0.08, max_positions=512, norm_topk_prob=True, tie_word_embeddings=False,
 )
-PROMPTS = [[5, 17, 33, 81, 9, 100, 7], [42, 11, 250, 3], [7, 7, 19, 200, 31, 64, 128, 1, 2, 90, 11]]
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
-    from transformers import AutoModelForCausalLM
-
-    path = tmp_path_factory.mktemp("vllm") / "ckpt"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config(**CONFIG), dtype=torch.bfloat16).save_pretrained(path)
     # EOS ids in the generation config (half the vocabulary): vLLM would stop on them by default; our
     # protocol stops on SamplingParams.stop_token_ids only (every test below relies on that)
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(0, 256, 2))}))
-    return str(path)
+    return save_checkpoint(tmp_path_factory.mktemp("vllm") / "ckpt", tiny_config(**CONFIG), seed=0,
+                           eos_token_ids=range(0, 256, 2))
 
 
 @pytest.fixture(scope="module")

@@ -4,17 +4,15 @@ reproduces every code it recorded."""
 
 from __future__ import annotations
 
-import json
-import os
 
 import pytest
 
 vllm = pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-               "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}.items():
-    os.environ.setdefault(_k, _v)
+from vllm_tiny import PROMPTS, save_checkpoint, use_cpu_engine  # noqa: E402
+
+use_cpu_engine()
 
 import torch  # noqa: E402
 
@@ -33,19 +31,12 @@ FP4 = PrecisionPlan()
 # K = 512 and 1024: whole tiles of the packed layout (no padding in the bytes per parameter)
 CONFIG = dict(layers=LAYERS, hidden=512, intermediate=1024, heads=4, kv_heads=2, head_dim=64, vocab=256,
               init_std=0.05, max_positions=512, tie_word_embeddings=False)
-PROMPTS = [[5, 17, 33, 81, 9, 100, 7], [42, 11, 250, 3], [7, 7, 19, 200, 31, 64, 128, 1, 2, 90, 11]]
 SAMPLING = SamplingParams(max_new_tokens=8, seed=3)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
-    from transformers import AutoModelForCausalLM
-
-    path = tmp_path_factory.mktemp("vllm_dense") / "ckpt"
-    torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(tiny_dense_config(**CONFIG), dtype=torch.bfloat16).save_pretrained(path)
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
-    return str(path)
+    return save_checkpoint(tmp_path_factory.mktemp("vllm_dense") / "ckpt", tiny_dense_config(**CONFIG), seed=1)
 
 
 @pytest.fixture(scope="module")

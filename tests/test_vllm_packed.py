@@ -9,7 +9,6 @@ weights; a weight push repacks; a call the held weights cannot serve is refused,
 from __future__ import annotations
 
 import copy
-import json
 import os
 
 import pytest
@@ -17,9 +16,9 @@ import pytest
 vllm = pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-               "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}.items():
-    os.environ.setdefault(_k, _v)
+from vllm_tiny import PROMPTS, save_checkpoint, use_cpu_engine  # noqa: E402
+
+use_cpu_engine()
 
 import torch  # noqa: E402
 
@@ -38,19 +37,12 @@ ALL = frozenset(range(LAYERS))
 FP4 = PrecisionPlan()
 CONFIG = dict(layers=LAYERS, experts=8, top_k=2, hidden=256, moe_intermediate=256, heads=4, kv_heads=2, head_dim=64,
               vocab=256, init_std=0.08, max_positions=512, norm_topk_prob=True, tie_word_embeddings=False)
-PROMPTS = [[5, 17, 33, 81, 9, 100, 7], [42, 11, 250, 3], [7, 7, 19, 200, 31, 64, 128, 1, 2, 90, 11]]
 SAMPLING = SamplingParams(max_new_tokens=8, seed=3)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
-    from transformers import AutoModelForCausalLM
-
-    path = tmp_path_factory.mktemp("vllm_packed") / "ckpt"
-    torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(tiny_config(**CONFIG), dtype=torch.bfloat16).save_pretrained(path)
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
-    return str(path)
+    return save_checkpoint(tmp_path_factory.mktemp("vllm_packed") / "ckpt", tiny_config(**CONFIG), seed=1)
 
 
 def _experts(engine, fn):
@@ -232,19 +224,14 @@ def test_packed_kv_cache_holds_3_3x_the_tokens_of_bf16(tmp_path_factory):
     packed NVFP4 cache. vLLM's reported capacity (blocks x block size) and the bytes per token of the
     engine's own cache tensors: 152 bytes per token, layer and KV head against 512 (0.297x), so
     512/152 = 3.37x the tokens, less at most one block of rounding."""
-    from transformers import AutoModelForCausalLM
-
     from tracefp4.pipeline.factory import make_engine
 
-    path = tmp_path_factory.mktemp("vllm_kv128") / "ckpt"
-    torch.manual_seed(2)
     cfg = dict(CONFIG, layers=2, head_dim=128)
-    AutoModelForCausalLM.from_config(tiny_config(**cfg), dtype=torch.bfloat16).save_pretrained(path)
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
+    path = save_checkpoint(tmp_path_factory.mktemp("vllm_kv128") / "ckpt", tiny_config(**cfg), seed=2)
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
     got = {}
     for name, kind, plan in (("bf16", "vllm-bf16", {}), ("packed", "vllm", {"plan": FP4})):  # over the checkpoint as it is
-        with make_engine(kind, checkpoint=str(path), max_model_len=64, max_num_seqs=4, **plan) as e:
+        with make_engine(kind, checkpoint=path, max_model_len=64, max_num_seqs=4, **plan) as e:
             kv = e.kv_cache_size()
             got[name] = (kv["tokens"], kv["bytes"] / kv["tokens"] / (cfg["layers"] * cfg["kv_heads"]),
                          e.llm.llm_engine.vllm_config.cache_config.block_size)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import random
 
 import pytest
 import torch
@@ -15,52 +14,35 @@ trl = pytest.importorskip("trl", reason="TRL is not installed (make setup instal
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from datasets import Dataset  # noqa: E402
+from trl_tiny import TOK, moe_config, prompts, reward, run_args, save_model  # noqa: E402
 
 from tracefp4.engines.model import from_config, model_state, tiny_config  # noqa: E402
 from tracefp4.guidance.names import deeper_half, parse_name  # noqa: E402
 from tracefp4.guidance.store import StoreReader  # noqa: E402
 from tracefp4.integrations.trl import TraceGRPOConfig, TraceGRPOTrainer, unsupported  # noqa: E402
 from tracefp4.pipeline.metrics import Name, trl_name  # noqa: E402
-from tracefp4.rl.tasks import Example, Reverse, hf_tokenizer  # noqa: E402
+from tracefp4.rl.tasks import hf_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 
-TASK = Reverse(min_len=3, max_len=5)
-TOK = TASK.make_tokenizer()
 LAYERS = 2
 IS_KEYS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
            "sampling/importance_sampling_ratio/mean")
 
 
-def reward(completions, answer, **_):
-    return [TASK.reward(Example("", a), c) for c, a in zip(completions, answer)]
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A tiny Qwen3-MoE saved with its tokenizer (head_dim 32: vLLM's CPU attention needs it)."""
-    path = tmp_path_factory.mktemp("trl-model")
-    cfg = tiny_config(layers=LAYERS, experts=4, top_k=2, hidden=32, moe_intermediate=32, heads=2, kv_heads=1,
-                      head_dim=32, vocab=32, init_std=0.1, max_positions=128, norm_topk_prob=True,
-                      pad_token_id=TOK.PAD, bos_token_id=TOK.BOS, eos_token_id=TOK.EOS)
-    model = from_config(cfg, seed=0)
-    model.generation_config.eos_token_id = TOK.EOS
-    model.save_pretrained(path)
-    hf_tokenizer(TOK).save_pretrained(path)
-    return path
+    return save_model(moe_config(LAYERS), tmp_path_factory.mktemp("trl-model"))
 
 
 @pytest.fixture(scope="module")
 def dataset():
-    ex = TASK.sample(random.Random(0), 64)
-    return Dataset.from_dict({"prompt": [e.prompt for e in ex], "answer": [e.answer for e in ex]})
+    return prompts(64)
 
 
 def config(tmp_path, **over) -> TraceGRPOConfig:
-    base = dict(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, num_generations=4,
-                max_completion_length=5, learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
-                use_cpu=True, router_aux_loss_coef=0.0, seed=0)
-    return TraceGRPOConfig(**{**base, **over})
+    return TraceGRPOConfig(**run_args(tmp_path, **{"max_steps": 2, "router_aux_loss_coef": 0.0, **over}))
 
 
 def train(folder, dataset, args, **kw) -> TraceGRPOTrainer:

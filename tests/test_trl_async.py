@@ -6,7 +6,6 @@ and a short run of the trainer itself on CPU."""
 from __future__ import annotations
 
 import os
-import random
 import time
 
 import pytest
@@ -15,11 +14,11 @@ import torch
 trl = pytest.importorskip("trl", reason="TRL is not installed (make setup installs trl==1.16.0)")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from datasets import Dataset  # noqa: E402
 from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout  # noqa: E402
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
+from trl_tiny import TOK, moe_config, prompts, reward, run_args, save_model  # noqa: E402
 
-from tracefp4.engines.model import from_config, load_model, tiny_config  # noqa: E402
+from tracefp4.engines.model import load_model  # noqa: E402
 from tracefp4.guidance.store import StoreError, step_dir  # noqa: E402
 from tracefp4.integrations import trl_async  # noqa: E402
 from tracefp4.integrations.trl_async import (  # noqa: E402
@@ -39,17 +38,11 @@ from tracefp4.integrations.trl_async import (  # noqa: E402
 from tracefp4.pipeline.arms import integration_arm  # noqa: E402
 from tracefp4.pipeline.metrics import Name, trl_name  # noqa: E402
 from tracefp4.pipeline.steps import model_signature  # noqa: E402
-from tracefp4.rl.tasks import Example, Reverse, hf_tokenizer  # noqa: E402
+from tracefp4.rl.tasks import hf_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 
-TASK = Reverse(min_len=3, max_len=5)
-TOK = TASK.make_tokenizer()
 LAYERS = 2
-
-
-def reward(completions, answer, **_):
-    return [TASK.reward(Example("", a), c) for c, a in zip(completions, answer)]
 
 
 def length_reward(completions, **_):
@@ -59,28 +52,16 @@ def length_reward(completions, **_):
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("trl-async-model")
-    cfg = tiny_config(layers=LAYERS, experts=4, top_k=2, hidden=32, moe_intermediate=32, heads=2, kv_heads=1,
-                      head_dim=32, vocab=32, init_std=0.1, max_positions=128, norm_topk_prob=True,
-                      pad_token_id=TOK.PAD, bos_token_id=TOK.BOS, eos_token_id=TOK.EOS)
-    model = from_config(cfg, seed=0)
-    model.generation_config.eos_token_id = TOK.EOS
-    model.save_pretrained(path)
-    hf_tokenizer(TOK).save_pretrained(path)
-    return path
+    return save_model(moe_config(LAYERS), tmp_path_factory.mktemp("trl-async-model"))
 
 
 @pytest.fixture(scope="module")
 def dataset():
-    ex = TASK.sample(random.Random(0), 32)
-    return Dataset.from_dict({"prompt": [e.prompt for e in ex], "answer": [e.answer for e in ex]})
+    return prompts(32)
 
 
 def config(tmp_path, **over) -> TraceAsyncGRPOConfig:
-    base = dict(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4, num_generations=4,
-                max_completion_length=5, learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
-                use_cpu=True, seed=0, max_staleness=1, queue_maxsize=8)
-    return TraceAsyncGRPOConfig(**{**base, **over})
+    return TraceAsyncGRPOConfig(**run_args(tmp_path, **{"max_steps": 3, "max_staleness": 1, "queue_maxsize": 8, **over}))
 
 
 def traj(step: int, version: int, b: int = 0, n: int = 3) -> Trajectory:

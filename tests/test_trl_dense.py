@@ -4,7 +4,6 @@ forward on TRL's padded rows reproducing every FP4 code the rollout picked."""
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -12,43 +11,27 @@ import torch
 trl = pytest.importorskip("trl", reason="TRL is not installed (make setup installs trl==1.16.0)")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from datasets import Dataset  # noqa: E402
+from trl_tiny import TOK, prompts, reward, run_args, save_model  # noqa: E402
 
-from tracefp4.engines.model import from_config, model_layers, model_state, tiny_dense_config  # noqa: E402
+from tracefp4.engines.model import model_layers, model_state, tiny_dense_config  # noqa: E402
 from tracefp4.integrations.trl import TraceGRPOConfig, TraceGRPOTrainer  # noqa: E402
-from tracefp4.rl.tasks import Example, Reverse, hf_tokenizer  # noqa: E402
+from tracefp4.rl.tasks import hf_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
-
-TASK = Reverse(min_len=3, max_len=5)
-TOK = TASK.make_tokenizer()
-
-
-def reward(completions, answer, **_):
-    return [TASK.reward(Example("", a), c) for c, a in zip(completions, answer)]
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("trl-dense")
     cfg = tiny_dense_config(layers=2, hidden=32, intermediate=64, heads=2, kv_heads=1, head_dim=32, vocab=32,
                             init_std=0.1, max_positions=128, pad_token_id=TOK.PAD, bos_token_id=TOK.BOS,
                             eos_token_id=TOK.EOS)
-    model = from_config(cfg, seed=0)
-    model.generation_config.eos_token_id = TOK.EOS
-    model.save_pretrained(path)
-    hf_tokenizer(TOK).save_pretrained(path)
-    return path
+    return save_model(cfg, tmp_path_factory.mktemp("trl-dense"))
 
 
 def test_trace_full_reproduces_every_rollout_code_on_a_dense_model(folder, tmp_path) -> None:
-    ex = TASK.sample(random.Random(0), 64)
-    data = Dataset.from_dict({"prompt": [e.prompt for e in ex], "answer": [e.answer for e in ex]})
-    args = TraceGRPOConfig(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
-                           num_generations=4, max_completion_length=5, learning_rate=1e-3, logging_steps=1,
-                           report_to=[], save_strategy="no", use_cpu=True, seed=0, trace_mode="trace",
-                           trace_guidance="full@all")
-    trainer = TraceGRPOTrainer(str(folder), reward, args=args, train_dataset=data, processing_class=hf_tokenizer(TOK))
+    args = TraceGRPOConfig(**run_args(tmp_path, max_steps=2, trace_mode="trace", trace_guidance="full@all"))
+    trainer = TraceGRPOTrainer(str(folder), reward, args=args, train_dataset=prompts(64),
+                               processing_class=hf_tokenizer(TOK))
     try:
         trainer.train()
     finally:

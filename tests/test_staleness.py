@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import signal
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
+from killed_run import killed_and_reference, metric_rows
 from rl_tiny import TINY, setup_arm
-from test_crash_resume import _train, _train_argv
 
 from tracefp4.engines.model import load_model
 from tracefp4.engines.plan import PrecisionPlan
@@ -31,11 +30,6 @@ from tracefp4.rl.optim import MasterWeightAdamW
 from tracefp4.rl.staleness import Pending, behaviour_version, decode_pending, encode_pending
 from tracefp4.rl.tasks import Reverse
 from tracefp4.rl.update import lag_arm, update
-
-
-def _rows(run_dir: Path, arm: str, kind: str = "train") -> list[dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics" / f"{arm}.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows if r["kind"] == kind]
 
 
 def _trajectories(step_dir: Path) -> dict:
@@ -90,7 +84,7 @@ def test_lag_0_is_the_synchronous_loop(tmp_path, monkeypatch):
     cfg = RLConfig(out=str(tmp_path), run_name="r", arms=("trace",), **{**TINY, "steps": 3})
     assert cfg.max_staleness == 0
     run_dir = loop.run(cfg)
-    rows = _rows(run_dir, "trace")
+    rows = metric_rows(run_dir, "trace")
     assert not any(k.startswith("staleness/") for r in rows for k in r)  # the rows of before: no new keys
 
     model = load_model(latest_checkpoint(loop.warm_start_dir(run_dir)).model_path)
@@ -117,7 +111,7 @@ def test_fixed_schedule_trains_on_the_rollouts_of_older_weights(tmp_path):
     cfg = RLConfig(out=str(tmp_path), run_name="r", arms=("trace",),
                    **{**TINY, "steps": 4, "eval_every": 2, "max_staleness": k, "guidance_max_lag": 1})
     run_dir = loop.run(cfg)
-    rows = _rows(run_dir, "trace")
+    rows = metric_rows(run_dir, "trace")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     lags = [min(s, k) for s in range(4)]
     assert [r[Name.LAG_MEAN] for r in rows] == lags and [r[Name.LAG_MAX] for r in rows] == lags
@@ -148,12 +142,12 @@ def test_a_run_extended_through_its_pending_batches_equals_the_longer_run(tmp_pa
     short = loop.run(RLConfig(out=str(tmp_path), run_name="short", **{**fields, "steps": 2}))
     loop.run(RLConfig(out=str(tmp_path), run_name="short", resume=str(short), **{**fields, "steps": 4}))
     for arm in ("qat", "trace-full"):
-        assert _rows(short, arm) == _rows(long, arm)
-        assert _rows(short, arm, "eval") == _rows(long, arm, "eval")
+        assert metric_rows(short, arm) == metric_rows(long, arm)
+        assert metric_rows(short, arm, "eval") == metric_rows(long, arm, "eval")
         a, b = (latest_checkpoint(d / "checkpoints" / arm) for d in (short, long))
         assert a.step == b.step == 4 and a.state == b.state and _comparable(a.extra) == _comparable(b.extra)
         assert (a.path / "model.safetensors").read_bytes() == (b.path / "model.safetensors").read_bytes()
-    assert _rows(long, "trace-full")[3][Name.CODE_MISMATCH] >= 0  # full codes read back from the restored store
+    assert metric_rows(long, "trace-full")[3][Name.CODE_MISMATCH] >= 0  # full codes read back from the restored store
 
 
 def test_pending_batch_round_trip_is_exact(tmp_path):
@@ -207,24 +201,10 @@ def test_staleness_config_is_checked():
         RLConfig(max_staleness=1, trainer_world_size=2).validate()
 
 
-CONFIG = """
-task = "reverse"
-arms = ["trace"]
+FIELDS = """arms = ["trace"]
 steps = 4
-prompts_per_step = 2
-group_size = 2
-max_new_tokens = 4
-updates_per_step = 2
-warm_start_steps = 2
-warm_start_batch = 8
 eval_every = 2
-eval_size = 4
-threads = 1
 max_staleness = 2
-[model]
-hidden = 32
-layers = 2
-moe_intermediate = 16
 """
 # Each resumed process counts its crash points from zero; in order: after step 2's update (the
 # checkpoint of step 2 holds the batches of steps 2 and 3), with one of those two written back into
@@ -235,34 +215,13 @@ KILLS = ["updated:3", "restored:1", "rollout:1", "sealed:2", "checkpoint:1"]
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_a_killed_fixed_schedule_run_resumes_to_the_same_weights(tmp_path):
-    import subprocess
-
-    ref_cfg = tmp_path / "ref.toml"
-    ref_cfg.write_text(f'out = "{tmp_path}"\nrun_name = "ref"\n' + CONFIG)
-    argv, env = _train_argv(ref_cfg)
-    ref_log = tmp_path / "ref.stderr"
-    with ref_log.open("w") as err, subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err) as ref:
-        try:
-            cfg = tmp_path / "run.toml"
-            cfg.write_text(f'out = "{tmp_path}"\nrun_name = "killed"\n' + CONFIG)
-            run = tmp_path / "killed"
-            for i, crash in enumerate(KILLS):
-                proc = _train(cfg, *(["--resume", str(run)] if i else []), crash=crash)
-                assert proc.returncode == -signal.SIGKILL, (crash, proc.returncode, proc.stderr[-2000:])
-            done = _train(cfg, "--resume", str(run))
-            assert done.returncode == 0, done.stderr[-2000:]
-            ref.wait(timeout=600)
-        finally:
-            if ref.poll() is None:
-                ref.kill()
-    assert ref.returncode == 0, ref_log.read_text()[-2000:]
-    ck = {d: latest_checkpoint(d / "checkpoints" / "trace") for d in (run, tmp_path / "ref")}
-    a, b = ck.values()
+    run, ref = killed_and_reference(tmp_path, FIELDS, KILLS)
+    a, b = (latest_checkpoint(d / "checkpoints" / "trace") for d in (run, ref))
     assert a.step == b.step == 4 and a.state == b.state and _comparable(a.extra) == _comparable(b.extra)
     for name in ("model.safetensors", "optimizer.safetensors"):
         assert (a.path / name).read_bytes() == (b.path / name).read_bytes()
-    assert _rows(run, "trace") == _rows(tmp_path / "ref", "trace")
-    assert [r["step"] for r in _rows(run, "trace", "eval")] == [0, 2, 4]
+    assert metric_rows(run, "trace") == metric_rows(ref, "trace")
+    assert [r["step"] for r in metric_rows(run, "trace", "eval")] == [0, 2, 4]
     assert not list((run / "store").rglob("*.lock")) and not list((run / "store").rglob(".restore-*"))
 
 

@@ -36,10 +36,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tracefp4.files import atomic_write_json
 from tracefp4.guidance.compact import STANDARD_MODES, GuidanceSpec, GuidedMode, site_bytes_per_token
 from tracefp4.formats.constants import NVFP4_BLOCK
 from tracefp4.guidance.names import Site
+from tracefp4.reports.publish import publish
 
 __all__ = [
     "PRESETS",
@@ -320,8 +320,5 @@ def run_cli(args: argparse.Namespace) -> int:
         )  # fmt: skip
     except (OSError, ValueError) as e:
         raise SystemExit(f"tracefp4 plan: {e}") from None
-    print(format_plan(p))
-    if args.json:
-        atomic_write_json(args.json, p, sort_keys=False)
-        print(f"wrote {args.json}")
+    publish(p, format_plan(p), args.json)
     return 0

@@ -71,7 +71,6 @@ from tracefp4.engines.model import (TinyDenseSpec, TinyMoESpec, from_config, loa
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
 from tracefp4.engines.trainer import SiteMismatch, TrainerOutput, TrainerSpec, code_mismatch, forward_logprobs
-from tracefp4.files import atomic_write_json
 from tracefp4.formats.constants import HintMode
 from tracefp4.guidance.compact import GuidedMode
 from tracefp4.guidance.hints import lsb_of_codes, record_format
@@ -89,6 +88,7 @@ from tracefp4.pipeline.measure import (
 )
 from tracefp4.pipeline import arms as arm_table
 from tracefp4.pipeline.arms import RUN_PLAN, Arm, make_arm, rollout_guidance
+from tracefp4.reports.publish import publish
 
 __all__ = [
     "DEFAULTS",
@@ -638,8 +638,5 @@ def run_cli(
     """Run the report on prepared inputs; print it, and write it as JSON with ``--json``."""
     rep = mismatch_report(model, prompts, sampling, store_dir=args.store_dir, progress=say, engine=engine,
                           plan_name=getattr(args, "plan", "nvfp4"))
-    print(format_report(rep))
-    if args.json:
-        atomic_write_json(args.json, rep, sort_keys=False)
-        print(f"wrote {args.json}")
+    publish(rep, format_report(rep), args.json)
     return 0

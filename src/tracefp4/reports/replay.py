@@ -64,7 +64,7 @@ import torch
 from tracefp4.engines.model import model_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.trainer import code_mismatch
-from tracefp4.files import atomic_write_bytes, atomic_write_json
+from tracefp4.files import atomic_write_bytes
 from tracefp4.pipeline.arms import Arm, arm_style, make_arm
 from tracefp4.pipeline.measure import config_signature, gap, run_arms, same_rollout, store_bytes, store_root
 from tracefp4.pipeline.metrics import (
@@ -77,6 +77,7 @@ from tracefp4.pipeline.metrics import (
     mismatch_summary,
 )
 from tracefp4.provenance import environment, weights_digest
+from tracefp4.reports.publish import publish
 from tracefp4.rl.collect import step_prompts, step_sampling
 from tracefp4.rl.config import RLConfig, read_table
 from tracefp4.rl.experiment import ExperimentConfig
@@ -503,11 +504,5 @@ def run_cli(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     rc = replay_config(args)
     torch.set_num_threads(rc.run.threads)  # the command owns the process
     rep = replay_report(rc, store_dir=args.store_dir, progress=say, command=command_line(args))
-    print(format_replay(rep))
-    if args.json:
-        atomic_write_json(args.json, rep, sort_keys=False)
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot_replay(rep, args.plot)
-        print(f"wrote {args.plot}")
+    publish(rep, format_replay(rep), args.json, args.plot, plot_replay)
     return 0

@@ -74,6 +74,7 @@ from tracefp4.pipeline.arms import DEFAULT_GUIDANCE, SCALING_ARMS, Arm, arm_styl
 from tracefp4.pipeline.factory import EngineKind, make_engine
 from tracefp4.pipeline.measure import config_signature, run_arms, same_rollout, store_root
 from tracefp4.pipeline.metrics import Name, at_sites, gap_quantile, logprob_gap, mismatch_by, mismatch_summary
+from tracefp4.reports.publish import publish
 
 __all__ = [
     "CENTRE", "DEPTHS", "WIDTHS", "LENGTHS", "BUCKETS", "TARGETS", "Point", "grid",
@@ -721,11 +722,5 @@ def run_cli(args: argparse.Namespace) -> int:
 
     rep = run_scaling(args.dir, points, batch=args.batch, seed=args.seed, sft={**SFT, "steps": args.sft_steps},
                       engine=args.engine, force=args.force, say=say)  # fmt: skip
-    print(format_scaling(rep))
-    if args.json:
-        atomic_write_json(args.json, rep, sort_keys=False)
-        print(f"wrote {args.json}")
-    if args.plot:
-        for p in plot_scaling(rep, args.plot):
-            print(f"wrote {p}")
+    publish(rep, format_scaling(rep), args.json, args.plot, plot_scaling)
     return 0

@@ -43,7 +43,6 @@ from tracefp4.engines.model import model_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams
 from tracefp4.engines.trainer import SiteMismatch, TrainerSpec, code_mismatch, forward_logprobs
-from tracefp4.files import atomic_write_json
 from tracefp4.guidance import compact
 from tracefp4.guidance.compact import STANDARD_MODES, GuidedMode, read_record
 from tracefp4.guidance.names import deeper_half
@@ -58,6 +57,7 @@ from tracefp4.pipeline.measure import (
     store_root,
 )
 from tracefp4.pipeline.arms import make_arm
+from tracefp4.reports.publish import publish
 
 __all__ = ["COMPACT", "run_sweep", "format_sweep", "plot_sweep", "add_arguments", "run_cli"]
 
@@ -453,11 +453,5 @@ def run_cli(
     except ValueError as e:
         raise SystemExit(f"tracefp4 mismatch --sweep: {e}") from None
     rep = run_sweep(model, prompts, sampling, modes=modes, store_dir=args.store_dir, progress=say)
-    print(format_sweep(rep))
-    if args.json:
-        atomic_write_json(args.json, rep, sort_keys=False)
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot_sweep(rep, args.plot)
-        print(f"wrote {args.plot}")
+    publish(rep, format_sweep(rep), args.json, args.plot, plot_sweep)
     return 0

@@ -76,6 +76,15 @@ def _m(name: str, label: str, measures: str, formula: str) -> tuple[str, Metric]
     return name, Metric(name, label, measures, formula)
 
 
+def _per_sequence(mean: str, p95: str, label: str, quantity: str, formula: str,
+                  mean_note: str = "") -> list[tuple[str, Metric]]:
+    """The two entries of a quantity computed per sequence (``formula``, over one completion's tokens t):
+    its mean over the step's sequences, and their 95th percentile (``label`` + `` p95``), where a few
+    long, far-off completions show that the mean hides."""
+    return [_m(mean, label, f"{quantity}, mean over the step's sequences{mean_note}", f"mean_b {formula}"),
+            _m(p95, f"{label} p95", f"95th percentile over the step's sequences of {quantity}", f"p95_b {formula}")]
+
+
 #: The registry, keyed by name, in the order of the reference page.
 METRICS: dict[str, Metric] = dict([
     _m(Name.GAP_MEAN, "mean |Δlogp|",
@@ -122,17 +131,12 @@ METRICS: dict[str, Metric] = dict([
        "sum_sites (bracket_distance > 0) / sum_sites elements (formats.reference.bracket_distance)"),
     # Per sequence: what decides a collapse is the gap summed over a sequence (sequence-level correction
     # masks on exp(sum_t d_t); token-level correction's bias grows with T), not its per-token mean.
-    _m(Name.SEQ_GAP_SUM, "seq. Σ|Δlogp|",
-       "log-prob gap summed over one completion, mean over the step's sequences", "mean_b sum_t |d_t|"),
-    _m(Name.SEQ_GAP_SUM_P95, "seq. Σ|Δlogp| p95",
-       "95th percentile over the step's sequences of the log-prob gap summed over one completion",
-       "p95_b sum_t |d_t|"),
-    _m(Name.SEQ_LOG_RATIO, "|seq. log-ratio|",
-       "magnitude of the sequence log-ratio log(pi_rollout / pi_train) of one completion (what a sequence-level "
-       "importance weight exponentiates), mean over the step's sequences (the scaling report's seq_abs_mean)",
-       "mean_b |sum_t d_t|"),
-    _m(Name.SEQ_LOG_RATIO_P95, "|seq. log-ratio| p95",
-       "95th percentile over the step's sequences of the sequence log-ratio's magnitude", "p95_b |sum_t d_t|"),
+    *_per_sequence(Name.SEQ_GAP_SUM, Name.SEQ_GAP_SUM_P95, "seq. Σ|Δlogp|",
+                   "the log-prob gap summed over one completion", "sum_t |d_t|"),
+    *_per_sequence(Name.SEQ_LOG_RATIO, Name.SEQ_LOG_RATIO_P95, "|seq. log-ratio|",
+                   "the magnitude of the sequence log-ratio log(pi_rollout / pi_train) of one completion (what a "
+                   "sequence-level importance weight exponentiates)", "|sum_t d_t|",
+                   mean_note=" (the scaling report's seq_abs_mean)"),
 ])
 
 

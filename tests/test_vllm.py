@@ -19,7 +19,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-from vllm_tiny import PROMPTS, save_checkpoint, use_cpu_engine  # noqa: E402
+from vllm_tiny import FP4, PROMPTS, save_checkpoint, use_cpu_engine  # noqa: E402
 
 use_cpu_engine()
 
@@ -46,11 +46,8 @@ from tracefp4.guidance.compact import GuidedMode  # noqa: E402
 from tracefp4.guidance.names import EXPERT_SITES, KV_SITES, Site, parse_name, record_prefix, routing_key  # noqa: E402
 from tracefp4.pipeline.metrics import Name  # noqa: E402
 
-torch.set_num_threads(1)
-
 LAYERS = 4
 ALL = frozenset(range(LAYERS))
-FP4 = PrecisionPlan()
 # head_dim 32: vLLM's CPU attention supports 32, 64, 80, ... (not 16).
 CONFIG = dict(
     layers=LAYERS, experts=8, top_k=2, hidden=128, moe_intermediate=64, heads=4, kv_heads=2, head_dim=32,

@@ -10,28 +10,22 @@ import pytest
 vllm = pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-from vllm_tiny import PROMPTS, save_checkpoint, use_cpu_engine  # noqa: E402
+from vllm_tiny import FP4, PROMPTS, SAMPLING, save_checkpoint, use_cpu_engine  # noqa: E402
 
 use_cpu_engine()
 
 import torch  # noqa: E402
 
 from tracefp4.engines.model import load_model, tiny_dense_config  # noqa: E402
-from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
-from tracefp4.engines.protocol import SamplingParams  # noqa: E402
 from tracefp4.engines.trainer import code_mismatch, forward_rollout  # noqa: E402
 from tracefp4.guidance.compact import GuidedMode  # noqa: E402
 from tracefp4.guidance.names import KV_SITES, MLP_SITES, parse_name, record_prefix  # noqa: E402
 
-torch.set_num_threads(1)
-
 LAYERS = 3
 ALL = frozenset(range(LAYERS))
-FP4 = PrecisionPlan()
 # K = 512 and 1024: whole tiles of the packed layout (no padding in the bytes per parameter)
 CONFIG = dict(layers=LAYERS, hidden=512, intermediate=1024, heads=4, kv_heads=2, head_dim=64, vocab=256,
               init_std=0.05, max_positions=512, tie_word_embeddings=False)
-SAMPLING = SamplingParams(max_new_tokens=8, seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-from vllm_tiny import PROMPTS, save_checkpoint, use_cpu_engine  # noqa: E402
+from vllm_tiny import FP4, PROMPTS, SAMPLING, save_checkpoint, use_cpu_engine  # noqa: E402
 
 use_cpu_engine()
 
@@ -25,19 +25,14 @@ import torch  # noqa: E402
 from tracefp4.engines.experts import choose_gemm  # noqa: E402
 from tracefp4.engines.model import load_model, tiny_config  # noqa: E402
 from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
-from tracefp4.engines.protocol import SamplingParams  # noqa: E402
 from tracefp4.engines.trainer import code_mismatch, forward_rollout  # noqa: E402
 from tracefp4.guidance.compact import GuidedMode  # noqa: E402
 from tracefp4.formats import clib  # noqa: E402
 
-torch.set_num_threads(1)
-
 LAYERS = 3
 ALL = frozenset(range(LAYERS))
-FP4 = PrecisionPlan()
 CONFIG = dict(layers=LAYERS, experts=8, top_k=2, hidden=256, moe_intermediate=256, heads=4, kv_heads=2, head_dim=64,
               vocab=256, init_std=0.08, max_positions=512, norm_topk_prob=True, tie_word_embeddings=False)
-SAMPLING = SamplingParams(max_new_tokens=8, seed=3)
 
 
 @pytest.fixture(scope="module")

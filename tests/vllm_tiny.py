@@ -1,5 +1,6 @@
 """What the vLLM engine tests share (test_vllm, test_vllm_packed, test_vllm_dense): the settings of one
-in-process vLLM engine on CPU, their prompts, and a tiny checkpoint written for vLLM to load."""
+in-process vLLM engine on CPU, the plan and prompts they roll out with, and a tiny checkpoint written for
+vLLM to load."""
 
 from __future__ import annotations
 
@@ -10,17 +11,25 @@ from pathlib import Path
 
 import torch
 
+from tracefp4.engines.plan import PrecisionPlan
+from tracefp4.engines.protocol import SamplingParams
+
 #: the engine core in this process (the tests reach into its model), threads not pinned to cores (the
 #: machine's cores are shared), 1 GiB of KV cache, one OpenMP thread
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1",
        "OMP_NUM_THREADS": "1"}
+FP4 = PrecisionPlan()
 PROMPTS = [[5, 17, 33, 81, 9, 100, 7], [42, 11, 250, 3], [7, 7, 19, 200, 31, 64, 128, 1, 2, 90, 11]]
+#: what test_vllm_packed and test_vllm_dense roll out (test_vllm picks its sampling test by test)
+SAMPLING = SamplingParams(max_new_tokens=8, seed=3)
 
 
 def use_cpu_engine() -> None:
-    """Set :data:`ENV` where the environment does not set it already (before the first engine starts)."""
+    """Set :data:`ENV` where the environment does not set it already (before the first engine starts),
+    and this process's torch to one thread, as vLLM's."""
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
+    torch.set_num_threads(1)
 
 
 def save_checkpoint(path: Path, config, seed: int, eos_token_ids: Sequence[int] = ()) -> str:

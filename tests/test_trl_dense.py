@@ -16,6 +16,7 @@ from datasets import Dataset  # noqa: E402
 
 from tracefp4.engines.model import from_config, model_layers, model_state, tiny_dense_config  # noqa: E402
 from tracefp4.integrations.trl import TraceGRPOConfig, TraceGRPOTrainer  # noqa: E402
+from tracefp4.pipeline.metrics import Name, trl_name  # noqa: E402
 from tracefp4.rl.tasks import Example, Reverse, hf_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
@@ -56,5 +57,6 @@ def test_trace_full_reproduces_every_rollout_code_on_a_dense_model(folder, tmp_p
     assert model_layers(trainer.model) == (2, ()) and model_state(trainer.model).dense_layers == (0, 1)
     logs = trainer.state.log_history
     # two generations, the second after an optimizer step: every code of every site reproduced
-    assert [r["trace/code_mismatch"] for r in logs if "trace/code_mismatch" in r] == [0.0, 0.0]
-    assert all(r["trace/guidance_bytes_per_token"] > 0 for r in logs if "trace/guidance_bytes_per_token" in r)
+    codes, nbytes = trl_name(Name.CODE_MISMATCH), trl_name(Name.GUIDANCE_BYTES)
+    assert [r[codes] for r in logs if codes in r] == [0.0, 0.0]
+    assert all(r[nbytes] > 0 for r in logs if nbytes in r)

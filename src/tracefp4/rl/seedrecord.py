@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tracefp4.faults import crash_point
 from tracefp4.files import atomic_write_json, fsync_dir
 from tracefp4.rl.runfolder import CONFIG_NAME, ENVIRONMENT_NAME
 from tracefp4.rl.runlog import parse_metrics_lines
@@ -156,6 +157,7 @@ def write_seed_record(run_dir: str | os.PathLike[str], dest: str | os.PathLike[s
         for name, data in files.items():
             _write_durable(tmp / name, data)
         fsync_dir(tmp / "metrics")
+        crash_point("record-files")  # every file but the manifest, in the hidden folder
         atomic_write_json(tmp / MANIFEST_NAME, manifest)  # last: its presence says every file is in
         _publish(tmp, dest)
     finally:
@@ -178,6 +180,7 @@ def _publish(tmp: Path, dest: Path) -> None:
         old = dest.parent / f".{dest.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
         os.rename(dest, old)
         fsync_dir(dest.parent)
+        crash_point("record-aside")  # the old record hidden, the new one not in place yet
         os.rename(tmp, dest)
         fsync_dir(dest.parent)
         shutil.rmtree(old)

@@ -238,3 +238,19 @@ def test_experiment_reruns_nothing_of_a_recorded_seed_after_the_move(tmp_path, m
     partial = json.loads((tmp_path / "res" / "tiny.json").read_text())
     assert partial["partial"] is True and partial["seeds_missing"] == [1]
     assert {k: v for k, v in partial.items() if k not in ("partial", "seeds_missing")} == again
+
+
+def test_a_concurrent_writers_temp_folder_is_left_alone(tmp_path):
+    """Leftovers of a killed write are removed, but not the temp folder of a live process (a
+    --summary-only recording the same seed beside the running experiment)."""
+    cfg = _experiment(tmp_path, seeds=(0,))
+    _finish_seed(cfg, 0)
+    dest = record_dir(tmp_path / "res", "e", 0)
+    dest.parent.mkdir(parents=True)
+    live = dest.parent / f".seed-0.tmp-{os.getppid()}-0000"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = dest.parent / f".seed-0.old-{int(dead.stdout)}-0000"
+    for p in (live, gone):
+        (p / "metrics").mkdir(parents=True)
+    assert archive_seed(cfg, 0, tmp_path / "res") == dest
+    assert sorted(p.name for p in dest.parent.iterdir()) == sorted([live.name, "seed-0"])

@@ -18,7 +18,22 @@ keys replace its keys, table by table (``[run]`` and its ``[run.model]`` key by 
 
 Each seed is one ordinary run folder (all arms of that seed, the same warm start), so the matrix is
 resumable the way a run is: a seed whose folder exists is resumed (the saved config must agree), a
-finished one is only read. The summary (:func:`summarise`) is a pure function of the run folders.
+finished one is only read. The summary (:func:`summarise`) is a pure function of the seeds' metrics.
+
+Results that survive a move to a new machine: run folders (checkpoints, the guidance store) stay on
+the machine, so each seed, as soon as every one of its arms has finished, is also recorded in the
+results tree, ``<results>/runs/<name>/seed-<s>/`` (:mod:`tracefp4.rl.seedrecord`: the arms' metrics
+logs, environment.json, the run config and the warm start's digest, a few small text files written
+whole or not at all, with a manifest of their sha256), for the caller to commit. The unit is the seed,
+never the arm: the summary pairs the arms of a seed, which started from one warm start, and a lone
+arm could not be completed elsewhere from the same weights. A seed without a run folder whose record
+is there is read from the record and not run (its saved config must agree with the experiment's as a
+resume's must, at the same steps and with every arm); a torn or edited record is refused, naming the
+file. :func:`read_seed` is the one reader (the run folder when it holds the finished seed, else the
+record), and the summary says which for each seed (``provenance.per_seed[s].from_record``).
+``tracefp4 experiment --summary-only`` (:func:`write_results` with ``partial``) runs nothing: it
+records every finished seed and writes the results file from the finished ones, marked ``partial:
+true`` with ``seeds_missing`` when some are not; the plain file is only ever written from every seed.
 
 Reproducibility: a seed's numbers are bit-identical when it is re-run on the same machine type,
 library set and thread count, not across CPUs (:mod:`tracefp4.provenance`): a seed's outcome can
@@ -299,10 +314,9 @@ def read_seed(cfg: ExperimentConfig, seed: int, results_dir: str | Path = "docs/
     arm at the experiment's steps; a ValueError naming the file otherwise."""
     run_dir, run_cfg = cfg.run_dir(seed), cfg.run_config(seed)
     if _seed_done(run_dir, run_cfg):
-        config_file = run_dir / CONFIG_NAME
-        _check_same_seed(json.loads(config_file.read_text(encoding="utf-8")), run_cfg, config_file)
-        env_file = run_dir / ENVIRONMENT_NAME
-        env = json.loads(env_file.read_text(encoding="utf-8")) if env_file.is_file() else None
+        config_file, env_file = run_dir / CONFIG_NAME, run_dir / ENVIRONMENT_NAME
+        _check_same_seed(_json_file(config_file), run_cfg, config_file)
+        env = _json_file(env_file) if env_file.is_file() else None
         return SeedResult(read_metrics(run_dir), seed_provenance(env, warm_start_info(run_dir), from_record=False))
     path = record_dir(results_dir, cfg.name, seed)
     if not path.exists():
@@ -359,6 +373,16 @@ def _seed_done(run_dir: Path, run_cfg: RLConfig) -> bool:
         return all(rows_of_kind(metrics.get(a, []), "eval") for a in run_cfg.arms)
     checkpoints = warm_start_dir(run_dir).parent  # the arms' checkpoints/<arm> beside the warm start's
     return all((ck := list_checkpoints(checkpoints / a)) and ck[-1][0] >= run_cfg.steps for a in run_cfg.arms)
+
+
+def _json_file(file: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{file}: malformed JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    return value
 
 
 def _check_same_seed(saved: Mapping[str, Any], run_cfg: RLConfig, where: Path) -> None:

@@ -34,6 +34,7 @@ Decisions (and why)
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -176,24 +177,44 @@ def _write_durable(path: Path, data: bytes) -> None:
 
 def _publish(tmp: Path, dest: Path) -> None:
     # rename() cannot replace a non-empty folder: the old record moves aside (hidden, never read) first
-    if dest.exists():
-        old = dest.parent / f".{dest.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    old = dest.parent / f".{dest.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
         os.rename(dest, old)
         fsync_dir(dest.parent)
         crash_point("record-aside")  # the old record hidden, the new one not in place yet
+    except FileNotFoundError:  # no record yet (or another writer moved it aside just now)
+        old = None
+    try:
         os.rename(tmp, dest)
-        fsync_dir(dest.parent)
+    except OSError as e:
+        # another process (--summary-only beside the running experiment) published this seed's record
+        # from the same run folder meanwhile: theirs stands, ours is dropped by the caller
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    fsync_dir(dest.parent)
+    if old is not None:
         shutil.rmtree(old)
-    else:
-        os.rename(tmp, dest)
-        fsync_dir(dest.parent)
 
 
 def _remove_leftovers(dest: Path) -> None:
-    # hidden temp or old folders of a write that was killed; never read, so safe to drop
+    # hidden temp or old folders of a write that was killed: never read, so safe to drop, unless the
+    # process named in them is alive (a concurrent write of the same record is under way there)
     for p in dest.parent.glob(f".{dest.name}.*"):
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
+        pid = p.name.rsplit("-", 2)[-2] if p.name.count("-") >= 2 else ""
+        if p.is_dir() and not p.is_symlink() and not (pid.isdigit() and _alive(int(pid))):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # ours are from an earlier call of this process, which has returned
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def read_seed_record(path: str | os.PathLike[str], *, experiment: str, seed: int) -> SeedRecord:

@@ -254,3 +254,33 @@ def test_a_concurrent_writers_temp_folder_is_left_alone(tmp_path):
         (p / "metrics").mkdir(parents=True)
     assert archive_seed(cfg, 0, tmp_path / "res") == dest
     assert sorted(p.name for p in dest.parent.iterdir()) == sorted([live.name, "seed-0"])
+
+
+def test_a_record_is_never_replaced_by_another_run_of_its_seed(tmp_path):
+    """The same seed continued (its environment grew) replaces its record; the seed run again from
+    other warm-start weights (another machine) is refused, naming both digests; a recorded seed has
+    no --job to run."""
+    from tracefp4.rl.experiment import run_job
+
+    cfg = _experiment(tmp_path, seeds=(0,))
+    run_dir = _finish_seed(cfg, 0)
+    res = tmp_path / "res"
+    dest = archive_seed(cfg, 0, res)
+    record_environment(run_dir, {"cpu_model": "test CPU", "torch_threads": 1})
+    assert archive_seed(cfg, 0, res) == dest
+    assert len(read_seed_record(dest, experiment="e", seed=0).environment["resumes"]) == 1
+    warm = json.loads((dest / "warm_start.json").read_text())
+    manifest = json.loads((dest / MANIFEST_NAME).read_text())
+    other = json.dumps({**warm, "weights_sha256": "0123456789abcdef"}, indent=2) + "\n"
+    (dest / "warm_start.json").write_text(other)  # as if recorded from a run of other weights
+    import hashlib
+
+    manifest["files"]["warm_start.json"] = {"size": len(other), "sha256": hashlib.sha256(other.encode()).hexdigest()}
+    (dest / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(SeedRecordError, match=r"records seed 0 from warm start 0123456789abcdef, the run folder .* "
+                                              r"holds one from None: another run of the seed"):
+        archive_seed(cfg, 0, res)
+    shutil.rmtree(tmp_path / "runs")
+    with pytest.raises(ValueError, match=r"--job '0:bf16': seed 0 is finished and recorded in .*seed-0; nothing to run"):
+        run_job(cfg, "0:bf16", res)
+    assert not (tmp_path / "runs").exists()

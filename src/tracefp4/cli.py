@@ -196,7 +196,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     cfg = ExperimentConfig.from_file(args.config)
     torch.set_num_threads(cfg.run_config(cfg.seeds[0]).threads)  # the command owns the process
     if args.job is not None:  # one worker of --workers N
-        run_job(cfg, args.job)
+        run_job(cfg, args.job, args.results)
         return 0
     if args.summary_only:
         summary = write_results(cfg, args.results, args.plots, partial=True)

@@ -438,7 +438,8 @@ def run_jobs(cfg: ExperimentConfig, config_path: str | Path, workers: int, *,
             print(f"experiment {cfg.name}: seed {job[0]} {job[1]} ({started}/{total}, {len(running) + 1} running)",
                   file=sys.stderr, flush=True)
             running[job] = subprocess.Popen([sys.executable, "-m", "tracefp4", "experiment", "--config",
-                                             str(config_path), "--job", f"{job[0]}:{job[1]}"])
+                                             str(config_path), "--job", f"{job[0]}:{job[1]}",
+                                             "--results", str(results_dir)])
         if failed and not running:
             break
         if running:
@@ -449,14 +450,19 @@ def run_jobs(cfg: ExperimentConfig, config_path: str | Path, workers: int, *,
                            f"above); {len(todo)} jobs not started; rerun to resume")
 
 
-def run_job(cfg: ExperimentConfig, spec: str) -> None:
-    """The worker side of :func:`run_jobs`: ``spec`` is ``<seed>:<job>`` (``warm_start`` or an arm)."""
+def run_job(cfg: ExperimentConfig, spec: str, results_dir: str | Path = "docs/results") -> None:
+    """The worker side of :func:`run_jobs`: ``spec`` is ``<seed>:<job>`` (``warm_start`` or an arm).
+    A seed read from its record (no run folder) has no jobs: refused."""
     from tracefp4.rl.loop import run_job as run_one
 
     cfg.validate()
     seed_text, sep, job = spec.partition(":")
     if not sep or not seed_text.isdigit() or int(seed_text) not in cfg.seeds or not job:
         raise ValueError(f"--job {spec!r}: expected <seed>:<warm_start or arm> with a seed of {cfg.seeds}")
+    if _recorded(cfg, int(seed_text), results_dir):
+        raise ValueError(f"--job {spec!r}: seed {seed_text} is finished and recorded in "
+                         f"{record_dir(results_dir, cfg.name, int(seed_text))}; nothing to run (delete the record "
+                         "to run the seed again)")
     run_one(cfg.run_config(int(seed_text)), job)
 
 

@@ -23,7 +23,10 @@ Decisions (and why)
       or none); ``MANIFEST.json`` is written last inside it. Replacing an older record (a seed
       extended with more steps) moves the old one to a hidden name first, then the new one in, then
       deletes the old: a kill in between leaves no record, never a mixed one, and the run folder the
-      new record comes from is still there to write it again. Hidden leftovers are never read.
+      new record comes from is still there to write it again. Hidden leftovers are never read. A
+      record is only replaced by one of the same warm start (the same seed continued: more steps, a
+      resume's environment); a run folder of the seed from other weights (run again on another
+      machine) is refused, so a committed result is never silently swapped for another run's.
     * **Verified before use.** :func:`read_seed_record` checks every file against the manifest (size,
       then sha256), refuses a missing, an unlisted, a linked or a changed file, and parses the very
       bytes it hashed. Every problem is a :class:`SeedRecordError` (a ``ValueError``) of one line naming
@@ -142,14 +145,18 @@ def write_seed_record(run_dir: str | os.PathLike[str], dest: str | os.PathLike[s
     run_dir, dest = Path(run_dir), Path(dest)
     files = _record_files(run_dir, list(arms))
     manifest = _manifest(files, experiment, seed, list(arms), steps)
-    old_manifest = dest / MANIFEST_NAME
-    if old_manifest.is_file():
-        try:
-            if json.loads(old_manifest.read_text(encoding="utf-8")) == manifest:
-                read_seed_record(dest, experiment=experiment, seed=seed)  # the same, and intact
-                return False
-        except (ValueError, OSError):
-            pass  # a damaged or different record: replaced below
+    try:
+        old = read_seed_record(dest, experiment=experiment, seed=seed) if dest.exists() else None
+    except SeedRecordError:
+        old = None  # a damaged record: replaced by a whole one from the run folder
+    if old is not None:
+        if json.loads((dest / MANIFEST_NAME).read_text(encoding="utf-8")) == manifest:
+            return False
+        digest, before = json.loads(files[WARM_START_NAME])["weights_sha256"], old.warm_start.get("weights_sha256")
+        if digest != before:
+            raise SeedRecordError(f"{dest}: records seed {seed} from warm start {before}, the run folder {run_dir} "
+                                  f"holds one from {digest}: another run of the seed, which would replace a result "
+                                  "that may be committed; keep one (delete the record or the run folder)")
     dest.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(dest)
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"

@@ -53,7 +53,7 @@ def test_a_finished_seed_is_recorded_whole_and_read_back_when_its_run_folder_is_
     run_dir = _finish_seed(cfg, 0)
     assert archive_seed(cfg, 1, res) is None  # no run folder: nothing to record
     path = archive_seed(cfg, 0, res)
-    assert path == record_dir(res, "e", 0) == res / "runs" / "e" / "seed-0"
+    assert path == record_dir(res, "e", 0) == res / "records" / "e" / "seed-0"
     for name in ("config.json", "environment.json", "metrics/bf16.jsonl", "metrics/trace.jsonl"):
         assert (path / name).read_bytes() == (run_dir / name).read_bytes(), name
     rec = read_seed_record(path, experiment="e", seed=0)
@@ -91,7 +91,7 @@ def test_a_partial_summary_names_its_missing_seeds_and_the_plain_one_is_refused(
     assert out["partial"] is True and out["seeds_missing"] == [0, 2]
     assert out["arms"]["bf16"]["seeds"] == [1] and list(out["provenance"]["per_seed"]) == ["1"]
     assert json.loads((res / "e.json").read_text()) == out
-    assert (res / "runs" / "e" / "seed-1" / MANIFEST_NAME).is_file()  # recorded on the way
+    assert (res / "records" / "e" / "seed-1" / MANIFEST_NAME).is_file()  # recorded on the way
     from tracefp4.rl.experiment import format_summary
 
     assert format_summary(out).startswith("PARTIAL: seeds 0, 2 not finished")
@@ -147,7 +147,7 @@ def test_a_record_of_another_configuration_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"the record has no arm \['qat'\] .*own warm start"):
         read_seed(_experiment(tmp_path, seeds=(0,), arms=["bf16", "qat"]), 0, res)
     other = ExperimentConfig(name="f", seeds=[0], out=cfg.out, run=cfg.run)
-    shutil.copytree(res / "runs" / "e", res / "runs" / "f")
+    shutil.copytree(res / "records" / "e", res / "records" / "f")
     with pytest.raises(SeedRecordError, match=r"the record of seed 0 of experiment 'e', expected seed 0 of 'f'"):
         read_seed(other, 0, res)
     fewer = _experiment(tmp_path, seeds=(0,), arms=["trace"])  # a subset of the recorded arms is fine
@@ -216,11 +216,11 @@ def test_experiment_reruns_nothing_of_a_recorded_seed_after_the_move(tmp_path, m
     argv = ["--results", str(tmp_path / "res"), "--plots", str(tmp_path / "img")]
     assert main(["experiment", "--config", str(one), *argv]) == 0
     first = json.loads((tmp_path / "res" / "tiny.json").read_text())
-    rec = read_seed_record(tmp_path / "res" / "runs" / "tiny" / "seed-0", experiment="tiny", seed=0)
+    rec = read_seed_record(tmp_path / "res" / "records" / "tiny" / "seed-0", experiment="tiny", seed=0)
     assert rec.steps == 1 and rec.warm_start == first["provenance"]["per_seed"]["0"]["warm_start"]
     assert len(rec.warm_start["weights_sha256"]) == 16 and rec.warm_start["warm_start_steps"] == 1
     for arm in ("bf16", "trace"):
-        assert (tmp_path / "res" / "runs" / "tiny" / "seed-0" / "metrics" / f"{arm}.jsonl").read_bytes() == (
+        assert (tmp_path / "res" / "records" / "tiny" / "seed-0" / "metrics" / f"{arm}.jsonl").read_bytes() == (
             tmp_path / "runs" / "tiny" / "seed-0" / "metrics" / f"{arm}.jsonl").read_bytes()
 
     shutil.rmtree(tmp_path / "runs")
@@ -281,6 +281,17 @@ def test_a_record_is_never_replaced_by_another_run_of_its_seed(tmp_path):
                                               r"holds one from None: another run of the seed"):
         archive_seed(cfg, 0, res)
     shutil.rmtree(tmp_path / "runs")
-    with pytest.raises(ValueError, match=r"--job '0:bf16': seed 0 is finished and recorded in .*seed-0; nothing to run"):
+    with pytest.raises(ValueError, match=r"--job '0:bf16': seed 0 is finished and recorded in .*seed-0; nothing"):
         run_job(cfg, "0:bf16", res)
     assert not (tmp_path / "runs").exists()
+
+
+def test_records_are_not_ignored_by_git(tmp_path):
+    """A record exists to be committed: the repository's ignore rules (which drop run folders) must
+    not cover the records' folder."""
+    root = Path(__file__).resolve().parent.parent
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    path = record_dir(root / "docs" / "results", "e", 0) / "metrics" / "bf16.jsonl"
+    proc = subprocess.run(["git", "check-ignore", "-v", str(path)], cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 1, f"{path} is ignored by {proc.stdout.strip()}"

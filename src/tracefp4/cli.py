@@ -263,7 +263,7 @@ def _add_experiment_parser(sub) -> None:
                    "a seed's arms need its warm_start done. A plain run afterwards finds every job done, "
                    "resumes nothing and writes the results")
     x.add_argument("--summary-only", action="store_true",
-                   help="run nothing: record every finished seed under <results>/runs/<name>/ and write the results "
+                   help="run nothing: record every finished seed under <results>/records/<name>/ and write the results "
                    "JSON from the finished seeds (run folders or records); with seeds unfinished it is marked "
                    "partial: true with seeds_missing")
     x.set_defaults(func=cmd_experiment)

@@ -22,7 +22,7 @@ finished one is only read. The summary (:func:`summarise`) is a pure function of
 
 Results that survive a move to a new machine: run folders (checkpoints, the guidance store) stay on
 the machine, so each seed, as soon as every one of its arms has finished, is also recorded in the
-results tree, ``<results>/runs/<name>/seed-<s>/`` (:mod:`tracefp4.rl.seedrecord`: the arms' metrics
+results tree, ``<results>/records/<name>/seed-<s>/`` (:mod:`tracefp4.rl.seedrecord`: the arms' metrics
 logs, environment.json, the run config and the warm start's digest, a few small text files written
 whole or not at all, with a manifest of their sha256), for the caller to commit. The unit is the seed,
 never the arm: the summary pairs the arms of a seed, which started from one warm start, and a lone
@@ -87,7 +87,8 @@ from tracefp4.rl.config import RLConfig, check_fields, option, read_table, rejec
 from tracefp4.rl.evaluate import POST_HOC_PLANS, post_hoc_metric
 from tracefp4.rl.runfolder import CONFIG_NAME, ENVIRONMENT_NAME, config_differences
 from tracefp4.rl.runlog import read_metrics, rows_of_kind
-from tracefp4.rl.seedrecord import MANIFEST_NAME, read_seed_record, record_dir, warm_start_info, write_seed_record
+from tracefp4.rl.seedrecord import (MANIFEST_NAME, RECORDS, read_seed_record, record_dir, warm_start_info,
+                                    write_seed_record)
 from tracefp4.stats import format_ci, format_mean_ci, mean_ci95, paired_differences
 
 __all__ = [
@@ -235,7 +236,7 @@ def run_experiment(cfg: ExperimentConfig, results_dir: str | Path = "docs/result
                    config_path: str | Path | None = None) -> dict[str, Any]:
     """Run (or resume) every seed, then write ``<results_dir>/<name>.json`` and the plots.
 
-    Each seed, once finished, is recorded under ``<results_dir>/runs/<name>/`` (:func:`archive_seed`);
+    Each seed, once finished, is recorded under ``<results_dir>/records/<name>/`` (:func:`archive_seed`);
     a seed whose run folder is absent and whose record is there is read from the record, not run. A
     seed whose run folder holds it finished is not resumed (a resume that runs nothing would only add
     an entry to its environment.json, and so change its record): its report is redrawn.
@@ -282,7 +283,7 @@ def write_results(cfg: ExperimentConfig, results_dir: str | Path = "docs/results
             found[seed] = result
     missing = [s for s in cfg.seeds if s not in found]
     where = f"no finished run folder under {Path(cfg.out) / cfg.name}, no record under " \
-            f"{Path(results_dir) / 'runs' / cfg.name}"
+            f"{Path(results_dir) / RECORDS / cfg.name}"
     if not found:
         raise ValueError(f"experiment {cfg.name}: no seed is finished ({where}): nothing to summarise")
     if missing and not partial:

@@ -1,7 +1,7 @@
 """A seed's record: the small text files of one finished seed of an experiment, kept in the results
 tree so that they survive a move to a new machine (run folders, with their checkpoints, do not).
 
-Layout of ``<results>/runs/<experiment>/seed-<s>/``::
+Layout of ``<results>/records/<experiment>/seed-<s>/``::
 
     config.json            the seed's run config, as its run folder saved it
     environment.json       the run folder's environment.json (created in, resumed in)
@@ -32,7 +32,7 @@ Decisions (and why)
       bytes it hashed. Every problem is a :class:`SeedRecordError` (a ``ValueError``) of one line naming
       the file.
     * **Written, not committed.** The runner writes the record; committing it (``git add
-      docs/results/runs/<experiment>/``) is the caller's, right after the record appears.
+      docs/results/records/<experiment>/``) is the caller's, right after the record appears.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from tracefp4.rl.runlog import parse_metrics_lines
 
 __all__ = [
     "MANIFEST_NAME",
+    "RECORDS",
     "RECORD_FORMAT",
     "SeedRecord",
     "SeedRecordError",
@@ -65,6 +66,9 @@ __all__ = [
     "write_seed_record",
 ]
 
+#: The folder of the records under the results tree. Not ``runs``: the repository ignores every
+#: ``runs/`` folder (run folders), and a record must be committed.
+RECORDS = "records"
 MANIFEST_NAME = "MANIFEST.json"
 WARM_START_NAME = "warm_start.json"
 #: The layout version of a record; a reader refuses any other.
@@ -94,7 +98,7 @@ class SeedRecord:
 
 def record_dir(results_dir: str | os.PathLike[str], experiment: str, seed: int) -> Path:
     """Where the record of ``seed`` of ``experiment`` lives under the results tree."""
-    return Path(results_dir) / "runs" / experiment / f"seed-{seed}"
+    return Path(results_dir) / RECORDS / experiment / f"seed-{seed}"
 
 
 def warm_start_info(run_dir: Path) -> dict[str, Any]:
@@ -263,7 +267,7 @@ def read_seed_record(path: str | os.PathLike[str], *, experiment: str, seed: int
 
 
 def _verified(file: Path, entry: Any, manifest_file: Path) -> bytes:
-    if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
+    if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)):
         raise SeedRecordError(f"{manifest_file}: the entry of {file.name} is not {{'size': int, 'sha256': str}}")
     try:
         st = os.lstat(file)

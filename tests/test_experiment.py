@@ -230,6 +230,54 @@ def test_summary_headline_metric_and_collapses_on_each_held_out_figure():
     assert "final reward" in table and "1/1 @2" in table
 
 
+def test_summary_per_sequence_mismatch_beside_the_scaling_fit():
+    """Each seed's mean over its steps of the four per-sequence figures, mean over seeds; beside it the
+    scaling fit refitted from a report's points at the run's layers, hidden size and mean completion
+    length (here exact power laws, so the prediction is the law's value), for the arms the scaling
+    study runs (fp4-rollout it does not)."""
+    from tracefp4.pipeline.arms import SCALING_ARMS
+    from tracefp4.pipeline.metrics import Name
+    from tracefp4.reports.scaling import SEQ_ABS_MEAN, grid, predict_at
+    from tracefp4.rl.config import RLConfig
+    from tracefp4.rl.experiment import format_summary, summarise
+
+    def rows(seq_sum, ratio):
+        train = [{"kind": "train", "step": s, "train_rollout_logprob_abs_diff": 0.01,
+                  "train_rollout_logprob_abs_diff_max": 0.1, "guidance_bytes_per_token": 0.0, "response_length": 512.0,
+                  Name.SEQ_GAP_SUM: seq_sum * (s + 1), Name.SEQ_GAP_SUM_P95: 2 * seq_sum,
+                  Name.SEQ_LOG_RATIO: ratio, Name.SEQ_LOG_RATIO_P95: 4 * ratio} for s in range(2)]
+        return train + [{"kind": "eval", "step": 0, "eval_accuracy": 0.0, "eval_reward": 0.5}]
+
+    c, a, b, g = 0.003, 0.5, -0.75, 0.75
+    points = [{"engine": "home", "point": {"layers": p.layers, "hidden": p.hidden, "new_tokens": p.new_tokens,
+                                           "weights": "trained"},
+               "arms": {arm: {Name.GAP_MEAN: c * p.layers**a * p.hidden**b * p.new_tokens**(g - 1),
+                              SEQ_ABS_MEAN: c * p.layers**a * p.hidden**b * p.new_tokens**g} for arm in SCALING_ARMS}}
+              for p in grid(("trained",))]
+    cfg = RLConfig.from_dict({"task": "count", "arms": ["qat", "trace-full", "fp4-rollout"], "steps": 2,
+                              "model": {"layers": 8, "hidden": 96}})
+    metrics = {s: {arm: rows(0.25 * (s + 1), 0.125) for arm in cfg.arms} for s in (0, 1)}
+    out = summarise("m", metrics, cfg, metric="eval_reward", scaling={"points": points})
+    qat = out["arms"]["qat"]
+    # seed 0: steps 0.25, 0.5 (mean 0.375); seed 1: 0.5, 1.0 (mean 0.75)
+    assert qat[Name.SEQ_GAP_SUM]["mean"] == (0.375 + 0.75) / 2
+    assert qat[Name.SEQ_GAP_SUM_P95]["mean"] == (0.5 + 1.0) / 2
+    assert qat[Name.SEQ_LOG_RATIO]["mean"] == 0.125 and qat[Name.SEQ_LOG_RATIO_P95]["mean"] == 0.5
+    pred = qat["seq_scaling_prediction"]
+    assert (pred["scaling_arm"], pred["layers"], pred["hidden"], pred["new_tokens"]) == ("qat", 8, 96, 512.0)
+    want = c * 8**a * 96**b * 512.0**g
+    assert pred[Name.SEQ_LOG_RATIO]["predicted"] == pytest.approx(want, rel=1e-8)  # least squares: ulps
+    assert pred[Name.SEQ_LOG_RATIO] == predict_at({"points": points}, "qat", SEQ_ABS_MEAN, layers=8, hidden=96,
+                                                  new_tokens=512.0)
+    assert pred[Name.SEQ_GAP_SUM]["predicted"] == pytest.approx(want, rel=1e-8)  # T x mean |dlogp| = T^g
+    assert out["arms"]["trace-full"]["seq_scaling_prediction"]["scaling_arm"] == "trace-full"
+    assert out["arms"]["fp4-rollout"]["seq_scaling_prediction"] is None
+    table = format_summary(out)
+    assert "per-sequence mismatch" in table and "fit |log-ratio|" in table
+    with pytest.raises(ValueError, match="predict_at: key must be one of"):
+        predict_at({"points": points}, "qat", "seq_sum", layers=8, hidden=96, new_tokens=512)
+
+
 def test_unknown_headline_metric_is_refused(tmp_path):
     (tmp_path / "m.toml").write_text('name = "m"\nseeds = [0]\nmetric = "reward"\n' + RUN)
     with pytest.raises(ValueError, match="metric = 'reward': expected one of 'eval_accuracy', 'eval_reward'"):

@@ -24,6 +24,7 @@ from tracefp4.pipeline.metrics import (
     mismatch_summary,
     reference_markdown,
     router_flip_rate,
+    sequence_gap,
     trl_name,
 )
 
@@ -59,6 +60,23 @@ def test_the_loop_metrics_keep_their_record_names() -> None:
     abs_d = torch.tensor([0.25, 0.5, 0.0, 0.1, 1.0], dtype=torch.float64)
     assert q[gap_quantile(0.99)] == pytest.approx(float(torch.quantile(abs_d, 0.99)))
     assert {k: q[k] for k in gap} == gap and gap_quantile(0.99) == Name.GAP_MEAN + "_p99"
+
+
+def test_sequence_gap_sums_each_sequence_then_summarises_over_sequences() -> None:
+    """Per sequence sum_t |d_t| and |sum_t d_t| over its own tokens (a masked position's value, 5.0
+    here, is not one of them), then mean and p95 over the sequences; dyadic values, so every sum is exact."""
+    lp_r = torch.tensor([[-1.0, -2.0, -0.5], [-0.125, -3.0, 0.0]])
+    lp_t = torch.tensor([[-1.25, -1.5, -0.5], [-0.25, -2.0, 5.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    g = sequence_gap(lp_r, lp_t, mask)
+    assert set(g) <= set(METRICS) and len(g) == 4
+    sums, ratios = [0.25 + 0.5 + 0.0, 0.125 + 1.0], [abs(0.25 - 0.5), abs(0.125 - 1.0)]
+    assert g[Name.SEQ_GAP_SUM] == 0.9375 == sum(sums) / 2
+    assert g[Name.SEQ_LOG_RATIO] == 0.5625 == sum(ratios) / 2
+    assert g[Name.SEQ_GAP_SUM_P95] == float(torch.quantile(torch.tensor(sums, dtype=torch.float64), 0.95))
+    assert g[Name.SEQ_LOG_RATIO_P95] == float(torch.quantile(torch.tensor(ratios, dtype=torch.float64), 0.95))
+    with pytest.raises(ValueError, match="sequence_gap: the mask selects no tokens"):
+        sequence_gap(lp_r, lp_t, torch.zeros_like(mask))
 
 
 def test_summary_functions() -> None:

@@ -20,8 +20,10 @@ order of the float32 additions (and the exponential), then round to the model's 
 
 The model's attention modules reach the cache through the attention implementation
 :func:`attention_implementation` registers with transformers (``tracefp4_<base>``): a forward whose
-cache reads itself gets its attention from the cache; every other forward (the trainer's, BF16
-ones) goes to the base implementation (``sdpa``, ``eager``) with the same arguments, unchanged.
+cache reads itself gets its attention from the cache; a forward handed a
+:class:`~tracefp4.engines.segments.Segments` (the trainer's packed forward above a length) attends
+per packed sequence with the base implementation; every other forward (the trainer's, BF16 ones) goes
+to the base implementation (``sdpa``, ``eager``) with the same arguments, unchanged.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
+from tracefp4.engines.segments import SEGMENTS_KWARG
 from tracefp4.engines.sites import ForwardState, site_code
 from tracefp4.formats.ckv import PackedKV, available, paged_attention
 from tracefp4.formats import FP8, MXFP4, NVFP4, dequantize
@@ -326,6 +329,9 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
         # the cache knows each sequence's tokens: the mask (built for the padded layout) is not needed
         scaling = kwargs.get("scaling")  # None: the modules' default, 1/sqrt(head dim)
         return quantized.attend(query, query.shape[-1] ** -0.5 if scaling is None else scaling), None
+    segments = kwargs.pop(SEGMENTS_KWARG, None)
+    if segments is not None:  # packed sequences attended one by one (the mask passed is a placeholder)
+        return segments.attend(module, query, key, value, _base_attention(module, base), base, *args, **kwargs)
     return _base_attention(module, base)(module, query, key, value, attention_mask, *args, **kwargs)
 
 

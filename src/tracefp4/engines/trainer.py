@@ -26,9 +26,13 @@ Two levels:
 
 Decisions
     * **Packed sequences** (:func:`forward_logprobs`). The batch is one row of concatenated
-      trajectories with per-trajectory ``position_ids`` (restarting at 0) and a block-diagonal causal
-      mask built by transformers' ``create_causal_mask``; no padding (as verl's remove-padding path and
-      Megatron's packed THD layout do).
+      trajectories with per-trajectory ``position_ids`` (restarting at 0); no padding (as verl's
+      remove-padding path and Megatron's packed THD layout do). Attention: up to
+      :data:`DENSE_MASK_MAX_TOKENS` tokens, one call with the block-diagonal causal mask transformers'
+      ``create_causal_mask`` builds (what short-answer runs have always computed); above, one causal
+      call per trajectory (:mod:`tracefp4.engines.segments`), so a step of long answers costs
+      sum(T^2), not (sum T)^2. The two agree up to float32 addition order in the attention core only
+      (:class:`PackedAttention`).
     * **Strict records.** Every disagreement between records and batch (unknown name, site set
       differing between trajectories, leading dim != the trajectory's length, format not the plan's,
       routing missing while replay is on, trace mode without guidance) raises ``ValueError``; nothing
@@ -71,6 +75,7 @@ from tracefp4.engines.model import CACHE_KWARG, forward_state, model_layers
 from tracefp4.engines.plan import PrecisionPlan, check_supported
 from tracefp4.engines.protocol import RolloutOutput
 from tracefp4.engines.rows import RowMap
+from tracefp4.engines.segments import SEGMENTS_KWARG, Segments
 from tracefp4.formats import code_positions
 from tracefp4.guidance.compact import CompactRecord, read_record, record_cat
 from tracefp4.guidance.hints import record_format
@@ -79,6 +84,8 @@ from tracefp4.guidance.record import SiteRecord
 from tracefp4.guidance.report import DecodeReport
 
 __all__ = [
+    "DENSE_MASK_MAX_TOKENS",
+    "PackedAttention",
     "TrainerMode",
     "TrainerSpec",
     "TrainerForward",
@@ -94,6 +101,28 @@ __all__ = [
     "forward_rollout",
     "code_mismatch",
 ]
+
+
+#: Above this many tokens in the packed row, :attr:`PackedAttention.AUTO` attends per sequence: a dense
+#: mask over N rows costs N^2 query-key pairs per head and layer (2048 tokens: 4 M, a few ms), and every
+#: short-answer run of this repository (32-64 trajectories of tens of tokens, at most ~1,500 tokens a
+#: step) keeps the one-row masked attention it has always had, bit for bit.
+DENSE_MASK_MAX_TOKENS = 2048
+
+
+class PackedAttention(str, enum.Enum):
+    """How :func:`forward_logprobs`' packed row attends (the row, the sites and the records are the same)."""
+
+    AUTO = "auto"
+    """:attr:`MASK` up to :data:`DENSE_MASK_MAX_TOKENS` tokens in the row, :attr:`SEGMENTS` above."""
+    MASK = "mask"
+    """One attention call over the whole row with a dense block-diagonal causal mask: (sum T)^2 pairs."""
+    SEGMENTS = "segments"
+    """One causal attention call per trajectory (:mod:`tracefp4.engines.segments`): sum T^2 / 2 pairs."""
+
+    def per_sequence(self, tokens: int) -> bool:
+        """Whether a packed row of ``tokens`` tokens attends per sequence."""
+        return self is PackedAttention.SEGMENTS or (self is PackedAttention.AUTO and tokens > DENSE_MASK_MAX_TOKENS)
 
 
 class TrainerMode(str, enum.Enum):
@@ -123,6 +152,8 @@ class TrainerSpec:
         nearest (see the module docstring). 0: only rows of the trainer's own weights are guided.
     capture_values: at the ``capture_codes`` layers, also report each site's values before quantization
         (what the trainer's bracket is computed from: :func:`tracefp4.pipeline.metrics.bracket_miss`).
+    packed_attention: how :func:`forward_logprobs`' packed row attends (:class:`PackedAttention`; the
+        default picks by the row's length). Unused by :func:`trainer_forward`, whose caller runs the forward.
     """
 
     mode: TrainerMode = TrainerMode.TRACE
@@ -132,6 +163,7 @@ class TrainerSpec:
     capture_codes: frozenset[int] = frozenset()
     guidance_max_lag: int = 0
     capture_values: bool = False
+    packed_attention: PackedAttention = PackedAttention.AUTO
 
     def __post_init__(self) -> None:
         try:
@@ -140,6 +172,11 @@ class TrainerSpec:
             raise ValueError(f"mode must be 'bf16', 'qat' or 'trace', got {self.mode!r}") from None
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 for log-probs, got {self.temperature}")
+        try:
+            object.__setattr__(self, "packed_attention", PackedAttention(self.packed_attention))
+        except ValueError:
+            raise ValueError(f"packed_attention must be 'auto', 'mask' or 'segments', got {self.packed_attention!r}"
+                             ) from None
         object.__setattr__(self, "capture_codes", frozenset(int(i) for i in self.capture_codes))
         if self.capture_codes and self.mode is TrainerMode.BF16:
             raise ValueError("capture_codes needs a quantized mode ('qat', 'trace'): BF16 has no codes")
@@ -457,17 +494,25 @@ def forward_logprobs(
     # offsets[b] + P-1 .. offsets[b] + T-2; only those go through lm_head.
     keep = torch.cat([torch.arange(o + p - 1, o + n - 1) for o, p, n in zip(offsets, prompt_lens, lengths)])
     targets = input_ids[0, keep + 1]
-    # Built here, without a cache: transformers detects packed sequences only when there is none.
-    mask = create_causal_mask(
-        config=model.config,
-        inputs_embeds=torch.empty((1, input_ids.shape[1], 0), dtype=model.dtype, device=device),
-        attention_mask=None,
-        **{CACHE_KWARG: None},
-        position_ids=position_ids,
-    )
+    segments = Segments.of(lengths) if spec.packed_attention.per_sequence(sum(lengths)) else None
+    if segments is not None:
+        # never read (each sequence attends causally on its own rows); empty, so that an attention that
+        # did not take the segments fails on it instead of attending over the whole row
+        mask, extra = torch.zeros((1, 1, 0, 0), dtype=torch.bool, device=device), {SEGMENTS_KWARG: segments}
+    else:
+        # Built here, without a cache: transformers detects packed sequences only when there is none.
+        mask, extra = create_causal_mask(
+            config=model.config,
+            inputs_embeds=torch.empty((1, input_ids.shape[1], 0), dtype=model.dtype, device=device),
+            attention_mask=None,
+            **{CACHE_KWARG: None},
+            position_ids=position_ids,
+        ), {}
     with trainer_forward(model, rows, records, spec, versions=versions, policy_version=policy_version) as fwd:
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
-                    logits_to_keep=keep.to(device))
+                    logits_to_keep=keep.to(device), **extra)
+    if segments is not None:
+        segments.check_engaged(model_layers(model)[0])
     rows_logp = logprob_rows(out.logits[0], spec.temperature)
     token_logp = rows_logp.gather(-1, targets[:, None]).squeeze(-1)
     report = fwd.report()

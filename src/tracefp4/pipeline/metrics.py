@@ -28,7 +28,7 @@ from tracefp4.guidance.store import parse_name
 
 __all__ = [
     "Metric", "METRICS", "Name", "TRL_PREFIX", "trl_name", "metric", "label", "share",
-    "mismatch_summary", "mismatch_by", "at_sites", "gap_quantile", "logprob_gap", "router_flip_rate",
+    "mismatch_summary", "mismatch_by", "at_sites", "gap_quantile", "logprob_gap", "sequence_gap", "router_flip_rate",
     "guidance_bytes_per_token", "BracketMiss", "bracket_distances", "bracket_miss", "bracket_miss_summary",
     "reference_markdown",
 ]  # fmt: skip
@@ -56,6 +56,10 @@ class Name:
     LAG_GUIDED = "guidance/lag_guided_tokens"
     LAG_FALLBACK = "guidance/lag_fallback_tokens"
     BRACKET_MISS = "guidance_bracket_miss_rate"
+    SEQ_GAP_SUM = "seq_logprob_abs_diff_sum"
+    SEQ_GAP_SUM_P95 = "seq_logprob_abs_diff_sum_p95"
+    SEQ_LOG_RATIO = "seq_log_ratio_abs"
+    SEQ_LOG_RATIO_P95 = "seq_log_ratio_abs_p95"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +120,19 @@ METRICS: dict[str, Metric] = dict([
        "share of elements (diagnostics sites) whose rollout code is neither codeword bracketing the trainer's "
        "value on the rollout's grid: where no guidance can land on the rollout's code",
        "sum_sites (bracket_distance > 0) / sum_sites elements (formats.reference.bracket_distance)"),
+    # Per sequence: what decides a collapse is the gap summed over a sequence (sequence-level correction
+    # masks on exp(sum_t d_t); token-level correction's bias grows with T), not its per-token mean.
+    _m(Name.SEQ_GAP_SUM, "seq. Σ|Δlogp|",
+       "log-prob gap summed over one completion, mean over the step's sequences", "mean_b sum_t |d_t|"),
+    _m(Name.SEQ_GAP_SUM_P95, "seq. Σ|Δlogp| p95",
+       "95th percentile over the step's sequences of the log-prob gap summed over one completion",
+       "p95_b sum_t |d_t|"),
+    _m(Name.SEQ_LOG_RATIO, "|seq. log-ratio|",
+       "magnitude of the sequence log-ratio log(pi_rollout / pi_train) of one completion (what a sequence-level "
+       "importance weight exponentiates), mean over the step's sequences (the scaling report's seq_abs_mean)",
+       "mean_b |sum_t d_t|"),
+    _m(Name.SEQ_LOG_RATIO_P95, "|seq. log-ratio| p95",
+       "95th percentile over the step's sequences of the sequence log-ratio's magnitude", "p95_b |sum_t d_t|"),
 ])
 
 
@@ -209,6 +226,26 @@ def logprob_gap(logp_rollout: torch.Tensor, logp_train: torch.Tensor, mask: torc
         Name.GAP_MEAN: float(d.abs().mean()),
         Name.GAP_MAX: float(d.abs().max()),
         **{gap_quantile(q): float(torch.quantile(d.abs(), q)) for q in quantiles},
+    }
+
+
+def sequence_gap(logp_rollout: torch.Tensor, logp_train: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """The per-sequence gap metrics over the ``[B, T]`` completion tokens of ``mask``: per sequence b,
+    ``sum_t |d_t|`` and ``|sum_t d_t|`` (d = logp_rollout - logp_train), each summarised over the B
+    sequences by its mean and its 95th percentile (linear interpolation between order statistics, as
+    ``torch.quantile``). The log-ratio is reported by its magnitude: a sequence weight exp(-sum_t d_t)
+    leaves [1/c, c] when ``|sum_t d_t| > log c``, whichever its sign (the scaling report's
+    ``seq_abs_mean``). In float64; a sequence with no token counts 0 in both."""
+    m = mask.bool()
+    if not m.any():
+        raise ValueError("sequence_gap: the mask selects no tokens")
+    d = (logp_rollout.detach().double() - logp_train.detach().double()) * m
+    gap_sum, log_ratio = d.abs().sum(1), d.sum(1).abs()
+    return {
+        Name.SEQ_GAP_SUM: float(gap_sum.mean()),
+        Name.SEQ_GAP_SUM_P95: float(torch.quantile(gap_sum, 0.95)),
+        Name.SEQ_LOG_RATIO: float(log_ratio.mean()),
+        Name.SEQ_LOG_RATIO_P95: float(torch.quantile(log_ratio, 0.95)),
     }
 
 

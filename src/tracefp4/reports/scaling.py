@@ -77,7 +77,7 @@ from tracefp4.pipeline.metrics import Name, at_sites, gap_quantile, logprob_gap,
 
 __all__ = [
     "CENTRE", "DEPTHS", "WIDTHS", "LENGTHS", "BUCKETS", "TARGETS", "Point", "grid",
-    "point_config", "measure_point", "logprob_stats", "fit", "run_scaling", "format_scaling",
+    "point_config", "measure_point", "logprob_stats", "fit", "predict_at", "run_scaling", "format_scaling",
     "plot_scaling", "add_parser", "run_cli",
 ]  # fmt: skip
 
@@ -107,6 +107,8 @@ FITTED = {
     "seq_abs_mean": "mean |sequence log-ratio|",
 }
 SHARES = frozenset({Name.CODE_MISMATCH})
+#: This report's key of the mean |sequence log-ratio| (the loop's ``Name.SEQ_LOG_RATIO``, per step).
+SEQ_ABS_MEAN = "seq_abs_mean"
 #: The code mismatch restricted to the deeper half of the layers, and to an arm's guided layers.
 CODE_DEEPER_HALF, CODE_GUIDED = f"{Name.CODE_MISMATCH}_deeper_half", f"{Name.CODE_MISMATCH}_guided"
 
@@ -457,11 +459,12 @@ def _features(layers: int, hidden: int, new_tokens: int) -> list[float]:
     return [1.0, math.log(layers), math.log(hidden), math.log(new_tokens)]
 
 
-def fit(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def fit(rows: Sequence[Mapping[str, Any]], targets: Sequence[Mapping[str, int]] = TARGETS) -> dict[str, Any]:
     """Per arm and quantity of :data:`FITTED`: the fit of ``g(q) = a + b_L log L + b_H log H + b_T log T``
     over ``rows`` (one weights kind), ``g`` the log or, for a share, the logit ``log(q / (1 - q))``
     (a power law in the odds, which for small shares is the power law in the share itself), and its
-    predictions at :data:`TARGETS` with 95% prediction intervals mapped back through ``g``'s inverse."""
+    predictions at ``targets`` (default :data:`TARGETS`) with 95% prediction intervals mapped back
+    through ``g``'s inverse."""
     from tracefp4.stats import t_quantile_975
 
     out: dict[str, Any] = {}
@@ -478,7 +481,7 @@ def fit(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             beta, inv, s, df = _lstsq(x, [g(v) for _, v in pts])
             t = t_quantile_975(df)
             preds = []
-            for tgt in TARGETS:
+            for tgt in targets:
                 f = torch.tensor(_features(**tgt), dtype=torch.float64)
                 mean = float(f @ torch.tensor(beta, dtype=torch.float64))
                 half = t * s * math.sqrt(1.0 + float(f @ torch.tensor(inv, dtype=torch.float64) @ f))
@@ -490,6 +493,29 @@ def fit(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 "residual_sd": s, "points": len(pts), "predictions": preds,
             }  # fmt: skip
     return out
+
+
+def predict_at(report: Mapping[str, Any], arm: str, key: str, *, layers: int, hidden: int, new_tokens: float,
+               weights: str = "trained") -> dict[str, Any] | None:
+    """The fit of ``key`` (one of :data:`FITTED`) for the scaling arm ``arm``, refitted from a scaling
+    report's own points (``report``: :func:`assemble`'s, e.g. ``docs/results/scaling.json``; our engine's
+    points of ``weights``, as the report's fits) and predicted at one shape: ``{"layers", "hidden",
+    "new_tokens", "predicted", "interval95", "points", "weights"}`` with the 95% prediction interval.
+    ``new_tokens`` may be a mean length (the fit is continuous in log T). None when the report has too
+    few usable points for the arm and key (:func:`fit` skips them)."""
+    if key not in FITTED:
+        raise ValueError(f"predict_at: key must be one of {sorted(FITTED)}, got {key!r}")
+    if weights not in WEIGHTS:
+        raise ValueError(f"predict_at: weights must be one of {list(WEIGHTS)}, got {weights!r}")
+    if not (layers >= 1 and hidden >= 1 and new_tokens > 0):
+        raise ValueError(f"predict_at: a shape needs layers, hidden and new_tokens > 0, got {layers}, {hidden}, "
+                         f"{new_tokens}")
+    rows = [r for r in report["points"] if _on_home(r) and r["point"]["weights"] == weights]
+    target = {"layers": layers, "hidden": hidden, "new_tokens": new_tokens}
+    f = fit(rows, [target]).get(arm, {}).get(key)
+    if f is None:
+        return None
+    return {**f["predictions"][0], "points": f["points"], "weights": weights}
 
 
 def _bytes_at_targets() -> dict[str, Any]:

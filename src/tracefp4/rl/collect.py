@@ -28,7 +28,7 @@ from tracefp4.guidance.store import StoreReader
 from tracefp4.pipeline import steps
 from tracefp4.pipeline.arms import Arm, PolicyLoss
 from tracefp4.pipeline.factory import EngineKind, make_engine
-from tracefp4.pipeline.metrics import Name, logprob_gap, router_flip_rate
+from tracefp4.pipeline.metrics import Name, logprob_gap, router_flip_rate, sequence_gap
 from tracefp4.rl.config import RLConfig
 from tracefp4.rl.grpo import group_advantages, pad_right
 from tracefp4.rl.score_centering import head_mass_metrics, pad_top, top_k_for
@@ -200,6 +200,7 @@ def _score(s: ArmSetup, step: int, group: list[Example], roll: RolloutOutput, re
         Name.GUIDANCE_BYTES: guidance_bytes_per_token(records, generated),
         Name.ROUTER_FLIPS: router_flip_rate(old.router_flips),
         **logprob_gap(logp_roll, logp_old, mask),
+        **sequence_gap(logp_roll, logp_old, mask),
         **(steps.code_mismatch_metrics(old, diagnostics) if measure else {}),
         Name.DECODE_FAILURES: steps.decode_failures(old),
     }

@@ -218,6 +218,11 @@ class RLConfig:
     warm_start_steps: int = option(120, help="supervised fine-tuning steps before GRPO (0: none)", ge=0)
     warm_start_lr: float = option(3e-3, help="learning rate of the warm start", gt=0)
     warm_start_batch: int = option(64, help="examples per warm-start step", ge=1)
+    warm_start_prefixes: int = option(0, help="answer prefixes per warm-start step besides the whole answers: "
+                                      "each the first k answer tokens (k uniform in 1..warm_start_prefix_tokens), "
+                                      "no end token, so the loss weighs an answer's first tokens more "
+                                      "(tracefp4.rl.warm_start; 0: none)", ge=0)
+    warm_start_prefix_tokens: int = option(64, help="the longest answer prefix of warm_start_prefixes", ge=1)
     # --- evaluation
     eval_every: int = option(10, help="greedy held-out evaluation (and a checkpoint) every this many steps", ge=1)
     eval_size: int = option(64, help="held-out examples per evaluation", ge=1)

@@ -231,6 +231,10 @@ def _override(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any
     return out
 
 
+#: The scaling study's results in the results folder: the per-sequence mismatch is put beside its fit.
+SCALING_RESULTS = "scaling.json"
+
+
 def run_experiment(cfg: ExperimentConfig, results_dir: str | Path = "docs/results",
                    plots_dir: str | Path = "docs/img", *, workers: int = 1,
                    config_path: str | Path | None = None) -> dict[str, Any]:
@@ -289,8 +293,11 @@ def write_results(cfg: ExperimentConfig, results_dir: str | Path = "docs/results
     if missing and not partial:
         raise ValueError(f"experiment {cfg.name}: seeds {missing} are not finished ({where}); the results file "
                          "needs every seed (--summary-only writes a partial one)")
+    scaling_file = Path(results_dir) / SCALING_RESULTS
+    scaling = json.loads(scaling_file.read_text()) if scaling_file.is_file() else None
     summary = summarise(cfg.name, {s: r.metrics for s, r in found.items()}, cfg.run_config(cfg.seeds[0]),
-                        {s: r.provenance for s, r in found.items()}, metric=cfg.metric, seeds_missing=missing)
+                        {s: r.provenance for s, r in found.items()}, metric=cfg.metric, scaling=scaling,
+                        seeds_missing=missing)
     Path(results_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_json(Path(results_dir) / f"{cfg.name}.json", summary, sort_keys=False)
     plot_experiment(summary, Path(plots_dir))
@@ -472,6 +479,10 @@ def run_job(cfg: ExperimentConfig, spec: str, results_dir: str | Path = "docs/re
 POST_HOC = tuple(post_hoc_metric(name) for name in POST_HOC_PLANS)
 
 
+#: The per-sequence mismatch (each step's mean and p95 over its sequences), summarised per arm.
+SEQUENCE_GAPS = (Name.SEQ_GAP_SUM, Name.SEQ_GAP_SUM_P95, Name.SEQ_LOG_RATIO, Name.SEQ_LOG_RATIO_P95)
+
+
 def _seed_figures(rows: Sequence[Mapping]) -> dict[str, float | None]:
     train, evals = rows_of_kind(rows, "train"), rows_of_kind(rows, "eval")
     gaps = [r[Name.GAP_MEAN] for r in train]
@@ -486,6 +497,9 @@ def _seed_figures(rows: Sequence[Mapping]) -> dict[str, float | None]:
         Name.GUIDANCE_BYTES: statistics.fmean(r[Name.GUIDANCE_BYTES] for r in train) if train else None,
         "steps": len(train),
         "response_length": statistics.fmean(r["response_length"] for r in train) if train else None,
+        # the seed's mean over its steps (runs from before these metrics have none)
+        **{key: statistics.fmean(v) if (v := [r[key] for r in train if r.get(key) is not None]) else None
+           for key in SEQUENCE_GAPS},
     }
 
 
@@ -557,12 +571,14 @@ def _provenance_summary(provenance: Mapping[int, Mapping[str, Any]]) -> dict[str
 
 def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]], run_cfg: RLConfig,
               provenance: Mapping[int, Mapping[str, Any]] | None = None, metric: str = "eval_accuracy",
-              seeds_missing: Sequence[int] = ()) -> dict[str, Any]:
+              scaling: Mapping[str, Any] | None = None, seeds_missing: Sequence[int] = ()) -> dict[str, Any]:
     """The results file's content from each seed's metrics (``{seed: {arm: rows}}``) and, when given,
     each seed's :func:`seed_provenance`. Every figure of :data:`HELD_OUT` is reported; ``metric`` is the
     headline one: ``collapse`` is computed on it (``collapse_by`` has each) and the table shows it.
-    ``seeds_missing``: the experiment's seeds not finished yet; when there are any the summary says
-    first that it is partial (``partial: true`` and the seeds)."""
+    ``scaling`` (a ``tracefp4 scaling`` report, docs/results/scaling.json) puts beside each arm's
+    per-sequence mismatch the scaling fit's prediction at the run's depth, width and mean completion
+    length (:func:`sequence_gap_prediction`). ``seeds_missing``: the experiment's seeds not finished
+    yet; when there are any the summary says first that it is partial (``partial: true`` and the seeds)."""
     seeds = sorted(metrics)
     arms = [a for a in run_cfg.arms if all(a in metrics[s] for s in seeds)]
     out: dict[str, Any] = {
@@ -592,6 +608,11 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
         for key in (Name.GAP_MEAN, Name.GAP_MAX, Name.CODE_MISMATCH, Name.GUIDANCE_BYTES, "response_length"):
             vals = [f[key] for f in figs if f[key] is not None]
             entry[key] = statistics.fmean(vals) if vals else None
+        for key in SEQUENCE_GAPS:  # mean and 95% interval over seeds of each seed's mean over steps
+            vals = [f[key] for f in figs if f[key] is not None]
+            entry[key] = mean_ci95(vals) if vals else None
+        if scaling is not None:
+            entry["seq_scaling_prediction"] = sequence_gap_prediction(scaling, arm, run_cfg, entry["response_length"])
         rows = [metrics[s][arm] for s in seeds]
         entry["curves"] = {key: _curve(rows, source, kind) for key, (source, kind) in CURVES.items()}
         entry["per_seed"] = {str(s): {"eval_step": [r["step"] for r in rows_of_kind(r_, "eval")],
@@ -610,6 +631,34 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
     if provenance is not None:
         out["provenance"] = _provenance_summary(provenance)
     return out
+
+
+def sequence_gap_prediction(scaling: Mapping[str, Any], arm: str, run_cfg: RLConfig, length: float | None
+                            ) -> dict[str, Any] | None:
+    """The scaling fit's prediction (:func:`tracefp4.reports.scaling.predict_at`, trained weights) of
+    the per-sequence mismatch at the run's layers, hidden size and mean completion ``length``, for the
+    arm's own column of the scaling study (None for an arm the study does not run, e.g. ``fp4-rollout``,
+    a run from a checkpoint, or no length):
+
+    * ``seq_log_ratio_abs``: the fit of the mean |sequence log-ratio| itself (the report's ``seq_abs_mean``);
+    * ``seq_logprob_abs_diff_sum``: ``length`` x the fit of the mean |Δlogp| per token, interval scaled
+      alike (the fit has no Σ_t |Δlogp| of its own; a sequence's sum has this mean at a mean-length sequence)."""
+    from tracefp4.pipeline.arms import SCALING_ARMS
+    from tracefp4.reports.scaling import SEQ_ABS_MEAN, predict_at
+
+    if arm not in SCALING_ARMS or run_cfg.checkpoint or not length:
+        return None
+    key = arm
+    shape = {"layers": run_cfg.model.layers, "hidden": run_cfg.model.hidden, "new_tokens": length}
+    ratio = predict_at(scaling, key, SEQ_ABS_MEAN, **shape)
+    per_token = predict_at(scaling, key, Name.GAP_MEAN, **shape)
+    return {
+        "scaling_arm": key, **shape,
+        Name.SEQ_LOG_RATIO: ratio,
+        Name.SEQ_GAP_SUM: None if per_token is None else {
+            **per_token, "predicted": length * per_token["predicted"],
+            "interval95": [length * v for v in per_token["interval95"]]},
+    }
 
 
 #: The arms every other arm's final held-out figures are paired with, seed by seed: the BF16 reference
@@ -772,6 +821,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
                 lines.append(f"{'  ' + label:<14}{len(e['seeds']):>6}{post['mean']:>13.3f}{ci:>18}   (the {arm} policy, FP4 inference)")
     if "is_mode" in summary:  # summaries written since the importance correction became a knob
         lines += _dynamics_table(summary, metric)
+    if any(e.get(key) for e in summary["arms"].values() for key in SEQUENCE_GAPS):
+        lines += _sequence_table(summary)
     prov = summary.get("provenance")
     if prov:
         groups = "; ".join(f"seeds {', '.join(map(str, g['seeds']))}: {g['weights_sha256']}" for g in prov["warm_starts"])
@@ -780,6 +831,27 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append(f"warm starts (seeds in one group started from identical weights): {groups}")
         lines.append(f"environments: {len(envs)} distinct ({prov['scope']})")
     return "\n".join(lines)
+
+
+def _sequence_table(summary: Mapping[str, Any]) -> list[str]:
+    """The per-sequence mismatch per arm (mean over seeds of each step's mean and p95 over its
+    sequences) beside the scaling fit's prediction at the run's shape, with its 95% interval."""
+    def mean(d):
+        return f"{d['mean']:.3g}" if d else "-"
+
+    def fitted(p):
+        return f"{p['predicted']:.3g} [{p['interval95'][0]:.2g}, {p['interval95'][1]:.2g}]" if p else "-"
+
+    lines = ["per-sequence mismatch (each step's mean and p95 over its sequences, mean over seeds); the scaling "
+             "fit at this depth, width and mean length, 95% prediction interval:",
+             f"{'arm':<14}{'sum|dlogp|':>12}{'p95':>9}{'|log-ratio|':>13}{'p95':>9}{'fit |log-ratio|':>28}"
+             f"{'fit sum|dlogp|':>28}"]
+    for arm, e in summary["arms"].items():
+        pred = e.get("seq_scaling_prediction") or {}
+        lines.append(f"{arm:<14}{mean(e.get(Name.SEQ_GAP_SUM)):>12}{mean(e.get(Name.SEQ_GAP_SUM_P95)):>9}"
+                     f"{mean(e.get(Name.SEQ_LOG_RATIO)):>13}{mean(e.get(Name.SEQ_LOG_RATIO_P95)):>9}"
+                     f"{fitted(pred.get(Name.SEQ_LOG_RATIO)):>28}{fitted(pred.get(Name.SEQ_GAP_SUM)):>28}")
+    return lines
 
 
 def _dynamics_table(summary: Mapping[str, Any], metric: str) -> list[str]:

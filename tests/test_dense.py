@@ -347,7 +347,7 @@ def test_mismatch_report_on_the_dense_twin(tmp_path) -> None:
     rep = json.loads(path.read_text())
     assert sorted(rep["per_site"]) == ["k", "mlp_in", "mlp_mid", "v"]
     assert rep["config"]["intermediate"] == 32 and rep["config"]["moe_layers"] == []
-    assert rep["mismatch_counts"]["trace_full"]["mismatched"] == 0 < rep["mismatch_counts"]["qat"]["mismatched"]
+    assert rep["mismatch_counts"]["trace-full"]["mismatched"] == 0 < rep["mismatch_counts"]["qat"]["mismatched"]
     assert rep["router_flip"]["qat"]["rate"] is None
     dense(layers=1).save_pretrained(tmp_path / "ck")
     with pytest.raises(SystemExit, match=r"--checkpoint fixes the model; drop \['dense'\]"):

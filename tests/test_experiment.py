@@ -144,10 +144,23 @@ def test_warm_start_from_another_experiment_reproduces_it(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_workers_run_the_jobs_in_parallel_processes_with_the_same_numbers(tmp_path):
+def test_workers_run_the_jobs_in_parallel_processes_with_the_same_numbers(tmp_path, monkeypatch):
     """``--workers 2``: the warm start, then the two arms in two ``--job`` processes at once (job locks:
     the folder shared, each arm exclusive); every metric row equals the sequential run's, and the
-    results file is written the same way. A bad ``--job`` names what it expected."""
+    results file is written the same way; the seed is recorded as soon as its last arm's job ends. A bad
+    ``--job`` names what it expected."""
+    import sys
+
+    import tracefp4.rl.experiment as experiment
+
+    archived_by, archive = [], experiment.archive_seed
+
+    def spy(cfg, seed, results_dir):  # who recorded the seed: run_jobs, as soon as its last arm ended
+        path = archive(cfg, seed, results_dir)
+        archived_by.append((cfg.name, sys._getframe(1).f_code.co_name, path is not None))
+        return path
+
+    monkeypatch.setattr(experiment, "archive_seed", spy)
     rows = {}
     for name, workers in (("seq", "1"), ("par", "2")):
         cfg = tmp_path / f"{name}.toml"
@@ -158,6 +171,7 @@ def test_workers_run_the_jobs_in_parallel_processes_with_the_same_numbers(tmp_pa
         rows[name] = {arm: [{k: v for k, v in json.loads(r).items() if not k.startswith("time/")}
                             for r in (tmp_path / "runs" / name / "seed-0" / "metrics" / f"{arm}.jsonl").read_text().splitlines()]
                       for arm in ("bf16", "trace")}
+    assert ("par", "run_jobs", True) in archived_by and ("seq", "run_experiment", True) in archived_by
     assert rows["par"] == rows["seq"]
     assert main(["experiment", "--config", str(tmp_path / "par.toml"), "--job", "7:bf16"]) == 2
     assert main(["experiment", "--config", str(tmp_path / "par.toml"), "--job", "0:quads"]) == 2

@@ -40,6 +40,6 @@ def test_trace_full_reproduces_every_rollout_code_on_a_dense_model(folder, tmp_p
     assert model_layers(trainer.model) == (2, ()) and model_state(trainer.model).dense_layers == (0, 1)
     logs = trainer.state.log_history
     # two generations, the second after an optimizer step: every code of every site reproduced
-    mismatch, nbytes = trl_name(Name.CODE_MISMATCH), trl_name(Name.GUIDANCE_BYTES)
-    assert [r[mismatch] for r in logs if mismatch in r] == [0.0, 0.0]
+    codes, nbytes = trl_name(Name.CODE_MISMATCH), trl_name(Name.GUIDANCE_BYTES)
+    assert [r[codes] for r in logs if codes in r] == [0.0, 0.0]
     assert all(r[nbytes] > 0 for r in logs if nbytes in r)

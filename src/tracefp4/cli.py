@@ -189,14 +189,19 @@ GUIDANCE_HELP = ("the trace arm's guidance mode, <mode>[@all|@deeper|@last<n>]: 
 def cmd_experiment(args: argparse.Namespace) -> int:
     import torch
 
-    from tracefp4.rl.experiment import ExperimentConfig, format_summary, run_experiment, run_job
+    from tracefp4.rl.experiment import ExperimentConfig, format_summary, run_experiment, run_job, write_results
 
+    if args.summary_only and (args.job is not None or args.workers != 1):
+        raise ValueError("--summary-only runs nothing: give it without --job and --workers")
     cfg = ExperimentConfig.from_file(args.config)
     torch.set_num_threads(cfg.run_config(cfg.seeds[0]).threads)  # the command owns the process
     if args.job is not None:  # one worker of --workers N
-        run_job(cfg, args.job)
+        run_job(cfg, args.job, args.results)
         return 0
-    summary = run_experiment(cfg, args.results, args.plots, workers=args.workers, config_path=args.config)
+    if args.summary_only:
+        summary = write_results(cfg, args.results, args.plots, partial=True)
+    else:
+        summary = run_experiment(cfg, args.results, args.plots, workers=args.workers, config_path=args.config)
     print(format_summary(summary))
     print(f"\nresults: {Path(args.results) / (cfg.name + '.json')}   plots: {args.plots}/{cfg.name}_*.png")
     return 0
@@ -257,6 +262,10 @@ def _add_experiment_parser(sub) -> None:
                    "for each arm, in parallel in the background if you like (each job locks only its own arm); "
                    "a seed's arms need its warm_start done. A plain run afterwards finds every job done, "
                    "resumes nothing and writes the results")
+    x.add_argument("--summary-only", action="store_true",
+                   help="run nothing: record every finished seed under <results>/records/<name>/ and write the results "
+                   "JSON from the finished seeds (run folders or records); with seeds unfinished it is marked "
+                   "partial: true with seeds_missing")
     x.set_defaults(func=cmd_experiment)
 
 

@@ -19,6 +19,7 @@ as a difference:
   vLLM against vLLM's own BF16 and FP8-KV engines) and ``LONG`` (the long-rollout figures), each figure the
   min–max over the committed runs of one command and CPU kind with the count of runs (:class:`Figures`);
   ``READING``, the collapse study's reading with the scaling fit's prediction at 8K-32K tokens and its interval;
+  ``STALENESS``, the lag-k replay's figures and reading and the fixed-lag experiments' summaries;
   ``STATUS``, the status table from :data:`STATUS` (each cell's tests; ``docs/reference/status.md`` lists them).
   tests/test_docs.py fails on a README figure outside these blocks.
 
@@ -506,6 +507,59 @@ def reading_block(readme: str) -> str:
     return replace_block(readme, "READING", READING_SOURCES, [text])
 
 
+STALENESS_REPLAY = "docs/results/staleness-replay.json"
+#: The staleness experiment's results (fixed lag per file), those present, in lag order.
+STALENESS_RESULTS = ("docs/results/staleness-lag0.json", "docs/results/staleness-lag1.json",
+                     "docs/results/staleness-lag3.json", "docs/results/staleness-lag3-mod4.json")
+
+
+def staleness_block(readme: str) -> str:
+    """The README's "TRACE under staleness" figures (between the STALENESS markers): the lag-k replay at
+    the experiment's learning rate, one row per arm, one cell per lag (bracket-miss rate at the guided
+    layers and mean |dlogp|), then one reading sentence per claim, every figure from the replay's JSON;
+    and the fixed-lag experiments' rows where their summaries are committed."""
+    from tracefp4.pipeline.metrics import Name
+
+    rep = json.loads((ROOT / STALENESS_REPLAY).read_text())
+    cells = {(c["lr"], c["lag"], c["arm"]): c for c in rep["cells"]}
+    lr, hi = min(rep["lrs"]), max(rep["lrs"])
+    lags, arms = rep["lags"], list(rep["arms"])
+    cpu = rep.get("environment", {}).get("cpu_model", "CPU not recorded")
+    pct = lambda x: "0" if x == 0 else f"{x:.2%}" if x >= 1e-3 else f"{x:.3%}"
+    guided = lambda c: c["guided_layers"][Name.BRACKET_MISS]
+    lines = [f"Asynchronous RL trains on rollouts of weights a few versions old. Lag-k replay of a count3-8l GRPO trajectory at lr {lr:g} ({rep['steps']} steps, "
+             f"[staleness replay](docs/results/staleness-replay.md); {cpu}): the rollout at version v-k, the "
+             f"trainer at v. Per cell: the share of elements at the guided layers {rep['guided_layers'][0]}-"
+             f"{rep['guided_layers'][-1]} whose rollout code is outside the trainer's bracket, and the mean |Δlogp|.", "",
+             "| arm | B/token | " + " | ".join(f"lag {k}" for k in lags) + " |", "|---|---|" + "---|" * len(lags)]
+    for a in arms:
+        row = [cells[(lr, k, a)] for k in lags]
+        lines.append(f"| {a} | {row[0][Name.GUIDANCE_BYTES]:.0f} | "
+                     + " | ".join(f"{pct(guided(c))} · {c[Name.GAP_MEAN]:.4f}" for c in row) + " |")
+    full3, full3_hi = cells[(lr, 3, "trace-full")], cells[(hi, 3, "trace-full")]
+    lsb0, lsb3, mod3 = cells[(lr, 0, "trace-lsb")], cells[(lr, 3, "trace-lsb")], cells[(lr, 3, "trace-mod4")]
+    qat0, qat3 = cells[(lr, 0, "qat")], cells[(lr, 3, "qat")]
+    lines += ["", f"At the paper's bound (lag 3), `full` guidance keeps all but {pct(full3[Name.BRACKET_MISS])} of the "
+              f"rollout's codes inside the trainer's bracket ({pct(full3_hi[Name.BRACKET_MISS])} at lr {hi:g}; the "
+              f"misses grow with lag × step size). The deeper-half `lsb` cache suffers more: its guided layers leave the "
+              f"bracket for {pct(guided(lsb0))} of elements at lag 0 and {pct(guided(lsb3))} at lag 3, because the "
+              f"unguided first half drifts with the weights; `mod4` ({mod3[Name.GUIDANCE_BYTES]:.0f} B/token) brings "
+              f"that to {pct(guided(mod3))} and counts the misses it detects. Under staleness, guide every layer (`full` or "
+              f"`lsb@all`). What guidance does not remove is the policy's own change between the versions: "
+              f"TRACE-full's mean |Δlogp| still grows from {cells[(lr, 0, 'trace-full')][Name.GAP_MEAN]:.4f} at lag 0 "
+              f"to {full3[Name.GAP_MEAN]:.4f} at lag 3 (QAT's, code flips included: {qat0[Name.GAP_MEAN]:.4f} to "
+              f"{qat3[Name.GAP_MEAN]:.4f}); the asynchronous loop's "
+              "decoupled loss weighs that staleness by its importance weight (`max_staleness`, "
+              "[experiments guide](docs/guides/experiments.md))."]
+    present = [p for p in STALENESS_RESULTS if (ROOT / p).is_file()]
+    if present:
+        from tracefp4.rl.experiment import format_summary
+
+        lines += ["", "GRPO at fixed lag (count3-8l, 300 steps; seeds paired by warm start):", "", "```text"]
+        lines += [format_summary(json.loads((ROOT / p).read_text())).rstrip() for p in present] + ["```"]
+    return replace_block(readme, "STALENESS", ", ".join([STALENESS_REPLAY, *present]), lines)
+
+
 # --- the README's status table: each cell from the tests that cover it ---------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -823,7 +877,7 @@ def pages() -> dict[str, str]:
     out["docs/performance/bench-runs.md"] = bench_page()
     out["docs/reference/cli.md"] = cli_page()
     readme = (ROOT / "README.md").read_text()
-    for block in (headline, collapse_block, speed_block, long_block, reading_block, status_block):
+    for block in (headline, collapse_block, speed_block, long_block, reading_block, staleness_block, status_block):
         readme = block(readme)
     out["README.md"] = readme
     out["docs/reference/metrics.md"] = metrics_page()

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tracefp4.engines.protocol import RolloutEngine, RolloutOutput, SamplingParams
-from tracefp4.engines.sink import StoreTarget
+from tracefp4.engines.sink import UNKNOWN_VERSION, StoreTarget
 from tracefp4.engines.trainer import TrainerOutput, forward_logprobs
 from tracefp4.guidance.names import layer_tag
 from tracefp4.guidance.store import StoreReader, bytes_per_token, parse_name
@@ -109,6 +109,7 @@ class ArmRun:
     step: int  # the store step its records went to (for :func:`store_bytes`)
     rollout: RolloutOutput  # ``records``: as read back from the store; ``diagnostics``: in memory
     trainer: TrainerOutput | None  # the arm's trainer on those records (None: not asked for)
+    version: int = 0  # the policy version its rows were written and read at (for :func:`store_bytes`)
 
 
 def run_arms(model, prompts: Sequence[Sequence[int]], sampling: SamplingParams, arms: Mapping[str, Arm], root: Path,
@@ -123,15 +124,17 @@ def run_arms(model, prompts: Sequence[Sequence[int]], sampling: SamplingParams, 
     arm's diagnostics layers. The trainer runs ``trainer_model`` (None: ``model``; a lag replay gives
     it later weights of the same model). ``phase`` names and times each part (a context manager per name)."""
     serving = engine if engine is not None else make_engine(EngineKind.HOME, model)
+    # an engine that holds pushed weights stamps their version on its rows; the report reads at that version
+    version = serving.version if getattr(serving, "version", UNKNOWN_VERSION) != UNKNOWN_VERSION else POLICY_VERSION
     phase = phase or (lambda name: contextlib.nullcontext())
     ids = tuple(trajectory_ids(TrajectoryIds.REPORT, len(prompts)))
     runs: dict[str, ArmRun] = {}
     for step, (key, arm) in enumerate(arms.items(), start=first_step):
         with phase(f"rollout {key}"):
             out = rollout_step(serving, prompts, sampling, arm, StoreTarget(str(root), step, WRITER, ids, signature,
-                                                                            POLICY_VERSION))
+                                                                            version))
         roll = dataclasses.replace(out.rollout, records=out.records, diagnostics=out.diagnostics or [])
-        runs[key] = ArmRun(arm, step, roll, None)
+        runs[key] = ArmRun(arm, step, roll, None, version)
         if trainers:
             with phase(f"trainer {key} ({arm.trainer.value})"), torch.no_grad():
                 # the engines report log-probs at temperature 1 for greedy sampling (SamplingParams)
@@ -159,9 +162,10 @@ def _guidance_split(reader: StoreReader) -> tuple[dict[str, dict[str, int]], dic
     return by_site_layer, by_field
 
 
-def store_bytes(root: Path, step: int, signature: str) -> dict[str, Any]:
-    """The store's accounting, plus guidance bytes per token split by (site, layer) and by field."""
-    with StoreReader(root, step, model_signature=signature, policy_version=POLICY_VERSION) as r:
+def store_bytes(root: Path, step: int, signature: str, policy_version: int = POLICY_VERSION) -> dict[str, Any]:
+    """The store's accounting, plus guidance bytes per token split by (site, layer) and by field, of a
+    step written at ``policy_version`` (an :class:`ArmRun`'s ``version``)."""
+    with StoreReader(root, step, model_signature=signature, policy_version=policy_version) as r:
         acc = bytes_per_token(r)
         by_site_layer, by_field = _guidance_split(r)
     gen = acc["generated_tokens"]

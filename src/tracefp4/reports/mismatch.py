@@ -302,8 +302,8 @@ def _stored(root, runs: Mapping[str, ArmRun], signature: str) -> _Stored:
     store's bytes of each."""
     full, lsb = runs["trace-full"], runs["trace"]
     _check_lsb_matches_full(lsb.rollout.records, full.rollout.records)
-    return _Stored(full.rollout.records, lsb.rollout.records, store_bytes(root, full.step, signature),
-                   store_bytes(root, lsb.step, signature))
+    return _Stored(full.rollout.records, lsb.rollout.records, store_bytes(root, full.step, signature, full.version),
+                   store_bytes(root, lsb.step, signature, lsb.version))
 
 
 def _qat_codes(model, roll_full: RolloutOutput, phase: _Phases) -> TrainerOutput:

@@ -281,7 +281,7 @@ def _cells(lr: float, lag: int, v: int, runs, guided: frozenset[int], root: Path
             else run.arm.guidance.name, "rollout_version": v - lag, "trainer_version": v,
             **_scoped(run.trainer, run.rollout, None),
             **{k: x for k, x in gap(run.rollout, run.trainer).items() if k != "tokens"},
-            Name.GUIDANCE_BYTES: store_bytes(root, run.step, signature)["guidance"],
+            Name.GUIDANCE_BYTES: store_bytes(root, run.step, signature, run.version)["guidance"],
         }
         inside = _scoped(run.trainer, run.rollout, lambda layer, site: layer in guided)
         inside["agreement"] = None if inside[Name.CODE_MISMATCH] is None else 1.0 - inside[Name.CODE_MISMATCH]

@@ -187,7 +187,7 @@ def _mode_row(model, prompts, sampling: SamplingParams, g: GuidedMode, step: int
     roll, records, out = run.rollout, run.rollout.records, run.trainer
     if not same_rollout(roll, ref.rollout):
         raise RuntimeError(f"{g.name}: the rollout sampled other tokens or routing than the reference")
-    acc = store_bytes(ref.root, step, ref.signature)
+    acc = store_bytes(ref.root, step, ref.signature, run.version)
     stats = code_mismatch(out.codes, ref.records)
     guided = _agreement(stats, _everywhere)
     # below the first guided layer the trainer is vanilla QAT on identical inputs

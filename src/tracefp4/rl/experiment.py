@@ -18,7 +18,22 @@ keys replace its keys, table by table (``[run]`` and its ``[run.model]`` key by 
 
 Each seed is one ordinary run folder (all arms of that seed, the same warm start), so the matrix is
 resumable the way a run is: a seed whose folder exists is resumed (the saved config must agree), a
-finished one is only read. The summary (:func:`summarise`) is a pure function of the run folders.
+finished one is only read. The summary (:func:`summarise`) is a pure function of the seeds' metrics.
+
+Results that survive a move to a new machine: run folders (checkpoints, the guidance store) stay on
+the machine, so each seed, as soon as every one of its arms has finished, is also recorded in the
+results tree, ``<results>/records/<name>/seed-<s>/`` (:mod:`tracefp4.rl.seedrecord`: the arms' metrics
+logs, environment.json, the run config and the warm start's digest, a few small text files written
+whole or not at all, with a manifest of their sha256), for the caller to commit. The unit is the seed,
+never the arm: the summary pairs the arms of a seed, which started from one warm start, and a lone
+arm could not be completed elsewhere from the same weights. A seed without a run folder whose record
+is there is read from the record and not run (its saved config must agree with the experiment's as a
+resume's must, at the same steps and with every arm); a torn or edited record is refused, naming the
+file. :func:`read_seed` is the one reader (the run folder when it holds the finished seed, else the
+record), and the summary says which for each seed (``provenance.per_seed[s].from_record``).
+``tracefp4 experiment --summary-only`` (:func:`write_results` with ``partial``) runs nothing: it
+records every finished seed and writes the results file from the finished ones, marked ``partial:
+true`` with ``seeds_missing`` when some are not; the plain file is only ever written from every seed.
 
 Reproducibility: a seed's numbers are bit-identical when it is re-run on the same machine type,
 library set and thread count, not across CPUs (:mod:`tracefp4.provenance`): a seed's outcome can
@@ -70,12 +85,19 @@ from tracefp4.pipeline.arms import arm_style
 from tracefp4.pipeline.metrics import Name
 from tracefp4.rl.config import RLConfig, check_fields, option, read_table, reject
 from tracefp4.rl.evaluate import POST_HOC_PLANS, post_hoc_metric
+from tracefp4.rl.runfolder import CONFIG_NAME, ENVIRONMENT_NAME, config_differences
 from tracefp4.rl.runlog import read_metrics, rows_of_kind
+from tracefp4.rl.seedrecord import (MANIFEST_NAME, RECORDS, read_seed_record, record_dir, warm_start_info,
+                                    write_seed_record)
 from tracefp4.stats import format_ci, format_mean_ci, mean_ci95, paired_differences
 
 __all__ = [
     "ExperimentConfig",
     "run_experiment",
+    "write_results",
+    "read_seed",
+    "archive_seed",
+    "SeedResult",
     "run_jobs",
     "run_job",
     "summarise",
@@ -218,10 +240,15 @@ def run_experiment(cfg: ExperimentConfig, results_dir: str | Path = "docs/result
                    config_path: str | Path | None = None) -> dict[str, Any]:
     """Run (or resume) every seed, then write ``<results_dir>/<name>.json`` and the plots.
 
+    Each seed, once finished, is recorded under ``<results_dir>/records/<name>/`` (:func:`archive_seed`);
+    a seed whose run folder is absent and whose record is there is read from the record, not run. A
+    seed whose run folder holds it finished is not resumed (a resume that runs nothing would only add
+    an entry to its environment.json, and so change its record): its report is redrawn.
     ``workers > 1`` runs the jobs (each seed's warm start, then each (seed, arm)) in that many
-    ``tracefp4 experiment --job`` processes reading ``config_path`` (:func:`run_jobs`); the seeds are
-    then resumed here, which finds every arm done and writes each seed's report."""
+    ``tracefp4 experiment --job`` processes reading ``config_path`` (:func:`run_jobs`); each seed's
+    report is then written here."""
     from tracefp4.rl.loop import run
+    from tracefp4.rl.report import write_report
 
     cfg.validate()  # a config built in Python, not read from a file, is checked before any seed runs too
     if workers < 1:
@@ -229,27 +256,162 @@ def run_experiment(cfg: ExperimentConfig, results_dir: str | Path = "docs/result
     if workers > 1:
         if config_path is None:
             raise ValueError("workers > 1 needs config_path: the worker processes read the experiment file")
-        run_jobs(cfg, config_path, workers)
+        run_jobs(cfg, config_path, workers, results_dir=results_dir)
     for i, seed in enumerate(cfg.seeds):
+        if _recorded(cfg, seed, results_dir):
+            print(f"experiment {cfg.name}: seed {seed} ({i + 1}/{len(cfg.seeds)}) read from its record "
+                  f"{record_dir(results_dir, cfg.name, seed)}", file=sys.stderr, flush=True)
+            continue
         print(f"experiment {cfg.name}: seed {seed} ({i + 1}/{len(cfg.seeds)})", file=sys.stderr, flush=True)
-        run(cfg.run_config(seed))
+        run_cfg = cfg.run_config(seed)
+        if _seed_done(cfg.run_dir(seed), run_cfg):
+            read_seed(cfg, seed, results_dir)  # its saved config must agree, as a resume's must
+            write_report(cfg.run_dir(seed))
+        else:
+            run(run_cfg)
+        archive_seed(cfg, seed, results_dir)
+    return write_results(cfg, results_dir, plots_dir)
+
+
+def write_results(cfg: ExperimentConfig, results_dir: str | Path = "docs/results", plots_dir: str | Path = "docs/img",
+                  *, partial: bool = False) -> dict[str, Any]:
+    """Write ``<results_dir>/<name>.json`` and the plots from the finished seeds (each from its run
+    folder or its record, :func:`read_seed`; a finished run folder is recorded first). Every seed
+    must be finished unless ``partial``: then the summary covers the finished ones and says so
+    (``partial: true``, ``seeds_missing``); with none finished nothing is written."""
+    cfg.validate()
+    found = {}
+    for seed in cfg.seeds:
+        archive_seed(cfg, seed, results_dir)
+        if (result := read_seed(cfg, seed, results_dir)) is not None:
+            found[seed] = result
+    missing = [s for s in cfg.seeds if s not in found]
+    where = f"no finished run folder under {Path(cfg.out) / cfg.name}, no record under " \
+            f"{Path(results_dir) / RECORDS / cfg.name}"
+    if not found:
+        raise ValueError(f"experiment {cfg.name}: no seed is finished ({where}): nothing to summarise")
+    if missing and not partial:
+        raise ValueError(f"experiment {cfg.name}: seeds {missing} are not finished ({where}); the results file "
+                         "needs every seed (--summary-only writes a partial one)")
     scaling_file = Path(results_dir) / SCALING_RESULTS
     scaling = json.loads(scaling_file.read_text()) if scaling_file.is_file() else None
-    summary = summarise(cfg.name, {s: read_metrics(cfg.run_dir(s)) for s in cfg.seeds}, cfg.run_config(cfg.seeds[0]),
-                        {s: seed_provenance(cfg.run_dir(s)) for s in cfg.seeds}, metric=cfg.metric, scaling=scaling)
+    summary = summarise(cfg.name, {s: r.metrics for s, r in found.items()}, cfg.run_config(cfg.seeds[0]),
+                        {s: r.provenance for s, r in found.items()}, metric=cfg.metric, scaling=scaling,
+                        seeds_missing=missing)
     Path(results_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_json(Path(results_dir) / f"{cfg.name}.json", summary, sort_keys=False)
     plot_experiment(summary, Path(plots_dir))
     return summary
 
 
-def run_jobs(cfg: ExperimentConfig, config_path: str | Path, workers: int) -> None:
+@dataclasses.dataclass(frozen=True)
+class SeedResult:
+    """One finished seed as the summary reads it, from its run folder or from its record."""
+
+    #: ``{arm: metrics rows}``
+    metrics: dict[str, list[dict]]
+    #: :func:`seed_provenance`
+    provenance: dict[str, Any]
+
+
+def read_seed(cfg: ExperimentConfig, seed: int, results_dir: str | Path = "docs/results") -> SeedResult | None:
+    """The one reader of a seed's results: its run folder when that holds the finished seed, else its
+    record under the results tree (:mod:`tracefp4.rl.seedrecord`, verified), else None (not finished).
+    Either source must be this seed of this experiment: its saved run config must agree with the
+    experiment's, as a resume's must (:func:`~tracefp4.rl.runfolder.config_differences`), with every
+    arm at the experiment's steps; a ValueError naming the file otherwise."""
+    run_dir, run_cfg = cfg.run_dir(seed), cfg.run_config(seed)
+    if _seed_done(run_dir, run_cfg):
+        config_file, env_file = run_dir / CONFIG_NAME, run_dir / ENVIRONMENT_NAME
+        _check_same_seed(_json_file(config_file), run_cfg, config_file)
+        env = _json_file(env_file) if env_file.is_file() else None
+        return SeedResult(read_metrics(run_dir), seed_provenance(env, warm_start_info(run_dir), from_record=False))
+    path = record_dir(results_dir, cfg.name, seed)
+    if not path.exists():
+        return None
+    rec = read_seed_record(path, experiment=cfg.name, seed=seed)
+    manifest = path / MANIFEST_NAME
+    if rec.steps != run_cfg.steps:
+        raise ValueError(f"{manifest}: the record of {rec.steps} steps per arm, the experiment asks {run_cfg.steps} "
+                         "(a record cannot be extended: restore the seed's run folder, or delete the record to run "
+                         "the seed again)")
+    lacking = [a for a in run_cfg.arms if a not in rec.metrics]
+    if lacking:
+        raise ValueError(f"{manifest}: the record has no arm {lacking} (its arms: {sorted(rec.metrics)}); a new arm "
+                         "must start from the seed's own warm start "
+                         f"({rec.warm_start.get('weights_sha256')}): restore the seed's run folder, or delete the "
+                         "record to run the seed again")
+    _check_same_seed(rec.config, run_cfg, path / CONFIG_NAME)
+    return SeedResult(rec.metrics, seed_provenance(rec.environment, rec.warm_start, from_record=True))
+
+
+def archive_seed(cfg: ExperimentConfig, seed: int, results_dir: str | Path = "docs/results") -> Path | None:
+    """Record the seed under the results tree (:mod:`tracefp4.rl.seedrecord`) if its run folder holds
+    it finished (every arm at the experiment's steps); the record's path, or None when unfinished. An
+    identical record is left as it is."""
+    run_dir, run_cfg = cfg.run_dir(seed), cfg.run_config(seed)
+    if not _seed_done(run_dir, run_cfg):
+        return None
+    dest = record_dir(results_dir, cfg.name, seed)
+    if write_seed_record(run_dir, dest, experiment=cfg.name, seed=seed, arms=list(run_cfg.arms),
+                         steps=run_cfg.steps):
+        print(f"experiment {cfg.name}: seed {seed} recorded in {dest} (commit it: run folders do not survive a "
+              "move to a new machine)", file=sys.stderr, flush=True)
+    return dest
+
+
+def _recorded(cfg: ExperimentConfig, seed: int, results_dir: str | Path) -> bool:
+    """Whether the seed is to be read from its record, not run: no run folder, a record (verified here,
+    so a torn or foreign one stops the experiment before anything runs)."""
+    if cfg.run_dir(seed).exists() or not record_dir(results_dir, cfg.name, seed).exists():
+        return False
+    return read_seed(cfg, seed, results_dir) is not None
+
+
+def _seed_done(run_dir: Path, run_cfg: RLConfig) -> bool:
+    """Every arm of the run folder at the run's steps: its final checkpoint published (with 0 steps,
+    its step-0 evaluation logged, the whole of such an arm)."""
+    from tracefp4.rl.checkpoint import list_checkpoints
+    from tracefp4.rl.loop import warm_start_dir
+
+    if not (run_dir / CONFIG_NAME).is_file():
+        return False
+    if run_cfg.steps == 0:
+        metrics = read_metrics(run_dir)
+        return all(rows_of_kind(metrics.get(a, []), "eval") for a in run_cfg.arms)
+    checkpoints = warm_start_dir(run_dir).parent  # the arms' checkpoints/<arm> beside the warm start's
+    return all((ck := list_checkpoints(checkpoints / a)) and ck[-1][0] >= run_cfg.steps for a in run_cfg.arms)
+
+
+def _json_file(file: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{file}: malformed JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    return value
+
+
+def _check_same_seed(saved: Mapping[str, Any], run_cfg: RLConfig, where: Path) -> None:
+    diffs = [d for d in config_differences(saved, dataclasses.asdict(run_cfg)) if not d.startswith("steps:")]
+    if saved.get("steps") != run_cfg.steps:  # a finished seed of fewer steps is another seed's result
+        diffs.append(f"steps: {saved.get('steps')} -> {run_cfg.steps}")
+    if diffs:
+        raise ValueError(f"{where}: this seed was run with another configuration than the experiment's: "
+                         + "; ".join(diffs))
+
+
+def run_jobs(cfg: ExperimentConfig, config_path: str | Path, workers: int, *,
+             results_dir: str | Path = "docs/results") -> None:
     """Every job of the experiment over ``workers`` processes at once: first each seed's warm start
     (skipped where it is saved), then each (seed, arm) as soon as its seed's warm start is saved, in
     seed order. A worker is ``python -m tracefp4 experiment --config <config_path> --job <seed>:<job>``
     (its own process, its own thread count from the run config; nothing but the command line crosses
     over). Every job computes what the sequential run computes for it (an arm's steps depend on the
     warm start and the step number alone), so ``--workers`` changes the wall time, not a number.
+    A seed read from its record (:func:`run_experiment`) has no jobs; a seed is recorded as soon as its
+    last arm's job ends (:func:`archive_seed`), while other seeds' jobs still run.
     A failed job stops new ones from starting; the running ones finish, then this raises, naming it."""
     import subprocess
 
@@ -257,13 +419,14 @@ def run_jobs(cfg: ExperimentConfig, config_path: str | Path, workers: int) -> No
     from tracefp4.rl.loop import WARM_START_JOB, open_run_folder, warm_start_dir
 
     arms = {}
-    for seed in cfg.seeds:  # the folders are made here, once, before any worker opens them
+    seeds = [s for s in cfg.seeds if not _recorded(cfg, s, results_dir)]
+    for seed in seeds:  # the folders are made here, once, before any worker opens them
         run_cfg = cfg.run_config(seed)
         if run_cfg.resume is None:
             open_run_folder(run_cfg)
         arms[seed] = list(run_cfg.arms)
-    warm_done = {s: latest_checkpoint(warm_start_dir(cfg.run_dir(s))) is not None for s in cfg.seeds}
-    todo = [(s, WARM_START_JOB) for s in cfg.seeds if not warm_done[s]] + [(s, a) for s in cfg.seeds for a in arms[s]]
+    warm_done = {s: latest_checkpoint(warm_start_dir(cfg.run_dir(s))) is not None for s in seeds}
+    todo = [(s, WARM_START_JOB) for s in seeds if not warm_done[s]] + [(s, a) for s in seeds for a in arms[s]]
     total, running, failed = len(todo), {}, []
     started = 0
     while todo or running:
@@ -273,6 +436,8 @@ def run_jobs(cfg: ExperimentConfig, config_path: str | Path, workers: int) -> No
                 failed.append((job, rc))
             elif job[1] == WARM_START_JOB:
                 warm_done[job[0]] = True
+            elif not any(j[0] == job[0] for j in [*todo, *running]):
+                archive_seed(cfg, job[0], results_dir)  # its last arm: the seed is whole
         ready = [j for j in todo if j[1] == WARM_START_JOB or warm_done[j[0]]]
         while ready and len(running) < workers and not failed:
             job = ready.pop(0)
@@ -281,7 +446,8 @@ def run_jobs(cfg: ExperimentConfig, config_path: str | Path, workers: int) -> No
             print(f"experiment {cfg.name}: seed {job[0]} {job[1]} ({started}/{total}, {len(running) + 1} running)",
                   file=sys.stderr, flush=True)
             running[job] = subprocess.Popen([sys.executable, "-m", "tracefp4", "experiment", "--config",
-                                             str(config_path), "--job", f"{job[0]}:{job[1]}"])
+                                             str(config_path), "--job", f"{job[0]}:{job[1]}",
+                                             "--results", str(results_dir)])
         if failed and not running:
             break
         if running:
@@ -292,14 +458,19 @@ def run_jobs(cfg: ExperimentConfig, config_path: str | Path, workers: int) -> No
                            f"above); {len(todo)} jobs not started; rerun to resume")
 
 
-def run_job(cfg: ExperimentConfig, spec: str) -> None:
-    """The worker side of :func:`run_jobs`: ``spec`` is ``<seed>:<job>`` (``warm_start`` or an arm)."""
+def run_job(cfg: ExperimentConfig, spec: str, results_dir: str | Path = "docs/results") -> None:
+    """The worker side of :func:`run_jobs`: ``spec`` is ``<seed>:<job>`` (``warm_start`` or an arm).
+    A seed read from its record (no run folder) has no jobs: refused."""
     from tracefp4.rl.loop import run_job as run_one
 
     cfg.validate()
     seed_text, sep, job = spec.partition(":")
     if not sep or not seed_text.isdigit() or int(seed_text) not in cfg.seeds or not job:
         raise ValueError(f"--job {spec!r}: expected <seed>:<warm_start or arm> with a seed of {cfg.seeds}")
+    if _recorded(cfg, int(seed_text), results_dir):
+        raise ValueError(f"--job {spec!r}: seed {seed_text} is finished and recorded in "
+                         f"{record_dir(results_dir, cfg.name, int(seed_text))}; nothing to run (delete the record "
+                         "to run the seed again)")
     run_one(cfg.run_config(int(seed_text)), job)
 
 
@@ -371,30 +542,20 @@ def _band(series: Sequence[Mapping[int, float]]) -> dict[str, list[float]]:
     return out
 
 
-def seed_provenance(run_dir: Path) -> dict[str, Any]:
-    """What a seed's run folder says determined its numbers: the environment it was created in, what
-    differed in the environments it was resumed in (if anything), and the digest and source of its
-    warm-start weights."""
-    from tracefp4.provenance import weights_digest
-    from tracefp4.rl.checkpoint import latest_checkpoint
-    from tracefp4.rl.loop import warm_start_dir
-
-    env_file = run_dir / "environment.json"
-    env = json.loads(env_file.read_text()) if env_file.is_file() else {"created": None, "resumes": []}
-    warm: dict[str, Any] = {"weights_sha256": None, "source": None}
-    ck = latest_checkpoint(warm_start_dir(run_dir))
-    if ck is not None:
-        warm = {"weights_sha256": ck.state.get("weights_sha256"), "source": ck.state.get("source", "built"),
-                "warm_start_steps": ck.state.get("warm_start_steps")}
-        if warm["weights_sha256"] is None:  # a run folder from before the digest was recorded
-            from safetensors.torch import load_file
-
-            warm["weights_sha256"] = weights_digest(load_file(str(ck.model_path / "model.safetensors")))
+def seed_provenance(environment: Mapping[str, Any] | None, warm_start: Mapping[str, Any], *,
+                    from_record: bool) -> dict[str, Any]:
+    """What determined a seed's numbers, from its ``environment.json`` (``{"created", "resumes"}``;
+    None when absent) and its :func:`~tracefp4.rl.seedrecord.warm_start_info`: the environment it was
+    created in, what differed in the environments it was resumed in (if anything), the digest and
+    source of its warm-start weights, and whether it was read from its record (``from_record``) or
+    from its run folder."""
     from tracefp4.provenance import environment_differences
 
+    env = environment or {"created": None, "resumes": []}
     created = env["created"]
     elsewhere = sorted({"; ".join(d) for r in env["resumes"] if created and (d := environment_differences(created, r))})
-    return {"environment": created, "resumed_elsewhere": elsewhere, "warm_start": warm}
+    return {"environment": created, "resumed_elsewhere": elsewhere, "warm_start": dict(warm_start),
+            "from_record": from_record}
 
 
 def _provenance_summary(provenance: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
@@ -410,17 +571,19 @@ def _provenance_summary(provenance: Mapping[int, Mapping[str, Any]]) -> dict[str
 
 def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]], run_cfg: RLConfig,
               provenance: Mapping[int, Mapping[str, Any]] | None = None, metric: str = "eval_accuracy",
-              scaling: Mapping[str, Any] | None = None) -> dict[str, Any]:
+              scaling: Mapping[str, Any] | None = None, seeds_missing: Sequence[int] = ()) -> dict[str, Any]:
     """The results file's content from each seed's metrics (``{seed: {arm: rows}}``) and, when given,
     each seed's :func:`seed_provenance`. Every figure of :data:`HELD_OUT` is reported; ``metric`` is the
     headline one: ``collapse`` is computed on it (``collapse_by`` has each) and the table shows it.
     ``scaling`` (a ``tracefp4 scaling`` report, docs/results/scaling.json) puts beside each arm's
     per-sequence mismatch the scaling fit's prediction at the run's depth, width and mean completion
-    length (:func:`sequence_gap_prediction`)."""
+    length (:func:`sequence_gap_prediction`). ``seeds_missing``: the experiment's seeds not finished
+    yet; when there are any the summary says first that it is partial (``partial: true`` and the seeds)."""
     seeds = sorted(metrics)
     arms = [a for a in run_cfg.arms if all(a in metrics[s] for s in seeds)]
     out: dict[str, Any] = {
         "name": name,
+        **({"partial": True, "seeds_missing": sorted(seeds_missing)} if seeds_missing else {}),
         "task": run_cfg.task,
         "model": dataclasses.asdict(run_cfg.model) if not run_cfg.checkpoint else {"checkpoint": run_cfg.checkpoint},
         "steps": run_cfg.steps,
@@ -600,7 +763,9 @@ def plot_experiment(summary: Mapping[str, Any], plots_dir: Path) -> list[Path]:
             # a t-interval of a positive quantity can reach below 0: on the log axis it is drawn from mean/10
             lo = [max(lo, m / 10) for lo, m in zip(c["lo"], c["mean"])] if logy else c["lo"]
             ax.fill_between(c["step"], lo, c["hi"], alpha=0.12, color=style.get("color"))
-        ax.set_title(f"{summary['name']}: {title}\nmean over seeds, 95% band", fontsize=10)
+        partial = f" (partial: seeds {', '.join(map(str, summary['seeds_missing']))} missing)" \
+            if summary.get("partial") else ""
+        ax.set_title(f"{summary['name']}: {title}\nmean over seeds, 95% band{partial}", fontsize=10)
         ax.set_xlabel("GRPO step")
         if logy:
             ax.set_yscale("log")
@@ -630,6 +795,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     metric = summary.get("metric", "eval_accuracy")
     headline = {"eval_accuracy": "final acc", "eval_reward": "final reward"}[metric]
     lines = [
+        *([f"PARTIAL: seeds {', '.join(map(str, summary['seeds_missing']))} not finished; the figures below are "
+           "of the finished seeds only"] if summary.get("partial") else []),
         f"{summary['name']}: task {summary['task']}, {summary['steps']} steps, engine {summary['engine']}",
         f"{'arm':<14}{'seeds':>6}{headline:>13}{'95% CI':>18}{'mean|dlogp|':>13}{'max|dlogp|':>12}"
         f"{'code mism.':>12}{'B/token':>9}{'minus bf16, paired':>26}{'collapsed':>11}",

@@ -15,6 +15,24 @@ TINY = dict(
     model=ModelSpec(hidden=32, layers=2, experts=4, top_k=2, moe_intermediate=32, heads=2, kv_heads=1),
 )
 
+#: The ``[run]`` table of the tiny experiment files the experiment and seed-record tests write.
+EXPERIMENT_RUN = """
+[run]
+arms = ["bf16", "trace"]
+steps = 1
+prompts_per_step = 2
+group_size = 2
+max_new_tokens = 3
+warm_start_steps = 1
+warm_start_batch = 4
+eval_every = 1
+eval_size = 4
+threads = 1
+[run.model]
+hidden = 32
+layers = 2
+moe_intermediate = 16
+"""
 
 
 def setup_arm(tmp_path, arm: str, guidance: str = "lsb") -> ArmSetup:

@@ -11,24 +11,8 @@ from tracefp4.cli import main
 from tracefp4.rl.experiment import ExperimentConfig, collapse_step, run_experiment, run_job
 from tracefp4.stats import format_mean_ci, mean_ci95, paired_differences, t_quantile_975
 from tracefp4.pipeline.metrics import Name
+from rl_tiny import EXPERIMENT_RUN as RUN
 
-RUN = """
-[run]
-arms = ["bf16", "trace"]
-steps = 1
-prompts_per_step = 2
-group_size = 2
-max_new_tokens = 3
-warm_start_steps = 1
-warm_start_batch = 4
-eval_every = 1
-eval_size = 4
-threads = 1
-[run.model]
-hidden = 32
-layers = 2
-moe_intermediate = 16
-"""
 
 
 def test_mean_ci95_golden():

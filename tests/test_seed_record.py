@@ -16,6 +16,7 @@ from tracefp4.cli import main
 from tracefp4.rl.experiment import ExperimentConfig, archive_seed, read_seed, write_results
 from tracefp4.rl.runfolder import record_environment
 from tracefp4.rl.seedrecord import MANIFEST_NAME, SeedRecordError, read_seed_record, record_dir
+from rl_tiny import EXPERIMENT_RUN as RUN
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 
@@ -184,23 +185,6 @@ def test_a_record_write_killed_at_any_moment_is_never_read_as_complete(tmp_path,
         (run_dir / "environment.json").read_text())
 
 
-RUN = """
-[run]
-arms = ["bf16", "trace"]
-steps = 1
-prompts_per_step = 2
-group_size = 2
-max_new_tokens = 3
-warm_start_steps = 1
-warm_start_batch = 4
-eval_every = 1
-eval_size = 4
-threads = 1
-[run.model]
-hidden = 32
-layers = 2
-moe_intermediate = 16
-"""
 
 
 @pytest.mark.slow

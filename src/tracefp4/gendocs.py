@@ -513,6 +513,17 @@ STALENESS_RESULTS = ("docs/results/staleness-lag0.json", "docs/results/staleness
                      "docs/results/staleness-lag3.json", "docs/results/staleness-lag3-mod4.json")
 
 
+def _lag_sentence(path: str, data: Mapping[str, Any]) -> str:
+    """One fixed-lag experiment in a clause: its lag, seeds finished, each arm's final held-out metric."""
+    m, lag = data["metric"], data["max_staleness"]
+    n = {len(a.get("per_seed", {})) or a.get("seeds", 0) for a in data["arms"].values()}
+    seeds = f"{max(n)} seed{'s' * (max(n) != 1)}" + (f", partial: seeds {data['seeds_missing']} not finished"
+                                                      if data.get("partial") else "")
+    arms = ", ".join(f"{k} {format_mean_ci(a[f'final_{m}'], '.3f')}" for k, a in data["arms"].items()
+                     if f"final_{m}" in a)
+    return f"[{Path(path).stem}]({path.replace('.json', '.md')}) (lag {lag}, {data['steps']} steps, {seeds}): {arms}"
+
+
 def staleness_block(readme: str) -> str:
     """The README's "TRACE under staleness" figures (between the STALENESS markers): the lag-k replay at
     the experiment's learning rate, one row per arm, one cell per lag (bracket-miss rate at the guided
@@ -553,10 +564,8 @@ def staleness_block(readme: str) -> str:
               "[experiments guide](docs/guides/experiments.md))."]
     present = [p for p in STALENESS_RESULTS if (ROOT / p).is_file()]
     if present:
-        from tracefp4.rl.experiment import format_summary
-
-        lines += ["", "GRPO at fixed lag (count3-8l, 300 steps; seeds paired by warm start):", "", "```text"]
-        lines += [format_summary(json.loads((ROOT / p).read_text())).rstrip() for p in present] + ["```"]
+        lines += ["GRPO at a fixed lag (count3-8l; final held-out reward, mean [95% interval] over seeds): "
+                  + "; ".join(_lag_sentence(p, json.loads((ROOT / p).read_text())) for p in present) + "."]
     return replace_block(readme, "STALENESS", ", ".join([STALENESS_REPLAY, *present]), lines)
 
 

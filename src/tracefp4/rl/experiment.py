@@ -591,6 +591,10 @@ def summarise(name: str, metrics: Mapping[int, Mapping[str, Sequence[Mapping]]],
         "guidance": run_cfg.guidance,
         "is_mode": run_cfg.is_mode,
         "is_cap": run_cfg.is_cap,
+        # the asynchronous loop's settings (0: the synchronous loop; tracefp4.rl.staleness)
+        "max_staleness": run_cfg.max_staleness,
+        "staleness_schedule": str(getattr(run_cfg.staleness_schedule, "value", run_cfg.staleness_schedule)),
+        "guidance_max_lag": run_cfg.guidance_lag_bound,
         "metric": metric,
         "arms": {},
     }

@@ -83,7 +83,8 @@ GROWABLE_KEYS = frozenset({"steps"})
 #: their own arms), so an older folder resumes under a newer version.
 LATER_KEYS_DEFAULTS = {"trainer_world_size": 1, "sc_top_k": 128, "sc_is_cap": 2.0, "quads_fraction": 0.5,
                        "is_mode": "token-truncate", "model.max_positions": 128, "max_staleness": 0,
-                       "staleness_schedule": "fixed", "guidance_max_lag": None}
+                       "staleness_schedule": "fixed", "guidance_max_lag": None, "model.dense": False,
+                       "warm_start_prefixes": 0, "warm_start_prefix_tokens": 64}
 _MISSING = object()
 
 

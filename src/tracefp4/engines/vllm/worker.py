@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from tracefp4.engines.capture import RolloutCapture  # noqa: E402
 from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
 from tracefp4.engines.rollout import ForwardStep, assemble_records, row_versions  # noqa: E402
-from tracefp4.engines.sink import StoreTarget, pack_records, write_records  # noqa: E402
+from tracefp4.engines.sink import UNKNOWN_VERSION, StoreTarget, pack_records, write_records  # noqa: E402
 from tracefp4.engines.vllm.runtime import RUNTIME, StepRecord, install_step_recorder  # noqa: E402
 from tracefp4.guidance.compact import GuidedMode  # noqa: E402
 
@@ -98,6 +98,9 @@ class TraceWorkerExtension:
             raise NotImplementedError("tracefp4: the model has no attention layer with a vLLM backend impl")
         for cls in {type(m.impl) for m in attn}:
             install_kv_wrapper(cls)
+        # a new engine holds the checkpoint's weights, of unknown version: an engine built earlier in
+        # this process (the runtime is per process) must not lend it the version of its last load
+        RUNTIME.version = UNKNOWN_VERSION
         return install_step_recorder(self)
 
     def tracefp4_begin(self, plan: dict | None, guidance: str | None, diagnostics: list[int], n_layers: int) -> None:

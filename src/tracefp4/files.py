@@ -1,12 +1,29 @@
-"""Durable file writes: a reader sees either no file or the whole file, never a partial one."""
+"""Durable file writes: a reader sees either no file or the whole file, never a partial one; and the
+one guarded read of a file a run wrote (a regular file, links not followed)."""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import uuid
 from pathlib import Path
 from typing import Any
+
+
+def read_regular(path: str | os.PathLike[str], error: type[Exception], *, missing: str = "missing") -> bytes:
+    """The bytes of ``path``, a regular file (links are not followed); ``error`` naming the path when it
+    is absent (``missing`` says what that means to the caller) or not a regular file. The type is
+    checked before the open, so a FIFO or device cannot block the read."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise error(f"{path}: {missing}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{path}: not a regular file (links are not followed)")
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

@@ -58,7 +58,7 @@ import safetensors.torch
 import torch
 
 from tracefp4.faults import crash_point
-from tracefp4.files import fsync_dir
+from tracefp4.files import fsync_dir, read_regular
 
 __all__ = [
     "CHECKSUMS_NAME",
@@ -295,10 +295,7 @@ def _lstat_regular(path: Path) -> os.stat_result:
 
 
 def _read_bytes(path: Path) -> bytes:
-    _lstat_regular(path)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        return f.read()
+    return read_regular(path, CheckpointError)
 
 
 def _load_json(path: Path, data: bytes) -> Any:

@@ -43,13 +43,12 @@ import json
 import os
 import secrets
 import shutil
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tracefp4.faults import crash_point
-from tracefp4.files import atomic_write_json, fsync_dir
+from tracefp4.files import atomic_write_json, fsync_dir, read_regular
 from tracefp4.rl.runfolder import CONFIG_NAME, ENVIRONMENT_NAME
 from tracefp4.rl.runlog import parse_metrics_lines
 
@@ -269,13 +268,7 @@ def read_seed_record(path: str | os.PathLike[str], *, experiment: str, seed: int
 def _verified(file: Path, entry: Any, manifest_file: Path) -> bytes:
     if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)):
         raise SeedRecordError(f"{manifest_file}: the entry of {file.name} is not {{'size': int, 'sha256': str}}")
-    try:
-        st = os.lstat(file)
-    except FileNotFoundError:
-        raise SeedRecordError(f"{file}: missing (listed in {manifest_file.name}); the record is torn") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise SeedRecordError(f"{file}: not a regular file (links are not followed)")
-    data = file.read_bytes()
+    data = read_regular(file, SeedRecordError, missing=f"missing (listed in {manifest_file.name}); the record is torn")
     if len(data) != entry["size"]:
         raise SeedRecordError(f"{file}: {len(data)} bytes, {manifest_file.name} lists {entry['size']}; the record "
                               "is torn or was edited")

@@ -38,7 +38,6 @@ import json
 import os
 import secrets
 import shutil
-import stat
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -50,7 +49,8 @@ import torch
 from tracefp4.engines.protocol import RolloutOutput
 from tracefp4.engines.trainer import TrainerMode
 from tracefp4.faults import crash_point
-from tracefp4.files import fsync_dir
+from tracefp4.files import fsync_dir, read_regular
+from tracefp4.guidance.store import step_dir
 from tracefp4.pipeline.arms import Arm
 from tracefp4.pipeline.metrics import Name
 from tracefp4.rl.collect import ArmSetup, Batch, Records, read_records, roll_out, score
@@ -128,18 +128,15 @@ def decode_pending(data: bytes, arm: Arm, where: str) -> Pending:
 
 
 def _step_name(step: int) -> str:
-    return f"step-{step:08d}"
+    return step_dir("", step).name  # the store's own step folder name
 
 
 def store_step_files(root: Path, step: int) -> dict[str, bytes]:
     """The bytes of every file of a sealed store step (its shards, manifests and seal)."""
-    sdir = root / _step_name(step)
+    sdir = step_dir(root, step)
     out = {}
     for p in sorted(sdir.iterdir()):
-        st = os.lstat(p)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{p}: not a regular file in a sealed store step")
-        out[p.name] = p.read_bytes()
+        out[p.name] = read_regular(p, ValueError)
     return out
 
 

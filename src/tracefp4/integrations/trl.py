@@ -185,6 +185,14 @@ def store_folder(args: TraceOptions, rank: int) -> Path:
     return folder
 
 
+def generation_guidance_bytes(root: Path, step: int, signature: str, version: int, roll) -> float:
+    """Guidance bytes per generated token of the sealed store step ``step`` that the rollout ``roll``
+    (a :class:`~tracefp4.engines.protocol.RolloutOutput`) wrote at policy ``version``."""
+    with StoreReader(root, step, model_signature=signature, policy_version=version) as r:
+        generated = sum(int(t.numel()) - p for t, p in zip(roll.token_ids, roll.prompt_lens))
+        return bytes_per_token(r, max(generated, 1))["guidance"]
+
+
 def unsupported(args: GRPOConfig, **trainer_kwargs: Any) -> str | None:
     """The first option TRACE's TRL integration cannot honour, as a one-line message; None if all is fine."""
     checks = unsupported_common(args) + [
@@ -386,9 +394,8 @@ class TraceGRPOTrainer(GRPOTrainer):
         self._trace_generations[step] = gen
         self._trace_where.update({tid: (step, b) for b, tid in enumerate(ids)})
         self._trace_rows = ids
-        with StoreReader(self._trace_root, step, model_signature=self._trace_signature, policy_version=version) as r:
-            generated = sum(int(t.numel()) - p for t, p in zip(roll.token_ids, roll.prompt_lens))
-            self._trace_stats["guidance_bytes"] = [bytes_per_token(r, max(generated, 1))["guidance"]]
+        self._trace_stats["guidance_bytes"] = [generation_guidance_bytes(self._trace_root, step,
+                                                                         self._trace_signature, version, roll)]
         return roll
 
     def _trace_retire(self, mode: str) -> None:

@@ -76,10 +76,11 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 from tracefp4.engines.model import load_model, model_layers, model_state
 from tracefp4.engines.protocol import StoreTarget
 from tracefp4.engines.trainer import code_mismatch
-from tracefp4.guidance.store import StoreReader, bytes_per_token, discard_step, step_dir
+from tracefp4.guidance.store import StoreReader, discard_step, discard_steps
 from tracefp4.integrations.trl import (
     ROW_KEY,
     TraceOptions,
+    generation_guidance_bytes,
     generation_sampling,
     prepared_policy,
     store_folder,
@@ -456,10 +457,7 @@ class RolloutServer:
     # the thread
     def _clear_store(self) -> None:
         # The samples of another run (or of this one, once stopped) live in memory only: their steps are never read.
-        root = self._setup["root"]
-        prefix = step_dir(root, 0).name.split("-")[0]  # the store's step folders: "<prefix>-<step>"
-        for folder in sorted(root.glob(f"{prefix}-*")):
-            discard_step(root, int(folder.name.rsplit("-", 1)[1]))
+        discard_steps(self._setup["root"])
 
     def _rows(self) -> Iterator[tuple[int, dict[str, Any]]]:
         group = 0
@@ -513,9 +511,8 @@ class RolloutServer:
         trajectories = [Trajectory(tid, group, version, roll.token_ids[b], int(roll.prompt_lens[b]), roll.logprobs[b],
                                    float(advantages[b]), diagnostics[b]) for b, tid in enumerate(ids)]
         keys = self.book.add(trajectories)
-        with StoreReader(s["root"], group, model_signature=s["signature"], policy_version=version) as r:
-            generated = sum(int(t.numel()) - p for t, p in zip(roll.token_ids, roll.prompt_lens))
-            self.metrics_queue.put({trl_name(Name.GUIDANCE_BYTES): bytes_per_token(r, max(generated, 1))["guidance"]})
+        self.metrics_queue.put({trl_name(Name.GUIDANCE_BYTES): generation_guidance_bytes(s["root"], group, s["signature"],
+                                                                                         version, roll)})
         total = rewards.sum(0)
         names = [getattr(f, "__name__", type(f).__name__) for f in self._reward_funcs]
         samples = []

@@ -47,7 +47,7 @@ from transformers import PreTrainedModel
 from tracefp4.engines.model import from_config, load_model, model_layers
 from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.faults import crash_point
-from tracefp4.guidance.store import discard_step
+from tracefp4.guidance.store import discard_step, discard_steps
 from tracefp4.pipeline import steps
 from tracefp4.pipeline.arms import Arm, make_arm
 from tracefp4.pipeline.factory import EngineKind
@@ -174,8 +174,7 @@ class ArmRunner:
         """Store steps a killed attempt left behind (sealed, half-written, or with a stale writer lock);
         then, max_staleness > 0, the pending batches of the loaded checkpoint written back."""
         root = self.setup.store_root
-        for p in sorted(root.glob("step-*")) if root.is_dir() else ():
-            discard_step(root, int(p.name.split("-")[1]))
+        discard_steps(root)
         if self._restore is not None:
             self.schedule.restore(*self._restore)
             self._restore = None

@@ -151,7 +151,7 @@ from tracefp4.guidance.store.common import (
 )
 from tracefp4.guidance.store.manifest import TensorMeta, TrajectoryMeta, ShardMeta, Manifest
 from tracefp4.guidance.store.writer import StoreWriter
-from tracefp4.guidance.store.seal import seal_step, discard_step
+from tracefp4.guidance.store.seal import seal_step, discard_step, discard_steps
 from tracefp4.guidance.store.reader import StoreReader
 from tracefp4.guidance.store.accounting import bytes_per_token, step_bytes
 
@@ -173,6 +173,7 @@ __all__ = [
     "StoreWriter",
     "seal_step",
     "discard_step",
+    "discard_steps",
     "StoreReader",
     "bytes_per_token",
     "step_bytes",

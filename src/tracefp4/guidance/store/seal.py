@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import stat
 from collections.abc import Sequence
@@ -195,6 +196,15 @@ def _publish_seal(dfd: int, path: Path, complete: dict, step: int, writers: Sequ
                 f"sealed writers: {sorted(existing.get('writers', {}))}, "
                 f"requested: {list(writers)}"
             ) from None
+
+
+def discard_steps(root: str | os.PathLike[str]) -> int:
+    """:func:`discard_step` every step folder under ``root`` (none if it does not exist); how many were there.
+    For a run that starts over or resumes: steps it wrote but never consumed."""
+    pattern = re.compile(re.escape(step_dir("", 0).name[:-8]) + r"(\d{8})$")
+    steps = sorted(int(m.group(1)) for p in (Path(root).iterdir() if Path(root).is_dir() else ())
+                   if (m := pattern.match(p.name)))
+    return sum(discard_step(root, s) for s in steps)
 
 
 def discard_step(root: str | os.PathLike[str], step: int) -> bool:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from tracefp4.formats.constants import NVFP4_BLOCK, Format, HintMode, ScaleMode
 from tracefp4.formats import rac_channel_count
@@ -24,9 +25,20 @@ from tracefp4.guidance.compact.modes import GuidedMode
 from tracefp4.guidance.compact.spec import GuidanceSpec, mode_name, unsupported_knob
 from tracefp4.guidance.names import Site
 
-__all__ = ["ActivationFormat", "BF16_SITE", "PLAN_NAMES", "PrecisionPlan", "check_supported"]
+__all__ = ["ActivationFormat", "BF16_SITE", "PLAN_NAMES", "PrecisionPlan", "check_supported", "routed_expert_count"]
 
 ActivationFormat = Literal["nvfp4", "mxfp4", "fp8", "bf16"]
+
+#: The config keys that give a MoE model's routed experts per layer, by family (Qwen/OLMoE, Mixtral,
+#: DeepSeek-style).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def routed_expert_count(config: Mapping[str, Any] | object) -> int:
+    """A model config's routed experts per MoE layer (a transformers config or its dict), 0 for a dense
+    model: where the plan's weights and activations apply to the experts, or to the dense MLP."""
+    get = config.get if isinstance(config, Mapping) else (lambda k: getattr(config, k, None))
+    return max(int(get(k) or 0) for k in EXPERT_COUNT_KEYS)
 NVFP4Scale = Literal["6", "4over6"]
 #: A site left in BF16 by a plan (``activations``/``kv_cache`` = ``"bf16"``: the W4A16 trainer of QUADS).
 BF16_SITE = "bf16"

@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tracefp4.engines.plan import routed_expert_count
 from tracefp4.guidance.compact import STANDARD_MODES, GuidanceSpec, GuidedMode, site_bytes_per_token
 from tracefp4.formats.constants import NVFP4_BLOCK
 from tracefp4.guidance.names import Site
@@ -132,7 +133,7 @@ class ModelDims:
         layers = need("num_hidden_layers")
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
-        experts = next((int(cfg[k]) for k in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(k)), 0)
+        experts = routed_expert_count(cfg)
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         if experts > 0:

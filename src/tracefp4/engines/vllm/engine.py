@@ -48,7 +48,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from tracefp4.engines.capture import RolloutCapture
-from tracefp4.engines.plan import PrecisionPlan, check_supported
+from tracefp4.engines.plan import PrecisionPlan, check_supported, routed_expert_count
 from tracefp4.engines.protocol import RolloutOutput, SamplingParams, check_prompts, check_top_logprobs
 from tracefp4.engines.contract import quantizer_contract
 from tracefp4.engines.sink import UNKNOWN_VERSION, StoreTarget, unpack_rollout
@@ -191,7 +191,7 @@ class VLLMEngine(_ClosedOnExit):
         self.llm.collective_rpc("tracefp4_install")
         cfg = self.llm.llm_engine.model_config.hf_config
         self.n_layers = int(cfg.num_hidden_layers)
-        self.n_experts = int(getattr(cfg, "num_experts", 0) or 0)  # 0: a dense model, no routing
+        self.n_experts = routed_expert_count(cfg)  # 0: a dense model, no routing
         self.vocab = int(cfg.vocab_size)
 
     # --- RolloutEngine --------------------------------------------------------------------------
@@ -408,10 +408,10 @@ class PlainVLLMEngine(VLLMEngine):
         self.plan = None
         self.keep_bf16 = True
         self.max_model_len = max_model_len
-        self.version = 0
+        self.version = UNKNOWN_VERSION  # as VLLMEngine's: weights from a checkpoint, until load_weights
         cfg = self.llm.llm_engine.model_config.hf_config
         self.n_layers, self.vocab = int(cfg.num_hidden_layers), int(cfg.vocab_size)
-        self.n_experts = int(getattr(cfg, "num_experts", 0) or 0)  # 0: a dense model, no routing
+        self.n_experts = routed_expert_count(cfg)  # 0: a dense model, no routing
 
     def generate(self, prompts, sampling: SamplingParams, *, plan: PrecisionPlan | None = None,
                  guidance: GuidedMode | None = None, diagnostics: frozenset[int] = frozenset(),

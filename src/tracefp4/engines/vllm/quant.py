@@ -58,7 +58,7 @@ from vllm.model_executor.utils import set_weight_attrs  # noqa: E402
 
 from tracefp4.engines.experts import ExpertGEMM, PreparedWeight, choose_gemm, dense_gemm, routed_experts  # noqa: E402
 from tracefp4.engines.experts.base import SILU_GATE  # noqa: E402
-from tracefp4.engines.plan import PrecisionPlan  # noqa: E402
+from tracefp4.engines.plan import PrecisionPlan, routed_expert_count  # noqa: E402
 from tracefp4.engines.vllm.kv_layout import KVStore, resolve_kv_store  # noqa: E402
 from tracefp4.engines.vllm.runtime import RUNTIME, layer_index  # noqa: E402
 from tracefp4.formats.quantizers import Quantizer  # noqa: E402
@@ -138,8 +138,7 @@ def _dense_mlp_site(prefix: str) -> Site | None:
     if vllm_config is None or vllm_config.model_config is None:
         raise RuntimeError(f"tracefp4: {prefix} built outside a vLLM config: cannot tell a dense model from a MoE")
     cfg = vllm_config.model_config.hf_text_config
-    experts = max(int(getattr(cfg, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-    return site if experts == 0 else None
+    return site if routed_expert_count(cfg) == 0 else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from tracefp4.engines.model import model_layers
+from tracefp4.engines.plan import routed_expert_count
 from tracefp4.engines.protocol import RolloutEngine, RolloutOutput, SamplingParams
-from tracefp4.engines.sink import UNKNOWN_VERSION, StoreTarget
+from tracefp4.engines.sink import StoreTarget
 from tracefp4.engines.trainer import TrainerOutput, forward_logprobs
 from tracefp4.guidance.names import layer_tag
 from tracefp4.guidance.store import StoreReader, bytes_per_token, parse_name
@@ -42,6 +44,8 @@ __all__ = [
     "ArmRun",
     "run_arms",
     "store_bytes",
+    "model_section",
+    "mlp_text",
 ]
 
 #: The reports never update the weights: every record belongs to policy version 0.
@@ -109,7 +113,6 @@ class ArmRun:
     step: int  # the store step its records went to (for :func:`store_bytes`)
     rollout: RolloutOutput  # ``records``: as read back from the store; ``diagnostics``: in memory
     trainer: TrainerOutput | None  # the arm's trainer on those records (None: not asked for)
-    version: int = 0  # the policy version its rows were written and read at (for :func:`store_bytes`)
 
 
 def run_arms(model, prompts: Sequence[Sequence[int]], sampling: SamplingParams, arms: Mapping[str, Arm], root: Path,
@@ -124,17 +127,15 @@ def run_arms(model, prompts: Sequence[Sequence[int]], sampling: SamplingParams, 
     arm's diagnostics layers. The trainer runs ``trainer_model`` (None: ``model``; a lag replay gives
     it later weights of the same model). ``phase`` names and times each part (a context manager per name)."""
     serving = engine if engine is not None else make_engine(EngineKind.HOME, model)
-    # an engine that holds pushed weights stamps their version on its rows; the report reads at that version
-    version = serving.version if getattr(serving, "version", UNKNOWN_VERSION) != UNKNOWN_VERSION else POLICY_VERSION
     phase = phase or (lambda name: contextlib.nullcontext())
     ids = tuple(trajectory_ids(TrajectoryIds.REPORT, len(prompts)))
     runs: dict[str, ArmRun] = {}
     for step, (key, arm) in enumerate(arms.items(), start=first_step):
         with phase(f"rollout {key}"):
             out = rollout_step(serving, prompts, sampling, arm, StoreTarget(str(root), step, WRITER, ids, signature,
-                                                                            version))
+                                                                            POLICY_VERSION))
         roll = dataclasses.replace(out.rollout, records=out.records, diagnostics=out.diagnostics or [])
-        runs[key] = ArmRun(arm, step, roll, None, version)
+        runs[key] = ArmRun(arm, step, roll, None)
         if trainers:
             with phase(f"trainer {key} ({arm.trainer.value})"), torch.no_grad():
                 # the engines report log-probs at temperature 1 for greedy sampling (SamplingParams)
@@ -162,10 +163,9 @@ def _guidance_split(reader: StoreReader) -> tuple[dict[str, dict[str, int]], dic
     return by_site_layer, by_field
 
 
-def store_bytes(root: Path, step: int, signature: str, policy_version: int = POLICY_VERSION) -> dict[str, Any]:
-    """The store's accounting, plus guidance bytes per token split by (site, layer) and by field, of a
-    step written at ``policy_version`` (an :class:`ArmRun`'s ``version``)."""
-    with StoreReader(root, step, model_signature=signature, policy_version=policy_version) as r:
+def store_bytes(root: Path, step: int, signature: str) -> dict[str, Any]:
+    """The store's accounting, plus guidance bytes per token split by (site, layer) and by field."""
+    with StoreReader(root, step, model_signature=signature, policy_version=POLICY_VERSION) as r:
         acc = bytes_per_token(r)
         by_site_layer, by_field = _guidance_split(r)
     gen = acc["generated_tokens"]
@@ -176,3 +176,31 @@ def store_bytes(root: Path, step: int, signature: str, policy_version: int = POL
     acc["by_layer"] = {layer_tag(k): v for k, v in acc["by_layer"].items()}
     acc["routing_by_layer"] = {layer_tag(k): v for k, v in acc["routing_by_layer"].items()}
     return acc
+
+
+def model_section(model) -> dict[str, Any]:
+    """The model a report measured, as every report's JSON names it (MoE or dense)."""
+    cfg = model.config
+    n_layers, moe = model_layers(model)
+    return {
+        "model_type": cfg.model_type,
+        "layers": n_layers,
+        "moe_layers": list(moe),
+        "experts": routed_expert_count(cfg) or None,
+        "top_k": getattr(cfg, "num_experts_per_tok", None),
+        "hidden": cfg.hidden_size,
+        "moe_intermediate": getattr(cfg, "moe_intermediate_size", None),
+        # a dense model's MLP width (None for a MoE, whose dense-layer MLPs stay BF16)
+        "intermediate": None if moe else cfg.intermediate_size,
+        "heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads,
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "vocab": cfg.vocab_size,
+    }
+
+
+def mlp_text(m: Mapping[str, Any]) -> str:
+    """A :func:`model_section`'s MLP in words: the dense width, or the experts."""
+    if m.get("intermediate") is not None:
+        return f"dense, MLP dim {m['intermediate']}"
+    return f"{m['experts']} experts top-{m['top_k']}, expert dim {m['moe_intermediate']}"

@@ -81,6 +81,8 @@ from tracefp4.pipeline.measure import (
     ArmRun,
     config_signature,
     gap,
+    mlp_text,
+    model_section,
     run_arms,
     same_rollout,
     store_bytes,
@@ -302,8 +304,8 @@ def _stored(root, runs: Mapping[str, ArmRun], signature: str) -> _Stored:
     store's bytes of each."""
     full, lsb = runs["trace-full"], runs["trace"]
     _check_lsb_matches_full(lsb.rollout.records, full.rollout.records)
-    return _Stored(full.rollout.records, lsb.rollout.records, store_bytes(root, full.step, signature, full.version),
-                   store_bytes(root, lsb.step, signature, lsb.version))
+    return _Stored(full.rollout.records, lsb.rollout.records, store_bytes(root, full.step, signature),
+                   store_bytes(root, lsb.step, signature))
 
 
 def _qat_codes(model, roll_full: RolloutOutput, phase: _Phases) -> TrainerOutput:
@@ -365,22 +367,8 @@ def _per_site_table(
 
 
 def _config_section(model, prompts, sampling: SamplingParams, plan, compact_layers) -> dict[str, Any]:
-    cfg = model.config
-    n_layers, moe = model_layers(model)
     return {
-        "model_type": cfg.model_type,
-        "layers": n_layers,
-        "moe_layers": list(moe),
-        "experts": getattr(cfg, "num_experts", getattr(cfg, "num_local_experts", None)),
-        "top_k": getattr(cfg, "num_experts_per_tok", None),
-        "hidden": cfg.hidden_size,
-        "moe_intermediate": getattr(cfg, "moe_intermediate_size", None),
-        # a dense model's MLP width (None for a MoE, whose dense-layer MLPs stay BF16)
-        "intermediate": None if moe else cfg.intermediate_size,
-        "heads": cfg.num_attention_heads,
-        "kv_heads": cfg.num_key_value_heads,
-        "head_dim": getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads),
-        "vocab": cfg.vocab_size,
+        **model_section(model),
         "batch": len(prompts),
         "prompt_lens": [int(p.numel()) for p in prompts],
         "new_tokens": sampling.max_new_tokens,
@@ -493,8 +481,7 @@ def _guided_span(rep: dict[str, Any]) -> str:
 
 def _header_lines(rep: dict[str, Any]) -> list[str]:
     c, tok = rep["config"], rep["tokens"]
-    mlp = (f"dense, MLP dim {c['intermediate']}" if c.get("intermediate") is not None
-           else f"{c['experts']} experts top-{c['top_k']}, expert dim {c['moe_intermediate']}")
+    mlp = mlp_text(c)
     return [
         f"mismatch report: {c['model_type']} {c['layers']} layers, {mlp}, hidden {c['hidden']}, "
         f"{c['kv_heads']} KV heads x {c['head_dim']}",

@@ -66,7 +66,8 @@ from tracefp4.engines.plan import PrecisionPlan
 from tracefp4.engines.trainer import code_mismatch
 from tracefp4.files import atomic_write_bytes
 from tracefp4.pipeline.arms import Arm, arm_style, make_arm
-from tracefp4.pipeline.measure import config_signature, gap, run_arms, same_rollout, store_bytes, store_root
+from tracefp4.pipeline.measure import (config_signature, gap, mlp_text, model_section, run_arms, same_rollout,
+                                       store_bytes, store_root)
 from tracefp4.pipeline.metrics import (
     METRICS,
     Name,
@@ -258,16 +259,13 @@ def _trajectory(base, task, tok, cfg: RLConfig, rc: ReplayConfig, lr: float, wor
 # --- one lag --------------------------------------------------------------------------------------
 
 
-def _scoped(trainer, rollout, keep: Callable[[int, str], bool] | None) -> dict[str, Any]:
-    """Code mismatch and bracket misses of one arm's trainer against its rollout's full codes, at
-    every site or at the sites ``keep`` selects."""
+def _scoped(trainer, rollout, keep: Callable[[int, str], bool]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Code mismatch and bracket misses of one arm's trainer against its rollout's full codes, at every
+    site and at the sites ``keep`` selects (each site's counts computed once, summarised twice)."""
     codes = code_mismatch(trainer.codes, rollout.diagnostics)
     brackets = bracket_miss(trainer.values, rollout.diagnostics)
-    if keep is not None:
-        codes, brackets = at_sites(codes, keep), at_sites(brackets, keep)
-    else:
-        codes, brackets = list(codes.values()), list(brackets.values())
-    return {**mismatch_summary(codes), **bracket_miss_summary(brackets)}
+    every = {**mismatch_summary(list(codes.values())), **bracket_miss_summary(list(brackets.values()))}
+    return every, {**mismatch_summary(at_sites(codes, keep)), **bracket_miss_summary(at_sites(brackets, keep))}
 
 
 def _cells(lr: float, lag: int, v: int, runs, guided: frozenset[int], root: Path, signature: str
@@ -276,14 +274,14 @@ def _cells(lr: float, lag: int, v: int, runs, guided: frozenset[int], root: Path
     cells = []
     for key, run in runs.items():
         name = REPLAY_ARMS[key][0]
+        every, inside = _scoped(run.trainer, run.rollout, lambda layer, site: layer in guided)
         cell: dict[str, Any] = {
             "lr": lr, "lag": lag, "arm": key, "arm_name": name, "guidance": None if run.arm.guidance is None
             else run.arm.guidance.name, "rollout_version": v - lag, "trainer_version": v,
-            **_scoped(run.trainer, run.rollout, None),
+            **every,
             **{k: x for k, x in gap(run.rollout, run.trainer).items() if k != "tokens"},
-            Name.GUIDANCE_BYTES: store_bytes(root, run.step, signature, run.version)["guidance"],
+            Name.GUIDANCE_BYTES: store_bytes(root, run.step, signature)["guidance"],
         }
-        inside = _scoped(run.trainer, run.rollout, lambda layer, site: layer in guided)
         inside["agreement"] = None if inside[Name.CODE_MISMATCH] is None else 1.0 - inside[Name.CODE_MISMATCH]
         cell["guided_layers"] = inside
         d = run.trainer.decode
@@ -340,18 +338,11 @@ def replay_report(rc: ReplayConfig, *, store_dir: str | None = None, progress: C
                                        "routing; recording changed the numerics, the arms are not comparable")
                 identical.setdefault(f"{lr:g}", {})[str(lag)] = same
                 cells += _cells(lr, lag, v, runs, guided, work / "replay", signature)
-        model_cfg = base.config
         digest = weights_digest(base.state_dict())
     return {
         "kind": KIND,
         "command": command,
-        "model": {"model_type": model_cfg.model_type, "layers": n_layers,
-                  "experts": getattr(model_cfg, "num_experts", getattr(model_cfg, "num_local_experts", None)),
-                  "top_k": model_cfg.num_experts_per_tok, "hidden": model_cfg.hidden_size,
-                  "moe_intermediate": getattr(model_cfg, "moe_intermediate_size", None),
-                  "heads": model_cfg.num_attention_heads, "kv_heads": model_cfg.num_key_value_heads,
-                  "head_dim": getattr(model_cfg, "head_dim", model_cfg.hidden_size // model_cfg.num_attention_heads),
-                  "vocab": model_cfg.vocab_size},
+        "model": model_section(base),
         "run": dataclasses.asdict(cfg),
         "train_arm": rc.train_arm,
         "steps": v,
@@ -382,7 +373,7 @@ def format_replay(rep: Mapping[str, Any]) -> str:
     """The report as a text table: one row per (learning rate, lag, arm)."""
     m = rep["model"]
     lines = [
-        f"staleness replay: {m['layers']}-layer MoE ({m['experts']} experts top-{m['top_k']}, hidden {m['hidden']}), "
+        f"staleness replay: {m['layers']}-layer model ({mlp_text(m)}, hidden {m['hidden']}), "
         f"task {rep['run']['task']}, trajectory of arm {rep['train_arm']} over {rep['steps']} GRPO steps; "
         f"rollout at version v-k, trainer at v = {rep['steps']}, {rep['replay_batch']['trajectories']} trajectories",
         f"  guided layers of trace-lsb and trace-mod4: {rep['guided_layers']}; all figures over every layer "

@@ -51,6 +51,7 @@ from tracefp4.pipeline.metrics import Name, at_sites, mismatch_summary
 from tracefp4.pipeline.measure import (
     config_signature,
     gap,
+    model_section,
     run_arms,
     same_rollout,
     store_bytes,
@@ -187,7 +188,7 @@ def _mode_row(model, prompts, sampling: SamplingParams, g: GuidedMode, step: int
     roll, records, out = run.rollout, run.rollout.records, run.trainer
     if not same_rollout(roll, ref.rollout):
         raise RuntimeError(f"{g.name}: the rollout sampled other tokens or routing than the reference")
-    acc = store_bytes(ref.root, step, ref.signature, run.version)
+    acc = store_bytes(ref.root, step, ref.signature)
     stats = code_mismatch(out.codes, ref.records)
     guided = _agreement(stats, _everywhere)
     # below the first guided layer the trainer is vanilla QAT on identical inputs
@@ -215,15 +216,8 @@ def _mode_row(model, prompts, sampling: SamplingParams, g: GuidedMode, step: int
 
 
 def _sweep_config(model, prompts, sampling: SamplingParams) -> dict[str, Any]:
-    cfg = model.config
     return {
-        "model_type": cfg.model_type,
-        "layers": model_layers(model)[0],
-        "hidden": cfg.hidden_size,
-        "moe_intermediate": getattr(cfg, "moe_intermediate_size", None),
-        "top_k": cfg.num_experts_per_tok,
-        "kv_heads": cfg.num_key_value_heads,
-        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        **model_section(model),
         "batch": len(prompts),
         "new_tokens": sampling.max_new_tokens,
         "temperature": sampling.temperature,

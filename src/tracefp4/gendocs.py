@@ -508,17 +508,16 @@ def reading_block(readme: str) -> str:
 
 
 STALENESS_REPLAY = "docs/results/staleness-replay.json"
-#: The staleness experiment's results (fixed lag per file), those present, in lag order.
-STALENESS_RESULTS = ("docs/results/staleness-lag0.json", "docs/results/staleness-lag1.json",
-                     "docs/results/staleness-lag3.json", "docs/results/staleness-lag3-mod4.json")
+#: The staleness experiment's results: one summary per fixed lag (and arm set), those committed.
+STALENESS_RESULTS = "docs/results/staleness-lag*.json"
 
 
 def _lag_sentence(path: str, data: Mapping[str, Any]) -> str:
     """One fixed-lag experiment in a clause: its lag, seeds finished, each arm's final held-out metric."""
     m, lag = data["metric"], data["max_staleness"]
-    n = {len(a.get("per_seed", {})) or a.get("seeds", 0) for a in data["arms"].values()}
-    seeds = f"{max(n)} seed{'s' * (max(n) != 1)}" + (f", partial: seeds {data['seeds_missing']} not finished"
-                                                      if data.get("partial") else "")
+    n = max(len(a["seeds"]) for a in data["arms"].values())
+    missing = ", ".join(map(str, data.get("seeds_missing", [])))
+    seeds = f"{n} seed{'s' * (n != 1)}" + (f", partial: seeds {missing} not finished" if data.get("partial") else "")
     arms = ", ".join(f"{k} {format_mean_ci(a[f'final_{m}'], '.3f')}" for k, a in data["arms"].items()
                      if f"final_{m}" in a)
     return f"[{Path(path).stem}]({path.replace('.json', '.md')}) (lag {lag}, {data['steps']} steps, {seeds}): {arms}"
@@ -529,6 +528,7 @@ def staleness_block(readme: str) -> str:
     the experiment's learning rate, one row per arm, one cell per lag (bracket-miss rate at the guided
     layers and mean |dlogp|), then one reading sentence per claim, every figure from the replay's JSON;
     and the fixed-lag experiments' rows where their summaries are committed."""
+    from tracefp4.bench.result import table
     from tracefp4.pipeline.metrics import Name
 
     rep = json.loads((ROOT / STALENESS_REPLAY).read_text())
@@ -542,16 +542,15 @@ def staleness_block(readme: str) -> str:
              f"[staleness replay](docs/results/staleness-replay.md); {cpu}): the rollout at version v-k, the "
              f"trainer at v. Per cell: the share of elements at the guided layers {rep['guided_layers'][0]}-"
              f"{rep['guided_layers'][-1]} whose rollout code is outside the trainer's bracket, and the mean |Δlogp|.", "",
-             "| arm | B/token | " + " | ".join(f"lag {k}" for k in lags) + " |", "|---|---|" + "---|" * len(lags)]
-    for a in arms:
-        row = [cells[(lr, k, a)] for k in lags]
-        lines.append(f"| {a} | {row[0][Name.GUIDANCE_BYTES]:.0f} | "
-                     + " | ".join(f"{pct(guided(c))} · {c[Name.GAP_MEAN]:.4f}" for c in row) + " |")
+             *table(["arm", "B/token", *(f"lag {k}" for k in lags)],
+                    [[a, f"{cells[(lr, lags[0], a)][Name.GUIDANCE_BYTES]:.0f}",
+                      *(f"{pct(guided(c))} · {c[Name.GAP_MEAN]:.4f}" for c in (cells[(lr, k, a)] for k in lags))]
+                     for a in arms])]
     full3, full3_hi = cells[(lr, 3, "trace-full")], cells[(hi, 3, "trace-full")]
     lsb0, lsb3, mod3 = cells[(lr, 0, "trace-lsb")], cells[(lr, 3, "trace-lsb")], cells[(lr, 3, "trace-mod4")]
     qat0, qat3 = cells[(lr, 0, "qat")], cells[(lr, 3, "qat")]
     lines += ["", f"At the paper's bound (lag 3), `full` guidance keeps all but {pct(full3[Name.BRACKET_MISS])} of the "
-              f"rollout's codes inside the trainer's bracket ({pct(full3_hi[Name.BRACKET_MISS])} at lr {hi:g}; the "
+              f"rollout's codes over every layer inside the trainer's bracket ({pct(full3_hi[Name.BRACKET_MISS])} at lr {hi:g}; the "
               f"misses grow with lag × step size). The deeper-half `lsb` cache suffers more: its guided layers leave the "
               f"bracket for {pct(guided(lsb0))} of elements at lag 0 and {pct(guided(lsb3))} at lag 3, because the "
               f"unguided first half drifts with the weights; `mod4` ({mod3[Name.GUIDANCE_BYTES]:.0f} B/token) brings "
@@ -562,10 +561,12 @@ def staleness_block(readme: str) -> str:
               f"{qat3[Name.GAP_MEAN]:.4f}); the asynchronous loop's "
               "decoupled loss weighs that staleness by its importance weight (`max_staleness`, "
               "[experiments guide](docs/guides/experiments.md))."]
-    present = [p for p in STALENESS_RESULTS if (ROOT / p).is_file()]
+    found = [(json.loads(p.read_text()), p.relative_to(ROOT).as_posix()) for p in ROOT.glob(STALENESS_RESULTS)]
+    found.sort(key=lambda dp: (dp[0]["max_staleness"], dp[1]))
+    present = [p for _, p in found]
     if present:
         lines += ["GRPO at a fixed lag (count3-8l; final held-out reward, mean [95% interval] over seeds): "
-                  + "; ".join(_lag_sentence(p, json.loads((ROOT / p).read_text())) for p in present) + "."]
+                  + "; ".join(_lag_sentence(p, d) for d, p in found) + "."]
     return replace_block(readme, "STALENESS", ", ".join([STALENESS_REPLAY, *present]), lines)
 
 

@@ -232,10 +232,9 @@ def read_seed_record(path: str | os.PathLike[str], *, experiment: str, seed: int
     ``experiment``; a :class:`SeedRecordError` naming the file otherwise."""
     path = Path(path)
     manifest_file = path / MANIFEST_NAME
-    if not manifest_file.is_file():
-        raise SeedRecordError(f"{manifest_file}: missing; {path} is not a complete seed record (delete the folder "
-                              "to run the seed again)")
-    manifest = _json_object(manifest_file, manifest_file.read_bytes())
+    data = read_regular(manifest_file, SeedRecordError, missing=f"missing; {path} is not a complete seed record "
+                        "(delete the folder to run the seed again)")
+    manifest = _json_object(manifest_file, data)
     if manifest.get("format") != RECORD_FORMAT:
         raise SeedRecordError(f"{manifest_file}: format {manifest.get('format')!r}, expected {RECORD_FORMAT}")
     if manifest.get("experiment") != experiment or manifest.get("seed") != seed:
